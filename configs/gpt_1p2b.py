@@ -1,0 +1,14 @@
+"""Paper Table 1 (scaling set): 1.2B (40 layers, hidden 1536, 16 heads, 96 per head): fits one 32 GB GPU.
+
+Command:  python train.py --config=configs/gpt_1p2b.py --config.mesh.model=1
+Expect:   1.21B parameters; the paper's single-GPU baseline sustained 39 TFLOP/s on a V100 (30% of peak).
+"""
+
+from megajax.config import base_config
+
+
+def get_config():
+    c = base_config()
+    c.model.update(num_layers=40, hidden_size=1536, num_heads=16)
+    c.mesh.model = 1
+    return c

@@ -1,0 +1,59 @@
+"""Shared command-line plumbing: config files by path or bare name, simulated CPU devices."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import sys
+
+import ml_collections
+
+CONFIGS_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+
+def resolve_config_path(name: str) -> str:
+    """``configs/gpt_2p5b.py`` as given, or a bare ``gpt_2p5b.py`` / ``gpt_2p5b`` found in ``configs/``."""
+    path, _, override = name.partition(":")  # ml_collections allows 'file.py:arg'
+    candidates = [pathlib.Path(path)]
+    if not pathlib.Path(path).is_absolute():
+        bare = path if path.endswith(".py") else path + ".py"
+        candidates += [pathlib.Path("configs") / bare, CONFIGS_DIR / bare]
+    for c in candidates:
+        if c.is_file():
+            return str(c) + (":" + override if override else "")
+    raise FileNotFoundError(f"config {name!r} not found (looked at {', '.join(map(str, candidates))}); "
+                            f"available: {', '.join(sorted(p.stem for p in CONFIGS_DIR.glob('*.py')))}")
+
+
+def rewrite_config_flag(argv: list[str]) -> list[str]:
+    """Resolves the value of ``--config=`` in argv so users can type a bare config name."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config=") :
+            arg = "--config=" + resolve_config_path(arg.split("=", 1)[1])
+        elif i > 0 and argv[i - 1] == "--config":
+            arg = resolve_config_path(arg)
+        out.append(arg)
+    return out
+
+
+def load_config(name: str) -> ml_collections.ConfigDict:
+    """Imports a config file (path or bare name) and returns its ``get_config()``."""
+    path = resolve_config_path(name)
+    spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def simulate_cpu_devices(argv: list[str]) -> None:
+    """Honours ``--cpu_devices=N`` by setting XLA's host device count; must run before jax is imported."""
+    for arg in argv:
+        if arg.startswith("--cpu_devices="):
+            n = int(arg.split("=", 1)[1])
+            if "jax" in sys.modules:
+                raise RuntimeError("--cpu_devices must be handled before jax is imported")
+            flags = os.environ.get("XLA_FLAGS", "")
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+            os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -1,0 +1,111 @@
+"""The default experiment config and the checks that run before anything is allocated.
+
+Each file in ``configs/`` starts from ``base_config()`` and sets the model size. Layers never see this object:
+``gpt_config`` turns ``config.model`` into a frozen ``GPTConfig``.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from megajax.models.gpt import GPTConfig
+from megajax.sharding import MEGATRON_RULES, MESH_AXES, Rules, ShardingConfigError
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the field to change."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Defaults shared by every GPT config (the paper's Section 4.2 where it says)."""
+    c = ml_collections.ConfigDict()
+    c.model = ml_collections.ConfigDict(dict(
+        name="gpt",
+        vocab_size=50257,
+        make_vocab_size_divisible_by=1024,  # 128 x 8 (paper Section 5.1): 50257 -> 51200
+        num_layers=12,
+        hidden_size=768,
+        num_heads=12,
+        max_seq_len=1024,
+        mlp_ratio=4,
+        dropout=0.1,
+        init_std=0.02,
+        layernorm_eps=1e-5,
+        remat="full",  # activation checkpointing after every layer (paper Section 4.2)
+    ))
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
+    c.sharding = ml_collections.ConfigDict(dict(rules=MEGATRON_RULES))
+    c.train = ml_collections.ConfigDict(dict(precision="fp32"))
+    return c
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
+    """Rounds the vocabulary up to a multiple of ``divisible_by``; fixed by the config, not by the mesh."""
+    if divisible_by < 1:
+        raise ConfigError(f"model.make_vocab_size_divisible_by must be >= 1, got {divisible_by}")
+    return -(-vocab_size // divisible_by) * divisible_by
+
+
+_PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def gpt_config(config: ml_collections.ConfigDict) -> GPTConfig:
+    """The model's own frozen config, from ``config.model`` (and the compute dtype from ``train.precision``)."""
+    m = config.model
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
+    precision = config.train.get("precision", "fp32")
+    if precision not in _PRECISION_DTYPES:
+        raise ConfigError(f"train.precision={precision!r}; choose one of {sorted(_PRECISION_DTYPES)}")
+    return GPTConfig(
+        vocab_size=m.vocab_size,
+        padded_vocab_size=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by),
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads, max_seq_len=m.max_seq_len,
+        mlp_ratio=m.mlp_ratio, dropout=m.dropout, init_std=m.init_std, layernorm_eps=m.layernorm_eps,
+        dtype=_PRECISION_DTYPES[precision], remat=m.remat,
+    )
+
+
+def rules_of(config: ml_collections.ConfigDict) -> Rules:
+    """The logical-axis rules as a hashable tuple of pairs, with targets checked against the mesh axes."""
+    rules = tuple((str(k), None if v is None else str(v)) for k, v in config.sharding.rules)
+    for name, axis in rules:
+        if axis is not None and axis not in MESH_AXES:
+            raise ShardingConfigError(f"sharding rule ({name!r}, {axis!r}) names no mesh axis; use one of "
+                                      f"{MESH_AXES} or None")
+    return rules
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int]:
+    """Checks a config against the device count; returns the resolved (data, model) mesh shape.
+
+    Runs before any allocation, so a bad config fails in milliseconds with a message that says what to change.
+    """
+    m, tp, dp = config.model, config.mesh.model, config.mesh.data
+    if tp < 1:
+        raise ConfigError(f"mesh.model must be >= 1, got {tp}")
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
+    if m.num_heads % tp:
+        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by mesh.model={tp}: each model shard "
+                          f"must hold whole heads; pick mesh.model from the divisors of {m.num_heads}")
+    if m.hidden_size % tp:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by mesh.model={tp}")
+    if (m.mlp_ratio * m.hidden_size) % tp:
+        raise ConfigError(f"the MLP width {m.mlp_ratio * m.hidden_size} is not divisible by mesh.model={tp}")
+    padded = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+    if padded % tp:
+        raise ConfigError(f"the padded vocabulary {padded} (model.make_vocab_size_divisible_by="
+                          f"{m.make_vocab_size_divisible_by}) is not divisible by mesh.model={tp}; make "
+                          f"make_vocab_size_divisible_by a multiple of {tp}")
+    if dp == -1:
+        if num_devices % tp:
+            raise ConfigError(f"mesh.model={tp} does not divide the {num_devices} devices present")
+        dp = num_devices // tp
+    if dp < 1:
+        raise ConfigError(f"mesh.data must be >= 1 or -1, got {dp}")
+    if dp * tp > num_devices:
+        raise ConfigError(f"mesh {dp}x{tp} needs {dp * tp} devices but {num_devices} are present; lower "
+                          "mesh.data or mesh.model (on a CPU host, --cpu_devices simulates more)")
+    rules_of(config)
+    return dp, tp

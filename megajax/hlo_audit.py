@@ -1,0 +1,198 @@
+"""Reads the collectives out of a compiled XLA program, so tests (and users) can check what a step communicates.
+
+Usage::
+
+    text = jax.jit(step).lower(*args).compile().as_text()
+    for c in collectives(text, mesh): print(c)
+    summary(collectives(text, mesh))  # {(op, axes, phase, elements): executions}
+
+Each collective is mapped to the mesh axes its device groups span (``{'model'}``, ``{'data'}``) and counted once
+per execution: an op inside a ``while`` body (``nnx.scan`` over layers) counts ``known_trip_count`` times.
+Tuple-shaped collectives (several operands combined by XLA) yield one entry per operand.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+import numpy as np
+from jax.sharding import Mesh
+
+COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+                  "collective-broadcast", "ragged-all-to-all")
+
+_COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
+_SHAPE = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
+_CALLEES = re.compile(r"\b(?:body|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One operand of one collective instruction."""
+
+    op: str  # e.g. 'all-reduce' (async '-start' forms are folded in)
+    dtype: str
+    shape: tuple[int, ...]  # the result shape of this operand, per device
+    axes: frozenset[str]  # mesh axes spanned by the device groups
+    executions: int  # times it runs per call of the program (loop trip counts multiplied)
+    phase: str  # 'backward' if JAX's transpose produced it, else 'forward'
+    instruction: str
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.shape)
+
+
+def _parse_groups(text: str, num_devices: int) -> list[list[int]]:
+    """Device groups from any replica_groups syntax XLA prints."""
+    m = re.match(r"\s*mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}", text)
+    if m:  # mesh['axis_0'=2,'axis_1'=4][, device_ids=([dims]T(perm))] {'axis_1'}: groups vary along listed axes
+        sizes = [(k.strip().strip("'"), int(v)) for k, v in (a.split("=") for a in m.group(1).split(","))]
+        names = [n for n, _ in sizes]
+        over = [names.index(a.strip().strip("'")) for a in m.group(4).split(",") if a.strip()]
+        ids = np.arange(math.prod(s for _, s in sizes))
+        if m.group(2):  # devices laid over the mesh in a permuted iota order
+            ids = ids.reshape([int(d) for d in m.group(2).split(",")])
+            if m.group(3):
+                ids = np.transpose(ids, [int(p) for p in m.group(3).split(",")])
+        ids = ids.reshape([s for _, s in sizes])
+        keep = [i for i in range(len(names)) if i not in over]
+        ids = np.transpose(ids, keep + over).reshape(-1, math.prod(sizes[i][1] for i in over) if over else 1)
+        return ids.tolist()
+    m = re.match(r"\s*\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    if m:  # iota form [G,S]<=[dims]T(perm)
+        dims = [int(d) for d in m.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(4):
+            ids = np.transpose(ids, [int(p) for p in m.group(4).split(",")])
+        return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+    m = re.match(r"\s*\{(\{[\d,\s]*\}(?:\s*,\s*\{[\d,\s]*\})*)?\}", text)
+    if m:  # explicit {{0,1},{2,3}}; {} means all devices
+        if not m.group(1):
+            return [list(range(num_devices))]
+        return [[int(i) for i in g.split(",") if i.strip()] for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))]
+    raise ValueError(f"unrecognised replica_groups syntax: {text[:80]!r}")
+
+
+def _axes_of(groups: list[list[int]], mesh: Mesh) -> frozenset[str]:
+    """The mesh axes along which the members of the groups differ."""
+    shape = tuple(mesh.devices.shape)
+    varying = set()
+    for g in groups:
+        coords = np.array([np.unravel_index(d, shape) for d in g])
+        varying |= {mesh.axis_names[i] for i in range(len(shape)) if len(set(coords[:, i])) > 1}
+    return frozenset(varying)
+
+
+def _pairs_axes(text: str, mesh: Mesh) -> frozenset[str]:
+    pairs = [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", text)]
+    return _axes_of(pairs, mesh)
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    comps, current, entry = {}, None, None
+    for line in hlo.splitlines():
+        header = _COMP_HEADER.match(line)
+        if header:
+            current = header.group(2)
+            comps[current] = []
+            if header.group(1):
+                entry = current
+        elif line.strip() == "}":
+            current = None
+        elif current is not None:
+            comps[current].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation found: pass the text of a compiled HLO module")
+    return comps, entry
+
+
+def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
+    """How often each computation runs per program call (while bodies times their known trip counts)."""
+    mult: dict[str, int] = collections.defaultdict(int)
+
+    def visit(name: str, times: int) -> None:
+        mult[name] += times
+        for line in comps.get(name, []):
+            instr = _INSTR.match(line)
+            if not instr:
+                continue
+            opcode = instr.group(4)
+            if opcode == "while":
+                trip = _TRIP.search(line)
+                if trip is None:
+                    raise ValueError(f"while loop without a known trip count: {line.strip()[:120]}")
+                body = re.search(r"\bbody=%?([\w.\-]+)", line).group(1)
+                visit(body, times * int(trip.group(1)))
+            elif opcode in ("call", "conditional", "async-start") or opcode.endswith("-start"):
+                callees = _CALLEES.findall(line)
+                branches = _BRANCHES.search(line)
+                if branches:
+                    callees += [b.strip().lstrip("%") for b in branches.group(1).split(",")]
+                for callee in callees:
+                    if callee in comps and not _is_reduction(comps[callee]):
+                        visit(callee, times)
+
+    visit(entry, 1)
+    return mult
+
+
+def _is_reduction(lines: list[str]) -> bool:
+    return len(lines) <= 4  # the to_apply of a collective: a scalar add/max, no collectives inside
+
+
+def collectives(hlo: str, mesh: Mesh) -> list[Collective]:
+    """Every collective operand in a compiled HLO module, with its mesh axes and executions per call."""
+    comps, entry = _computations(hlo)
+    mult = _multiplicities(comps, entry)
+    n = mesh.devices.size
+    out = []
+    for comp, lines in comps.items():
+        if not mult.get(comp):
+            continue
+        for line in lines:
+            instr = _INSTR.match(line)
+            if not instr:
+                continue
+            opcode = instr.group(4)
+            base = opcode.removesuffix("-start")
+            if base not in COLLECTIVE_OPS:
+                continue
+            shapes = [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _SHAPE.findall(instr.group(3))]
+            if opcode.endswith("-start") and base in ("all-gather", "collective-permute") and len(shapes) > 1:
+                shapes = shapes[len(shapes) // 2:]  # (operands..., results...): keep the results
+            if base == "collective-permute":
+                pairs = re.search(r"source_target_pairs=(\{[^ ]*\})", line)
+                axes = _pairs_axes(pairs.group(1), mesh) if pairs else frozenset()
+            else:
+                groups = re.search(r"replica_groups=(.*)", line)
+                axes = _axes_of(_parse_groups(groups.group(1), n), mesh) if groups else frozenset(mesh.axis_names)
+            op_name = _OP_NAME.search(line)
+            phase = "backward" if op_name and "transpose(" in op_name.group(1) else "forward"
+            for dt, shape in shapes:
+                out.append(Collective(base, dt, shape, axes, mult[comp], phase, instr.group(2)))
+    return out
+
+
+def summary(colls: list[Collective]) -> dict[tuple[str, tuple[str, ...], str, int], int]:
+    """``{(op, sorted axes, phase, elements): executions}`` summed over operands."""
+    out: dict = collections.Counter()
+    for c in colls:
+        out[(c.op, tuple(sorted(c.axes)), c.phase, c.elements)] += c.executions
+    return dict(out)
+
+
+def format_table(colls: list[Collective]) -> str:
+    """A human-readable table of the summary, largest first."""
+    rows = sorted(summary(colls).items(), key=lambda kv: -kv[0][3] * kv[1])
+    lines = [f"{'op':<20}{'axes':<16}{'phase':<10}{'elements':>12}{'runs':>7}"]
+    lines += [f"{op:<20}{','.join(axes) or '-':<16}{phase:<10}{el:>12}{runs:>7}"
+              for (op, axes, phase, el), runs in rows]
+    return "\n".join(lines)

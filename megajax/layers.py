@@ -1,0 +1,128 @@
+"""Tensor-parallel building blocks: every parameter is created with one logical axis name per dimension.
+
+Parameters are fp32 masters; each layer casts them to the compute ``dtype`` at use. Where the mesh axis lands is
+decided by the rules table (``megajax.sharding``), not here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from megajax.sharding import constrain
+
+Shape = tuple[int, ...]
+
+
+def make_param(rngs: nnx.Rngs, init, shape: Shape, names: Sequence[str]) -> nnx.Param:
+    """An fp32 parameter tagged with logical axis names (sharding is applied by the caller's jit, not eagerly)."""
+    if len(names) != len(shape):
+        raise ValueError(f"parameter of shape {shape} needs {len(shape)} axis names, got {tuple(names)}")
+    return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=tuple(names), eager_sharding=False)
+
+
+def _tensordot_last(x: jax.Array, kernel: jax.Array, n: int) -> jax.Array:
+    """Contracts the last ``n`` dims of x with the first ``n`` dims of kernel."""
+    return jax.lax.dot_general(
+        x, kernel, ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
+    )
+
+
+class ColumnParallelLinear(nnx.Module):
+    """``y = x @ W + b`` with W's output dimensions sharded (the first GEMM of a Megatron block).
+
+    ``out_shape`` may have several dims, e.g. (heads, 3, head_dim) for QKV so each shard owns whole heads.
+    The bias is sharded like the output, so no communication happens in the forward pass.
+    """
+
+    def __init__(self, in_features: int, out_shape: Shape, names: Sequence[str], *, std: float,
+                 dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.dtype = dtype
+        self.kernel = make_param(rngs, nnx.initializers.normal(std), (in_features, *out_shape), names)
+        self.bias = make_param(rngs, nnx.initializers.zeros, tuple(out_shape), names[1:])
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # (..., in) -> (..., *out_shape)
+        y = _tensordot_last(x.astype(self.dtype), self.kernel[...].astype(self.dtype), 1)
+        return y + self.bias[...].astype(self.dtype)
+
+
+class RowParallelLinear(nnx.Module):
+    """``y = x @ W + b`` with W's input dimensions sharded (the second GEMM of a Megatron block).
+
+    The local products are partial sums; XLA all-reduces them over ``model`` (Megatron's g operator) and the
+    replicated bias is added once, after the reduction.
+    """
+
+    def __init__(self, in_shape: Shape, out_features: int, names: Sequence[str], *, std: float,
+                 dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.dtype = dtype
+        self.n_in = len(in_shape)
+        self.kernel = make_param(rngs, nnx.initializers.normal(std), (*in_shape, out_features), names)
+        self.bias = make_param(rngs, nnx.initializers.zeros, (out_features,), names[-1:])
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # (..., *in_shape) -> (..., out)
+        y = _tensordot_last(x.astype(self.dtype), self.kernel[...].astype(self.dtype), self.n_in)
+        return y + self.bias[...].astype(self.dtype)
+
+
+class VocabParallelEmbedding(nnx.Module):
+    """Word embedding sharded on the vocabulary, tied to the output layer.
+
+    Lookup: each shard gathers the rows it owns and the partial rows are all-reduced (b x s x h). ``attend``
+    computes vocab-sharded logits with no forward communication; its input gradient is all-reduced (f operator).
+    """
+
+    def __init__(self, num_embeddings: int, features: int, *, std: float, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.dtype = dtype
+        self.embedding = make_param(rngs, nnx.initializers.normal(std), (num_embeddings, features),
+                                    ("vocab", "embed"))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:  # (B, S) -> (B, S, H)
+        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:  # (B, S, H) -> (B, S, V)
+        logits = x.astype(self.dtype) @ self.embedding[...].astype(self.dtype).T
+        return constrain(logits, ("batch", "seq", "vocab"))
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with replicated scale and bias; statistics in fp32 whatever the compute dtype."""
+
+    def __init__(self, features: int, *, eps: float = 1e-5, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.eps = eps
+        self.dtype = dtype
+        self.scale = make_param(rngs, nnx.initializers.ones, (features,), ("embed",))
+        self.bias = make_param(rngs, nnx.initializers.zeros, (features,), ("embed",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
+        return y.astype(self.dtype)
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    """Inverted dropout; identity when ``key`` is None or rate is 0.
+
+    The mask is drawn for the global array (partitionable threefry), so it is the same for every mesh shape:
+    replicated activations get identical masks on all model shards, sharded ones get distinct slices.
+    """
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+def gelu(x: jax.Array) -> jax.Array:
+    """GeLU, tanh approximation (as GPT-2)."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+def scaled_init_std(std: float, num_layers: int) -> float:
+    """Std of the weights that feed a residual add: std / sqrt(2 N) (paper Section 4.2)."""
+    return std / math.sqrt(2.0 * num_layers)

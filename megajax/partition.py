@@ -1,0 +1,75 @@
+"""Parameter partition specs from logical names, and sharded initialisation without a host copy.
+
+The pattern: build the model abstractly (``nnx.eval_shape``, nothing allocated), read each parameter's logical
+names, map them through the rules to PartitionSpecs, then run the initialiser under ``jax.jit`` with those
+``out_shardings`` so every device materialises only its own shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from megajax.sharding import Rules, ShardingConfigError, logical_to_spec
+
+M = TypeVar("M", bound=nnx.Module)
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def logical_names(state: nnx.State) -> dict[str, tuple[str, ...]]:
+    """``{'blocks/attn/qkv/kernel': ('layers', 'embed', ...)}`` for every variable; errors on a missing or
+    wrong-length annotation, so no parameter silently stays replicated."""
+    out = {}
+    for path, var in jax.tree_util.tree_leaves_with_path(state, is_leaf=_is_var):
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        names = var.get_metadata().get("out_sharding")
+        if names is None or len(names) != len(var.shape):
+            raise ShardingConfigError(f"parameter {name} of shape {var.shape} has axis names {names}: "
+                                      "give it exactly one logical name per dimension")
+        out[name] = tuple(names)
+    return out
+
+
+def partition_specs(state: nnx.State, rules: Rules) -> nnx.State:
+    """The state's tree with each variable's value replaced by its PartitionSpec."""
+    logical_names(state)  # validates annotations
+    return jax.tree.map(lambda v: v.replace(logical_to_spec(v.get_metadata()["out_sharding"], rules)), state,
+                        is_leaf=_is_var)
+
+
+def shardings(state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
+    """The state's tree with each variable's value replaced by its NamedSharding on ``mesh``."""
+    return jax.tree.map(lambda v: v.replace(NamedSharding(mesh, v.get_value())), partition_specs(state, rules),
+                        is_leaf=_is_var)
+
+
+def spec_table(state: nnx.State, rules: Rules) -> dict[str, dict[str, object]]:
+    """``{param path: {'names': [...], 'spec': 'P(...)'}}``: the golden-file view of a model's layout."""
+    return {path: {"names": list(names), "spec": str(logical_to_spec(names, rules))}
+            for path, names in logical_names(state).items()}
+
+
+def init_sharded(build: Callable[[], M], mesh: Mesh, rules: Rules) -> M:
+    """Runs ``build()`` under jit so each parameter is created directly in its sharded layout."""
+    abstract = nnx.eval_shape(build)
+    graphdef, abstract_state = nnx.split(abstract)
+    out_shardings = shardings(abstract_state, mesh, rules)
+
+    @jax.jit
+    def init():
+        state = nnx.state(build())
+        return jax.lax.with_sharding_constraint(state, out_shardings)
+
+    with jax.set_mesh(mesh):
+        state = init()
+    return nnx.merge(graphdef, state)
+
+
+__all__ = ["P", "init_sharded", "logical_names", "partition_specs", "shardings", "spec_table"]

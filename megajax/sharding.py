@@ -1,0 +1,110 @@
+"""Logical axis names -> mesh axes, the device mesh, and activation constraints.
+
+Every parameter and pinned activation carries one logical name per dimension. A rules table (from the config) maps
+each name to a mesh axis or to ``None`` (replicated). The default table is Megatron's intra-layer model parallelism:
+columns of the first GEMM of each block, rows of the second, and the vocabulary on ``model``; the batch on ``data``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+Rules = tuple[tuple[str, str | None], ...]
+
+MESH_AXES = ("data", "model")
+
+# Megatron-LM (Shoeybi et al. 2019, Section 3) as a rules table.
+MEGATRON_RULES: Rules = (
+    ("batch", "data"),  # activations' batch dimension
+    ("seq", None),
+    ("embed", None),  # hidden size: replicated, Megatron keeps the residual stream whole on every model shard
+    ("vocab", "model"),  # word embedding and logits: vocab-parallel
+    ("position", None),  # learned position embeddings: replicated
+    ("heads", "model"),  # QKV columns / attention-out rows: whole heads per shard
+    ("qkv", None),
+    ("head_dim", None),
+    ("mlp", "model"),  # MLP-up columns / MLP-down rows
+    ("layers", None),  # the stacked-layer axis of scanned blocks
+)
+
+
+class ShardingConfigError(ValueError):
+    """A sharding rule or mesh that cannot work; the message says what to change."""
+
+
+def logical_to_spec(names: Sequence[str | None], rules: Rules) -> P:
+    """Maps logical axis names to a PartitionSpec; an unknown name is an error, not a silent replication."""
+    table = dict(rules)
+    axes = []
+    for name in names:
+        if name is None:
+            axes.append(None)
+            continue
+        if name not in table:
+            raise ShardingConfigError(
+                f"unknown logical axis name {name!r}: add it to the sharding rules "
+                f"(known: {sorted(table)})"
+            )
+        axes.append(table[name])
+    used = [a for a in axes if a is not None]
+    if len(used) != len(set(used)):
+        raise ShardingConfigError(f"logical axes {tuple(names)} map two dimensions onto one mesh axis: {axes}")
+    return P(*axes)
+
+
+def make_mesh(data: int, model: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ``Mesh(('data', 'model'))``; ``data=-1`` takes all devices left after ``model``.
+
+    Axes are ``Auto``: XLA's SPMD partitioner propagates shardings from the parameters and the few activations we
+    pin, which is how Megatron's f/g all-reduces appear without hand-written collectives.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    if model < 1:
+        raise ShardingConfigError(f"mesh.model must be >= 1, got {model}")
+    if data == -1:
+        if n % model:
+            raise ShardingConfigError(f"mesh.model={model} does not divide the {n} devices present")
+        data = n // model
+    if data < 1:
+        raise ShardingConfigError(f"mesh.data must be >= 1 or -1, got {data}")
+    if data * model > n:
+        raise ShardingConfigError(
+            f"mesh {data}x{model} needs {data * model} devices but only {n} are present; "
+            f"lower mesh.data/mesh.model (or simulate devices with --cpu_devices on a CPU host)"
+        )
+    grid = np.asarray(devices[: data * model]).reshape(data, model)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 2)
+
+
+_ACTIVE_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("megajax_rules", default=None)
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules: Rules) -> Iterator[None]:
+    """Sets the mesh and rules that ``constrain`` uses while a model is traced."""
+    token = _ACTIVE_RULES.set(rules)
+    try:
+        with jax.set_mesh(mesh):
+            yield
+    finally:
+        _ACTIVE_RULES.reset(token)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Pins an activation's layout by logical names; a no-op outside ``activate`` (single-device use)."""
+    rules = _ACTIVE_RULES.get()
+    if rules is None or jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))
+
+
+def named_sharding(mesh: Mesh, names: Sequence[str | None], rules: Rules) -> NamedSharding:
+    """The NamedSharding of an array with these logical names on ``mesh``."""
+    return NamedSharding(mesh, logical_to_spec(names, rules))

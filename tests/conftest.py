@@ -1,0 +1,52 @@
+"""Test setup: 8 simulated CPU devices (set before jax is imported) and shared small models."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from megajax.builder import build_mesh, create_model  # noqa: E402
+from megajax.config import base_config, rules_of  # noqa: E402
+from megajax.partition import shardings  # noqa: E402
+
+MESHES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 4), (4, 2)]
+
+
+def small_config(num_layers: int = 2, data: int = 1, model: int = 1):
+    """2 layers, hidden 64, 8 heads, vocab 1000 (not a multiple of 128; padded to 1024)."""
+    c = base_config()
+    c.model.update(vocab_size=1000, make_vocab_size_divisible_by=128, num_layers=num_layers, hidden_size=64,
+                   num_heads=8, max_seq_len=32, dropout=0.0, remat="none")
+    c.mesh.data, c.mesh.model = data, model
+    return c
+
+
+@pytest.fixture(scope="session")
+def reference_model():
+    """The small model on one device, with parameters as host numpy arrays."""
+    config = small_config()
+    model = create_model(config, build_mesh(config), seed=0)
+    return config, model
+
+
+def place(model: nnx.Module, config, data: int, model_axis: int):
+    """The same parameters laid out on a data x model mesh; returns (mesh, graphdef, state)."""
+    config = config.copy_and_resolve_references()
+    config.mesh.data, config.mesh.model = data, model_axis
+    mesh = build_mesh(config)
+    graphdef, state = nnx.split(model)
+    state = jax.device_put(jax.tree.map(np.asarray, state), shardings(state, mesh, rules_of(config)))
+    return mesh, graphdef, state
+
+
+@pytest.fixture(scope="session")
+def batch():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 1000, size=(8, 17), dtype=np.int32)
+    return jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])

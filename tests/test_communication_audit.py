@@ -1,0 +1,111 @@
+"""The compiled step communicates what Megatron prescribes and no more, read from the optimized HLO."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from conftest import small_config
+from megajax.builder import build_mesh, create_model
+from megajax.config import rules_of
+from megajax.hlo_audit import _parse_groups, collectives, summary
+from megajax.losses import lm_loss
+from megajax.sharding import activate, make_mesh
+
+L, B, S, H = 3, 4, 16, 64
+
+
+def _compiled_step(data, model_axis):
+    config = small_config(num_layers=L, data=data, model=model_axis)
+    mesh = build_mesh(config)
+    graphdef, state = nnx.split(create_model(config, mesh))
+    tokens = jnp.zeros((B, S), jnp.int32)
+
+    def loss(state, tokens):
+        return lm_loss(nnx.merge(graphdef, state), tokens, tokens)
+
+    with activate(mesh, rules_of(config)):
+        text = jax.jit(jax.value_and_grad(loss)).lower(state, tokens).compile().as_text()
+    local_params = sum(int(np.prod(x.addressable_shards[0].data.shape)) for x in jax.tree.leaves(state))
+    return mesh, collectives(text, mesh), local_params
+
+
+@pytest.fixture(scope="module")
+def audit_1x4():
+    return _compiled_step(1, 4)
+
+
+@pytest.fixture(scope="module")
+def audit_2x4():
+    return _compiled_step(2, 4)
+
+
+def _model_axis_expectation(b):
+    """2L + 1 all-reduces of b x s x h each way (the +1: embedding lookup forward, tied output layer's input
+    gradient backward) and the fused cross-entropy's three per-token reductions (max, sum-exp, target logit)."""
+    return {
+        ("all-reduce", ("model",), "forward", b * S * H): 2 * L + 1,
+        ("all-reduce", ("model",), "backward", b * S * H): 2 * L + 1,
+        ("all-reduce", ("model",), "forward", b * S): 3,
+    }
+
+
+def test_model_axis_is_megatron_1x4(audit_1x4):
+    _, colls, _ = audit_1x4
+    assert summary(colls) == _model_axis_expectation(B)
+
+
+def test_no_logits_sized_or_gathering_collectives(audit_1x4, audit_2x4):
+    vocab = 1024
+    for _, colls, _ in (audit_1x4, audit_2x4):
+        assert {c.op for c in colls} == {"all-reduce"}  # no all-gather / all-to-all / reduce-scatter at all
+        for c in colls:
+            if "model" in c.axes:
+                assert c.elements < B * S * vocab // 4, c
+
+
+def test_2x4_model_axis_and_data_gradient_reduction(audit_2x4):
+    _, colls, local_params = audit_2x4
+    model_part = {k: v for k, v in summary(colls).items() if k[1] == ("model",)}
+    assert model_part == _model_axis_expectation(B // 2)
+    data_colls = [c for c in colls if c.axes == frozenset({"data"})]
+    assert all(c.phase == "backward" for c in data_colls)
+    reduced = sum(c.elements * c.executions for c in data_colls)
+    # Every gradient element is reduced over `data` (the positions beyond S get a zero gradient and need none);
+    # XLA reduces the tied embedding's two gradient contributions separately (one extra vocab/4 x h shard),
+    # plus the scalar loss.
+    unused_positions = (32 - S) * H
+    embedding_shard = 1024 // 4 * H
+    assert reduced == local_params - unused_positions + embedding_shard + 1
+    assert not [c for c in colls if len(c.axes) > 1]
+
+
+def test_trip_counts_multiply_loop_bodies():
+    """A scan of 5 matmuls with a model-sharded contraction: one all-reduce in the body, 5 executions."""
+    mesh = make_mesh(1, 4)
+    w = jax.device_put(jnp.ones((5, 8, 8)), NamedSharding(mesh, P(None, "model", None)))
+    x = jax.device_put(jnp.ones((2, 8)), NamedSharding(mesh, P(None, "model")))
+
+    def f(x, w):
+        def body(h, wi):
+            h = jax.lax.with_sharding_constraint(h, NamedSharding(mesh, P(None, "model")))
+            return jnp.tanh(h @ wi), None
+        return jax.lax.scan(body, x, w)[0]
+
+    colls = collectives(jax.jit(f).lower(x, w).compile().as_text(), mesh)
+    reduces = [c for c in colls if c.op == "all-reduce"]
+    assert sum(c.executions for c in reduces) == 5 and all(c.axes == {"model"} for c in reduces)
+
+
+@pytest.mark.parametrize("text,groups", [
+    ("{{0,1},{2,3}}, use_global", [[0, 1], [2, 3]]),
+    ("[2,4]<=[8], use_global", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("[4,2]<=[2,4]T(1,0), use_global", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, use", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, use", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, use", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+])
+def test_replica_group_syntaxes(text, groups):
+    assert sorted(map(sorted, _parse_groups(text, 8))) == groups

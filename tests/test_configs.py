@@ -1,0 +1,94 @@
+"""Every shipped config builds abstractly, matches the paper's sizes, and bad configs fail early and clearly."""
+
+import pathlib
+
+import jax
+import pytest
+from flax import nnx
+
+from conftest import small_config
+from megajax.builder import abstract_model, build_mesh, create_model
+from megajax.cli import CONFIGS_DIR, load_config, resolve_config_path
+from megajax.config import ConfigError, padded_vocab_size
+from megajax.info import params_per_device
+from megajax.sharding import ShardingConfigError
+
+CONFIGS = sorted(p.stem for p in CONFIGS_DIR.glob("*.py"))
+
+# Paper Tables 1 and 2 (parameter counts in billions).
+PAPER_SIZES = {"gpt_355m": 0.355, "gpt_1p2b": 1.2, "gpt_2p5b": 2.5, "gpt_4p2b": 4.2, "gpt_8p3b": 8.3,
+               "gpt_8p3b_scaling": 8.3, "gpt_125m": 0.124}
+
+
+def test_all_table_configs_are_shipped():
+    assert set(PAPER_SIZES) | {"gpt_tiny"} <= set(CONFIGS)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_builds_and_has_a_docstring(name):
+    config = load_config(name)
+    model = abstract_model(config)  # eval_shape: no allocation
+    count = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+    assert count > 0
+    path = pathlib.Path(resolve_config_path(name))
+    doc = path.read_text().split('"""')[1]
+    assert "Command:" in doc and "Expect:" in doc
+
+
+@pytest.mark.parametrize("name,billions", sorted(PAPER_SIZES.items()))
+def test_parameter_count_matches_paper(name, billions):
+    total, _ = params_per_device(load_config(name), {"data": 1, "model": 1})
+    assert abs(total / 1e9 / billions - 1) < 0.03, total
+
+
+def test_table_shapes():
+    c = load_config("gpt_8p3b")
+    assert (c.model.num_layers, c.model.hidden_size, c.model.num_heads) == (72, 3072, 24)
+    c = load_config("gpt_8p3b_scaling")
+    assert c.model.num_heads == 32
+
+
+def test_vocab_padding_is_fixed_by_config():
+    assert padded_vocab_size(50257, 1024) == 51200
+    assert padded_vocab_size(1000, 128) == 1024
+    assert padded_vocab_size(1024, 128) == 1024
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(num_heads=2, hidden_size=64), ConfigError, "num_heads=2 is not divisible by mesh.model=4"),
+    (dict(hidden_size=60, num_heads=8), ConfigError, "hidden_size=60 is not divisible by model.num_heads=8"),
+    (dict(make_vocab_size_divisible_by=2, vocab_size=1002), ConfigError, "padded vocabulary 1002"),
+])
+def test_bad_model_config_errors(change, error, match):
+    config = small_config(model=4)
+    config.model.update(change)
+    with pytest.raises(error, match=match):
+        build_mesh(config)
+
+
+def test_mesh_larger_than_devices():
+    with pytest.raises(ConfigError, match="needs 16 devices but 8 are present"):
+        build_mesh(small_config(data=4, model=4))
+
+
+def test_unknown_logical_axis_fails_before_allocation():
+    config = small_config()
+    config.sharding.rules = tuple(r for r in config.sharding.rules if r[0] != "mlp")
+    before = len(jax.live_arrays())
+    with pytest.raises(ShardingConfigError, match="unknown logical axis name 'mlp'"):
+        create_model(config, build_mesh(config))
+    assert len(jax.live_arrays()) == before
+
+
+def test_rule_to_unknown_mesh_axis():
+    config = small_config()
+    config.sharding.rules = config.sharding.rules + (("extra", "tensor"),)
+    with pytest.raises(ShardingConfigError, match="names no mesh axis"):
+        abstract_model(config)
+
+
+def test_bare_config_names_resolve():
+    assert resolve_config_path("gpt_2p5b.py").endswith("configs/gpt_2p5b.py")
+    assert resolve_config_path("gpt_2p5b").endswith("configs/gpt_2p5b.py")
+    with pytest.raises(FileNotFoundError, match="available: "):
+        resolve_config_path("gpt_nope")
