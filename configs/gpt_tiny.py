@@ -1,7 +1,8 @@
-"""A 2-layer GPT that trains on a laptop CPU in seconds: the smoke test of the whole pipeline.
+"""A 2-layer GPT that trains on a laptop CPU in about a minute on the embedded default corpus (stdlib source).
 
-Command:  python train.py --config=configs/gpt_tiny.py
-Expect:   ~0.4M parameters; the loss falls within the default steps on CPU.
+Command:  python train.py --config=configs/gpt_tiny.py --workdir=/tmp/tiny
+Expect:   0.94M parameters; the loss falls from ~8.3 (log 4096) to about 3.5 nats in 300 steps, below the
+          corpus's unigram entropy (~6.6 nats, printed at start).
 """
 
 from megajax.config import base_config
@@ -11,4 +12,6 @@ def get_config():
     c = base_config()
     c.model.update(vocab_size=4096, make_vocab_size_divisible_by=128, num_layers=2, hidden_size=128, num_heads=4,
                    max_seq_len=128, remat="none")
+    c.train.update(steps=300, global_batch_size=16, log_every=20)
+    c.optimizer.update(lr=3e-3, min_lr=3e-4, warmup_steps=30)
     return c

@@ -35,7 +35,27 @@ def base_config() -> ml_collections.ConfigDict:
     ))
     c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
     c.sharding = ml_collections.ConfigDict(dict(rules=MEGATRON_RULES))
-    c.train = ml_collections.ConfigDict(dict(precision="fp32"))
+    c.train = ml_collections.ConfigDict(dict(
+        steps=300_000,
+        global_batch_size=512,  # sequences per step
+        micro_batch_size=0,  # sequences per data shard per accumulation step; 0 = no accumulation
+        seed=0,
+        log_every=10,
+        precision="auto",  # fp32 | bf16 | fp16 | auto (bf16 on accelerators, fp32 on CPU)
+        peak_flops_per_device=0.0,  # override the MFU denominator; 0 = look up by device kind
+    ))
+    c.loss_scale = ml_collections.ConfigDict(dict(initial=2.0**32, growth_interval=1000, hysteresis=2,
+                                                  min_scale=1.0))
+    c.optimizer = ml_collections.ConfigDict(dict(
+        lr=1.5e-4, min_lr=1e-5, warmup_steps=3000, decay="cosine", decay_steps=0,  # 0: until train.steps
+        b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, clip_norm=1.0,
+    ))
+    c.data = ml_collections.ConfigDict(dict(
+        source="default",  # default: the stdlib corpus (offline) | tokens: a .npy token file | random
+        path="",
+        seed=1234,
+        valid_fraction=1 / 30,  # the paper's 29:1 train/validation split
+    ))
     return c
 
 
@@ -49,12 +69,21 @@ def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
 _PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
+def resolve_precision(precision: str) -> str:
+    """'auto' is bf16 on GPU/TPU and fp32 on CPU."""
+    if precision != "auto":
+        return precision
+    import jax
+
+    return "fp32" if jax.default_backend() == "cpu" else "bf16"
+
+
 def gpt_config(config: ml_collections.ConfigDict) -> GPTConfig:
     """The model's own frozen config, from ``config.model`` (and the compute dtype from ``train.precision``)."""
     m = config.model
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
-    precision = config.train.get("precision", "fp32")
+    precision = resolve_precision(config.train.get("precision", "auto"))
     if precision not in _PRECISION_DTYPES:
         raise ConfigError(f"train.precision={precision!r}; choose one of {sorted(_PRECISION_DTYPES)}")
     return GPTConfig(

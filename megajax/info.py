@@ -18,7 +18,7 @@ import jax
 import ml_collections
 from flax import nnx
 
-from megajax.config import gpt_config, rules_of, validate
+from megajax.config import gpt_config, resolve_precision, rules_of, validate
 from megajax.builder import abstract_model
 from megajax.cli import load_config
 from megajax.sharding import logical_to_spec
@@ -77,7 +77,7 @@ def memory_report(config: ml_collections.ConfigDict, data: int, model: int, micr
     config.mesh.data, config.mesh.model = data, model
     validate(config, data * model)
     total, local = params_per_device(config, {"data": data, "model": model})
-    act_width = 4 if config.train.get("precision", "fp32") == "fp32" else 2
+    act_width = 4 if resolve_precision(config.train.get("precision", "auto")) == "fp32" else 2
     return MemoryReport(total, local, 4 * local, 4 * local, 8 * local,
                         activation_bytes(config, micro_batch, model, act_width), data, model)
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         data, model = (int(x) for x in args.mesh.lower().split("x"))
     else:
         data, model = max(config.mesh.data, 1), config.mesh.model
-    micro = args.micro_batch or config.get("train", {}).get("micro_batch_size", 1) or 1
+    micro = args.micro_batch or config.train.micro_batch_size or 1
     print(format_report(memory_report(config, data, model, micro), args.device_memory_gb))
 
 

@@ -1,0 +1,1 @@
+"""Data: the embedded default corpus and GPT training batches from a token array."""

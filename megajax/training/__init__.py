@@ -1,0 +1,1 @@
+"""Training: optimizer and schedules, loss scaling, the jitted step, metrics and the loop."""

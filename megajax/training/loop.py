@@ -1,0 +1,200 @@
+"""The training loop: config -> mesh -> sharded state -> compiled step -> logged steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+import sys
+import time
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from megajax.builder import abstract_model, build_mesh
+from megajax.config import ConfigError, gpt_config, resolve_precision, rules_of
+from megajax.data.gpt_batches import GPTBatches, unigram_entropy
+from megajax.info import memory_report
+from megajax.models.gpt import GPT
+from megajax.partition import shardings
+from megajax.sharding import activate, logical_to_spec
+from megajax.training import distributed
+from megajax.training.loss_scale import LossScale
+from megajax.training.metrics import MetricsWriter, model_flops_per_step, peak_flops
+from megajax.training.optimizer import learning_rate_schedule, make_optimizer
+from megajax.training.step import TrainState, make_train_step
+
+log = logging.getLogger("megajax")
+
+
+def num_micro_batches(config: ml_collections.ConfigDict, data_parallel: int) -> int:
+    """Accumulation steps per optimizer step: global batch / (micro batch x data-parallel size)."""
+    b, micro = config.train.global_batch_size, config.train.micro_batch_size or 0
+    if b % data_parallel:
+        raise ConfigError(f"train.global_batch_size={b} is not divisible by the data-parallel size {data_parallel}")
+    micro = micro or b // data_parallel
+    if b % (micro * data_parallel):
+        raise ConfigError(f"train.global_batch_size={b} is not a multiple of train.micro_batch_size={micro} x "
+                          f"data={data_parallel}")
+    return b // (micro * data_parallel)
+
+
+def load_tokens(config: ml_collections.ConfigDict) -> np.ndarray:
+    """The token array named by ``config.data``."""
+    d, vocab = config.data, config.model.vocab_size
+    if d.source == "default":
+        from megajax.data.default_corpus import default_corpus
+        return default_corpus(vocab)[0]
+    if d.source == "tokens":
+        path = pathlib.Path(d.path)
+        if not path.is_file():
+            raise FileNotFoundError(f"data.path={d.path!r} does not exist; give a .npy array of token ids")
+        tokens = np.load(path, mmap_mode="r")
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"{path} holds a {tokens.dtype} array of shape {tokens.shape}; want 1-D token ids")
+        if int(tokens.max()) >= vocab:
+            raise ValueError(f"{path} has token id {int(tokens.max())} >= model.vocab_size={vocab}")
+        return tokens
+    if d.source == "random":  # labelled: uniform tokens, the loss cannot fall below log(vocab)
+        return np.random.default_rng(d.seed).integers(0, vocab, 1 << 20, dtype=np.int32)
+    raise ConfigError(f"data.source={d.source!r}; choose default, tokens or random")
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything a training run holds besides its state."""
+
+    config: ml_collections.ConfigDict
+    mesh: Mesh
+    graphdef: nnx.GraphDef
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+    step_fn: jax.stages.Compiled
+    num_params: int
+
+
+def _init_fn(config: ml_collections.ConfigDict, optimizer: optax.GradientTransformation):
+    model_cfg, seed = gpt_config(config), config.train.seed
+    dynamic = resolve_precision(config.train.precision) == "fp16"
+
+    def init() -> TrainState:
+        params = nnx.to_pure_dict(nnx.state(GPT(model_cfg, rngs=nnx.Rngs(seed))))
+        return TrainState(step=jax.numpy.int32(0), params=params, opt_state=optimizer.init(params),
+                          loss_scale=LossScale.create(config.loss_scale, dynamic),
+                          rng=jax.random.key(seed + 1))
+    return init
+
+
+def setup(config: ml_collections.ConfigDict) -> tuple[Run, TrainState]:
+    """Validates the config, builds the mesh, initialises the sharded state and compiles the step."""
+    mesh = build_mesh(config)
+    rules = rules_of(config)
+    graphdef, abstract_params = nnx.split(abstract_model(config))
+    param_shardings = nnx.to_pure_dict(shardings(abstract_params, mesh, rules))
+    schedule = learning_rate_schedule(config.optimizer, config.train.steps)
+    optimizer = make_optimizer(config.optimizer, config.train.steps)
+    init = _init_fn(config, optimizer)
+    abstract_state = jax.eval_shape(init)
+    replicated = NamedSharding(mesh, P())
+    state_shardings = TrainState(
+        step=replicated, params=param_shardings,
+        opt_state=optax.tree_map_params(optimizer, lambda _, s: s, abstract_state.opt_state, param_shardings,
+                                        transform_non_params=lambda _: replicated),
+        loss_scale=jax.tree.map(lambda _: replicated, abstract_state.loss_scale), rng=replicated)
+    batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", None), rules))
+    num_micro = num_micro_batches(config, mesh.shape["data"])
+    step = make_train_step(graphdef, optimizer, schedule, num_micro=num_micro, dropout=config.model.dropout > 0)
+    batch_shape = jax.ShapeDtypeStruct((config.train.global_batch_size, config.model.max_seq_len + 1), np.int32,
+                                       sharding=batch_sharding)
+    with activate(mesh, rules):
+        state = jax.jit(init, out_shardings=state_shardings)()
+        compiled = jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+                           out_shardings=(state_shardings, replicated), donate_argnums=0
+                           ).lower(abstract_state_with(state), batch_shape).compile()
+    num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
+    return Run(config, mesh, graphdef, state_shardings, batch_sharding, compiled, num_params), state
+
+
+def abstract_state_with(state: TrainState) -> TrainState:
+    """ShapeDtypeStructs (with shardings) of a concrete state, for ahead-of-time compilation."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+
+
+def global_batch(data: GPTBatches, step: int, sharding: NamedSharding) -> jax.Array:
+    """The step's batch as one global array; each process computes only the rows its devices hold."""
+    shape = (data.global_batch, data.seq_len + 1)
+    return jax.make_array_from_callback(
+        shape, sharding, lambda idx: data.rows(step, idx[0].start or 0, idx[0].stop or shape[0]))
+
+
+def _start_record(run: Run, config: ml_collections.ConfigDict, entropy: float | None) -> dict:
+    dp, tp = run.mesh.shape["data"], run.mesh.shape["model"]
+    report = memory_report(config, dp, tp, config.train.global_batch_size // dp // num_micro_batches(config, dp))
+    dev = jax.local_devices()[0]
+    try:
+        stats = dev.memory_stats()  # None or unsupported on CPU
+    except Exception:  # noqa: BLE001 - purely informational
+        stats = None
+    return {"step": 0, "event": "start", "mesh": f"{dp}x{tp}", "devices": jax.device_count(),
+            "processes": jax.process_count(), "device_kind": dev.device_kind, "num_params": run.num_params,
+            "precision": resolve_precision(config.train.precision),
+            "param_bytes_per_device": report.param_bytes,
+            "train_state_bytes_per_device": report.param_bytes + report.grad_bytes + report.optimizer_bytes,
+            "device_bytes_in_use": (stats or {}).get("bytes_in_use"), "unigram_entropy": entropy}
+
+
+def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dict]:
+    """Trains for ``config.train.steps`` steps; returns the logged records (also in workdir/metrics.jsonl)."""
+    distributed.maybe_initialize()
+    run, state = setup(config)
+    tokens = load_tokens(config)
+    seq = config.model.max_seq_len
+    data = GPTBatches(tokens, seq, config.train.global_batch_size, config.data.seed,
+                      valid_fraction=config.data.valid_fraction)
+    entropy = unigram_entropy(tokens[data.first * seq:(data.first + data.num_windows) * seq])
+    is_main = jax.process_index() == 0
+    writer = MetricsWriter(workdir, enabled=is_main)
+    start = _start_record(run, config, entropy)
+    writer.write(start)
+    if is_main:
+        print(" ".join(f"{k}={v}" for k, v in start.items() if k not in ("step", "event")), file=sys.stderr)
+
+    m = config.model
+    flops = model_flops_per_step(config.train.global_batch_size, seq, m.num_layers, m.hidden_size,
+                                 gpt_config(config).padded_vocab_size)
+    peak = peak_flops(jax.devices()[0], config.train.peak_flops_per_device)
+    records, first_step = [], int(state.step)
+    progress = _progress(first_step, config.train.steps, is_main)
+    last_time, last_step = time.perf_counter(), first_step
+    for step in range(first_step, config.train.steps):
+        state, metrics = run.step_fn(state, global_batch(data, step, run.batch_sharding))
+        done = step + 1
+        if done % config.train.log_every and done != config.train.steps:
+            continue
+        metrics = {k: v.item() for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        step_time = (now - last_time) / (done - last_step)
+        last_time, last_step = now, done
+        tflops = flops / step_time / jax.device_count() / 1e12
+        record = {"step": done, "loss": metrics["loss"], "lr": metrics["lr"], "grad_norm": metrics["grad_norm"],
+                  "tokens_per_sec": config.train.global_batch_size * seq / step_time, "step_time_s": step_time,
+                  "tflops_per_device": tflops, "mfu": tflops * 1e12 / peak if peak else None}
+        if state.loss_scale.dynamic:
+            record.update(loss_scale=metrics["loss_scale"], skipped=metrics["skipped"])
+        writer.write(record)
+        records.append(record)
+        progress.update(done - progress.n)
+        progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+    progress.close()
+    writer.close()
+    return records
+
+
+def _progress(initial: int, total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, desc="train", dynamic_ncols=True)

@@ -1,0 +1,59 @@
+"""Throughput and model-FLOPs accounting, and the metrics writers (JSON lines + TensorBoard)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+
+# Dense bf16/fp16 peak per device (vendor datasheets), by substring of jax's device_kind.
+PEAK_FLOPS = {
+    "H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 125e12, "L4": 121e12, "V100": 125e12,
+    "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12, "TPU v6": 918e12,
+}
+
+
+def model_flops_per_step(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """Megatron's model FLOPs of one forward+backward step (Narayanan et al. 2021, without recomputation):
+    72 B s L h^2 (1 + s / (6 h) + V / (12 L h))."""
+    return 72.0 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+
+
+def peak_flops(device: jax.Device, override: float | None = None) -> float | None:
+    """Peak FLOP/s of ``device`` from the table (None when unknown, e.g. CPU), unless overridden."""
+    if override:
+        return float(override)
+    kind = getattr(device, "device_kind", "")
+    return next((v for k, v in PEAK_FLOPS.items() if k.lower() in kind.lower()), None)
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to ``workdir/metrics.jsonl`` and mirrors scalars to TensorBoard."""
+
+    def __init__(self, workdir: str | pathlib.Path, enabled: bool = True):
+        self.enabled = enabled
+        self.path = pathlib.Path(workdir) / "metrics.jsonl"
+        self._tb = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                from tensorboardX import SummaryWriter
+                self._tb = SummaryWriter(str(workdir))
+            except ImportError:  # TensorBoard output is optional
+                self._tb = None
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None and "step" in record:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self._tb.add_scalar(k, v, record["step"])
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()

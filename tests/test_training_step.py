@@ -1,0 +1,108 @@
+"""The training step: mesh-independent with dropout on, accumulation, fp16 loss scaling, remat."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import small_config, train_config
+from megajax.config import gpt_config
+from megajax.data.gpt_batches import GPTBatches
+from megajax.losses import lm_loss
+from megajax.models.gpt import GPT
+from megajax.training.loop import global_batch, load_tokens, setup, train
+
+
+def _curves(records):
+    return np.array([[r["loss"], r["grad_norm"]] for r in records])
+
+
+@pytest.fixture(scope="module")
+def dropout_runs(tmp_path_factory):
+    out = {}
+    for data, model in [(1, 1), (1, 8), (2, 4), (8, 1)]:
+        out[(data, model)] = _curves(train(train_config(data, model, dropout=0.1),
+                                           tmp_path_factory.mktemp(f"d{data}x{model}")))
+    return out
+
+
+@pytest.mark.parametrize("mesh", [(1, 8), (2, 4), (8, 1)])
+def test_dropout_is_mesh_independent(dropout_runs, mesh):
+    """Appendix B.2 in JAX terms: masks are functions of the global array, so every mesh trains alike."""
+    ref = dropout_runs[(1, 1)]
+    assert ref.shape == (5, 2)
+    np.testing.assert_allclose(dropout_runs[mesh], ref, rtol=1e-5)
+
+
+def test_dropout_changes_the_gradients(dropout_runs, tmp_path):
+    """Guard against a silently disabled dropout: without it the gradient norms differ by far more than the
+    tolerance above (at initialisation the loss itself barely depends on dropout)."""
+    no_dropout = _curves(train(train_config(1, 1, dropout=0.0), tmp_path))
+    relative = np.abs(no_dropout[:, 1] / dropout_runs[(1, 1)][:, 1] - 1)
+    assert relative.min() > 1e-3 and relative.max() > 1e-2, relative
+
+
+def _one_step(config):
+    run, state = setup(config)
+    data = GPTBatches(load_tokens(config), config.model.max_seq_len, config.train.global_batch_size,
+                      config.data.seed)
+    state, metrics = run.step_fn(state, global_batch(data, 0, run.batch_sharding))
+    return float(metrics["loss"]), jax.tree.map(np.asarray, state.params)
+
+
+@pytest.mark.parametrize("data,model,micro", [(1, 1, 2), (2, 4, 1)])
+def test_gradient_accumulation_equals_full_batch(data, model, micro):
+    full_loss, full_params = _one_step(train_config(data, model, steps=1))
+    acc_loss, acc_params = _one_step(train_config(data, model, steps=1, micro_batch_size=micro))
+    np.testing.assert_allclose(acc_loss, full_loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(acc_params), jax.tree.leaves(full_params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_fp16_overflow_skips_then_backs_off_then_grows():
+    """Initial scale 2^32 overflows fp16 gradients: the first step is skipped with parameters unchanged; the
+    second overflow (hysteresis 2) halves the scale; after `growth_interval` clean steps the scale doubles."""
+    config = train_config(steps=40, precision="fp16")
+    config.loss_scale.update(initial=2.0**32, growth_interval=3, hysteresis=2)
+    run, state = setup(config)
+    data = GPTBatches(load_tokens(config), config.model.max_seq_len, 8, config.data.seed)
+    before = jax.tree.map(np.asarray, state.params)
+    state, m = run.step_fn(state, global_batch(data, 0, run.batch_sharding))
+    assert int(m["skipped"]) == 1 and float(state.loss_scale.scale) == 2.0**32
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    state, m = run.step_fn(state, global_batch(data, 1, run.batch_sharding))
+    assert int(m["skipped"]) == 1 and float(state.loss_scale.scale) == 2.0**31
+    scales, skipped = [], []
+    for step in range(2, 40):
+        state, m = run.step_fn(state, global_batch(data, step, run.batch_sharding))
+        scales.append(float(state.loss_scale.scale))
+        skipped.append(int(m["skipped"]))
+    clean = [i for i, s in enumerate(skipped) if not s]
+    assert clean, "the scale never came down far enough for a clean fp16 step"
+    # Three clean steps in a row double the scale.
+    runs = [i for i in range(len(skipped) - 2) if skipped[i:i + 3] == [0, 0, 0]]
+    assert runs and scales[runs[0] + 2] == 2 * scales[runs[0] + 1]
+    assert np.isfinite(jax.tree.leaves(state.params)[0]).all()
+
+
+@pytest.mark.parametrize("policy", ["full", "save_dots"])
+def test_remat_gives_same_loss_and_gradients(policy):
+    config = small_config()
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1000, (4, 17)))
+
+    def loss_and_grads(remat):
+        config.model.remat = remat
+        model = GPT(gpt_config(config), rngs=nnx.Rngs(0))
+        graphdef, params = nnx.split(model)
+        loss = lambda p: lm_loss(nnx.merge(graphdef, p), tokens[:, :-1], tokens[:, 1:],  # noqa: E731
+                                 dropout_key=jax.random.key(3))
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    config.model.dropout = 0.1  # recomputation must redraw the same masks
+    loss, grads = loss_and_grads("none")
+    loss_r, grads_r = loss_and_grads(policy)
+    np.testing.assert_allclose(loss_r, loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_r), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)

@@ -1,0 +1,32 @@
+"""Train a GPT with Megatron-style tensor + data parallelism.
+
+    python train.py --config=configs/gpt_tiny.py --workdir=/tmp/tiny
+    python train.py --config=gpt_2p5b.py --config.train.steps=1000 --config.mesh.model=2
+
+``--cpu_devices=N`` simulates N devices on a CPU host.
+"""
+
+import sys
+
+from megajax.cli import rewrite_config_flag, simulate_cpu_devices
+
+sys.argv = rewrite_config_flag(sys.argv)
+simulate_cpu_devices(sys.argv)  # before jax is imported
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+config_flags.DEFINE_config_file("config", "configs/gpt_tiny.py", "config file (path or bare name in configs/)")
+flags.DEFINE_string("workdir", "workdir", "where metrics, TensorBoard events and checkpoints go")
+flags.DEFINE_integer("cpu_devices", 0, "simulate this many devices on a CPU host (0: the real devices)")
+
+
+def main(argv):
+    del argv
+    from megajax.training.loop import train
+
+    train(flags.FLAGS.config, flags.FLAGS.workdir)
+
+
+if __name__ == "__main__":
+    app.run(main)
