@@ -51,8 +51,14 @@ def base_config() -> ml_collections.ConfigDict:
         b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, clip_norm=1.0,
     ))
     c.data = ml_collections.ConfigDict(dict(
-        source="default",  # default: the stdlib corpus (offline) | tokens: a .npy token file | random
-        path="",
+        source="default",  # default (stdlib corpus, offline) | indexed (data.path=PREFIX) | tfds | random
+        path="",  # indexed: the prefix written by python -m megajax.data.preprocess
+        tokenizer="",  # tfds: tokenizer.json, a GPT-2 BPE directory or a vocab.txt
+        tfds_name="",
+        tfds_split="train",
+        tfds_feature="text",
+        tfds_data_dir="",
+        min_tokens=0,  # tfds: drop shorter documents (the preprocess CLI defaults to the paper's 128)
         seed=1234,
         valid_fraction=1 / 30,  # the paper's 29:1 train/validation split
     ))

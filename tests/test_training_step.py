@@ -8,10 +8,9 @@ from flax import nnx
 
 from conftest import small_config, train_config
 from megajax.config import gpt_config
-from megajax.data.gpt_batches import GPTBatches
 from megajax.losses import lm_loss
 from megajax.models.gpt import GPT
-from megajax.training.loop import global_batch, load_tokens, setup, train
+from megajax.training.loop import make_loader, setup, train
 
 
 def _curves(records):
@@ -45,9 +44,7 @@ def test_dropout_changes_the_gradients(dropout_runs, tmp_path):
 
 def _one_step(config):
     run, state = setup(config)
-    data = GPTBatches(load_tokens(config), config.model.max_seq_len, config.train.global_batch_size,
-                      config.data.seed)
-    state, metrics = run.step_fn(state, global_batch(data, 0, run.batch_sharding))
+    state, metrics = run.step_fn(state, make_loader(config).next_global(run.batch_sharding))
     return float(metrics["loss"]), jax.tree.map(np.asarray, state.params)
 
 
@@ -66,17 +63,17 @@ def test_fp16_overflow_skips_then_backs_off_then_grows():
     config = train_config(steps=40, precision="fp16")
     config.loss_scale.update(initial=2.0**32, growth_interval=3, hysteresis=2)
     run, state = setup(config)
-    data = GPTBatches(load_tokens(config), config.model.max_seq_len, 8, config.data.seed)
+    loader = make_loader(config)
     before = jax.tree.map(np.asarray, state.params)
-    state, m = run.step_fn(state, global_batch(data, 0, run.batch_sharding))
+    state, m = run.step_fn(state, loader.next_global(run.batch_sharding))
     assert int(m["skipped"]) == 1 and float(state.loss_scale.scale) == 2.0**32
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before)):
         np.testing.assert_array_equal(np.asarray(a), b)
-    state, m = run.step_fn(state, global_batch(data, 1, run.batch_sharding))
+    state, m = run.step_fn(state, loader.next_global(run.batch_sharding))
     assert int(m["skipped"]) == 1 and float(state.loss_scale.scale) == 2.0**31
     scales, skipped = [], []
     for step in range(2, 40):
-        state, m = run.step_fn(state, global_batch(data, step, run.batch_sharding))
+        state, m = run.step_fn(state, loader.next_global(run.batch_sharding))
         scales.append(float(state.loss_scale.scale))
         skipped.append(int(m["skipped"]))
     clean = [i for i, s in enumerate(skipped) if not s]

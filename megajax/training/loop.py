@@ -17,7 +17,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.builder import abstract_model, build_mesh
 from megajax.config import ConfigError, gpt_config, resolve_precision, rules_of
-from megajax.data.gpt_batches import GPTBatches, unigram_entropy
+from megajax.data.gpt_dataset import GPTBatches, GPTLoader, split_by_documents, unigram_entropy
+from megajax.data.indexed import IndexedTokens
 from megajax.info import memory_report
 from megajax.models.gpt import GPT
 from megajax.partition import shardings
@@ -43,25 +44,37 @@ def num_micro_batches(config: ml_collections.ConfigDict, data_parallel: int) -> 
     return b // (micro * data_parallel)
 
 
-def load_tokens(config: ml_collections.ConfigDict) -> np.ndarray:
-    """The token array named by ``config.data``."""
+def load_dataset(config: ml_collections.ConfigDict) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, document offsets) of the corpus named by ``config.data``."""
     d, vocab = config.data, config.model.vocab_size
     if d.source == "default":
         from megajax.data.default_corpus import default_corpus
-        return default_corpus(vocab)[0]
-    if d.source == "tokens":
-        path = pathlib.Path(d.path)
-        if not path.is_file():
-            raise FileNotFoundError(f"data.path={d.path!r} does not exist; give a .npy array of token ids")
-        tokens = np.load(path, mmap_mode="r")
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"{path} holds a {tokens.dtype} array of shape {tokens.shape}; want 1-D token ids")
-        if int(tokens.max()) >= vocab:
-            raise ValueError(f"{path} has token id {int(tokens.max())} >= model.vocab_size={vocab}")
-        return tokens
-    if d.source == "random":  # labelled: uniform tokens, the loss cannot fall below log(vocab)
-        return np.random.default_rng(d.seed).integers(0, vocab, 1 << 20, dtype=np.int32)
-    raise ConfigError(f"data.source={d.source!r}; choose default, tokens or random")
+        data = default_corpus(vocab)[0]
+    elif d.source == "indexed":
+        data = IndexedTokens.open(d.path)
+    elif d.source == "tfds":
+        from megajax.data.default_corpus import cache_root
+        from megajax.data.tfds_source import tfds_corpus
+        data = tfds_corpus(d.tfds_name, d.tfds_split, d.tfds_feature, d.tokenizer, cache_root(), d.tfds_data_dir,
+                           d.min_tokens)
+    elif d.source == "random":  # labelled: uniform tokens, the loss cannot fall below log(vocab)
+        tokens = np.random.default_rng(d.seed).integers(0, vocab, 1 << 20, dtype=np.int32)
+        return tokens, np.arange(0, len(tokens) + 1, 1024)
+    else:
+        raise ConfigError(f"data.source={d.source!r}; choose default, indexed, tfds or random")
+    if data.meta["vocab_size"] > vocab:
+        raise ConfigError(f"the data's tokenizer has {data.meta['vocab_size']} ids but model.vocab_size={vocab}; "
+                          f"set --config.model.vocab_size={data.meta['vocab_size']}")
+    return data.tokens, data.offsets
+
+
+def make_loader(config: ml_collections.ConfigDict, split: str = "train") -> GPTLoader:
+    """The loader of ``split`` ('train' or 'valid'), positioned at step 0."""
+    tokens, offsets = load_dataset(config)
+    train_range, valid_range = split_by_documents(offsets, config.data.valid_fraction)
+    batches = GPTBatches(tokens, config.model.max_seq_len, config.train.global_batch_size, config.data.seed,
+                         train_range if split == "train" else valid_range)
+    return GPTLoader(batches)
 
 
 @dataclasses.dataclass
@@ -124,13 +137,6 @@ def abstract_state_with(state: TrainState) -> TrainState:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
 
 
-def global_batch(data: GPTBatches, step: int, sharding: NamedSharding) -> jax.Array:
-    """The step's batch as one global array; each process computes only the rows its devices hold."""
-    shape = (data.global_batch, data.seq_len + 1)
-    return jax.make_array_from_callback(
-        shape, sharding, lambda idx: data.rows(step, idx[0].start or 0, idx[0].stop or shape[0]))
-
-
 def _start_record(run: Run, config: ml_collections.ConfigDict, entropy: float | None) -> dict:
     dp, tp = run.mesh.shape["data"], run.mesh.shape["model"]
     report = memory_report(config, dp, tp, config.train.global_batch_size // dp // num_micro_batches(config, dp))
@@ -151,11 +157,10 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> lis
     """Trains for ``config.train.steps`` steps; returns the logged records (also in workdir/metrics.jsonl)."""
     distributed.maybe_initialize()
     run, state = setup(config)
-    tokens = load_tokens(config)
+    loader = make_loader(config)
+    source = loader.batches.source
     seq = config.model.max_seq_len
-    data = GPTBatches(tokens, seq, config.train.global_batch_size, config.data.seed,
-                      valid_fraction=config.data.valid_fraction)
-    entropy = unigram_entropy(tokens[data.first * seq:(data.first + data.num_windows) * seq])
+    entropy = unigram_entropy(source.tokens[source.start:source.start + len(source) * seq])
     is_main = jax.process_index() == 0
     writer = MetricsWriter(workdir, enabled=is_main)
     start = _start_record(run, config, entropy)
@@ -168,10 +173,11 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> lis
                                  gpt_config(config).padded_vocab_size)
     peak = peak_flops(jax.devices()[0], config.train.peak_flops_per_device)
     records, first_step = [], int(state.step)
+    loader.step = first_step
     progress = _progress(first_step, config.train.steps, is_main)
     last_time, last_step = time.perf_counter(), first_step
     for step in range(first_step, config.train.steps):
-        state, metrics = run.step_fn(state, global_batch(data, step, run.batch_sharding))
+        state, metrics = run.step_fn(state, loader.next_global(run.batch_sharding))
         done = step + 1
         if done % config.train.log_every and done != config.train.steps:
             continue

@@ -1,0 +1,182 @@
+"""Turn a corpus of documents into the indexed token format, once.
+
+    python -m megajax.data.preprocess --input=corpus/*.jsonl --tokenizer=gpt2/ --output_prefix=data/corpus \
+        [--json_key=text] [--min_tokens=128] [--dedup] [--dedup_threshold=0.7] [--dtype=auto] [--workers=N]
+
+Inputs: ``.jsonl`` (one JSON object per line, the text in ``--json_key``) or ``.txt`` (one document per file).
+Each kept document is followed by the tokenizer's end-of-document id. Documents shorter than ``min_tokens``
+(paper: 128) are dropped, then exact and (with ``--dedup``) near duplicates (MinHash LSH, Jaccard > 0.7).
+Lines that are not valid UTF-8 or not valid JSON, and empty documents, are skipped and counted in the sidecar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import multiprocessing
+import pathlib
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
+
+from megajax.data.dedup import Deduplicator, minhash
+from megajax.data.indexed import IndexedWriter, choose_dtype
+from megajax.data.tokenizer import TextTokenizer, load_tokenizer
+
+
+@dataclasses.dataclass
+class Counts:
+    files: int = 0
+    bytes: int = 0
+    documents_read: int = 0
+    kept: int = 0
+    dropped_short: int = 0
+    dropped_exact_duplicate: int = 0
+    dropped_near_duplicate: int = 0
+    skipped_invalid_utf8: int = 0
+    skipped_bad_json: int = 0
+    skipped_empty: int = 0
+    tokens: int = 0
+
+
+def _expand(inputs: Sequence[str]) -> list[pathlib.Path]:
+    paths = []
+    for pattern in inputs:
+        matches = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
+        if not matches:
+            raise FileNotFoundError(f"no input files match {pattern!r}")
+        for m in matches:
+            p = pathlib.Path(m)
+            if not p.is_file():
+                raise FileNotFoundError(f"input file {p} does not exist")
+            if p.suffix not in (".jsonl", ".txt"):
+                raise ValueError(f"input {p}: expected .jsonl (one JSON document per line) or .txt")
+            paths.append(p)
+    return paths
+
+
+def read_documents(paths: Sequence[pathlib.Path], json_key: str, counts: Counts) -> Iterator[str]:
+    """Yields document texts; counts what it skips instead of failing mid-corpus."""
+    for path in paths:
+        counts.files += 1
+        raw = path.read_bytes()
+        counts.bytes += len(raw)
+        chunks = raw.splitlines() if path.suffix == ".jsonl" else [raw]
+        for chunk in chunks:
+            if path.suffix == ".jsonl" and not chunk.strip():
+                continue  # blank line between records
+            counts.documents_read += 1
+            try:
+                text = chunk.decode("utf-8")
+            except UnicodeDecodeError:
+                counts.skipped_invalid_utf8 += 1
+                continue
+            if path.suffix == ".jsonl":
+                try:
+                    text = json.loads(text)[json_key]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    counts.skipped_bad_json += 1
+                    continue
+                if not isinstance(text, str):
+                    counts.skipped_bad_json += 1
+                    continue
+            if not text.strip():
+                counts.skipped_empty += 1
+                continue
+            yield text
+
+
+def _batched(it: Iterator[str], n: int) -> Iterator[list[str]]:
+    batch = []
+    for x in it:
+        batch.append(x)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def preprocess(inputs: Sequence[str], tokenizer: TextTokenizer, output_prefix: str | pathlib.Path, *,
+               json_key: str = "text", **options) -> Counts:
+    """Tokenizes, filters and writes the files ``inputs`` to ``output_prefix``; returns the counts (also in the
+    sidecar). ``options`` are those of ``write_documents``."""
+    paths = _expand(inputs)  # every input checked before anything is written
+    counts = Counts()
+    return write_documents(read_documents(paths, json_key, counts), tokenizer, output_prefix, counts=counts,
+                           meta={"inputs": [str(p) for p in paths]}, **options)
+
+
+def write_documents(documents: Iterable[str], tokenizer: TextTokenizer, output_prefix: str | pathlib.Path, *,
+                    counts: Counts | None = None, meta: dict | None = None, min_tokens: int = 128,
+                    dedup: bool = False, dedup_threshold: float = 0.7, dtype: str = "auto", workers: int = 1,
+                    batch_size: int = 512, progress: bool = False) -> Counts:
+    """The pipeline on document texts: tokenize, drop short and duplicate documents, write with an EOD id each."""
+    from tqdm import tqdm
+
+    token_dtype = choose_dtype(tokenizer.vocab_size, dtype)
+    counts = counts or Counts()
+    dedup_filter = Deduplicator(dedup_threshold, near=dedup)
+    writer = IndexedWriter(output_prefix, token_dtype)
+    pool = multiprocessing.get_context("spawn").Pool(workers) if dedup and workers > 1 else None
+    start = time.perf_counter()
+    bar = tqdm(desc="preprocess", unit="doc", disable=not progress)
+    try:
+        for texts in _batched(iter(documents), batch_size):
+            if counts.files == 0:  # documents given directly, not read from files
+                counts.documents_read += len(texts)
+                counts.bytes += sum(len(t.encode()) for t in texts)
+            ids = tokenizer.encode_batch(texts)  # parallel in Rust
+            long = [(t, i) for t, i in zip(texts, ids) if len(i) >= min_tokens]
+            counts.dropped_short += len(texts) - len(long)
+            signatures = pool.map(minhash, [t for t, _ in long]) if pool else [None] * len(long)
+            for (text, doc), sig in zip(long, signatures):
+                verdict = dedup_filter.check(text, sig)
+                if verdict == "exact":
+                    counts.dropped_exact_duplicate += 1
+                elif verdict == "near":
+                    counts.dropped_near_duplicate += 1
+                else:
+                    writer.add(doc + [tokenizer.eod_id])
+                    counts.kept += 1
+                    counts.tokens += len(doc) + 1
+            bar.update(len(texts))
+        if counts.kept == 0:
+            raise ValueError(f"no documents left ({dataclasses.asdict(counts)}); check the inputs, --json_key and "
+                             "--min_tokens")
+        writer.commit({**(meta or {}), "tokenizer": tokenizer.source, "vocab_size": tokenizer.vocab_size,
+                       "eod_id": tokenizer.eod_id, "min_tokens": min_tokens, "dedup": dedup,
+                       "dedup_threshold": dedup_threshold, "counts": dataclasses.asdict(counts),
+                       "seconds": round(time.perf_counter() - start, 3)})
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+        if pool:
+            pool.close()
+    return counts
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--input", required=True, nargs="+", help=".jsonl/.txt files or glob patterns")
+    p.add_argument("--tokenizer", required=True, help="tokenizer.json, a GPT-2 BPE directory, or a vocab.txt")
+    p.add_argument("--output_prefix", required=True)
+    p.add_argument("--json_key", default="text")
+    p.add_argument("--min_tokens", type=int, default=128)
+    p.add_argument("--dedup", action="store_true", help="drop near duplicates (MinHash LSH)")
+    p.add_argument("--dedup_threshold", type=float, default=0.7)
+    p.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"])
+    p.add_argument("--workers", type=int, default=max(multiprocessing.cpu_count() - 1, 1))
+    args = p.parse_args(argv)
+    counts = preprocess(args.input, load_tokenizer(args.tokenizer), args.output_prefix, json_key=args.json_key,
+                        min_tokens=args.min_tokens, dedup=args.dedup, dedup_threshold=args.dedup_threshold,
+                        dtype=args.dtype, workers=args.workers, progress=sys.stderr.isatty())
+    print(json.dumps(dataclasses.asdict(counts), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Tokenizers, preprocessing, the indexed format and the GPT loader: round trips, filters, determinism, bad input."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from megajax.data.dedup import jaccard
+from megajax.data.gpt_dataset import GPTBatches, GPTLoader, split_by_documents
+from megajax.data.indexed import IndexedTokens
+from megajax.data.preprocess import main as preprocess_main, preprocess
+from megajax.data.tokenizer import load_tokenizer, train_tokenizer
+
+RNG = np.random.default_rng(0)
+WORDS = [f"w{i}" for i in range(3000)] + ["the", "a", "of", "é", "naïve", "日本", "data"]
+
+
+def _doc(n_words: int, rng=RNG) -> str:
+    return " ".join(rng.choice(WORDS, n_words)) + "."
+
+
+@pytest.fixture(scope="module")
+def corpus_texts():
+    return [_doc(int(n)) for n in RNG.integers(150, 400, 40)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus_texts):
+    return train_tokenizer(corpus_texts, "bpe", 600)
+
+
+def _jsonl(path: pathlib.Path, texts) -> pathlib.Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def test_round_trip_reproduces_documents(tmp_path, corpus_texts, tokenizer):
+    a = _jsonl(tmp_path / "a.jsonl", corpus_texts[:30])
+    txt = tmp_path / "b.txt"
+    txt.write_text(corpus_texts[30])
+    counts = preprocess([str(a), str(txt)], tokenizer, tmp_path / "out", min_tokens=0)
+    data = IndexedTokens.open(tmp_path / "out")
+    assert counts.kept == data.meta["documents"] == 31
+    for d, text in enumerate(corpus_texts[:31]):
+        ids = data.document(d)
+        assert ids[-1] == tokenizer.eod_id
+        assert tokenizer.decode(ids[:-1]) == text
+    assert data.tokens.dtype == np.uint16 and data.meta["counts"]["tokens"] == len(data.tokens)
+
+
+def test_samples_are_windows_of_the_token_file(tmp_path, corpus_texts, tokenizer):
+    preprocess([str(_jsonl(tmp_path / "a.jsonl", corpus_texts))], tokenizer, tmp_path / "out", min_tokens=0)
+    data = IndexedTokens.open(tmp_path / "out")
+    seq, batch = 32, 4
+    batches = GPTBatches(data.tokens, seq, batch, seed=7)
+    n = len(batches.source)
+    steps = n // batch
+    seen = []
+    for step in range(steps):
+        for row in batches.batch(step):
+            starts = [w for w in range(n) if np.array_equal(data.tokens[w * seq:w * seq + seq + 1], row)]
+            assert starts, "a sample is not a window of the token file"
+            seen.append(starts[0])
+    assert len(set(seen)) == len(seen) == steps * batch  # one epoch: no window twice
+    # Decoding the windows in file order reproduces the text of the token stream.
+    ordered = np.concatenate([data.tokens[w * seq:(w + 1) * seq] for w in sorted(set(range(n)))])
+    assert tokenizer.decode(ordered) == tokenizer.decode(data.tokens[:n * seq])
+
+
+def test_filters_drop_exactly_short_and_duplicate_documents(tmp_path, tokenizer):
+    rng = np.random.default_rng(5)
+    originals = [_doc(300, rng) for _ in range(6)]
+    words = originals[0].split()
+    near = " ".join(words[:150] + ["changed"] + words[151:])  # one word changed: Jaccard ~0.97
+    assert jaccard(near, originals[0]) > 0.9 and max(jaccard(a, b) for a in originals for b in originals
+                                                     if a is not b) < 0.05
+    short = [_doc(10, rng), _doc(12, rng)]
+    docs = originals[:3] + [originals[1]] + short[:1] + [near] + originals[3:] + short[1:] + [originals[4]]
+    path = _jsonl(tmp_path / "c.jsonl", docs)
+    counts = preprocess([str(path)], tokenizer, tmp_path / "f", min_tokens=128, dedup=True)
+    assert (counts.kept, counts.dropped_short, counts.dropped_exact_duplicate, counts.dropped_near_duplicate) == \
+        (6, 2, 2, 1)
+    data = IndexedTokens.open(tmp_path / "f")
+    kept = [tokenizer.decode(data.document(d)[:-1]) for d in range(6)]
+    assert kept == originals  # first occurrences survive, in order
+    parallel = preprocess([str(path)], tokenizer, tmp_path / "p", min_tokens=128, dedup=True, workers=2)
+    assert parallel == counts  # MinHash signatures computed in worker processes agree
+    without = preprocess([str(path)], tokenizer, tmp_path / "g", min_tokens=128, dedup=False)
+    assert (without.kept, without.dropped_exact_duplicate, without.dropped_near_duplicate) == (7, 2, 0)
+
+
+def test_determinism_resume_and_disjoint_data_shards():
+    tokens = np.arange(10_000, dtype=np.uint16) % 997
+    a, b = GPTBatches(tokens, 16, 8, seed=3), GPTBatches(tokens, 16, 8, seed=3)
+    np.testing.assert_array_equal(a.batch(5), b.batch(5))
+    assert not np.array_equal(a.batch(5), GPTBatches(tokens, 16, 8, seed=4).batch(5))
+    loader = GPTLoader(a)
+    for _ in range(3):
+        next(loader)
+    state = json.loads(json.dumps(loader.get_state()))  # survives serialisation
+    expected = next(loader)
+    resumed = GPTLoader(GPTBatches(tokens, 16, 8, seed=3))
+    resumed.set_state(state)
+    np.testing.assert_array_equal(next(resumed), expected)
+    with pytest.raises(ValueError, match="another dataset or seed"):
+        GPTLoader(GPTBatches(tokens, 16, 8, seed=9)).set_state(state)
+    # 2-way data parallel: shard 0 reads rows 0:4, shard 1 rows 4:8 of every global batch.
+    shard0 = {a.rows(s, 0, 4)[i].tobytes() for s in range(50) for i in range(4)}
+    shard1 = {a.rows(s, 4, 8)[i].tobytes() for s in range(50) for i in range(4)}
+    assert len(shard0) == len(shard1) == 200 and not shard0 & shard1
+    np.testing.assert_array_equal(np.concatenate([a.rows(7, 0, 4), a.rows(7, 4, 8)]), a.batch(7))
+
+
+def test_split_is_29_to_1_at_a_document_boundary():
+    offsets = np.arange(0, 30_001, 100)
+    (t0, t1), (v0, v1) = split_by_documents(offsets, 1 / 30)
+    assert (t0, t1, v0, v1) == (0, 29_000, 29_000, 30_000) and t1 in offsets
+
+
+def test_bad_inputs(tmp_path, tokenizer, corpus_texts):
+    good = _jsonl(tmp_path / "good.jsonl", corpus_texts[:3])
+    preprocess([str(good)], tokenizer, tmp_path / "keep", min_tokens=0)
+    before = (tmp_path / "keep.bin").read_bytes()
+
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        preprocess([str(good), str(tmp_path / "missing.jsonl")], tokenizer, tmp_path / "keep", min_tokens=0)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="no documents left"):
+        preprocess([str(empty)], tokenizer, tmp_path / "keep", min_tokens=0)
+    big = train_tokenizer(corpus_texts, "bpe", 600)
+    big.tokenizer.add_tokens([f"<extra{i}>" for i in range(70_000)])
+    with pytest.raises(ValueError, match="does not fit uint16"):
+        preprocess([str(good)], big, tmp_path / "keep", min_tokens=0, dtype="uint16")
+    # The earlier complete dataset is untouched and nothing temporary is left behind.
+    assert (tmp_path / "keep.bin").read_bytes() == before and IndexedTokens.open(tmp_path / "keep")
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_bytes(json.dumps({"text": corpus_texts[0]}).encode() + b"\n" + b'{"text": "bad \xff\xfe"}\n'
+                      + b"not json\n" + json.dumps({"body": "x"}).encode() + b"\n" + json.dumps({"text": " "}).encode())
+    counts = preprocess([str(mixed)], tokenizer, tmp_path / "mixed", min_tokens=0)
+    assert (counts.kept, counts.skipped_invalid_utf8, counts.skipped_bad_json, counts.skipped_empty) == (1, 1, 2, 1)
+    assert IndexedTokens.open(tmp_path / "mixed").meta["counts"]["skipped_invalid_utf8"] == 1
+
+    (tmp_path / "half.bin").write_bytes(b"\0" * 10)
+    with pytest.raises(ValueError, match="did not finish"):
+        IndexedTokens.open(tmp_path / "half")
+    with pytest.raises(FileNotFoundError, match="no preprocessed dataset"):
+        IndexedTokens.open(tmp_path / "nothing")
+    with pytest.raises(ValueError, match=r"expected \.jsonl"):
+        preprocess([str(tmp_path / "keep.bin")], tokenizer, tmp_path / "x")
+
+
+def test_tokenizer_file_layouts(tmp_path, tokenizer, corpus_texts):
+    want = tokenizer.encode_batch(corpus_texts[:3])
+    tokenizer.save(tmp_path / "tokenizer.json")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    tokenizer.tokenizer.model.save(str(hf))  # vocab.json + merges.txt
+    openai = tmp_path / "openai"
+    openai.mkdir()
+    (openai / "encoder.json").write_text((hf / "vocab.json").read_text())
+    (openai / "vocab.bpe").write_text((hf / "merges.txt").read_text())
+    for path in (tmp_path / "tokenizer.json", tmp_path, hf, hf / "merges.txt", openai, openai / "encoder.json"):
+        loaded = load_tokenizer(path)
+        assert loaded.encode_batch(corpus_texts[:3]) == want, path
+        assert loaded.decode(want[1]) == corpus_texts[1]
+        assert loaded.eod_id == tokenizer.eod_id
+    with pytest.raises(ValueError, match="no tokenizer found"):
+        load_tokenizer(_empty_dir(tmp_path))
+
+
+def _empty_dir(root):
+    d = root / "empty"
+    d.mkdir()
+    return d
+
+
+def test_wordpiece_vocab_txt(tmp_path, corpus_texts):
+    wp = train_tokenizer(corpus_texts, "wordpiece", 800)
+    wp.tokenizer.model.save(str(tmp_path))  # vocab.txt
+    loaded = load_tokenizer(tmp_path / "vocab.txt")
+    assert loaded.eod_id == loaded.tokenizer.token_to_id("[SEP]")
+    assert loaded.encode_batch(corpus_texts[:2]) == wp.encode_batch(corpus_texts[:2])
+    assert loaded.decode(loaded.encode_batch(["the naïve data"])[0]) == "the naive data"  # BERT strips accents
+
+
+def test_cli(tmp_path, corpus_texts, tokenizer, capsys):
+    tokenizer.save(tmp_path / "tok.json")
+    src = _jsonl(tmp_path / "in.jsonl", corpus_texts[:5])
+    preprocess_main([f"--input={src}", f"--tokenizer={tmp_path / 'tok.json'}", f"--output_prefix={tmp_path / 'o'}",
+                     "--min_tokens=0", "--workers=1"])
+    assert json.loads(capsys.readouterr().out)["kept"] == 5
