@@ -13,7 +13,7 @@ from megajax.cli import rewrite_config_flag, simulate_cpu_devices
 sys.argv = rewrite_config_flag(sys.argv)
 simulate_cpu_devices(sys.argv)  # before jax is imported
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 config_flags.DEFINE_config_file("config", "configs/gpt_tiny.py", "config file (path or bare name in configs/)")
@@ -23,6 +23,7 @@ flags.DEFINE_integer("cpu_devices", 0, "simulate this many devices on a CPU host
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # orbax and jax log every step at INFO
     from megajax.training.loop import train
 
     train(flags.FLAGS.config, flags.FLAGS.workdir)

@@ -60,7 +60,8 @@ def _gpt_125m_step_seconds() -> float:
     config.train.update(global_batch_size=1, precision="fp32", steps=10)
     config.mesh.update(data=1, model=1)
     config.model.remat = "none"
-    run, state = setup(config)
+    run = setup(config)
+    state = run.init_state()
     batch = jax.device_put(np.zeros((1, 1025), np.int32), run.batch_sharding)
     state, m = run.step_fn(state, batch)
     jax.block_until_ready(m)

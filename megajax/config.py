@@ -44,6 +44,13 @@ def base_config() -> ml_collections.ConfigDict:
         precision="auto",  # fp32 | bf16 | fp16 | auto (bf16 on accelerators, fp32 on CPU)
         peak_flops_per_device=0.0,  # override the MFU denominator; 0 = look up by device kind
     ))
+    c.checkpoint = ml_collections.ConfigDict(dict(
+        enabled=True,
+        every_steps=1000,
+        keep=3,  # the last K checkpoints
+        keep_period=0,  # also keep every M-th step forever (0: off)
+        async_save=True,  # write in the background while training continues
+    ))
     c.loss_scale = ml_collections.ConfigDict(dict(initial=2.0**32, growth_interval=1000, hysteresis=2,
                                                   min_scale=1.0))
     c.optimizer = ml_collections.ConfigDict(dict(

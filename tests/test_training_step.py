@@ -43,7 +43,8 @@ def test_dropout_changes_the_gradients(dropout_runs, tmp_path):
 
 
 def _one_step(config):
-    run, state = setup(config)
+    run = setup(config)
+    state = run.init_state()
     state, metrics = run.step_fn(state, make_loader(config).next_global(run.batch_sharding))
     return float(metrics["loss"]), jax.tree.map(np.asarray, state.params)
 
@@ -62,7 +63,8 @@ def test_fp16_overflow_skips_then_backs_off_then_grows():
     second overflow (hysteresis 2) halves the scale; after `growth_interval` clean steps the scale doubles."""
     config = train_config(steps=40, precision="fp16")
     config.loss_scale.update(initial=2.0**32, growth_interval=3, hysteresis=2)
-    run, state = setup(config)
+    run = setup(config)
+    state = run.init_state()
     loader = make_loader(config)
     before = jax.tree.map(np.asarray, state.params)
     state, m = run.step_fn(state, loader.next_global(run.batch_sharding))

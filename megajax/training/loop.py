@@ -7,6 +7,7 @@ import logging
 import pathlib
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 import ml_collections
@@ -16,6 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.builder import abstract_model, build_mesh
+from megajax.checkpoint import Checkpointer
 from megajax.config import ConfigError, gpt_config, resolve_precision, rules_of
 from megajax.data.gpt_dataset import GPTBatches, GPTLoader, split_by_documents, unigram_entropy
 from megajax.data.indexed import IndexedTokens
@@ -27,6 +29,7 @@ from megajax.training import distributed
 from megajax.training.loss_scale import LossScale
 from megajax.training.metrics import MetricsWriter, model_flops_per_step, peak_flops
 from megajax.training.optimizer import learning_rate_schedule, make_optimizer
+from megajax.training.preemption import StopRequest
 from megajax.training.step import TrainState, make_train_step
 
 log = logging.getLogger("megajax")
@@ -84,10 +87,11 @@ class Run:
     config: ml_collections.ConfigDict
     mesh: Mesh
     graphdef: nnx.GraphDef
-    state_shardings: TrainState
+    abstract_state: TrainState  # ShapeDtypeStructs carrying the target shardings
     batch_sharding: NamedSharding
     step_fn: jax.stages.Compiled
     num_params: int
+    init_state: Callable[[], TrainState]  # fresh sharded state (jitted, each device makes its own shards)
 
 
 def _init_fn(config: ml_collections.ConfigDict, optimizer: optax.GradientTransformation):
@@ -98,12 +102,12 @@ def _init_fn(config: ml_collections.ConfigDict, optimizer: optax.GradientTransfo
         params = nnx.to_pure_dict(nnx.state(GPT(model_cfg, rngs=nnx.Rngs(seed))))
         return TrainState(step=jax.numpy.int32(0), params=params, opt_state=optimizer.init(params),
                           loss_scale=LossScale.create(config.loss_scale, dynamic),
-                          rng=jax.random.key(seed + 1))
+                          rng=jax.random.key_data(jax.random.key(seed + 1)))
     return init
 
 
-def setup(config: ml_collections.ConfigDict) -> tuple[Run, TrainState]:
-    """Validates the config, builds the mesh, initialises the sharded state and compiles the step."""
+def setup(config: ml_collections.ConfigDict) -> Run:
+    """Validates the config, builds the mesh, derives every sharding and compiles the step (nothing allocated)."""
     mesh = build_mesh(config)
     rules = rules_of(config)
     graphdef, abstract_params = nnx.split(abstract_model(config))
@@ -118,26 +122,24 @@ def setup(config: ml_collections.ConfigDict) -> tuple[Run, TrainState]:
         opt_state=optax.tree_map_params(optimizer, lambda _, s: s, abstract_state.opt_state, param_shardings,
                                         transform_non_params=lambda _: replicated),
         loss_scale=jax.tree.map(lambda _: replicated, abstract_state.loss_scale), rng=replicated)
+    abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state,
+                                  state_shardings)
     batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", None), rules))
     num_micro = num_micro_batches(config, mesh.shape["data"])
     step = make_train_step(graphdef, optimizer, schedule, num_micro=num_micro, dropout=config.model.dropout > 0)
     batch_shape = jax.ShapeDtypeStruct((config.train.global_batch_size, config.model.max_seq_len + 1), np.int32,
                                        sharding=batch_sharding)
     with activate(mesh, rules):
-        state = jax.jit(init, out_shardings=state_shardings)()
+        init_state = jax.jit(init, out_shardings=state_shardings)
         compiled = jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                            out_shardings=(state_shardings, replicated), donate_argnums=0
-                           ).lower(abstract_state_with(state), batch_shape).compile()
+                           ).lower(abstract_state, batch_shape).compile()
     num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
-    return Run(config, mesh, graphdef, state_shardings, batch_sharding, compiled, num_params), state
+    return Run(config, mesh, graphdef, abstract_state, batch_sharding, compiled, num_params, init_state)
 
 
-def abstract_state_with(state: TrainState) -> TrainState:
-    """ShapeDtypeStructs (with shardings) of a concrete state, for ahead-of-time compilation."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-
-
-def _start_record(run: Run, config: ml_collections.ConfigDict, entropy: float | None) -> dict:
+def _start_record(run: Run, config: ml_collections.ConfigDict, loader: GPTLoader,
+                  resumed_from: int | None) -> dict:
     dp, tp = run.mesh.shape["data"], run.mesh.shape["model"]
     report = memory_report(config, dp, tp, config.train.global_batch_size // dp // num_micro_batches(config, dp))
     dev = jax.local_devices()[0]
@@ -145,59 +147,90 @@ def _start_record(run: Run, config: ml_collections.ConfigDict, entropy: float | 
         stats = dev.memory_stats()  # None or unsupported on CPU
     except Exception:  # noqa: BLE001 - purely informational
         stats = None
-    return {"step": 0, "event": "start", "mesh": f"{dp}x{tp}", "devices": jax.device_count(),
-            "processes": jax.process_count(), "device_kind": dev.device_kind, "num_params": run.num_params,
+    source = loader.batches.source
+    train_tokens = source.tokens[source.start:source.start + len(source) * source.seq_len]
+    return {"step": resumed_from or 0, "event": "resume" if resumed_from is not None else "start",
+            "mesh": f"{dp}x{tp}", "devices": jax.device_count(), "processes": jax.process_count(),
+            "device_kind": dev.device_kind, "num_params": run.num_params,
             "precision": resolve_precision(config.train.precision),
             "param_bytes_per_device": report.param_bytes,
             "train_state_bytes_per_device": report.param_bytes + report.grad_bytes + report.optimizer_bytes,
-            "device_bytes_in_use": (stats or {}).get("bytes_in_use"), "unigram_entropy": entropy}
+            "device_bytes_in_use": (stats or {}).get("bytes_in_use"),
+            "unigram_entropy": unigram_entropy(train_tokens)}
 
 
 def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dict]:
-    """Trains for ``config.train.steps`` steps; returns the logged records (also in workdir/metrics.jsonl)."""
+    """Trains to ``config.train.steps``, resuming from the latest checkpoint in ``workdir`` if there is one.
+
+    Returns the records logged by this call (also appended to workdir/metrics.jsonl). On SIGTERM/SIGINT it
+    finishes the current step, saves a checkpoint and returns.
+    """
     distributed.maybe_initialize()
-    run, state = setup(config)
+    run = setup(config)
     loader = make_loader(config)
-    source = loader.batches.source
-    seq = config.model.max_seq_len
-    entropy = unigram_entropy(source.tokens[source.start:source.start + len(source) * seq])
+    checkpointer = Checkpointer(workdir, config.checkpoint) if config.checkpoint.enabled else None
+    restored = checkpointer.restore(run.abstract_state) if checkpointer else None
+    if restored:
+        state, loader_state = restored
+        loader.set_state(loader_state)
+    else:
+        state = run.init_state()
     is_main = jax.process_index() == 0
     writer = MetricsWriter(workdir, enabled=is_main)
-    start = _start_record(run, config, entropy)
+    start = _start_record(run, config, loader, resumed_from=int(state.step) if restored else None)
     writer.write(start)
     if is_main:
         print(" ".join(f"{k}={v}" for k, v in start.items() if k not in ("step", "event")), file=sys.stderr)
+    stop = StopRequest()
+    try:
+        state, records = _loop(run, state, loader, checkpointer, writer, stop, is_main)
+    finally:
+        stop.restore_handlers()
+        if checkpointer:
+            checkpointer.wait()
+            checkpointer.close()
+        writer.close()
+    return records
 
-    m = config.model
+
+def _loop(run: Run, state: TrainState, loader: GPTLoader, checkpointer: Checkpointer | None,
+          writer: MetricsWriter, stop: StopRequest, is_main: bool) -> tuple[TrainState, list[dict]]:
+    config, seq, m = run.config, run.config.model.max_seq_len, run.config.model
     flops = model_flops_per_step(config.train.global_batch_size, seq, m.num_layers, m.hidden_size,
                                  gpt_config(config).padded_vocab_size)
     peak = peak_flops(jax.devices()[0], config.train.peak_flops_per_device)
     records, first_step = [], int(state.step)
-    loader.step = first_step
     progress = _progress(first_step, config.train.steps, is_main)
     last_time, last_step = time.perf_counter(), first_step
     for step in range(first_step, config.train.steps):
         state, metrics = run.step_fn(state, loader.next_global(run.batch_sharding))
         done = step + 1
-        if done % config.train.log_every and done != config.train.steps:
-            continue
-        metrics = {k: v.item() for k, v in jax.device_get(metrics).items()}
-        now = time.perf_counter()
-        step_time = (now - last_time) / (done - last_step)
-        last_time, last_step = now, done
-        tflops = flops / step_time / jax.device_count() / 1e12
-        record = {"step": done, "loss": metrics["loss"], "lr": metrics["lr"], "grad_norm": metrics["grad_norm"],
-                  "tokens_per_sec": config.train.global_batch_size * seq / step_time, "step_time_s": step_time,
-                  "tflops_per_device": tflops, "mfu": tflops * 1e12 / peak if peak else None}
-        if state.loss_scale.dynamic:
-            record.update(loss_scale=metrics["loss_scale"], skipped=metrics["skipped"])
-        writer.write(record)
-        records.append(record)
-        progress.update(done - progress.n)
-        progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+        stopping = stop.should_stop(done)
+        if checkpointer:
+            checkpointer.save(done, state, loader.get_state(), config,
+                              force=stopping or done == config.train.steps)
+        if done % config.train.log_every == 0 or done == config.train.steps or stopping:
+            metrics = {k: v.item() for k, v in jax.device_get(metrics).items()}
+            now = time.perf_counter()
+            step_time = (now - last_time) / (done - last_step)
+            last_time, last_step = now, done
+            tflops = flops / step_time / jax.device_count() / 1e12
+            record = {"step": done, "loss": metrics["loss"], "lr": metrics["lr"],
+                      "grad_norm": metrics["grad_norm"],
+                      "tokens_per_sec": config.train.global_batch_size * seq / step_time, "step_time_s": step_time,
+                      "tflops_per_device": tflops, "mfu": tflops * 1e12 / peak if peak else None}
+            if state.loss_scale.dynamic:
+                record.update(loss_scale=metrics["loss_scale"], skipped=metrics["skipped"])
+            writer.write(record)
+            records.append(record)
+            progress.update(done - progress.n)
+            progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+        if stopping:
+            if is_main:
+                print(f"stop signal: saved a checkpoint at step {done}; exiting", file=sys.stderr)
+            break
     progress.close()
-    writer.close()
-    return records
+    return state, records
 
 
 def _progress(initial: int, total: int, enabled: bool):

@@ -29,7 +29,7 @@ class TrainState:
     params: Params  # fp32 master parameters, a nested dict matching the model
     opt_state: optax.OptState
     loss_scale: LossScale
-    rng: jax.Array  # base dropout key; step and micro-batch are folded in
+    rng: jax.Array  # uint32 key data of the base dropout key; step and micro-batch are folded in
 
 
 def _split_micro(batch: jax.Array, num_micro: int) -> jax.Array:
@@ -52,7 +52,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         return grads, loss
 
     def step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
-        step_key = jax.random.fold_in(state.rng, state.step)
+        step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         micro_batches = _split_micro(batch, num_micro)
 
         def accumulate(carry, xs):

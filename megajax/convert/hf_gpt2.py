@@ -1,0 +1,136 @@
+"""Hugging Face ``GPT2LMHeadModel`` <-> megajax GPT.
+
+HF's ``Conv1D`` stores weights as (in, out); its fused ``c_attn`` columns are [q | k | v], each split into heads.
+megajax keeps QKV as (H, heads, 3, head_dim), so each model shard holds whole heads with their own q, k, v.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import ml_collections
+import numpy as np
+
+from megajax.config import base_config, padded_vocab_size
+
+Params = dict
+
+
+def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 1024) -> ml_collections.ConfigDict:
+    """A megajax config for an HF GPT-2 ``config.json``; errors on variants megajax does not implement."""
+    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"activation_function={hf['activation_function']!r}: megajax GPT uses tanh GeLU (gelu_new)")
+    for flag, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                       ("reorder_and_upcast_attn", False)):
+        if hf.get(flag, want) != want:
+            raise ValueError(f"HF config {flag}={hf[flag]} is not supported (megajax computes {flag}={want})")
+    h = hf["n_embd"]
+    inner = hf.get("n_inner") or 4 * h
+    if inner % h:
+        raise ValueError(f"n_inner={inner} is not a multiple of n_embd={h}")
+    c = base_config()
+    c.model.update(vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                   num_layers=hf["n_layer"], hidden_size=h, num_heads=hf["n_head"], max_seq_len=hf["n_positions"],
+                   mlp_ratio=inner // h, dropout=hf.get("resid_pdrop", 0.1),
+                   layernorm_eps=hf.get("layer_norm_epsilon", 1e-5), init_std=hf.get("initializer_range", 0.02))
+    return c
+
+
+def hf_config(config: ml_collections.ConfigDict) -> dict:
+    """The HF ``config.json`` for a megajax config (true vocabulary size; the padding rows are dropped)."""
+    m = config.model
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m.vocab_size,
+            "n_positions": m.max_seq_len, "n_embd": m.hidden_size, "n_layer": m.num_layers, "n_head": m.num_heads,
+            "n_inner": m.mlp_ratio * m.hidden_size, "activation_function": "gelu_new", "resid_pdrop": m.dropout,
+            "embd_pdrop": m.dropout, "attn_pdrop": m.dropout, "layer_norm_epsilon": m.layernorm_eps,
+            "initializer_range": m.init_std, "tie_word_embeddings": True, "bos_token_id": m.vocab_size - 1,
+            "eos_token_id": m.vocab_size - 1}
+
+
+def params_from_hf(sd: dict[str, np.ndarray], config: ml_collections.ConfigDict) -> Params:
+    """megajax parameters from an HF GPT-2 state dict (with or without the ``transformer.`` prefix)."""
+    sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
+    m = config.model
+    h, nh, L = m.hidden_size, m.num_heads, m.num_layers
+    d = h // nh
+
+    def get(name: str) -> np.ndarray:
+        if name not in sd:
+            raise KeyError(f"HF checkpoint has no tensor {name!r}")
+        return np.asarray(sd[name], np.float32)
+
+    def stack(fmt: str, fn=lambda x: x) -> np.ndarray:
+        return np.stack([fn(get(fmt.format(i))) for i in range(L)])
+
+    wte = get("wte.weight")
+    padded = np.zeros((padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by), h), np.float32)
+    padded[:wte.shape[0]] = wte
+    return {
+        "wte": {"embedding": padded},
+        "wpe": get("wpe.weight"),
+        "ln_f": {"scale": get("ln_f.weight"), "bias": get("ln_f.bias")},
+        "blocks": {
+            "ln_1": {"scale": stack("h.{}.ln_1.weight"), "bias": stack("h.{}.ln_1.bias")},
+            "ln_2": {"scale": stack("h.{}.ln_2.weight"), "bias": stack("h.{}.ln_2.bias")},
+            "attn": {
+                "qkv": {"kernel": stack("h.{}.attn.c_attn.weight",
+                                        lambda w: w.reshape(h, 3, nh, d).transpose(0, 2, 1, 3)),
+                        "bias": stack("h.{}.attn.c_attn.bias", lambda b: b.reshape(3, nh, d).transpose(1, 0, 2))},
+                "out": {"kernel": stack("h.{}.attn.c_proj.weight", lambda w: w.reshape(nh, d, h)),
+                        "bias": stack("h.{}.attn.c_proj.bias")},
+            },
+            "mlp": {"up": {"kernel": stack("h.{}.mlp.c_fc.weight"), "bias": stack("h.{}.mlp.c_fc.bias")},
+                    "down": {"kernel": stack("h.{}.mlp.c_proj.weight"), "bias": stack("h.{}.mlp.c_proj.bias")}},
+        },
+    }
+
+
+def params_to_hf(p: Params, config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
+    """An HF GPT2LMHeadModel state dict (tied ``lm_head`` omitted, as ``save_pretrained`` does)."""
+    m = config.model
+    h = m.hidden_size
+    b = p["blocks"]
+    sd = {"transformer.wte.weight": p["wte"]["embedding"][:m.vocab_size], "transformer.wpe.weight": p["wpe"],
+          "transformer.ln_f.weight": p["ln_f"]["scale"], "transformer.ln_f.bias": p["ln_f"]["bias"]}
+    for i in range(m.num_layers):
+        pre = f"transformer.h.{i}."
+        sd.update({
+            pre + "ln_1.weight": b["ln_1"]["scale"][i], pre + "ln_1.bias": b["ln_1"]["bias"][i],
+            pre + "ln_2.weight": b["ln_2"]["scale"][i], pre + "ln_2.bias": b["ln_2"]["bias"][i],
+            pre + "attn.c_attn.weight": b["attn"]["qkv"]["kernel"][i].transpose(0, 2, 1, 3).reshape(h, 3 * h),
+            pre + "attn.c_attn.bias": b["attn"]["qkv"]["bias"][i].transpose(1, 0, 2).reshape(3 * h),
+            pre + "attn.c_proj.weight": b["attn"]["out"]["kernel"][i].reshape(h, h),
+            pre + "attn.c_proj.bias": b["attn"]["out"]["bias"][i],
+            pre + "mlp.c_fc.weight": b["mlp"]["up"]["kernel"][i], pre + "mlp.c_fc.bias": b["mlp"]["up"]["bias"][i],
+            pre + "mlp.c_proj.weight": b["mlp"]["down"]["kernel"][i],
+            pre + "mlp.c_proj.bias": b["mlp"]["down"]["bias"][i],
+        })
+    return {k: np.ascontiguousarray(v, np.float32) for k, v in sd.items()}
+
+
+def read_hf(directory: str | pathlib.Path, allow_pickle: bool = False) -> tuple[dict, dict[str, np.ndarray]]:
+    """(config.json, state dict) of an HF model directory: model.safetensors or pytorch_model.bin."""
+    d = pathlib.Path(directory)
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"{d} has no config.json: give a GPT2LMHeadModel directory (save_pretrained)")
+    hf = json.loads((d / "config.json").read_text())
+    if (d / "model.safetensors").is_file():
+        from safetensors.numpy import load_file
+
+        return hf, load_file(str(d / "model.safetensors"))
+    if (d / "pytorch_model.bin").is_file():
+        from megajax.convert import torch_io
+
+        sd = torch_io.load(d / "pytorch_model.bin", allow_pickle)
+        return hf, {k: torch_io.to_numpy(v) for k, v in sd.items()}
+    raise FileNotFoundError(f"{d} has neither model.safetensors nor pytorch_model.bin")
+
+
+def write_hf(directory: str | pathlib.Path, sd: dict[str, np.ndarray], hf: dict) -> None:
+    from safetensors.numpy import save_file
+
+    d = pathlib.Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
