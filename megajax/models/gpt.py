@@ -19,6 +19,8 @@ from megajax.losses import mask_padded_vocab
 from megajax.sharding import constrain
 
 REMAT_POLICIES = ("none", "full", "save_dots")
+LayerCache = tuple[jax.Array, jax.Array]  # one layer's (keys, values), (B, S_max, N, D) each
+KVCache = tuple[jax.Array, jax.Array]  # all layers' (keys, values), (L, B, S_max, N, D) each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,17 +70,26 @@ class CausalSelfAttention(nnx.Module):
         self.out = RowParallelLinear((cfg.num_heads, cfg.head_dim), h, ("heads", "head_dim", "embed"),
                                      std=scaled_init_std(cfg.init_std, cfg.num_layers), dtype=dt, rngs=rngs)
 
-    def __call__(self, x: jax.Array, key: jax.Array | None) -> jax.Array:  # (B, S, H) -> (B, S, H)
+    def __call__(self, x: jax.Array, key: jax.Array | None, cache: LayerCache | None = None,
+                 index: jax.Array | int = 0) -> tuple[jax.Array, LayerCache | None]:
+        """(B, S, H) -> (B, S, H). With ``cache`` (this layer's keys/values, (B, S_max, N, D) each) the new keys and
+        values are written at positions ``index ..`` and the queries attend to every cached position before them."""
         qkv = self.qkv(x)  # (B, S, N, 3, D)
         q, k, v = (constrain(qkv[:, :, :, i], ("batch", "seq", "heads", "head_dim")) for i in range(3))
         s = q.shape[1]
+        q_pos = index + jnp.arange(s)
+        if cache is not None:
+            k, v = (constrain(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), index, axis=1),
+                              ("batch", "seq", "heads", "head_dim")) for c, new in zip(cache, (k, v)))
+            cache = (k, v)
+        k_pos = jnp.arange(k.shape[1])
         scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(jnp.float32) / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
-        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+        causal = k_pos[None, :] <= q_pos[:, None]  # (S, S_kv)
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)  # (B, N, S, S)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)  # (B, N, S, S_kv)
         probs = dropout(probs, self.rate, key)
-        ctx = jnp.einsum("bnqk,bknd->bqnd", probs, v)  # (B, S, N, D)
-        return self.out(ctx)
+        ctx = jnp.einsum("bnqk,bknd->bqnd", probs, v.astype(x.dtype))  # (B, S, N, D)
+        return self.out(ctx), cache
 
 
 class MLP(nnx.Module):
@@ -106,12 +117,13 @@ class Block(nnx.Module):
         self.ln_2 = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x: jax.Array, key: jax.Array | None) -> jax.Array:  # (B, S, H) -> (B, S, H)
+    def __call__(self, x: jax.Array, key: jax.Array | None, cache: LayerCache | None = None,
+                 index: jax.Array | int = 0) -> tuple[jax.Array, LayerCache | None]:  # (B, S, H) -> (B, S, H)
         k_attn, k_res1, k_res2 = jax.random.split(key, 3) if key is not None else (None, None, None)
-        x = x + dropout(self.attn(self.ln_1(x), k_attn), self.rate, k_res1)
-        x = constrain(x, ("batch", "seq", "embed"))
+        attn, cache = self.attn(self.ln_1(x), k_attn, cache, index)
+        x = constrain(x + dropout(attn, self.rate, k_res1), ("batch", "seq", "embed"))
         x = x + dropout(self.mlp(self.ln_2(x)), self.rate, k_res2)
-        return constrain(x, ("batch", "seq", "embed"))
+        return constrain(x, ("batch", "seq", "embed")), cache
 
 
 def _remat_policy(name: str):
@@ -138,27 +150,43 @@ class GPT(nnx.Module):
         self.ln_f = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+        """Training / scoring forward: (B, S) int ids -> (B, S, padded_vocab) logits."""
+        return self._forward(tokens, dropout_key, None, 0)[0]
+
+    def init_cache(self, batch: int, max_len: int | None = None) -> KVCache:
+        """Zeroed keys and values for ``decode``: two (L, B, max_len, heads, head_dim) arrays."""
+        cfg = self.cfg
+        shape = (cfg.num_layers, batch, max_len or cfg.max_seq_len, cfg.num_heads, cfg.head_dim)
+        zeros = jnp.zeros(shape, cfg.compute_dtype)
+        return (constrain(zeros, ("layers", "batch", "seq", "heads", "head_dim")),) * 2
+
+    def decode(self, tokens: jax.Array, cache: KVCache, index: jax.Array | int) -> tuple[jax.Array, KVCache]:
+        """Incremental forward of ``tokens`` (B, S) at positions ``index ..``, reading and extending ``cache``."""
+        return self._forward(tokens, None, cache, index)
+
+    def _forward(self, tokens, dropout_key, cache, index):
         cfg = self.cfg
         b, s = tokens.shape
         if s > cfg.max_seq_len:
             raise ValueError(f"sequence length {s} exceeds model.max_seq_len={cfg.max_seq_len}")
         tokens = constrain(tokens, ("batch", "seq"))
         k_emb, k_layers = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
-        x = self.wte(tokens) + self.wpe[...][:s].astype(cfg.compute_dtype)  # (B, S, H)
+        positions = jax.lax.dynamic_slice_in_dim(self.wpe[...], index, s, axis=0)
+        x = self.wte(tokens) + positions.astype(cfg.compute_dtype)  # (B, S, H)
         x = constrain(dropout(x, cfg.dropout, k_emb), ("batch", "seq", "embed"))
 
         layer_keys = jax.random.split(k_layers, cfg.num_layers) if k_layers is not None else None
-        x = self._run_blocks(x, layer_keys)
+        x, cache = self._run_blocks(x, layer_keys, cache, index)
 
         logits = self.wte.attend(self.ln_f(x))  # (B, S, V_padded)
-        return mask_padded_vocab(logits, cfg.vocab_size)
+        return mask_padded_vocab(logits, cfg.vocab_size), cache
 
-    def _run_blocks(self, x: jax.Array, layer_keys: jax.Array | None) -> jax.Array:
-        def step(block: Block, h: jax.Array, key: jax.Array | None) -> jax.Array:
-            return block(h, key)
+    def _run_blocks(self, x, layer_keys, cache, index):
+        def step(block: Block, h: jax.Array, key: jax.Array | None, layer_cache: LayerCache | None):
+            return block(h, key, layer_cache, index)
 
         if self.cfg.remat != "none":
             step = nnx.remat(step, policy=_remat_policy(self.cfg.remat))
 
-        scan = nnx.scan(step, in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry)
-        return scan(self.blocks, x, layer_keys)
+        scan = nnx.scan(step, in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+        return scan(self.blocks, x, layer_keys, cache)

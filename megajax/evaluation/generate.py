@@ -1,0 +1,90 @@
+"""Sampling from a (sharded) GPT with a key/value cache: greedy, temperature, top-k and top-p."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from megajax.sharding import Rules, activate
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    greedy: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+
+
+def sample_logits(logits: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
+    """(B, V) logits -> (B,) token ids."""
+    logits = logits.astype(jnp.float32)
+    if s.greedy:
+        return jnp.argmax(logits, axis=-1)
+    logits = logits / s.temperature
+    if s.top_k:
+        kth = jax.lax.top_k(logits, s.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if s.top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        drop_sorted = jnp.cumsum(probs, axis=-1) - probs > s.top_p  # keep the smallest set reaching top_p
+        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
+        logits = jnp.where(drop, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1)
+
+
+def generate(model: nnx.Module, mesh: jax.sharding.Mesh, rules: Rules, prompt: np.ndarray, max_new_tokens: int,
+             sampling: Sampling = Sampling(), *, seed: int = 0, use_cache: bool = True,
+             on_token: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+    """Extends ``prompt`` (B, P) by ``max_new_tokens`` sampled tokens; returns (B, P + max_new_tokens).
+
+    With the cache each new token costs one single-position forward; without it the whole sequence is recomputed
+    (the reference the tests compare against). ``on_token`` receives each new (B,) column as it is sampled.
+    """
+    b, p = prompt.shape
+    total = p + max_new_tokens
+    if total > model.cfg.max_seq_len:
+        raise ValueError(f"prompt ({p}) + max_new_tokens ({max_new_tokens}) exceeds model.max_seq_len="
+                         f"{model.cfg.max_seq_len}")
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def prefill(state, tokens):
+        m = nnx.merge(graphdef, state)
+        logits, cache = m.decode(tokens, m.init_cache(b, total), 0)
+        return logits[:, -1], cache
+
+    @jax.jit
+    def step(state, token, cache, index):
+        logits, cache = nnx.merge(graphdef, state).decode(token[:, None], cache, index)
+        return logits[:, -1], cache
+
+    @jax.jit
+    def full(state, tokens, length):  # no cache: recompute everything, read the logits at `length - 1`
+        logits = nnx.merge(graphdef, state)(tokens)
+        return jax.lax.dynamic_index_in_dim(logits, length - 1, axis=1, keepdims=False)
+
+    pick = jax.jit(lambda logits, key: sample_logits(logits, key, sampling))
+    key = jax.random.key(seed)
+    out = np.zeros((b, total), np.int32)
+    out[:, :p] = prompt
+    with activate(mesh, rules):
+        if use_cache:
+            logits, cache = prefill(state, jnp.asarray(prompt))
+        for i in range(p, total):
+            if not use_cache:
+                logits = full(state, jnp.asarray(out), i)
+            token = pick(logits, jax.random.fold_in(key, i))
+            out[:, i] = np.asarray(token)
+            if on_token:
+                on_token(out[:, i])
+            if use_cache and i + 1 < total:
+                logits, cache = step(state, token, cache, i)
+    return out

@@ -1,0 +1,115 @@
+"""Scoring token streams with a sharded model: sliding-window log-likelihood and teacher-forced cloze accuracy."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from megajax.losses import vocab_parallel_cross_entropy
+from megajax.sharding import Rules, activate
+
+
+def sliding_windows(num_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
+    """Windows ``(start, first_target, end)`` that score every target token 1..num_tokens-1 exactly once.
+
+    A window feeds tokens[start:end] and predicts tokens[start+1:end+1]; it scores targets first_target..end.
+    The first window scores all its targets; each later one advances the end by ``stride`` and scores only the new
+    targets, each seeing at least ``seq_len - stride`` tokens of context (stride 1: the full left context, capped
+    at seq_len).
+    """
+    if stride < 1 or stride > seq_len:
+        raise ValueError(f"stride must be in 1..seq_len ({seq_len}), got {stride}")
+    last = num_tokens - 1
+    if last < 1:
+        return []
+    end = min(seq_len, last)
+    windows = [(0, 1, end)]
+    while end < last:
+        new_end = min(end + stride, last)
+        windows.append((new_end - seq_len, end + 1, new_end))
+        end = new_end
+    return windows
+
+
+@dataclasses.dataclass
+class Scorer:
+    """Runs a model on fixed-shape batches (B, seq_len) on its mesh; returns per-token NLL and argmax hits."""
+
+    model: nnx.Module
+    mesh: jax.sharding.Mesh
+    rules: Rules
+    batch_size: int
+    seq_len: int
+
+    def __post_init__(self):
+        data = self.mesh.shape["data"]
+        self.batch_size = -(-self.batch_size // data) * data  # a multiple of the data axis
+        graphdef, state = nnx.split(self.model)
+
+        def score(state, inputs, labels):
+            logits = nnx.merge(graphdef, state)(inputs)  # (B, S, V)
+            nll = vocab_parallel_cross_entropy(logits, labels)  # (B, S)
+            hit = jnp.argmax(logits, axis=-1) == labels
+            return nll, hit
+
+        self._state = state
+        self._score = jax.jit(score)
+
+    def __call__(self, inputs: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(nll, hit), each (N, seq_len), for N rows of inputs/labels (padded to whole batches here)."""
+        n, b = len(inputs), self.batch_size
+        pad = -n % b
+        inputs = np.concatenate([inputs, np.zeros((pad, self.seq_len), np.int32)])
+        labels = np.concatenate([labels, np.zeros((pad, self.seq_len), np.int32)])
+        nll, hit = [], []
+        with activate(self.mesh, self.rules):
+            for i in range(0, len(inputs), b):
+                x, y = self._score(self._state, jnp.asarray(inputs[i:i + b]), jnp.asarray(labels[i:i + b]))
+                nll.append(np.asarray(x))
+                hit.append(np.asarray(y))
+        return np.concatenate(nll)[:n], np.concatenate(hit)[:n]
+
+
+def window_rows(tokens: np.ndarray, windows: Sequence[tuple[int, int, int]], seq_len: int):
+    """(inputs, labels, mask) arrays (W, seq_len) for the windows; mask marks the targets each window scores."""
+    w = len(windows)
+    inputs, labels, mask = (np.zeros((w, seq_len), np.int32) for _ in range(3))
+    for r, (start, first, end) in enumerate(windows):
+        n = end - start
+        inputs[r, :n] = tokens[start:end]
+        labels[r, :n] = tokens[start + 1:end + 1]
+        targets = np.arange(start + 1, start + 1 + seq_len)
+        mask[r] = (targets >= first) & (targets <= end)
+    return inputs, labels, mask.astype(bool)
+
+
+def stream_log_likelihood(scorer: Scorer, tokens: np.ndarray, stride: int,
+                          progress: Callable | None = None) -> tuple[float, int]:
+    """(sum of -log p over every target token, number of targets) with overlapping windows."""
+    windows = sliding_windows(len(tokens), scorer.seq_len, stride)
+    inputs, labels, mask = window_rows(np.asarray(tokens), windows, scorer.seq_len)
+    total, count = 0.0, 0
+    chunk = scorer.batch_size * 16
+    for i in range(0, len(windows), chunk):
+        nll, _ = scorer(inputs[i:i + chunk], labels[i:i + chunk])
+        total += float(nll[mask[i:i + chunk]].astype(np.float64).sum())
+        count += int(mask[i:i + chunk].sum())
+        if progress:
+            progress(min(chunk, len(windows) - i))
+    return total, count
+
+
+def cloze_rows(context: Sequence[int], target: Sequence[int], seq_len: int):
+    """One teacher-forced row: inputs = (context + target)[:-1], the target's positions marked; the context is
+    cut from the left when the example is longer than seq_len + 1 tokens."""
+    ids = (list(context) + list(target))[-(seq_len + 1):]
+    n = len(ids) - 1
+    inputs, labels, mask = np.zeros(seq_len, np.int32), np.zeros(seq_len, np.int32), np.zeros(seq_len, bool)
+    inputs[:n], labels[:n] = ids[:-1], ids[1:]
+    mask[n - len(target):n] = True
+    return inputs, labels, mask
