@@ -85,6 +85,8 @@ class Checkpointer:
     def save(self, step: int, state: Any, loader_state: dict, config: ml_collections.ConfigDict,
              force: bool = False) -> bool:
         """Starts a save if ``step`` is due (or ``force``); returns whether one started."""
+        if not (force or self.manager.should_save(step)):
+            return False  # the common case: no host work on the step's hot path
         return self.manager.save(step, force=force, args=ocp.args.Composite(
             state=ocp.args.PyTreeSave(_to_tree(state)), data=ocp.args.JsonSave(loader_state),
             config=ocp.args.JsonSave(json.loads(config.to_json()))))

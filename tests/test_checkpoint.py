@@ -159,3 +159,11 @@ def test_damaged_checkpoint_is_a_clear_error(saved_1x8, tmp_path):
     with pytest.raises(CheckpointError, match="damaged or incomplete"):
         load_model(workdir)
     assert _snapshot(workdir) == before
+
+
+def test_keeps_last_k_and_every_mth(tmp_path):
+    config = train_config(steps=7)
+    config.checkpoint.update(every_steps=1, keep=2, keep_period=3, async_save=False)
+    train(config, tmp_path)
+    kept = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept == [3, 6, 7]
