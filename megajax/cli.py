@@ -18,7 +18,7 @@ def resolve_config_path(name: str) -> str:
     candidates = [pathlib.Path(path)]
     if not pathlib.Path(path).is_absolute():
         bare = path if path.endswith(".py") else path + ".py"
-        candidates += [pathlib.Path("configs") / bare, CONFIGS_DIR / bare]
+        candidates += [pathlib.Path("configs") / bare, CONFIGS_DIR.parent / bare, CONFIGS_DIR / pathlib.Path(bare).name]
     for c in candidates:
         if c.is_file():
             return str(c) + (":" + override if override else "")
@@ -30,7 +30,7 @@ def rewrite_config_flag(argv: list[str]) -> list[str]:
     """Resolves the value of ``--config=`` in argv so users can type a bare config name."""
     out = []
     for i, arg in enumerate(argv):
-        if arg.startswith("--config=") :
+        if arg.startswith("--config="):
             arg = "--config=" + resolve_config_path(arg.split("=", 1)[1])
         elif i > 0 and argv[i - 1] == "--config":
             arg = resolve_config_path(arg)

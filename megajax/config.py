@@ -9,11 +9,7 @@ from __future__ import annotations
 import ml_collections
 
 from megajax.models.gpt import GPTConfig
-from megajax.sharding import MEGATRON_RULES, MESH_AXES, Rules, ShardingConfigError
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; the message names the field to change."""
+from megajax.sharding import MEGATRON_RULES, MESH_AXES, ConfigError, Rules, ShardingConfigError, resolve_mesh_shape
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -41,6 +37,8 @@ def base_config() -> ml_collections.ConfigDict:
         micro_batch_size=0,  # sequences per data shard per accumulation step; 0 = no accumulation
         seed=0,
         log_every=10,
+        eval_every=0,  # validation loss every N steps (0: only at the end)
+        eval_batches=8,  # global batches of the validation split per evaluation (0: never)
         precision="auto",  # fp32 | bf16 | fp16 | auto (bf16 on accelerators, fp32 on CPU)
         peak_flops_per_device=0.0,  # override the MFU denominator; 0 = look up by device kind
     ))
@@ -125,7 +123,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     """
     m, tp, dp = config.model, config.mesh.model, config.mesh.data
     if tp < 1:
-        raise ConfigError(f"mesh.model must be >= 1, got {tp}")
+        raise ConfigError(f"mesh.model must be >= 1, got {tp}")  # before the divisibility checks below
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
     if m.num_heads % tp:
@@ -140,14 +138,6 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
         raise ConfigError(f"the padded vocabulary {padded} (model.make_vocab_size_divisible_by="
                           f"{m.make_vocab_size_divisible_by}) is not divisible by mesh.model={tp}; make "
                           f"make_vocab_size_divisible_by a multiple of {tp}")
-    if dp == -1:
-        if num_devices % tp:
-            raise ConfigError(f"mesh.model={tp} does not divide the {num_devices} devices present")
-        dp = num_devices // tp
-    if dp < 1:
-        raise ConfigError(f"mesh.data must be >= 1 or -1, got {dp}")
-    if dp * tp > num_devices:
-        raise ConfigError(f"mesh {dp}x{tp} needs {dp * tp} devices but {num_devices} are present; lower "
-                          "mesh.data or mesh.model (on a CPU host, --cpu_devices simulates more)")
+    dp, tp = resolve_mesh_shape(dp, tp, num_devices)
     rules_of(config)
     return dp, tp

@@ -34,7 +34,11 @@ MEGATRON_RULES: Rules = (
 )
 
 
-class ShardingConfigError(ValueError):
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the field to change."""
+
+
+class ShardingConfigError(ConfigError):
     """A sharding rule or mesh that cannot work; the message says what to change."""
 
 
@@ -58,6 +62,22 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> P:
     return P(*axes)
 
 
+def resolve_mesh_shape(data: int, model: int, num_devices: int) -> tuple[int, int]:
+    """(data, model) with ``data=-1`` resolved to all devices left after ``model``; checked against the devices."""
+    if model < 1:
+        raise ShardingConfigError(f"mesh.model must be >= 1, got {model}")
+    if data == -1:
+        if num_devices % model:
+            raise ShardingConfigError(f"mesh.model={model} does not divide the {num_devices} devices present")
+        data = num_devices // model
+    if data < 1:
+        raise ShardingConfigError(f"mesh.data must be >= 1 or -1, got {data}")
+    if data * model > num_devices:
+        raise ShardingConfigError(f"mesh {data}x{model} needs {data * model} devices but {num_devices} are present; "
+                                  "lower mesh.data or mesh.model (on a CPU host, --cpu_devices simulates more)")
+    return data, model
+
+
 def make_mesh(data: int, model: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A ``Mesh(('data', 'model'))``; ``data=-1`` takes all devices left after ``model``.
 
@@ -65,20 +85,7 @@ def make_mesh(data: int, model: int, devices: Sequence[jax.Device] | None = None
     pin, which is how Megatron's f/g all-reduces appear without hand-written collectives.
     """
     devices = list(jax.devices() if devices is None else devices)
-    n = len(devices)
-    if model < 1:
-        raise ShardingConfigError(f"mesh.model must be >= 1, got {model}")
-    if data == -1:
-        if n % model:
-            raise ShardingConfigError(f"mesh.model={model} does not divide the {n} devices present")
-        data = n // model
-    if data < 1:
-        raise ShardingConfigError(f"mesh.data must be >= 1 or -1, got {data}")
-    if data * model > n:
-        raise ShardingConfigError(
-            f"mesh {data}x{model} needs {data * model} devices but only {n} are present; "
-            f"lower mesh.data/mesh.model (or simulate devices with --cpu_devices on a CPU host)"
-        )
+    data, model = resolve_mesh_shape(data, model, len(devices))
     grid = np.asarray(devices[: data * model]).reshape(data, model)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 2)
 

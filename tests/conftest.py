@@ -56,7 +56,8 @@ def train_config(data: int = 1, model: int = 1, steps: int = 5, dropout: float =
     """The small model with a short run on random tokens (no corpus build needed)."""
     c = small_config(data=data, model=model)
     c.model.dropout = dropout
-    c.train.update({"steps": steps, "global_batch_size": 8, "log_every": 1, "precision": "fp32", **train})
+    c.train.update({"steps": steps, "global_batch_size": 8, "log_every": 1, "precision": "fp32", "eval_batches": 1,
+                    **train})
     c.optimizer.update(lr=1e-3, min_lr=1e-4, warmup_steps=2)
     c.data.source = "random"
     return c

@@ -90,5 +90,11 @@ def test_rule_to_unknown_mesh_axis():
 def test_bare_config_names_resolve():
     assert resolve_config_path("gpt_2p5b.py").endswith("configs/gpt_2p5b.py")
     assert resolve_config_path("gpt_2p5b").endswith("configs/gpt_2p5b.py")
+
+
+def test_config_paths_resolve_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert pathlib.Path(resolve_config_path("configs/gpt_tiny.py")).is_file()
+    assert pathlib.Path(resolve_config_path("gpt_tiny.py")).is_file()
     with pytest.raises(FileNotFoundError, match="available: "):
         resolve_config_path("gpt_nope")

@@ -30,7 +30,7 @@ from megajax.training.loss_scale import LossScale
 from megajax.training.metrics import MetricsWriter, model_flops_per_step, peak_flops
 from megajax.training.optimizer import learning_rate_schedule, make_optimizer
 from megajax.training.preemption import StopRequest
-from megajax.training.step import TrainState, make_train_step
+from megajax.training.step import TrainState, make_eval_step, make_train_step
 
 log = logging.getLogger("megajax")
 
@@ -92,6 +92,7 @@ class Run:
     step_fn: jax.stages.Compiled
     num_params: int
     init_state: Callable[[], TrainState]  # fresh sharded state (jitted, each device makes its own shards)
+    eval_step: Callable  # jitted (params, batch) -> mean loss, for the validation split
 
 
 def _init_fn(config: ml_collections.ConfigDict, optimizer: optax.GradientTransformation):
@@ -134,8 +135,10 @@ def setup(config: ml_collections.ConfigDict) -> Run:
         compiled = jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                            out_shardings=(state_shardings, replicated), donate_argnums=0
                            ).lower(abstract_state, batch_shape).compile()
+        eval_step = jax.jit(make_eval_step(graphdef), in_shardings=(state_shardings.params, batch_sharding),
+                            out_shardings=replicated)  # compiled on first use
     num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
-    return Run(config, mesh, graphdef, abstract_state, batch_sharding, compiled, num_params, init_state)
+    return Run(config, mesh, graphdef, abstract_state, batch_sharding, compiled, num_params, init_state, eval_step)
 
 
 def _start_record(run: Run, config: ml_collections.ConfigDict, loader: GPTLoader,
@@ -182,8 +185,9 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> lis
     if is_main:
         print(" ".join(f"{k}={v}" for k, v in start.items() if k not in ("step", "event")), file=sys.stderr)
     stop = StopRequest()
+    valid = make_loader(config, "valid") if config.train.eval_batches else None
     try:
-        state, records = _loop(run, state, loader, checkpointer, writer, stop, is_main)
+        state, records = _loop(run, state, loader, valid, checkpointer, writer, stop, is_main)
     finally:
         stop.restore_handlers()
         if checkpointer:
@@ -193,8 +197,17 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> lis
     return records
 
 
-def _loop(run: Run, state: TrainState, loader: GPTLoader, checkpointer: Checkpointer | None,
-          writer: MetricsWriter, stop: StopRequest, is_main: bool) -> tuple[TrainState, list[dict]]:
+def validation_loss(run: Run, params, valid: GPTLoader, num_batches: int) -> float:
+    """Mean loss over the first ``num_batches`` batches of the validation split (the same ones every time)."""
+    valid.step = 0
+    with activate(run.mesh, rules_of(run.config)):
+        losses = [run.eval_step(params, valid.next_global(run.batch_sharding)) for _ in range(num_batches)]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def _loop(run: Run, state: TrainState, loader: GPTLoader, valid: GPTLoader | None,
+          checkpointer: Checkpointer | None, writer: MetricsWriter, stop: StopRequest,
+          is_main: bool) -> tuple[TrainState, list[dict]]:
     config, seq, m = run.config, run.config.model.max_seq_len, run.config.model
     flops = model_flops_per_step(config.train.global_batch_size, seq, m.num_layers, m.hidden_size,
                                  gpt_config(config).padded_vocab_size)
@@ -225,6 +238,13 @@ def _loop(run: Run, state: TrainState, loader: GPTLoader, checkpointer: Checkpoi
             records.append(record)
             progress.update(done - progress.n)
             progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+        every = config.train.eval_every
+        if valid and (done == config.train.steps or (every and done % every == 0)):
+            v = validation_loss(run, state.params, valid, config.train.eval_batches)
+            record = {"step": done, "valid_loss": v, "valid_ppl": float(np.exp(v))}
+            writer.write(record)
+            records.append(record)
+            last_time = time.perf_counter()  # keep evaluation out of the training step time
         if stopping:
             if is_main:
                 print(f"stop signal: saved a checkpoint at step {done}; exiting", file=sys.stderr)

@@ -39,8 +39,18 @@ def _split_micro(batch: jax.Array, num_micro: int) -> jax.Array:
     return constrain(jnp.swapaxes(x, 0, 1), (None, "batch", None))
 
 
+def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[Params, jax.Array], jax.Array]:
+    """Builds ``eval_step(params, batch (B, S + 1)) -> mean next-token loss`` (no dropout, no gradients)."""
+
+    def eval_step(params: Params, batch: jax.Array) -> jax.Array:
+        return lm_loss(nnx.merge(graphdef, params), batch[:, :-1], batch[:, 1:])
+
+    return eval_step
+
+
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                    *, num_micro: int, dropout: bool) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
+                    *, num_micro: int, dropout: bool
+                    ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds ``step(state, batch (B, S + 1) int32) -> (state, metrics)``; jit it with shardings and donation."""
 
     def micro_grads(params: Params, micro: jax.Array, key: jax.Array | None, scale: LossScale):
