@@ -1,8 +1,8 @@
 """A 2-layer GPT that trains on a laptop CPU in about a minute on the embedded default corpus (stdlib source).
 
 Command:  python train.py --config=configs/gpt_tiny.py --workdir=/tmp/tiny
-Expect:   0.94M parameters; the loss falls from ~8.3 (log 4096) to about 3.5 nats in 300 steps, below the
-          corpus's unigram entropy (~6.6 nats, printed at start).
+Expect:   0.94M parameters, ~10k tokens/s on a 2-core CPU; the loss falls from ~8.3 (log 4096) and the held-out
+          valid_loss after 300 steps is ~5.4 nats, well below the corpus's unigram entropy (~6.6 nats, logged at start).
 """
 
 from megajax.config import base_config

@@ -109,3 +109,16 @@ def test_trip_counts_multiply_loop_bodies():
 ])
 def test_replica_group_syntaxes(text, groups):
     assert sorted(map(sorted, _parse_groups(text, 8))) == groups
+
+
+def test_comm_report_cli(capsys):
+    from megajax.comm_report import main
+
+    table = main(["--config=gpt_tiny", "--mesh=2x4", "--batch=8"])
+    rows = [line.split() for line in table.splitlines()[1:]]
+    assert {r[0] for r in rows} == {"all-reduce"}
+    # gpt_tiny: 2 layers, per-data-shard batch 4 x seq 128 x hidden 128 = 65536: (2L + 1) each way over model.
+    assert ["all-reduce", "model", "forward", "65536", "5"] in rows
+    assert ["all-reduce", "model", "backward", "65536", "5"] in rows
+    assert any(r[1] == "data" for r in rows)
+    assert capsys.readouterr().out.strip() == table

@@ -5,7 +5,7 @@ import pytest
 
 from conftest import train_config
 from megajax.data.tokenizer import train_tokenizer
-from megajax.training.loop import make_loader
+from megajax.data.sources import make_loader
 
 tfds = pytest.importorskip("tensorflow_datasets")  # the `test` extra installs it; CI runs this test
 

@@ -10,7 +10,8 @@ from conftest import small_config, train_config
 from megajax.config import gpt_config
 from megajax.losses import lm_loss
 from megajax.models.gpt import GPT
-from megajax.training.loop import make_loader, setup, train
+from megajax.data.sources import make_loader
+from megajax.training.loop import setup, train
 
 
 def _curves(records):

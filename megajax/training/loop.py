@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import pathlib
 import sys
 import time
@@ -19,8 +18,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from megajax.builder import abstract_model, build_mesh
 from megajax.checkpoint import Checkpointer
 from megajax.config import ConfigError, gpt_config, resolve_precision, rules_of
-from megajax.data.gpt_dataset import GPTBatches, GPTLoader, split_by_documents, unigram_entropy
-from megajax.data.indexed import IndexedTokens
+from megajax.data.gpt_dataset import GPTLoader, unigram_entropy
+from megajax.data.sources import make_loader
 from megajax.info import memory_report
 from megajax.models.gpt import GPT
 from megajax.partition import shardings
@@ -31,8 +30,6 @@ from megajax.training.metrics import MetricsWriter, model_flops_per_step, peak_f
 from megajax.training.optimizer import learning_rate_schedule, make_optimizer
 from megajax.training.preemption import StopRequest
 from megajax.training.step import TrainState, make_eval_step, make_train_step
-
-log = logging.getLogger("megajax")
 
 
 def num_micro_batches(config: ml_collections.ConfigDict, data_parallel: int) -> int:
@@ -45,39 +42,6 @@ def num_micro_batches(config: ml_collections.ConfigDict, data_parallel: int) -> 
         raise ConfigError(f"train.global_batch_size={b} is not a multiple of train.micro_batch_size={micro} x "
                           f"data={data_parallel}")
     return b // (micro * data_parallel)
-
-
-def load_dataset(config: ml_collections.ConfigDict) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, document offsets) of the corpus named by ``config.data``."""
-    d, vocab = config.data, config.model.vocab_size
-    if d.source == "default":
-        from megajax.data.default_corpus import default_corpus
-        data = default_corpus(vocab)[0]
-    elif d.source == "indexed":
-        data = IndexedTokens.open(d.path)
-    elif d.source == "tfds":
-        from megajax.data.default_corpus import cache_root
-        from megajax.data.tfds_source import tfds_corpus
-        data = tfds_corpus(d.tfds_name, d.tfds_split, d.tfds_feature, d.tokenizer, cache_root(), d.tfds_data_dir,
-                           d.min_tokens)
-    elif d.source == "random":  # labelled: uniform tokens, the loss cannot fall below log(vocab)
-        tokens = np.random.default_rng(d.seed).integers(0, vocab, 1 << 20, dtype=np.int32)
-        return tokens, np.arange(0, len(tokens) + 1, 1024)
-    else:
-        raise ConfigError(f"data.source={d.source!r}; choose default, indexed, tfds or random")
-    if data.meta["vocab_size"] > vocab:
-        raise ConfigError(f"the data's tokenizer has {data.meta['vocab_size']} ids but model.vocab_size={vocab}; "
-                          f"set --config.model.vocab_size={data.meta['vocab_size']}")
-    return data.tokens, data.offsets
-
-
-def make_loader(config: ml_collections.ConfigDict, split: str = "train") -> GPTLoader:
-    """The loader of ``split`` ('train' or 'valid'), positioned at step 0."""
-    tokens, offsets = load_dataset(config)
-    train_range, valid_range = split_by_documents(offsets, config.data.valid_fraction)
-    batches = GPTBatches(tokens, config.model.max_seq_len, config.train.global_batch_size, config.data.seed,
-                         train_range if split == "train" else valid_range)
-    return GPTLoader(batches)
 
 
 @dataclasses.dataclass

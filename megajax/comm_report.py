@@ -1,0 +1,43 @@
+"""What one training step communicates, read from its compiled HLO (no step is run).
+
+    python -m megajax.comm_report --config=gpt_tiny --mesh=2x4 --cpu_devices=8 [--batch=8]
+
+Prints every collective of the compiled forward + backward + AdamW step: the mesh axes it spans, its phase, its
+size in elements and how many times it runs per step (scanned layers counted by trip count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megajax.cli import simulate_cpu_devices
+
+
+def main(argv: list[str] | None = None) -> str:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--mesh", default="1x1", help="DATAxMODEL")
+    p.add_argument("--batch", type=int, default=0, help="global batch (default: the config's)")
+    p.add_argument("--cpu_devices", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.cpu_devices:
+        simulate_cpu_devices([f"--cpu_devices={args.cpu_devices}"])
+
+    from megajax.cli import load_config
+    from megajax.hlo_audit import collectives, format_table
+    from megajax.training.loop import setup
+
+    config = load_config(args.config)
+    config.mesh.data, config.mesh.model = (int(x) for x in args.mesh.lower().split("x"))
+    if args.batch:
+        config.train.global_batch_size = args.batch
+    run = setup(config)
+    table = format_table(collectives(run.step_fn.as_text(), run.mesh))
+    print(table)
+    return table
+
+
+if __name__ == "__main__":
+    main()
