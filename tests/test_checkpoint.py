@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import train_config
-from megajax.checkpoint import Checkpointer, CheckpointError, load_model
+from megajax.checkpoint import Checkpointer, CheckpointError, load_model, read_config
 from megajax.training.loop import setup, train
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -42,8 +42,6 @@ def _wait_for(predicate, proc, timeout=240):
 
 
 def _final_params(workdir):
-    config = train_config()
-    from megajax.checkpoint import read_config
     config = read_config(workdir)
     run = setup(config)
     state, _ = Checkpointer(workdir, config.checkpoint).restore(run.abstract_state)

@@ -32,6 +32,9 @@ from megajax.training.preemption import StopRequest
 from megajax.training.step import TrainState, make_eval_step, make_train_step
 
 
+ENTROPY_SAMPLE_TOKENS = 1 << 24  # tokens read for the logged unigram entropy
+
+
 def num_micro_batches(config: ml_collections.ConfigDict, data_parallel: int) -> int:
     """Accumulation steps per optimizer step: global batch / (micro batch x data-parallel size)."""
     b, micro = config.train.global_batch_size, config.train.micro_batch_size or 0
@@ -115,7 +118,9 @@ def _start_record(run: Run, config: ml_collections.ConfigDict, loader: GPTLoader
     except Exception:  # noqa: BLE001 - purely informational
         stats = None
     source = loader.batches.source
-    train_tokens = source.tokens[source.start:source.start + len(source) * source.seq_len]
+    # A bounded prefix: reading a whole multi-GB corpus at every start would stall it for minutes.
+    end = source.start + min(len(source) * source.seq_len, ENTROPY_SAMPLE_TOKENS)
+    train_tokens = source.tokens[source.start:end]
     return {"step": resumed_from or 0, "event": "resume" if resumed_from is not None else "start",
             "mesh": f"{dp}x{tp}", "devices": jax.device_count(), "processes": jax.process_count(),
             "device_kind": dev.device_kind, "num_params": run.num_params,
