@@ -1,7 +1,8 @@
-"""Train a GPT with Megatron-style tensor + data parallelism.
+"""Train a GPT or BERT with Megatron-style tensor + data parallelism.
 
     python train.py --config=configs/gpt_tiny.py --workdir=/tmp/tiny
     python train.py --config=gpt_2p5b.py --config.train.steps=1000 --config.mesh.model=2
+    python train.py --config=bert_tiny --workdir=/tmp/bert
 
 ``--cpu_devices=N`` simulates N devices on a CPU host.
 """
@@ -24,9 +25,13 @@ flags.DEFINE_integer("cpu_devices", 0, "simulate this many devices on a CPU host
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax and jax log every step at INFO
+    from megajax.errors import USER_ERRORS
     from megajax.training.loop import train
 
-    train(flags.FLAGS.config, flags.FLAGS.workdir)
+    try:
+        train(flags.FLAGS.config, flags.FLAGS.workdir)
+    except USER_ERRORS as e:  # a message that says what to change; no traceback
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def _gpt_125m_step_seconds() -> float:
     config.model.remat = "none"
     run = setup(config)
     state = run.init_state()
-    batch = jax.device_put(np.zeros((1, 1025), np.int32), run.batch_sharding)
+    batch = {"tokens": jax.device_put(np.zeros((1, 1025), np.int32), run.batch_shardings["tokens"])}
     state, m = run.step_fn(state, batch)
     jax.block_until_ready(m)
     t = time.perf_counter()

@@ -31,7 +31,6 @@ def main():
     import numpy as np
 
     from megajax.cli import load_config
-    from megajax.config import gpt_config
     from megajax.training.loop import setup
     from megajax.training.metrics import model_flops_per_step
 
@@ -44,8 +43,8 @@ def main():
     run = setup(config)
     state = run.init_state()
     compile_s = time.perf_counter() - t0
-    batch = jax.device_put(np.random.default_rng(0).integers(0, config.model.vocab_size, (args.batch, args.seq + 1),
-                                                             dtype=np.int32), run.batch_sharding)
+    tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (args.batch, args.seq + 1), dtype=np.int32)
+    batch = {"tokens": jax.device_put(tokens, run.batch_shardings["tokens"])}
     state, m = run.step_fn(state, batch)
     jax.block_until_ready(m)
     t = time.perf_counter()
@@ -53,9 +52,7 @@ def main():
         state, m = run.step_fn(state, batch)
     jax.block_until_ready(m)
     step_s = (time.perf_counter() - t) / args.steps
-    mc = config.model
-    flops = model_flops_per_step(args.batch, args.seq, mc.num_layers, mc.hidden_size,
-                                 gpt_config(config).padded_vocab_size)
+    flops = model_flops_per_step(run.spec, args.seq)
     print(json.dumps({"config": args.config, "device": jax.devices()[0].device_kind, "mesh": args.mesh,
                       "batch": args.batch, "seq": args.seq, "precision": config.train.precision,
                       "params": run.num_params, "setup_and_compile_s": round(compile_s, 1),

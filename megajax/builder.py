@@ -1,14 +1,20 @@
-"""From a config to a mesh and a sharded model: validate first, then allocate each shard where it lives."""
+"""From a config to a mesh and a sharded model: validate first, then allocate each shard where it lives.
+
+Every path that makes a model (training, evaluation, conversion, tools, tests) goes through ``model_factory``, so
+the model class is picked by ``config.model.name`` in one place.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
-from megajax.config import gpt_config, rules_of, validate
-from megajax.models.gpt import GPT
+from megajax.config import model_config, rules_of, validate
+from megajax.models import MODELS
 from megajax.partition import init_sharded, partition_specs
 from megajax.sharding import make_mesh
 
@@ -20,16 +26,22 @@ def build_mesh(config: ml_collections.ConfigDict, devices: list[jax.Device] | No
     return make_mesh(dp, tp, devices)
 
 
-def abstract_model(config: ml_collections.ConfigDict) -> GPT:
+def model_factory(config: ml_collections.ConfigDict) -> Callable[[int], nnx.Module]:
+    """``seed -> model`` for ``config.model.name`` (registry ``megajax.models.MODELS``)."""
+    cls, cfg = MODELS[config.model.name], model_config(config)  # model_config checks the name first
+    return lambda seed: cls(cfg, rngs=nnx.Rngs(seed))
+
+
+def abstract_model(config: ml_collections.ConfigDict) -> nnx.Module:
     """The model with ShapeDtypeStructs for parameters: shapes and names, no memory."""
-    cfg = gpt_config(config)
-    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+    make = model_factory(config)
+    model = nnx.eval_shape(lambda: make(0))
     partition_specs(nnx.state(model), rules_of(config))  # unknown names fail here, before allocation
     return model
 
 
-def create_model(config: ml_collections.ConfigDict, mesh: Mesh, seed: int = 0) -> GPT:
+def create_model(config: ml_collections.ConfigDict, mesh: Mesh, seed: int = 0) -> nnx.Module:
     """Initialises the model sharded on ``mesh`` (checks run first, on the abstract model)."""
     abstract_model(config)
-    cfg = gpt_config(config)
-    return init_sharded(lambda: GPT(cfg, rngs=nnx.Rngs(seed)), mesh, rules_of(config))
+    make = model_factory(config)
+    return init_sharded(lambda: make(seed), mesh, rules_of(config))

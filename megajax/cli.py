@@ -47,11 +47,31 @@ def load_config(name: str) -> ml_collections.ConfigDict:
     return module.get_config()
 
 
+def _flag_value(argv: list[str], name: str) -> str | None:
+    """The value of ``--name=V`` or ``--name V`` (the last one wins, as absl's), else None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{name}="):
+            value = arg.split("=", 1)[1]
+        elif arg == f"--{name}":
+            if i + 1 >= len(argv):
+                raise SystemExit(f"--{name} needs a value, e.g. --{name}=8")
+            value = argv[i + 1]
+    return value
+
+
 def simulate_cpu_devices(argv: list[str]) -> None:
-    """Honours ``--cpu_devices=N`` by setting XLA's host device count; must run before jax is imported."""
-    for arg in argv:
-        if arg.startswith("--cpu_devices="):
-            n = int(arg.split("=", 1)[1])
+    """Honours ``--cpu_devices=N`` (or ``--cpu_devices N``) by setting XLA's host device count; must run before
+    jax is imported."""
+    value = _flag_value(argv, "cpu_devices")
+    if value is not None:
+        try:
+            n = int(value)
+        except ValueError:
+            raise SystemExit(f"--cpu_devices={value!r}: give a whole number of devices, e.g. --cpu_devices=8")
+        if n < 0:
+            raise SystemExit(f"--cpu_devices={n}: give 0 (the real devices) or more")
+        if n:
             if "jax" in sys.modules:
                 raise RuntimeError("--cpu_devices must be handled before jax is imported")
             flags = os.environ.get("XLA_FLAGS", "")

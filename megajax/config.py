@@ -1,14 +1,17 @@
-"""The default experiment config and the checks that run before anything is allocated.
+"""The default experiment config, the checks that run before anything is allocated, and the resolved run.
 
-Each file in ``configs/`` starts from ``base_config()`` and sets the model size. Layers never see this object:
-``gpt_config`` turns ``config.model`` into a frozen ``GPTConfig``.
+Each file in ``configs/`` starts from ``base_config()`` and sets the model. Layers never see this object:
+``resolve`` turns it, once, into a frozen ``RunSpec`` (the model's ``TransformerConfig``, the rules, the mesh
+shape, the precision, the micro-batching) that everything downstream reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_collections
 
-from megajax.models.gpt import GPTConfig
+from megajax.models import MODELS, TransformerConfig
 from megajax.sharding import MEGATRON_RULES, MESH_AXES, ConfigError, Rules, ShardingConfigError, resolve_mesh_shape
 
 
@@ -28,6 +31,9 @@ def base_config() -> ml_collections.ConfigDict:
         init_std=0.02,
         layernorm_eps=1e-5,
         remat="full",  # activation checkpointing after every layer (paper Section 4.2)
+        post_layernorm=False,  # False: pre-LN blocks + final LN (paper Fig. 7b); True: original BERT (Fig. 7a)
+        activation="gelu_tanh",  # gelu_tanh (GPT-2) | gelu (exact erf, BERT)
+        num_token_types=0,  # BERT: 2 (sentence A / B)
     ))
     c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
     c.sharding = ml_collections.ConfigDict(dict(rules=MEGATRON_RULES))
@@ -40,6 +46,8 @@ def base_config() -> ml_collections.ConfigDict:
         eval_every=0,  # validation loss every N steps (0: only at the end)
         eval_batches=8,  # global batches of the validation split per evaluation (0: never)
         precision="auto",  # fp32 | bf16 | fp16 | auto (bf16 on accelerators, fp32 on CPU)
+        max_nonfinite_steps=0,  # stop after this many consecutive non-finite losses (fp16's skipped steps aside)
+        allow_batch_size_change=False,  # resume with another global_batch_size (the data order then shifts)
         peak_flops_per_device=0.0,  # override the MFU denominator; 0 = look up by device kind
     ))
     c.checkpoint = ml_collections.ConfigDict(dict(
@@ -66,6 +74,9 @@ def base_config() -> ml_collections.ConfigDict:
         min_tokens=0,  # tfds: drop shorter documents (the preprocess CLI defaults to the paper's 128)
         seed=1234,
         valid_fraction=1 / 30,  # the paper's 29:1 train/validation split
+        mask_prob=0.15,  # BERT: fraction of tokens masked (whole-word n-grams)
+        max_ngram=3,  # BERT: n-gram lengths 1..max_ngram with probability proportional to 1/n
+        short_seq_prob=0.1,  # BERT: probability of a shorter target length
     ))
     return c
 
@@ -89,21 +100,26 @@ def resolve_precision(precision: str) -> str:
     return "fp32" if jax.default_backend() == "cpu" else "bf16"
 
 
-def gpt_config(config: ml_collections.ConfigDict) -> GPTConfig:
+def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
     """The model's own frozen config, from ``config.model`` (and the compute dtype from ``train.precision``)."""
     m = config.model
+    if m.name not in MODELS:
+        raise ConfigError(f"model.name={m.name!r}; choose one of {sorted(MODELS)}")
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
     precision = resolve_precision(config.train.get("precision", "auto"))
     if precision not in _PRECISION_DTYPES:
         raise ConfigError(f"train.precision={precision!r}; choose one of {sorted(_PRECISION_DTYPES)}")
-    return GPTConfig(
-        vocab_size=m.vocab_size,
-        padded_vocab_size=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by),
-        num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads, max_seq_len=m.max_seq_len,
-        mlp_ratio=m.mlp_ratio, dropout=m.dropout, init_std=m.init_std, layernorm_eps=m.layernorm_eps,
-        dtype=_PRECISION_DTYPES[precision], remat=m.remat,
-    )
+    try:
+        return TransformerConfig(
+            vocab_size=m.vocab_size,
+            padded_vocab_size=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by),
+            num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads, max_seq_len=m.max_seq_len,
+            mlp_ratio=m.mlp_ratio, dropout=m.dropout, init_std=m.init_std, layernorm_eps=m.layernorm_eps,
+            dtype=_PRECISION_DTYPES[precision], remat=m.remat, post_layernorm=m.post_layernorm,
+            activation=m.activation, num_token_types=m.num_token_types)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def rules_of(config: ml_collections.ConfigDict) -> Rules:
@@ -138,6 +154,69 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
         raise ConfigError(f"the padded vocabulary {padded} (model.make_vocab_size_divisible_by="
                           f"{m.make_vocab_size_divisible_by}) is not divisible by mesh.model={tp}; make "
                           f"make_vocab_size_divisible_by a multiple of {tp}")
+    if m.max_seq_len < 1 or not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.max_seq_len must be >= 1 and model.dropout in [0, 1); got {m.max_seq_len} and "
+                          f"{m.dropout}")
+    model_config(config)  # name, precision, remat, activation
     dp, tp = resolve_mesh_shape(dp, tp, num_devices)
     rules_of(config)
     return dp, tp
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate_training(config: ml_collections.ConfigDict, data_parallel: int) -> int:
+    """Checks the fields only training reads; returns the number of micro-batches per step."""
+    t, c, d = config.train, config.checkpoint, config.data
+    _require(t.steps >= 1, f"train.steps must be >= 1 (optimizer steps to train to), got {t.steps}")
+    _require(t.log_every >= 1, f"train.log_every must be >= 1 (log every N steps), got {t.log_every}")
+    _require(t.eval_every >= 0 and t.eval_batches >= 0,
+             f"train.eval_every and train.eval_batches must be >= 0 (0: off), got {t.eval_every}, {t.eval_batches}")
+    _require(t.max_nonfinite_steps >= 0, f"train.max_nonfinite_steps must be >= 0, got {t.max_nonfinite_steps}")
+    _require(not c.enabled or c.every_steps >= 1,
+             f"checkpoint.every_steps must be >= 1, got {c.every_steps}; to save no checkpoints set "
+             "checkpoint.enabled=False")
+    _require(0.0 <= d.valid_fraction < 1.0, f"data.valid_fraction must be in [0, 1), got {d.valid_fraction}")
+    _require(0.0 < d.mask_prob < 1.0 and d.max_ngram >= 1 and 0.0 <= d.short_seq_prob <= 1.0,
+             f"data.mask_prob must be in (0, 1), data.max_ngram >= 1 and data.short_seq_prob in [0, 1]; got "
+             f"{d.mask_prob}, {d.max_ngram}, {d.short_seq_prob}")
+    b, micro = t.global_batch_size, t.micro_batch_size or 0
+    _require(b >= 1 and micro >= 0, f"train.global_batch_size must be >= 1 and train.micro_batch_size >= 0 "
+                                    f"(0: no accumulation); got {b} and {micro}")
+    _require(b % data_parallel == 0,
+             f"train.global_batch_size={b} is not divisible by the data-parallel size {data_parallel}")
+    micro = micro or b // data_parallel
+    _require(b % (micro * data_parallel) == 0, f"train.global_batch_size={b} is not a multiple of "
+                                               f"train.micro_batch_size={micro} x data={data_parallel}")
+    return b // (micro * data_parallel)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """A config resolved once: what the model, the mesh and the step are; read everywhere downstream."""
+
+    model_name: str
+    model: TransformerConfig
+    rules: Rules
+    data: int  # mesh shape
+    tensor: int
+    precision: str  # fp32 | bf16 | fp16 (``auto`` resolved)
+    global_batch: int
+    num_micro: int  # accumulation steps per optimizer step
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per data shard per accumulation step."""
+        return self.global_batch // (self.data * self.num_micro)
+
+
+def resolve(config: ml_collections.ConfigDict, num_devices: int) -> RunSpec:
+    """Validates a training config against ``num_devices`` and resolves every derived fact once."""
+    dp, tp = validate(config, num_devices)
+    num_micro = validate_training(config, dp)
+    return RunSpec(model_name=config.model.name, model=model_config(config), rules=rules_of(config), data=dp,
+                   tensor=tp, precision=resolve_precision(config.train.precision),
+                   global_batch=config.train.global_batch_size, num_micro=num_micro)

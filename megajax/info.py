@@ -18,7 +18,7 @@ import jax
 import ml_collections
 from flax import nnx
 
-from megajax.config import gpt_config, resolve_precision, rules_of, validate
+from megajax.config import model_config, resolve_precision, rules_of, validate
 from megajax.builder import abstract_model
 from megajax.cli import load_config
 from megajax.sharding import logical_to_spec
@@ -67,7 +67,7 @@ def activation_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: in
     s, b, h, a, L = m.max_seq_len, micro_batch, m.hidden_size, m.num_heads, m.num_layers
     per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
     kept = L * 2 * s * b * h + per_layer if m.remat != "none" else L * per_layer
-    logits = 4 * s * b * gpt_config(config).padded_vocab_size / tp * 2  # fp32 logits and their gradient
+    logits = 4 * s * b * model_config(config).padded_vocab_size / tp * 2  # fp32 logits and their gradient
     return int(kept * bytes_per_value / 2 + logits)
 
 

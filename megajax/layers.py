@@ -50,6 +50,11 @@ class ColumnParallelLinear(nnx.Module):
         return y + self.bias[...].astype(self.dtype)
 
 
+class Dense(ColumnParallelLinear):
+    """A dense layer for small heads (pooler, MLM transform, classifiers): its names map to no mesh axis, so it
+    is replicated on every shard and its replicated input needs no communication, as in Megatron."""
+
+
 class RowParallelLinear(nnx.Module):
     """``y = x @ W + b`` with W's input dimensions sharded (the second GEMM of a Megatron block).
 
@@ -119,8 +124,16 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
 
 
 def gelu(x: jax.Array) -> jax.Array:
-    """GeLU, tanh approximation (as GPT-2)."""
+    """GeLU, tanh approximation (GPT-2; Megatron's fused bias-GeLU)."""
     return jax.nn.gelu(x, approximate=True)
+
+
+def gelu_erf(x: jax.Array) -> jax.Array:
+    """GeLU with the exact erf (BERT, Hugging Face's ``gelu``)."""
+    return jax.nn.gelu(x, approximate=False)
+
+
+ACTIVATIONS = {"gelu_tanh": gelu, "gelu": gelu_erf}
 
 
 def scaled_init_std(std: float, num_layers: int) -> float:

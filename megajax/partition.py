@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from megajax.sharding import Rules, ShardingConfigError, logical_to_spec
 
@@ -72,4 +72,4 @@ def init_sharded(build: Callable[[], M], mesh: Mesh, rules: Rules) -> M:
     return nnx.merge(graphdef, state)
 
 
-__all__ = ["P", "init_sharded", "logical_names", "partition_specs", "shardings", "spec_table"]
+__all__ = ["init_sharded", "logical_names", "partition_specs", "shardings", "spec_table"]

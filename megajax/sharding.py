@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 Rules = tuple[tuple[str, str | None], ...]
 
@@ -26,11 +26,14 @@ MEGATRON_RULES: Rules = (
     ("embed", None),  # hidden size: replicated, Megatron keeps the residual stream whole on every model shard
     ("vocab", "model"),  # word embedding and logits: vocab-parallel
     ("position", None),  # learned position embeddings: replicated
+    ("token_type", None),  # BERT's segment embeddings: replicated
     ("heads", "model"),  # QKV columns / attention-out rows: whole heads per shard
     ("qkv", None),
     ("head_dim", None),
     ("mlp", "model"),  # MLP-up columns / MLP-down rows
     ("layers", None),  # the stacked-layer axis of scanned blocks
+    ("embed_out", None),  # output side of the small replicated h -> h heads (pooler, MLM transform)
+    ("classes", None),  # classifier outputs (SOP, task heads)
 )
 
 
@@ -110,8 +113,3 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if rules is None or jax.sharding.get_abstract_mesh().empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))
-
-
-def named_sharding(mesh: Mesh, names: Sequence[str | None], rules: Rules) -> NamedSharding:
-    """The NamedSharding of an array with these logical names on ``mesh``."""
-    return NamedSharding(mesh, logical_to_spec(names, rules))

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import small_config
 from megajax.checkpoint import load_model, save_params
-from megajax.config import gpt_config
+from megajax.config import model_config
 from megajax.convert import hf_gpt2, megatron_gpt
 from megajax.convert.__main__ import main as convert_main
 
@@ -55,7 +55,7 @@ def test_converted_logits_match_transformers(hf_dir, tmp_path):
         ours, config = load_model(tmp_path / "mj", data=data, model=model_axis)
         got = np.asarray(ours(jnp.asarray(tokens)))[..., :1000]
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    assert config.model.vocab_size == 1000 and gpt_config(config).padded_vocab_size == 1024
+    assert config.model.vocab_size == 1000 and model_config(config).padded_vocab_size == 1024
 
 
 def test_hf_pytorch_bin_loads_without_pickle(hf_dir, tmp_path):
@@ -75,7 +75,7 @@ def megajax_params():
     from megajax.models.gpt import GPT
 
     config = small_config()
-    model = GPT(gpt_config(config), rngs=nnx.Rngs(3))
+    model = GPT(model_config(config), rngs=nnx.Rngs(3))
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
     rng = np.random.default_rng(1)
     params = jax.tree.map(lambda x: x + rng.normal(0, 0.05, x.shape).astype(np.float32), params)  # biases, LNs

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from megajax.data.dedup import jaccard
-from megajax.data.gpt_dataset import GPTBatches, GPTLoader, split_by_documents
+from megajax.data.gpt_dataset import GPTBatches, split_by_documents
+from megajax.data.loader import Loader, LoaderStateError
 from megajax.data.indexed import IndexedTokens
 from megajax.data.preprocess import main as preprocess_main, preprocess
 from megajax.data.tokenizer import load_tokenizer, train_tokenizer
@@ -58,7 +59,7 @@ def test_samples_are_windows_of_the_token_file(tmp_path, corpus_texts, tokenizer
     steps = n // batch
     seen = []
     for step in range(steps):
-        for row in batches.batch(step):
+        for row in batches.batch(step)["tokens"]:
             starts = [w for w in range(n) if np.array_equal(data.tokens[w * seq:w * seq + seq + 1], row)]
             assert starts, "a sample is not a window of the token file"
             seen.append(starts[0])
@@ -93,23 +94,30 @@ def test_filters_drop_exactly_short_and_duplicate_documents(tmp_path, tokenizer)
 def test_determinism_resume_and_disjoint_data_shards():
     tokens = np.arange(10_000, dtype=np.uint16) % 997
     a, b = GPTBatches(tokens, 16, 8, seed=3), GPTBatches(tokens, 16, 8, seed=3)
-    np.testing.assert_array_equal(a.batch(5), b.batch(5))
-    assert not np.array_equal(a.batch(5), GPTBatches(tokens, 16, 8, seed=4).batch(5))
-    loader = GPTLoader(a)
+    np.testing.assert_array_equal(a.batch(5)["tokens"], b.batch(5)["tokens"])
+    assert not np.array_equal(a.batch(5)["tokens"], GPTBatches(tokens, 16, 8, seed=4).batch(5)["tokens"])
+    loader = Loader(a)
     for _ in range(3):
         next(loader)
     state = json.loads(json.dumps(loader.get_state()))  # survives serialisation
-    expected = next(loader)
-    resumed = GPTLoader(GPTBatches(tokens, 16, 8, seed=3))
+    expected = next(loader)["tokens"]
+    resumed = Loader(GPTBatches(tokens, 16, 8, seed=3))
     resumed.set_state(state)
-    np.testing.assert_array_equal(next(resumed), expected)
-    with pytest.raises(ValueError, match="another dataset or seed"):
-        GPTLoader(GPTBatches(tokens, 16, 8, seed=9)).set_state(state)
+    np.testing.assert_array_equal(next(resumed)["tokens"], expected)
+    with pytest.raises(LoaderStateError, match="another dataset or seed"):
+        Loader(GPTBatches(tokens, 16, 8, seed=9)).set_state(state)
+    # Another global batch size moves the data position: refused unless allowed, and the message says how.
+    with pytest.raises(LoaderStateError, match="global_batch_size=8 but this run uses 4.*allow_batch_size_change"):
+        Loader(GPTBatches(tokens, 16, 4, seed=3)).set_state(state)
+    Loader(GPTBatches(tokens, 16, 4, seed=3)).set_state(state, allow_batch_size_change=True)
+    old = {k: v for k, v in state.items() if k != "global_batch"}  # checkpoints from before the field existed
+    Loader(GPTBatches(tokens, 16, 8, seed=3)).set_state(old)
     # 2-way data parallel: shard 0 reads rows 0:4, shard 1 rows 4:8 of every global batch.
-    shard0 = {a.rows(s, 0, 4)[i].tobytes() for s in range(50) for i in range(4)}
-    shard1 = {a.rows(s, 4, 8)[i].tobytes() for s in range(50) for i in range(4)}
+    rows = lambda s, i, j: a.rows(s, i, j)["tokens"]  # noqa: E731
+    shard0 = {rows(s, 0, 4)[i].tobytes() for s in range(50) for i in range(4)}
+    shard1 = {rows(s, 4, 8)[i].tobytes() for s in range(50) for i in range(4)}
     assert len(shard0) == len(shard1) == 200 and not shard0 & shard1
-    np.testing.assert_array_equal(np.concatenate([a.rows(7, 0, 4), a.rows(7, 4, 8)]), a.batch(7))
+    np.testing.assert_array_equal(np.concatenate([rows(7, 0, 4), rows(7, 4, 8)]), a.batch(7)["tokens"])
 
 
 def test_split_is_29_to_1_at_a_document_boundary():

@@ -11,7 +11,7 @@ from flax import nnx
 
 from conftest import small_config
 from megajax.checkpoint import save_params
-from megajax.config import gpt_config, rules_of
+from megajax.config import model_config, rules_of
 from megajax.data.tokenizer import train_tokenizer
 from megajax.evaluation.detokenize import original_token_count, wikitext_detokenize
 from megajax.evaluation.generate import Sampling, generate
@@ -38,7 +38,7 @@ def test_every_target_scored_once_with_enough_context(seq_len, stride):
 def tiny_model():
     config = small_config()
     config.model.max_seq_len = 16
-    model = GPT(gpt_config(config), rngs=nnx.Rngs(1))
+    model = GPT(model_config(config), rngs=nnx.Rngs(1))
     return model, config
 
 

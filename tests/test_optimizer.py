@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from conftest import small_config
-from megajax.config import base_config, gpt_config
+from megajax.config import base_config, model_config
 from megajax.models.gpt import GPT
 from megajax.training.optimizer import learning_rate_schedule, make_optimizer, weight_decay_mask
 
@@ -43,7 +43,7 @@ def test_linear_schedule_closed_form():
 
 
 def test_weight_decay_mask_is_exactly_the_matrices():
-    params = nnx.to_pure_dict(nnx.state(GPT(gpt_config(small_config()), rngs=nnx.Rngs(0))))
+    params = nnx.to_pure_dict(nnx.state(GPT(model_config(small_config()), rngs=nnx.Rngs(0))))
     mask = {"/".join(k.key for k in p): v for p, v in jax.tree_util.tree_leaves_with_path(weight_decay_mask(params))}
     decayed = {k for k, v in mask.items() if v}
     assert decayed == {"blocks/attn/qkv/kernel", "blocks/attn/out/kernel", "blocks/mlp/up/kernel",

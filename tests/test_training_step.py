@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from conftest import small_config, train_config
-from megajax.config import gpt_config
+from megajax.config import model_config
 from megajax.losses import lm_loss
 from megajax.models.gpt import GPT
 from megajax.data.sources import make_loader
@@ -46,7 +46,7 @@ def test_dropout_changes_the_gradients(dropout_runs, tmp_path):
 def _one_step(config):
     run = setup(config)
     state = run.init_state()
-    state, metrics = run.step_fn(state, make_loader(config).next_global(run.batch_sharding))
+    state, metrics = run.step_fn(state, make_loader(config).next_global(run.batch_shardings))
     return float(metrics["loss"]), jax.tree.map(np.asarray, state.params)
 
 
@@ -68,15 +68,15 @@ def test_fp16_overflow_skips_then_backs_off_then_grows():
     state = run.init_state()
     loader = make_loader(config)
     before = jax.tree.map(np.asarray, state.params)
-    state, m = run.step_fn(state, loader.next_global(run.batch_sharding))
+    state, m = run.step_fn(state, loader.next_global(run.batch_shardings))
     assert int(m["skipped"]) == 1 and float(state.loss_scale.scale) == 2.0**32
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before)):
         np.testing.assert_array_equal(np.asarray(a), b)
-    state, m = run.step_fn(state, loader.next_global(run.batch_sharding))
+    state, m = run.step_fn(state, loader.next_global(run.batch_shardings))
     assert int(m["skipped"]) == 1 and float(state.loss_scale.scale) == 2.0**31
     scales, skipped = [], []
     for step in range(2, 40):
-        state, m = run.step_fn(state, loader.next_global(run.batch_sharding))
+        state, m = run.step_fn(state, loader.next_global(run.batch_shardings))
         scales.append(float(state.loss_scale.scale))
         skipped.append(int(m["skipped"]))
     clean = [i for i, s in enumerate(skipped) if not s]
@@ -94,7 +94,7 @@ def test_remat_gives_same_loss_and_gradients(policy):
 
     def loss_and_grads(remat):
         config.model.remat = remat
-        model = GPT(gpt_config(config), rngs=nnx.Rngs(0))
+        model = GPT(model_config(config), rngs=nnx.Rngs(0))
         graphdef, params = nnx.split(model)
         loss = lambda p: lm_loss(nnx.merge(graphdef, p), tokens[:, :-1], tokens[:, 1:],  # noqa: E731
                                  dropout_key=jax.random.key(3))

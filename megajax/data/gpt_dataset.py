@@ -10,7 +10,6 @@ would, and each data shard or host reads only its own rows.
 from __future__ import annotations
 
 import grain
-import jax
 import numpy as np
 
 
@@ -19,10 +18,7 @@ class WindowSource:
 
     def __init__(self, tokens: np.ndarray, start: int, stop: int, seq_len: int):
         self.tokens, self.start, self.seq_len = tokens, start, seq_len
-        self.num_windows = (stop - start - 1) // seq_len
-        if self.num_windows < 1:
-            raise ValueError(f"{stop - start} tokens make no window of {seq_len + 1}: use more data or a shorter "
-                             "model.max_seq_len")
+        self.num_windows = max((stop - start - 1) // seq_len, 0)
 
     def __len__(self) -> int:
         return self.num_windows
@@ -44,53 +40,28 @@ def split_by_documents(offsets: np.ndarray, valid_fraction: float) -> tuple[tupl
 
 
 class GPTBatches:
-    """Deterministic global batches of shape (global_batch, seq_len + 1)."""
+    """Deterministic global batches ``{'tokens': (global_batch, seq_len + 1)}``."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int,
                  token_range: tuple[int, int] | None = None):
         start, stop = token_range or (0, len(tokens))
         self.source = WindowSource(tokens, start, stop, seq_len)
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
-        self._samples = grain.MapDataset.source(self.source).shuffle(seed=seed).repeat()
+        self.num_samples = len(self.source)
+        self.fields = {"tokens": ((seq_len + 1,), np.dtype(np.int32))}
+        self._samples = grain.MapDataset.source(self.source).shuffle(seed=seed).repeat() if len(self.source) else None
 
-    def rows(self, step: int, start: int, stop: int) -> np.ndarray:
-        """Rows ``start:stop`` of the global batch of ``step``: (stop - start, seq_len + 1) int32."""
+    def rows(self, step: int, start: int, stop: int) -> dict[str, np.ndarray]:
+        """Rows ``start:stop`` of the global batch of ``step``: tokens (stop - start, seq_len + 1) int32."""
         first = step * self.global_batch
-        return np.stack([self._samples[k] for k in range(first + start, first + stop)])
+        return {"tokens": np.stack([self._samples[k] for k in range(first + start, first + stop)])}
 
-    def batch(self, step: int) -> np.ndarray:
+    def batch(self, step: int) -> dict[str, np.ndarray]:
         return self.rows(step, 0, self.global_batch)
 
-
-class GPTLoader:
-    """An iterator over ``GPTBatches`` whose whole state is its step (saved in training checkpoints)."""
-
-    def __init__(self, batches: GPTBatches, step: int = 0):
-        self.batches, self.step = batches, step
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> np.ndarray:
-        out = self.batches.batch(self.step)
-        self.step += 1
-        return out
-
-    def next_global(self, sharding: jax.sharding.Sharding) -> jax.Array:
-        """The next batch as one global array; each process computes only the rows its devices hold."""
-        step, shape = self.step, (self.batches.global_batch, self.batches.seq_len + 1)
-        self.step += 1
-        return jax.make_array_from_callback(
-            shape, sharding, lambda idx: self.batches.rows(step, idx[0].start or 0, idx[0].stop or shape[0]))
-
-    def get_state(self) -> dict:
-        return {"step": self.step, "seed": self.batches.seed, "num_windows": len(self.batches.source)}
-
-    def set_state(self, state: dict) -> None:
-        if (state["seed"], state["num_windows"]) != (self.batches.seed, len(self.batches.source)):
-            raise ValueError(f"loader state {state} is from another dataset or seed (this one: seed "
-                             f"{self.batches.seed}, {len(self.batches.source)} windows)")
-        self.step = int(state["step"])
+    def identity(self) -> dict:
+        """What a resumed loader must match (the keys of loader states saved since the first release)."""
+        return {"seed": self.seed, "num_windows": self.num_samples}
 
 
 def unigram_entropy(tokens: np.ndarray) -> float:

@@ -1,22 +1,50 @@
-"""Where training data comes from: ``config.data.source`` -> token array + document offsets -> a loader."""
+"""Where training data comes from: ``config.data.source`` -> tokens + document offsets -> the model's batches.
+
+Every problem with the data (ids the model cannot embed, a split too small for one batch) is raised here, before
+anything compiles, with the field to change.
+"""
 
 from __future__ import annotations
 
 import ml_collections
 import numpy as np
 
-from megajax.data.gpt_dataset import GPTBatches, GPTLoader, split_by_documents
+from megajax.data.gpt_dataset import GPTBatches, split_by_documents
 from megajax.data.indexed import IndexedTokens
+from megajax.data.loader import Loader
 from megajax.sharding import ConfigError
 
+MAX_ID_CHUNK = 1 << 26  # ids per read when scanning a memory-mapped corpus for its largest id
 
-def load_dataset(config: ml_collections.ConfigDict) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, document offsets) of the corpus named by ``config.data``."""
+
+def max_token_id(tokens: np.ndarray) -> int:
+    """The largest id in ``tokens`` (read in chunks, so a memory-mapped corpus is never loaded whole)."""
+    return max((int(tokens[i:i + MAX_ID_CHUNK].max()) for i in range(0, len(tokens), MAX_ID_CHUNK)), default=-1)
+
+
+def check_ids_fit(tokens: np.ndarray, meta: dict, vocab_size: int, what: str) -> None:
+    """Raises ConfigError when the data's tokenizer or its largest id does not fit ``vocab_size``."""
+    if meta.get("vocab_size", 0) > vocab_size:
+        raise ConfigError(f"{what}'s tokenizer has {meta['vocab_size']} ids but model.vocab_size={vocab_size}; "
+                          f"set --config.model.vocab_size={meta['vocab_size']} (or use data made with the model's "
+                          "tokenizer)")
+    top = max_token_id(tokens)
+    if top >= vocab_size:
+        raise ConfigError(f"{what} holds token id {top} but model.vocab_size={vocab_size}: the data was made with "
+                          "a bigger tokenizer or the .bin file is damaged; re-run preprocessing with the model's "
+                          f"tokenizer or set --config.model.vocab_size to at least {top + 1}")
+
+
+def load_dataset(config: ml_collections.ConfigDict) -> IndexedTokens:
+    """The corpus named by ``config.data``, checked against the model's vocabulary."""
     d, vocab = config.data, config.model.vocab_size
     if d.source == "default":
         from megajax.data.default_corpus import default_corpus
         data = default_corpus(vocab)[0]
     elif d.source == "indexed":
+        if not d.path:
+            raise ConfigError("data.source=indexed needs --config.data.path=PREFIX (from python -m "
+                              "megajax.data.preprocess --output_prefix=PREFIX)")
         data = IndexedTokens.open(d.path)
     elif d.source == "tfds":
         from megajax.data.default_corpus import cache_root
@@ -25,19 +53,31 @@ def load_dataset(config: ml_collections.ConfigDict) -> tuple[np.ndarray, np.ndar
                            d.min_tokens)
     elif d.source == "random":  # labelled: uniform tokens, the loss cannot fall below log(vocab)
         tokens = np.random.default_rng(d.seed).integers(0, vocab, 1 << 20, dtype=np.int32)
-        return tokens, np.arange(0, len(tokens) + 1, 1024)
+        return IndexedTokens(tokens, np.arange(0, len(tokens) + 1, 1024), {"vocab_size": vocab})
     else:
         raise ConfigError(f"data.source={d.source!r}; choose default, indexed, tfds or random")
-    if data.meta["vocab_size"] > vocab:
-        raise ConfigError(f"the data's tokenizer has {data.meta['vocab_size']} ids but model.vocab_size={vocab}; "
-                          f"set --config.model.vocab_size={data.meta['vocab_size']}")
-    return data.tokens, data.offsets
+    check_ids_fit(data.tokens, data.meta, vocab, f"the dataset of data.source={d.source}")
+    return data
 
 
-def make_loader(config: ml_collections.ConfigDict, split: str = "train") -> GPTLoader:
-    """The loader of ``split`` ('train' or 'valid'), positioned at step 0."""
-    tokens, offsets = load_dataset(config)
-    train_range, valid_range = split_by_documents(offsets, config.data.valid_fraction)
-    batches = GPTBatches(tokens, config.model.max_seq_len, config.train.global_batch_size, config.data.seed,
-                         train_range if split == "train" else valid_range)
-    return GPTLoader(batches)
+def _split_hint(split: str, config: ml_collections.ConfigDict) -> str:
+    if split == "valid":
+        return (f"the validation split (the last data.valid_fraction={config.data.valid_fraction:.4g} of the "
+                "documents) is too small: raise --config.data.valid_fraction, or set --config.train.eval_batches=0 "
+                "to train without validation")
+    return "the training split is too small: use more data, a smaller train.global_batch_size or model.max_seq_len"
+
+
+def make_loader(config: ml_collections.ConfigDict, split: str = "train",
+                data: IndexedTokens | None = None) -> Loader:
+    """The loader of ``split`` ('train' or 'valid') for ``config.model.name``, positioned at step 0."""
+    data = load_dataset(config) if data is None else data
+    train_range, valid_range = split_by_documents(data.offsets, config.data.valid_fraction)
+    token_range = train_range if split == "train" else valid_range
+    b, seq = config.train.global_batch_size, config.model.max_seq_len
+    batches = GPTBatches(data.tokens, seq, b, config.data.seed, token_range)
+    n = batches.num_samples
+    if n == 0 or (split == "train" and n < b):
+        raise ConfigError(f"{_split_hint(split, config)} ({token_range[1] - token_range[0]} tokens make {n} samples "
+                          f"of {seq + 1} tokens; one step needs train.global_batch_size={b})")
+    return Loader(batches)

@@ -1,5 +1,9 @@
-"""Model definitions."""
+"""Model definitions, picked by ``config.model.name``: every model is built from a ``TransformerConfig``."""
 
-from megajax.models.gpt import GPT, GPTConfig
+from megajax.models.bert import BERT
+from megajax.models.gpt import GPT
+from megajax.models.transformer import TransformerConfig
 
-__all__ = ["GPT", "GPTConfig"]
+MODELS = {"gpt": GPT, "bert": BERT}
+
+__all__ = ["BERT", "GPT", "MODELS", "TransformerConfig"]

@@ -14,10 +14,20 @@ PEAK_FLOPS = {
 }
 
 
-def model_flops_per_step(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+def transformer_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
     """Megatron's model FLOPs of one forward+backward step (Narayanan et al. 2021, without recomputation):
-    72 B s L h^2 (1 + s / (6 h) + V / (12 L h))."""
+    72 B s L h^2 (1 + s / (6 h) + V / (12 L h)); the last term is the output layer over every position."""
     return 72.0 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+
+
+def model_flops_per_step(spec, seq: int) -> float:
+    """Model FLOPs of one step of a resolved run (``config.RunSpec``): GPT's formula; BERT adds its MLM
+    transform (an h x h dense at every position, 6 B s h^2 forward + backward; the pooler is negligible)."""
+    m = spec.model
+    flops = transformer_flops(spec.global_batch, seq, m.num_layers, m.hidden_size, m.padded_vocab_size)
+    if spec.model_name == "bert":
+        flops += 6.0 * spec.global_batch * seq * m.hidden_size**2
+    return flops
 
 
 def peak_flops(device: jax.Device, override: float | None = None) -> float | None:

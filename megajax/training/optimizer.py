@@ -14,7 +14,7 @@ import optax
 
 Params = dict[str, Any]
 
-NO_DECAY_LEAVES = ("bias", "scale")  # biases and LayerNorm scales/biases
+NO_DECAY_LEAVES = ("bias", "scale")  # biases (any leaf named *bias, e.g. BERT's mlm_bias) and LayerNorm scales
 
 
 def learning_rate_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
@@ -32,7 +32,7 @@ def learning_rate_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> 
 
 def weight_decay_mask(params: Params) -> Params:
     """True for weight matrices and embeddings; False for biases and LayerNorm parameters."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key not in NO_DECAY_LEAVES, params)
+    return jax.tree_util.tree_map_with_path(lambda path, _: not path[-1].key.endswith(NO_DECAY_LEAVES), params)
 
 
 def make_optimizer(opt: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:

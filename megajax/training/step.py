@@ -1,8 +1,8 @@
-"""The training state and the pure, jitted training step.
+"""The training state and the pure, jitted training step, for any objective.
 
 One step: split the global batch into micro-batches (gradient accumulation by ``lax.scan``), forward + backward
-each with its own dropout key, unscale and check the gradients (fp16), clip + AdamW, and skip the update when a
-gradient overflowed. Shardings come from the caller's jit: parameters over ``model``, the batch over ``data``; XLA
+each with its own dropout key, unscale (fp16), clip + AdamW, and skip the update when the loss or the gradient
+norm is not finite. Shardings come from the caller's jit: parameters over ``model``, the batch over ``data``; XLA
 inserts Megatron's all-reduces and the data-parallel gradient reduction.
 """
 
@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from megajax.losses import lm_loss
 from megajax.sharding import constrain
-from megajax.training.loss_scale import LossScale, all_finite
+from megajax.training.loss_scale import LossScale
+from megajax.training.objectives import Batch, Field, Metrics, Objective
 from megajax.training.optimizer import applied_updates
 
 Params = dict[str, Any]
@@ -32,63 +32,75 @@ class TrainState:
     rng: jax.Array  # uint32 key data of the base dropout key; step and micro-batch are folded in
 
 
-def _split_micro(batch: jax.Array, num_micro: int) -> jax.Array:
-    """(B, T) -> (num_micro, B / num_micro, T) with every micro-batch spread over all data shards."""
-    b, t = batch.shape
-    x = batch.reshape(b // num_micro, num_micro, t)  # row j*num_micro + i goes to micro-batch i
-    return constrain(jnp.swapaxes(x, 0, 1), (None, "batch", None))
+def split_micro(batch: Batch, fields: dict[str, Field], num_micro: int) -> Batch:
+    """Each (B, ...) field -> (num_micro, B / num_micro, ...), every micro-batch spread over all data shards."""
+    def split(x: jax.Array, field: Field) -> jax.Array:
+        x = x.reshape(x.shape[0] // num_micro, num_micro, *x.shape[1:])  # row j*num_micro + i -> micro-batch i
+        return constrain(jnp.swapaxes(x, 0, 1), (None, *field.names))
+
+    return {k: split(v, fields[k]) for k, v in batch.items()}
 
 
-def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[Params, jax.Array], jax.Array]:
-    """Builds ``eval_step(params, batch (B, S + 1)) -> mean next-token loss`` (no dropout, no gradients)."""
+def make_eval_step(graphdef: nnx.GraphDef, objective: Objective) -> Callable[[Params, Batch], Metrics]:
+    """Builds ``eval_step(params, batch) -> {'loss', ...metrics}`` (no dropout, no gradients)."""
 
-    def eval_step(params: Params, batch: jax.Array) -> jax.Array:
-        return lm_loss(nnx.merge(graphdef, params), batch[:, :-1], batch[:, 1:])
+    def eval_step(params: Params, batch: Batch) -> Metrics:
+        loss, metrics = objective.loss(nnx.merge(graphdef, params), batch, None)
+        return {"loss": loss, **metrics}
 
     return eval_step
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                    *, num_micro: int, dropout: bool
-                    ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
-    """Builds ``step(state, batch (B, S + 1) int32) -> (state, metrics)``; jit it with shardings and donation."""
+                    objective: Objective, fields: dict[str, Field], *, num_micro: int, dropout: bool
+                    ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+    """Builds ``step(state, batch) -> (state, metrics)``; jit it with shardings and donation.
 
-    def micro_grads(params: Params, micro: jax.Array, key: jax.Array | None, scale: LossScale):
+    A step whose loss or gradient norm is inf/nan applies no update (``metrics['skipped']``); ``nonfinite`` marks
+    the skipped steps that are not routine fp16 overflows.
+    """
+
+    def micro_grads(params: Params, micro: Batch, key: jax.Array | None, scale: LossScale):
         def loss_fn(p):
-            loss = lm_loss(nnx.merge(graphdef, p), micro[:, :-1], micro[:, 1:], dropout_key=key)
-            return scale.scale_loss(loss), loss
+            loss, metrics = objective.loss(nnx.merge(graphdef, p), micro, key)
+            return scale.scale_loss(loss), (loss, metrics)
 
-        grads, loss = jax.grad(loss_fn, has_aux=True)(params)
-        return grads, loss
+        return jax.grad(loss_fn, has_aux=True)(params)
 
-    def step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        micro_batches = _split_micro(batch, num_micro)
+        micro_batches = split_micro(batch, fields, num_micro)
 
         def accumulate(carry, xs):
-            grads_sum, loss_sum = carry
+            grads_sum, metrics_sum = carry
             micro, i = xs
             key = jax.random.fold_in(step_key, i) if dropout else None
-            grads, loss = micro_grads(state.params, micro, key, state.loss_scale)
-            return (jax.tree.map(jnp.add, grads_sum, grads), loss_sum + loss), None
+            grads, (loss, metrics) = micro_grads(state.params, micro, key, state.loss_scale)
+            metrics = {"loss": loss, **metrics}
+            return (jax.tree.map(jnp.add, grads_sum, grads), jax.tree.map(jnp.add, metrics_sum, metrics)), None
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        (grads, loss), _ = jax.lax.scan(accumulate, (zeros, jnp.float32(0.0)),
-                                        (micro_batches, jnp.arange(num_micro)))
+        metric_zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), jax.eval_shape(
+            lambda: {"loss": jnp.float32(0), **objective.loss(nnx.merge(graphdef, state.params),
+                                                              jax.tree.map(lambda x: x[0], micro_batches),
+                                                              None)[1]}))
+        (grads, metrics), _ = jax.lax.scan(accumulate, (zeros, metric_zeros), (micro_batches, jnp.arange(num_micro)))
         grads = state.loss_scale.unscale(jax.tree.map(lambda g: g / num_micro, grads))
-        loss = loss / num_micro
-        finite = all_finite(grads)
-        grad_norm = optax.tree.norm(grads)
+        metrics = jax.tree.map(lambda m: m / num_micro, metrics)
+        grad_norm = optax.tree.norm(grads)  # non-finite iff some gradient element is
+        finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss"])
 
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        if state.loss_scale.dynamic:  # skip the update on overflow
-            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-            params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)  # skip a bad update
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                                   loss_scale=state.loss_scale.adjust(finite))
-        metrics = {"loss": loss, "lr": schedule(applied_updates(state.opt_state)), "grad_norm": grad_norm, "loss_scale": state.loss_scale.scale,
-                   "skipped": (~finite).astype(jnp.int32)}
+        scale = state.loss_scale
+        # fp16 overflows are routine (the scale backs off); only at the smallest scale do they mean divergence.
+        diverged = ~finite & (scale.scale <= scale.min_scale) if scale.dynamic else ~finite
+        metrics.update(lr=schedule(applied_updates(state.opt_state)), grad_norm=grad_norm, loss_scale=scale.scale,
+                       skipped=(~finite).astype(jnp.int32), nonfinite=diverged.astype(jnp.int32))
         return new_state, metrics
 
     return step

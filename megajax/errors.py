@@ -1,0 +1,10 @@
+"""The errors a user can fix: entry points print their message (which says what to change) without a traceback."""
+
+from megajax.checkpoint import CheckpointError
+from megajax.data.loader import LoaderStateError
+from megajax.sharding import ConfigError
+from megajax.training.health import TrainingDiverged
+
+USER_ERRORS = (ConfigError, CheckpointError, LoaderStateError, TrainingDiverged, FileNotFoundError)
+
+__all__ = ["USER_ERRORS"]

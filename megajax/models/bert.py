@@ -1,0 +1,79 @@
+"""BERT: word + position + token-type embeddings, the shared trunk under a padding mask, MLM and SOP heads.
+
+``cfg.post_layernorm`` picks the architecture: False is Megatron's BERT (the paper's rearranged pre-LN blocks,
+Figure 7b, with a final LayerNorm and no embedding LayerNorm; Hugging Face's ``MegatronBertForPreTraining``), True
+the original BERT (post-LN blocks, an embedding LayerNorm, no final one; ``BertForPreTraining``).
+
+The MLM output is tied to the vocab-parallel word embedding, plus a vocab-parallel bias, so the logits stay
+sharded on the vocabulary and the loss reduces per-token scalars only. The pooler and the sentence-order head are
+small replicated layers on the first token, as in Megatron.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from megajax.layers import ACTIVATIONS, Dense, LayerNorm, VocabParallelEmbedding, dropout, make_param
+from megajax.losses import mask_padded_vocab
+from megajax.models.transformer import TransformerConfig, make_blocks, padding_mask, run_blocks
+from megajax.sharding import constrain
+
+NUM_SOP_CLASSES = 2  # 0: A then B as in the document, 1: swapped
+
+
+class BERT(nnx.Module):
+    """``(tokens, token_types, padding_mask) (B, S) -> (MLM logits (B, S, padded_vocab), SOP logits (B, 2))``."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        if cfg.num_token_types < 1:
+            raise ValueError("BERT needs model.num_token_types >= 1 (2 for sentence pairs)")
+        self.cfg = cfg
+        dt, h, std = cfg.compute_dtype, cfg.hidden_size, cfg.init_std
+        self.act = ACTIVATIONS[cfg.activation]
+        self.wte = VocabParallelEmbedding(cfg.padded_vocab_size, h, std=std, dtype=dt, rngs=rngs)
+        self.wpe = make_param(rngs, nnx.initializers.normal(std), (cfg.max_seq_len, h), ("position", "embed"))
+        self.tte = make_param(rngs, nnx.initializers.normal(std), (cfg.num_token_types, h), ("token_type", "embed"))
+        self.ln_emb = LayerNorm(h, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs) if cfg.post_layernorm else None
+        self.blocks = make_blocks(cfg, rngs)
+        self.ln_f = None if cfg.post_layernorm else LayerNorm(h, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
+        self.mlm_dense = Dense(h, (h,), ("embed", "embed_out"), std=std, dtype=dt, rngs=rngs)
+        self.mlm_ln = LayerNorm(h, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
+        self.mlm_bias = make_param(rngs, nnx.initializers.zeros, (cfg.padded_vocab_size,), ("vocab",))
+        self.pooler = Dense(h, (h,), ("embed", "embed_out"), std=std, dtype=dt, rngs=rngs)
+        self.sop = Dense(h, (NUM_SOP_CLASSES,), ("embed", "classes"), std=std, dtype=dt, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, token_types: jax.Array | None = None, valid: jax.Array | None = None,
+                 *, dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """MLM logits (padded ids masked) and SOP logits; ``valid`` is the (B, S) 1/0 padding mask."""
+        x = self.encode(tokens, token_types, valid, dropout_key=dropout_key)
+        return self.mlm_logits(x), self.sop(self.pool(x))
+
+    def encode(self, tokens: jax.Array, token_types: jax.Array | None = None, valid: jax.Array | None = None,
+               *, dropout_key: jax.Array | None = None) -> jax.Array:
+        """The trunk's final hidden states (B, S, H); task heads read these."""
+        cfg = self.cfg
+        b, s = tokens.shape
+        if s > cfg.max_seq_len:
+            raise ValueError(f"sequence length {s} exceeds model.max_seq_len={cfg.max_seq_len}")
+        token_types = jnp.zeros_like(tokens) if token_types is None else token_types
+        valid = jnp.ones_like(tokens) if valid is None else valid
+        tokens = constrain(tokens, ("batch", "seq"))
+        k_emb, k_layers = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
+        x = self.wte(tokens) + (self.wpe[:s] + jnp.take(self.tte[...], token_types, axis=0)).astype(cfg.compute_dtype)
+        if self.ln_emb is not None:
+            x = self.ln_emb(x)
+        x = constrain(dropout(x, cfg.dropout, k_emb), ("batch", "seq", "embed"))  # (B, S, H)
+        x, _ = run_blocks(self.blocks, cfg, x, padding_mask(valid), k_layers)
+        return x if self.ln_f is None else self.ln_f(x)
+
+    def pool(self, x: jax.Array) -> jax.Array:
+        """(B, S, H) -> (B, H): dense + tanh on the first ([CLS]) token (no dropout, as Megatron and HF)."""
+        return jnp.tanh(self.pooler(x[:, 0]))
+
+    def mlm_logits(self, x: jax.Array) -> jax.Array:
+        """(B, S, H) -> (B, S, padded_vocab): dense, GeLU, LN, tied output + vocab-parallel bias."""
+        y = self.mlm_ln(self.act(self.mlm_dense(x)))
+        logits = self.wte.attend(y) + self.mlm_bias[...].astype(y.dtype)
+        return mask_padded_vocab(constrain(logits, ("batch", "seq", "vocab")), self.cfg.vocab_size)

@@ -1,0 +1,175 @@
+"""The transformer trunk shared by every model: attention, MLP, the block in either LayerNorm order, the layer stack.
+
+Attention takes its mask as an input, so one class serves causal GPT and bidirectional BERT with padding. A block
+is either the paper's rearranged pre-LN order (Figure 7b: LN -> sublayer -> residual add, a final LN after the
+stack) or the original BERT's post-LN order (Figure 7a: sublayer -> residual add -> LN). The blocks are stacked on
+a leading ``layers`` axis (``nnx.vmap``) and run with ``nnx.scan``, so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from megajax.layers import ACTIVATIONS, ColumnParallelLinear, LayerNorm, RowParallelLinear, dropout, scaled_init_std
+from megajax.sharding import constrain
+
+REMAT_POLICIES = ("none", "full", "save_dots")
+LayerCache = tuple[jax.Array, jax.Array]  # one layer's (keys, values), (B, S_max, N, D) each
+KVCache = tuple[jax.Array, jax.Array]  # all layers' (keys, values), (L, B, S_max, N, D) each
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Shape and numerics of a transformer model; nothing about the mesh."""
+
+    vocab_size: int  # true vocabulary (e.g. 50257)
+    padded_vocab_size: int  # embedding rows (e.g. 51200); ids >= vocab_size are masked out of the softmax
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    max_seq_len: int
+    mlp_ratio: int = 4
+    dropout: float = 0.1
+    init_std: float = 0.02
+    layernorm_eps: float = 1e-5
+    dtype: str = "float32"  # compute dtype; parameters stay fp32
+    remat: str = "none"  # none | full | save_dots
+    post_layernorm: bool = False  # False: pre-LN + final LN (paper Fig. 7b); True: original BERT (Fig. 7a)
+    activation: str = "gelu_tanh"  # gelu_tanh (GPT-2, Megatron's fused bias-GeLU) | gelu (erf, BERT)
+    num_token_types: int = 0  # BERT's segment embeddings (2); 0 = none
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by "
+                             f"model.num_heads={self.num_heads}")
+        if self.padded_vocab_size < self.vocab_size:
+            raise ValueError("padded_vocab_size must be >= vocab_size")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"model.remat={self.remat!r}; choose one of {REMAT_POLICIES}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"model.activation={self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+
+def causal_mask(q_positions: jax.Array, kv_len: int) -> jax.Array:
+    """(1, 1, S_q, S_kv) bool: query at position p sees keys 0..p."""
+    return (jnp.arange(kv_len)[None, :] <= q_positions[:, None])[None, None]
+
+
+def padding_mask(valid: jax.Array) -> jax.Array:
+    """(B, 1, 1, S) bool from a (B, S) 1/0 mask of real tokens: every query sees every real key."""
+    return valid.astype(bool)[:, None, None, :]
+
+
+class SelfAttention(nnx.Module):
+    """Multi-head self-attention under a given mask; heads are the model-parallel dimension."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        dt, h = cfg.compute_dtype, cfg.hidden_size
+        self.rate = cfg.dropout
+        # (H, heads, 3, head_dim): a shard of `heads` holds whole heads with their own q, k and v.
+        self.qkv = ColumnParallelLinear(h, (cfg.num_heads, 3, cfg.head_dim), ("embed", "heads", "qkv", "head_dim"),
+                                        std=cfg.init_std, dtype=dt, rngs=rngs)
+        self.out = RowParallelLinear((cfg.num_heads, cfg.head_dim), h, ("heads", "head_dim", "embed"),
+                                     std=scaled_init_std(cfg.init_std, cfg.num_layers), dtype=dt, rngs=rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array, key: jax.Array | None, cache: LayerCache | None = None,
+                 index: jax.Array | int = 0) -> tuple[jax.Array, LayerCache | None]:
+        """(B, S, H) -> (B, S, H); ``mask`` broadcasts to (B, heads, S, S_kv), True where a query may look.
+
+        With ``cache`` (this layer's keys/values, (B, S_max, N, D) each) the new keys and values are written at
+        positions ``index ..`` and the queries attend over the whole cache (the mask hides what is not yet there).
+        """
+        qkv = self.qkv(x)  # (B, S, N, 3, D)
+        q, k, v = (constrain(qkv[:, :, :, i], ("batch", "seq", "heads", "head_dim")) for i in range(3))
+        if cache is not None:
+            k, v = (constrain(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), index, axis=1),
+                              ("batch", "seq", "heads", "head_dim")) for c, new in zip(cache, (k, v)))
+            cache = (k, v)
+        scale = jnp.sqrt(q.shape[-1]).astype(jnp.float32)
+        scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(jnp.float32) / scale  # (B, N, S, S_kv)
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        probs = dropout(probs, self.rate, key)
+        ctx = jnp.einsum("bnqk,bknd->bqnd", probs, v.astype(x.dtype))  # (B, S, N, D)
+        return self.out(ctx), cache
+
+
+class MLP(nnx.Module):
+    """H -> 4H (column-parallel) -> GeLU -> H (row-parallel)."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        dt, h, f = cfg.compute_dtype, cfg.hidden_size, cfg.mlp_ratio * cfg.hidden_size
+        self.act = ACTIVATIONS[cfg.activation]
+        self.up = ColumnParallelLinear(h, (f,), ("embed", "mlp"), std=cfg.init_std, dtype=dt, rngs=rngs)
+        self.down = RowParallelLinear((f,), h, ("mlp", "embed"),
+                                      std=scaled_init_std(cfg.init_std, cfg.num_layers), dtype=dt, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # (B, S, H) -> (B, S, H)
+        y = constrain(self.act(self.up(x)), ("batch", "seq", "mlp"))  # (B, S, 4H)
+        return self.down(y)
+
+
+class Block(nnx.Module):
+    """One transformer layer: attention then MLP, each with dropout and a residual add, in either LN order."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        dt = cfg.compute_dtype
+        self.rate, self.post_ln = cfg.dropout, cfg.post_layernorm
+        self.ln_1 = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
+        self.attn = SelfAttention(cfg, rngs=rngs)
+        self.ln_2 = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array, key: jax.Array | None, cache: LayerCache | None = None,
+                 index: jax.Array | int = 0) -> tuple[jax.Array, LayerCache | None]:  # (B, S, H) -> (B, S, H)
+        k_attn, k_res1, k_res2 = jax.random.split(key, 3) if key is not None else (None, None, None)
+        if self.post_ln:  # Fig. 7a: LN(x + sublayer(x))
+            attn, cache = self.attn(x, mask, k_attn, cache, index)
+            x = self.ln_1(constrain(x + dropout(attn, self.rate, k_res1), ("batch", "seq", "embed")))
+            x = self.ln_2(x + dropout(self.mlp(x), self.rate, k_res2))
+        else:  # Fig. 7b: x + sublayer(LN(x))
+            attn, cache = self.attn(self.ln_1(x), mask, k_attn, cache, index)
+            x = constrain(x + dropout(attn, self.rate, k_res1), ("batch", "seq", "embed"))
+            x = x + dropout(self.mlp(self.ln_2(x)), self.rate, k_res2)
+        return constrain(x, ("batch", "seq", "embed")), cache
+
+
+def make_blocks(cfg: TransformerConfig, rngs: nnx.Rngs) -> Block:
+    """``cfg.num_layers`` blocks stacked on a leading ``layers`` axis, each with its own initialisation."""
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs: nnx.Rngs) -> Block:
+        return Block(cfg, rngs=rngs)
+
+    return make(rngs)
+
+
+def _remat_policy(name: str):
+    return {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[name]
+
+
+def run_blocks(blocks: Block, cfg: TransformerConfig, x: jax.Array, mask: jax.Array, dropout_key: jax.Array | None,
+               cache: KVCache | None = None, index: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
+    """Runs the stacked blocks over ``x`` (B, S, H) with ``nnx.scan`` (and ``nnx.remat`` per ``cfg.remat``)."""
+    layer_keys = jax.random.split(dropout_key, cfg.num_layers) if dropout_key is not None else None
+
+    def step(block: Block, h: jax.Array, key: jax.Array | None, layer_cache: LayerCache | None):
+        return block(h, mask, key, layer_cache, index)
+
+    if cfg.remat != "none":
+        step = nnx.remat(step, policy=_remat_policy(cfg.remat))
+    scan = nnx.scan(step, in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+    return scan(blocks, x, layer_keys, cache)

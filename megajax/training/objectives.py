@@ -1,0 +1,83 @@
+"""Training objectives: each says what its batch holds and turns (model, batch, dropout key) into (loss, metrics).
+
+A batch is a dict of arrays; every field carries logical axis names, which also give its sharding (rows over
+``data``). The step, the loop, evaluation and the tools read these tables and never a model's batch layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from megajax.losses import lm_loss, vocab_parallel_cross_entropy
+
+Batch = dict[str, jax.Array]
+Metrics = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One batch entry: its shape without the batch dimension, its dtype and its logical axis names."""
+
+    row_shape: tuple[int, ...]
+    dtype: np.dtype
+    names: tuple[str | None, ...]  # including the leading 'batch'
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """``loss(model, batch, dropout_key) -> (scalar loss, metrics)`` and the batch it reads."""
+
+    loss: Callable[[nnx.Module, Batch, jax.Array | None], tuple[jax.Array, Metrics]]
+    fields: Callable[[int], dict[str, Field]]  # seq_len -> the batch's fields
+
+
+def _token_rows(length: int) -> Field:
+    return Field((length,), np.dtype(np.int32), ("batch", "seq"))
+
+
+def _lm(model: nnx.Module, batch: Batch, key: jax.Array | None) -> tuple[jax.Array, Metrics]:
+    tokens = batch["tokens"]  # (B, S + 1): inputs and shifted labels
+    return lm_loss(model, tokens[:, :-1], tokens[:, 1:], dropout_key=key), {}
+
+
+def _lm_fields(seq_len: int) -> dict[str, Field]:
+    return {"tokens": _token_rows(seq_len + 1)}
+
+
+BERT_FIELDS = ("tokens", "token_types", "padding_mask", "mlm_labels", "mlm_weights")
+
+
+def _mlm_sop(model: nnx.Module, batch: Batch, key: jax.Array | None) -> tuple[jax.Array, Metrics]:
+    """MLM mean over the masked tokens + SOP cross-entropy (Lan et al. 2019), both logged."""
+    mlm_logits, sop_logits = model(batch["tokens"], batch["token_types"], batch["padding_mask"], dropout_key=key)
+    nll = vocab_parallel_cross_entropy(mlm_logits, batch["mlm_labels"])  # (B, S)
+    weights = batch["mlm_weights"].astype(jnp.float32)
+    count = jnp.maximum(weights.sum(), 1.0)
+    mlm = (nll * weights).sum() / count
+    target = jnp.take_along_axis(mlm_logits, batch["mlm_labels"][..., None], axis=-1)[..., 0]
+    correct = (target >= mlm_logits.max(axis=-1)).astype(jnp.float32)  # per-token max: no logits gathered
+    sop_logits = sop_logits.astype(jnp.float32)
+    sop = optax.softmax_cross_entropy_with_integer_labels(sop_logits, batch["sop_labels"]).mean()
+    sop_acc = (sop_logits.argmax(-1) == batch["sop_labels"]).astype(jnp.float32).mean()
+    return mlm + sop, {"mlm_loss": mlm, "sop_loss": sop, "mlm_accuracy": (correct * weights).sum() / count,
+                       "sop_accuracy": sop_acc}
+
+
+def _mlm_sop_fields(seq_len: int) -> dict[str, Field]:
+    return {**{k: _token_rows(seq_len) for k in BERT_FIELDS},
+            "sop_labels": Field((), np.dtype(np.int32), ("batch",))}
+
+
+OBJECTIVES = {"gpt": Objective(_lm, _lm_fields), "bert": Objective(_mlm_sop, _mlm_sop_fields)}
+
+
+def objective_for(model_name: str) -> Objective:
+    """The pretraining objective of a model (``config.model.name``)."""
+    return OBJECTIVES[model_name]
