@@ -81,6 +81,16 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
+def bert_base_config() -> ml_collections.ConfigDict:
+    """``base_config()`` with BERT's defaults (paper Section 4.2, following Lan et al. 2019 and Devlin et al.)."""
+    c = base_config()
+    c.model.update(name="bert", vocab_size=30522, num_token_types=2, max_seq_len=512, activation="gelu",
+                   layernorm_eps=1e-12, post_layernorm=False)  # the paper's rearranged pre-LN (Figure 7b)
+    c.train.update(steps=2_000_000, global_batch_size=1024)
+    c.optimizer.update(lr=1e-4, min_lr=1e-5, warmup_steps=10_000, decay="linear")
+    return c
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
     """Rounds the vocabulary up to a multiple of ``divisible_by``; fixed by the config, not by the mesh."""
     if divisible_by < 1:
