@@ -3,8 +3,8 @@
     python bench/train_throughput.py --config=gpt_125m --batch=4 --seq=512 --steps=3 [--mesh=1x1] [--precision=fp32]
 
 Compiles the step ahead of time, runs one warm-up step, then times ``--steps`` steps (AdamW, no dropout change).
-Prints tokens/s and model TFLOP/s per device as JSON. For comparison on the 2-core CPU machine: Hugging Face's
-PyTorch GPT-2 124M trains at ~170 tokens/s with batch 4 x 512, fp32, AdamW (shared/notes/jax-facts.md).
+Prints tokens/s and model TFLOP/s per device as JSON. Timings on a shared CPU swing by 30% between runs: compare
+with another program only side by side, in one run.
 """
 
 import argparse

@@ -29,7 +29,7 @@ def small_config(num_layers: int = 2, data: int = 1, model: int = 1):
 
 @pytest.fixture(scope="session")
 def reference_model():
-    """The small model on one device, with parameters as host numpy arrays."""
+    """The small model, initialised on a 1x1 mesh (``place`` lays its parameters out on other meshes)."""
     config = small_config()
     model = create_model(config, build_mesh(config), seed=0)
     return config, model

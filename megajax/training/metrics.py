@@ -46,12 +46,10 @@ class MetricsWriter:
         self.path = pathlib.Path(workdir) / "metrics.jsonl"
         self._tb = None
         if enabled:
+            from tensorboardX import SummaryWriter  # a core dependency
+
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                from tensorboardX import SummaryWriter
-                self._tb = SummaryWriter(str(workdir))
-            except ImportError:  # TensorBoard output is optional
-                self._tb = None
+            self._tb = SummaryWriter(str(workdir))
 
     def write(self, record: dict) -> None:
         if not self.enabled:
