@@ -209,8 +209,8 @@ def _loop(run: Run, state: TrainState, loader: Loader, valid: Loader | None,
             step_time = (now - last_time) / (done - last_step)
             last_time, last_step = now, done
             tflops = flops / step_time / jax.device_count() / 1e12
-            record = {"step": done, **{k: v for k, v in metrics.items()
-                                       if k not in ("loss_scale", "skipped", "nonfinite")},
+            record = {"step": done, "loss": metrics["loss"], "lr": metrics["lr"], "grad_norm": metrics["grad_norm"],
+                      **{k: v for k, v in metrics.items() if k not in ("loss_scale", "skipped", "nonfinite")},
                       "tokens_per_sec": spec.global_batch * seq / step_time, "step_time_s": step_time,
                       "tflops_per_device": tflops, "mfu": tflops * 1e12 / peak if peak else None}
             if state.loss_scale.dynamic:
