@@ -201,3 +201,11 @@ def test_cli(tmp_path, corpus_texts, tokenizer, capsys):
     preprocess_main([f"--input={src}", f"--tokenizer={tmp_path / 'tok.json'}", f"--output_prefix={tmp_path / 'o'}",
                      "--min_tokens=0", "--workers=1"])
     assert json.loads(capsys.readouterr().out)["kept"] == 5
+
+
+def test_token_file_of_partial_ids_is_refused(tmp_path, corpus_texts, tokenizer):
+    preprocess([str(_jsonl(tmp_path / "a.jsonl", corpus_texts[:2]))], tokenizer, tmp_path / "out", min_tokens=0)
+    with open(tmp_path / "out.bin", "ab") as f:
+        f.write(b"\0")  # half a uint16 id
+    with pytest.raises(ValueError, match=r"out\.bin has \d+ bytes, not a whole number of uint16 ids"):
+        IndexedTokens.open(tmp_path / "out")

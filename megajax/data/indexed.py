@@ -1,9 +1,16 @@
 """The on-disk token format: ``PREFIX.bin`` (raw token ids), ``PREFIX.idx.npy`` (document offsets) and
 ``PREFIX.json`` (tokenizer, dtype and counts). The JSON sidecar is written last and marks a complete dataset:
-a prefix without it is refused, so an interrupted run never passes for a finished one."""
+a prefix without it is refused, so an interrupted run never passes for a finished one.
+
+A sentence-split dataset (``preprocess --split_sentences``) adds ``PREFIX.sentences.npy`` ((S, 2) int64: token
+start and end of each sentence) and ``PREFIX.doc_sentences.npy`` ((D + 1,) int64: document d holds sentences
+``doc_sentences[d]:doc_sentences[d + 1]``). Sentences cover each document's tokens except its final end-of-document
+id, so the documents (the GPT view) are the same as without splitting. ``PREFIX.tokenizer.json`` (written when
+the writer is given a tokenizer) lets training read the special ids from the dataset itself."""
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import json
 import os
@@ -13,6 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 
 TOKENS, INDEX, META = ".bin", ".idx.npy", ".json"
+SENTENCES, DOC_SENTENCES, TOKENIZER = ".sentences.npy", ".doc_sentences.npy", ".tokenizer.json"
+SUFFIXES = (TOKENS, INDEX, SENTENCES, DOC_SENTENCES, TOKENIZER, META)  # META last: it marks completion
 
 
 def choose_dtype(vocab_size: int, requested: str = "auto") -> np.dtype:
@@ -28,17 +37,43 @@ def choose_dtype(vocab_size: int, requested: str = "auto") -> np.dtype:
 
 
 class IndexedWriter:
-    """Appends documents to temporary files; ``commit(meta)`` moves them into place, sidecar last."""
+    """Appends documents to temporary files; ``commit(meta)`` moves them into place, sidecar last.
 
-    def __init__(self, prefix: str | pathlib.Path, dtype: np.dtype):
+    Documents are added whole (``add``) or as sentences (``add_sentences``), not both in one dataset."""
+
+    def __init__(self, prefix: str | pathlib.Path, dtype: np.dtype, tokenizer_json: str | None = None):
         self.prefix = pathlib.Path(prefix)
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
         self.dtype = np.dtype(dtype)
+        self.tokenizer_json = tokenizer_json
         self._tmp = pathlib.Path(f"{self.prefix}.tmp-{os.getpid()}")
         self._file = open(f"{self._tmp}{TOKENS}", "wb")
         self._offsets = [0]
+        self._sentences: array.array | None = None  # start, end, start, end, ...; set by the first add_sentences
+        self._doc_sentences = array.array("q", [0])
 
     def add(self, ids: Sequence[int]) -> None:
+        """Appends one document (its end-of-document id included)."""
+        if self._sentences is not None:
+            raise ValueError("this dataset is sentence-split: add documents with add_sentences")
+        self._write(ids)
+
+    def add_sentences(self, sentences: Sequence[Sequence[int]], eod_id: int) -> None:
+        """Appends one document given as its sentences' ids; ``eod_id`` follows the last sentence."""
+        if self._sentences is None:
+            if len(self._offsets) > 1:
+                raise ValueError("this dataset holds whole documents: add them with add")
+            self._sentences = array.array("q")
+        position, count = self._offsets[-1], 0
+        for sentence in sentences:
+            if len(sentence):  # an empty sentence adds nothing to the document
+                self._sentences.extend((position, position + len(sentence)))
+                position += len(sentence)
+                count += 1
+        self._write([i for s in sentences for i in s] + [eod_id])
+        self._doc_sentences.append(self._doc_sentences[-1] + count)
+
+    def _write(self, ids: Sequence[int]) -> None:
         arr = np.asarray(ids, dtype=np.int64)
         if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(self.dtype).max):
             raise ValueError(f"token id {int(arr.max())} does not fit {self.dtype.name}; use --dtype=uint32")
@@ -48,27 +83,37 @@ class IndexedWriter:
     def commit(self, meta: dict) -> None:
         self._file.close()
         np.save(f"{self._tmp}{INDEX}", np.asarray(self._offsets, dtype=np.int64))
-        pathlib.Path(f"{self._tmp}{META}").write_text(json.dumps({**meta, "dtype": self.dtype.name,
-                                                                  "documents": len(self._offsets) - 1,
-                                                                  "tokens": self._offsets[-1]}, indent=1))
+        extra = {"dtype": self.dtype.name, "documents": len(self._offsets) - 1, "tokens": self._offsets[-1]}
+        if self._sentences is not None:
+            np.save(f"{self._tmp}{SENTENCES}", np.frombuffer(self._sentences, dtype=np.int64).reshape(-1, 2))
+            np.save(f"{self._tmp}{DOC_SENTENCES}", np.frombuffer(self._doc_sentences, dtype=np.int64))
+            extra["sentences"] = len(self._sentences) // 2
+        if self.tokenizer_json is not None:
+            pathlib.Path(f"{self._tmp}{TOKENIZER}").write_text(self.tokenizer_json)
+        pathlib.Path(f"{self._tmp}{META}").write_text(json.dumps({**meta, **extra}, indent=1))
         pathlib.Path(f"{self.prefix}{META}").unlink(missing_ok=True)  # the old dataset stops being complete first
-        os.replace(f"{self._tmp}{TOKENS}", f"{self.prefix}{TOKENS}")
-        os.replace(f"{self._tmp}{INDEX}", f"{self.prefix}{INDEX}")
-        os.replace(f"{self._tmp}{META}", f"{self.prefix}{META}")
+        for suffix in SUFFIXES:
+            if pathlib.Path(f"{self._tmp}{suffix}").exists():
+                os.replace(f"{self._tmp}{suffix}", f"{self.prefix}{suffix}")
+            else:  # an older dataset's sentence or tokenizer file must not pass for this one's
+                pathlib.Path(f"{self.prefix}{suffix}").unlink(missing_ok=True)
 
     def abort(self) -> None:
         self._file.close()
-        for suffix in (TOKENS, INDEX, META):
+        for suffix in SUFFIXES:
             pathlib.Path(f"{self._tmp}{suffix}").unlink(missing_ok=True)
 
 
 @dataclasses.dataclass
 class IndexedTokens:
-    """A memory-mapped token file with its document offsets and metadata."""
+    """A memory-mapped token file with its document offsets, metadata and (if sentence-split) sentence bounds."""
 
     tokens: np.ndarray  # (T,) uint16/uint32, memory-mapped
     offsets: np.ndarray  # (D + 1,) int64: document d is tokens[offsets[d]:offsets[d + 1]]
     meta: dict
+    prefix: pathlib.Path | None = None
+    sentences: np.ndarray | None = None  # (S, 2) int64 [start, end) token positions, memory-mapped
+    doc_sentences: np.ndarray | None = None  # (D + 1,) int64: document d has sentences doc_sentences[d]:[d + 1]
 
     @classmethod
     def open(cls, prefix: str | pathlib.Path) -> "IndexedTokens":
@@ -80,12 +125,38 @@ class IndexedTokens:
             raise FileNotFoundError(f"no preprocessed dataset at {prefix} (expected {meta_path}); create one with "
                                     "python -m megajax.data.preprocess --output_prefix=...")
         meta = json.loads(meta_path.read_text())
-        tokens = np.memmap(f"{prefix}{TOKENS}", dtype=np.dtype(meta["dtype"]), mode="r")
+        dtype = np.dtype(meta["dtype"])
+        size = os.path.getsize(f"{prefix}{TOKENS}")
+        if size % dtype.itemsize:
+            raise ValueError(f"{prefix}{TOKENS} has {size} bytes, not a whole number of {dtype.name} ids (the "
+                             f"dtype in {meta_path}): the file is truncated or from another run; re-run preprocessing")
+        tokens = np.memmap(f"{prefix}{TOKENS}", dtype=dtype, mode="r")
         offsets = np.load(f"{prefix}{INDEX}")
         if len(tokens) != meta["tokens"] or offsets[-1] != len(tokens):
             raise ValueError(f"{prefix}: token file holds {len(tokens)} ids but the index says {offsets[-1]} and "
                              f"the sidecar {meta['tokens']}: the files are corrupt or from different runs")
-        return cls(tokens, offsets, meta)
+        data = cls(tokens, offsets, meta, prefix)
+        if "sentences" in meta:
+            data.sentences = np.load(f"{prefix}{SENTENCES}", mmap_mode="r")
+            data.doc_sentences = np.load(f"{prefix}{DOC_SENTENCES}")
+            if (len(data.sentences) != meta["sentences"] or len(data.doc_sentences) != len(offsets)
+                    or data.doc_sentences[-1] != len(data.sentences)):
+                raise ValueError(f"{prefix}: {SENTENCES} / {DOC_SENTENCES} do not match the sidecar's "
+                                 f"{meta['sentences']} sentences in {len(offsets) - 1} documents; re-run preprocessing")
+        return data
 
     def document(self, d: int) -> np.ndarray:
         return self.tokens[self.offsets[d]:self.offsets[d + 1]]
+
+    def document_sentences(self, d: int) -> list[np.ndarray]:
+        """The token ids of each sentence of document ``d`` (needs a sentence-split dataset)."""
+        if self.sentences is None:
+            raise ValueError(f"{self.prefix} has no sentence boundaries: preprocess it with --split_sentences")
+        return [self.tokens[a:b] for a, b in self.sentences[self.doc_sentences[d]:self.doc_sentences[d + 1]]]
+
+    def tokenizer_path(self) -> pathlib.Path | None:
+        """The tokenizer saved with the dataset, if any."""
+        if self.prefix is None:
+            return None
+        path = pathlib.Path(f"{self.prefix}{TOKENIZER}")
+        return path if path.is_file() else None

@@ -1,12 +1,15 @@
 """Turn a corpus of documents into the indexed token format, once.
 
     python -m megajax.data.preprocess --input=corpus/*.jsonl --tokenizer=gpt2/ --output_prefix=data/corpus \
-        [--json_key=text] [--min_tokens=128] [--dedup] [--dedup_threshold=0.7] [--dtype=auto] [--workers=N]
+        [--json_key=text] [--min_tokens=128] [--dedup] [--dedup_threshold=0.7] [--dtype=auto] [--workers=N] \
+        [--split_sentences [--language=en]]
 
 Inputs: ``.jsonl`` (one JSON object per line, the text in ``--json_key``) or ``.txt`` (one document per file).
 Each kept document is followed by the tokenizer's end-of-document id. Documents shorter than ``min_tokens``
 (paper: 128) are dropped, then exact and (with ``--dedup``) near duplicates (MinHash LSH, Jaccard > 0.7).
 Lines that are not valid UTF-8 or not valid JSON, and empty documents, are skipped and counted in the sidecar.
+``--split_sentences`` (for BERT) also records where each sentence starts and ends; the documents' tokens are the
+same as without it, so one corpus serves GPT and BERT. The tokenizer is saved beside the dataset.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from megajax.data.dedup import Deduplicator, minhash
 from megajax.data.indexed import IndexedWriter, choose_dtype
+from megajax.data.sentences import split_sentences as sentences_of
 from megajax.data.tokenizer import TextTokenizer, load_tokenizer
 
 
@@ -39,6 +43,7 @@ class Counts:
     skipped_bad_json: int = 0
     skipped_empty: int = 0
     tokens: int = 0
+    sentences: int = 0
 
 
 def _expand(inputs: Sequence[str]) -> list[pathlib.Path]:
@@ -109,17 +114,30 @@ def preprocess(inputs: Sequence[str], tokenizer: TextTokenizer, output_prefix: s
                            meta={"inputs": [str(p) for p in paths]}, **options)
 
 
+def _tokenize(texts: list[str], tokenizer: TextTokenizer, split: bool, language: str) -> list[list[list[int]]]:
+    """Each text's ids, as one piece or (``split``) one piece per sentence, all encoded in one parallel batch."""
+    pieces = [sentences_of(t, language) if split else [t] for t in texts]
+    flat = tokenizer.encode_batch([p for ps in pieces for p in ps])
+    out, i = [], 0
+    for ps in pieces:
+        out.append(flat[i:i + len(ps)])
+        i += len(ps)
+    return out
+
+
 def write_documents(documents: Iterable[str], tokenizer: TextTokenizer, output_prefix: str | pathlib.Path, *,
                     counts: Counts | None = None, meta: dict | None = None, min_tokens: int = 128,
                     dedup: bool = False, dedup_threshold: float = 0.7, dtype: str = "auto", workers: int = 1,
-                    batch_size: int = 512, progress: bool = False) -> Counts:
-    """The pipeline on document texts: tokenize, drop short and duplicate documents, write with an EOD id each."""
+                    batch_size: int = 512, progress: bool = False, split_sentences: bool = False,
+                    language: str = "en") -> Counts:
+    """The pipeline on document texts: tokenize (per sentence with ``split_sentences``), drop short and duplicate
+    documents, write with an EOD id each."""
     from tqdm import tqdm
 
     token_dtype = choose_dtype(tokenizer.vocab_size, dtype)
     counts = counts or Counts()
     dedup_filter = Deduplicator(dedup_threshold, near=dedup)
-    writer = IndexedWriter(output_prefix, token_dtype)
+    writer = IndexedWriter(output_prefix, token_dtype, tokenizer.tokenizer.to_str())
     pool = multiprocessing.get_context("spawn").Pool(workers) if dedup and workers > 1 else None
     start = time.perf_counter()
     bar = tqdm(desc="preprocess", unit="doc", disable=not progress)
@@ -128,8 +146,8 @@ def write_documents(documents: Iterable[str], tokenizer: TextTokenizer, output_p
             if counts.files == 0:  # documents given directly, not read from files
                 counts.documents_read += len(texts)
                 counts.bytes += sum(len(t.encode()) for t in texts)
-            ids = tokenizer.encode_batch(texts)  # parallel in Rust
-            long = [(t, i) for t, i in zip(texts, ids) if len(i) >= min_tokens]
+            pieces = _tokenize(texts, tokenizer, split_sentences, language)
+            long = [(t, p) for t, p in zip(texts, pieces) if sum(map(len, p)) >= min_tokens]
             counts.dropped_short += len(texts) - len(long)
             signatures = pool.map(minhash, [t for t, _ in long]) if pool else [None] * len(long)
             for (text, doc), sig in zip(long, signatures):
@@ -139,9 +157,13 @@ def write_documents(documents: Iterable[str], tokenizer: TextTokenizer, output_p
                 elif verdict == "near":
                     counts.dropped_near_duplicate += 1
                 else:
-                    writer.add(doc + [tokenizer.eod_id])
+                    if split_sentences:
+                        writer.add_sentences(doc, tokenizer.eod_id)
+                        counts.sentences += sum(1 for s in doc if s)
+                    else:
+                        writer.add(doc[0] + [tokenizer.eod_id])
                     counts.kept += 1
-                    counts.tokens += len(doc) + 1
+                    counts.tokens += sum(map(len, doc)) + 1
             bar.update(len(texts))
         if counts.kept == 0:
             raise ValueError(f"no documents left ({dataclasses.asdict(counts)}); check the inputs, --json_key and "
@@ -149,6 +171,7 @@ def write_documents(documents: Iterable[str], tokenizer: TextTokenizer, output_p
         writer.commit({**(meta or {}), "tokenizer": tokenizer.source, "vocab_size": tokenizer.vocab_size,
                        "eod_id": tokenizer.eod_id, "min_tokens": min_tokens, "dedup": dedup,
                        "dedup_threshold": dedup_threshold, "counts": dataclasses.asdict(counts),
+                       **({"sentence_splitter": f"sentencex ({language})"} if split_sentences else {}),
                        "seconds": round(time.perf_counter() - start, 3)})
     except BaseException:
         writer.abort()
@@ -171,10 +194,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dedup_threshold", type=float, default=0.7)
     p.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"])
     p.add_argument("--workers", type=int, default=max(multiprocessing.cpu_count() - 1, 1))
+    p.add_argument("--split_sentences", action="store_true", help="record sentence boundaries (needed for BERT)")
+    p.add_argument("--language", default="en", help="language code for the sentence splitter")
     args = p.parse_args(argv)
     counts = preprocess(args.input, load_tokenizer(args.tokenizer), args.output_prefix, json_key=args.json_key,
                         min_tokens=args.min_tokens, dedup=args.dedup, dedup_threshold=args.dedup_threshold,
-                        dtype=args.dtype, workers=args.workers, progress=sys.stderr.isatty())
+                        dtype=args.dtype, workers=args.workers, progress=sys.stderr.isatty(),
+                        split_sentences=args.split_sentences, language=args.language)
     print(json.dumps(dataclasses.asdict(counts), indent=1))
 
 

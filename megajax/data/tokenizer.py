@@ -58,9 +58,11 @@ def _byte_level_bpe(vocab: pathlib.Path, merges: pathlib.Path) -> Tokenizer:
 
 def _wordpiece(vocab: pathlib.Path, lowercase: bool) -> Tokenizer:
     tok = Tokenizer(models.WordPiece.from_file(str(vocab), unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+    tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase)  # lowercase also strips accents, as BERT's
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
+    # Registered as special (ids unchanged: they are in the vocab), so "[SEP]" in a text is one token, not 4 pieces.
+    tok.add_special_tokens([name for name in BERT_SPECIALS if tok.token_to_id(name) is not None])
     return tok
 
 
