@@ -66,7 +66,7 @@ class Loader:
     def set_state(self, state: dict, allow_batch_size_change: bool = False) -> None:
         """Moves to a saved position after checking it belongs to this data (states without ``global_batch``, from
         older checkpoints, skip that check)."""
-        mine = self.batches.identity()
+        mine = {k: v for k, v in self.batches.identity().items() if k != "global_batch"}  # checked below
         if any(state.get(k) != v for k, v in mine.items()):
             raise LoaderStateError(
                 f"the checkpoint's data position {state} is from another dataset or seed (this one: {mine}); "

@@ -38,9 +38,9 @@ def check_ids_fit(tokens: np.ndarray, meta: dict, vocab_size: int, what: str) ->
 def load_dataset(config: ml_collections.ConfigDict) -> IndexedTokens:
     """The corpus named by ``config.data``, checked against the model's vocabulary."""
     d, vocab = config.data, config.model.vocab_size
-    if d.source == "default":
-        from megajax.data.default_corpus import default_corpus
-        data = default_corpus(vocab)[0]
+    if d.source == "default":  # GPT: the stdlib's source (BPE); BERT: its English prose, sentence-split (WordPiece)
+        from megajax.data.default_corpus import default_bert_corpus, default_corpus
+        data = (default_bert_corpus if config.model.name == "bert" else default_corpus)(vocab)[0]
     elif d.source == "indexed":
         if not d.path:
             raise ConfigError("data.source=indexed needs --config.data.path=PREFIX (from python -m "
@@ -52,6 +52,9 @@ def load_dataset(config: ml_collections.ConfigDict) -> IndexedTokens:
         data = tfds_corpus(d.tfds_name, d.tfds_split, d.tfds_feature, d.tokenizer, cache_root(), d.tfds_data_dir,
                            d.min_tokens)
     elif d.source == "random":  # labelled: uniform tokens, the loss cannot fall below log(vocab)
+        if config.model.name == "bert":
+            raise ConfigError("data.source=random has no sentences for BERT; use data.source=default (the embedded "
+                              "prose corpus) or a corpus preprocessed with --split_sentences")
         tokens = np.random.default_rng(d.seed).integers(0, vocab, 1 << 20, dtype=np.int32)
         return IndexedTokens(tokens, np.arange(0, len(tokens) + 1, 1024), {"vocab_size": vocab})
     else:
@@ -75,9 +78,28 @@ def make_loader(config: ml_collections.ConfigDict, split: str = "train",
     train_range, valid_range = split_by_documents(data.offsets, config.data.valid_fraction)
     token_range = train_range if split == "train" else valid_range
     b, seq = config.train.global_batch_size, config.model.max_seq_len
-    batches = GPTBatches(data.tokens, seq, b, config.data.seed, token_range)
-    n = batches.num_samples
+    if config.model.name == "bert":
+        batches, unit = _bert_batches(config, data, token_range, split), f"sentence pairs of {seq} tokens"
+        n = len(batches)
+    else:
+        batches, unit = GPTBatches(data.tokens, seq, b, config.data.seed, token_range), f"samples of {seq + 1} tokens"
+        n = batches.num_samples
     if n == 0 or (split == "train" and n < b):
-        raise ConfigError(f"{_split_hint(split, config)} ({token_range[1] - token_range[0]} tokens make {n} samples "
-                          f"of {seq + 1} tokens; one step needs train.global_batch_size={b})")
+        raise ConfigError(f"{_split_hint(split, config)} ({token_range[1] - token_range[0]} tokens make {n} {unit}; "
+                          f"one step needs train.global_batch_size={b})")
     return Loader(batches)
+
+
+def _bert_batches(config: ml_collections.ConfigDict, data: IndexedTokens, token_range: tuple[int, int],
+                  split: str):
+    from megajax.data.bert_dataset import BERTBatches, documents_in
+    from megajax.data.bert_vocab import BertVocab
+
+    d = config.data
+    try:
+        return BERTBatches(data, BertVocab.from_dataset(data), config.model.max_seq_len,
+                           config.train.global_batch_size, d.seed, documents=documents_in(data.offsets, token_range),
+                           mask_prob=d.mask_prob, max_ngram=d.max_ngram, short_seq_prob=d.short_seq_prob)
+    except ValueError as e:
+        hint = _split_hint(split, config) + "; " if "two sentences" in str(e) else ""
+        raise ConfigError(f"{hint}{e}") from e
