@@ -132,6 +132,8 @@ def test_checkpoint_without_args_needs_a_config(tiny, tmp_path):
     back, config = load_model(tmp_path / "a", data=1, model=1)
     assert config.model.make_vocab_size_divisible_by == 1024  # the config's own padding, which gives 1024 rows
     np.testing.assert_array_equal(np.asarray(back.wpe[...]), tiny[0]["wpe"])
+    with pytest.raises(ValueError, match=r"--config model.vocab_size=50257 does not fit the checkpoint's 1024 "):
+        megatron_gpt.read_megatron(src, tiny_config(vocab_size=50257))
     wrong = tiny_config()
     wrong.model.max_seq_len = 16
     with pytest.raises(ValueError, match=r"max_position_embeddings: 16 in --config model.max_seq_len, 8 in the "

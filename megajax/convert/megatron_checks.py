@@ -113,7 +113,8 @@ def check_agreement(where: pathlib.Path, *sources: Claims) -> None:
                 for key, said in claims.items() if len({v for v, _ in said}) > 1]
     if problems:
         fix = ("pass a --config that matches the checkpoint (or none: its args describe it)"
-               if any("--config" in p for p in problems) else "the checkpoint's files do not come from one save")
+               if any("--config" in p for p in problems)
+               else "its args and tensors do not describe one model (a rank missing, or files from different saves?)")
         raise ValueError(f"{where} is inconsistent: {'; '.join(problems)}. {fix}")
 
 
@@ -134,7 +135,8 @@ def check_shapes(merged: dict[str, np.ndarray], names: dict[str, str], config: m
                              f"ffn_hidden_size={f} need {shape}: the tensors do not fit {tp}-way tensor parallelism")
 
 
-def vocabulary(rows: int, vocab_size: int | None, args: dict | None, tp: int, where: pathlib.Path) -> int:
+def vocabulary(rows: int, vocab_size: int | None, args: dict | None, tp: int, where: pathlib.Path,
+               given_by: str = "--vocab_size") -> int:
     """The true vocabulary size: given (flag or config), checked against the padded rows Megatron stored."""
     if vocab_size is None:
         tokenizer = (args or {}).get("tokenizer_type")
@@ -145,14 +147,14 @@ def vocabulary(rows: int, vocab_size: int | None, args: dict | None, tp: int, wh
         raise ValueError(f"{where} stores only the padded vocabulary ({rows} embedding rows); the true vocabulary "
                          f"size is not in a Megatron checkpoint: {hint} (at most {rows})")
     if not 1 <= vocab_size <= rows:
-        raise ValueError(f"--vocab_size={vocab_size} does not fit the checkpoint's {rows} embedding rows "
+        raise ValueError(f"{given_by}={vocab_size} does not fit the checkpoint's {rows} embedding rows "
                          f"({where}): pass the size of the tokenizer this model was trained with")
     divisor = (args or {}).get("make_vocab_size_divisible_by")
     if divisor:
         # Megatron pads by fewer than divisor x tp rows (its tools may keep a lower degree's padding when raising tp).
         multiple = divisor * ((args or {}).get("tensor_model_parallel_size") or tp)
         if rows - vocab_size >= multiple:
-            raise ValueError(f"--vocab_size={vocab_size} leaves {rows - vocab_size} padding rows, but Megatron pads "
+            raise ValueError(f"{given_by}={vocab_size} leaves {rows - vocab_size} padding rows, but Megatron pads "
                              f"{vocab_size} to {padded_vocab_size(vocab_size, multiple)} (args.make_vocab_size_"
                              f"divisible_by={divisor} x tensor-parallel size), not {rows}: pass the size of the "
                              "tokenizer this model was trained with")

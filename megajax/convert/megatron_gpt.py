@@ -223,8 +223,10 @@ def read_megatron(directory: str | pathlib.Path, config: ml_collections.ConfigDi
                            checks.tensor_claims(merged, names, tp))
     checks.check_shapes(merged, names, out, tp)
     rows = merged["wte"].shape[0]
-    vocab = checks.vocabulary(rows, vocab_size if vocab_size is not None else
-                              (config.model.vocab_size if config is not None else None), args, tp, it_dir)
+    if vocab_size is None and config is not None:
+        vocab = checks.vocabulary(rows, config.model.vocab_size, args, tp, it_dir, "--config model.vocab_size")
+    else:
+        vocab = checks.vocabulary(rows, vocab_size, args, tp, it_dir)
     megatron_multiple = ((args or {}).get("make_vocab_size_divisible_by") or 0) * tp
     out.model.vocab_size = vocab
     out.model.make_vocab_size_divisible_by = checks.megajax_divisor(
