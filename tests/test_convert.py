@@ -10,7 +10,7 @@ import pytest
 from conftest import small_config
 from megajax.checkpoint import load_model, save_params
 from megajax.config import model_config
-from megajax.convert import hf_gpt2, megatron_gpt
+from megajax.convert import hf_io, megatron_gpt
 from megajax.convert.__main__ import main as convert_main
 
 torch = pytest.importorskip("torch")  # the `test` extra installs it (CPU build); CI runs these
@@ -37,8 +37,8 @@ def test_hf_round_trip_is_exact(hf_dir, tmp_path):
     src, _ = hf_dir
     convert_main(["hf-to-megajax", f"--hf={src}", f"--output={tmp_path / 'mj'}", "--make_vocab_size_divisible_by=128"])
     convert_main(["megajax-to-hf", f"--checkpoint={tmp_path / 'mj'}", f"--output={tmp_path / 'back'}"])
-    _, original = hf_gpt2.read_hf(src)
-    _, back = hf_gpt2.read_hf(tmp_path / "back")
+    original = hf_io.read_weights(src)
+    back = hf_io.read_weights(tmp_path / "back")
     original = {k: v for k, v in original.items() if k != "lm_head.weight"}
     assert set(back) == set(original)
     for k, v in original.items():
@@ -63,8 +63,8 @@ def test_hf_pytorch_bin_loads_without_pickle(hf_dir, tmp_path):
     (tmp_path / "bin").mkdir()
     torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
     (tmp_path / "bin" / "config.json").write_text((src / "config.json").read_text())
-    _, sd = hf_gpt2.read_hf(tmp_path / "bin")
-    _, ref = hf_gpt2.read_hf(src)
+    sd = hf_io.read_weights(tmp_path / "bin")
+    ref = hf_io.read_weights(src)
     np.testing.assert_array_equal(sd["transformer.h.1.attn.c_attn.weight"], ref["transformer.h.1.attn.c_attn.weight"])
 
 

@@ -2,25 +2,33 @@
 
   hf-to-megajax        --hf=DIR --output=OUT [--make_vocab_size_divisible_by=1024]
   megajax-to-hf        --checkpoint=CK --output=DIR
-  megatron-to-megajax  --megatron=DIR --output=OUT [--iteration=N] [--vocab_size=50257] [--config=NAME]
+  megatron-to-megajax  --megatron=DIR --output=OUT --vocab_size=N [--iteration=N] [--config=NAME]
   megajax-to-megatron  --checkpoint=CK --output=DIR --tp=N [--names=legacy|core] [--dtype=float16]
   export               --checkpoint=CK --output=OUT [--dtype=bfloat16]
 
 CK is any megajax checkpoint: a training workdir, its checkpoints/ directory, one step, or an export.
 megajax outputs are params-only checkpoints that ``megajax.checkpoint.load_model`` and training both read.
+Every verb refuses an --output that already holds something unless --overwrite is given; the output is written
+beside it and renamed into place, so a conversion that fails leaves what was there untouched.
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 
 import jax
 import numpy as np
 from flax import nnx
 
+from megajax.convert.paths import absolute, existing_input, staged_output
 
-def host_params(checkpoint: str):
+INPUT_FLAGS = {"hf-to-megajax": "hf", "megatron-to-megajax": "megatron", "megajax-to-hf": "checkpoint",
+               "megajax-to-megatron": "checkpoint", "export": "checkpoint"}
+
+
+def host_params(checkpoint: str | pathlib.Path):
     """(parameters as host numpy arrays, config) of any megajax checkpoint, read on one device."""
     from megajax.checkpoint import load_model
 
@@ -28,60 +36,93 @@ def host_params(checkpoint: str):
     return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model))), config
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m megajax.convert", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("hf-to-megajax")
-    a.add_argument("--hf", required=True)
-    a.add_argument("--make_vocab_size_divisible_by", type=int, default=1024)
-    b = sub.add_parser("megajax-to-hf")
-    c = sub.add_parser("megatron-to-megajax")
-    c.add_argument("--megatron", required=True)
+    verbs = {name: sub.add_parser(name) for name in INPUT_FLAGS}
+    for name, parser in verbs.items():
+        parser.add_argument(f"--{INPUT_FLAGS[name]}", required=True)
+        parser.add_argument("--output", required=True)
+        parser.add_argument("--overwrite", action="store_true",
+                            help="replace what --output holds (only once the new output is complete)")
+    verbs["hf-to-megajax"].add_argument("--make_vocab_size_divisible_by", type=int, default=1024)
+    c = verbs["megatron-to-megajax"]
     c.add_argument("--iteration", type=int, default=None)
-    c.add_argument("--vocab_size", type=int, default=50257, help="true vocabulary (Megatron stores only the padded)")
+    c.add_argument("--vocab_size", type=int, default=None,
+                   help="the tokenizer's true vocabulary (Megatron stores only the padded size), e.g. 50257 for "
+                        "GPT-2's BPE; overrides --config's")
     c.add_argument("--config", default=None, help="megajax config, if the checkpoint stores no args")
-    d = sub.add_parser("megajax-to-megatron")
+    d = verbs["megajax-to-megatron"]
     d.add_argument("--tp", type=int, required=True)
     d.add_argument("--names", choices=["legacy", "core"], default="legacy")
     d.add_argument("--iteration", type=int, default=0)
-    e = sub.add_parser("export")
-    for parser in (b, d, e):
-        parser.add_argument("--checkpoint", required=True)
-    for parser in (a, b, c, d, e):
-        parser.add_argument("--output", required=True)
-    for parser in (a, c):
-        parser.add_argument("--allow_pickle", action="store_true", help="trust pickled code in .bin/.pt files")
     d.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    e.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
-    args = p.parse_args(argv)
+    verbs["export"].add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    for name in ("hf-to-megajax", "megatron-to-megajax"):
+        verbs[name].add_argument("--allow_pickle", action="store_true",
+                                 help="trust pickled code in .bin/.pt files")
+    return p
 
+
+def _hf_to_megajax(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     from megajax.checkpoint import save_params
-    from megajax.convert import hf_gpt2, megatron_gpt
+    from megajax.convert import hf_io
 
-    if args.command == "hf-to-megajax":
-        hf, sd = hf_gpt2.read_hf(args.hf, args.allow_pickle)
-        config = hf_gpt2.config_from_hf(hf, args.make_vocab_size_divisible_by)
-        out = save_params(args.output, hf_gpt2.params_from_hf(sd, config), config)
-    elif args.command == "megajax-to-hf":
-        params, config = host_params(args.checkpoint)
-        hf_gpt2.write_hf(args.output, hf_gpt2.params_to_hf(params, config), hf_gpt2.hf_config(config))
-        out = args.output
-    elif args.command == "megatron-to-megajax":
-        from megajax.cli import load_config
+    hf = hf_io.read_config(source)
+    converter = hf_io.converter_for(hf, source)  # before reading weights, which may be large
+    config = converter.config_from_hf(hf, args.make_vocab_size_divisible_by)
+    params = converter.params_from_hf(hf_io.read_weights(source, args.allow_pickle), config)
+    return save_params(out, params, config)
 
-        config = load_config(args.config) if args.config else None
-        params, config = megatron_gpt.read_megatron(args.megatron, config, iteration=args.iteration,
-                                                    vocab_size=args.vocab_size, allow_pickle=args.allow_pickle)
-        out = save_params(args.output, params, config)
-    elif args.command == "megajax-to-megatron":
-        params, config = host_params(args.checkpoint)
-        out = megatron_gpt.write_megatron(args.output, params, config, args.tp, iteration=args.iteration,
-                                          names=args.names, dtype=args.dtype)
-    else:  # export
-        params, config = host_params(args.checkpoint)
-        out = save_params(args.output, params, config, dtype=args.dtype)
-    print(f"wrote {out}", file=sys.stderr)
+
+def _megajax_to_hf(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    from megajax.convert import hf_gpt2, hf_io
+
+    params, config = host_params(source)
+    hf_io.write(out, hf_gpt2.params_to_hf(params, config), hf_gpt2.hf_config(config))
+    return out
+
+
+def _megatron_to_megajax(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    from megajax.checkpoint import save_params
+    from megajax.cli import load_config
+    from megajax.convert import megatron_gpt
+
+    config = load_config(args.config) if args.config else None
+    params, config = megatron_gpt.read_megatron(source, config, iteration=args.iteration,
+                                                vocab_size=args.vocab_size, allow_pickle=args.allow_pickle)
+    return save_params(out, params, config)
+
+
+def _megajax_to_megatron(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    from megajax.convert import megatron_gpt
+
+    params, config = host_params(source)
+    return megatron_gpt.write_megatron(out, params, config, args.tp, iteration=args.iteration, names=args.names,
+                                       dtype=args.dtype)
+
+
+def _export(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    from megajax.checkpoint import save_params
+
+    params, config = host_params(source)
+    return save_params(out, params, config, dtype=args.dtype)
+
+
+VERBS = {"hf-to-megajax": _hf_to_megajax, "megajax-to-hf": _megajax_to_hf,
+         "megatron-to-megajax": _megatron_to_megajax, "megajax-to-megatron": _megajax_to_megatron, "export": _export}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    flag = INPUT_FLAGS[args.command]
+    # Paths are made absolute here, once, so every verb and library below sees the same file whatever the cwd.
+    source = existing_input(getattr(args, flag), flag)
+    output = absolute(args.output)
+    with staged_output(output, overwrite=args.overwrite, reads=[source]) as staging:
+        written = pathlib.Path(VERBS[args.command](args, source, staging)).absolute()
+    print(f"wrote {output / written.relative_to(staging)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

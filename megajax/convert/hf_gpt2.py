@@ -6,8 +6,7 @@ megajax keeps QKV as (H, heads, 3, head_dim), so each model shard holds whole he
 
 from __future__ import annotations
 
-import json
-import pathlib
+import re
 
 import ml_collections
 import numpy as np
@@ -15,6 +14,7 @@ import numpy as np
 from megajax.config import base_config, padded_vocab_size
 
 Params = dict
+HF_CLASS = "GPT2LMHeadModel"  # the transformers class these weights load into
 
 
 def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 1024) -> ml_collections.ConfigDict:
@@ -22,7 +22,7 @@ def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 1024) -> ml_col
     if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ValueError(f"activation_function={hf['activation_function']!r}: megajax GPT uses tanh GeLU (gelu_new)")
     for flag, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                       ("reorder_and_upcast_attn", False)):
+                       ("reorder_and_upcast_attn", False), ("tie_word_embeddings", True)):
         if hf.get(flag, want) != want:
             raise ValueError(f"HF config {flag}={hf[flag]} is not supported (megajax computes {flag}={want})")
     h = hf["n_embd"]
@@ -48,22 +48,50 @@ def hf_config(config: ml_collections.ConfigDict) -> dict:
             "eos_token_id": m.vocab_size - 1}
 
 
+def _expected_shapes(m: ml_collections.ConfigDict) -> dict[str, tuple[int, ...]]:
+    """HF tensor name (``h.{}.`` for every layer) -> the shape a config.json of these sizes implies."""
+    h, f = m.hidden_size, m.mlp_ratio * m.hidden_size
+    layer = {"ln_1.weight": (h,), "ln_1.bias": (h,), "ln_2.weight": (h,), "ln_2.bias": (h,),
+             "attn.c_attn.weight": (h, 3 * h), "attn.c_attn.bias": (3 * h,), "attn.c_proj.weight": (h, h),
+             "attn.c_proj.bias": (h,), "mlp.c_fc.weight": (h, f), "mlp.c_fc.bias": (f,), "mlp.c_proj.weight": (f, h),
+             "mlp.c_proj.bias": (h,)}
+    return {"wte.weight": (m.vocab_size, h), "wpe.weight": (m.max_seq_len, h), "ln_f.weight": (h,),
+            "ln_f.bias": (h,), **{f"h.{{}}.{k}": v for k, v in layer.items()}}
+
+
+def _check_layers_and_head(sd: dict[str, np.ndarray], num_layers: int) -> None:
+    """No layer past config.json's n_layer, and no lm_head other than the tied word embedding."""
+    extra = sorted({int(k.split(".")[1]) for k in sd if re.match(r"h\.\d+\.", k)} - set(range(num_layers)))
+    if extra:
+        raise ValueError(f"the HF weights hold layers {extra} but config.json says n_layer={num_layers}")
+    head = sd.get("lm_head.weight")
+    if head is not None and not np.array_equal(np.asarray(head), np.asarray(sd["wte.weight"])):
+        raise ValueError("the HF weights hold an lm_head.weight that differs from wte.weight (untied output layer): "
+                         "megajax's GPT ties them")
+
+
 def params_from_hf(sd: dict[str, np.ndarray], config: ml_collections.ConfigDict) -> Params:
     """megajax parameters from an HF GPT-2 state dict (with or without the ``transformer.`` prefix)."""
     sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
     m = config.model
     h, nh, L = m.hidden_size, m.num_heads, m.num_layers
     d = h // nh
+    shapes = _expected_shapes(m)
 
     def get(name: str) -> np.ndarray:
         if name not in sd:
             raise KeyError(f"HF checkpoint has no tensor {name!r}")
+        want = shapes[re.sub(r"^h\.\d+\.", "h.{}.", name)]
+        if tuple(sd[name].shape) != want:
+            raise ValueError(f"HF tensor {name} is {tuple(sd[name].shape)}, but config.json (vocab_size={m.vocab_size}"
+                             f", n_positions={m.max_seq_len}, n_embd={h}, n_inner={m.mlp_ratio * h}) implies {want}")
         return np.asarray(sd[name], np.float32)
 
     def stack(fmt: str, fn=lambda x: x) -> np.ndarray:
         return np.stack([fn(get(fmt.format(i))) for i in range(L)])
 
     wte = get("wte.weight")
+    _check_layers_and_head(sd, L)
     padded = np.zeros((padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by), h), np.float32)
     padded[:wte.shape[0]] = wte
     return {
@@ -107,30 +135,3 @@ def params_to_hf(p: Params, config: ml_collections.ConfigDict) -> dict[str, np.n
             pre + "mlp.c_proj.bias": b["mlp"]["down"]["bias"][i],
         })
     return {k: np.ascontiguousarray(v, np.float32) for k, v in sd.items()}
-
-
-def read_hf(directory: str | pathlib.Path, allow_pickle: bool = False) -> tuple[dict, dict[str, np.ndarray]]:
-    """(config.json, state dict) of an HF model directory: model.safetensors or pytorch_model.bin."""
-    d = pathlib.Path(directory)
-    if not (d / "config.json").is_file():
-        raise FileNotFoundError(f"{d} has no config.json: give a GPT2LMHeadModel directory (save_pretrained)")
-    hf = json.loads((d / "config.json").read_text())
-    if (d / "model.safetensors").is_file():
-        from safetensors.numpy import load_file
-
-        return hf, load_file(str(d / "model.safetensors"))
-    if (d / "pytorch_model.bin").is_file():
-        from megajax.convert import torch_io
-
-        sd = torch_io.load(d / "pytorch_model.bin", allow_pickle)
-        return hf, {k: torch_io.to_numpy(v) for k, v in sd.items()}
-    raise FileNotFoundError(f"{d} has neither model.safetensors nor pytorch_model.bin")
-
-
-def write_hf(directory: str | pathlib.Path, sd: dict[str, np.ndarray], hf: dict) -> None:
-    from safetensors.numpy import save_file
-
-    d = pathlib.Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
-    (d / "config.json").write_text(json.dumps(hf, indent=2) + "\n")

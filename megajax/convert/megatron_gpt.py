@@ -28,7 +28,9 @@ import ml_collections
 import numpy as np
 
 from megajax.config import base_config, padded_vocab_size
-from megajax.convert import torch_io
+from megajax.convert import megatron_checks as checks
+from megajax.convert import megatron_files, torch_io
+from megajax.convert.paths import require_empty
 
 Params = dict
 LAYER_KEYS = ("ln1_w", "ln1_b", "qkv_w", "qkv_b", "proj_w", "proj_b", "ln2_w", "ln2_b",
@@ -77,33 +79,43 @@ def _flatten(tree, prefix: str = "") -> dict:
     return out
 
 
-def _canonical(model_sd: dict, num_layers: int) -> dict[str, np.ndarray]:
-    """One rank's tensors under canonical names (``qkv_w.3`` = layer 3's QKV weight), float32."""
+def _canonical(model_sd: dict, where: pathlib.Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """One rank's tensors under canonical names (``qkv_w.3`` = layer 3's QKV weight) as float32, and each canonical
+    name's key in the file; the layers are those the keys hold, and a tensor megajax has no place for is refused."""
     flat = {k.removeprefix("model.").removeprefix("language_model."): v for k, v in _flatten(model_sd).items()
             if not k.endswith("_extra_state")}
     core = any(k.startswith("decoder.") for k in flat)
-    names = CORE if core else LEGACY
     for old, new in CORE_ALIASES if core else LEGACY_ALIASES:
         flat = {k.replace(old, new): v for k, v in flat.items()}
-    out = {}
-    for key, fmt in names.items():
-        for i in (range(num_layers) if key in LAYER_KEYS else [None]):
+    layers = sorted({int(m[1]) for k in flat if (m := re.match(r"(?:en|de)coder\.layers\.(\d+)\.", k))})
+    if layers != list(range(len(layers))) or not layers:
+        raise ValueError(f"{where} holds layers {layers or 'none'}; a GPT checkpoint has layers 0..N-1")
+    out, names = {}, {}
+    for key, fmt in (CORE if core else LEGACY).items():
+        for i in (layers if key in LAYER_KEYS else [None]):
             name = fmt.format(i) if i is not None else fmt
             if name not in flat:
-                raise KeyError(f"Megatron checkpoint has no tensor {name!r} (found e.g. {sorted(flat)[:4]})")
-            out[f"{key}.{i}" if i is not None else key] = torch_io.to_numpy(flat[name]) \
-                if not isinstance(flat[name], np.ndarray) else flat[name].astype(np.float32)
-    return out
+                raise KeyError(f"{where} has no tensor {name!r} (found e.g. {sorted(flat)[:4]})")
+            canonical = f"{key}.{i}" if i is not None else key
+            v = flat.pop(name)
+            out[canonical] = v.astype(np.float32) if isinstance(v, np.ndarray) else torch_io.to_numpy(v)
+            names[canonical] = name
+    if flat:
+        raise ValueError(f"{where} holds tensors megajax's GPT has no place for: {sorted(flat)[:4]} (an untied "
+                         "output layer, or another model variant)")
+    return out, names
 
 
-def _merge_ranks(ranks: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+def _merge_ranks(ranks: list[dict[str, np.ndarray]], files: list[pathlib.Path]) -> dict[str, np.ndarray]:
     merged = {}
     for name in ranks[0]:
         dim = SPLIT_DIM.get(name.split(".")[0])
         parts = [r[name] for r in ranks]
         if dim is None:
-            if any(not np.array_equal(parts[0], p) for p in parts[1:]):
-                raise ValueError(f"replicated tensor {name} differs between tensor-parallel ranks")
+            differ = [f.parent.name for f, p in zip(files[1:], parts[1:]) if not np.array_equal(parts[0], p)]
+            if differ:
+                raise ValueError(f"replicated tensor {name} differs between {files[0].parent.name} and "
+                                 f"{', '.join(differ)}: the ranks do not come from one save")
             merged[name] = parts[0]
         else:
             merged[name] = np.concatenate(parts, axis=dim)
@@ -116,6 +128,7 @@ def _split_ranks(full: dict[str, np.ndarray], tp: int) -> list[dict[str, np.ndar
 
 
 def params_from_canonical(c: dict[str, np.ndarray], config: ml_collections.ConfigDict) -> Params:
+    """megajax parameters from the merged canonical tensors; the config must pad the vocabulary to their rows."""
     m = config.model
     h, nh, L = m.hidden_size, m.num_heads, m.num_layers
     d = h // nh
@@ -124,11 +137,11 @@ def params_from_canonical(c: dict[str, np.ndarray], config: ml_collections.Confi
         return np.stack([fn(c[f"{key}.{i}"]) for i in range(L)])
 
     rows = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
-    wte = np.zeros((rows, h), np.float32)
-    n = min(rows, c["wte"].shape[0])
-    wte[:n] = c["wte"][:n]  # Megatron pads to its own multiple; rows past the true vocabulary are never used
+    if rows != c["wte"].shape[0]:
+        raise ValueError(f"model.vocab_size={m.vocab_size} padded to a multiple of {m.make_vocab_size_divisible_by} "
+                         f"is {rows} rows, but the word embedding has {c['wte'].shape[0]}")
     return {
-        "wte": {"embedding": wte}, "wpe": c["wpe"], "ln_f": {"scale": c["lnf_w"], "bias": c["lnf_b"]},
+        "wte": {"embedding": c["wte"]}, "wpe": c["wpe"], "ln_f": {"scale": c["lnf_w"], "bias": c["lnf_b"]},
         "blocks": {
             "ln_1": {"scale": stack("ln1_w"), "bias": stack("ln1_b")},
             "ln_2": {"scale": stack("ln2_w"), "bias": stack("ln2_b")},
@@ -158,71 +171,104 @@ def params_to_canonical(p: Params, config: ml_collections.ConfigDict) -> dict[st
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
 
-def _iteration_dir(directory: pathlib.Path, iteration: int | None) -> pathlib.Path:
-    if iteration is None:
-        tracker = directory / "latest_checkpointed_iteration.txt"
-        if not tracker.is_file():
-            raise FileNotFoundError(f"{tracker} not found: give --iteration or a Megatron checkpoint directory")
-        text = tracker.read_text().strip()
-        return directory / ("release" if text == "release" else f"iter_{int(text):07d}")
-    return directory / f"iter_{iteration:07d}"
-
-
-def config_from_args(args: argparse.Namespace | dict, vocab_size: int) -> ml_collections.ConfigDict:
-    """A megajax config from the Megatron ``args`` stored in a checkpoint."""
+def config_from_args(args: argparse.Namespace | dict) -> ml_collections.ConfigDict:
+    """A megajax config with the model sizes of the Megatron ``args`` stored in a checkpoint (vocabulary: see
+    ``read_megatron``)."""
     a = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
     c = base_config()
     h = a["hidden_size"]
-    c.model.update(vocab_size=vocab_size, num_layers=a["num_layers"], hidden_size=h,
-                   num_heads=a["num_attention_heads"], max_seq_len=a["max_position_embeddings"],
-                   mlp_ratio=(a.get("ffn_hidden_size") or 4 * h) // h)
+    ffn = a.get("ffn_hidden_size") or 4 * h
+    if ffn % h:
+        raise ValueError(f"args.ffn_hidden_size={ffn} is not a multiple of args.hidden_size={h}: megajax's MLP is "
+                         "model.mlp_ratio x hidden_size wide")
+    c.model.update(num_layers=a["num_layers"], hidden_size=h, num_heads=a["num_attention_heads"],
+                   max_seq_len=a["max_position_embeddings"], mlp_ratio=ffn // h)
     return c
 
 
-def read_megatron(directory: str | pathlib.Path, config: ml_collections.ConfigDict | None = None, *,
-                  iteration: int | None = None, vocab_size: int = 50257,
-                  allow_pickle: bool = False) -> tuple[Params, ml_collections.ConfigDict]:
-    """(megajax parameters, config) from a Megatron-LM checkpoint at any tensor-parallel degree."""
-    it_dir = _iteration_dir(pathlib.Path(directory), iteration)
-    rank_dirs = sorted(p for p in it_dir.glob("mp_rank_*") if p.is_dir())
-    if not rank_dirs:
-        raise FileNotFoundError(f"no mp_rank_NN directories in {it_dir}")
-    if any(re.fullmatch(r"mp_rank_\d+_\d+", p.name) for p in rank_dirs):
-        raise ValueError(f"{it_dir} is pipeline-parallel (mp_rank_TT_PPP); convert it with pipeline size 1 first")
-    checkpoints = [torch_io.load(p / "model_optim_rng.pt", allow_pickle) for p in rank_dirs]
-    if config is None:
-        if "args" not in checkpoints[0]:
-            raise ValueError("the checkpoint stores no args: pass a megajax --config describing the model")
-        config = config_from_args(checkpoints[0]["args"], vocab_size)
+def _load_ranks(it_dir: pathlib.Path, allow_pickle: bool):
+    """(shared args or None, per-rank canonical tensors, Megatron names of rank 0's tensors, rank files)."""
+    files = megatron_files.rank_files(it_dir)
+    checkpoints = [torch_io.load(f, allow_pickle) for f in files]
+    args = checks.common_args(checkpoints, files)
     version = checkpoints[0].get("checkpoint_version", 0)
     if version < 2:
         raise ValueError(f"checkpoint_version {version}: QKV rows are not interleaved per head; only >= 2 is supported")
-    ranks = [_canonical(ck["model"], config.model.num_layers) for ck in checkpoints]
-    return params_from_canonical(_merge_ranks(ranks), config), config
+    if args is not None:
+        checks.check_features(args)
+    canonical = [_canonical(ck["model"], f) for ck, f in zip(checkpoints, files)]
+    ranks = [tensors for tensors, _ in canonical]
+    checks.check_rank_shapes(ranks, files)
+    return args, ranks, canonical[0][1], files
+
+
+def read_megatron(directory: str | pathlib.Path, config: ml_collections.ConfigDict | None = None, *,
+                  iteration: int | None = None, vocab_size: int | None = None,
+                  allow_pickle: bool = False) -> tuple[Params, ml_collections.ConfigDict]:
+    """(megajax parameters, config) from a Megatron-LM checkpoint at any tensor-parallel degree.
+
+    The model sizes come from the checkpoint's args, or from ``config`` for a checkpoint saved without args; when
+    both exist they must agree with each other and with the tensors. Megatron stores only the padded vocabulary,
+    so the true size is ``vocab_size`` (else ``config``'s); there is no silent default. The output keeps the
+    checkpoint's embedding rows exactly.
+    """
+    it_dir = megatron_files.iteration_dir(pathlib.Path(directory), iteration)
+    args, ranks, names, files = _load_ranks(it_dir, allow_pickle)
+    if args is None and config is None:
+        raise ValueError(f"{it_dir} stores no args (saved without them), so its model sizes are unknown: pass "
+                         "--config=NAME, a megajax config describing the model (and --vocab_size=N)")
+    merged, tp = _merge_ranks(ranks, files), len(files)
+    out = config.copy_and_resolve_references() if config is not None else config_from_args(args)
+    checks.check_agreement(it_dir, checks.args_claims(args), checks.config_claims(config),
+                           checks.tensor_claims(merged, names, tp))
+    checks.check_shapes(merged, names, out, tp)
+    rows = merged["wte"].shape[0]
+    if vocab_size is None and config is not None:
+        vocab = checks.vocabulary(rows, config.model.vocab_size, args, tp, it_dir, "--config model.vocab_size")
+    else:
+        vocab = checks.vocabulary(rows, vocab_size, args, tp, it_dir)
+    megatron_multiple = ((args or {}).get("make_vocab_size_divisible_by") or 0) * tp
+    out.model.vocab_size = vocab
+    out.model.make_vocab_size_divisible_by = checks.megajax_divisor(
+        vocab, rows, [config.model.make_vocab_size_divisible_by if config is not None else None, megatron_multiple])
+    return params_from_canonical(merged, out), out
+
+
+def _megatron_divisor(vocab_size: int, rows: int, divisible_by: int, tp: int) -> int:
+    """args.make_vocab_size_divisible_by such that Megatron, padding to a multiple of it x ``tp``, gets ``rows``."""
+    if divisible_by % tp == 0 and padded_vocab_size(vocab_size, divisible_by) == rows:
+        return divisible_by // tp
+    return rows // tp  # a multiple of rows itself always pads a vocabulary of at most rows to rows
 
 
 def write_megatron(directory: str | pathlib.Path, params: Params, config: ml_collections.ConfigDict, tp: int, *,
                    iteration: int = 0, names: str = "legacy", dtype: str = "float32") -> pathlib.Path:
-    """Writes a Megatron-LM checkpoint with ``tp`` tensor-parallel ranks; returns its iteration directory."""
+    """Writes a Megatron-LM checkpoint with ``tp`` tensor-parallel ranks into a new or empty directory (so no
+    ranks or iterations of another save mix in); returns its iteration directory."""
     m = config.model
-    if m.num_heads % tp or params["wte"]["embedding"].shape[0] % tp:
-        raise ValueError(f"tensor-parallel size {tp} must divide the heads ({m.num_heads}) and the padded vocabulary")
+    rows = params["wte"]["embedding"].shape[0]
+    if m.num_heads % tp or rows % tp:
+        raise ValueError(f"tensor-parallel size {tp} must divide the heads ({m.num_heads}) and the padded "
+                         f"vocabulary ({rows})")
+    directory = pathlib.Path(directory)
+    require_empty(directory, "the Megatron output directory")
     key_names = {"legacy": LEGACY, "core": CORE}[names]
     args = argparse.Namespace(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_heads,
                               ffn_hidden_size=m.mlp_ratio * m.hidden_size, max_position_embeddings=m.max_seq_len,
-                              padded_vocab_size=params["wte"]["embedding"].shape[0], tensor_model_parallel_size=tp,
-                              pipeline_model_parallel_size=1, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
-    it_dir = pathlib.Path(directory) / f"iter_{iteration:07d}"
+                              padded_vocab_size=rows, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+                              make_vocab_size_divisible_by=_megatron_divisor(m.vocab_size, rows,
+                                                                             m.make_vocab_size_divisible_by, tp))
+    it_dir = directory / megatron_files.iteration_name(iteration)
     for r, rank in enumerate(_split_ranks(params_to_canonical(params, config), tp)):
         sd = {}
         for name, a in rank.items():
             key, _, layer = name.partition(".")
             sd[key_names[key].format(layer) if layer else key_names[key]] = torch_io.to_torch(a, dtype)
         model = {"language_model": _nest_legacy(sd)} if names == "legacy" else sd
-        (it_dir / f"mp_rank_{r:02d}").mkdir(parents=True, exist_ok=True)
+        (it_dir / f"mp_rank_{r:02d}").mkdir(parents=True)
         torch_io.save({"model": model, "checkpoint_version": 3.0, "iteration": iteration, "args": args},
-                      it_dir / f"mp_rank_{r:02d}" / "model_optim_rng.pt")
-    (pathlib.Path(directory) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+                      it_dir / f"mp_rank_{r:02d}" / megatron_files.RANK_FILE)
+    (directory / megatron_files.TRACKER).write_text(str(iteration))
     return it_dir
 
 

@@ -1,0 +1,78 @@
+"""Hugging Face model directories: ``config.json``, the weight files, and which converter takes which model_type."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from types import ModuleType
+
+import numpy as np
+
+from megajax.convert import hf_gpt2
+from megajax.convert.paths import require_empty
+
+# config.json "model_type" -> the module converting it (it defines HF_CLASS, config_from_hf, params_from_hf).
+CONVERTERS: dict[str, ModuleType] = {
+    "gpt2": hf_gpt2,
+}
+
+
+def read_config(directory: str | pathlib.Path) -> dict:
+    """The ``config.json`` of an HF model directory (what ``save_pretrained`` writes)."""
+    path = pathlib.Path(directory) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} has no config.json: give a directory written by save_pretrained")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+
+
+def converter_for(hf: dict, directory: str | pathlib.Path) -> ModuleType:
+    """The converter module for an HF config; ValueError naming the supported model types otherwise."""
+    model_type = hf.get("model_type")
+    if model_type in CONVERTERS:
+        return CONVERTERS[model_type]
+    classes = f" ({', '.join(hf['architectures'])})" if hf.get("architectures") else ""
+    supported = ", ".join(f"{name} ({module.HF_CLASS})" for name, module in CONVERTERS.items())
+    raise ValueError(f"{pathlib.Path(directory) / 'config.json'} is model_type {model_type!r}{classes}; "
+                     f"megajax converts only: {supported}")
+
+
+def read_weights(directory: str | pathlib.Path, allow_pickle: bool = False) -> dict[str, np.ndarray]:
+    """The state dict of an HF model directory: model.safetensors or pytorch_model.bin, either possibly sharded."""
+    d = pathlib.Path(directory)
+    for name, load in (("model.safetensors", _load_safetensors), ("pytorch_model.bin", _load_torch)):
+        if (d / name).is_file():
+            return load(d / name, allow_pickle)
+        index = d / f"{name}.index.json"
+        if index.is_file():  # shards listed in weight_map (tensor name -> file)
+            sd = {}
+            for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+                sd.update(load(d / shard, allow_pickle))
+            return sd
+    raise FileNotFoundError(f"{d} has neither model.safetensors nor pytorch_model.bin (nor a sharded .index.json)")
+
+
+def _load_safetensors(path: pathlib.Path, allow_pickle: bool) -> dict[str, np.ndarray]:
+    del allow_pickle  # safetensors holds no code
+    from safetensors.numpy import load_file
+
+    return load_file(str(path))
+
+
+def _load_torch(path: pathlib.Path, allow_pickle: bool) -> dict[str, np.ndarray]:
+    from megajax.convert import torch_io
+
+    return {k: torch_io.to_numpy(v) for k, v in torch_io.load(path, allow_pickle).items()}
+
+
+def write(directory: str | pathlib.Path, sd: dict[str, np.ndarray], hf: dict) -> None:
+    """Writes ``model.safetensors`` and ``config.json`` into a new or empty directory."""
+    from safetensors.numpy import save_file
+
+    d = pathlib.Path(directory)
+    require_empty(d, "the HF output directory")
+    d.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
