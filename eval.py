@@ -25,13 +25,16 @@ def main(argv=None):
     p.add_argument("--tokenizer", help="default: the tokenizer the checkpoint was trained with")
     p.add_argument("--output", help="also write the results here as JSON")
     p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--stride", type=int, default=32, help="sliding-window overlap (paper: 32)")
+    p.add_argument("--stride", type=int, default=None,
+                   help="wikitext103/ppl: windows start every STRIDE tokens and each one after the first scores "
+                        "its last STRIDE targets (Megatron-LM's --overlapping-eval), 1..max_seq_len; default: 32, "
+                        "the paper's (wikitext103), max_seq_len, non-overlapping (ppl)")
     p.add_argument("--prompt", default="")
     p.add_argument("--max_new_tokens", type=int, default=64)
-    p.add_argument("--greedy", action="store_true")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top_k", type=int, default=0)
-    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (as --temperature=0)")
+    p.add_argument("--temperature", type=float, default=1.0, help=">= 0; 0 means greedy")
+    p.add_argument("--top_k", type=int, default=0, help="sample among the K most likely ids (0: off)")
+    p.add_argument("--top_p", type=float, default=1.0, help="in (0, 1]: nucleus sampling (1: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--config.mesh.data", dest="mesh_data", type=int, default=None)
     p.add_argument("--config.mesh.model", dest="mesh_model", type=int, default=None)
@@ -39,12 +42,19 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     from megajax.evaluation.generate import Sampling
+    from megajax.evaluation.inputs import InputError
     from megajax.evaluation.runner import run
 
-    run(args.checkpoint, args.task, data=args.data, prompt=args.prompt, tokenizer=args.tokenizer,
-        mesh_data=args.mesh_data, mesh_model=args.mesh_model, batch_size=args.batch_size, stride=args.stride,
-        max_new_tokens=args.max_new_tokens, seed=args.seed, output=args.output,
-        sampling=Sampling(args.greedy, args.temperature, args.top_k, args.top_p))
+    try:
+        sampling = Sampling(args.greedy, args.temperature, args.top_k, args.top_p)
+    except ValueError as e:
+        p.error(str(e))
+    try:
+        run(args.checkpoint, args.task, data=args.data, prompt=args.prompt, tokenizer=args.tokenizer,
+            mesh_data=args.mesh_data, mesh_model=args.mesh_model, batch_size=args.batch_size, stride=args.stride,
+            max_new_tokens=args.max_new_tokens, seed=args.seed, output=args.output, sampling=sampling)
+    except InputError as e:  # raised before the model is loaded: usage, not a traceback
+        p.error(str(e))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
-"""Evaluation: window arithmetic, sliding-window perplexity vs a naive reference, the detokenizer, LAMBADA scoring,
-cached generation, and equal results on every mesh."""
+"""Evaluation: the sliding windows against Megatron-LM's overlapping evaluation, sliding-window perplexity vs a
+naive reference, the detokenizer, LAMBADA scoring, generation (cache, temperature 0), the stride used, and equal
+results on every mesh. Input checks: test_eval_inputs.py."""
 
+import functools
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -12,26 +15,63 @@ from flax import nnx
 from conftest import small_config
 from megajax.checkpoint import save_params
 from megajax.config import model_config, rules_of
-from megajax.data.tokenizer import train_tokenizer
+from megajax.data.indexed import IndexedTokens, IndexedWriter
+from megajax.data.tokenizer import load_tokenizer, train_tokenizer
 from megajax.evaluation.detokenize import original_token_count, wikitext_detokenize
-from megajax.evaluation.generate import Sampling, generate
+from megajax.evaluation.generate import Sampling, generate, sample_logits
+from megajax.evaluation.inputs import read_lambada
 from megajax.evaluation.runner import run
 from megajax.evaluation.scoring import Scorer, sliding_windows, stream_log_likelihood
 from megajax.evaluation.tasks import lambada
+from megajax.losses import mask_padded_vocab
 from megajax.models.gpt import GPT
 from megajax.sharding import make_mesh
 
 
-@pytest.mark.parametrize("seq_len,stride", [(8, 1), (8, 3), (8, 8), (16, 5), (16, 16)])
-def test_every_target_scored_once_with_enough_context(seq_len, stride):
-    for n in [0, 1, 2, 3] + list(range(seq_len - 2, seq_len + 3)) + list(range(seq_len + stride - 2, 3 * seq_len + 3)):
-        windows = sliding_windows(n, seq_len, stride)
-        scored = [t for _, first, end in windows for t in range(first, end + 1)]
-        assert sorted(scored) == list(range(1, n)) and len(scored) == len(set(scored)), (n, windows)
-        for k, (start, first, end) in enumerate(windows):
-            assert start >= 0 and end - start <= seq_len
-            if k:  # later windows keep at least seq_len - stride tokens of context before their first target
-                assert first - start >= seq_len - stride and end - start == seq_len
+def megatron_context_starts(num_tokens: int, seq_len: int, stride: int) -> dict[int, int]:
+    """{target: first token of its context} as Megatron-LM's overlapping evaluation assigns them, simulated
+    literally: max(ceil(max(T-1-k, 0)/k) + 1, 1) windows; window i holds tokens [i*k, i*k+L] (shorter at the end,
+    padding masked); window 0 scores every target, later windows only their last k positions."""
+    k = stride
+    windows = max(math.ceil(max(num_tokens - 1 - k, 0) / k) + 1, 1)
+    starts = {}
+    for i in range(windows):
+        real = len(range(i * k, min(i * k + seq_len + 1, num_tokens)))
+        mask = ([1] * real + [0] * (seq_len + 1 - real))[1:]  # one flag per input position
+        if k != seq_len and i != 0:
+            mask[:-k] = [0] * (seq_len - k)
+        for pos in range(seq_len):
+            if mask[pos]:
+                assert i * k + pos + 1 not in starts
+                starts[i * k + pos + 1] = i * k
+    return starts
+
+
+def windows_context_starts(windows) -> dict[int, int]:
+    starts = {}
+    for start, first, end in windows:
+        for t in range(first, end + 1):
+            assert t not in starts, (t, windows)
+            starts[t] = start
+    return starts
+
+
+@pytest.mark.parametrize("seq_len", [1, 5, 16, 32])
+def test_windows_match_megatron_for_every_length_and_stride(seq_len):
+    for stride in range(1, seq_len + 1):
+        for n in range(3 * seq_len + 3):
+            windows = sliding_windows(n, seq_len, stride)
+            want = megatron_context_starts(n, seq_len, stride)
+            assert sorted(want) == list(range(1, n))  # the reference itself scores every target once
+            assert windows_context_starts(windows) == want, (n, stride, windows)
+            for start, first, end in windows:
+                assert start % stride == 0 and 0 < end - start <= seq_len and first <= end
+
+
+@pytest.mark.parametrize("stride", [0, -1, 17])
+def test_stride_outside_one_to_seq_len_is_an_error(stride):
+    with pytest.raises(ValueError, match=r"stride must be in 1\.\.16"):
+        sliding_windows(40, 16, stride)
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +82,13 @@ def tiny_model():
     return model, config
 
 
-def _naive_scorer(model):
-    """-log p(tokens[target] | context) for one context at a time: the context is written at the start of a
-    seq_len buffer (what follows it cannot affect a causal model) and the logits read at its last position."""
+@pytest.fixture(scope="module")
+def naive_nll(tiny_model):
+    """-log p(tokens[target] | tokens[start:target]), one direct model call per (start, target), cached: the
+    context is written at the start of a seq_len buffer (what follows cannot affect a causal model) and the logits
+    read at its end."""
+    model, config = tiny_model
+    seq_len = config.model.max_seq_len
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -53,27 +97,33 @@ def _naive_scorer(model):
         logp = jax.nn.log_softmax(jax.lax.dynamic_index_in_dim(logits, length - 1, keepdims=False))
         return -logp[target_token]
 
-    def score(tokens, target, start):
-        buffer = np.zeros(16, np.int32)
+    @functools.cache
+    def score(tokens: tuple, target: int, start: int) -> float:
+        assert 0 < target - start <= seq_len
+        buffer = np.zeros(seq_len, np.int32)
         buffer[:target - start] = tokens[start:target]
-        return float(nll(state, jnp.asarray(buffer), target - start, int(tokens[target])))
+        return float(nll(state, jnp.asarray(buffer), target - start, tokens[target]))
     return score
 
 
-@pytest.mark.parametrize("stride", [1, 4, 16])
-def test_sliding_window_nll_equals_naive_reference(tiny_model, stride):
+@pytest.fixture(scope="module")
+def one_device_scorer(tiny_model):
     model, config = tiny_model
-    tokens = np.random.default_rng(2).integers(0, 1000, 45)
-    scorer = Scorer(model, make_mesh(1, 1), rules_of(config), batch_size=4, seq_len=16)
-    total, count = stream_log_likelihood(scorer, tokens, stride)
-    windows = sliding_windows(len(tokens), 16, stride)
-    start_of = {t: start for start, first, end in windows for t in range(first, end + 1)}
-    if stride == 1:  # the full left context, capped at seq_len
-        assert all(start_of[t] == max(0, t - 16) for t in range(1, 45))
-    naive_nll = _naive_scorer(model)
-    naive = sum(naive_nll(tokens, t, start_of[t]) for t in range(1, 45))
-    assert count == 44
-    np.testing.assert_allclose(total, naive, rtol=1e-5)
+    return Scorer(model, make_mesh(1, 1), rules_of(config), batch_size=8, seq_len=config.model.max_seq_len)
+
+
+@pytest.mark.parametrize("stride", [1, 7, 16])
+def test_sliding_window_nll_equals_naive_reference(one_device_scorer, naive_nll, stride):
+    """Every length T = 0..3L+2 (prefixes of one random stream): the summed NLL equals the naive one, where target
+    t's context starts at 0 for t <= L, else at the multiple of the stride ceil((t - L) / stride) * stride."""
+    seq_len = one_device_scorer.seq_len
+    tokens = tuple(int(t) for t in np.random.default_rng(2).integers(0, 1000, 3 * seq_len + 2))
+    start_of = lambda t: 0 if t <= seq_len else -(-(t - seq_len) // stride) * stride  # noqa: E731
+    for n in range(len(tokens) + 1):
+        total, count = stream_log_likelihood(one_device_scorer, np.asarray(tokens[:n], np.int32), stride)
+        assert count == max(n - 1, 0)
+        naive = math.fsum(naive_nll(tokens, t, start_of(t)) for t in range(1, n))
+        np.testing.assert_allclose(total, naive, rtol=1e-6, atol=0, err_msg=f"T={n}")
 
 
 @pytest.mark.parametrize("raw,want", [
@@ -137,15 +187,11 @@ def test_lambada_whole_word_and_last_subword(tmp_path):
     knows |= {(seq[i - 1], seq[i]) for i in range(len(ctx), len(seq))}
     ctx, tgt = ids[texts[2]]  # several subwords, only the last right: partly right
     knows.add((tgt[-2], tgt[-1]))
-    result = lambada(OracleScorer(knows), tok, str(path))
+    result = lambada(OracleScorer(knows), read_lambada(path, tok, OracleScorer.seq_len))
     # texts[3] ends with the same word as texts[1] but after "the": its first subword is not known.
     assert result["examples"] == 4
     assert result["accuracy"] == 2 / 4  # texts 0 and 1
     assert result["last_subword_accuracy"] == 4 / 4  # texts 2 and 3 get their last subword right
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text("just text\n")
-    with pytest.raises(ValueError, match="'text' field"):
-        lambada(OracleScorer(set()), tok, str(bad))
 
 
 @pytest.mark.parametrize("mesh", [(1, 1), (1, 4)])
@@ -159,11 +205,22 @@ def test_generation_with_cache_equals_without(tiny_model, mesh):
     cached = generate(sharded, m, rules_of(config), prompt, 10, greedy)
     plain = generate(sharded, m, rules_of(config), prompt, 10, greedy, use_cache=False)
     np.testing.assert_array_equal(cached, plain)
-    ref = generate(model, make_mesh(1, 1), rules_of(config), prompt, 10, greedy)
+    ref = generate(model, make_mesh(1, 1), rules_of(config), prompt, 10, Sampling(temperature=0.0))  # greedy too
     np.testing.assert_array_equal(cached, ref)
     sampled = generate(sharded, m, rules_of(config), prompt, 10, Sampling(temperature=0.8, top_k=50, top_p=0.9),
                        seed=4)
     assert (sampled[:, :5] == prompt).all() and (sampled < 1000).all()
+
+
+def test_temperature_zero_is_greedy():
+    logits = jax.random.normal(jax.random.key(0), (4, 1024)) * 3
+    logits = mask_padded_vocab(logits, 1000)  # padded ids, as the model returns them
+    want = np.argmax(np.asarray(logits), axis=-1)
+    for sampling in [Sampling(temperature=0.0), Sampling(temperature=0.0, top_k=5, top_p=0.5)]:
+        for seed in range(3):
+            np.testing.assert_array_equal(sample_logits(logits, jax.random.key(seed), sampling), want)
+    # a sample at temperature 1 differs from the argmax somewhere (the logits are far from one-hot)
+    assert any((np.asarray(sample_logits(logits, jax.random.key(s), Sampling())) != want).any() for s in range(3))
 
 
 @pytest.fixture(scope="module")
@@ -175,11 +232,14 @@ def eval_checkpoint(tmp_path_factory, tiny_model):
     tok.save(root / "tok.json")
     (root / "wiki.tokens").write_text(text)
     (root / "lambada.jsonl").write_text("".join(json.dumps({"text": f"w{i} , x{i} . w{i}"}) + "\n" for i in range(6)))
+    writer = IndexedWriter(root / "ppl", np.uint16)
+    writer.add(np.random.default_rng(5).integers(0, 1000, 60))
+    writer.commit({"tokenizer": str(root / "tok.json"), "vocab_size": 1000})
     save_params(root / "ck", jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model))), config)
     return root
 
 
-def test_results_equal_across_meshes(eval_checkpoint):
+def test_results_equal_across_meshes(eval_checkpoint, one_device_scorer):
     root = eval_checkpoint
     results = {}
     for mesh in [(1, 1), (1, 4), (2, 4)]:
@@ -189,12 +249,29 @@ def test_results_equal_across_meshes(eval_checkpoint):
         results[mesh] = (wiki, lam)
         assert wiki["mesh"] == f"{mesh[0]}x{mesh[1]}"
     (w1, l1) = results[(1, 1)]
+    assert w1["stride"] == 4
+    text = wikitext_detokenize((root / "wiki.tokens").read_text())
+    tokens = np.asarray(load_tokenizer(root / "tok.json").encode_batch([text])[0])
+    total, count = stream_log_likelihood(one_device_scorer, tokens, 4)
+    np.testing.assert_allclose(w1["loss"], total / count, rtol=1e-6)
     assert w1["original_tokens"] == original_token_count((root / "wiki.tokens").read_text())
     assert w1["scored_targets"] == w1["subword_tokens"] - 1
     assert w1["adjusted_ppl"] > w1["ppl"]  # fewer original tokens than subwords
     for mesh, (w, lam) in results.items():
         np.testing.assert_allclose(w["loss"], w1["loss"], rtol=1e-5)
         assert lam["accuracy"] == l1["accuracy"] and lam["last_subword_accuracy"] == l1["last_subword_accuracy"]
+
+
+def test_ppl_uses_and_reports_the_stride_given(eval_checkpoint, one_device_scorer):
+    """The stride given (also one equal to a default) is the one scored with and reported; no stride on ppl means
+    non-overlapping windows. Each result equals the sliding-window NLL computed directly with that stride."""
+    root = eval_checkpoint
+    tokens = np.asarray(IndexedTokens.open(root / "ppl").tokens)
+    for stride, used in [(7, 7), (None, 16)]:
+        result = run(str(root / "ck"), "ppl", data=str(root / "ppl"), stride=stride, mesh_data=1, mesh_model=1)
+        total, count = stream_log_likelihood(one_device_scorer, tokens, used)
+        assert result["stride"] == used and result["seq_len"] == 16 and result["scored_targets"] == count == 59
+        np.testing.assert_allclose(result["loss"], total / count, rtol=1e-6)
 
 
 def test_eval_cli_writes_json(eval_checkpoint, tmp_path):

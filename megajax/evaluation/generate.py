@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -15,16 +16,44 @@ from megajax.sharding import Rules, activate
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
+    """How each new token is picked: the argmax when ``greedy`` or ``temperature == 0``; otherwise a sample from
+    softmax(logits / temperature) restricted to the ``top_k`` most likely ids (0: all) and to the smallest set
+    whose probability reaches ``top_p`` (1.0: all). Checked when built, so bad flags fail before compiling."""
+
     greedy: bool = False
     temperature: float = 1.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1.0: off
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"--temperature={self.temperature}: must be >= 0 (0 means greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top_p={self.top_p}: must be in (0, 1] (1 turns top-p off)")
+        if self.top_k < 0:
+            raise ValueError(f"--top_k={self.top_k}: must be >= 0 (0 turns top-k off)")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0
+
+
+def check_generation(sampling: Sampling, prompt_len: int, max_new_tokens: int, max_seq_len: int,
+                     vocab_size: int) -> None:
+    """Raises when a request cannot run on a model with this max_seq_len and vocab_size."""
+    if max_new_tokens < 0:
+        raise ValueError(f"--max_new_tokens={max_new_tokens}: must be >= 0")
+    if prompt_len + max_new_tokens > max_seq_len:
+        raise ValueError(f"the prompt ({prompt_len} tokens) + --max_new_tokens={max_new_tokens} exceeds the model's "
+                         f"max_seq_len={max_seq_len}; shorten one of them")
+    if sampling.top_k > vocab_size:
+        raise ValueError(f"--top_k={sampling.top_k}: more than the model's vocab_size={vocab_size}")
 
 
 def sample_logits(logits: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
     """(B, V) logits -> (B,) token ids."""
     logits = logits.astype(jnp.float32)
-    if s.greedy:
+    if s.is_greedy:
         return jnp.argmax(logits, axis=-1)
     logits = logits / s.temperature
     if s.top_k:
@@ -49,10 +78,8 @@ def generate(model: nnx.Module, mesh: jax.sharding.Mesh, rules: Rules, prompt: n
     (the reference the tests compare against). ``on_token`` receives each new (B,) column as it is sampled.
     """
     b, p = prompt.shape
+    check_generation(sampling, p, max_new_tokens, model.cfg.max_seq_len, model.cfg.vocab_size)
     total = p + max_new_tokens
-    if total > model.cfg.max_seq_len:
-        raise ValueError(f"prompt ({p}) + max_new_tokens ({max_new_tokens}) exceeds model.max_seq_len="
-                         f"{model.cfg.max_seq_len}")
     graphdef, state = nnx.split(model)
 
     @jax.jit

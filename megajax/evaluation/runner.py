@@ -1,69 +1,95 @@
-"""eval.py's library side: load a checkpoint on a mesh, find its tokenizer, run a task, write JSON."""
+"""eval.py's library side: check the inputs against the checkpoint, load it on a mesh, run a task, write JSON."""
 
 from __future__ import annotations
 
 import json
 import pathlib
 import sys
+from typing import Any
 
 import ml_collections
 import numpy as np
 
-from megajax.data.tokenizer import TextTokenizer, load_tokenizer
+from megajax.data.tokenizer import TextTokenizer
+from megajax.evaluation import inputs
+from megajax.evaluation.generate import Sampling, check_generation
 
 TASKS = ("wikitext103", "lambada", "ppl", "generate")
 
 
-def tokenizer_for(config: ml_collections.ConfigDict, explicit: str | None) -> TextTokenizer:
-    """The tokenizer given, else the one the checkpoint's training data used."""
-    if explicit:
-        return load_tokenizer(explicit)
-    d = config.data
-    if d.source == "default":
-        from megajax.data.default_corpus import default_corpus
-        return load_tokenizer(default_corpus(config.model.vocab_size)[1])
-    if d.source == "tfds" and d.tokenizer:
-        return load_tokenizer(d.tokenizer)
-    if d.source == "indexed" and d.path:
-        from megajax.data.indexed import IndexedTokens
-        return load_tokenizer(IndexedTokens.open(d.path).meta["tokenizer"])
-    raise ValueError("this checkpoint does not say which tokenizer it was trained with; pass --tokenizer=PATH")
+def read_inputs(task: str, config: ml_collections.ConfigDict, *, data: str | None, prompt: str | None,
+                tokenizer: str | None, stride: int | None, batch_size: int, max_new_tokens: int,
+                sampling: Sampling) -> tuple[Any, TextTokenizer | None, int | None]:
+    """(task input, tokenizer, stride): everything a task needs from disk, checked against the checkpoint's model
+    (``config``) so that mistakes fail here, before the model is loaded or anything is compiled."""
+    if task not in TASKS:
+        raise inputs.InputError(f"--task={task!r}; choose one of {TASKS}")
+    if task != "generate" and not data:
+        raise inputs.InputError(f"--task={task} needs --data")
+    if batch_size < 1:
+        raise inputs.InputError(f"--batch_size={batch_size}: must be >= 1")
+    vocab_size, seq_len = config.model.vocab_size, config.model.max_seq_len
+    stride = inputs.resolve_stride(task, stride, seq_len)
+    if task == "ppl":
+        return inputs.read_token_file(data, vocab_size), None, stride
+    tok = inputs.tokenizer_for(config, tokenizer)
+    inputs.check_tokenizer(tok, vocab_size)
+    if task == "wikitext103":
+        return inputs.read_wikitext(data, tok), tok, stride
+    if task == "lambada":
+        return inputs.read_lambada(data, tok, seq_len), tok, stride
+    ids = np.asarray([tok.encode_batch([prompt or ""])[0] or [tok.eod_id]], np.int32)
+    check_generation(sampling, ids.shape[1], max_new_tokens, seq_len, vocab_size)
+    return ids, tok, stride
 
 
 def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | None = None,
         tokenizer: str | None = None, mesh_data: int | None = None, mesh_model: int | None = None,
-        batch_size: int = 8, stride: int = 32, max_new_tokens: int = 64, sampling=None, seed: int = 0,
-        output: str | None = None) -> dict:
-    """Runs ``task`` on ``checkpoint``; prints and (with ``output``) writes the JSON results."""
-    from megajax.checkpoint import load_model
+        batch_size: int = 8, stride: int | None = None, max_new_tokens: int = 64, sampling: Sampling | None = None,
+        seed: int = 0, output: str | None = None) -> dict:
+    """Runs ``task`` on ``checkpoint``; prints and (with ``output``) writes the JSON results.
+
+    ``stride`` (wikitext103 and ppl only): windows start every ``stride`` tokens and each window after the first
+    scores its last ``stride`` targets (Megatron-LM's overlapping evaluation); default 32 (the paper's, at most
+    max_seq_len) for wikitext103 and max_seq_len (non-overlapping) for ppl. The results report the stride used.
+    Input mistakes raise ``InputError`` before the model is loaded.
+    """
+    from megajax.checkpoint import load_model, read_config
     from megajax.config import rules_of
     from megajax.evaluation import tasks
-    from megajax.evaluation.generate import Sampling, generate
+    from megajax.evaluation.generate import generate
     from megajax.evaluation.scoring import Scorer
 
-    if task not in TASKS:
-        raise ValueError(f"--task={task!r}; choose one of {TASKS}")
-    if task != "generate" and not data:
-        raise ValueError(f"--task={task} needs --data")
+    sampling = sampling or Sampling()
+    try:
+        config = read_config(checkpoint)
+        task_input, tok, stride = read_inputs(task, config, data=data, prompt=prompt, tokenizer=tokenizer,
+                                              stride=stride, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                                              sampling=sampling)
+        if output and not pathlib.Path(output).parent.is_dir():
+            raise inputs.InputError(f"--output={output}: its directory does not exist")
+    except inputs.InputError:
+        raise
+    except (ValueError, FileNotFoundError) as e:  # from reading the checkpoint's config or a tokenizer
+        raise inputs.InputError(str(e)) from e
     model, config = load_model(checkpoint, data=mesh_data, model=mesh_model)
     mesh = model.wte.embedding[...].sharding.mesh
     rules = rules_of(config)
     if task == "generate":
-        tok = tokenizer_for(config, tokenizer)
-        ids = np.asarray([tok.encode_batch([prompt or ""])[0] or [tok.eod_id]], np.int32)
         print(prompt or "", end="", flush=True)
         stream = lambda col: print(tok.decode([int(col[0])]), end="", flush=True)  # noqa: E731
-        out = generate(model, mesh, rules, ids, max_new_tokens, sampling or Sampling(), seed=seed, on_token=stream)
+        out = generate(model, mesh, rules, task_input, max_new_tokens, sampling, seed=seed, on_token=stream)
         print()
-        result = {"task": "generate", "prompt": prompt, "text": tok.decode(out[0, ids.shape[1]:].tolist())}
+        result = {"task": "generate", "prompt": prompt,
+                  "text": tok.decode(out[0, task_input.shape[1]:].tolist())}
     else:
         scorer = Scorer(model, mesh, rules, batch_size, config.model.max_seq_len)
         if task == "wikitext103":
-            result = tasks.wikitext103(scorer, tokenizer_for(config, tokenizer), data, stride)
+            result = tasks.wikitext103(scorer, task_input, stride)
         elif task == "lambada":
-            result = tasks.lambada(scorer, tokenizer_for(config, tokenizer), data)
+            result = tasks.lambada(scorer, task_input)
         else:
-            result = tasks.perplexity(scorer, data, stride if stride != 32 else None)
+            result = tasks.perplexity(scorer, task_input, stride, data)
     result.update(checkpoint=str(checkpoint), mesh=f"{mesh.shape['data']}x{mesh.shape['model']}")
     if task != "generate":
         print(json.dumps(result, indent=1))

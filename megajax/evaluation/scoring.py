@@ -14,25 +14,32 @@ from megajax.losses import vocab_parallel_cross_entropy
 from megajax.sharding import Rules, activate
 
 
-def sliding_windows(num_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
-    """Windows ``(start, first_target, end)`` that score every target token 1..num_tokens-1 exactly once.
+def check_stride(stride: int, seq_len: int) -> None:
+    """Raises unless 1 <= stride <= seq_len (stride == seq_len: non-overlapping windows)."""
+    if not 1 <= stride <= seq_len:
+        raise ValueError(f"--stride={stride}: the sliding-window stride must be in 1..{seq_len} (the model's "
+                         f"max_seq_len; {seq_len} gives non-overlapping windows, the paper used 32)")
 
-    A window feeds tokens[start:end] and predicts tokens[start+1:end+1]; it scores targets first_target..end.
-    The first window scores all its targets; each later one advances the end by ``stride`` and scores only the new
-    targets, each seeing at least ``seq_len - stride`` tokens of context (stride 1: the full left context, capped
-    at seq_len).
+
+def sliding_windows(num_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
+    """Megatron-LM's overlapping-evaluation windows ``(start, first_target, end)`` over ``num_tokens`` tokens.
+
+    Window i starts at token ``i * stride``, feeds tokens[start:end] and predicts tokens[start+1:end+1], with
+    ``end = min(start + seq_len, num_tokens - 1)`` (the last windows are shorter). Window 0 scores all its targets
+    (1..end); window i > 0 scores only its last ``stride`` target positions, targets
+    ``start + seq_len - stride + 1 .. end``. So every target 1..num_tokens-1 is scored exactly once, with context
+    from its window's start: at least ``seq_len - stride`` tokens after the first window. Windows that would score
+    nothing (past the end) are left out. Fewer than 2 tokens: no windows.
     """
-    if stride < 1 or stride > seq_len:
-        raise ValueError(f"stride must be in 1..seq_len ({seq_len}), got {stride}")
+    check_stride(stride, seq_len)
     last = num_tokens - 1
     if last < 1:
         return []
-    end = min(seq_len, last)
-    windows = [(0, 1, end)]
-    while end < last:
-        new_end = min(end + stride, last)
-        windows.append((new_end - seq_len, end + 1, new_end))
-        end = new_end
+    windows = [(0, 1, min(seq_len, last))]
+    start = stride
+    while start + seq_len - stride + 1 <= last:
+        windows.append((start, start + seq_len - stride + 1, min(start + seq_len, last)))
+        start += stride
     return windows
 
 
@@ -90,7 +97,8 @@ def window_rows(tokens: np.ndarray, windows: Sequence[tuple[int, int, int]], seq
 
 def stream_log_likelihood(scorer: Scorer, tokens: np.ndarray, stride: int,
                           progress: Callable | None = None) -> tuple[float, int]:
-    """(sum of -log p over every target token, number of targets) with overlapping windows."""
+    """(sum of -log p over every target token, number of targets) with the windows of ``sliding_windows``;
+    (0.0, 0) for fewer than 2 tokens."""
     windows = sliding_windows(len(tokens), scorer.seq_len, stride)
     inputs, labels, mask = window_rows(np.asarray(tokens), windows, scorer.seq_len)
     total, count = 0.0, 0
@@ -107,6 +115,9 @@ def stream_log_likelihood(scorer: Scorer, tokens: np.ndarray, stride: int,
 def cloze_rows(context: Sequence[int], target: Sequence[int], seq_len: int):
     """One teacher-forced row: inputs = (context + target)[:-1], the target's positions marked; the context is
     cut from the left when the example is longer than seq_len + 1 tokens."""
+    if not context or not target or len(target) > seq_len:
+        raise ValueError(f"a cloze example needs a context and 1..{seq_len} target tokens, got {len(context)} "
+                         f"and {len(target)}")
     ids = (list(context) + list(target))[-(seq_len + 1):]
     n = len(ids) - 1
     inputs, labels, mask = np.zeros(seq_len, np.int32), np.zeros(seq_len, np.int32), np.zeros(seq_len, bool)

@@ -1,0 +1,144 @@
+"""eval.py's inputs, read and checked against the checkpoint's model before any model is loaded or compiled:
+the tokenizer, the data files, token ids against the model's vocabulary, and the sliding-window stride."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import ml_collections
+import numpy as np
+
+from megajax.data.indexed import META, IndexedTokens
+from megajax.data.tokenizer import TextTokenizer, load_tokenizer
+from megajax.evaluation.detokenize import original_token_count, wikitext_detokenize
+from megajax.evaluation.scoring import check_stride
+
+PAPER_STRIDE = 32  # the paper's WikiText-103 overlap (Megatron-LM's --overlapping-eval default)
+WINDOWED_TASKS = ("wikitext103", "ppl")
+
+
+class InputError(ValueError):
+    """A bad eval.py input (flag, file or checkpoint/data mismatch); the message says what to change."""
+
+
+def tokenizer_for(config: ml_collections.ConfigDict, explicit: str | None) -> TextTokenizer:
+    """The tokenizer given, else the one the checkpoint's training data used."""
+    if explicit:
+        return load_tokenizer(explicit)
+    d = config.data
+    try:
+        if d.source == "default":
+            from megajax.data.default_corpus import default_corpus
+            return load_tokenizer(default_corpus(config.model.vocab_size)[1])
+        if d.source == "tfds" and d.tokenizer:
+            return load_tokenizer(d.tokenizer)
+        if d.source == "indexed" and d.path:  # the sidecar names the tokenizer; the token files are not needed
+            return load_tokenizer(json.loads(pathlib.Path(f"{d.path}{META}").read_text())["tokenizer"])
+    except (OSError, ValueError, KeyError) as e:
+        raise InputError(f"the tokenizer this checkpoint was trained with cannot be loaded (config.data.source="
+                         f"{d.source!r}; the training data may have moved or been deleted): {e}; pass --tokenizer="
+                         "PATH (its tokenizer.json, vocab.json + merges.txt, or vocab.txt)") from e
+    raise InputError("this checkpoint does not say which tokenizer it was trained with; pass --tokenizer=PATH")
+
+
+def check_tokenizer(tokenizer: TextTokenizer, vocab_size: int) -> None:
+    """Raises when the tokenizer can produce ids the model cannot embed (they would score NaN)."""
+    if tokenizer.vocab_size > vocab_size:
+        raise InputError(f"tokenizer {tokenizer.source} has {tokenizer.vocab_size} ids but the checkpoint's model "
+                         f"has model.vocab_size={vocab_size}; pass --tokenizer=PATH with the tokenizer the model "
+                         "was trained with")
+
+
+def resolve_stride(task: str, stride: int | None, seq_len: int) -> int | None:
+    """The sliding-window stride a task uses: as given, else the paper's 32 (at most ``seq_len``) for
+    wikitext103 and ``seq_len`` (non-overlapping windows) for ppl; None for tasks without windows."""
+    if task not in WINDOWED_TASKS:
+        if stride is not None:
+            raise InputError(f"--stride applies to --task={' or '.join(WINDOWED_TASKS)}, not --task={task}")
+        return None
+    if stride is None:
+        stride = min(PAPER_STRIDE, seq_len) if task == "wikitext103" else seq_len
+    try:
+        check_stride(stride, seq_len)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    return stride
+
+
+def read_text(path: str | pathlib.Path) -> str:
+    """A UTF-8 data file that holds more than whitespace."""
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise InputError(f"--data={p}: no such file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"--data={p} is not UTF-8 text (byte {e.start})") from e
+    if not text.strip():
+        raise InputError(f"--data={p} is empty (or only whitespace): nothing to evaluate")
+    return text
+
+
+@dataclasses.dataclass
+class WikiText:
+    """A WikiText test file, detokenized and encoded, with its original word-level token count T_o."""
+
+    path: str
+    tokens: np.ndarray  # (T,) int32 subword ids
+    original_tokens: int
+
+
+def read_wikitext(path: str | pathlib.Path, tokenizer: TextTokenizer) -> WikiText:
+    raw = read_text(path)
+    tokens = np.asarray(tokenizer.encode_batch([wikitext_detokenize(raw)])[0], np.int32)
+    if len(tokens) < 2:
+        raise InputError(f"--data={path} encodes to {len(tokens)} token(s); at least 2 are needed to score one")
+    return WikiText(str(path), tokens, original_token_count(raw))  # T_o counted before detokenizing
+
+
+def read_lambada(path: str | pathlib.Path, tokenizer: TextTokenizer, seq_len: int) -> list[tuple[list[int], list[int]]]:
+    """(context ids, last-word ids) for each line ``{"text": ...}`` of a LAMBADA jsonl; blank lines are skipped,
+    any other unusable line is an error naming it."""
+    examples = []
+    for n, line in enumerate(read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            text = json.loads(line)["text"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise InputError(f"{path}:{n}: expected one JSON object with a 'text' field per line "
+                             "(lambada_test.jsonl)") from e
+        text = text.strip() if isinstance(text, str) else ""
+        cut = text.rfind(" ")
+        context, target = tokenizer.encode_batch([text[:cut], text[cut:]]) if cut > 0 else ([], [])
+        if not context or not target:
+            raise InputError(f"{path}:{n}: 'text' must be a context and a last word separated by a space, "
+                             f"got {text[:80]!r}")
+        if len(target) > seq_len:
+            raise InputError(f"{path}:{n}: the last word is {len(target)} tokens, more than the model's "
+                             f"max_seq_len={seq_len}")
+        examples.append((context, target))
+    return examples
+
+
+def read_token_file(prefix: str | pathlib.Path, vocab_size: int) -> np.ndarray:
+    """The (memory-mapped) tokens of a preprocessed dataset, checked to hold only ids the model embeds."""
+    try:
+        data = IndexedTokens.open(prefix)
+    except (OSError, ValueError) as e:
+        raise InputError(f"--data={prefix}: {e}") from e
+    made_for = data.meta.get("vocab_size")
+    if made_for is not None and made_for > vocab_size:
+        raise InputError(f"--data={prefix} was preprocessed with a tokenizer of {made_for} ids ({prefix}{META}) but "
+                         f"the model has model.vocab_size={vocab_size}; preprocess the data with the model's "
+                         "tokenizer")
+    if len(data.tokens) < 2:
+        raise InputError(f"--data={prefix} holds {len(data.tokens)} token(s); at least 2 are needed to score one")
+    top = int(data.tokens.max())  # one pass over the file; damaged or foreign files hold larger ids
+    if top >= vocab_size:
+        raise InputError(f"--data={prefix} holds token id {top}, but the model has model.vocab_size={vocab_size} "
+                         "(ids 0..vocab_size-1): the .bin file is damaged or from another tokenizer; preprocess "
+                         "the data again with the model's tokenizer")
+    return data.tokens
