@@ -4,6 +4,7 @@
     python eval.py --checkpoint=runs/355m --task=lambada --data=lambada_test.jsonl
     python eval.py --checkpoint=runs/355m --task=ppl --data=data/valid            # a preprocessed prefix
     python eval.py --checkpoint=runs/355m --task=generate --prompt="def main(" --top_p=0.9
+    python eval.py --checkpoint=runs/bert --task=mlm [--data=PREFIX]          # BERT: MLM loss/accuracy, SOP
     ... --config.mesh.model=4 --config.mesh.data=2 --output=results.json --tokenizer=gpt2/
 
 ``--cpu_devices=N`` simulates N devices on a CPU host.
@@ -20,8 +21,9 @@ simulate_cpu_devices(sys.argv)  # before jax is imported
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="workdir, checkpoints/ dir, a step, or an export")
-    p.add_argument("--task", required=True, choices=["wikitext103", "lambada", "ppl", "generate"])
-    p.add_argument("--data", help="wiki.test.tokens, lambada_test.jsonl, or a preprocessed prefix (ppl)")
+    p.add_argument("--task", required=True, choices=["wikitext103", "lambada", "ppl", "generate", "mlm"])
+    p.add_argument("--data", help="wiki.test.tokens, lambada_test.jsonl, or a preprocessed prefix (ppl; mlm: "
+                                  "sentence-split, default the validation split of the checkpoint's data)")
     p.add_argument("--tokenizer", help="default: the tokenizer the checkpoint was trained with")
     p.add_argument("--output", help="also write the results here as JSON")
     p.add_argument("--batch_size", type=int, default=8)

@@ -55,3 +55,18 @@ def test_resume_is_bit_exact_and_restores_on_another_mesh(tmp_path):
     for got, want in zip(sharded(tokens, types, valid), b(tokens, types, valid)):
         v = min(got.shape[-1], config.model.vocab_size)
         np.testing.assert_allclose(np.asarray(got)[..., :v], np.asarray(want)[..., :v], rtol=1e-5, atol=1e-5)
+
+
+def test_mlm_evaluation_is_mesh_independent(tmp_path):
+    from megajax.evaluation.inputs import InputError
+    from megajax.evaluation.runner import run
+
+    train(bert_run_config(steps=1), tmp_path)
+    one = run(str(tmp_path), "mlm", mesh_data=1, mesh_model=1, batch_size=8)
+    two = run(str(tmp_path), "mlm", mesh_data=2, mesh_model=4, batch_size=8)
+    assert one["sequences"] == two["sequences"] >= 8 and one["masked_tokens"] == two["masked_tokens"] > 0
+    for k in ("mlm_loss", "mlm_accuracy", "sop_accuracy"):
+        np.testing.assert_allclose(two[k], one[k], rtol=1e-5, err_msg=k)
+    assert one["mlm_loss"] < np.log(8192) + 1  # a trained model, not garbage
+    with pytest.raises(InputError, match="does not apply to this checkpoint's model \\(bert\\); use --task=mlm"):
+        run(str(tmp_path), "ppl", data="x")

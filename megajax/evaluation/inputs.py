@@ -142,3 +142,28 @@ def read_token_file(prefix: str | pathlib.Path, vocab_size: int) -> np.ndarray:
                          "(ids 0..vocab_size-1): the .bin file is damaged or from another tokenizer; preprocess "
                          "the data again with the model's tokenizer")
     return data.tokens
+
+
+def check_model_kind(task: str, config: ml_collections.ConfigDict) -> None:
+    """BERT checkpoints evaluate with --task=mlm; GPT checkpoints with the language-model tasks."""
+    name = config.model.get("name", "gpt")
+    if (task == "mlm") != (name == "bert"):
+        wanted = "mlm" if name == "bert" else "wikitext103, lambada, ppl or generate"
+        raise InputError(f"--task={task} does not apply to this checkpoint's model ({name}); use --task={wanted}")
+
+
+def bert_eval_batches(config: ml_collections.ConfigDict, prefix: str | None, batch_size: int):
+    """(BERT batches, what they are) for ``--task=mlm``: the whole of ``--data=PREFIX`` (sentence-split), else the
+    validation split of the checkpoint's own training data; checked against the model's vocabulary."""
+    from megajax.config import ConfigError
+    from megajax.data.sources import make_loader
+
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.train.global_batch_size = batch_size
+    if prefix:
+        config.data.update(source="indexed", path=str(prefix), valid_fraction=0.0)
+    where = f"--data={prefix}" if prefix else f"the validation split of the checkpoint's data ({config.data.source})"
+    try:
+        return make_loader(config, "train" if prefix else "valid").batches, where
+    except (ConfigError, OSError, ValueError) as e:
+        raise InputError(f"{where}: {e}" + ("" if prefix else "; pass --data=PREFIX")) from e

@@ -14,7 +14,7 @@ from megajax.data.tokenizer import TextTokenizer
 from megajax.evaluation import inputs
 from megajax.evaluation.generate import Sampling, check_generation
 
-TASKS = ("wikitext103", "lambada", "ppl", "generate")
+TASKS = ("wikitext103", "lambada", "ppl", "generate", "mlm")
 
 
 def read_inputs(task: str, config: ml_collections.ConfigDict, *, data: str | None, prompt: str | None,
@@ -24,12 +24,15 @@ def read_inputs(task: str, config: ml_collections.ConfigDict, *, data: str | Non
     (``config``) so that mistakes fail here, before the model is loaded or anything is compiled."""
     if task not in TASKS:
         raise inputs.InputError(f"--task={task!r}; choose one of {TASKS}")
-    if task != "generate" and not data:
+    inputs.check_model_kind(task, config)
+    if task not in ("generate", "mlm") and not data:
         raise inputs.InputError(f"--task={task} needs --data")
     if batch_size < 1:
         raise inputs.InputError(f"--batch_size={batch_size}: must be >= 1")
     vocab_size, seq_len = config.model.vocab_size, config.model.max_seq_len
     stride = inputs.resolve_stride(task, stride, seq_len)
+    if task == "mlm":
+        return inputs.bert_eval_batches(config, data, batch_size), None, None
     if task == "ppl":
         return inputs.read_token_file(data, vocab_size), None, stride
     tok = inputs.tokenizer_for(config, tokenizer)
@@ -41,6 +44,18 @@ def read_inputs(task: str, config: ml_collections.ConfigDict, *, data: str | Non
     ids = np.asarray([tok.encode_batch([prompt or ""])[0] or [tok.eod_id]], np.int32)
     check_generation(sampling, ids.shape[1], max_new_tokens, seq_len, vocab_size)
     return ids, tok, stride
+
+
+def _mlm(model, mesh, rules, batches, where: str) -> dict:
+    """One pass over the evaluation sentence pairs (masking fixed by the data seed), at least one batch."""
+    from megajax.evaluation import tasks
+
+    if batches.global_batch % mesh.shape["data"]:
+        raise inputs.InputError(f"--batch_size={batches.global_batch} is not a multiple of the mesh's data axis "
+                                f"({mesh.shape['data']})")
+    result = tasks.mlm(model, mesh, rules, batches, max(len(batches) // batches.global_batch, 1))
+    result["data"] = where
+    return result
 
 
 def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | None = None,
@@ -75,7 +90,9 @@ def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | No
     model, config = load_model(checkpoint, data=mesh_data, model=mesh_model)
     mesh = model.wte.embedding[...].sharding.mesh
     rules = rules_of(config)
-    if task == "generate":
+    if task == "mlm":
+        result = _mlm(model, mesh, rules, *task_input)
+    elif task == "generate":
         print(prompt or "", end="", flush=True)
         stream = lambda col: print(tok.decode([int(col[0])]), end="", flush=True)  # noqa: E731
         out = generate(model, mesh, rules, task_input, max_new_tokens, sampling, seed=seed, on_token=stream)

@@ -56,3 +56,32 @@ def perplexity(scorer: Scorer, tokens: np.ndarray, stride: int, data: str) -> di
     nll, count = _windowed_nll(scorer, np.asarray(tokens), stride, "ppl")
     return {"task": "ppl", "data": str(data), "seq_len": scorer.seq_len, "stride": stride, "scored_targets": count,
             "loss": nll / count, "ppl": math.exp(nll / count)}
+
+
+def mlm(model, mesh, rules, batches, num_batches: int) -> dict:
+    """Masked-LM loss and accuracy and sentence-order accuracy over ``num_batches`` deterministic BERT batches
+    (masked-token metrics weighted by masked tokens, SOP by sequences)."""
+    import jax
+    from flax import nnx
+
+    from megajax.sharding import activate
+    from megajax.training.objectives import objective_for
+
+    graphdef, state = nnx.split(model)
+    loss_fn = objective_for("bert").loss
+    evaluate = jax.jit(lambda state, batch: loss_fn(nnx.merge(graphdef, state), batch, None)[1])
+    sums = {"mlm_nll": 0.0, "mlm_hits": 0.0, "masked": 0.0, "sop_hits": 0.0, "sequences": 0}
+    with activate(mesh, rules):
+        for step in range(num_batches):
+            batch = batches.batch(step)
+            m = jax.device_get(evaluate(state, batch))
+            masked = float(batch["mlm_weights"].sum())
+            sums["mlm_nll"] += float(m["mlm_loss"]) * masked
+            sums["mlm_hits"] += float(m["mlm_accuracy"]) * masked
+            sums["masked"] += masked
+            sums["sop_hits"] += float(m["sop_accuracy"]) * len(batch["sop_labels"])
+            sums["sequences"] += len(batch["sop_labels"])
+    loss = sums["mlm_nll"] / sums["masked"]
+    return {"task": "mlm", "sequences": sums["sequences"], "masked_tokens": int(sums["masked"]),
+            "mlm_loss": loss, "mlm_ppl": math.exp(loss), "mlm_accuracy": sums["mlm_hits"] / sums["masked"],
+            "sop_accuracy": sums["sop_hits"] / sums["sequences"]}
