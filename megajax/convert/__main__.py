@@ -2,7 +2,7 @@
 
   hf-to-megajax        --hf=DIR --output=OUT [--make_vocab_size_divisible_by=1024]
   megajax-to-hf        --checkpoint=CK --output=DIR
-  megatron-to-megajax  --megatron=DIR --output=OUT [--iteration=N] [--vocab_size=50257] [--config=NAME]
+  megatron-to-megajax  --megatron=DIR --output=OUT [--iteration=N] [--vocab_size=N] [--config=NAME]
   megajax-to-megatron  --checkpoint=CK --output=DIR --tp=N [--names=legacy|core] [--dtype=float16]
   export               --checkpoint=CK --output=OUT [--dtype=bfloat16]
 
@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     c = sub.add_parser("megatron-to-megajax")
     c.add_argument("--megatron", required=True)
     c.add_argument("--iteration", type=int, default=None)
-    c.add_argument("--vocab_size", type=int, default=50257, help="true vocabulary (Megatron stores only the padded)")
+    c.add_argument("--vocab_size", type=int, default=None,
+                   help="true vocabulary (Megatron stores only the padded); if omitted: GPT 50257, BERT --config's")
     c.add_argument("--config", default=None, help="megajax config, if the checkpoint stores no args")
     d = sub.add_parser("megajax-to-megatron")
     d.add_argument("--tp", type=int, required=True)
@@ -57,27 +58,33 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     from megajax.checkpoint import save_params
-    from megajax.convert import hf_gpt2, megatron_gpt
+    from megajax.convert import hf_bert, hf_gpt2, megatron_bert, megatron_gpt
 
     if args.command == "hf-to-megajax":
         hf, sd = hf_gpt2.read_hf(args.hf, args.allow_pickle)
-        config = hf_gpt2.config_from_hf(hf, args.make_vocab_size_divisible_by)
-        out = save_params(args.output, hf_gpt2.params_from_hf(sd, config), config)
+        hf_module = hf_bert if hf.get("model_type") in hf_bert.MODEL_TYPES else hf_gpt2
+        config = hf_module.config_from_hf(hf, args.make_vocab_size_divisible_by)
+        out = save_params(args.output, hf_module.params_from_hf(sd, config), config)
     elif args.command == "megajax-to-hf":
         params, config = host_params(args.checkpoint)
-        hf_gpt2.write_hf(args.output, hf_gpt2.params_to_hf(params, config), hf_gpt2.hf_config(config))
+        hf_module = hf_bert if config.model.name == "bert" else hf_gpt2
+        hf_gpt2.write_hf(args.output, hf_module.params_to_hf(params, config), hf_module.hf_config(config))
         out = args.output
     elif args.command == "megatron-to-megajax":
         from megajax.cli import load_config
 
         config = load_config(args.config) if args.config else None
-        params, config = megatron_gpt.read_megatron(args.megatron, config, iteration=args.iteration,
-                                                    vocab_size=args.vocab_size, allow_pickle=args.allow_pickle)
+        reader = megatron_bert if megatron_bert.holds_bert(args.megatron, args.iteration, args.allow_pickle) \
+            else megatron_gpt
+        vocab = {} if args.vocab_size is None else {"vocab_size": args.vocab_size}  # else the reader's default
+        params, config = reader.read_megatron(args.megatron, config, iteration=args.iteration,
+                                              allow_pickle=args.allow_pickle, **vocab)
         out = save_params(args.output, params, config)
     elif args.command == "megajax-to-megatron":
         params, config = host_params(args.checkpoint)
-        out = megatron_gpt.write_megatron(args.output, params, config, args.tp, iteration=args.iteration,
-                                          names=args.names, dtype=args.dtype)
+        writer = megatron_bert if config.model.name == "bert" else megatron_gpt
+        out = writer.write_megatron(args.output, params, config, args.tp, iteration=args.iteration,
+                                    names=args.names, dtype=args.dtype)
     else:  # export
         params, config = host_params(args.checkpoint)
         out = save_params(args.output, params, config, dtype=args.dtype)
