@@ -91,6 +91,8 @@ def test_megatron_round_trip_is_exact(megajax_params, tmp_path, tp, names):
     assert sorted(p.name for p in (tmp_path / "iter_0000100").iterdir()) == [f"mp_rank_{r:02d}" for r in range(tp)]
     back, back_config = megatron_gpt.read_megatron(tmp_path, vocab_size=1000)
     assert back_config.model.num_heads == 8 and back_config.model.num_layers == 2
+    for key in ("layernorm_eps", "dropout", "init_std"):  # stored as args.layernorm_epsilon, hidden_dropout, ...
+        assert back_config.model[key] == config.model[key], key
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(back)):
         np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
 

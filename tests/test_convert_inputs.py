@@ -155,6 +155,18 @@ def test_model_variants_megajax_lacks_are_refused(tiny, tmp_path, edit, want):
         megatron_gpt.read_megatron(tmp_path, vocab_size=1000)
 
 
+@pytest.mark.parametrize("key", ["layernorm_epsilon", "norm_epsilon"])  # Megatron's older and newer spellings
+def test_layernorm_epsilon_comes_from_the_args(tiny, tmp_path, key):
+    megatron_checkpoint(tmp_path, tiny)
+
+    def set_epsilon(ck, _):
+        delattr(ck["args"], "layernorm_epsilon")
+        setattr(ck["args"], key, 1e-6)
+    edit_ranks(tmp_path, set_epsilon)
+    _, config = megatron_gpt.read_megatron(tmp_path, vocab_size=1000)
+    assert config.model.layernorm_eps == 1e-6
+
+
 # --- item 14: rank files that disagree are named -----------------------------------------------------------------
 
 def test_missing_rank_is_named(tiny, tmp_path):
@@ -222,7 +234,8 @@ def test_other_hf_architectures_name_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
                                                       "hidden_size": 16}))
     with pytest.raises(ValueError, match=r"model_type 'llama' \(LlamaForCausalLM\); megajax converts only: gpt2 "
-                                         r"\(GPT2LMHeadModel\)"):
+                                         r"\(GPT2LMHeadModel\), bert \(BertForPreTraining\), megatron-bert "
+                                         r"\(MegatronBertForPreTraining\)$"):
         convert("hf-to-megajax", f"--hf={tmp_path}", f"--output={tmp_path / 'out'}")
     assert not (tmp_path / "out").exists()
 

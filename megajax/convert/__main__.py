@@ -1,4 +1,4 @@
-"""python -m megajax.convert SUBCOMMAND ...
+"""python -m megajax.convert SUBCOMMAND ...  (GPT and BERT checkpoints)
 
   hf-to-megajax        --hf=DIR --output=OUT [--make_vocab_size_divisible_by=1024]
   megajax-to-hf        --checkpoint=CK --output=DIR
@@ -7,6 +7,8 @@
   export               --checkpoint=CK --output=OUT [--dtype=bfloat16]
 
 CK is any megajax checkpoint: a training workdir, its checkpoints/ directory, one step, or an export.
+The model is found from the input: an HF config.json's model_type (gpt2, bert, megatron-bert), a Megatron-LM
+checkpoint's tensors (BERT holds an lm_head and binary_head), a megajax checkpoint's model.name.
 megajax outputs are params-only checkpoints that ``megajax.checkpoint.load_model`` and training both read.
 Every verb refuses an --output that already holds something unless --overwrite is given; the output is written
 beside it and renamed into place, so a conversion that fails leaves what was there untouched.
@@ -51,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--iteration", type=int, default=None)
     c.add_argument("--vocab_size", type=int, default=None,
                    help="the tokenizer's true vocabulary (Megatron stores only the padded size), e.g. 50257 for "
-                        "GPT-2's BPE; overrides --config's")
+                        "GPT-2's BPE, 30522 for BERT's uncased WordPiece; overrides --config's")
     c.add_argument("--config", default=None, help="megajax config, if the checkpoint stores no args")
     d = verbs["megajax-to-megatron"]
     d.add_argument("--tp", type=int, required=True)
@@ -77,30 +79,33 @@ def _hf_to_megajax(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Pat
 
 
 def _megajax_to_hf(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-    from megajax.convert import hf_gpt2, hf_io
+    from megajax.convert import hf_io
 
     params, config = host_params(source)
-    hf_io.write(out, hf_gpt2.params_to_hf(params, config), hf_gpt2.hf_config(config))
+    converter = hf_io.writer_for(config)
+    hf_io.write(out, converter.params_to_hf(params, config), converter.hf_config(config))
     return out
 
 
 def _megatron_to_megajax(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     from megajax.checkpoint import save_params
     from megajax.cli import load_config
-    from megajax.convert import megatron_gpt
+    from megajax.convert import megatron_bert, megatron_gpt
 
     config = load_config(args.config) if args.config else None
-    params, config = megatron_gpt.read_megatron(source, config, iteration=args.iteration,
-                                                vocab_size=args.vocab_size, allow_pickle=args.allow_pickle)
+    reader = megatron_bert if megatron_bert.holds_bert(source, args.iteration, args.allow_pickle) else megatron_gpt
+    params, config = reader.read_megatron(source, config, iteration=args.iteration, vocab_size=args.vocab_size,
+                                          allow_pickle=args.allow_pickle)
     return save_params(out, params, config)
 
 
 def _megajax_to_megatron(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-    from megajax.convert import megatron_gpt
+    from megajax.convert import megatron_bert, megatron_gpt
 
     params, config = host_params(source)
-    return megatron_gpt.write_megatron(out, params, config, args.tp, iteration=args.iteration, names=args.names,
-                                       dtype=args.dtype)
+    writer = megatron_bert if config.model.name == "bert" else megatron_gpt
+    return writer.write_megatron(out, params, config, args.tp, iteration=args.iteration, names=args.names,
+                                 dtype=args.dtype)
 
 
 def _export(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:

@@ -14,7 +14,7 @@ import numpy as np
 from megajax.config import base_config, padded_vocab_size
 
 Params = dict
-HF_CLASS = "GPT2LMHeadModel"  # the transformers class these weights load into
+HF_CLASSES = {"gpt2": "GPT2LMHeadModel"}  # config.json model_type -> the transformers class the weights fit
 
 
 def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 1024) -> ml_collections.ConfigDict:
@@ -40,7 +40,7 @@ def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 1024) -> ml_col
 def hf_config(config: ml_collections.ConfigDict) -> dict:
     """The HF ``config.json`` for a megajax config (true vocabulary size; the padding rows are dropped)."""
     m = config.model
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m.vocab_size,
+    return {"architectures": [HF_CLASSES["gpt2"]], "model_type": "gpt2", "vocab_size": m.vocab_size,
             "n_positions": m.max_seq_len, "n_embd": m.hidden_size, "n_layer": m.num_layers, "n_head": m.num_heads,
             "n_inner": m.mlp_ratio * m.hidden_size, "activation_function": "gelu_new", "resid_pdrop": m.dropout,
             "embd_pdrop": m.dropout, "attn_pdrop": m.dropout, "layer_norm_epsilon": m.layernorm_eps,

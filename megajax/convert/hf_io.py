@@ -8,13 +8,20 @@ from types import ModuleType
 
 import numpy as np
 
-from megajax.convert import hf_gpt2
+import ml_collections
+
+from megajax.convert import hf_bert, hf_gpt2
 from megajax.convert.paths import require_empty
 
-# config.json "model_type" -> the module converting it (it defines HF_CLASS, config_from_hf, params_from_hf).
+# config.json "model_type" -> the module converting it (it defines HF_CLASSES, config_from_hf, params_from_hf,
+# params_to_hf, hf_config).
 CONVERTERS: dict[str, ModuleType] = {
     "gpt2": hf_gpt2,
+    "bert": hf_bert,
+    "megatron-bert": hf_bert,
 }
+# megajax config.model.name -> the module writing that model as HF weights (hf_config picks the model_type).
+WRITERS: dict[str, ModuleType] = {"gpt": hf_gpt2, "bert": hf_bert}
 
 
 def read_config(directory: str | pathlib.Path) -> dict:
@@ -34,9 +41,17 @@ def converter_for(hf: dict, directory: str | pathlib.Path) -> ModuleType:
     if model_type in CONVERTERS:
         return CONVERTERS[model_type]
     classes = f" ({', '.join(hf['architectures'])})" if hf.get("architectures") else ""
-    supported = ", ".join(f"{name} ({module.HF_CLASS})" for name, module in CONVERTERS.items())
+    supported = ", ".join(f"{name} ({module.HF_CLASSES[name]})" for name, module in CONVERTERS.items())
     raise ValueError(f"{pathlib.Path(directory) / 'config.json'} is model_type {model_type!r}{classes}; "
                      f"megajax converts only: {supported}")
+
+
+def writer_for(config: ml_collections.ConfigDict) -> ModuleType:
+    """The converter module writing a megajax model as HF weights, by ``config.model.name``."""
+    name = config.model.name
+    if name not in WRITERS:
+        raise ValueError(f"model.name={name!r} has no Hugging Face conversion; megajax converts {sorted(WRITERS)}")
+    return WRITERS[name]
 
 
 def read_weights(directory: str | pathlib.Path, allow_pickle: bool = False) -> dict[str, np.ndarray]:

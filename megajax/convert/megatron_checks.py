@@ -1,5 +1,6 @@
 """Consistency of a Megatron-LM checkpoint before conversion: its ranks against each other, its stored ``args``
-against its tensors and against the user's flags, and the vocabulary (Megatron stores only the padded size)."""
+against its tensors and against the user's flags, and the vocabulary (Megatron stores only the padded size).
+The checks serve GPT and BERT alike; ``model`` arguments are ``config.model.name``."""
 
 from __future__ import annotations
 
@@ -16,12 +17,17 @@ from megajax.config import padded_vocab_size
 SHARED_ARGS = ("tensor_model_parallel_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                "max_position_embeddings", "padded_vocab_size", "make_vocab_size_divisible_by",
                "pipeline_model_parallel_size", "tokenizer_type")
-# args naming model variants; the value is what megajax's GPT computes (a missing arg means Megatron's default).
-MEGAJAX_COMPUTES = {"swiglu": False, "untie_embeddings_and_output_weights": False,
-                    "position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
-                    "group_query_attention": False, "add_bias_linear": True,
-                    "apply_residual_connection_post_layernorm": False, "num_experts": None,
-                    "pipeline_model_parallel_size": 1}
+# config.model.name -> args naming model variants -> what that megajax model computes (a missing arg means
+# Megatron's default). BERT without its binary head (--bert-no-binary-head) has no sentence-order logits to map.
+_COMMON = {"swiglu": False, "untie_embeddings_and_output_weights": False,
+           "position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "group_query_attention": False,
+           "add_bias_linear": True, "apply_residual_connection_post_layernorm": False, "num_experts": None,
+           "pipeline_model_parallel_size": 1}
+MEGAJAX_COMPUTES = {"gpt": _COMMON, "bert": {**_COMMON, "bert_binary_head": True}}
+VARIANT_ARGS = tuple(dict.fromkeys(key for computes in MEGAJAX_COMPUTES.values() for key in computes))
+# The vocabulary a user most likely means, per model, for the hint when --vocab_size is missing.
+VOCABULARY_EXAMPLE = {"gpt": "--vocab_size=50257 for GPT-2's BPE",
+                      "bert": "--vocab_size=30522 for BERT's uncased WordPiece"}
 CONFIG_FIELDS = {"num_layers": "model.num_layers", "hidden_size": "model.hidden_size",
                  "num_attention_heads": "model.num_heads", "max_position_embeddings": "model.max_seq_len",
                  "ffn_hidden_size": "model.mlp_ratio x model.hidden_size"}
@@ -42,7 +48,7 @@ def common_args(checkpoints: list[dict], files: list[pathlib.Path]) -> dict | No
         without = [r for r, a in zip(ranks, per_rank) if a is None]
         raise ValueError(f"{', '.join(without)} store(s) no args but other ranks do: the ranks in "
                          f"{files[0].parent.parent} do not come from one save")
-    for key in dict.fromkeys((*SHARED_ARGS, "checkpoint_version", *MEGAJAX_COMPUTES)):
+    for key in dict.fromkeys((*SHARED_ARGS, "checkpoint_version", *VARIANT_ARGS)):
         values = [ck.get(key) if key == "checkpoint_version" else (a or {}).get(key)
                   for ck, a in zip(checkpoints, per_rank)]
         if any(v != values[0] for v in values):
@@ -52,12 +58,20 @@ def common_args(checkpoints: list[dict], files: list[pathlib.Path]) -> dict | No
     return per_rank[0]
 
 
-def check_features(args: dict) -> None:
-    """Refuses model variants megajax's GPT does not implement."""
-    for key, want in MEGAJAX_COMPUTES.items():
+def require_sizes(args: dict | None, config: ml_collections.ConfigDict | None, where: pathlib.Path,
+                  model: str) -> None:
+    """The model sizes must come from somewhere: the checkpoint's args or the user's --config."""
+    if args is None and config is None:
+        raise ValueError(f"{where} stores no args (saved without them), so its model sizes are unknown: pass "
+                         f"--config=NAME, a megajax {model.upper()} config describing the model (and --vocab_size=N)")
+
+
+def check_features(args: dict, model: str) -> None:
+    """Refuses model variants the megajax ``model`` (config.model.name) does not implement."""
+    for key, want in MEGAJAX_COMPUTES[model].items():
         if args.get(key, want) != want:
-            raise ValueError(f"the checkpoint's args.{key}={args[key]!r}, but megajax's GPT computes {key}={want!r}: "
-                             "this model cannot be converted")
+            raise ValueError(f"the checkpoint's args.{key}={args[key]!r}, but megajax's {model.upper()} computes "
+                             f"{key}={want!r}: this model cannot be converted")
 
 
 def check_rank_shapes(ranks: list[dict[str, np.ndarray]], files: list[pathlib.Path]) -> None:
@@ -119,15 +133,17 @@ def check_agreement(where: pathlib.Path, *sources: Claims) -> None:
 
 
 def check_shapes(merged: dict[str, np.ndarray], names: dict[str, str], config: ml_collections.ConfigDict,
-                 tp: int) -> None:
-    """Each merged tensor has the shape the sizes imply, and the heads split evenly over the ranks."""
+                 tp: int, more: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Each merged tensor has the shape the sizes imply (``more``: shapes of a model's own tensors, by canonical
+    key), and the heads split evenly over the ranks."""
     m = config.model
     h, f = m.hidden_size, m.mlp_ratio * m.hidden_size
     if h % m.num_heads or m.num_heads % tp:
         raise ValueError(f"num_attention_heads={m.num_heads} must divide hidden_size={h} and be divisible by the "
                          f"{tp} tensor-parallel rank(s)")
     want = {"wte": (merged["wte"].shape[0], h), "wpe": (m.max_seq_len, h), "qkv_w": (3 * h, h), "qkv_b": (3 * h,),
-            "proj_w": (h, h), "fc1_w": (f, h), "fc1_b": (f,), "fc2_w": (h, f)}  # the rest: (hidden_size,)
+            "proj_w": (h, h), "fc1_w": (f, h), "fc1_b": (f,), "fc2_w": (h, f),
+            **(more or {})}  # the rest: (hidden_size,)
     for key, a in merged.items():
         shape = want.get(key.split(".")[0], (h,))
         if a.shape != shape:
@@ -135,7 +151,20 @@ def check_shapes(merged: dict[str, np.ndarray], names: dict[str, str], config: m
                              f"ffn_hidden_size={f} need {shape}: the tensors do not fit {tp}-way tensor parallelism")
 
 
-def vocabulary(rows: int, vocab_size: int | None, args: dict | None, tp: int, where: pathlib.Path,
+def vocabulary_fields(rows: int, vocab_size: int | None, config: ml_collections.ConfigDict | None,
+                      args: dict | None, tp: int, where: pathlib.Path, model: str) -> dict[str, int]:
+    """``vocab_size`` (from the flag, else --config's; checked against the ``rows`` Megatron stored) and a
+    ``make_vocab_size_divisible_by`` that pads it to exactly those rows, for ``config.model.update``."""
+    if vocab_size is None and config is not None:
+        vocab = vocabulary(rows, config.model.vocab_size, args, tp, where, model, "--config model.vocab_size")
+    else:
+        vocab = vocabulary(rows, vocab_size, args, tp, where, model)
+    megatron_multiple = ((args or {}).get("make_vocab_size_divisible_by") or 0) * tp
+    preferred = [config.model.make_vocab_size_divisible_by if config is not None else None, megatron_multiple]
+    return {"vocab_size": vocab, "make_vocab_size_divisible_by": megajax_divisor(vocab, rows, preferred)}
+
+
+def vocabulary(rows: int, vocab_size: int | None, args: dict | None, tp: int, where: pathlib.Path, model: str,
                given_by: str = "--vocab_size") -> int:
     """The true vocabulary size: given (flag or config), checked against the padded rows Megatron stored."""
     if vocab_size is None:
@@ -143,7 +172,7 @@ def vocabulary(rows: int, vocab_size: int | None, args: dict | None, tp: int, wh
         hint = ("its args.tokenizer_type is GPT2BPETokenizer: pass --vocab_size=50257"
                 if tokenizer == "GPT2BPETokenizer" and rows >= 50257 else
                 f"pass the tokenizer's size{f' (args.tokenizer_type={tokenizer})' if tokenizer else ''}, "
-                f"e.g. --vocab_size=50257 for GPT-2's BPE")
+                f"e.g. {VOCABULARY_EXAMPLE[model]}")
         raise ValueError(f"{where} stores only the padded vocabulary ({rows} embedding rows); the true vocabulary "
                          f"size is not in a Megatron checkpoint: {hint} (at most {rows})")
     if not 1 <= vocab_size <= rows:
@@ -169,3 +198,10 @@ def megajax_divisor(vocab_size: int, rows: int, preferred: list[int | None]) -> 
         if d and padded_vocab_size(vocab_size, d) == rows:
             return d
     return rows
+
+
+def megatron_divisor(vocab_size: int, rows: int, divisible_by: int, tp: int) -> int:
+    """args.make_vocab_size_divisible_by such that Megatron, padding to a multiple of it x ``tp``, gets ``rows``."""
+    if divisible_by % tp == 0 and padded_vocab_size(vocab_size, divisible_by) == rows:
+        return divisible_by // tp
+    return rows // tp  # a multiple of rows itself always pads a vocabulary of at most rows to rows

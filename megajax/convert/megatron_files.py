@@ -3,8 +3,13 @@
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import re
+from collections.abc import Iterable
+
+from megajax.convert import torch_io
+from megajax.convert.paths import require_empty
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
@@ -68,3 +73,21 @@ def rank_files(it_dir: pathlib.Path) -> list[pathlib.Path]:
     if absent:
         raise FileNotFoundError(f"rank file(s) missing: {', '.join(absent)}")
     return files
+
+
+def write_ranks(directory: pathlib.Path, models: Iterable[dict], args: argparse.Namespace,
+                iteration: int) -> pathlib.Path:
+    """Saves rank r's ``model`` dict (the r-th of ``models``) with ``args`` and ``checkpoint_version`` 3.0, then the
+    tracker naming ``iteration``; returns the iteration directory.
+
+    ``directory`` must be new or empty, so no ranks or iterations of another save mix in. ``models`` may be a
+    generator: each rank is built only when the one before is on disk, so one rank's tensors are in memory at a time.
+    """
+    require_empty(directory, "the Megatron output directory")
+    it_dir = directory / iteration_name(iteration)
+    for r, model in enumerate(models):
+        (it_dir / f"mp_rank_{r:02d}").mkdir(parents=True)
+        torch_io.save({"model": model, "checkpoint_version": 3.0, "iteration": iteration, "args": args},
+                      it_dir / f"mp_rank_{r:02d}" / RANK_FILE)
+    (directory / TRACKER).write_text(str(iteration))
+    return it_dir

@@ -16,6 +16,9 @@ Weights are torch ``Linear`` (out, in). ``query_key_value`` rows are interleaved
 (checkpoint version >= 2), so a rank's rows are whole heads; column-parallel weights are split on rows, row-parallel
 weights on columns, the word embedding on the (padded) vocabulary; biases of row-parallel layers and LayerNorms are
 replicated.
+
+The pieces of reading and writing (``take_canonical``, ``load_merged``, ``merge_ranks`` / ``split_ranks``,
+``megatron_args``, ``named_tensors``, ``nest_legacy``) serve ``megatron_bert`` too, whose trunk has GPT's names.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import re
+from collections.abc import Callable
 
 import ml_collections
 import numpy as np
@@ -30,7 +34,6 @@ import numpy as np
 from megajax.config import base_config, padded_vocab_size
 from megajax.convert import megatron_checks as checks
 from megajax.convert import megatron_files, torch_io
-from megajax.convert.paths import require_empty
 
 Params = dict
 LAYER_KEYS = ("ln1_w", "ln1_b", "qkv_w", "qkv_b", "proj_w", "proj_b", "ln2_w", "ln2_b",
@@ -79,19 +82,25 @@ def _flatten(tree, prefix: str = "") -> dict:
     return out
 
 
-def _canonical(model_sd: dict, where: pathlib.Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """One rank's tensors under canonical names (``qkv_w.3`` = layer 3's QKV weight) as float32, and each canonical
-    name's key in the file; the layers are those the keys hold, and a tensor megajax has no place for is refused."""
-    flat = {k.removeprefix("model.").removeprefix("language_model."): v for k, v in _flatten(model_sd).items()
+def flat_tensors(model_sd: dict) -> dict:
+    """A rank's ``model`` dict flattened to dotted keys, less the ``model.`` / ``language_model.`` prefixes and
+    Transformer Engine's ``_extra_state`` entries."""
+    return {k.removeprefix("model.").removeprefix("language_model."): v for k, v in _flatten(model_sd).items()
             if not k.endswith("_extra_state")}
-    core = any(k.startswith("decoder.") for k in flat)
-    for old, new in CORE_ALIASES if core else LEGACY_ALIASES:
+
+
+def take_canonical(flat: dict, key_names: dict[str, str], aliases: tuple[tuple[str, str], ...], where: pathlib.Path,
+                   model: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """One rank's tensors under canonical names (``qkv_w.3`` = layer 3's QKV weight) as float32, and each canonical
+    name's key in the file. ``key_names``: canonical key -> Megatron key (``{}`` for the layer); ``aliases``: other
+    spellings rewritten first. The layers are those the keys hold; a tensor the table has no place for is refused."""
+    for old, new in aliases:
         flat = {k.replace(old, new): v for k, v in flat.items()}
     layers = sorted({int(m[1]) for k in flat if (m := re.match(r"(?:en|de)coder\.layers\.(\d+)\.", k))})
     if layers != list(range(len(layers))) or not layers:
-        raise ValueError(f"{where} holds layers {layers or 'none'}; a GPT checkpoint has layers 0..N-1")
+        raise ValueError(f"{where} holds layers {layers or 'none'}; a {model.upper()} checkpoint has layers 0..N-1")
     out, names = {}, {}
-    for key, fmt in (CORE if core else LEGACY).items():
+    for key, fmt in key_names.items():
         for i in (layers if key in LAYER_KEYS else [None]):
             name = fmt.format(i) if i is not None else fmt
             if name not in flat:
@@ -101,15 +110,25 @@ def _canonical(model_sd: dict, where: pathlib.Path) -> tuple[dict[str, np.ndarra
             out[canonical] = v.astype(np.float32) if isinstance(v, np.ndarray) else torch_io.to_numpy(v)
             names[canonical] = name
     if flat:
-        raise ValueError(f"{where} holds tensors megajax's GPT has no place for: {sorted(flat)[:4]} (an untied "
-                         "output layer, or another model variant)")
+        raise ValueError(f"{where} holds tensors megajax's {model.upper()} has no place for: {sorted(flat)[:4]} (an "
+                         "untied output layer, or another model variant)")
     return out, names
 
 
-def _merge_ranks(ranks: list[dict[str, np.ndarray]], files: list[pathlib.Path]) -> dict[str, np.ndarray]:
+def _canonical(model_sd: dict, where: pathlib.Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """``take_canonical`` for a GPT rank, legacy or Megatron-Core names (told apart by the ``decoder.`` prefix)."""
+    flat = flat_tensors(model_sd)
+    core = any(k.startswith("decoder.") for k in flat)
+    return take_canonical(flat, CORE if core else LEGACY, CORE_ALIASES if core else LEGACY_ALIASES, where, "gpt")
+
+
+def merge_ranks(ranks: list[dict[str, np.ndarray]], files: list[pathlib.Path],
+                split_dim: dict[str, int] = SPLIT_DIM) -> dict[str, np.ndarray]:
+    """The full tensors: those ``split_dim`` names joined along their dimension, the rest (replicated) checked to be
+    the same on every rank."""
     merged = {}
     for name in ranks[0]:
-        dim = SPLIT_DIM.get(name.split(".")[0])
+        dim = split_dim.get(name.split(".")[0])
         parts = [r[name] for r in ranks]
         if dim is None:
             differ = [f.parent.name for f, p in zip(files[1:], parts[1:]) if not np.array_equal(parts[0], p)]
@@ -122,9 +141,11 @@ def _merge_ranks(ranks: list[dict[str, np.ndarray]], files: list[pathlib.Path]) 
     return merged
 
 
-def _split_ranks(full: dict[str, np.ndarray], tp: int) -> list[dict[str, np.ndarray]]:
-    return [{name: (np.split(a, tp, axis=SPLIT_DIM[name.split(".")[0]])[r]
-                    if name.split(".")[0] in SPLIT_DIM else a) for name, a in full.items()} for r in range(tp)]
+def split_ranks(full: dict[str, np.ndarray], tp: int,
+                split_dim: dict[str, int] = SPLIT_DIM) -> list[dict[str, np.ndarray]]:
+    """Each rank's tensors: those ``split_dim`` names cut into ``tp`` equal parts, the rest whole on every rank."""
+    return [{name: (np.split(a, tp, axis=split_dim[name.split(".")[0]])[r]
+                    if name.split(".")[0] in split_dim else a) for name, a in full.items()} for r in range(tp)]
 
 
 def params_from_canonical(c: dict[str, np.ndarray], config: ml_collections.ConfigDict) -> Params:
@@ -173,7 +194,7 @@ def params_to_canonical(p: Params, config: ml_collections.ConfigDict) -> dict[st
 
 def config_from_args(args: argparse.Namespace | dict) -> ml_collections.ConfigDict:
     """A megajax config with the model sizes of the Megatron ``args`` stored in a checkpoint (vocabulary: see
-    ``read_megatron``)."""
+    ``read_megatron``); a missing LayerNorm epsilon, dropout or init std is Megatron's default."""
     a = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
     c = base_config()
     h = a["hidden_size"]
@@ -181,13 +202,22 @@ def config_from_args(args: argparse.Namespace | dict) -> ml_collections.ConfigDi
     if ffn % h:
         raise ValueError(f"args.ffn_hidden_size={ffn} is not a multiple of args.hidden_size={h}: megajax's MLP is "
                          "model.mlp_ratio x hidden_size wide")
+    eps = a.get("norm_epsilon", a.get("layernorm_epsilon", 1e-5))  # newer Megatron: --norm-epsilon
     c.model.update(num_layers=a["num_layers"], hidden_size=h, num_heads=a["num_attention_heads"],
-                   max_seq_len=a["max_position_embeddings"], mlp_ratio=ffn // h)
+                   max_seq_len=a["max_position_embeddings"], mlp_ratio=ffn // h, layernorm_eps=eps,
+                   dropout=a.get("hidden_dropout", 0.1), init_std=a.get("init_method_std", 0.02))
     return c
 
 
-def _load_ranks(it_dir: pathlib.Path, allow_pickle: bool):
-    """(shared args or None, per-rank canonical tensors, Megatron names of rank 0's tensors, rank files)."""
+Canonical = Callable[[dict, pathlib.Path], tuple[dict[str, np.ndarray], dict[str, str]]]  # like _canonical
+
+
+def load_merged(it_dir: pathlib.Path, config: ml_collections.ConfigDict | None, allow_pickle: bool, *, model: str,
+                canonical: Canonical,
+                split_dim: dict[str, int]) -> tuple[dict | None, dict[str, np.ndarray], dict[str, str], int]:
+    """(shared args or None, the merged canonical tensors, their Megatron names, the tensor-parallel size) of an
+    iteration directory, once its rank files are named, agree with each other, and hold a variant the megajax
+    ``model`` computes. ``canonical(model_dict, file)`` names one rank's tensors; ``split_dim`` says how they join."""
     files = megatron_files.rank_files(it_dir)
     checkpoints = [torch_io.load(f, allow_pickle) for f in files]
     args = checks.common_args(checkpoints, files)
@@ -195,11 +225,12 @@ def _load_ranks(it_dir: pathlib.Path, allow_pickle: bool):
     if version < 2:
         raise ValueError(f"checkpoint_version {version}: QKV rows are not interleaved per head; only >= 2 is supported")
     if args is not None:
-        checks.check_features(args)
-    canonical = [_canonical(ck["model"], f) for ck, f in zip(checkpoints, files)]
-    ranks = [tensors for tensors, _ in canonical]
+        checks.check_features(args, model)
+    named = [canonical(ck["model"], f) for ck, f in zip(checkpoints, files)]
+    ranks = [tensors for tensors, _ in named]
     checks.check_rank_shapes(ranks, files)
-    return args, ranks, canonical[0][1], files
+    checks.require_sizes(args, config, it_dir, model)
+    return args, merge_ranks(ranks, files, split_dim), named[0][1], len(files)
 
 
 def read_megatron(directory: str | pathlib.Path, config: ml_collections.ConfigDict | None = None, *,
@@ -213,73 +244,61 @@ def read_megatron(directory: str | pathlib.Path, config: ml_collections.ConfigDi
     checkpoint's embedding rows exactly.
     """
     it_dir = megatron_files.iteration_dir(pathlib.Path(directory), iteration)
-    args, ranks, names, files = _load_ranks(it_dir, allow_pickle)
-    if args is None and config is None:
-        raise ValueError(f"{it_dir} stores no args (saved without them), so its model sizes are unknown: pass "
-                         "--config=NAME, a megajax config describing the model (and --vocab_size=N)")
-    merged, tp = _merge_ranks(ranks, files), len(files)
+    args, merged, names, tp = load_merged(it_dir, config, allow_pickle, model="gpt", canonical=_canonical,
+                                          split_dim=SPLIT_DIM)
     out = config.copy_and_resolve_references() if config is not None else config_from_args(args)
     checks.check_agreement(it_dir, checks.args_claims(args), checks.config_claims(config),
                            checks.tensor_claims(merged, names, tp))
     checks.check_shapes(merged, names, out, tp)
-    rows = merged["wte"].shape[0]
-    if vocab_size is None and config is not None:
-        vocab = checks.vocabulary(rows, config.model.vocab_size, args, tp, it_dir, "--config model.vocab_size")
-    else:
-        vocab = checks.vocabulary(rows, vocab_size, args, tp, it_dir)
-    megatron_multiple = ((args or {}).get("make_vocab_size_divisible_by") or 0) * tp
-    out.model.vocab_size = vocab
-    out.model.make_vocab_size_divisible_by = checks.megajax_divisor(
-        vocab, rows, [config.model.make_vocab_size_divisible_by if config is not None else None, megatron_multiple])
+    out.model.update(checks.vocabulary_fields(merged["wte"].shape[0], vocab_size, config, args, tp, it_dir, "gpt"))
     return params_from_canonical(merged, out), out
 
 
-def _megatron_divisor(vocab_size: int, rows: int, divisible_by: int, tp: int) -> int:
-    """args.make_vocab_size_divisible_by such that Megatron, padding to a multiple of it x ``tp``, gets ``rows``."""
-    if divisible_by % tp == 0 and padded_vocab_size(vocab_size, divisible_by) == rows:
-        return divisible_by // tp
-    return rows // tp  # a multiple of rows itself always pads a vocabulary of at most rows to rows
+def megatron_args(config: ml_collections.ConfigDict, rows: int, tp: int) -> argparse.Namespace:
+    """The args a ``tp``-way Megatron save of this model stores (``rows``: its padded vocabulary), such that Megatron
+    recomputes the same padded size; ValueError if ``tp`` does not divide the heads and the rows."""
+    m = config.model
+    if m.num_heads % tp or rows % tp:
+        raise ValueError(f"tensor-parallel size {tp} must divide the heads ({m.num_heads}) and the padded "
+                         f"vocabulary ({rows})")
+    return argparse.Namespace(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_heads,
+        ffn_hidden_size=m.mlp_ratio * m.hidden_size, max_position_embeddings=m.max_seq_len, padded_vocab_size=rows,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        make_vocab_size_divisible_by=checks.megatron_divisor(m.vocab_size, rows, m.make_vocab_size_divisible_by, tp),
+        layernorm_epsilon=m.layernorm_eps, hidden_dropout=m.dropout, attention_dropout=m.dropout,
+        init_method_std=m.init_std)
+
+
+def named_tensors(rank: dict[str, np.ndarray], key_names: dict[str, str], dtype: str) -> dict:
+    """One rank's canonical tensors as torch tensors of ``dtype`` under their Megatron keys (flat)."""
+    sd = {}
+    for name, a in rank.items():
+        key, _, layer = name.partition(".")
+        sd[key_names[key].format(layer) if layer else key_names[key]] = torch_io.to_torch(a, dtype)
+    return sd
+
+
+def nest_legacy(sd: dict) -> dict:
+    """Megatron's legacy nesting of flat keys: ``embedding.<table>.<leaf>`` as dicts per table, every other module
+    (``encoder``, BERT's ``pooler`` and heads) one dict of its flat keys."""
+    out = {}
+    for k, v in sd.items():
+        top, _, rest = k.partition(".")
+        if top == "embedding":
+            table, _, leaf = rest.partition(".")
+            out.setdefault("embedding", {}).setdefault(table, {})[leaf] = v
+        else:
+            out.setdefault(top, {})[rest] = v
+    return out
 
 
 def write_megatron(directory: str | pathlib.Path, params: Params, config: ml_collections.ConfigDict, tp: int, *,
                    iteration: int = 0, names: str = "legacy", dtype: str = "float32") -> pathlib.Path:
     """Writes a Megatron-LM checkpoint with ``tp`` tensor-parallel ranks into a new or empty directory (so no
     ranks or iterations of another save mix in); returns its iteration directory."""
-    m = config.model
-    rows = params["wte"]["embedding"].shape[0]
-    if m.num_heads % tp or rows % tp:
-        raise ValueError(f"tensor-parallel size {tp} must divide the heads ({m.num_heads}) and the padded "
-                         f"vocabulary ({rows})")
-    directory = pathlib.Path(directory)
-    require_empty(directory, "the Megatron output directory")
+    args = megatron_args(config, params["wte"]["embedding"].shape[0], tp)
     key_names = {"legacy": LEGACY, "core": CORE}[names]
-    args = argparse.Namespace(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_heads,
-                              ffn_hidden_size=m.mlp_ratio * m.hidden_size, max_position_embeddings=m.max_seq_len,
-                              padded_vocab_size=rows, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-                              make_vocab_size_divisible_by=_megatron_divisor(m.vocab_size, rows,
-                                                                             m.make_vocab_size_divisible_by, tp))
-    it_dir = directory / megatron_files.iteration_name(iteration)
-    for r, rank in enumerate(_split_ranks(params_to_canonical(params, config), tp)):
-        sd = {}
-        for name, a in rank.items():
-            key, _, layer = name.partition(".")
-            sd[key_names[key].format(layer) if layer else key_names[key]] = torch_io.to_torch(a, dtype)
-        model = {"language_model": _nest_legacy(sd)} if names == "legacy" else sd
-        (it_dir / f"mp_rank_{r:02d}").mkdir(parents=True)
-        torch_io.save({"model": model, "checkpoint_version": 3.0, "iteration": iteration, "args": args},
-                      it_dir / f"mp_rank_{r:02d}" / megatron_files.RANK_FILE)
-    (directory / megatron_files.TRACKER).write_text(str(iteration))
-    return it_dir
-
-
-def _nest_legacy(sd: dict) -> dict:
-    """Megatron's legacy nesting: embedding.word_embeddings.weight as dicts, encoder's keys flat."""
-    out = {"embedding": {}, "encoder": {}}
-    for k, v in sd.items():
-        top, _, rest = k.partition(".")
-        if top == "embedding":
-            table, _, leaf = rest.partition(".")
-            out["embedding"].setdefault(table, {})[leaf] = v
-        else:
-            out["encoder"][rest] = v
-    return out
+    sds = (named_tensors(rank, key_names, dtype) for rank in split_ranks(params_to_canonical(params, config), tp))
+    models = ({"language_model": nest_legacy(sd)} if names == "legacy" else sd for sd in sds)
+    return megatron_files.write_ranks(pathlib.Path(directory), models, args, iteration)

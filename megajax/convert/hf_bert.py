@@ -1,0 +1,204 @@
+"""Hugging Face ``BertForPreTraining`` and ``MegatronBertForPreTraining`` <-> megajax BERT.
+
+``model_type`` "bert" is the original post-LN BERT (an embedding LayerNorm, LayerNorms after each residual add, no
+final one): megajax ``post_layernorm=True``. "megatron-bert" is Megatron's pre-LN BERT (``attention.ln`` before
+attention, ``ln`` before the MLP, a final ``encoder.ln``, no embedding LayerNorm): ``post_layernorm=False``.
+
+HF's Linear layers store (out, in) weights, with separate query/key/value projections whose outputs are split into
+heads; megajax keeps QKV as (H, heads, 3, head_dim) so a model shard holds whole heads with their own q, k and v.
+
+The MLM decoder is tied to the word embedding (its bias is ``cls.predictions.bias``, padded with zeros to the padded
+vocabulary). HF's next-sentence head maps onto megajax's sentence-order head unchanged: HF's class 0 is "B follows
+A" and 1 "B is random"; megajax's 0 is "A then B in the document's order" and 1 "swapped". Class 0 is the
+document's order in both.
+"""
+
+from __future__ import annotations
+
+import jax
+import ml_collections
+import numpy as np
+
+from megajax.config import base_config, padded_vocab_size
+
+Params = dict
+HF_CLASSES = {"bert": "BertForPreTraining", "megatron-bert": "MegatronBertForPreTraining"}  # by model_type
+MODEL_TYPES = {"bert": True, "megatron-bert": False}  # config.json model_type -> megajax post_layernorm
+HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}  # hidden_act -> megajax
+LAYER_NORMS = {True: ("attention.output.LayerNorm", "output.LayerNorm"), False: ("attention.ln", "ln")}  # ln_1, ln_2
+# Tensors save_pretrained may hold that megajax does not store: buffers, and the decoder tied to other tensors.
+BUFFERS = ("bert.embeddings.position_ids", "bert.embeddings.token_type_ids")
+TIED = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+        "cls.predictions.decoder.bias": "cls.predictions.bias"}
+
+
+def _refuse(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 1024) -> ml_collections.ConfigDict:
+    """A megajax BERT config for an HF BERT / Megatron-BERT ``config.json``; errors on variants megajax lacks."""
+    model_type = hf.get("model_type")
+    _refuse(model_type in MODEL_TYPES, f"config.json model_type={model_type!r}: hf_bert converts "
+                                       + ", ".join(f"{t} ({HF_CLASSES[t]})" for t in MODEL_TYPES))
+    act = hf.get("hidden_act", "gelu")
+    _refuse(act in HF_ACTIVATIONS, f"config.json hidden_act={act!r}: megajax's BERT computes one of "
+                                   f"{sorted(HF_ACTIVATIONS)} (exact-erf or tanh GeLU)")
+    position = hf.get("position_embedding_type", "absolute")
+    _refuse(position == "absolute", f"config.json position_embedding_type={position!r}: megajax's BERT has "
+                                    "learned absolute position embeddings only")
+    for flag, want in (("is_decoder", False), ("add_cross_attention", False), ("tie_word_embeddings", True)):
+        _refuse(hf.get(flag, want) == want, f"config.json {flag}={hf.get(flag)!r} is not supported (megajax's BERT "
+                                            f"is a bidirectional encoder with a tied MLM output: {flag}={want})")
+    h, inner = hf["hidden_size"], hf.get("intermediate_size", 4 * hf["hidden_size"])
+    _refuse(inner % h == 0, f"config.json intermediate_size={inner} is not a multiple of hidden_size={h}")
+    types = hf.get("type_vocab_size", 2)
+    _refuse(types >= 1, f"config.json type_vocab_size={types}: megajax's BERT needs at least one token type")
+    c = base_config()
+    c.model.update(name="bert", vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                   num_layers=hf["num_hidden_layers"], hidden_size=h, num_heads=hf["num_attention_heads"],
+                   max_seq_len=hf["max_position_embeddings"], mlp_ratio=inner // h, num_token_types=types,
+                   dropout=hf.get("hidden_dropout_prob", 0.1), init_std=hf.get("initializer_range", 0.02),
+                   layernorm_eps=hf.get("layer_norm_eps", 1e-12), activation=HF_ACTIVATIONS[act],
+                   post_layernorm=MODEL_TYPES[model_type])
+    return c
+
+
+def hf_config(config: ml_collections.ConfigDict) -> dict:
+    """The HF ``config.json`` for a megajax BERT config (true vocabulary size; the padding rows are dropped)."""
+    m = config.model
+    model_type = "bert" if m.post_layernorm else "megatron-bert"
+    return {"architectures": [HF_CLASSES[model_type]], "model_type": model_type,
+            "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
+            "num_attention_heads": m.num_heads, "intermediate_size": m.mlp_ratio * m.hidden_size,
+            "hidden_act": {"gelu": "gelu", "gelu_tanh": "gelu_new"}[m.activation],
+            "hidden_dropout_prob": m.dropout, "attention_probs_dropout_prob": m.dropout,
+            "max_position_embeddings": m.max_seq_len, "type_vocab_size": m.num_token_types,
+            "initializer_range": m.init_std, "layer_norm_eps": m.layernorm_eps, "tie_word_embeddings": True}
+
+
+class _Tensors:
+    """An HF state dict read tensor by tensor, each checked against the shape the config implies."""
+
+    def __init__(self, sd: dict[str, np.ndarray], config: ml_collections.ConfigDict):
+        self.sd = {k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"): v
+                   for k, v in sd.items()}  # TF-era checkpoints name LayerNorm parameters gamma/beta
+        m = config.model
+        self.sizes = (f"vocab_size={m.vocab_size}, hidden_size={m.hidden_size}, intermediate_size="
+                      f"{m.mlp_ratio * m.hidden_size}, max_position_embeddings={m.max_seq_len}, "
+                      f"type_vocab_size={m.num_token_types}")
+        self.used: set[str] = set()
+
+    def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.sd:
+            raise KeyError(f"the HF weights have no tensor {name!r}: give a {' or '.join(HF_CLASSES.values())} "
+                           "directory whose config.json model_type matches its weights")
+        a = self.sd[name]
+        _refuse(tuple(a.shape) == shape, f"HF tensor {name} is {tuple(a.shape)}, but config.json ({self.sizes}) "
+                                         f"implies {shape}")
+        self.used.add(name)
+        return np.asarray(a, np.float32)
+
+    def linear(self, name: str, n_in: int, n_out: int) -> dict[str, np.ndarray]:
+        """A torch Linear (out, in) as a megajax dense layer: kernel (in, out)."""
+        return {"kernel": self.take(f"{name}.weight", (n_out, n_in)).T, "bias": self.take(f"{name}.bias", (n_out,))}
+
+    def layernorm(self, name: str, h: int) -> dict[str, np.ndarray]:
+        return {"scale": self.take(f"{name}.weight", (h,)), "bias": self.take(f"{name}.bias", (h,))}
+
+    def check_rest(self) -> None:
+        """Everything not taken must be a buffer or a tied copy; anything else has no place in megajax's BERT."""
+        rest = set(self.sd) - self.used - set(BUFFERS)
+        for copy, source in TIED.items():
+            if copy in rest:
+                _refuse(np.array_equal(self.sd[copy], self.sd[source]), f"the HF weights hold a {copy} that differs "
+                                                                        f"from {source}: megajax ties them")
+                rest.discard(copy)
+        _refuse(not rest, f"the HF weights hold tensors megajax's BERT has no place for: {sorted(rest)[:4]} (layers "
+                          "past num_hidden_layers, or another model's heads)")
+
+
+def _layer_from_hf(t: _Tensors, i: int, config: ml_collections.ConfigDict) -> Params:
+    m = config.model
+    h, nh, f = m.hidden_size, m.num_heads, m.mlp_ratio * m.hidden_size
+    pre = f"bert.encoder.layer.{i}."
+    q, k, v = (t.linear(f"{pre}attention.self.{n}", h, h) for n in ("query", "key", "value"))
+    out = t.linear(f"{pre}attention.output.dense", h, h)
+    ln_1, ln_2 = LAYER_NORMS[bool(m.post_layernorm)]
+    return {
+        "ln_1": t.layernorm(pre + ln_1, h), "ln_2": t.layernorm(pre + ln_2, h),
+        "attn": {"qkv": {"kernel": np.stack([p["kernel"].reshape(h, nh, h // nh) for p in (q, k, v)], axis=2),
+                         "bias": np.stack([p["bias"].reshape(nh, h // nh) for p in (q, k, v)], axis=1)},
+                 "out": {"kernel": out["kernel"].reshape(nh, h // nh, h), "bias": out["bias"]}},
+        "mlp": {"up": t.linear(f"{pre}intermediate.dense", h, f), "down": t.linear(f"{pre}output.dense", f, h)},
+    }
+
+
+def params_from_hf(sd: dict[str, np.ndarray], config: ml_collections.ConfigDict) -> Params:
+    """megajax BERT parameters from an HF BertForPreTraining / MegatronBertForPreTraining state dict."""
+    m = config.model
+    h, vocab = m.hidden_size, m.vocab_size
+    rows = padded_vocab_size(vocab, m.make_vocab_size_divisible_by)
+    t = _Tensors(sd, config)
+    layers = [_layer_from_hf(t, i, config) for i in range(m.num_layers)]
+    params = {
+        "wte": {"embedding": _pad_rows(t.take("bert.embeddings.word_embeddings.weight", (vocab, h)), rows)},
+        "wpe": t.take("bert.embeddings.position_embeddings.weight", (m.max_seq_len, h)),
+        "tte": t.take("bert.embeddings.token_type_embeddings.weight", (m.num_token_types, h)),
+        "blocks": jax.tree.map(lambda *xs: np.stack(xs), *layers),
+        "pooler": t.linear("bert.pooler.dense", h, h),
+        "mlm_dense": t.linear("cls.predictions.transform.dense", h, h),
+        "mlm_ln": t.layernorm("cls.predictions.transform.LayerNorm", h),
+        "mlm_bias": _pad_rows(t.take("cls.predictions.bias", (vocab,)), rows),
+        "sop": t.linear("cls.seq_relationship", h, 2),
+    }
+    if m.post_layernorm:
+        params["ln_emb"] = t.layernorm("bert.embeddings.LayerNorm", h)
+    else:
+        params["ln_f"] = t.layernorm("bert.encoder.ln", h)
+    t.check_rest()
+    return params
+
+
+def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
+    """Zero rows appended up to the padded vocabulary (never selected: those ids are masked out of the softmax)."""
+    return np.concatenate([a, np.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
+
+
+def params_to_hf(p: Params, config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
+    """An HF state dict for ``hf_config(config)``'s class (tied decoder omitted, as ``save_pretrained`` does)."""
+    m = config.model
+    h, vocab = m.hidden_size, m.vocab_size
+    sd = {"bert.embeddings.word_embeddings.weight": p["wte"]["embedding"][:vocab],
+          "bert.embeddings.position_embeddings.weight": p["wpe"],
+          "bert.embeddings.token_type_embeddings.weight": p["tte"],
+          "cls.predictions.bias": p["mlm_bias"][:vocab]}
+
+    def linear(name: str, kernel: np.ndarray, bias: np.ndarray) -> None:
+        sd[f"{name}.weight"], sd[f"{name}.bias"] = kernel.T, bias
+
+    def layernorm(name: str, ln: dict) -> None:
+        sd[f"{name}.weight"], sd[f"{name}.bias"] = ln["scale"], ln["bias"]
+
+    for name, key in (("bert.pooler.dense", "pooler"), ("cls.predictions.transform.dense", "mlm_dense"),
+                      ("cls.seq_relationship", "sop")):
+        linear(name, p[key]["kernel"], p[key]["bias"])
+    layernorm("cls.predictions.transform.LayerNorm", p["mlm_ln"])
+    if m.post_layernorm:
+        layernorm("bert.embeddings.LayerNorm", p["ln_emb"])
+    else:
+        layernorm("bert.encoder.ln", p["ln_f"])
+    ln_1, ln_2 = LAYER_NORMS[bool(m.post_layernorm)]
+    for i in range(m.num_layers):
+        b = jax.tree.map(lambda x: x[i], p["blocks"])
+        pre = f"bert.encoder.layer.{i}."
+        qkv = b["attn"]["qkv"]
+        for j, name in enumerate(("query", "key", "value")):
+            linear(f"{pre}attention.self.{name}", qkv["kernel"][:, :, j].reshape(h, h), qkv["bias"][:, j].reshape(h))
+        linear(f"{pre}attention.output.dense", b["attn"]["out"]["kernel"].reshape(h, h), b["attn"]["out"]["bias"])
+        linear(f"{pre}intermediate.dense", b["mlp"]["up"]["kernel"], b["mlp"]["up"]["bias"])
+        linear(f"{pre}output.dense", b["mlp"]["down"]["kernel"], b["mlp"]["down"]["bias"])
+        layernorm(pre + ln_1, b["ln_1"])
+        layernorm(pre + ln_2, b["ln_2"])
+    return {k: np.ascontiguousarray(v, np.float32) for k, v in sd.items()}
