@@ -23,36 +23,27 @@ from megajax.sharding import constrain
 NUM_SOP_CLASSES = 2  # 0: A then B as in the document, 1: swapped
 
 
-class BERT(nnx.Module):
-    """``(tokens, token_types, padding_mask) (B, S) -> (MLM logits (B, S, padded_vocab), SOP logits (B, 2))``."""
+class BERTEncoder(nnx.Module):
+    """The part every BERT model shares: embeddings, the trunk under a padding mask, the final or embedding LN, and
+    the pooler. Pretraining (``BERT``) and the task models (``megajax.models.heads``) add their heads to it, so a
+    pretrained encoder's parameter paths are the same in every one of them."""
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         if cfg.num_token_types < 1:
             raise ValueError("BERT needs model.num_token_types >= 1 (2 for sentence pairs)")
         self.cfg = cfg
         dt, h, std = cfg.compute_dtype, cfg.hidden_size, cfg.init_std
-        self.act = ACTIVATIONS[cfg.activation]
         self.wte = VocabParallelEmbedding(cfg.padded_vocab_size, h, std=std, dtype=dt, rngs=rngs)
         self.wpe = make_param(rngs, nnx.initializers.normal(std), (cfg.max_seq_len, h), ("position", "embed"))
         self.tte = make_param(rngs, nnx.initializers.normal(std), (cfg.num_token_types, h), ("token_type", "embed"))
         self.ln_emb = LayerNorm(h, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs) if cfg.post_layernorm else None
         self.blocks = make_blocks(cfg, rngs)
         self.ln_f = None if cfg.post_layernorm else LayerNorm(h, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
-        self.mlm_dense = Dense(h, (h,), ("embed", "embed_out"), std=std, dtype=dt, rngs=rngs)
-        self.mlm_ln = LayerNorm(h, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
-        self.mlm_bias = make_param(rngs, nnx.initializers.zeros, (cfg.padded_vocab_size,), ("vocab",))
         self.pooler = Dense(h, (h,), ("embed", "embed_out"), std=std, dtype=dt, rngs=rngs)
-        self.sop = Dense(h, (NUM_SOP_CLASSES,), ("embed", "classes"), std=std, dtype=dt, rngs=rngs)
-
-    def __call__(self, tokens: jax.Array, token_types: jax.Array | None = None, valid: jax.Array | None = None,
-                 *, dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """MLM logits (padded ids masked) and SOP logits; ``valid`` is the (B, S) 1/0 padding mask."""
-        x = self.encode(tokens, token_types, valid, dropout_key=dropout_key)
-        return self.mlm_logits(x), self.sop(self.pool(x))
 
     def encode(self, tokens: jax.Array, token_types: jax.Array | None = None, valid: jax.Array | None = None,
                *, dropout_key: jax.Array | None = None) -> jax.Array:
-        """The trunk's final hidden states (B, S, H); task heads read these."""
+        """The trunk's final hidden states (B, S, H); ``valid`` is the (B, S) 1/0 padding mask."""
         cfg = self.cfg
         b, s = tokens.shape
         if s > cfg.max_seq_len:
@@ -71,6 +62,25 @@ class BERT(nnx.Module):
     def pool(self, x: jax.Array) -> jax.Array:
         """(B, S, H) -> (B, H): dense + tanh on the first ([CLS]) token (no dropout, as Megatron and HF)."""
         return jnp.tanh(self.pooler(x[:, 0]))
+
+
+class BERT(BERTEncoder):
+    """``(tokens, token_types, padding_mask) (B, S) -> (MLM logits (B, S, padded_vocab), SOP logits (B, 2))``."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)
+        dt, h, std = cfg.compute_dtype, cfg.hidden_size, cfg.init_std
+        self.act = ACTIVATIONS[cfg.activation]
+        self.mlm_dense = Dense(h, (h,), ("embed", "embed_out"), std=std, dtype=dt, rngs=rngs)
+        self.mlm_ln = LayerNorm(h, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
+        self.mlm_bias = make_param(rngs, nnx.initializers.zeros, (cfg.padded_vocab_size,), ("vocab",))
+        self.sop = Dense(h, (NUM_SOP_CLASSES,), ("embed", "classes"), std=std, dtype=dt, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, token_types: jax.Array | None = None, valid: jax.Array | None = None,
+                 *, dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """MLM logits (padded ids masked) and SOP logits."""
+        x = self.encode(tokens, token_types, valid, dropout_key=dropout_key)
+        return self.mlm_logits(x), self.sop(self.pool(x))
 
     def mlm_logits(self, x: jax.Array) -> jax.Array:
         """(B, S, H) -> (B, S, padded_vocab): dense, GeLU, LN, tied output + vocab-parallel bias."""
