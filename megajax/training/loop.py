@@ -30,6 +30,7 @@ from megajax.training.metrics import MetricsWriter, model_flops_per_step, peak_f
 from megajax.training.optimizer import learning_rate_schedule, make_optimizer
 from megajax.training.preemption import StopRequest
 from megajax.training.step import TrainState, make_eval_step, make_train_step
+from megajax.training.workdir_lock import hold_workdir
 
 
 ENTROPY_SAMPLE_TOKENS = 1 << 24  # tokens read for the logged unigram entropy
@@ -132,16 +133,23 @@ def _start_record(run: Run, config: ml_collections.ConfigDict, loader: GPTLoader
 
 
 def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dict]:
-    """Trains to ``config.train.steps``, resuming from the latest checkpoint in ``workdir`` if there is one.
+    """Trains to ``config.train.steps``, resuming from the latest checkpoint in ``workdir`` if there is one
+    (or from ``config.checkpoint.restore_step``). A workdir another live run holds is refused (WorkdirInUseError).
 
     Returns the records logged by this call (also appended to workdir/metrics.jsonl). On SIGTERM/SIGINT it
     finishes the current step, saves a checkpoint and returns.
     """
     distributed.maybe_initialize()
+    with hold_workdir(workdir):  # one run per workdir, taken before anything is written; freed on return or error
+        return _train(config, workdir)
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dict]:
     run = setup(config)
     loader = make_loader(config)
     checkpointer = Checkpointer(workdir, config.checkpoint) if config.checkpoint.enabled else None
-    restored = checkpointer.restore(run.abstract_state) if checkpointer else None
+    restored = checkpointer.resume(run.abstract_state, config.checkpoint.get("restore_step", 0)) \
+        if checkpointer else None
     if restored:
         state, loader_state = restored
         loader.set_state(loader_state)
