@@ -100,19 +100,18 @@ def _load_hint(step_dir: pathlib.Path) -> str:
 _ORBAX_ARRAY = re.compile(r"""(?:reading "|'path': ')([^"'/]+)/""")
 
 
-def _unreadable_array(error: BaseException, names: list[str]) -> str | None:
-    """The array a tensorstore failure was reading, found anywhere in the exception's chain."""
-    by_orbax_name = {n.replace("/", "."): n for n in names}
+def _unreadable_array(error: BaseException) -> str | None:
+    """The array a tensorstore failure was reading (as "params/wte/embedding"), from the exception's chain."""
     seen = error
     while seen is not None:
         found = _ORBAX_ARRAY.search(str(seen))
         if found:
-            return by_orbax_name.get(found.group(1), found.group(1).replace(".", "/"))
+            return found.group(1).replace(".", "/")
         seen = seen.__cause__ or seen.__context__
     return None
 
 
-def _read(fn, where: str, hint: str, names: list[str] = ()) -> Any:
+def _read(fn, where: str, hint: str) -> Any:
     """Runs an orbax read; any failure becomes a CheckpointError naming the array tensorstore could not read."""
     try:
         return fn()
@@ -122,7 +121,7 @@ def _read(fn, where: str, hint: str, names: list[str] = ()) -> Any:
         root = e
         while root.__cause__ is not None:
             root = root.__cause__  # orbax's own message is a spec dump; the cause says what went wrong
-        array = _unreadable_array(e, list(names))
+        array = _unreadable_array(e)
         what = f"array {array} cannot be read" if array else "it cannot be read"
         raise CheckpointError(f"{where} is damaged or incomplete: {what} ({type(root).__name__}: "
                               f"{str(root)[:300]}). Nothing was changed. {hint}") from e
@@ -208,8 +207,7 @@ class Checkpointer:
                  "data": ocp.args.JsonRestore()}
         if (self.directory / str(step) / "digests").is_dir():  # absent in checkpoints from before digests
             items["digests"] = ocp.args.JsonRestore()
-        restored = _read(lambda: self.manager.restore(step, args=ocp.args.Composite(**items)), where, hint,
-                         list(_arrays(target)))
+        restored = _read(lambda: self.manager.restore(step, args=ocp.args.Composite(**items)), where, hint)
         verify(restored["state"], restored.get("digests"), where, hint)
         return serialization.from_state_dict(state_template, restored["state"]), restored["data"]
 
@@ -235,7 +233,7 @@ class Checkpointer:
         destination = self.directory.parent / SUPERSEDED / \
             datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
         if jax.process_index() == 0:
-            destination.mkdir(parents=True)
+            destination.mkdir(parents=True, exist_ok=True)
             for s in steps:
                 (self.directory / str(s)).rename(destination / str(s))
             print(f"resuming from an earlier step: moved the newer checkpoints {', '.join(map(str, steps))} to "
@@ -295,7 +293,7 @@ def restore_params(path: str | pathlib.Path, target: Any) -> Any:
         check_shapes(saved, wrap(target), where)
         args = ocp.args.PyTreeRestore(wrap(_abstract(target)),
                                       ocp.checkpoint_utils.construct_restore_args(wrap(target)), partial_restore=True)
-        restored = _read(lambda: handler.restore(item, args=args), where, hint, list(_arrays(wrap(target))))
+        restored = _read(lambda: handler.restore(item, args=args), where, hint)
     finally:
         handler.close()
     record = _read(lambda: _read_json_item(step_dir / "digests"), where, hint) \

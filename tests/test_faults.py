@@ -90,7 +90,8 @@ def test_without_kernel_locks_a_live_pid_on_this_host_is_respected(tmp_path, mon
     lock = WorkdirLock(tmp_path)
     assert "this filesystem has no file locks" in lock.acquire()
     assert _record(path)["pid"] == os.getpid()
-    lock._file.close()
+    lock.release()
+    assert path.read_text() == ""
 
 
 def test_hold_workdir_releases_on_error(tmp_path):

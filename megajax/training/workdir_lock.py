@@ -50,6 +50,7 @@ class WorkdirLock:
     def __init__(self, workdir: str | pathlib.Path):
         self.path = pathlib.Path(workdir).expanduser().absolute() / LOCK_NAME
         self._file = None
+        self._kernel_lock = False
 
     def _holder(self, f) -> dict | None:
         f.seek(0)
@@ -67,11 +68,8 @@ class WorkdirLock:
                 f"workdir: wait for that run to finish, {stop}, or pass a different --workdir. The lock "
                 f"({self.path}) is freed by itself when that process exits.")
 
-    def acquire(self) -> str | None:
-        """Takes the lock or raises WorkdirInUseError; returns a note when it recovered one left by a dead run."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(self.path, "a+")  # never truncate here: a refused run must not erase the holder's record
-        kernel_lock = True
+    def _lock(self, f) -> bool:
+        """Takes the kernel lock; False when the filesystem has none. Raises WorkdirInUseError if it is held."""
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -82,9 +80,16 @@ class WorkdirLock:
             if e.errno not in _NO_LOCKS:
                 f.close()
                 raise
-            kernel_lock = False
+            return False
+        return True
+
+    def acquire(self) -> str | None:
+        """Takes the lock or raises WorkdirInUseError; returns a note when it recovered one left by a dead run."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+")  # never truncate here: a refused run must not erase the holder's record
+        self._kernel_lock = self._lock(f)
         previous = self._holder(f)
-        if not kernel_lock and previous and previous.get("host") == socket.gethostname() \
+        if not self._kernel_lock and previous and previous.get("host") == socket.gethostname() \
                 and isinstance(previous.get("pid"), int) and _pid_alive(previous["pid"]):
             f.close()
             raise WorkdirInUseError(self._refusal(previous))
@@ -95,8 +100,11 @@ class WorkdirLock:
                             "command": " ".join(sys.argv)[:300]}))
         f.flush()
         self._file = f
-        notes = [] if kernel_lock else [f"{self.path}: this filesystem has no file locks; only a pid on this "
-                                        "host can be checked"]
+        return self._notes(previous)
+
+    def _notes(self, previous: dict | None) -> str | None:
+        notes = [] if self._kernel_lock else [f"{self.path}: this filesystem has no file locks; only a pid on "
+                                              "this host can be checked"]
         if previous:
             notes.append(f"{self.path}: recovered the lock left by pid {previous.get('pid')} on host "
                          f"{previous.get('host')} (started {previous.get('started')}), which ended without "
@@ -113,7 +121,8 @@ class WorkdirLock:
         self._file.seek(0)
         self._file.truncate()
         self._file.flush()
-        fcntl.flock(self._file, fcntl.LOCK_UN)
+        if self._kernel_lock:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
         self._file.close()
         self._file = None
 
