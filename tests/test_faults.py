@@ -7,7 +7,6 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -56,7 +55,8 @@ def test_second_holder_is_refused_with_the_holders_name(tmp_path):
 
 def test_lock_of_a_killed_process_is_recovered(tmp_path):
     code = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); from megajax.training.workdir_lock import "
-            f"WorkdirLock; lock = WorkdirLock({str(tmp_path)!r}); lock.acquire(); print('held', flush=True); time.sleep(60)")
+            f"WorkdirLock; lock = WorkdirLock({str(tmp_path)!r}); lock.acquire(); print('held', flush=True); "
+            "time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "held\n"
     with pytest.raises(WorkdirInUseError, match=f"pid {holder.pid} on host"):
