@@ -1,29 +1,43 @@
 """Training checkpoints (orbax) with exact resume and resharding on restore, and loading a model for inference.
 
-A training checkpoint is ``WORKDIR/checkpoints/<step>/`` with three items: ``state`` (parameters, optimizer
-state, step, loss-scale state, dropout key), ``data`` (the loader's position) and ``config`` (the config that made
-it). Restoring reads every array straight into the target mesh's shardings, so a checkpoint written on 1x8 loads
-on 2x4 or 1x1 without gathering the model on one host. Saves are asynchronous; orbax writes into a temporary
-directory and renames it when complete, so a process killed mid-save leaves the previous checkpoint intact.
+A training checkpoint is ``WORKDIR/checkpoints/<step>/`` with four items: ``state`` (parameters, optimizer
+state, step, loss-scale state, dropout key), ``data`` (the loader's position), ``config`` (the config that made
+it) and ``digests`` (a 64-bit content digest of every array, see ``megajax.array_digest``). Restoring reads every
+array straight into the target mesh's shardings, so a checkpoint written on 1x8 loads on 2x4 or 1x1 without
+gathering the model on one host, then checks each array against its digest: orbax's zarr/zstd files carry no
+checksum of their data, so changed bytes would otherwise restore silently. Checkpoints written before digests
+existed load unverified. Saves are asynchronous; orbax writes into a temporary directory and renames it when
+complete, so a process killed mid-save leaves the previous checkpoint intact.
+
+Paths may be relative (orbax needs absolute ones): every public function resolves its path first.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import pathlib
 import re
+import sys
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
 from flax import serialization
 
-ITEMS = ("state", "data", "config")
+from megajax import array_digest
+
+SUPERSEDED = "superseded"  # WORKDIR/superseded/<time>/<step>: steps set aside by a resume from an earlier step
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be restored into this config; the message names the parameter."""
+
+
+def _resolve(path: str | pathlib.Path) -> pathlib.Path:
+    return pathlib.Path(path).expanduser().resolve()
 
 
 def _to_tree(state: Any) -> Any:
@@ -38,11 +52,20 @@ def _path(keys) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in keys)
 
 
+def _params_first(name: str) -> tuple[bool, str]:
+    return not name.startswith("params"), name
+
+
+def _arrays(tree: Any) -> dict[str, Any]:
+    """``{"params/wte/embedding": array, ...}`` for the array leaves of a state tree."""
+    return {_path(p): v for p, v in jax.tree_util.tree_leaves_with_path(tree) if hasattr(v, "dtype")}
+
+
 def check_shapes(saved: Any, target: Any, where: str) -> None:
     """Raises CheckpointError naming the first parameter whose saved shape or presence differs from the target."""
     saved_flat = {_path(p): v for p, v in jax.tree_util.tree_leaves_with_path(saved)}
     leaves = [(_path(p), v) for p, v in jax.tree_util.tree_leaves_with_path(target)]
-    for name, want in sorted(leaves, key=lambda kv: (not kv[0].startswith("params"), kv[0])):  # params first
+    for name, want in sorted(leaves, key=lambda kv: _params_first(kv[0])):
         got = saved_flat.get(name)
         if got is None:
             raise CheckpointError(f"{where}: parameter {name} is missing from the checkpoint")
@@ -51,32 +74,106 @@ def check_shapes(saved: Any, target: Any, where: str) -> None:
                                   f"{tuple(want.shape)} in this config; use the config the checkpoint was made with")
 
 
-def _read(fn, where: str) -> Any:
+def _steps_in(directory: pathlib.Path) -> list[int]:
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit()) \
+        if directory.is_dir() else []
+
+
+def _train_hint(directory: pathlib.Path, bad_step: int) -> str:
+    others = [s for s in _steps_in(directory) if s != bad_step]
+    if not others:
+        return f"No other step is saved in {directory}: train from scratch in a new --workdir."
+    return (f"To resume from an earlier step pass --config.checkpoint.restore_step=N (steps available in "
+            f"{directory}: {', '.join(map(str, others))}).")
+
+
+def _load_hint(step_dir: pathlib.Path) -> str:
+    others = [s for s in _steps_in(step_dir.parent) if str(s) != step_dir.name]
+    if not others:
+        return "No other step is saved beside it: re-convert or re-train."
+    return (f"Load an earlier step by passing its directory, e.g. {step_dir.parent / str(others[-1])} "
+            f"(steps available: {', '.join(map(str, others))}).")
+
+
+# orbax names an array by its keys joined with '.'; tensorstore's errors quote it as `reading "NAME/chunk"` and
+# the array's spec as `'path': 'NAME/'` (the spec's file paths start with '/', so they do not match).
+_ORBAX_ARRAY = re.compile(r"""(?:reading "|'path': ')([^"'/]+)/""")
+
+
+def _unreadable_array(error: BaseException) -> str | None:
+    """The array a tensorstore failure was reading (as "params/wte/embedding"), from the exception's chain."""
+    seen = error
+    while seen is not None:
+        found = _ORBAX_ARRAY.search(str(seen))
+        if found:
+            return found.group(1).replace(".", "/")
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _read(fn, where: str, hint: str) -> Any:
     """Runs an orbax read; any failure becomes a CheckpointError naming the array tensorstore could not read."""
     try:
         return fn()
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for damaged files
-        array = re.search(r'reading "([^"/]+)/', str(e))
-        name = f" (parameter {array.group(1).replace('.', '/')})" if array else ""
-        raise CheckpointError(f"{where} is damaged or incomplete{name} and cannot be read: {type(e).__name__}: "
-                              f"{str(e)[:300]}. Restore an earlier step or re-convert; nothing was changed.") from e
+        root = e
+        while root.__cause__ is not None:
+            root = root.__cause__  # orbax's own message is a spec dump; the cause says what went wrong
+        array = _unreadable_array(e)
+        what = f"array {array} cannot be read" if array else "it cannot be read"
+        raise CheckpointError(f"{where} is damaged or incomplete: {what} ({type(root).__name__}: "
+                              f"{str(root)[:300]}). Nothing was changed. {hint}") from e
+
+
+def _digest_record(tree: Any) -> dict:
+    arrays = _arrays(tree)
+    sums = array_digest.digests(arrays)
+    return {"algorithm": array_digest.ALGORITHM,
+            "arrays": {n: {"digest": sums[n], "dtype": str(arrays[n].dtype)} for n in arrays}}
+
+
+def verify(tree: Any, record: dict | None, where: str, hint: str) -> None:
+    """Raises CheckpointError naming the arrays of ``tree`` that differ from the digests saved with them.
+
+    Arrays restored into a wider dtype (a bfloat16 export read as float32) are cast back, which is exact; arrays
+    read into a narrower dtype, unknown names and checkpoints without digests (``record`` None) are not checked.
+    """
+    if not record or record.get("algorithm") != array_digest.ALGORITHM:
+        return
+    saved, comparable = record["arrays"], {}
+    for name, x in _arrays(tree).items():
+        if name not in saved:
+            continue
+        dtype = jnp.dtype(saved[name]["dtype"])
+        if x.dtype != dtype and jnp.promote_types(dtype, x.dtype) == x.dtype:
+            x = x.astype(dtype)
+        if x.dtype == dtype:
+            comparable[name] = x
+    got = array_digest.digests(comparable)
+    bad = sorted((n for n in got if got[n] != saved[n]["digest"]), key=_params_first)
+    if bad:
+        more = f" (and {len(bad) - 1} more: {', '.join(bad[1:4])}{', ...' if len(bad) > 4 else ''})" \
+            if len(bad) > 1 else ""
+        raise CheckpointError(f"{where} is damaged: array {bad[0]}{more} does not match the digest written with "
+                              f"it, so its bytes changed after the save. Nothing was changed. {hint}")
 
 
 def _handlers() -> dict:
     return {"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
-            "config": ocp.JsonCheckpointHandler()}
+            "config": ocp.JsonCheckpointHandler(), "digests": ocp.JsonCheckpointHandler()}
 
 
 class Checkpointer:
-    """Periodic asynchronous saves of the training state, the loader position and the config."""
+    """Periodic asynchronous saves of the training state, the loader position, the config and the digests."""
 
     def __init__(self, workdir: str | pathlib.Path, cfg: ml_collections.ConfigDict):
-        self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
+        self.directory = _resolve(workdir) / "checkpoints"
         options = ocp.CheckpointManagerOptions(
-            save_interval_steps=cfg.every_steps, max_to_keep=cfg.keep, keep_period=cfg.keep_period or None,
-            enable_async_checkpointing=cfg.async_save, cleanup_tmp_directories=True)
+            save_interval_steps=cfg.every_steps, max_to_keep=cfg.keep or None,  # keep=0: no limit
+            keep_period=cfg.keep_period or None, enable_async_checkpointing=cfg.async_save,
+            cleanup_tmp_directories=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
 
     def latest_step(self) -> int | None:
@@ -87,23 +184,65 @@ class Checkpointer:
         """Starts a save if ``step`` is due (or ``force``); returns whether one started."""
         if not (force or self.manager.should_save(step)):
             return False  # the common case: no host work on the step's hot path
+        tree = _to_tree(state)
         return self.manager.save(step, force=force, args=ocp.args.Composite(
-            state=ocp.args.PyTreeSave(_to_tree(state)), data=ocp.args.JsonSave(loader_state),
-            config=ocp.args.JsonSave(json.loads(config.to_json()))))
+            state=ocp.args.PyTreeSave(tree), data=ocp.args.JsonSave(loader_state),
+            config=ocp.args.JsonSave(json.loads(config.to_json())),
+            digests=ocp.args.JsonSave(_digest_record(tree))))
 
     def restore(self, state_template: Any, step: int | None = None) -> tuple[Any, dict] | None:
-        """(state, loader state) from ``step`` (default: the latest) laid out like ``state_template``'s arrays."""
+        """(state, loader state) from ``step`` (default: the latest) laid out like ``state_template``'s arrays.
+
+        Every array is checked against its digest; damage raises CheckpointError naming the array.
+        """
         step = self.latest_step() if step is None else step
         if step is None:
             return None
-        where = f"checkpoint {self.directory / str(step)}"
+        where, hint = f"checkpoint {self.directory / str(step)}", _train_hint(self.directory, step)
         target = _to_tree(state_template)
-        saved = _read(lambda: self.manager.item_metadata(step)["state"], where)
+        saved = _read(lambda: self.manager.item_metadata(step)["state"], where, hint)
         check_shapes(saved, target, where)
-        restored = _read(lambda: self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(_abstract(target), ocp.checkpoint_utils.construct_restore_args(target)),
-            data=ocp.args.JsonRestore())), where)
+        items = {"state": ocp.args.PyTreeRestore(_abstract(target),
+                                                 ocp.checkpoint_utils.construct_restore_args(target)),
+                 "data": ocp.args.JsonRestore()}
+        if (self.directory / str(step) / "digests").is_dir():  # absent in checkpoints from before digests
+            items["digests"] = ocp.args.JsonRestore()
+        restored = _read(lambda: self.manager.restore(step, args=ocp.args.Composite(**items)), where, hint)
+        verify(restored["state"], restored.get("digests"), where, hint)
         return serialization.from_state_dict(state_template, restored["state"]), restored["data"]
+
+    def resume(self, state_template: Any, restore_step: int = 0) -> tuple[Any, dict] | None:
+        """What training continues from: step ``restore_step`` (0: the latest), or None with no checkpoint.
+
+        Steps newer than ``restore_step`` belong to the abandoned continuation; they are moved to
+        ``WORKDIR/superseded/<time>/`` (never deleted) so this run's own saves do not collide with them.
+        """
+        steps = list(self.manager.all_steps())
+        if restore_step and restore_step not in steps:
+            available = ", ".join(map(str, sorted(steps))) or "none"
+            raise CheckpointError(f"checkpoint.restore_step={restore_step}, but {self.directory} holds no step "
+                                  f"{restore_step} (steps available: {available}); pass one of them, or 0 for "
+                                  "the latest")
+        restored = self.restore(state_template, restore_step or None)
+        newer = sorted(s for s in steps if restore_step and s > restore_step)
+        if newer:
+            self._set_aside(newer)
+        return restored
+
+    def _set_aside(self, steps: list[int]) -> None:
+        destination = self.directory.parent / SUPERSEDED / \
+            datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
+        if jax.process_index() == 0:
+            destination.mkdir(parents=True, exist_ok=True)
+            for s in steps:
+                (self.directory / str(s)).rename(destination / str(s))
+            print(f"resuming from an earlier step: moved the newer checkpoints {', '.join(map(str, steps))} to "
+                  f"{destination} (kept; delete them when you no longer need them)", file=sys.stderr)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("megajax_checkpoint_set_aside")
+        self.manager.reload()
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -118,28 +257,30 @@ def _step_dir(path: pathlib.Path) -> pathlib.Path:
         path = path / "checkpoints"
     if (path / "config").is_dir():
         return path
-    steps = sorted((int(p.name), p) for p in path.iterdir() if p.is_dir() and p.name.isdigit()) \
-        if path.is_dir() else []
+    steps = _steps_in(path)
     if not steps:
         raise FileNotFoundError(f"no megajax checkpoint at {path} (expected a workdir, its checkpoints/ "
                                 "directory, or a step directory holding config/ and state/ or params/)")
-    return steps[-1][1]
+    return path / str(steps[-1])
 
 
-def read_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
-    """The config stored with a checkpoint (training checkpoint or export)."""
-    step_dir = _step_dir(pathlib.Path(path))
+def _read_json_item(item: pathlib.Path) -> Any:
     handler = ocp.JsonCheckpointHandler()
     try:
-        return ml_collections.ConfigDict(handler.restore(step_dir / "config"))
+        return handler.restore(item)
     finally:
         handler.close()
 
 
+def read_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
+    """The config stored with a checkpoint (training checkpoint or export)."""
+    return ml_collections.ConfigDict(_read_json_item(_step_dir(_resolve(path)) / "config"))
+
+
 def restore_params(path: str | pathlib.Path, target: Any) -> Any:
-    """The parameter tree of a checkpoint, read straight into ``target``'s shardings and dtypes."""
-    step_dir = _step_dir(pathlib.Path(path))
-    where = f"checkpoint {step_dir}"
+    """The parameter tree of a checkpoint, read straight into ``target``'s shardings and dtypes, then verified."""
+    step_dir = _step_dir(_resolve(path))
+    where, hint = f"checkpoint {step_dir}", _load_hint(step_dir)
     handler = ocp.PyTreeCheckpointHandler()
     if (step_dir / "state").is_dir():  # a training checkpoint: only its params subtree
         item, wrap = step_dir / "state", lambda t: {"params": t}
@@ -148,36 +289,43 @@ def restore_params(path: str | pathlib.Path, target: Any) -> Any:
     else:
         raise FileNotFoundError(f"{step_dir} holds neither state/ nor params/")
     try:
-        saved = _read(lambda: handler.metadata(item).tree, where)
+        saved = _read(lambda: handler.metadata(item).tree, where, hint)
         check_shapes(saved, wrap(target), where)
         args = ocp.args.PyTreeRestore(wrap(_abstract(target)),
                                       ocp.checkpoint_utils.construct_restore_args(wrap(target)), partial_restore=True)
-        restored = _read(lambda: handler.restore(item, args=args), where)
+        restored = _read(lambda: handler.restore(item, args=args), where, hint)
     finally:
         handler.close()
+    record = _read(lambda: _read_json_item(step_dir / "digests"), where, hint) \
+        if (step_dir / "digests").is_dir() else None
+    verify(restored, record, where, hint)
     return restored["params"] if (step_dir / "state").is_dir() else restored
 
 
 def save_params(path: str | pathlib.Path, params: Any, config: ml_collections.ConfigDict, step: int = 0,
                 dtype: str | None = None) -> pathlib.Path:
-    """Writes a params-only checkpoint (``path/<step>/{params,config}``), optionally cast (e.g. to bfloat16)."""
+    """Writes a params-only checkpoint (``path/<step>/{params,config,digests}``), optionally cast (e.g. bfloat16)."""
+    path = _resolve(path)
     if dtype:
         params = jax.tree.map(lambda x: x.astype(dtype), params)
-    manager = ocp.CheckpointManager(pathlib.Path(path).absolute(), item_handlers={
-        "params": ocp.PyTreeCheckpointHandler(), "config": ocp.JsonCheckpointHandler()})
+    manager = ocp.CheckpointManager(path, item_handlers={
+        "params": ocp.PyTreeCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
+        "digests": ocp.JsonCheckpointHandler()})
     manager.save(step, force=True, args=ocp.args.Composite(params=ocp.args.PyTreeSave(params),
-                                                           config=ocp.args.JsonSave(json.loads(config.to_json()))))
+                                                           config=ocp.args.JsonSave(json.loads(config.to_json())),
+                                                           digests=ocp.args.JsonSave(_digest_record(params))))
     manager.wait_until_finished()
     manager.close()
-    return pathlib.Path(path) / str(step)
+    return path / str(step)
 
 
 def load_model(path: str | pathlib.Path, *, data: int | None = None, model: int | None = None):
     """Loads any megajax checkpoint onto the current devices: ``(model, config)``, ready for ``model(tokens)``.
 
-    ``path`` is a training workdir, its ``checkpoints/`` directory, one step of it, or a params-only export.
-    The mesh defaults to the checkpoint's ``mesh.model`` and all remaining devices on ``data``; parameters are
-    read straight into that layout (resharding on restore).
+    ``path`` (absolute or relative) is a training workdir, its ``checkpoints/`` directory, one step of it, or a
+    params-only export. The mesh defaults to the checkpoint's ``mesh.model`` and all remaining devices on
+    ``data``; parameters are read straight into that layout (resharding on restore) and checked against their
+    digests.
     """
     from flax import nnx
 
@@ -185,6 +333,7 @@ def load_model(path: str | pathlib.Path, *, data: int | None = None, model: int 
     from megajax.config import rules_of
     from megajax.partition import shardings
 
+    path = _resolve(path)
     config = read_config(path)
     config.mesh.data = -1 if data is None else data
     if model is not None:

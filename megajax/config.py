@@ -53,9 +53,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint = ml_collections.ConfigDict(dict(
         enabled=True,
         every_steps=1000,
-        keep=3,  # the last K checkpoints
+        # The newest K checkpoints in the workdir (0: all). Earlier runs' steps count too, so a resumed run keeps
+        # the same budget; an old step is deleted only after a newer save is complete.
+        keep=3,
         keep_period=0,  # also keep every M-th step forever (0: off)
         async_save=True,  # write in the background while training continues
+        # Resume from this step (0: the latest). Newer steps are moved to WORKDIR/superseded/<time>/, not deleted.
+        restore_step=0,
     ))
     c.loss_scale = ml_collections.ConfigDict(dict(initial=2.0**32, growth_interval=1000, hysteresis=2,
                                                   min_scale=1.0))
@@ -170,6 +174,12 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     model_config(config)  # name, precision, remat, activation
     dp, tp = resolve_mesh_shape(dp, tp, num_devices)
     rules_of(config)
+    if config.checkpoint.keep < 0:
+        raise ConfigError(f"checkpoint.keep={config.checkpoint.keep}; use 0 to keep every checkpoint or K > 0 "
+                          "to keep the newest K")
+    if config.checkpoint.get("restore_step", 0) < 0:  # .get: configs stored by older checkpoints lack it
+        raise ConfigError(f"checkpoint.restore_step={config.checkpoint.restore_step}; use 0 for the latest step "
+                          "or a step number listed in WORKDIR/checkpoints")
     return dp, tp
 
 

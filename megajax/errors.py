@@ -4,7 +4,8 @@ from megajax.checkpoint import CheckpointError
 from megajax.data.loader import LoaderStateError
 from megajax.sharding import ConfigError
 from megajax.training.health import TrainingDiverged
+from megajax.training.workdir_lock import WorkdirInUseError
 
-USER_ERRORS = (ConfigError, CheckpointError, LoaderStateError, TrainingDiverged, FileNotFoundError)
+USER_ERRORS = (ConfigError, CheckpointError, LoaderStateError, TrainingDiverged, WorkdirInUseError, FileNotFoundError)
 
 __all__ = ["USER_ERRORS"]

@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -15,7 +16,9 @@ import numpy as np
 import pytest
 
 from conftest import train_config
-from megajax.checkpoint import Checkpointer, CheckpointError, load_model, read_config
+from megajax.checkpoint import (Checkpointer, CheckpointError, _arrays, _to_tree, load_model, read_config,
+                                save_params)
+from megajax.config import ConfigError
 from megajax.training.loop import setup, train
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -96,7 +99,13 @@ def saved_1x8(tmp_path_factory):
     return workdir
 
 
-def test_interrupted_save_leaves_previous_checkpoint(saved_1x8, tmp_path):
+@pytest.fixture(scope="module")
+def run_1x8():
+    """The compiled run for saved_1x8's config: its abstract_state is the restore target."""
+    return setup(train_config(1, 8, steps=2))
+
+
+def test_interrupted_save_leaves_previous_checkpoint(saved_1x8, run_1x8, tmp_path):
     workdir = tmp_path / "w"
     shutil.copytree(saved_1x8, workdir)
     partial = workdir / "checkpoints" / "7.orbax-checkpoint-tmp-1700000000"
@@ -106,8 +115,7 @@ def test_interrupted_save_leaves_previous_checkpoint(saved_1x8, tmp_path):
             f.write_bytes(f.read_bytes()[:50])  # a save killed half-way
     ck = Checkpointer(workdir, train_config().checkpoint)
     assert ck.latest_step() == 2
-    run = setup(train_config(1, 8, steps=2))
-    state, loader = ck.restore(run.abstract_state)
+    state, loader = ck.restore(run_1x8.abstract_state)
     assert int(state.step) == 2 and loader["step"] == 2
 
 
@@ -144,17 +152,19 @@ def test_shape_mismatch_names_the_parameter(saved_1x8):
 
 # tensorstore's reader leaves an asyncio callback behind when a read fails; harmless, but pytest reports it.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_damaged_checkpoint_is_a_clear_error(saved_1x8, tmp_path):
+def test_damaged_checkpoint_is_a_clear_error(saved_1x8, run_1x8, tmp_path):
     workdir = tmp_path / "w"
     shutil.copytree(saved_1x8, workdir)
     data_files = [f for f in (workdir / "checkpoints" / "2" / "state" / "d").rglob("*") if f.is_file()]
     for f in data_files:
         f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 3])
     before = _snapshot(workdir)
-    run = setup(train_config(1, 8, steps=2))
-    with pytest.raises(CheckpointError, match=r"damaged or incomplete \(parameter [\w/]+\)"):
-        Checkpointer(workdir, train_config().checkpoint).restore(run.abstract_state)
-    with pytest.raises(CheckpointError, match="damaged or incomplete"):
+    names = "|".join(re.escape(n) for n in _arrays(_to_tree(run_1x8.abstract_state)))
+    with pytest.raises(CheckpointError, match=rf"damaged or incomplete: array ({names}) cannot be read .*"
+                                              r"--config\.checkpoint\.restore_step=N \(steps available in .*: 1\)"):
+        Checkpointer(workdir, train_config().checkpoint).restore(run_1x8.abstract_state)
+    with pytest.raises(CheckpointError, match=r"damaged or incomplete: array [\w/]+ cannot be read .*"
+                                              r"Load an earlier step by passing its directory, e\.g\. \S+/1 "):
         load_model(workdir)
     assert _snapshot(workdir) == before
 
@@ -165,3 +175,101 @@ def test_keeps_last_k_and_every_mth(tmp_path):
     train(config, tmp_path)
     kept = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert kept == [3, 6, 7]
+
+
+def test_relative_paths(saved_1x8, run_1x8, tmp_path, monkeypatch):
+    reference, _ = load_model(saved_1x8)
+    monkeypatch.chdir(saved_1x8.parent)
+    name = saved_1x8.name
+    assert read_config(name).model.hidden_size == 64
+    assert read_config(f"{name}/checkpoints/1").model.hidden_size == 64
+    for path in (name, f"{name}/checkpoints", f"{name}/checkpoints/2"):
+        model, _ = load_model(path)
+        for a, b in zip(jax.tree.leaves(nnx_state(reference)), jax.tree.leaves(nnx_state(model))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    state, _ = Checkpointer(name, train_config().checkpoint).restore(run_1x8.abstract_state)
+    assert int(state.step) == 2
+    monkeypatch.chdir(tmp_path)
+    out = save_params("export", nnx_state_dict(reference), read_config(saved_1x8))
+    assert out == tmp_path / "export" / "0"
+    exported, _ = load_model("export")
+    for a, b in zip(jax.tree.leaves(nnx_state(reference)), jax.tree.leaves(nnx_state(exported))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def nnx_state_dict(model):
+    from flax import nnx
+    return nnx.to_pure_dict(nnx.state(model))
+
+
+def _flip_bytes(step_dir: pathlib.Path) -> None:
+    """Flips one bit in the middle of the largest data file: zstd has no checksum, so this still decodes."""
+    largest = max((f for f in (step_dir / "state").rglob("*") if f.is_file() and f.parent.name == "d"),
+                  key=lambda f: f.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    largest.write_bytes(bytes(data))
+
+
+def _differing(a, b) -> set[str]:
+    a, b = _arrays(_to_tree(a)), _arrays(_to_tree(b))
+    return {n for n in a if not np.array_equal(np.asarray(a[n]), np.asarray(b[n]))}
+
+
+def test_changed_bytes_name_the_array(saved_1x8, run_1x8, tmp_path):
+    workdir = tmp_path / "w"
+    shutil.copytree(saved_1x8, workdir)
+    _flip_bytes(workdir / "checkpoints" / "2")
+    before = _snapshot(workdir)
+    with pytest.raises(CheckpointError) as error:
+        Checkpointer(workdir, train_config().checkpoint).restore(run_1x8.abstract_state)
+    message = str(error.value)
+    assert re.search(r"checkpoints/2 is damaged: array \S+ does not match the digest", message), message
+    assert "pass --config.checkpoint.restore_step=N (steps available in " in message and message.endswith(": 1).")
+    assert _snapshot(workdir) == before
+    # Without its digests (as written before they existed) the same checkpoint loads unverified: the arrays that
+    # really differ from the intact copy are exactly the one the error named.
+    shutil.rmtree(workdir / "checkpoints" / "2" / "digests")
+    damaged, _ = Checkpointer(workdir, train_config().checkpoint).restore(run_1x8.abstract_state)
+    intact, _ = Checkpointer(saved_1x8, train_config().checkpoint).restore(run_1x8.abstract_state)
+    named = re.search(r"array (\S+) does not match", message).group(1)
+    assert _differing(damaged, intact) == {named}
+
+
+def test_load_model_checks_digests_of_exports(saved_1x8, tmp_path):
+    reference, config = load_model(saved_1x8)
+    out = save_params(tmp_path / "export", nnx_state_dict(reference), config, dtype="bfloat16")
+    model, _ = load_model(out)  # bfloat16 on disk, float32 in memory: verified by casting back (exact)
+    assert model.wte.embedding[...].dtype == jnp.float32
+    record_file = out / "digests" / "metadata"
+    record = json.loads(record_file.read_text())
+    assert record["arrays"]["wte/embedding"]["dtype"] == "bfloat16"
+    digest = record["arrays"]["wte/embedding"]["digest"]
+    record["arrays"]["wte/embedding"]["digest"] = f"{int(digest, 16) ^ 1:016x}"
+    record_file.write_text(json.dumps(record))
+    with pytest.raises(CheckpointError, match=r"export/0 is damaged: array wte/embedding does not match the digest"
+                                              r".* No other step is saved beside it"):
+        load_model(out)
+
+
+def test_resume_from_an_earlier_step(saved_1x8, run_1x8, tmp_path):
+    workdir = tmp_path / "w"
+    shutil.copytree(saved_1x8, workdir)
+    ck = Checkpointer(workdir, train_config().checkpoint)
+    with pytest.raises(CheckpointError, match=r"checkpoint\.restore_step=5, but \S+ holds no step 5 \(steps "
+                                              r"available: 1, 2\); pass one of them, or 0 for the latest"):
+        ck.resume(run_1x8.abstract_state, 5)
+    state, loader = ck.resume(run_1x8.abstract_state, 1)
+    assert int(state.step) == 1 and loader["step"] == 1
+    assert ck.latest_step() == 1  # step 2 is out of the way of this run's next saves...
+    [aside] = (workdir / "superseded").iterdir()
+    assert sorted(p.name for p in aside.iterdir()) == ["2"]  # ...and kept
+    ck.close()
+
+
+def test_negative_keep_and_restore_step_are_config_errors():
+    for field in ("keep", "restore_step"):
+        config = train_config()
+        config.checkpoint[field] = -1
+        with pytest.raises(ConfigError, match=rf"checkpoint\.{field}=-1; use 0 "):
+            setup(config)

@@ -32,6 +32,7 @@ from megajax.training.objectives import Field, objective_for
 from megajax.training.optimizer import learning_rate_schedule, make_optimizer
 from megajax.training.preemption import StopRequest
 from megajax.training.step import TrainState, make_eval_step, make_train_step
+from megajax.training.workdir_lock import hold_workdir
 
 ENTROPY_SAMPLE_TOKENS = 1 << 24  # tokens read for the logged unigram entropy
 
@@ -125,7 +126,8 @@ def _start_record(run: Run, data, resumed_from: int | None) -> dict:
 
 
 def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dict]:
-    """Trains to ``config.train.steps``, resuming from the latest checkpoint in ``workdir`` if there is one.
+    """Trains to ``config.train.steps``, resuming from the latest checkpoint in ``workdir`` if there is one
+    (or from ``config.checkpoint.restore_step``). A workdir another live run holds is refused (WorkdirInUseError).
 
     Returns the records logged by this call (also appended to workdir/metrics.jsonl). On SIGTERM/SIGINT it
     finishes the current step, saves a checkpoint and returns. A non-finite loss raises ``TrainingDiverged``
@@ -133,18 +135,25 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> lis
     """
     distributed.maybe_initialize()
     resolve(config, jax.device_count())  # config errors first, in milliseconds
+    with hold_workdir(workdir):  # one run per workdir, taken before anything is written; freed on return or error
+        return _train(config, workdir)
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dict]:
     data = load_dataset(config)  # data errors next, still before compiling
     loader = make_loader(config, "train", data)
     valid = make_loader(config, "valid", data) if config.train.eval_batches else None
     checkpointer = Checkpointer(workdir, config.checkpoint) if config.checkpoint.enabled else None
+    restore_step = config.checkpoint.get("restore_step", 0)
     latest = checkpointer.latest_step() if checkpointer else None
-    if latest is not None and latest >= config.train.steps:
-        print(f"{workdir} already holds a checkpoint of step {latest} >= train.steps={config.train.steps}: nothing "
-              f"to train. Raise --config.train.steps to continue training it.", file=sys.stderr)
+    if latest is not None and (restore_step or latest) >= config.train.steps:
+        print(f"{workdir} already holds a checkpoint of step {restore_step or latest} >= train.steps="
+              f"{config.train.steps}: nothing to train. Raise --config.train.steps to continue training it.",
+              file=sys.stderr)
         checkpointer.close()
         return []
     run = setup(config)
-    restored = checkpointer.restore(run.abstract_state) if latest is not None else None
+    restored = checkpointer.resume(run.abstract_state, restore_step) if checkpointer else None
     if restored:
         state, loader_state = restored
         loader.set_state(loader_state, config.train.allow_batch_size_change)
