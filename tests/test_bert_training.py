@@ -16,6 +16,7 @@ def bert_run_config(data=1, model=1, steps=3, dropout=0.0, **train_fields):
     c.mesh.data, c.mesh.model = data, model
     c.train.update({"steps": steps, "global_batch_size": 8, "log_every": 1, "eval_every": 0, "eval_batches": 1,
                     "precision": "fp32", **train_fields})
+    c.optimizer.decay_steps = 3  # the schedule (part of the compiled step) does not depend on train.steps
     c.checkpoint.update(every_steps=1, async_save=False)
     return c
 
@@ -26,28 +27,32 @@ def _curves(records):
 
 @pytest.fixture(scope="module")
 def dropout_runs(tmp_path_factory):
-    return {mesh: _curves(train(bert_run_config(*mesh, dropout=0.1), tmp_path_factory.mktemp(f"b{mesh[0]}x{mesh[1]}")))
-            for mesh in [(1, 1), (1, 4), (2, 4)]}
+    """Three steps with dropout on 1x1, 1x4 and 2x4: {mesh: (curves, workdir)}; later tests reuse the 1x1 run."""
+    runs = {}
+    for mesh in [(1, 1), (1, 4), (2, 4)]:
+        workdir = tmp_path_factory.mktemp(f"b{mesh[0]}x{mesh[1]}")
+        runs[mesh] = _curves(train(bert_run_config(*mesh, dropout=0.1), workdir)), workdir
+    return runs
 
 
 @pytest.mark.parametrize("mesh", [(1, 4), (2, 4)])
 def test_dropout_curves_are_mesh_independent(dropout_runs, mesh):
-    ref = dropout_runs[(1, 1)]
+    ref = dropout_runs[(1, 1)][0]
     assert ref.shape == (3, 4) and np.isfinite(ref).all()
-    np.testing.assert_allclose(dropout_runs[mesh], ref, rtol=1e-5)
+    np.testing.assert_allclose(dropout_runs[mesh][0], ref, rtol=1e-5)
 
 
-def test_resume_is_bit_exact_and_restores_on_another_mesh(tmp_path):
-    straight = train(bert_run_config(steps=4), tmp_path / "straight")
-    train(bert_run_config(steps=2), tmp_path / "resumed")
-    resumed = train(bert_run_config(steps=4), tmp_path / "resumed")  # continues from step 2
-    assert [r["loss"] for r in resumed if "loss" in r] == [r["loss"] for r in straight if "loss" in r][2:]
-    a, _ = load_model(tmp_path / "straight", data=1, model=1)
-    b, config = load_model(tmp_path / "resumed", data=1, model=1)
+def test_resume_is_bit_exact_and_restores_on_another_mesh(dropout_runs, tmp_path):
+    straight, straight_dir = dropout_runs[(1, 1)]
+    train(bert_run_config(steps=2, dropout=0.1), tmp_path)
+    resumed = _curves(train(bert_run_config(steps=3, dropout=0.1), tmp_path))  # continues from step 2
+    np.testing.assert_array_equal(resumed, straight[2:])  # the dropout key and the data position resume too
+    a, _ = load_model(straight_dir, data=1, model=1)
+    b, config = load_model(tmp_path, data=1, model=1)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     # The same checkpoint read straight into a 2x4 layout computes the same logits.
-    sharded, _ = load_model(tmp_path / "resumed", data=2, model=4)
+    sharded, _ = load_model(tmp_path, data=2, model=4)
     rng = np.random.default_rng(0)
     tokens = rng.integers(5, 1000, (8, 32)).astype(np.int32)
     types = (np.arange(32) >= 16).astype(np.int32)[None].repeat(8, 0)
@@ -57,16 +62,16 @@ def test_resume_is_bit_exact_and_restores_on_another_mesh(tmp_path):
         np.testing.assert_allclose(np.asarray(got)[..., :v], np.asarray(want)[..., :v], rtol=1e-5, atol=1e-5)
 
 
-def test_mlm_evaluation_is_mesh_independent(tmp_path):
+def test_mlm_evaluation_is_mesh_independent(dropout_runs):
     from megajax.evaluation.inputs import InputError
     from megajax.evaluation.runner import run
 
-    train(bert_run_config(steps=1), tmp_path)
-    one = run(str(tmp_path), "mlm", mesh_data=1, mesh_model=1, batch_size=8)
-    two = run(str(tmp_path), "mlm", mesh_data=2, mesh_model=4, batch_size=8)
+    workdir = str(dropout_runs[(1, 1)][1])
+    one = run(workdir, "mlm", mesh_data=1, mesh_model=1, batch_size=8)
+    two = run(workdir, "mlm", mesh_data=2, mesh_model=4, batch_size=8)
     assert one["sequences"] == two["sequences"] >= 8 and one["masked_tokens"] == two["masked_tokens"] > 0
     for k in ("mlm_loss", "mlm_accuracy", "sop_accuracy"):
         np.testing.assert_allclose(two[k], one[k], rtol=1e-5, err_msg=k)
     assert one["mlm_loss"] < np.log(8192) + 1  # a trained model, not garbage
     with pytest.raises(InputError, match="does not apply to this checkpoint's model \\(bert\\); use --task=mlm"):
-        run(str(tmp_path), "ppl", data="x")
+        run(workdir, "ppl", data="x")
