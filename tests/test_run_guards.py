@@ -109,10 +109,10 @@ def test_flag_values_parse_with_or_without_equals():
 
 
 def test_train_py_exits_nonzero_on_divergence_with_cpu_devices_spaced(tmp_path):
-    """As a user types it: `--cpu_devices 8` (a space) simulates 8 devices, and a diverging run exits 1 with a
+    """As a user types it: `--cpu_devices 2` (a space) simulates 2 devices, and a diverging run exits 1 with a
     message, keeping its good checkpoint."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    cmd = [sys.executable, str(ROOT / "train.py"), "--cpu_devices", "8", "--config=gpt_tiny", f"--workdir={tmp_path}",
+    cmd = [sys.executable, str(ROOT / "train.py"), "--cpu_devices", "2", "--config=gpt_tiny", f"--workdir={tmp_path}",
            "--config.data.source=random", "--config.train.steps=6", "--config.train.log_every=1",
            "--config.train.global_batch_size=8", "--config.optimizer.lr=1e10", "--config.optimizer.warmup_steps=1",
            "--config.checkpoint.every_steps=1", "--config.checkpoint.async_save=False"]
@@ -120,4 +120,4 @@ def test_train_py_exits_nonzero_on_divergence_with_cpu_devices_spaced(tmp_path):
     assert out.returncode == 1, out.stderr[-3000:]
     assert "error: training stopped at step" in out.stderr and "last good checkpoint is step 2" in out.stderr
     start = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
-    assert start["devices"] == 8
+    assert start["devices"] == 2
