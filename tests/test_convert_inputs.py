@@ -3,7 +3,11 @@ unsupported HF architectures, missing inputs, outputs that already hold somethin
 
 import argparse
 import json
+import os
+import pathlib
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -17,6 +21,7 @@ from megajax.convert import hf_gpt2, hf_io, megatron_gpt
 from megajax.convert.__main__ import host_params
 from megajax.convert.__main__ import main as convert_main
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 torch = pytest.importorskip("torch")  # the `test` extra installs it (CPU build)
 
 
@@ -74,6 +79,12 @@ def test_padded_only_vocabulary_asks_for_the_flag(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"--vocab_size=50257 does not fit the checkpoint's 1024 embedding rows"):
         convert("megatron-to-megajax", f"--megatron={src}", f"--output={tmp_path / 'out'}", "--vocab_size=50257")
     assert not (tmp_path / "out").exists()
+    # As a user runs it (relative paths): the message and exit code 1, no traceback.
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "megajax.convert", "megatron-to-megajax", "--megatron=mt", "--output=out"]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stderr.startswith("error: ") and "Traceback" not in result.stderr
+    assert "--vocab_size=50257" in result.stderr, result.stderr
     convert("megatron-to-megajax", f"--megatron={src}", f"--output={tmp_path / 'out'}", "--vocab_size=1000")
     config = read_config(tmp_path / "out")
     assert (config.model.vocab_size, config.model.make_vocab_size_divisible_by) == (1000, 128)

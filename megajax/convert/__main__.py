@@ -130,5 +130,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {output / written.relative_to(staging)}", file=sys.stderr)
 
 
+# What a user can fix from the message alone (wrong paths, sizes, flags, a missing extra): no traceback.
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, ImportError)
+
 if __name__ == "__main__":
-    main()
+    from megajax.checkpoint import CheckpointError
+
+    try:
+        main()
+    except (*USER_ERRORS, CheckpointError) as e:
+        sys.exit(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}")
