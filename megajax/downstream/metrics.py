@@ -40,8 +40,11 @@ def positive_f1(predictions: np.ndarray, labels: np.ndarray, valid: np.ndarray |
 def race_accuracy(predictions: np.ndarray, examples: Sequence[ChoiceExample]) -> dict[str, float]:
     """Accuracy (%) on the middle and high school questions present, and on all (``predictions`` in example
     order, padding already removed)."""
+    predictions = np.asarray(predictions)  # a list would not take the per-level boolean index below
     labels = np.asarray([e.label for e in examples])
     levels = np.asarray([e.level for e in examples])
+    if predictions.shape != labels.shape:
+        raise ValueError(f"{predictions.shape} predictions for {len(examples)} RACE questions")
     out = {level: accuracy(predictions[levels == level], labels[levels == level])
            for level in LEVELS if np.any(levels == level)}
     out["all"] = accuracy(predictions, labels)
