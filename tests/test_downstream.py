@@ -12,6 +12,7 @@ from megajax.downstream.encoding import EncodedTask, PackedPairs, Specials, trun
 from megajax.downstream.files import TaskDataError
 from megajax.downstream.glue import MNLI_LABELS, featurize_pairs, read_mnli, read_qqp
 from megajax.downstream.metrics import accuracy, positive_f1, race_accuracy
+from megajax.downstream import race
 from megajax.downstream.race import ChoiceExample, featurize_race, fill_blank, read_race
 
 CLS, SEP, PAD = (token_id(t) for t in ("[CLS]", "[SEP]", "[PAD]"))
@@ -190,20 +191,28 @@ def test_featurize_race_rows(race_dir):
     article = tok.encode("Mary played the big red ball.", add_special_tokens=False).ids  # 7 tokens
     for j, option in enumerate(["big", "red", "blue", "long"]):
         qa = tok.encode(f"Mary was {option} .", add_special_tokens=False).ids  # 4 tokens: the article keeps 5
-        assert rows["tokens"][0, j].tolist() == [CLS, *article[:5], SEP, *qa, SEP]
-        assert rows["token_types"][0, j].tolist() == [0] * 7 + [1] * 5
+        # Megatron's order: [CLS] question+option [SEP] article [SEP], the article cut from its end.
+        assert rows["tokens"][0, j].tolist() == [CLS, *qa, SEP, *article[:5], SEP]
+        assert rows["token_types"][0, j].tolist() == [0] * 6 + [1] * 6
+        assert rows["padding_mask"][0, j].tolist() == [1] * 12
     john = tok.encode("John ran.", add_special_tokens=False).ids
     qa = tok.encode("Who ran? John", add_special_tokens=False).ids
-    assert rows["tokens"][1, 0].tolist() == [CLS, *john, SEP, *qa, SEP] + [PAD] * (12 - 5 - len(john) - len(qa) + 2)
-    assert rows["padding_mask"][1, 0].sum() == 3 + len(john) + len(qa)
+    n = 3 + len(john) + len(qa)
+    assert rows["tokens"][1, 0].tolist() == [CLS, *qa, SEP, *john, SEP] + [PAD] * (12 - n)
+    assert rows["token_types"][1, 0].tolist() == [0] * (len(qa) + 2) + [1] * (len(john) + 1) + [0] * (12 - n)
+    assert rows["padding_mask"][1, 0].tolist() == [1] * n + [0] * (12 - n)
 
 
-def test_featurize_race_long_question_keeps_its_end():
+def test_featurize_race_long_question_keeps_its_end(monkeypatch):
     example = ChoiceExample("x", "John ran.", "the big red ball " * 4 + "_", ("a", "b", "c", "d"), 0, "high")
     task = featurize_race([example], wordpiece_tokenizer(), 8)
-    tokens = task.inputs.tokens[0, 1].tolist()
     # 17 tokens of question + option for 5 positions: its last 5 ("b" is unknown), no article.
-    assert tokens == [CLS, SEP, *[token_id(t) for t in ("the", "big", "red", "ball", "[UNK]")], SEP]
+    assert task.inputs.tokens[0, 1].tolist() == [CLS, *[token_id(t) for t in ("the", "big", "red", "ball", "[UNK]")],
+                                                 SEP, SEP]
+    monkeypatch.setattr(race, "MAX_QA_LENGTH", 3)  # Megatron's cap (128) on question + option, made small
+    task = featurize_race([example], wordpiece_tokenizer(), 10)
+    assert task.inputs.tokens[0, 1].tolist() == [CLS, *[token_id(t) for t in ("red", "ball", "[UNK]")], SEP,
+                                                 *[token_id(t) for t in ("john", "ran", ".")], SEP, PAD]
 
 
 @pytest.mark.parametrize("options, answers, message", [

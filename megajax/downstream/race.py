@@ -2,8 +2,10 @@
 
 A split directory holds ``middle/`` and ``high/`` (e.g. ``RACE/dev``), each a folder of ``*.txt`` files, one JSON
 object per article: ``{"article": str, "questions": [str], "options": [[4 str]], "answers": ["A".."D"]}``. Each
-question becomes one example with 4 rows ``[CLS] article [SEP] question+option [SEP]``: a question with a blank
-(``_``) has it filled with the option, any other gets the option appended after a space.
+question becomes one example with 4 rows ``[CLS] question+option [SEP] article [SEP]`` (Megatron's order, so
+question+option is token type 0 and the article type 1): a question with a blank (``_``) has it filled with the
+option, any other gets the option appended after a space. Question+option keeps at most ``MAX_QA_LENGTH`` tokens
+and the article fills the rest of the row, cut from its end.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ LEVELS = ("middle", "high")
 ANSWER_LETTERS = "ABCD"
 NUM_OPTIONS = len(ANSWER_LETTERS)
 BLANK = re.compile(r"_+")  # one blank, however many underscores it is drawn with
+MAX_QA_LENGTH = 128  # Megatron's cap on question+option tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,18 +89,17 @@ def fill_blank(question: str, option: str) -> str:
     return f"{question} {option}"
 
 
-def _truncate_article_first(article: Sequence[int], qa: Sequence[int], budget: int) -> tuple[Sequence[int],
-                                                                                             Sequence[int]]:
-    """Cuts the article from its end; only a question + option longer than ``budget`` alone loses its front
-    (keeping the option, which ends it) and leaves the article empty."""
-    if len(qa) >= budget:
-        return article[:0], qa[len(qa) - budget:]
-    return article[:budget - len(qa)], qa
+def _truncate_qa_article(qa: Sequence[int], article: Sequence[int],
+                         budget: int) -> tuple[Sequence[int], Sequence[int]]:
+    """Question+option cut to ``MAX_QA_LENGTH`` and ``budget`` tokens (from its front, keeping the option that
+    ends it), then the article cut from its end to the positions left."""
+    qa = qa[max(0, len(qa) - min(MAX_QA_LENGTH, budget)):]
+    return qa, article[:budget - len(qa)]
 
 
 def featurize_race(examples: Sequence[ChoiceExample], tokenizer: TextTokenizer | Tokenizer, max_seq_len: int,
                    name: str = "race") -> EncodedTask:
-    """Rows (N, 4, max_seq_len) ``[CLS] article [SEP] question+option [SEP]`` and ``labels`` (N,)."""
+    """Rows (N, 4, max_seq_len) ``[CLS] question+option [SEP] article [SEP]`` and ``labels`` (N,)."""
     if max_seq_len < SPECIALS_PER_PAIR + 1:
         raise ValueError(f"max_seq_len={max_seq_len}: a RACE row needs at least 4 positions")
     backend, specials = wordpiece_backend(tokenizer)
@@ -105,7 +107,7 @@ def featurize_race(examples: Sequence[ChoiceExample], tokenizer: TextTokenizer |
     article_ids = dict(zip(articles, token_ids(backend, articles)))
     qa_ids = token_ids(backend, [fill_blank(e.question, o) for e in examples for o in e.options])
     budget = max_seq_len - SPECIALS_PER_PAIR
-    pairs = [_truncate_article_first(article_ids[e.article], qa_ids[NUM_OPTIONS * i + j], budget)
+    pairs = [_truncate_qa_article(qa_ids[NUM_OPTIONS * i + j], article_ids[e.article], budget)
              for i, e in enumerate(examples) for j in range(NUM_OPTIONS)]
     labels = np.asarray([e.label for e in examples], np.int32)
     return EncodedTask(name, PackedPairs.build(pairs, max_seq_len, specials, (NUM_OPTIONS,)), {"labels": labels})
