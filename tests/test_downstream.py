@@ -58,7 +58,27 @@ def test_read_qqp_skips_and_counts_bad_rows(tmp_path):
     data = read_qqp(path)
     assert [(e.text_a, e.label) for e in data.examples] == [("Why is it blue?", 1), ("Who won?", 0)]
     assert data.skipped == {"rows with the wrong number of fields": 1, "with label '2'": 1}
-    assert "skipped 2 rows" in data.summary()
+    assert data.first_skipped == {"rows with the wrong number of fields": 3, "with label '2'": 5}
+    assert data.summary() == (f"2 examples from {path}; skipped 2 rows (1 rows with the wrong number of fields "
+                              "(first on line 3), 1 with label '2' (first on line 5))")
+
+
+def test_read_qqp_skips_empty_questions(tmp_path):
+    path = _tsv(tmp_path / "train.tsv", QQP_HEADER, [["1", "1", "2", " ", "Why?", "1"], ["2", "3", "4", "a", "b", "0"],
+                                                     ["3", "5", "6", "Why?", "", "0"]])
+    data = read_qqp(path)
+    assert len(data.examples) == 1 and data.skipped == {"with an empty question": 2}
+
+
+@pytest.mark.parametrize("row, message", [
+    (["0", "p", "q", "fiction", "a", "b"], "line 3: 6 fields, the header has 12"),
+    (_mnli_row(1, "a", "b", "-"), "line 3: label '-' is not one of"),
+])
+def test_read_mnli_bad_row_names_file_and_line(tmp_path, row, message):
+    path = _tsv(tmp_path / "dev_matched.tsv", MNLI_HEADER, [_mnli_row(0, "a", "b", "neutral"), row])
+    with pytest.raises(TaskDataError, match=message) as e:
+        read_mnli(path)
+    assert str(path) in str(e.value)
 
 
 def test_glue_columns_found_by_name(tmp_path):
@@ -72,7 +92,7 @@ def test_glue_columns_found_by_name(tmp_path):
     (read_mnli, ["sentence1", "gold_label"], [["a", "neutral"]], "no sentence2 column"),
     (read_qqp, ["id", "question1", "question2"], [], "no is_duplicate column"),  # a test file: no labels
     (read_qqp, QQP_HEADER, [["1", "a"]], "has no usable row"),
-    (read_mnli, MNLI_HEADER, [_mnli_row(0, "a", "b", "maybe")], "has no usable row"),
+    (read_qqp, QQP_HEADER, [["1", "1", "2", "a", "b", "yes"]], "has no usable row"),
 ])
 def test_glue_errors_name_the_file(tmp_path, reader, header, rows, message):
     path = _tsv(tmp_path / "bad.tsv", header, rows)

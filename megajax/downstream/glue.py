@@ -2,9 +2,10 @@
 
 Columns are found by header name, so GLUE's files (MNLI: ``train.tsv``, ``dev_matched.tsv``,
 ``dev_mismatched.tsv``; QQP: ``train.tsv``, ``dev.tsv``) and re-exports with other column orders both read.
-Fields are split on tabs only (no quoting: GLUE's sentences contain unbalanced quotes). A row with the wrong
-number of fields or an unknown label is skipped and counted (QQP's train.tsv has a few); a file with no usable
-row is an error.
+Fields are split on tabs only (no quoting: GLUE's sentences contain unbalanced quotes). In an MNLI file a row
+with the wrong number of fields or an unknown label is an error naming the file and line (as Megatron asserts); in
+a QQP file such rows, and rows with an empty question, are skipped and counted with the first line of each kind
+(QQP's train.tsv has a few, which Megatron skips too). A file with no usable row is an error.
 """
 
 from __future__ import annotations
@@ -40,17 +41,20 @@ class PairExample:
 
 @dataclasses.dataclass(frozen=True)
 class PairData:
-    """The usable examples of a file and the rows skipped, counted by reason."""
+    """The usable examples of a file and the rows skipped, counted by reason, with the first line of each reason."""
 
     path: str
     examples: list[PairExample]
     skipped: dict[str, int]
+    first_skipped: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def summary(self) -> str:
         """One line for the log: what was read and what was skipped."""
         line = f"{len(self.examples)} examples from {self.path}"
         if self.skipped:
-            reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items()))
+            reasons = ", ".join(f"{n} {reason}" + (f" (first on line {self.first_skipped[reason]})"
+                                                   if reason in self.first_skipped else "")
+                                for reason, n in sorted(self.skipped.items()))
             line += f"; skipped {sum(self.skipped.values())} rows ({reasons})"
         return line
 
@@ -61,10 +65,11 @@ class _TsvSpec:
     text_columns: tuple[str, str]
     label_columns: tuple[str, ...]  # the first one in the header is used
     labels: tuple[str, ...]
+    skip_bad_rows: bool  # skip (and count) a malformed row instead of stopping at it
 
 
-MNLI = _TsvSpec("MNLI", ("sentence1", "sentence2"), ("gold_label", "label"), MNLI_LABELS)
-QQP = _TsvSpec("QQP", ("question1", "question2"), ("is_duplicate",), QQP_LABELS)
+MNLI = _TsvSpec("MNLI", ("sentence1", "sentence2"), ("gold_label", "label"), MNLI_LABELS, False)
+QQP = _TsvSpec("QQP", ("question1", "question2"), ("is_duplicate",), QQP_LABELS, True)
 
 
 def read_mnli(path: str | pathlib.Path) -> PairData:
@@ -90,7 +95,7 @@ def _columns(header: list[str], spec: _TsvSpec, path: pathlib.Path) -> tuple[int
 def _read_tsv(path: str | pathlib.Path, spec: _TsvSpec) -> PairData:
     p = existing_file(path, spec.task)
     label_ids = {name: i for i, name in enumerate(spec.labels)}
-    examples, skipped = [], collections.Counter()
+    examples, skipped, first_skipped = [], collections.Counter(), {}
     try:
         with p.open(encoding="utf-8", newline="") as f:
             reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
@@ -102,17 +107,25 @@ def _read_tsv(path: str | pathlib.Path, spec: _TsvSpec) -> PairData:
                 if not row:
                     continue  # blank line
                 if len(row) != len(header):
-                    skipped["rows with the wrong number of fields"] += 1
+                    problem = "rows with the wrong number of fields"
+                    detail = f"{len(row)} fields, the header has {len(header)}"
                 elif row[label] not in label_ids:
-                    skipped[f"with label {row[label]!r}"] += 1
+                    problem, detail = f"with label {row[label]!r}", f"label {row[label]!r} is not one of {spec.labels}"
+                elif spec.skip_bad_rows and not (row[a].strip() and row[b].strip()):
+                    problem = detail = "with an empty question"
                 else:
                     examples.append(PairExample(f"{p.name}:{reader.line_num}", row[a], row[b], label_ids[row[label]]))
+                    continue
+                if not spec.skip_bad_rows:
+                    raise TaskDataError(f"{spec.task} file {p}, line {reader.line_num}: {detail}")
+                skipped[problem] += 1
+                first_skipped.setdefault(problem, reader.line_num)
     except UnicodeDecodeError as e:
         raise TaskDataError(f"{spec.task} file {p} is not UTF-8 text: {e}") from e
     if not examples:
         raise TaskDataError(f"{spec.task} file {p} has no usable row (labels must be one of {list(spec.labels)}; "
                             f"skipped: {dict(skipped) or 'none, the file has only a header'})")
-    return PairData(str(p), examples, dict(skipped))
+    return PairData(str(p), examples, dict(skipped), first_skipped)
 
 
 def featurize_pairs(examples: Sequence[PairExample], tokenizer: TextTokenizer | Tokenizer, max_seq_len: int,
