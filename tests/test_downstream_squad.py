@@ -184,6 +184,26 @@ def test_features_windows_answers_and_rows(fixture, request):
     assert seen_inside and seen_outside
 
 
+def test_answers_map_back_through_non_ascii_text_across_paragraphs(tmp_path):
+    contexts = ["Café Zürich 😀 won in Paris, France.", "The big red ball is John's. Mary played in the park."]
+    qas = [[("z", "Zürich"), ("p", "Paris, France")], [("j", "John's"), ("m", "the park")]]
+    path = tmp_path / "dev.json"
+    path.write_text(json.dumps({"data": [{"paragraphs": [
+        {"context": c, "qas": [{"id": qid, "question": "where?", "answers": [{"text": t, "answer_start": c.index(t)}]}
+                               for qid, t in q]} for c, q in zip(contexts, qas)]}]}, ensure_ascii=False))
+    features = featurize_squad(read_squad(path).examples, wordpiece_tokenizer(), 16, doc_stride=3,
+                               max_query_length=4, training=True)
+    found = set()
+    for f in range(len(features)):
+        example = features.examples[features.example_index[f]]
+        s, e = features.task.targets["start_positions"][f], features.task.targets["end_positions"][f]
+        if s:
+            offsets = features.position_offsets(f)
+            assert example.context[offsets[s, 0]:offsets[e, 1]] == example.answers[0].text
+            found.add(example.qid)
+    assert found == {"z", "p", "j", "m"}
+
+
 def test_training_drops_misaligned_answers_evaluation_keeps_them(tmp_path):
     qas = [_qa("ok", "Who won?", "Denver Broncos"),
            {"id": "bad", "question": "Who?", "answers": [{"text": "Denver Broncos", "answer_start": 3}]}]
@@ -280,6 +300,10 @@ def test_decode_squad_matches_brute_force_over_windows(squad2, n_best):
     rng = np.random.default_rng(2)
     for seed in range(25):
         start_logits, end_logits = rng.normal(size=(2, len(features), SEQ)) * 3
+        if seed % 2:  # the best logits outside the context ([CLS], the question, [SEP]s, padding) must not count
+            outside = ~np.stack([features.context_mask(f) for f in range(len(features))])
+            start_logits[outside] += 50
+            end_logits[outside] += 50
         max_len = 1 + seed % 5
         predictions = decode_squad(features, start_logits, end_logits, max_answer_length=max_len, n_best=n_best)
         reference = _decode_reference(features, start_logits, end_logits, max_len, n_best)
