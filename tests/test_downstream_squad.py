@@ -413,3 +413,32 @@ def test_squad_2_empty_best_span_is_no_answer():
     # Neither question has an allowed span (text ""): q2 is right (no answer), q1 wrong, at any threshold.
     scores = squad_scores(examples, {"q1": "", "q2": ""}, {"q1": float("inf"), "q2": float("inf")})
     assert scores["exact"] == scores["f1"] == scores["best_exact"] == scores["best_f1"] == pytest.approx(50.0)
+
+
+def _official_best_thresh(preds, scores, na_probs, has_answer):
+    """The official v2.0 script's find_best_thresh, transcribed."""
+    cur = best = sum(not h for h in has_answer.values())
+    best_thresh = 0.0
+    for qid in sorted(na_probs, key=lambda k: na_probs[k]):
+        cur += scores[qid] if has_answer[qid] else (-1 if preds[qid] else 0)
+        if cur > best:
+            best, best_thresh = cur, na_probs[qid]
+    return 100.0 * best / len(scores), best_thresh
+
+
+def test_squad_2_best_threshold_matches_the_official_sweep():
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        n = int(rng.integers(2, 30))
+        examples = [_example(f"q{i}", "Denver Broncos") if rng.random() < 0.5 else _example(f"q{i}")
+                    for i in range(n)]
+        # Right ("Denver Broncos", EM 1), wrong ("Paris", EM 0) or no span (""), distinct margins (no ties).
+        answers = {e.qid: str(rng.choice(["Denver Broncos", "Paris", ""])) for e in examples}
+        margins = dict(zip(answers, rng.permutation(n) - n / 2 + rng.random()))
+        has_answer = {e.qid: bool(e.answers) for e in examples}
+        em = {q: float(has_answer[q] and a == "Denver Broncos") for q, a in answers.items()}
+        scores = squad_scores(examples, answers, margins)
+        best, thresh = _official_best_thresh(answers, em, margins, has_answer)
+        assert scores["best_exact"] == pytest.approx(best)
+        if best > 100.0 * sum(not h for h in has_answer.values()) / n:  # else: no threshold beats "no answer"
+            assert scores["best_exact_thresh"] == thresh

@@ -72,7 +72,8 @@ def _read_article(path: pathlib.Path, level: str) -> list[ChoiceExample]:
     out = []
     for i, (question, choices, answer) in enumerate(zip(questions, options, answers)):
         if not (isinstance(choices, list) and len(choices) == NUM_OPTIONS and all(isinstance(c, str) for c in choices)):
-            raise TaskDataError(f"RACE file {path}, question {i}: expected {NUM_OPTIONS} option strings, got {choices!r}")
+            raise TaskDataError(f"RACE file {path}, question {i}: expected {NUM_OPTIONS} option strings, "
+                                f"got {choices!r}")
         if not (isinstance(answer, str) and len(answer) == 1 and answer in ANSWER_LETTERS):
             raise TaskDataError(f"RACE file {path}, question {i}: answer {answer!r} is not one of A, B, C, D")
         if not isinstance(question, str) or not isinstance(record["article"], str):
