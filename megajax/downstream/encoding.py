@@ -77,7 +77,7 @@ def truncate_longer_first(a: Sequence[int], b: Sequence[int], budget: int) -> tu
 
 
 def id_dtype(vocab_size: int) -> np.dtype:
-    """The smallest unsigned type that holds every id."""
+    """uint16 when every id fits in it (BERT's 30522 do), else int32."""
     return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.int32)
 
 

@@ -69,8 +69,10 @@ def best_threshold(scores: np.ndarray, margins: np.ndarray, answered: np.ndarray
                    has_answer: np.ndarray) -> tuple[float, float]:
     """(best mean score in %, threshold) over all thresholds t. At t a question keeps its prediction where
     ``answered`` (the prediction is not empty) and ``margin <= t`` and scores ``scores``; otherwise it predicts
-    no answer and scores 1 without a gold answer, else 0. Questions with equal margins switch together. When no
-    threshold beats answering nothing, the threshold returned lies below every margin."""
+    no answer and scores 1 without a gold answer, else 0. As the official find_best_thresh, the lowest threshold
+    with the best score; but questions with equal margins switch together (the official loop, one question at a
+    time, can report a score inside such a group that no threshold gives), and when no threshold beats answering
+    nothing the threshold returned lies below every margin (the official 0.0 need not give that score)."""
     base = (~has_answer).astype(np.float64)  # the score of predicting no answer
     gain = np.where(answered, scores, base) - base
     order = np.argsort(margins, kind="stable")
