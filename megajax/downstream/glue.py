@@ -87,7 +87,7 @@ def _columns(header: list[str], spec: _TsvSpec, path: pathlib.Path) -> tuple[int
     missing = [c for c in spec.text_columns if c not in header]
     if missing or not found:
         need = " and ".join(missing + ([] if found else [" or ".join(spec.label_columns)]))
-        raise TaskDataError(f"{spec.task} file {path} has no {need} column (its header: {header}); give a "
+        raise TaskDataError(f"{spec.task} file {path} has no {need} column (its header, line 1: {header}); give a "
                             f"labelled GLUE {spec.task} file (test files carry no labels)")
     return header.index(spec.text_columns[0]), header.index(spec.text_columns[1]), header.index(found[0])
 
