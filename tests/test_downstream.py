@@ -145,6 +145,24 @@ def test_featurize_pairs_rows(tmp_path):
                            "padding_mask": ((10,), np.int32), "labels": ((), np.int32)}
 
 
+def test_packing_and_task_checks():
+    specials = Specials(CLS, SEP, PAD, 70_000)
+    packed = PackedPairs.build([([1], [2, 3])], 6, specials)
+    assert packed.tokens.dtype == np.int32 and packed.tokens.tolist() == [[CLS, 1, SEP, 2, 3, SEP]]
+    with pytest.raises(ValueError, match="needs 7 positions but seq_len is 6"):
+        PackedPairs.build([([1, 1], [2, 3])], 6, specials)
+    with pytest.raises(ValueError, match="whole examples"):
+        PackedPairs.build([([1], [2])] * 3, 6, specials, (4,))
+    with pytest.raises(ValueError, match="has no examples"):
+        EncodedTask("t", PackedPairs.build([], 6, specials), {})
+    with pytest.raises(ValueError, match="target labels has shape"):
+        EncodedTask("t", packed, {"labels": np.zeros(2, np.int32)})
+    with pytest.raises(ValueError, match="at least 5 positions"):
+        featurize_pairs([], wordpiece_tokenizer(), 4, "qqp")
+    with pytest.raises(ValueError, match="at least 4 positions"):
+        featurize_race([], wordpiece_tokenizer(), 3)
+
+
 def test_wordpiece_backend_turns_off_truncation_and_padding():
     tok = wordpiece_tokenizer()
     tok.enable_truncation(3)
