@@ -62,15 +62,22 @@ def build_sample_map(sentences: np.ndarray, doc_sentences: np.ndarray, documents
     return np.asarray(rows, dtype=np.int64).reshape(-1, 4)
 
 
-def _truncate(a: np.ndarray, b: np.ndarray, target: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Trims the longer of A and B (B on ties) one token at a time until ``len(a) + len(b) <= target``; each cut
-    token comes from the front or the back with probability 0.5."""
-    keep_a, keep_b = len(a), len(b)
-    while keep_a + keep_b > target:
+def longer_first_lengths(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
+    """How many tokens of A and B survive BERT's pair truncation: the longer (B on ties) loses one token at a time
+    until ``len_a + len_b <= budget``."""
+    keep_a, keep_b = len_a, len_b
+    while keep_a + keep_b > budget:
         if keep_a > keep_b:
             keep_a -= 1
         else:
             keep_b -= 1
+    return keep_a, keep_b
+
+
+def _truncate(a: np.ndarray, b: np.ndarray, target: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Trims A and B to ``longer_first_lengths``; each cut token comes from the front or the back with probability
+    0.5."""
+    keep_a, keep_b = longer_first_lengths(len(a), len(b), target)
     front_a = rng.binomial(len(a) - keep_a, 0.5)  # each of the cuts independently at the front
     front_b = rng.binomial(len(b) - keep_b, 0.5)
     return a[front_a:front_a + keep_a], b[front_b:front_b + keep_b]

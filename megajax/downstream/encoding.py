@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 from tokenizers import Encoding, Tokenizer
 
+from megajax.data.bert_dataset import longer_first_lengths
 from megajax.data.tokenizer import TextTokenizer
 
 INT = np.dtype(np.int32)
@@ -67,12 +68,7 @@ def token_ids(backend: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
 def truncate_longer_first(a: Sequence[int], b: Sequence[int], budget: int) -> tuple[Sequence[int], Sequence[int]]:
     """Drops tokens from the end of the longer of ``a`` and ``b`` (``b`` on ties), one at a time, until
     ``len(a) + len(b) <= budget`` (BERT's rule for sentence pairs)."""
-    keep_a, keep_b = len(a), len(b)
-    while keep_a + keep_b > budget:
-        if keep_a > keep_b:
-            keep_a -= 1
-        else:
-            keep_b -= 1
+    keep_a, keep_b = longer_first_lengths(len(a), len(b), budget)
     return a[:keep_a], b[:keep_b]
 
 
