@@ -71,11 +71,14 @@ def sample_logits(logits: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
 
 def generate(model: nnx.Module, mesh: jax.sharding.Mesh, rules: Rules, prompt: np.ndarray, max_new_tokens: int,
              sampling: Sampling = Sampling(), *, seed: int = 0, use_cache: bool = True,
-             on_token: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+             on_token: Callable[[np.ndarray], None] | None = None,
+             stop: Callable[[np.ndarray], bool] | None = None) -> np.ndarray:
     """Extends ``prompt`` (B, P) by ``max_new_tokens`` sampled tokens; returns (B, P + max_new_tokens).
 
     With the cache each new token costs one single-position forward; without it the whole sequence is recomputed
     (the reference the tests compare against). ``on_token`` receives each new (B,) column as it is sampled.
+    ``stop`` receives the (B, P + n) tokens after each new one; when it returns True generation ends there and
+    those tokens are returned (lm-eval's stop strings).
     """
     b, p = prompt.shape
     check_generation(sampling, p, max_new_tokens, model.cfg.max_seq_len, model.cfg.vocab_size)
@@ -112,6 +115,8 @@ def generate(model: nnx.Module, mesh: jax.sharding.Mesh, rules: Rules, prompt: n
             out[:, i] = np.asarray(token)
             if on_token:
                 on_token(out[:, i])
+            if stop and stop(out[:, :i + 1]):
+                return out[:, :i + 1]
             if use_cache and i + 1 < total:
                 logits, cache = step(state, token, cache, i)
     return out
