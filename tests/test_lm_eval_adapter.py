@@ -166,6 +166,7 @@ doc_to_choice: "{{{{choices}}}}"
 doc_to_target: "{{{{answer}}}}"
 metric_list:
   - metric: acc
+    higher_is_better: true
 """
 
 
