@@ -56,9 +56,16 @@ def checkpoint(tmp_path_factory):
     return path, nnx.merge(graphdef, params), tok
 
 
-@pytest.fixture(scope="module", params=["1x1", "2x4"])
-def lm(request, checkpoint):
-    return MegajaxLM(str(checkpoint[0]), mesh=request.param, batch_size=3, stride=STRIDE, max_gen_toks=6)
+@pytest.fixture(scope="module")
+def adapters(checkpoint):
+    """The adapter on each mesh, built once (each compiles its scorer)."""
+    return {mesh: MegajaxLM(str(checkpoint[0]), mesh=mesh, batch_size=3, stride=STRIDE, max_gen_toks=6)
+            for mesh in ("1x1", "2x4")}
+
+
+@pytest.fixture(params=["1x1", "2x4"])
+def lm(request, adapters):
+    return adapters[request.param]
 
 
 def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -170,24 +177,28 @@ metric_list:
 """
 
 
-def test_offline_lm_eval_run_of_a_local_task(tmp_path, monkeypatch, checkpoint, reference):
+def test_offline_lm_eval_run_of_a_local_task(tmp_path, monkeypatch, checkpoint, reference, adapters):
     """lm_eval.simple_evaluate on a YAML task over a local jsonl file (datasets' json builder, offline): its
     per-choice log-likelihoods equal megajax's scorer."""
     import lm_eval
+    import lm_eval.evaluator
     from lm_eval.tasks import TaskManager
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    # torch's environment report (subprocesses, ~6 s on 2 cores) is not under test; torch_random_seed=None below
+    # keeps lm-eval from importing torch to seed it.
+    monkeypatch.setattr(lm_eval.evaluator, "add_env_info", lambda results: None)
     docs = [{"context": "the cat sat on the", "choices": ["mat", "dog", "sky"], "answer": 0},
             {"context": "a dog ran far", "choices": ["away", "blue"], "answer": 0}]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "tiny.yaml").write_text(TASK_YAML.format(data=tmp_path / "docs.jsonl"))
-    path, model, tok = checkpoint
-    lm = MegajaxLM(str(path), mesh="1x1", batch_size=4)
-    out = lm_eval.simple_evaluate(model=lm, tasks=["megajax_tiny"], task_manager=TaskManager(
-        include_path=str(tmp_path / "tasks"), include_defaults=False), log_samples=True, bootstrap_iters=0)
+    tok = checkpoint[2]
+    out = lm_eval.simple_evaluate(model=adapters["1x1"], tasks=["megajax_tiny"], task_manager=TaskManager(
+        include_path=str(tmp_path / "tasks"), include_defaults=False), log_samples=True, bootstrap_iters=0,
+        torch_random_seed=None)
     samples = out["samples"]["megajax_tiny"]
     assert len(samples) == len(docs)
     scorer = reference["scorer"]
@@ -200,3 +211,10 @@ def test_offline_lm_eval_run_of_a_local_task(tmp_path, monkeypatch, checkpoint, 
             assert abs(resp[0][0] - -nll[0][mask].astype(np.float64).sum()) < 1e-5
     assert 0.0 <= out["results"]["megajax_tiny"]["acc,none"] <= 1.0 and not math.isnan(
         out["results"]["megajax_tiny"]["acc,none"])
+
+
+def test_registered_under_megajax():
+    """``--model megajax`` finds the adapter once its module is imported (as ``python -m megajax.lm_eval`` does)."""
+    from lm_eval.api.registry import get_model
+
+    assert get_model("megajax") is MegajaxLM
