@@ -166,6 +166,9 @@ def test_generate_until_is_megajax_greedy_generation_cut_at_the_stop_string(lm, 
     got = lm.generate_until(requests)
     assert got == [f[:f.index(stop)] if stop in f else f for f in full]
     assert 0 < len(got[0]) < len(full[0]) and len(set(full)) == len(full)  # cut mid-way; the texts differ
+    for kwargs, error in [({"num_beams": 2}, "num_beams"), ({"max_gen_toks": SEQ_LEN}, "max_gen_toks=16")]:
+        with pytest.raises(ValueError, match=error):  # unsupported settings fail instead of being ignored
+            lm.generate_until([Instance("generate_until", {}, ("a dog", kwargs), 0)])
 
 
 TASK_YAML = """task: megajax_tiny

@@ -1,4 +1,4 @@
-"""A megajax GPT checkpoint as an lm-evaluation-harness model: ``lm_eval --model megajax``.
+"""A megajax GPT checkpoint as an lm-evaluation-harness model: ``python -m megajax.lm_eval --model megajax``.
 
 Importing this module registers the class under the name ``megajax`` (lm-eval 0.4.13 discovers no plugin entry
 points, so the registration needs this import: ``python -m megajax.lm_eval`` does it before lm-eval's CLI runs).
