@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -69,49 +70,61 @@ def sample_logits(logits: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
     return jax.random.categorical(key, logits, axis=-1)
 
 
+# Module-level jitted steps (graphdef, rules and shapes static) so that repeated calls, one per lm-eval batch,
+# reuse the compiled programs instead of tracing new closures each time. The rules are static only to key the
+# cache: the traced model reads them from ``activate``.
+@functools.partial(jax.jit, static_argnums=(0, 1, 4))
+def _prefill(graphdef, rules, state, tokens, total):
+    m = nnx.merge(graphdef, state)
+    logits, cache = m.decode(tokens, m.init_cache(tokens.shape[0], total), 0)
+    return logits[:, -1], cache
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _step(graphdef, rules, state, token, cache, index):
+    logits, cache = nnx.merge(graphdef, state).decode(token[:, None], cache, index)
+    return logits[:, -1], cache
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _full(graphdef, rules, state, tokens, length):  # no cache: recompute everything, read the logits at length - 1
+    logits = nnx.merge(graphdef, state)(tokens)
+    return jax.lax.dynamic_index_in_dim(logits, length - 1, axis=1, keepdims=False)
+
+
+_pick = jax.jit(sample_logits, static_argnums=2)
+
+
 def generate(model: nnx.Module, mesh: jax.sharding.Mesh, rules: Rules, prompt: np.ndarray, max_new_tokens: int,
              sampling: Sampling = Sampling(), *, seed: int = 0, use_cache: bool = True,
-             on_token: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+             on_token: Callable[[np.ndarray], None] | None = None,
+             stop: Callable[[np.ndarray], bool] | None = None) -> np.ndarray:
     """Extends ``prompt`` (B, P) by ``max_new_tokens`` sampled tokens; returns (B, P + max_new_tokens).
 
     With the cache each new token costs one single-position forward; without it the whole sequence is recomputed
     (the reference the tests compare against). ``on_token`` receives each new (B,) column as it is sampled.
+    ``stop`` receives the (B, P + n) tokens after each new one; when it returns True generation ends there and
+    those tokens are returned (lm-eval's stop strings).
     """
     b, p = prompt.shape
     check_generation(sampling, p, max_new_tokens, model.cfg.max_seq_len, model.cfg.vocab_size)
     total = p + max_new_tokens
     graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def prefill(state, tokens):
-        m = nnx.merge(graphdef, state)
-        logits, cache = m.decode(tokens, m.init_cache(b, total), 0)
-        return logits[:, -1], cache
-
-    @jax.jit
-    def step(state, token, cache, index):
-        logits, cache = nnx.merge(graphdef, state).decode(token[:, None], cache, index)
-        return logits[:, -1], cache
-
-    @jax.jit
-    def full(state, tokens, length):  # no cache: recompute everything, read the logits at `length - 1`
-        logits = nnx.merge(graphdef, state)(tokens)
-        return jax.lax.dynamic_index_in_dim(logits, length - 1, axis=1, keepdims=False)
-
-    pick = jax.jit(lambda logits, key: sample_logits(logits, key, sampling))
     key = jax.random.key(seed)
     out = np.zeros((b, total), np.int32)
     out[:, :p] = prompt
     with activate(mesh, rules):
         if use_cache:
-            logits, cache = prefill(state, jnp.asarray(prompt))
+            logits, cache = _prefill(graphdef, rules, state, jnp.asarray(prompt), total)
         for i in range(p, total):
             if not use_cache:
-                logits = full(state, jnp.asarray(out), i)
-            token = pick(logits, jax.random.fold_in(key, i))
+                logits = _full(graphdef, rules, state, jnp.asarray(out), i)
+            token = _pick(logits, jax.random.fold_in(key, i), sampling)
             out[:, i] = np.asarray(token)
             if on_token:
                 on_token(out[:, i])
+            if stop and stop(out[:, :i + 1]):
+                return out[:, :i + 1]
             if use_cache and i + 1 < total:
-                logits, cache = step(state, token, cache, i)
+                logits, cache = _step(graphdef, rules, state, token, cache, i)
     return out

@@ -99,17 +99,29 @@ def stream_log_likelihood(scorer: Scorer, tokens: np.ndarray, stride: int,
                           progress: Callable | None = None) -> tuple[float, int]:
     """(sum of -log p over every target token, number of targets) with the windows of ``sliding_windows``;
     (0.0, 0) for fewer than 2 tokens."""
-    windows = sliding_windows(len(tokens), scorer.seq_len, stride)
-    inputs, labels, mask = window_rows(np.asarray(tokens), windows, scorer.seq_len)
-    total, count = 0.0, 0
+    return streams_log_likelihood(scorer, [tokens], stride, progress)[0]
+
+
+def streams_log_likelihood(scorer: Scorer, streams: Sequence[np.ndarray], stride: int,
+                           progress: Callable | None = None) -> list[tuple[float, int]]:
+    """``stream_log_likelihood`` of each stream, the windows of all streams scored together, so that many short
+    documents (lm-eval's rolling log-likelihood) fill whole batches. ``progress`` receives window counts."""
+    rows = [window_rows(np.asarray(t), sliding_windows(len(t), scorer.seq_len, stride), scorer.seq_len)
+            for t in streams]
+    if not rows:
+        return []
+    owner = np.concatenate([np.full(len(r[0]), i) for i, r in enumerate(rows)]).astype(np.int64)
+    inputs, labels, mask = (np.concatenate(x) for x in zip(*rows))
+    totals, counts = np.zeros(len(rows)), np.zeros(len(rows), np.int64)
     chunk = scorer.batch_size * 16
-    for i in range(0, len(windows), chunk):
+    for i in range(0, len(inputs), chunk):
         nll, _ = scorer(inputs[i:i + chunk], labels[i:i + chunk])
-        total += float(nll[mask[i:i + chunk]].astype(np.float64).sum())
-        count += int(mask[i:i + chunk].sum())
+        m = mask[i:i + chunk]
+        np.add.at(totals, owner[i:i + chunk], np.where(m, nll.astype(np.float64), 0.0).sum(axis=1))
+        np.add.at(counts, owner[i:i + chunk], m.sum(axis=1))
         if progress:
-            progress(min(chunk, len(windows) - i))
-    return total, count
+            progress(min(chunk, len(inputs) - i))
+    return [(float(t), int(c)) for t, c in zip(totals, counts)]
 
 
 def cloze_rows(context: Sequence[int], target: Sequence[int], seq_len: int):

@@ -1,0 +1,24 @@
+"""``python -m megajax.lm_eval ...``: lm-evaluation-harness's own command line with the ``megajax`` model
+registered (lm-eval finds models only by import; it reads no plugin entry points). ``--cpu_devices=N`` simulates
+N devices on a CPU host.
+
+    python -m megajax.lm_eval --model megajax --model_args checkpoint=runs/355m,mesh=1x8 --tasks lambada_openai
+"""
+
+import sys
+
+from megajax.cli import simulate_cpu_devices
+
+
+def main() -> None:
+    simulate_cpu_devices(sys.argv)  # before jax is imported
+    sys.argv = [a for i, a in enumerate(sys.argv)  # lm-eval's parser does not know the flag
+                if not a.startswith("--cpu_devices") and not (i and sys.argv[i - 1] == "--cpu_devices")]
+    import megajax.evaluation.lm_eval_adapter  # noqa: F401  (registers "megajax")
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()
