@@ -141,20 +141,25 @@ def reference(checkpoint):
     return {"pairs": pairs, "rolling": rolling, "generated": full, "scorer": scorer}
 
 
+def close(a: float, b: float) -> bool:
+    """Within 1e-5, relative to the sum (float32 log-probs summed over up to a few hundred tokens)."""
+    return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-5)
+
+
 CONTEXTS = ["the cat sat on", "the cat lay on", "a dog ran far"]
 
 
 def test_loglikelihood_equals_megajax_scorer_and_naive_softmax(lm, reference):
     got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(PAIRS)])
     for (ll, greedy), (scorer_ll, scorer_greedy, naive_ll, naive_greedy) in zip(got, reference["pairs"]):
-        assert abs(ll - scorer_ll) < 1e-5 and abs(ll - naive_ll) < 1e-5
+        assert close(ll, scorer_ll) and close(ll, naive_ll), (ll, scorer_ll, naive_ll)
         assert greedy == scorer_greedy == naive_greedy
 
 
 def test_loglikelihood_rolling_equals_megajax_windows_and_naive_softmax(lm, reference):
     got = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (d,), i) for i, d in enumerate(DOCS)])
     for ll, (scorer_ll, naive_ll) in zip(got, reference["rolling"]):
-        assert abs(ll - scorer_ll) < 1e-5 and abs(ll - naive_ll) < 1e-5
+        assert close(ll, scorer_ll) and close(ll, naive_ll), (ll, scorer_ll, naive_ll)
 
 
 def test_generate_until_is_megajax_greedy_generation_cut_at_the_stop_string(lm, reference):
@@ -218,7 +223,7 @@ def test_offline_lm_eval_run_of_a_local_task(tmp_path, monkeypatch, checkpoint, 
             ctx, cont = encode_pair(tok, doc["context"], " " + choice)  # lm-eval's default target_delimiter
             inputs, labels, mask = cloze_rows(ctx, cont, SEQ_LEN)
             nll, _ = scorer(inputs[None], labels[None])
-            assert abs(resp[0][0] - -nll[0][mask].astype(np.float64).sum()) < 1e-5
+            assert close(resp[0][0], -nll[0][mask].astype(np.float64).sum())
     assert 0.0 <= out["results"]["megajax_tiny"]["acc,none"] <= 1.0 and not math.isnan(
         out["results"]["megajax_tiny"]["acc,none"])
 
