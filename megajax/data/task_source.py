@@ -25,8 +25,8 @@ TASK_FILES = {"mnli": ("train.tsv", "dev_matched.tsv"), "qqp": ("train.tsv", "de
               "squad1": ("train-v1.1.json", "dev-v1.1.json"), "squad2": ("train-v2.0.json", "dev-v2.0.json"),
               "race": ("train", "dev")}
 SYNTHETIC_ROWS = {"train": 8192, "valid": 1024}
-SYNTHETIC_SPECIALS = Specials(cls_id=1, sep_id=2, pad_id=0, vocab_size=32)  # ids 3, 4: span markers
-FIRST_WORD, NUM_WORDS = 5, 27  # synthetic words are ids 5..31
+FIRST_WORD, NUM_WORDS = 5, 11  # synthetic words are ids 5..15 (few: a tiny model learns the tasks in seconds)
+SYNTHETIC_SPECIALS = Specials(cls_id=1, sep_id=2, pad_id=0, vocab_size=FIRST_WORD + NUM_WORDS)  # 3, 4: markers
 
 
 @dataclasses.dataclass(frozen=True)

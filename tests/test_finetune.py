@@ -1,0 +1,94 @@
+"""Fine-tuning through the trainer: task heads are tensor-parallel exact, learn the synthetic tasks, and start from
+a pretrained BERT trunk (``init_from``) loaded bitwise on another mesh."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import place
+from flax import nnx
+
+from megajax.builder import build_mesh, create_model
+from megajax.checkpoint import CheckpointError, restore_params, save_params
+from megajax.config import bert_base_config, rules_of
+from megajax.data.sources import load_dataset
+from megajax.finetune import trunk_keys
+from megajax.sharding import activate
+from megajax.training.loop import train
+from megajax.training.objectives import objective_for
+
+TASK_OF = {"bert_classifier": "synthetic_pair", "bert_span": "synthetic_span",
+           "bert_multiple_choice": "synthetic_choice"}
+
+
+def task_config(name: str, data: int = 1, model: int = 1, hidden: int = 64, heads: int = 8):
+    """A 2-layer BERT task model on its synthetic task (vocab 64, sequences of 24), no dropout, fp32."""
+    c = bert_base_config()
+    c.model.update(name=name, vocab_size=64, make_vocab_size_divisible_by=64, num_layers=2, hidden_size=hidden,
+                   num_heads=heads, max_seq_len=24, dropout=0.0, remat="none")
+    c.mesh.data, c.mesh.model = data, model
+    c.data.update(source="task", task=TASK_OF[name])
+    c.train.update(global_batch_size=8, precision="fp32", log_every=1000, eval_batches=0)
+    c.checkpoint.enabled = False
+    return c
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Per head kind: the 1x1 model, a batch of its task and the 1x1 loss and gradients."""
+    out = {}
+    for name in TASK_OF:
+        config = task_config(name)
+        model = create_model(config, build_mesh(config), seed=0)
+        batch = {k: jnp.asarray(v) for k, v in load_dataset(config).train.rows(np.arange(8)).items()}
+        out[name] = (config, model, batch, loss_and_grads(name, model, batch, config, 1, 1))
+    return out
+
+
+def loss_and_grads(name: str, model: nnx.Module, batch: dict, config, data: int, tensor: int):
+    """The objective's loss and parameter gradients with the model's parameters laid out on a data x tensor mesh."""
+    mesh, graphdef, state = place(model, config, data, tensor)
+    loss = objective_for(name).loss
+
+    @jax.jit
+    def fn(state, batch):
+        return jax.value_and_grad(lambda s: loss(nnx.merge(graphdef, s), batch, None)[0])(state)
+
+    with activate(mesh, rules_of(config)):
+        value, grads = fn(state, batch)
+    return float(value), jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
+
+
+@pytest.mark.parametrize("name", list(TASK_OF))
+@pytest.mark.parametrize("mesh", [(1, 4), (2, 4)])
+def test_task_heads_are_tensor_parallel_exact(reference, name, mesh):
+    config, model, batch, (want_loss, want_grads) = reference[name]
+    loss, grads = loss_and_grads(name, model, batch, config, *mesh)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    flat = jax.tree_util.tree_leaves_with_path(want_grads)
+    assert len(flat) == len(jax.tree.leaves(grads))
+    for path, want in flat:
+        got = grads
+        for key in path:
+            got = got[key.key]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    assert np.abs(np.concatenate([g.ravel() for g in jax.tree.leaves(want_grads)])).max() > 0
+
+
+# steps, lr, accuracy a tiny BERT must reach on 256 held-out rows (chance: 0.5, ~0.05 for both span ends, 0.25)
+LEARN = {"bert_classifier": (250, 2e-3, 0.8), "bert_span": (250, 2e-3, 0.6), "bert_multiple_choice": (150, 2e-3, 0.8)}
+
+
+@pytest.mark.parametrize("name", list(TASK_OF))
+def test_tiny_bert_learns_synthetic_task(tmp_path, name):
+    steps, lr, threshold = LEARN[name]
+    c = task_config(name, hidden=32, heads=4)
+    c.train.update(steps=steps, global_batch_size=32, eval_every=0, eval_batches=8)
+    c.optimizer.update(lr=lr, min_lr=lr / 10, warmup_steps=20)
+    records = train(c, tmp_path)
+    valid = [r for r in records if "valid_accuracy" in r][-1]
+    print(name, valid)
+    assert valid["valid_accuracy"] > threshold, valid
