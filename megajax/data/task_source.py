@@ -26,6 +26,7 @@ TASK_FILES = {"mnli": ("train.tsv", "dev_matched.tsv"), "qqp": ("train.tsv", "de
               "race": ("train", "dev")}
 SYNTHETIC_ROWS = {"train": 8192, "valid": 1024}
 FIRST_WORD, NUM_WORDS = 5, 11  # synthetic words are ids 5..15 (few: a tiny model learns the tasks in seconds)
+HALF = FIRST_WORD + NUM_WORDS // 2  # synthetic_pair: words below it are the first half
 SYNTHETIC_SPECIALS = Specials(cls_id=1, sep_id=2, pad_id=0, vocab_size=FIRST_WORD + NUM_WORDS)  # 3, 4: markers
 
 
@@ -87,49 +88,47 @@ def _read_task(config: ml_collections.ConfigDict) -> TaskData:
                       for p, training in zip(paths, (True, False))))
 
 
-def _words(rng: np.random.Generator, n: int) -> np.ndarray:
+def _words(rng: np.random.Generator, n: int | tuple[int, ...]) -> np.ndarray:
     return FIRST_WORD + rng.integers(0, NUM_WORDS, n)
 
 
 def synthetic_pair(rng: np.random.Generator, rows: int, seq_len: int, name: str) -> EncodedTask:
-    """A: 4 words, B: 6 words; label 1 iff B contains A's first word (so it needs both segments)."""
-    pairs, labels = [], rng.integers(0, 2, rows)
-    for label in labels:
-        a = _words(rng, 4)
-        b = FIRST_WORD + (a[0] - FIRST_WORD + rng.integers(1, NUM_WORDS, 6)) % NUM_WORDS  # never a[0]
-        if label:
-            b[rng.integers(0, 6)] = a[0]
-        pairs.append((a.tolist(), b.tolist()))
-    return EncodedTask(name, PackedPairs.build(pairs, seq_len, SYNTHETIC_SPECIALS), {"labels": labels.astype(np.int32)})
+    """A and B: 3 words each; label 1 iff A holds more words of the upper half of the word list than B (a
+    comparison across the segments; rows with equal counts are left out, so the classes are balanced)."""
+    a, b = _words(rng, (2 * rows, 3)), _words(rng, (2 * rows, 3))
+    high_a, high_b = (a >= HALF).sum(1), (b >= HALF).sum(1)
+    keep = np.flatnonzero(high_a != high_b)[:rows]  # about 69% of rows differ: 2 * rows always suffice
+    pairs = [(a[i].tolist(), b[i].tolist()) for i in keep]
+    labels = (high_a[keep] > high_b[keep]).astype(np.int32)
+    return EncodedTask(name, PackedPairs.build(pairs, seq_len, SYNTHETIC_SPECIALS), {"labels": labels})
 
 
 def synthetic_span(rng: np.random.Generator, rows: int, seq_len: int, name: str) -> EncodedTask:
-    """A: 3 question words; B: 16 context words with the answer (1-4 words) between markers 3 and 4; the targets
-    are the answer's first and last positions in the row."""
+    """A: 3 question words; B: 16 context words holding one span that starts with marker 3 and ends with marker 4
+    (2-5 tokens, markers included); the targets are the markers' positions in the row."""
     pairs, starts, ends = [], [], []
     context_len = min(16, seq_len - SPECIALS_PER_PAIR - 3)
     for _ in range(rows):
         a, b = _words(rng, 3), _words(rng, context_len)
-        length = rng.integers(1, 5)
-        open_at = rng.integers(0, context_len - length - 1)
-        b[open_at], b[open_at + length + 1] = 3, 4
+        length = rng.integers(2, 6)
+        open_at = rng.integers(0, context_len - length + 1)
+        b[open_at], b[open_at + length - 1] = 3, 4
         pairs.append((a.tolist(), b.tolist()))
-        first = len(a) + 2 + open_at + 1  # [CLS] A [SEP], then the context up to the opening marker
-        starts.append(first)
-        ends.append(first + length - 1)
+        starts.append(len(a) + 2 + open_at)  # after [CLS] A [SEP]
+        ends.append(len(a) + 2 + open_at + length - 1)
     return EncodedTask(name, PackedPairs.build(pairs, seq_len, SYNTHETIC_SPECIALS),
                        {"start_positions": np.asarray(starts, np.int32), "end_positions": np.asarray(ends, np.int32)})
 
 
 def synthetic_choice(rng: np.random.Generator, rows: int, seq_len: int, name: str) -> EncodedTask:
-    """A: a 4-word question; 4 options as B, the right one equal to the question, the others random words."""
+    """A: a 2-word question; 4 options as B, the right one equal to the question, the others random words."""
     from megajax.training.objectives import NUM_CHOICES
 
     pairs, labels = [], rng.integers(0, NUM_CHOICES, rows)
     for label in labels:
-        question = _words(rng, 4).tolist()
+        question = _words(rng, 2).tolist()
         for option in range(NUM_CHOICES):
-            pairs.append((question, question if option == label else _words(rng, 4).tolist()))
+            pairs.append((question, question if option == label else _words(rng, 2).tolist()))
     return EncodedTask(name, PackedPairs.build(pairs, seq_len, SYNTHETIC_SPECIALS, (NUM_CHOICES,)),
                        {"labels": labels.astype(np.int32)})
 
