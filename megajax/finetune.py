@@ -55,3 +55,40 @@ def load_trunk(config: ml_collections.ConfigDict, params_target: dict[str, Any])
     matching entries (a pure dict of ShapeDtypeStructs or arrays); the shapes are checked by name."""
     target = {k: params_target[k] for k in trunk_keys(config)}
     return restore_params(check_init_from(config), target)
+
+
+# Paper Table 6 (fine-tuning hyperparameters), as read from its garbled layout in the reference copy: per task and
+# size (batch, learning rate, epochs). MNLI's lr and epochs span all three rows; QQP's epochs (12) span its rows;
+# SQuAD's and RACE's epochs are not legible there and are the 2 and 3 of BERT's and Megatron-LM's scripts.
+TABLE6 = {
+    "mnli": {"336m": (128, 1e-5, 10), "1p3b": (128, 1e-5, 10), "3p9b": (128, 1e-5, 10)},
+    "qqp": {"336m": (128, 5e-5, 12), "1p3b": (128, 3e-5, 12), "3p9b": (128, 4e-5, 12)},
+    "squad1": {"336m": (64, 3e-5, 2), "1p3b": (48, 3e-5, 2), "3p9b": (48, 1e-5, 2)},
+    "squad2": {"336m": (64, 3e-5, 2), "1p3b": (64, 3e-5, 2), "3p9b": (48, 1e-5, 2)},
+    "race": {"336m": (32, 2e-5, 3), "1p3b": (16, 1e-5, 3), "3p9b": (32, 2e-5, 3)},
+}
+TRAIN_EXAMPLES = {"mnli": 392_702, "qqp": 363_846, "squad1": 87_599, "squad2": 130_319, "race": 87_866}  # questions
+# paper Table 4's BERT sizes: (layers, hidden, heads, mesh.model as in configs/bert_*.py)
+BERT_SIZES = {"336m": (24, 1024, 16, 1), "1p3b": (24, 2048, 32, 2), "3p9b": (48, 2560, 40, 8)}
+WARMUP_FRACTION = 0.065  # Megatron-LM's fine-tuning scripts; Table 6 does not give it
+
+
+def table6_config(task: str, size: str) -> ml_collections.ConfigDict:
+    """The fine-tuning config of ``task`` (mnli, qqp, squad1, squad2, race) at ``size`` (336m, 1p3b, 3p9b):
+    the pretraining model of ``configs/bert_<size>.py`` with the task's head and Table 6's batch, lr and epochs
+    (steps = epochs x training questions / batch; SQuAD counts questions, not its document-stride windows)."""
+    from megajax.config import bert_base_config
+    from megajax.data.task_source import TASKS
+
+    batch, lr, epochs = TABLE6[task][size]
+    layers, hidden, heads, tensor = BERT_SIZES[size]
+    model, classes = TASKS[task]
+    steps = -(-epochs * TRAIN_EXAMPLES[task] // batch)
+    c = bert_base_config()
+    c.model.update(name=model, num_layers=layers, hidden_size=hidden, num_heads=heads, num_classes=classes or 2)
+    c.mesh.model = tensor
+    c.data.update(source="task", task=task)
+    c.train.update(steps=steps, global_batch_size=batch, log_every=50, eval_every=1000, eval_batches=32)
+    c.optimizer.update(lr=lr, min_lr=0.0, warmup_steps=int(WARMUP_FRACTION * steps), decay="linear")
+    c.checkpoint.update(every_steps=1000, keep=2)
+    return c
