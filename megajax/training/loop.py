@@ -20,7 +20,7 @@ from megajax.checkpoint import Checkpointer
 from megajax.config import RunSpec, resolve
 from megajax.data.gpt_dataset import split_by_documents, unigram_entropy
 from megajax.data.loader import Loader
-from megajax.data.sources import load_dataset, make_loader
+from megajax.data.sources import TASK_MODELS, load_dataset, make_loader
 from megajax.data.task_source import TaskData
 from megajax.finetune import check_init_from, load_trunk
 from megajax.info import memory_report
@@ -244,8 +244,9 @@ def _loop(run: Run, state: TrainState, loader: Loader, valid: Loader | None,
         every = config.train.eval_every
         if valid and (last or (every and done % every == 0)):
             v = validation_metrics(run, state.params, valid, config.train.eval_batches)
-            record = {"step": done, **{f"valid_{k}": x for k, x in v.items()},
-                      "valid_ppl": float(np.exp(v.get("mlm_loss", v["loss"])))}  # MLM alone for BERT
+            record = {"step": done, **{f"valid_{k}": x for k, x in v.items()}}
+            if spec.model_name not in TASK_MODELS:  # a language model's perplexity; MLM alone for BERT
+                record["valid_ppl"] = float(np.exp(v.get("mlm_loss", v["loss"])))
             writer.write(record)
             records.append(record)
             last_time = time.perf_counter()  # keep evaluation out of the training step time
