@@ -34,7 +34,11 @@ def base_config() -> ml_collections.ConfigDict:
         post_layernorm=False,  # False: pre-LN blocks + final LN (paper Fig. 7b); True: original BERT (Fig. 7a)
         activation="gelu_tanh",  # gelu_tanh (GPT-2) | gelu (exact erf, BERT)
         num_token_types=0,  # BERT: 2 (sentence A / B)
+        num_classes=2,  # bert_classifier's outputs (MNLI 3, QQP 2)
     ))
+    # Fine-tuning: a megajax checkpoint (workdir or step directory) whose BERT trunk initialises the task model
+    # when the workdir has no checkpoint yet ('' = train from scratch; a resume ignores it).
+    c.init_from = ""
     c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
     c.sharding = ml_collections.ConfigDict(dict(rules=MEGATRON_RULES))
     c.train = ml_collections.ConfigDict(dict(
@@ -68,9 +72,13 @@ def base_config() -> ml_collections.ConfigDict:
         b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, clip_norm=1.0,
     ))
     c.data = ml_collections.ConfigDict(dict(
-        source="default",  # default (stdlib corpus, offline) | indexed (data.path=PREFIX) | tfds | random
+        source="default",  # default (stdlib corpus, offline) | indexed (data.path=PREFIX) | tfds | random | task
         path="",  # indexed: the prefix written by python -m megajax.data.preprocess
-        tokenizer="",  # tfds: tokenizer.json, a GPT-2 BPE directory or a vocab.txt
+        tokenizer="",  # tfds, task: tokenizer.json, a GPT-2 BPE directory or a vocab.txt
+        # source=task: mnli | qqp | squad1 | squad2 | race (files in task_dir) or synthetic_pair | synthetic_span |
+        # synthetic_choice (generated from data.seed; for tests and CPU runs)
+        task="",
+        task_dir="",  # source=task: the task's downloaded files (GLUE TSVs, SQuAD JSONs, RACE's split folders)
         tfds_name="",
         tfds_split="train",
         tfds_feature="text",
@@ -131,7 +139,8 @@ def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
             num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads, max_seq_len=m.max_seq_len,
             mlp_ratio=m.mlp_ratio, dropout=m.dropout, init_std=m.init_std, layernorm_eps=m.layernorm_eps,
             dtype=_PRECISION_DTYPES[precision], remat=m.remat, post_layernorm=m.post_layernorm,
-            activation=m.activation, num_token_types=m.num_token_types)
+            activation=m.activation, num_token_types=m.num_token_types,
+            num_classes=m.get("num_classes", 2))  # .get: configs stored by older checkpoints lack it
     except ValueError as e:
         raise ConfigError(str(e)) from e
 

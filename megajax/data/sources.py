@@ -12,9 +12,11 @@ import numpy as np
 from megajax.data.gpt_dataset import GPTBatches, split_by_documents
 from megajax.data.indexed import IndexedTokens
 from megajax.data.loader import Loader
+from megajax.data.task_source import TASKS, TaskData, load_task
 from megajax.sharding import ConfigError
 
 MAX_ID_CHUNK = 1 << 26  # ids per read when scanning a memory-mapped corpus for its largest id
+TASK_MODELS = {model for model, _ in TASKS.values()}
 
 
 def max_token_id(tokens: np.ndarray) -> int:
@@ -35,9 +37,15 @@ def check_ids_fit(tokens: np.ndarray, meta: dict, vocab_size: int, what: str) ->
                           f"tokenizer or set --config.model.vocab_size to at least {top + 1}")
 
 
-def load_dataset(config: ml_collections.ConfigDict) -> IndexedTokens:
-    """The corpus named by ``config.data``, checked against the model's vocabulary."""
+def load_dataset(config: ml_collections.ConfigDict) -> IndexedTokens | TaskData:
+    """The corpus named by ``config.data``, checked against the model's vocabulary (a fine-tuning task's rows for
+    ``data.source='task'``)."""
     d, vocab = config.data, config.model.vocab_size
+    if (d.source == "task") != (config.model.name in TASK_MODELS):
+        raise ConfigError(f"model.name={config.model.name} with data.source={d.source}: the task models "
+                          f"({', '.join(sorted(TASK_MODELS))}) train on data.source=task and only they do")
+    if d.source == "task":
+        return load_task(config)
     if d.source == "default":  # GPT: the stdlib's source (BPE); BERT: its English prose, sentence-split (WordPiece)
         from megajax.data.default_corpus import default_bert_corpus, default_corpus
         data = (default_bert_corpus if config.model.name == "bert" else default_corpus)(vocab)[0]
@@ -58,7 +66,7 @@ def load_dataset(config: ml_collections.ConfigDict) -> IndexedTokens:
         tokens = np.random.default_rng(d.seed).integers(0, vocab, 1 << 20, dtype=np.int32)
         return IndexedTokens(tokens, np.arange(0, len(tokens) + 1, 1024), {"vocab_size": vocab})
     else:
-        raise ConfigError(f"data.source={d.source!r}; choose default, indexed, tfds or random")
+        raise ConfigError(f"data.source={d.source!r}; choose default, indexed, tfds, random or task")
     check_ids_fit(data.tokens, data.meta, vocab, f"the dataset of data.source={d.source}")
     return data
 
@@ -72,9 +80,13 @@ def _split_hint(split: str, config: ml_collections.ConfigDict) -> str:
 
 
 def make_loader(config: ml_collections.ConfigDict, split: str = "train",
-                data: IndexedTokens | None = None) -> Loader:
+                data: IndexedTokens | TaskData | None = None) -> Loader:
     """The loader of ``split`` ('train' or 'valid') for ``config.model.name``, positioned at step 0."""
     data = load_dataset(config) if data is None else data
+    if isinstance(data, TaskData):  # fine-tuning: shuffled rows of the split (validation reads its first batches)
+        from megajax.downstream.batches import TrainBatches
+        return Loader(TrainBatches(data.train if split == "train" else data.valid, config.train.global_batch_size,
+                                   config.data.seed))
     train_range, valid_range = split_by_documents(data.offsets, config.data.valid_fraction)
     token_range = train_range if split == "train" else valid_range
     b, seq = config.train.global_batch_size, config.model.max_seq_len

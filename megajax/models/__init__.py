@@ -2,8 +2,10 @@
 
 from megajax.models.bert import BERT
 from megajax.models.gpt import GPT
+from megajax.models.heads import BERTClassifier, BERTMultipleChoice, BERTSpan
 from megajax.models.transformer import TransformerConfig
 
-MODELS = {"gpt": GPT, "bert": BERT}
+MODELS = {"gpt": GPT, "bert": BERT, "bert_classifier": BERTClassifier, "bert_multiple_choice": BERTMultipleChoice,
+          "bert_span": BERTSpan}
 
-__all__ = ["BERT", "GPT", "MODELS", "TransformerConfig"]
+__all__ = ["BERT", "BERTClassifier", "BERTMultipleChoice", "BERTSpan", "GPT", "MODELS", "TransformerConfig"]

@@ -41,6 +41,7 @@ class TransformerConfig:
     post_layernorm: bool = False  # False: pre-LN + final LN (paper Fig. 7b); True: original BERT (Fig. 7a)
     activation: str = "gelu_tanh"  # gelu_tanh (GPT-2, Megatron's fused bias-GeLU) | gelu (erf, BERT)
     num_token_types: int = 0  # BERT's segment embeddings (2); 0 = none
+    num_classes: int = 2  # BERT classifier outputs (MNLI 3, QQP 2); other models ignore it
 
     def __post_init__(self):
         if self.hidden_size % self.num_heads:

@@ -20,7 +20,9 @@ from megajax.checkpoint import Checkpointer
 from megajax.config import RunSpec, resolve
 from megajax.data.gpt_dataset import split_by_documents, unigram_entropy
 from megajax.data.loader import Loader
-from megajax.data.sources import load_dataset, make_loader
+from megajax.data.sources import TASK_MODELS, load_dataset, make_loader
+from megajax.data.task_source import TaskData
+from megajax.finetune import check_init_from, load_trunk
 from megajax.info import memory_report
 from megajax.partition import shardings
 from megajax.sharding import activate, logical_to_spec, make_mesh
@@ -114,15 +116,18 @@ def _start_record(run: Run, data, resumed_from: int | None) -> dict:
         stats = dev.memory_stats()  # None or unsupported on CPU
     except Exception:  # noqa: BLE001 - purely informational
         stats = None
-    # A bounded prefix of the training split: reading a whole multi-GB corpus at every start would stall it.
-    train_end = split_by_documents(data.offsets, run.config.data.valid_fraction)[0][1]
+    if isinstance(data, TaskData):  # fine-tuning rows: no corpus entropy
+        entropy = None
+    else:  # a bounded prefix of the training split: reading a whole multi-GB corpus at every start would stall it
+        train_end = split_by_documents(data.offsets, run.config.data.valid_fraction)[0][1]
+        entropy = unigram_entropy(data.tokens[:min(train_end, ENTROPY_SAMPLE_TOKENS)])
     return {"step": resumed_from or 0, "event": "resume" if resumed_from is not None else "start",
             "model": spec.model_name, "mesh": f"{spec.data}x{spec.tensor}", "devices": jax.device_count(),
             "processes": jax.process_count(), "device_kind": dev.device_kind, "num_params": run.num_params,
             "precision": spec.precision, "param_bytes_per_device": report.param_bytes,
             "train_state_bytes_per_device": report.param_bytes + report.grad_bytes + report.optimizer_bytes,
             "device_bytes_in_use": (stats or {}).get("bytes_in_use"),
-            "unigram_entropy": unigram_entropy(data.tokens[:min(train_end, ENTROPY_SAMPLE_TOKENS)])}
+            "unigram_entropy": entropy}
 
 
 def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dict]:
@@ -152,13 +157,21 @@ def _train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> li
               file=sys.stderr)
         checkpointer.close()
         return []
+    init_from = config.get("init_from", "")  # .get: configs stored by older checkpoints lack it
+    if init_from and latest is None:
+        check_init_from(config)  # a wrong path or model fails before compiling
     run = setup(config)
     restored = checkpointer.resume(run.abstract_state, restore_step) if checkpointer else None
     if restored:
         state, loader_state = restored
         loader.set_state(loader_state, config.train.allow_batch_size_change)
+        if init_from and jax.process_index() == 0:
+            print(f"resuming from {checkpointer.directory}: init_from={init_from!r} is ignored (resume wins)",
+                  file=sys.stderr)
     else:
         state = run.init_state()
+        if init_from:  # fine-tuning: the pretrained trunk replaces the fresh one, the heads stay fresh
+            state = state.replace(params={**state.params, **load_trunk(config, run.abstract_state.params)})
     is_main = jax.process_index() == 0
     writer = MetricsWriter(workdir, enabled=is_main)
     start = _start_record(run, data, resumed_from=int(state.step) if restored else None)
@@ -231,8 +244,9 @@ def _loop(run: Run, state: TrainState, loader: Loader, valid: Loader | None,
         every = config.train.eval_every
         if valid and (last or (every and done % every == 0)):
             v = validation_metrics(run, state.params, valid, config.train.eval_batches)
-            record = {"step": done, **{f"valid_{k}": x for k, x in v.items()},
-                      "valid_ppl": float(np.exp(v.get("mlm_loss", v["loss"])))}  # MLM alone for BERT
+            record = {"step": done, **{f"valid_{k}": x for k, x in v.items()}}
+            if spec.model_name not in TASK_MODELS:  # a language model's perplexity; MLM alone for BERT
+                record["valid_ppl"] = float(np.exp(v.get("mlm_loss", v["loss"])))
             writer.write(record)
             records.append(record)
             last_time = time.perf_counter()  # keep evaluation out of the training step time

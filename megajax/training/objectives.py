@@ -75,9 +75,55 @@ def _mlm_sop_fields(seq_len: int) -> dict[str, Field]:
             "sop_labels": Field((), np.dtype(np.int32), ("batch",))}
 
 
-OBJECTIVES = {"gpt": Objective(_lm, _lm_fields), "bert": Objective(_mlm_sop, _mlm_sop_fields)}
+NUM_CHOICES = 4  # multiple-choice options per question (RACE)
+PAIR_FIELDS = ("tokens", "token_types", "padding_mask")  # the encoder's inputs, as BERT pretraining
+
+
+def _accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    return (logits.argmax(-1) == labels).astype(jnp.float32).mean()
+
+
+def _choice_loss(model: nnx.Module, batch: Batch, key: jax.Array | None) -> tuple[jax.Array, Metrics]:
+    """Cross-entropy over classes (classifier) or options (multiple choice: logits (B, C)) + accuracy."""
+    logits = model(*(batch[k] for k in PAIR_FIELDS), dropout_key=key).astype(jnp.float32)
+    labels = batch["labels"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), {
+        "accuracy": _accuracy(logits, labels)}
+
+
+def _span_loss(model: nnx.Module, batch: Batch, key: jax.Array | None) -> tuple[jax.Array, Metrics]:
+    """Mean of the start and end cross-entropies over positions; accuracy = both positions exact."""
+    start, end = (x.astype(jnp.float32) for x in model(*(batch[k] for k in PAIR_FIELDS), dropout_key=key))
+    s, e = batch["start_positions"], batch["end_positions"]
+    ce = optax.softmax_cross_entropy_with_integer_labels
+    exact = (start.argmax(-1) == s) & (end.argmax(-1) == e)
+    return (ce(start, s).mean() + ce(end, e).mean()) / 2, {"accuracy": exact.astype(jnp.float32).mean()}
+
+
+def _label() -> Field:
+    return Field((), np.dtype(np.int32), ("batch",))
+
+
+def _classifier_fields(seq_len: int) -> dict[str, Field]:
+    return {**{k: _token_rows(seq_len) for k in PAIR_FIELDS}, "labels": _label()}
+
+
+def _choice_fields(seq_len: int) -> dict[str, Field]:
+    rows = Field((NUM_CHOICES, seq_len), np.dtype(np.int32), ("batch", None, "seq"))  # (B, C, S)
+    return {**{k: rows for k in PAIR_FIELDS}, "labels": _label()}
+
+
+def _span_fields(seq_len: int) -> dict[str, Field]:
+    return {**{k: _token_rows(seq_len) for k in PAIR_FIELDS}, "start_positions": _label(),
+            "end_positions": _label()}
+
+
+OBJECTIVES = {"gpt": Objective(_lm, _lm_fields), "bert": Objective(_mlm_sop, _mlm_sop_fields),
+              "bert_classifier": Objective(_choice_loss, _classifier_fields),
+              "bert_multiple_choice": Objective(_choice_loss, _choice_fields),
+              "bert_span": Objective(_span_loss, _span_fields)}
 
 
 def objective_for(model_name: str) -> Objective:
-    """The pretraining objective of a model (``config.model.name``)."""
+    """The training objective of a model (``config.model.name``): pretraining or its fine-tuning task."""
     return OBJECTIVES[model_name]

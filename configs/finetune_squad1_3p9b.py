@@ -1,0 +1,17 @@
+"""Paper Table 6: fine-tunes BERT 3.9B (configs/bert_3p9b.py) on SQuAD 1.1: batch 48, lr 1e-05, 2 epochs.
+
+Table 6's layout is garbled in the reference copy; how it was read is stated beside ``TABLE6`` in
+megajax/finetune.py (the one helper behind every finetune_<task>_<size>.py).
+
+Command:  python train.py --config=configs/finetune_squad1_3p9b.py --workdir=WORKDIR --config.init_from=PRETRAINED \\
+              --config.data.task_dir=DIR --config.data.tokenizer=vocab.txt
+          (PRETRAINED: the configs/bert_3p9b.py run's workdir; DIR holds train-v1.1.json, dev-v1.1.json)
+Expect:   the trainer logs validation loss and accuracy on the dev split (exact start and end for SQuAD windows);
+          the paper reports SQuAD 1.1 F1/EM 95.5/90.0 (Table 5) after the official evaluation.
+"""
+
+from megajax.finetune import table6_config
+
+
+def get_config():
+    return table6_config("squad1", "3p9b")

@@ -1,0 +1,17 @@
+"""Paper Table 6: fine-tunes BERT 3.9B (configs/bert_3p9b.py) on SQuAD 2.0: batch 48, lr 1e-05, 2 epochs.
+
+Table 6's layout is garbled in the reference copy; how it was read is stated beside ``TABLE6`` in
+megajax/finetune.py (the one helper behind every finetune_<task>_<size>.py).
+
+Command:  python train.py --config=configs/finetune_squad2_3p9b.py --workdir=WORKDIR --config.init_from=PRETRAINED \\
+              --config.data.task_dir=DIR --config.data.tokenizer=vocab.txt
+          (PRETRAINED: the configs/bert_3p9b.py run's workdir; DIR holds train-v2.0.json, dev-v2.0.json)
+Expect:   the trainer logs validation loss and accuracy on the dev split (exact start and end for SQuAD windows);
+          the paper reports SQuAD 2.0 F1/EM 91.2/88.5 (Table 5) after the official evaluation.
+"""
+
+from megajax.finetune import table6_config
+
+
+def get_config():
+    return table6_config("squad2", "3p9b")

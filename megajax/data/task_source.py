@@ -1,0 +1,137 @@
+"""Fine-tuning data (``config.data.source='task'``): a task's train and validation rows as ``EncodedTask``s.
+
+Real tasks read the files users download (``megajax.downstream`` readers) with the model's WordPiece tokenizer;
+synthetic tasks are generated from ``data.seed`` over a small vocabulary, learnable from scratch by a tiny BERT, so
+tests and CPU runs fine-tune without downloads. Every row is ``[CLS] A [SEP] B [SEP]`` as in pretraining.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import ml_collections
+import numpy as np
+
+from megajax.downstream.encoding import SPECIALS_PER_PAIR, EncodedTask, PackedPairs, Specials
+from megajax.sharding import ConfigError
+
+# task -> (the model that fine-tunes on it, its classes (0: not a classifier))
+TASKS = {"mnli": ("bert_classifier", 3), "qqp": ("bert_classifier", 2), "squad1": ("bert_span", 0),
+         "squad2": ("bert_span", 0), "race": ("bert_multiple_choice", 0), "synthetic_pair": ("bert_classifier", 2),
+         "synthetic_span": ("bert_span", 0), "synthetic_choice": ("bert_multiple_choice", 0)}
+# (train, validation) files or folders under data.task_dir, as the tasks are distributed
+TASK_FILES = {"mnli": ("train.tsv", "dev_matched.tsv"), "qqp": ("train.tsv", "dev.tsv"),
+              "squad1": ("train-v1.1.json", "dev-v1.1.json"), "squad2": ("train-v2.0.json", "dev-v2.0.json"),
+              "race": ("train", "dev")}
+SYNTHETIC_ROWS = {"train": 8192, "valid": 1024}
+FIRST_WORD, NUM_WORDS = 5, 11  # synthetic words are ids 5..15 (few: a tiny model learns the tasks in seconds)
+HALF = FIRST_WORD + NUM_WORDS // 2  # synthetic_pair: words below it are the first half
+SYNTHETIC_SPECIALS = Specials(cls_id=1, sep_id=2, pad_id=0, vocab_size=FIRST_WORD + NUM_WORDS)  # 3, 4: markers
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskData:
+    """The encoded rows of both splits."""
+
+    train: EncodedTask
+    valid: EncodedTask
+
+
+def check_task(config: ml_collections.ConfigDict) -> None:
+    """Raises ConfigError when data.task is unknown or does not fit config.model (name, classes, sizes)."""
+    d, m = config.data, config.model
+    if d.task not in TASKS:
+        raise ConfigError(f"data.task={d.task!r}; choose one of {sorted(TASKS)}")
+    model, classes = TASKS[d.task]
+    if m.name != model:
+        raise ConfigError(f"data.task={d.task} trains model.name={model}, got model.name={m.name!r}")
+    if classes and m.num_classes != classes:
+        raise ConfigError(f"data.task={d.task} has {classes} classes; set --config.model.num_classes={classes}")
+    if d.task.startswith("synthetic") and (m.vocab_size < SYNTHETIC_SPECIALS.vocab_size or m.max_seq_len < 24):
+        raise ConfigError(f"synthetic tasks need model.vocab_size >= {SYNTHETIC_SPECIALS.vocab_size} and "
+                          f"model.max_seq_len >= 24; got {m.vocab_size} and {m.max_seq_len}")
+
+
+def load_task(config: ml_collections.ConfigDict) -> TaskData:
+    """Both splits of ``config.data.task``, encoded to ``model.max_seq_len`` (checked first: ``check_task``)."""
+    check_task(config)
+    d, seq = config.data, config.model.max_seq_len
+    if d.task.startswith("synthetic"):
+        make = _SYNTHETIC[d.task]
+        return TaskData(*(make(np.random.default_rng([d.seed, i]), SYNTHETIC_ROWS[s], seq, f"{d.task}/{s}")
+                          for i, s in enumerate(("train", "valid"))))
+    return _read_task(config)
+
+
+def _read_task(config: ml_collections.ConfigDict) -> TaskData:
+    from megajax.data.tokenizer import load_tokenizer
+    from megajax.downstream import glue, race, squad
+
+    d, seq = config.data, config.model.max_seq_len
+    if not d.task_dir or not d.tokenizer:
+        raise ConfigError(f"data.task={d.task} needs --config.data.task_dir (the task's files: "
+                          f"{', '.join(TASK_FILES[d.task])}) and --config.data.tokenizer (the model's vocab.txt)")
+    tokenizer = load_tokenizer(d.tokenizer)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size="
+                          f"{config.model.vocab_size}")
+    paths = [pathlib.Path(d.task_dir).expanduser() / f for f in TASK_FILES[d.task]]
+    if d.task in ("mnli", "qqp"):
+        read = glue.read_mnli if d.task == "mnli" else glue.read_qqp
+        return TaskData(*(glue.featurize_pairs(read(p).examples, tokenizer, seq, f"{d.task}/{p.name}")
+                          for p in paths))
+    if d.task == "race":
+        return TaskData(*(race.featurize_race(race.read_race(p), tokenizer, seq, f"race/{p.name}") for p in paths))
+    return TaskData(*(squad.featurize_squad(squad.read_squad(p).examples, tokenizer, seq, training=training,
+                                            name=f"{d.task}/{p.name}").task
+                      for p, training in zip(paths, (True, False))))
+
+
+def _words(rng: np.random.Generator, n: int | tuple[int, ...]) -> np.ndarray:
+    return FIRST_WORD + rng.integers(0, NUM_WORDS, n)
+
+
+def synthetic_pair(rng: np.random.Generator, rows: int, seq_len: int, name: str) -> EncodedTask:
+    """A and B: 3 words each; label 1 iff A holds more words of the upper half of the word list than B (a
+    comparison across the segments; rows with equal counts are left out, so the classes are balanced)."""
+    a, b = _words(rng, (2 * rows, 3)), _words(rng, (2 * rows, 3))
+    high_a, high_b = (a >= HALF).sum(1), (b >= HALF).sum(1)
+    keep = np.flatnonzero(high_a != high_b)[:rows]  # about 69% of rows differ: 2 * rows always suffice
+    pairs = [(a[i].tolist(), b[i].tolist()) for i in keep]
+    labels = (high_a[keep] > high_b[keep]).astype(np.int32)
+    return EncodedTask(name, PackedPairs.build(pairs, seq_len, SYNTHETIC_SPECIALS), {"labels": labels})
+
+
+def synthetic_span(rng: np.random.Generator, rows: int, seq_len: int, name: str) -> EncodedTask:
+    """A: 3 question words; B: 16 context words holding one span that starts with marker 3 and ends with marker 4
+    (2-5 tokens, markers included); the targets are the markers' positions in the row."""
+    pairs, starts, ends = [], [], []
+    context_len = min(16, seq_len - SPECIALS_PER_PAIR - 3)
+    for _ in range(rows):
+        a, b = _words(rng, 3), _words(rng, context_len)
+        length = rng.integers(2, 6)
+        open_at = rng.integers(0, context_len - length + 1)
+        b[open_at], b[open_at + length - 1] = 3, 4
+        pairs.append((a.tolist(), b.tolist()))
+        starts.append(len(a) + 2 + open_at)  # after [CLS] A [SEP]
+        ends.append(len(a) + 2 + open_at + length - 1)
+    return EncodedTask(name, PackedPairs.build(pairs, seq_len, SYNTHETIC_SPECIALS),
+                       {"start_positions": np.asarray(starts, np.int32), "end_positions": np.asarray(ends, np.int32)})
+
+
+def synthetic_choice(rng: np.random.Generator, rows: int, seq_len: int, name: str) -> EncodedTask:
+    """A: a 2-word question; 4 options as B, the right one equal to the question, the others random words."""
+    from megajax.training.objectives import NUM_CHOICES
+
+    pairs, labels = [], rng.integers(0, NUM_CHOICES, rows)
+    for label in labels:
+        question = _words(rng, 2).tolist()
+        for option in range(NUM_CHOICES):
+            pairs.append((question, question if option == label else _words(rng, 2).tolist()))
+    return EncodedTask(name, PackedPairs.build(pairs, seq_len, SYNTHETIC_SPECIALS, (NUM_CHOICES,)),
+                       {"labels": labels.astype(np.int32)})
+
+
+_SYNTHETIC = {"synthetic_pair": synthetic_pair, "synthetic_span": synthetic_span,
+              "synthetic_choice": synthetic_choice}

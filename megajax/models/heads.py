@@ -1,0 +1,76 @@
+"""BERT task models: the shared ``BERTEncoder`` plus one small replicated head each (fine-tuning, paper Table 5).
+
+Each subclasses the encoder, so a pretrained BERT's trunk parameters (wte, wpe, tte, ln_emb / ln_f, blocks,
+pooler) sit at the same paths and load by name (``megajax.finetune.load_trunk``). Heads read the replicated
+hidden state and write a small replicated output: no communication, as in Megatron. They are initialised as the
+paper's BERT heads: normal(init_std = 0.02) kernels, zero biases (``Dense``).
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from megajax.layers import Dense, dropout
+from megajax.models.bert import BERTEncoder
+from megajax.models.transformer import TransformerConfig
+from megajax.sharding import constrain
+
+NUM_SPAN_LOGITS = 2  # start, end
+
+
+def _keys(key: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
+    """(trunk key, head key), or (None, None) without dropout."""
+    return tuple(jax.random.split(key)) if key is not None else (None, None)
+
+
+class BERTClassifier(BERTEncoder):
+    """``(tokens, token_types, padding_mask) (B, S) -> logits (B, num_classes)``: dropout then a dense layer on
+    the pooled first token (MNLI: 3 classes, QQP: 2)."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)
+        self.classifier = Dense(cfg.hidden_size, (cfg.num_classes,), ("embed", "classes"), std=cfg.init_std,
+                                dtype=cfg.compute_dtype, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, token_types: jax.Array | None = None, valid: jax.Array | None = None,
+                 *, dropout_key: jax.Array | None = None) -> jax.Array:
+        k_trunk, k_head = _keys(dropout_key)
+        pooled = self.pool(self.encode(tokens, token_types, valid, dropout_key=k_trunk))  # (B, H)
+        logits = self.classifier(dropout(pooled, self.cfg.dropout, k_head))
+        return constrain(logits, ("batch", "classes"))
+
+
+class BERTMultipleChoice(BERTEncoder):
+    """``(tokens, token_types, padding_mask) (B, C, S) -> logits (B, C)``: each option is its own row through the
+    encoder, and one shared head scores its pooled vector (RACE: C = 4)."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)
+        self.scorer = Dense(cfg.hidden_size, (1,), ("embed", "classes"), std=cfg.init_std, dtype=cfg.compute_dtype,
+                            rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, token_types: jax.Array | None = None, valid: jax.Array | None = None,
+                 *, dropout_key: jax.Array | None = None) -> jax.Array:
+        b, c, s = tokens.shape
+        flat = lambda x: None if x is None else x.reshape(b * c, s)  # noqa: E731 - (B, C, S) -> (B*C, S)
+        k_trunk, k_head = _keys(dropout_key)
+        pooled = self.pool(self.encode(flat(tokens), flat(token_types), flat(valid), dropout_key=k_trunk))
+        scores = self.scorer(dropout(pooled, self.cfg.dropout, k_head))  # (B*C, 1)
+        return constrain(scores.reshape(b, c), ("batch", "classes"))
+
+
+class BERTSpan(BERTEncoder):
+    """``(tokens, token_types, padding_mask) (B, S) -> (start logits, end logits)``, each (B, S): a dense h -> 2 on
+    every position of the sequence output (SQuAD; no dropout before it, as BERT's run_squad)."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)
+        self.span = Dense(cfg.hidden_size, (NUM_SPAN_LOGITS,), ("embed", "classes"), std=cfg.init_std,
+                          dtype=cfg.compute_dtype, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, token_types: jax.Array | None = None, valid: jax.Array | None = None,
+                 *, dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        x = self.encode(tokens, token_types, valid, dropout_key=dropout_key)  # (B, S, H)
+        logits = constrain(self.span(x), ("batch", "seq", "classes"))  # (B, S, 2)
+        return logits[..., 0], logits[..., 1]

@@ -1,0 +1,164 @@
+"""Fine-tuning through the trainer: task heads are tensor-parallel exact, learn the synthetic tasks, and start from
+a pretrained BERT trunk (``init_from``) loaded bitwise on another mesh."""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import place
+from flax import nnx
+
+from megajax.builder import build_mesh, create_model
+from megajax.checkpoint import CheckpointError, restore_params, save_params
+from megajax.config import bert_base_config, rules_of
+from megajax.data.sources import load_dataset
+from megajax.finetune import trunk_keys
+from megajax.sharding import activate
+from megajax.training.loop import train
+from megajax.training.objectives import objective_for
+
+TASK_OF = {"bert_classifier": "synthetic_pair", "bert_span": "synthetic_span",
+           "bert_multiple_choice": "synthetic_choice"}
+
+
+def task_config(name: str, data: int = 1, model: int = 1, hidden: int = 64, heads: int = 8):
+    """A 2-layer BERT task model on its synthetic task (vocab 64, sequences of 24), no dropout, fp32."""
+    c = bert_base_config()
+    c.model.update(name=name, vocab_size=64, make_vocab_size_divisible_by=64, num_layers=2, hidden_size=hidden,
+                   num_heads=heads, max_seq_len=24, dropout=0.0, remat="none")
+    c.mesh.data, c.mesh.model = data, model
+    c.data.update(source="task", task=TASK_OF[name])
+    c.train.update(global_batch_size=8, precision="fp32", log_every=1000, eval_batches=0)
+    c.checkpoint.enabled = False
+    return c
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Per head kind: the 1x1 model, a batch of its task and the 1x1 loss and gradients."""
+    out = {}
+    for name in TASK_OF:
+        config = task_config(name)
+        model = create_model(config, build_mesh(config), seed=0)
+        batch = {k: jnp.asarray(v) for k, v in load_dataset(config).train.rows(np.arange(8)).items()}
+        out[name] = (config, model, batch, loss_and_grads(name, model, batch, config, 1, 1))
+    return out
+
+
+def loss_and_grads(name: str, model: nnx.Module, batch: dict, config, data: int, tensor: int):
+    """The objective's loss and parameter gradients with the model's parameters laid out on a data x tensor mesh."""
+    mesh, graphdef, state = place(model, config, data, tensor)
+    loss = objective_for(name).loss
+
+    @jax.jit
+    def fn(state, batch):
+        return jax.value_and_grad(lambda s: loss(nnx.merge(graphdef, s), batch, None)[0])(state)
+
+    with activate(mesh, rules_of(config)):
+        value, grads = fn(state, batch)
+    return float(value), jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
+
+
+@pytest.mark.parametrize("name", list(TASK_OF))
+@pytest.mark.parametrize("mesh", [(1, 4), (2, 4)])
+def test_task_heads_are_tensor_parallel_exact(reference, name, mesh):
+    config, model, batch, (want_loss, want_grads) = reference[name]
+    loss, grads = loss_and_grads(name, model, batch, config, *mesh)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    flat = jax.tree_util.tree_leaves_with_path(want_grads)
+    assert len(flat) == len(jax.tree.leaves(grads))
+    for path, want in flat:
+        got = grads
+        for key in path:
+            got = got[key.key]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    assert np.abs(np.concatenate([g.ravel() for g in jax.tree.leaves(want_grads)])).max() > 0
+
+
+# steps, lr, accuracy a tiny BERT must reach on 256 held-out rows (chance: 0.5, ~0.05 for both span ends, 0.25)
+LEARN = {"bert_classifier": (120, 2e-3, 0.8), "bert_span": (60, 2e-3, 0.8), "bert_multiple_choice": (200, 2e-3, 0.6)}
+
+
+@pytest.mark.parametrize("name", list(TASK_OF))
+def test_tiny_bert_learns_synthetic_task(tmp_path, name):
+    steps, lr, threshold = LEARN[name]
+    c = task_config(name, heads=4)
+    c.train.update(steps=steps, global_batch_size=32, eval_every=0, eval_batches=8)
+    c.optimizer.update(lr=lr, min_lr=lr / 10, warmup_steps=20)
+    records = train(c, tmp_path)
+    valid = [r for r in records if "valid_accuracy" in r][-1]
+    print(name, valid)
+    assert valid["valid_accuracy"] > threshold, valid
+
+
+def _bert_config(**model):
+    c = task_config("bert_classifier")
+    c.model.update({"name": "bert", **model})
+    c.data.update(source="default", task="")
+    return c
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A BERT checkpoint (params-only export, seed 7) and its parameters as numpy."""
+    config = _bert_config()
+    params = nnx.to_pure_dict(nnx.state(create_model(config, build_mesh(config), seed=7)))
+    root = tmp_path_factory.mktemp("pretrained")
+    save_params(root / "bert", params, config)
+    return root, jax.tree.map(np.asarray, params)
+
+
+def _params_of(workdir: pathlib.Path, config) -> dict:
+    """The task model's parameters saved in ``workdir``, read onto a 1x1 mesh."""
+    c = config.copy_and_resolve_references()
+    c.mesh.data, c.mesh.model = 1, 1
+    target = nnx.to_pure_dict(nnx.state(create_model(c, build_mesh(c), seed=0)))
+    return jax.tree.map(np.asarray, restore_params(workdir, target))
+
+
+def test_init_from_loads_the_trunk_bitwise_on_another_mesh_and_resume_ignores_it(pretrained, tmp_path, monkeypatch,
+                                                                                 capsys):
+    root, bert = pretrained
+    monkeypatch.chdir(root)  # a relative init_from
+    c = task_config("bert_classifier", data=2, model=4)
+    c.init_from = "bert"
+    c.train.update(steps=1, seed=3)
+    c.optimizer.update(lr=0.0, min_lr=0.0, warmup_steps=0)  # the step leaves the parameters as loaded
+    c.checkpoint.update(enabled=True, every_steps=1)
+    train(c, tmp_path / "ft")
+    got = _params_of(tmp_path / "ft", c)
+    trunk = trunk_keys(c)
+    assert set(trunk) == {"wte", "wpe", "tte", "blocks", "ln_f", "pooler"}
+    for path, want in jax.tree_util.tree_leaves_with_path({k: bert[k] for k in trunk}):
+        x = got
+        for key in path:
+            x = x[key.key]
+        np.testing.assert_array_equal(x, want, err_msg=jax.tree_util.keystr(path))
+    fresh = nnx.to_pure_dict(nnx.state(create_model(c, build_mesh(c), seed=3)))["classifier"]
+    for k in ("kernel", "bias"):
+        np.testing.assert_array_equal(got["classifier"][k], np.asarray(fresh[k]))
+    assert not np.array_equal(got["wte"]["embedding"], np.asarray(
+        nnx.to_pure_dict(nnx.state(create_model(c, build_mesh(c), seed=3)))["wte"]["embedding"]))
+
+    c.train.steps, c.init_from = 2, "no/such/checkpoint"  # a resume never reads init_from
+    records = train(c, tmp_path / "ft")
+    assert [r["step"] for r in records] == [2] and "init_from='no/such/checkpoint' is ignored (resume wins)" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("make, message", [
+    (None, "does not exist"),
+    (lambda: _bert_config(hidden_size=32, num_heads=4), "model.hidden_size=32 but this config has 64"),
+    (lambda: _bert_config(name="gpt"), "model.name='gpt' checkpoint"),
+])
+def test_init_from_errors_before_compiling(tmp_path, make, message):
+    c = task_config("bert_classifier")
+    c.train.steps = 1
+    c.init_from = str(tmp_path / "source")
+    if make is not None:
+        config = make()
+        save_params(tmp_path / "source", {"w": np.zeros(2, np.float32)}, config)  # only its config is read
+    with pytest.raises((FileNotFoundError, CheckpointError), match=message):
+        train(c, tmp_path / "ft")
