@@ -5,6 +5,7 @@
     python eval.py --checkpoint=runs/355m --task=ppl --data=data/valid            # a preprocessed prefix
     python eval.py --checkpoint=runs/355m --task=generate --prompt="def main(" --top_p=0.9
     python eval.py --checkpoint=runs/bert --task=mlm [--data=PREFIX]          # BERT: MLM loss/accuracy, SOP
+    python eval.py --checkpoint=runs/mnli --task=mnli [--data=glue/MNLI]     # fine-tuned: mnli qqp squad1 squad2 race
     ... --config.mesh.model=4 --config.mesh.data=2 --output=results.json --tokenizer=gpt2/
 
 ``--cpu_devices=N`` simulates N devices on a CPU host.
@@ -19,13 +20,20 @@ simulate_cpu_devices(sys.argv)  # before jax is imported
 
 
 def main(argv=None):
+    from megajax.evaluation.generate import Sampling
+    from megajax.evaluation.inputs import InputError
+    from megajax.evaluation.runner import TASKS, run
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="workdir, checkpoints/ dir, a step, or an export")
-    p.add_argument("--task", required=True, choices=["wikitext103", "lambada", "ppl", "generate", "mlm"])
+    p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--data", help="wiki.test.tokens, lambada_test.jsonl, or a preprocessed prefix (ppl; mlm: "
-                                  "sentence-split, default the validation split of the checkpoint's data)")
+                                  "sentence-split, default the validation split of the checkpoint's data); "
+                                  "fine-tuning tasks: the task's folder (default the run's data.task_dir) or one "
+                                  "dev file")
     p.add_argument("--tokenizer", help="default: the tokenizer the checkpoint was trained with")
     p.add_argument("--output", help="also write the results here as JSON")
+    p.add_argument("--predictions", help="fine-tuning tasks: write each example's prediction here as JSON")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--stride", type=int, default=None,
                    help="wikitext103/ppl: windows start every STRIDE tokens and each one after the first scores "
@@ -43,10 +51,6 @@ def main(argv=None):
     p.add_argument("--cpu_devices", type=int, default=0)
     args = p.parse_args(argv)
 
-    from megajax.evaluation.generate import Sampling
-    from megajax.evaluation.inputs import InputError
-    from megajax.evaluation.runner import run
-
     try:
         sampling = Sampling(args.greedy, args.temperature, args.top_k, args.top_p)
     except ValueError as e:
@@ -54,7 +58,8 @@ def main(argv=None):
     try:
         run(args.checkpoint, args.task, data=args.data, prompt=args.prompt, tokenizer=args.tokenizer,
             mesh_data=args.mesh_data, mesh_model=args.mesh_model, batch_size=args.batch_size, stride=args.stride,
-            max_new_tokens=args.max_new_tokens, seed=args.seed, output=args.output, sampling=sampling)
+            max_new_tokens=args.max_new_tokens, seed=args.seed, output=args.output, sampling=sampling,
+            predictions=args.predictions)
     except InputError as e:  # raised before the model is loaded: usage, not a traceback
         p.error(str(e))
 

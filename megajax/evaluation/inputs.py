@@ -144,12 +144,24 @@ def read_token_file(prefix: str | pathlib.Path, vocab_size: int) -> np.ndarray:
     return data.tokens
 
 
-def check_model_kind(task: str, config: ml_collections.ConfigDict) -> None:
-    """BERT checkpoints evaluate with --task=mlm; GPT checkpoints with the language-model tasks."""
+LM_TASKS = ("wikitext103", "lambada", "ppl", "generate")  # GPT's
+
+
+def model_for_task(task: str) -> str:
+    """The ``model.name`` a task evaluates: gpt (language modelling), bert (mlm) or a fine-tuned task model."""
+    from megajax.data.task_source import TASKS
+
+    return "gpt" if task in LM_TASKS else "bert" if task == "mlm" else TASKS[task][0]
+
+
+def check_model_kind(task: str, config: ml_collections.ConfigDict, tasks: tuple[str, ...]) -> None:
+    """Raises InputError unless the checkpoint's model is the one ``task`` evaluates, naming the ``tasks`` that
+    apply to it instead."""
     name = config.model.get("name", "gpt")
-    if (task == "mlm") != (name == "bert"):
-        wanted = "mlm" if name == "bert" else "wikitext103, lambada, ppl or generate"
-        raise InputError(f"--task={task} does not apply to this checkpoint's model ({name}); use --task={wanted}")
+    if name != model_for_task(task):
+        fits = [t for t in tasks if model_for_task(t) == name]
+        hint = f"use --task={' or '.join(fits)}" if fits else "eval.py has no task for it"
+        raise InputError(f"--task={task} does not apply to this checkpoint's model ({name}); {hint}")
 
 
 def bert_eval_batches(config: ml_collections.ConfigDict, prefix: str | None, batch_size: int):

@@ -11,10 +11,10 @@ import ml_collections
 import numpy as np
 
 from megajax.data.tokenizer import TextTokenizer
-from megajax.evaluation import inputs
+from megajax.evaluation import downstream_tasks, inputs
 from megajax.evaluation.generate import Sampling, check_generation
 
-TASKS = ("wikitext103", "lambada", "ppl", "generate", "mlm")
+TASKS = (*inputs.LM_TASKS, "mlm", *downstream_tasks.DOWNSTREAM_TASKS)
 
 
 def read_inputs(task: str, config: ml_collections.ConfigDict, *, data: str | None, prompt: str | None,
@@ -24,13 +24,15 @@ def read_inputs(task: str, config: ml_collections.ConfigDict, *, data: str | Non
     (``config``) so that mistakes fail here, before the model is loaded or anything is compiled."""
     if task not in TASKS:
         raise inputs.InputError(f"--task={task!r}; choose one of {TASKS}")
-    inputs.check_model_kind(task, config)
-    if task not in ("generate", "mlm") and not data:
-        raise inputs.InputError(f"--task={task} needs --data")
+    inputs.check_model_kind(task, config, TASKS)
     if batch_size < 1:
         raise inputs.InputError(f"--batch_size={batch_size}: must be >= 1")
     vocab_size, seq_len = config.model.vocab_size, config.model.max_seq_len
     stride = inputs.resolve_stride(task, stride, seq_len)
+    if task in downstream_tasks.DOWNSTREAM_TASKS:
+        return downstream_tasks.read_splits(task, config, data, tokenizer), None, None
+    if task not in ("generate", "mlm") and not data:
+        raise inputs.InputError(f"--task={task} needs --data")
     if task == "mlm":
         return inputs.bert_eval_batches(config, data, batch_size), None, None
     if task == "ppl":
@@ -61,13 +63,15 @@ def _mlm(model, mesh, rules, batches, where: str) -> dict:
 def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | None = None,
         tokenizer: str | None = None, mesh_data: int | None = None, mesh_model: int | None = None,
         batch_size: int = 8, stride: int | None = None, max_new_tokens: int = 64, sampling: Sampling | None = None,
-        seed: int = 0, output: str | None = None) -> dict:
+        seed: int = 0, output: str | None = None, predictions: str | None = None) -> dict:
     """Runs ``task`` on ``checkpoint``; prints and (with ``output``) writes the JSON results.
 
     ``stride`` (wikitext103 and ppl only): windows start every ``stride`` tokens and each window after the first
     scores its last ``stride`` targets (Megatron-LM's overlapping evaluation); default 32 (the paper's, at most
     max_seq_len) for wikitext103 and max_seq_len (non-overlapping) for ppl. The results report the stride used.
-    Input mistakes raise ``InputError`` before the model is loaded.
+    ``predictions`` (fine-tuning tasks only): also write each example's prediction there as JSON, per split (id ->
+    label, option letter or answer text; "" = no answer). Input mistakes raise ``InputError`` before the model is
+    loaded.
     """
     from megajax.checkpoint import load_model, read_config
     from megajax.config import rules_of
@@ -77,12 +81,15 @@ def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | No
 
     sampling = sampling or Sampling()
     try:
+        for flag, path in (("--output", output), ("--predictions", predictions)):
+            if path and not pathlib.Path(path).parent.is_dir():
+                raise inputs.InputError(f"{flag}={path}: its directory does not exist")
+        if predictions and task not in downstream_tasks.DOWNSTREAM_TASKS:
+            raise inputs.InputError(f"--predictions applies to --task={'|'.join(downstream_tasks.DOWNSTREAM_TASKS)}")
         config = read_config(checkpoint)
         task_input, tok, stride = read_inputs(task, config, data=data, prompt=prompt, tokenizer=tokenizer,
                                               stride=stride, batch_size=batch_size, max_new_tokens=max_new_tokens,
                                               sampling=sampling)
-        if output and not pathlib.Path(output).parent.is_dir():
-            raise inputs.InputError(f"--output={output}: its directory does not exist")
     except inputs.InputError:
         raise
     except (ValueError, FileNotFoundError) as e:  # from reading the checkpoint's config or a tokenizer
@@ -92,6 +99,10 @@ def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | No
     rules = rules_of(config)
     if task == "mlm":
         result = _mlm(model, mesh, rules, *task_input)
+    elif task in downstream_tasks.DOWNSTREAM_TASKS:
+        result, predicted = downstream_tasks.evaluate(model, mesh, rules, task, task_input, batch_size)
+        if predictions:
+            _write_json(predictions, predicted)
     elif task == "generate":
         print(prompt or "", end="", flush=True)
         stream = lambda col: print(tok.decode([int(col[0])]), end="", flush=True)  # noqa: E731
@@ -111,6 +122,10 @@ def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | No
     if task != "generate":
         print(json.dumps(result, indent=1))
     if output:
-        pathlib.Path(output).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {output}", file=sys.stderr)
+        _write_json(output, result)
     return result
+
+
+def _write_json(path: str, value: Any) -> None:
+    pathlib.Path(path).write_text(json.dumps(value, indent=1) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
