@@ -11,6 +11,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+import jax
 import ml_collections
 from flax import nnx
 
@@ -19,9 +20,9 @@ from megajax.config import model_config
 from megajax.models import MODELS
 from megajax.models.bert import BERTEncoder
 
-# config.model fields that fix the trunk's parameter shapes (and its architecture)
+# config.model fields that fix the trunk's parameter shapes (and its architecture); max_seq_len may be smaller
 TRUNK_FIELDS = ("vocab_size", "make_vocab_size_divisible_by", "num_layers", "hidden_size", "num_heads", "mlp_ratio",
-                "max_seq_len", "num_token_types", "post_layernorm", "activation")
+                "num_token_types", "post_layernorm", "activation")
 
 
 def trunk_keys(config: ml_collections.ConfigDict) -> tuple[str, ...]:
@@ -47,14 +48,27 @@ def check_init_from(config: ml_collections.ConfigDict) -> pathlib.Path:
             raise CheckpointError(f"init_from={config.init_from!r} was trained with model.{field}={saved.get(field)}"
                                   f" but this config has {config.model.get(field)}; set "
                                   f"--config.model.{field}={saved.get(field)}")
+    if config.model.max_seq_len > saved.max_seq_len:
+        raise CheckpointError(f"init_from={config.init_from!r} has position embeddings for model.max_seq_len="
+                              f"{saved.max_seq_len}, fewer than this config's {config.model.max_seq_len}; set "
+                              f"--config.model.max_seq_len to at most {saved.max_seq_len}")
     return path
 
 
 def load_trunk(config: ml_collections.ConfigDict, params_target: dict[str, Any]) -> dict[str, Any]:
     """The trunk parameters of ``config.init_from``, read into the shardings and dtypes of ``params_target``'s
-    matching entries (a pure dict of ShapeDtypeStructs or arrays); the shapes are checked by name."""
+    matching entries (a pure dict of ShapeDtypeStructs or arrays); the shapes are checked by name. A shorter
+    ``model.max_seq_len`` than pretraining's keeps the first rows of the position embeddings (fine-tuning at 128
+    tokens from a 512-token BERT, as BERT's GLUE runs)."""
+    path = check_init_from(config)
     target = {k: params_target[k] for k in trunk_keys(config)}
-    return restore_params(check_init_from(config), target)
+    wpe, positions = target["wpe"], read_config(path).model.max_seq_len
+    if positions != wpe.shape[0]:
+        target["wpe"] = jax.ShapeDtypeStruct((positions, *wpe.shape[1:]), wpe.dtype, sharding=wpe.sharding)
+    trunk = restore_params(path, target)
+    if positions != wpe.shape[0]:
+        trunk["wpe"] = jax.device_put(trunk["wpe"][:wpe.shape[0]], wpe.sharding)
+    return trunk
 
 
 # Paper Table 6 (fine-tuning hyperparameters), as read from its garbled layout in the reference copy: per task and

@@ -103,8 +103,9 @@ def _bert_config(**model):
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
-    """A BERT checkpoint (params-only export, seed 7) and its parameters as numpy."""
-    config = _bert_config()
+    """A BERT checkpoint (params-only export, seed 7, 32 positions: the task runs use 24) and its parameters as
+    numpy."""
+    config = _bert_config(max_seq_len=32)
     params = nnx.to_pure_dict(nnx.state(create_model(config, build_mesh(config), seed=7)))
     root = tmp_path_factory.mktemp("pretrained")
     save_params(root / "bert", params, config)
@@ -133,7 +134,8 @@ def test_init_from_loads_the_trunk_bitwise_on_another_mesh_and_resume_ignores_it
     got = _params_of(tmp_path / "ft", c)
     trunk = trunk_keys(c)
     assert set(trunk) == {"wte", "wpe", "tte", "blocks", "ln_f", "pooler"}
-    for path, want in jax.tree_util.tree_leaves_with_path({k: bert[k] for k in trunk}):
+    want_trunk = {**{k: bert[k] for k in trunk}, "wpe": bert["wpe"][:c.model.max_seq_len]}  # the first positions
+    for path, want in jax.tree_util.tree_leaves_with_path(want_trunk):
         x = got
         for key in path:
             x = x[key.key]
@@ -154,6 +156,8 @@ def test_init_from_loads_the_trunk_bitwise_on_another_mesh_and_resume_ignores_it
     (None, "does not exist"),
     (lambda: _bert_config(hidden_size=32, num_heads=4), "model.hidden_size=32 but this config has 64"),
     (lambda: _bert_config(name="gpt"), "model.name='gpt' checkpoint"),
+    (lambda: _bert_config(max_seq_len=16), "model.max_seq_len=16, fewer than this config's 24; set "
+                                           "--config.model.max_seq_len to at most 16"),
 ])
 def test_init_from_errors_before_compiling(tmp_path, make, message):
     c = task_config("bert_classifier")
