@@ -122,3 +122,39 @@ def test_comm_report_cli(capsys):
     assert ["all-reduce", "model", "backward", "65536", "5"] in rows
     assert any(r[1] == "data" for r in rows)
     assert capsys.readouterr().out.strip() == table
+
+
+def _train_step_collectives(monkeypatch, clip: bool) -> dict:
+    """(op, axes, elements) -> executions of the whole compiled training step (loss, gradients, norm, clipping,
+    AdamW) on 1x4; without ``clip`` the optimizer's clipping is replaced by the identity (same state layout)."""
+    import collections
+
+    import optax
+
+    from megajax.training import loop, optimizer
+
+    if not clip:
+        monkeypatch.setattr(loop, "make_optimizer", lambda opt, steps: optax.chain(
+            optax.identity(), optax.adamw(optimizer.learning_rate_schedule(opt, steps))))
+    config = small_config(num_layers=L, data=1, model=4)
+    config.model.max_seq_len = S
+    config.train.update(global_batch_size=B, precision="fp32")
+    run = loop.setup(config)
+    out = collections.Counter()
+    for (op, axes, _, elements), n in summary(collectives(run.step_fn.as_text(), run.mesh)).items():
+        out[op, axes, elements] += n  # the phase label of the loss's per-token reductions varies between compiles
+    return dict(out)
+
+
+def test_train_step_reduces_the_gradient_norm_once(monkeypatch):
+    """The step computes the global gradient norm once (logged, tested for finiteness, fed to the clipping): the
+    compiled step with clipping has exactly the collectives of the step without it; beyond Megatron's 2L+1 each
+    way and the loss's 3 per-token reductions there are only scalar reductions over ``model`` (the norm's sharded
+    sums of squares)."""
+    with_clip = _train_step_collectives(monkeypatch, clip=True)
+    assert with_clip == _train_step_collectives(monkeypatch, clip=False)
+    model = ("model",)
+    assert {k: v for k, v in with_clip.items() if k[2] > 1} == {
+        ("all-reduce", model, B * S * H): 2 * (2 * L + 1), ("all-reduce", model, B * S): 3}
+    assert set(with_clip) - {("all-reduce", model, B * S * H), ("all-reduce", model, B * S)} == {
+        ("all-reduce", model, 1)}

@@ -12,7 +12,7 @@ from flax import nnx
 from conftest import small_config
 from megajax.config import base_config, model_config
 from megajax.models.gpt import GPT
-from megajax.training.optimizer import learning_rate_schedule, make_optimizer, weight_decay_mask
+from megajax.training.optimizer import clip_by_global_norm, learning_rate_schedule, make_optimizer, weight_decay_mask
 
 
 def _opt(**kw):
@@ -74,3 +74,16 @@ def test_gradients_are_clipped_to_global_norm_one_before_adam():
     _, state = opt.update(small, opt.init(params), params)
     assert float(optax.tree.norm(optax.tree_utils.tree_get(state, "mu"))) == pytest.approx(
         0.1 * float(optax.tree.norm(small)), rel=1e-5)
+
+
+def test_clipping_with_the_norm_given_equals_optax():
+    """The step passes the norm it already computed; the result is optax.clip_by_global_norm's, bit for bit."""
+    grads = {"a": {"kernel": jnp.full((3, 3), 10.0)}, "b": {"bias": jnp.linspace(-5.0, 3.0, 4)}}
+    for scale in (1.0, 1e-3):
+        g = jax.tree.map(lambda x: x * scale, grads)
+        want, _ = optax.clip_by_global_norm(1.0).update(g, optax.EmptyState())
+        for norm in (None, optax.tree.norm(g)):
+            got, state = clip_by_global_norm(1.0).update(g, optax.EmptyState(), grad_norm=norm)
+            assert state == optax.EmptyState()
+            for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                np.testing.assert_array_equal(x, y)

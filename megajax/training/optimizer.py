@@ -35,10 +35,26 @@ def weight_decay_mask(params: Params) -> Params:
     return jax.tree_util.tree_map_with_path(lambda path, _: not path[-1].key.endswith(NO_DECAY_LEAVES), params)
 
 
-def make_optimizer(opt: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW. Gradients must already be unscaled (fp16) when they reach it."""
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """``optax.clip_by_global_norm`` that takes the norm as ``update(..., grad_norm=...)`` when the caller has it:
+    the training step computes it once for the log and the skip test, and a second computation here would
+    reduce every sharded gradient's sum of squares over ``model`` again (XLA does not merge the two). Its state is
+    the same empty state as optax's, so checkpoints keep their layout."""
+
+    def update(updates, state, params=None, *, grad_norm: jax.Array | None = None, **extra_args):
+        del params, extra_args
+        norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
+        keep = norm < max_norm  # exactly optax's expression (a NaN norm clips, to NaN)
+        return jax.tree.map(lambda g: jax.lax.select(keep, g, (g / norm.astype(g.dtype)) * max_norm), updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+def make_optimizer(opt: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformationExtraArgs:
+    """Clip by global norm, then AdamW. Gradients must already be unscaled (fp16) when they reach it; pass their
+    norm as ``update(grads, state, params, grad_norm=norm)`` if it is already computed."""
     return optax.chain(
-        optax.clip_by_global_norm(opt.clip_norm),
+        clip_by_global_norm(opt.clip_norm),
         optax.adamw(learning_rate_schedule(opt, total_steps), b1=opt.b1, b2=opt.b2, eps=opt.eps,
                     weight_decay=opt.weight_decay, mask=weight_decay_mask),
     )

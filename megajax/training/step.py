@@ -90,7 +90,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         grad_norm = optax.tree.norm(grads)  # non-finite iff some gradient element is
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss"])
 
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params, grad_norm=grad_norm)
         params = optax.apply_updates(state.params, updates)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)  # skip a bad update
