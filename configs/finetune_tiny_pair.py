@@ -1,5 +1,6 @@
-"""Fine-tunes a bert_tiny-shaped classifier on the synthetic pair task (label: does segment B contain A's first
-word?) on a CPU, through the same trainer as pretraining.
+"""Fine-tunes a bert_tiny-shaped classifier on the synthetic pair task (label: does segment A hold more words of
+the upper half of the word list than segment B? a comparison across the two segments) on a CPU, through the same
+trainer as pretraining.
 
 Command:  python train.py --config=configs/finetune_tiny_pair.py --workdir=/tmp/ft_tiny_pair
           (optionally first pretrain python train.py --config=configs/bert_tiny.py --workdir=/tmp/bert_tiny and add

@@ -106,3 +106,21 @@ def test_remat_gives_same_loss_and_gradients(policy):
     np.testing.assert_allclose(loss_r, loss, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads_r), jax.tree.leaves(grads)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
+
+
+def test_model_flops_per_model_kind():
+    """Megatron's 72 B s L h^2 (1 + s/6h + V/12Lh): the vocabulary term only where there is an output layer over
+    it (GPT, BERT's MLM, which also adds its h x h transform), four sequences per RACE example."""
+    from types import SimpleNamespace
+
+    from megajax.training.metrics import model_flops_per_step
+
+    b, s, layers, h, v = 8, 128, 2, 64, 1024
+    trunk = 72 * b * s * layers * h * h * (1 + s / (6 * h))
+    vocab_term = 72 * b * s * layers * h * h * v / (12 * layers * h)  # = 6 B s h V
+    model = SimpleNamespace(num_layers=layers, hidden_size=h, padded_vocab_size=v)
+    want = {"gpt": trunk + vocab_term, "bert": trunk + vocab_term + 6 * b * s * h * h, "bert_classifier": trunk,
+            "bert_span": trunk, "bert_multiple_choice": 4 * trunk}
+    for name, flops in want.items():
+        spec = SimpleNamespace(model_name=name, model=model, global_batch=b)
+        assert model_flops_per_step(spec, s) == pytest.approx(flops, rel=1e-12), name

@@ -29,7 +29,7 @@ from megajax.sharding import activate, logical_to_spec, make_mesh
 from megajax.training import distributed
 from megajax.training.health import NonFiniteGuard
 from megajax.training.loss_scale import LossScale
-from megajax.training.metrics import MetricsWriter, model_flops_per_step, peak_flops
+from megajax.training.metrics import MetricsWriter, model_flops_per_step, peak_flops, sequences_per_step
 from megajax.training.objectives import Field, objective_for
 from megajax.training.optimizer import learning_rate_schedule, make_optimizer
 from megajax.training.preemption import StopRequest
@@ -233,7 +233,7 @@ def _loop(run: Run, state: TrainState, loader: Loader, valid: Loader | None,
             tflops = flops / step_time / jax.device_count() / 1e12
             record = {"step": done, "loss": metrics["loss"], "lr": metrics["lr"], "grad_norm": metrics["grad_norm"],
                       **{k: v for k, v in metrics.items() if k not in ("loss_scale", "skipped", "nonfinite")},
-                      "tokens_per_sec": spec.global_batch * seq / step_time, "step_time_s": step_time,
+                      "tokens_per_sec": sequences_per_step(spec) * seq / step_time, "step_time_s": step_time,
                       "tflops_per_device": tflops, "mfu": tflops * 1e12 / peak if peak else None}
             if state.loss_scale.dynamic:
                 record.update(loss_scale=metrics["loss_scale"], skipped=metrics["skipped"])

@@ -20,13 +20,24 @@ def transformer_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int
     return 72.0 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
 
 
+def sequences_per_step(spec) -> int:
+    """Sequences of ``max_seq_len`` through the trunk per step: one per example, four for multiple choice (each
+    RACE option is its own row)."""
+    from megajax.training.objectives import NUM_CHOICES
+
+    return spec.global_batch * (NUM_CHOICES if spec.model_name == "bert_multiple_choice" else 1)
+
+
 def model_flops_per_step(spec, seq: int) -> float:
     """Model FLOPs of one step of a resolved run (``config.RunSpec``): GPT's formula; BERT adds its MLM
-    transform (an h x h dense at every position, 6 B s h^2 forward + backward; the pooler is negligible)."""
+    transform (an h x h dense at every position, 6 B s h^2 forward + backward; the pooler is negligible). Task
+    models have no output layer over the vocabulary (their heads are negligible) and count every sequence."""
     m = spec.model
-    flops = transformer_flops(spec.global_batch, seq, m.num_layers, m.hidden_size, m.padded_vocab_size)
+    vocab = m.padded_vocab_size if spec.model_name in ("gpt", "bert") else 0
+    rows = sequences_per_step(spec)
+    flops = transformer_flops(rows, seq, m.num_layers, m.hidden_size, vocab)
     if spec.model_name == "bert":
-        flops += 6.0 * spec.global_batch * seq * m.hidden_size**2
+        flops += 6.0 * rows * seq * m.hidden_size**2
     return flops
 
 
