@@ -3,7 +3,8 @@
     python -m megajax.comm_report --config=gpt_tiny --mesh=2x4 --cpu_devices=8 [--batch=8]
 
 Prints every collective of the compiled forward + backward + AdamW step: the mesh axes it spans, its phase, its
-size in elements and how many times it runs per step (scanned layers counted by trip count).
+size in elements and how many times it runs per step (scanned layers counted by trip count); then the bytes per
+category beside Megatron's analytic minimum and their ratio (``megajax.comm_budget``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> str:
         simulate_cpu_devices([f"--cpu_devices={args.cpu_devices}"])
 
     from megajax.cli import load_config
+    from megajax.comm_budget import step_budget
     from megajax.hlo_audit import collectives, format_table
     from megajax.training.loop import setup
 
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> str:
     if args.batch:
         config.train.global_batch_size = args.batch
     run = setup(config)
-    table = format_table(collectives(run.step_fn.as_text(), run.mesh))
+    table = format_table(collectives(run.step_fn.as_text(), run.mesh)) + "\n\n" + step_budget(run).table()
     print(table)
     return table
 

@@ -28,10 +28,17 @@ def vocab_parallel_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Ar
     Returns:
       (B, S) fp32 losses.
     """
+    return vocab_parallel_nll_and_hit(logits, labels)[0]
+
+
+def vocab_parallel_nll_and_hit(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(per-token fp32 losses, whether the label's logit is the maximum) from the same three per-token reductions
+    over vocabulary shards (max, sum of exponentials, target logit): an accuracy metric costs no collective."""
     logits = constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
-    lse = jax.nn.logsumexp(logits, axis=-1)  # (B, S): max and sum-exp reduced over shards
+    top = jax.lax.stop_gradient(logits.max(axis=-1))  # (B, S)
+    lse = top + jnp.log(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1))  # as jax.nn.logsumexp
     target = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]  # (B, S)
-    return lse - target
+    return lse - target, target >= top
 
 
 def lm_loss(model, tokens: jax.Array, labels: jax.Array, *, dropout_key: jax.Array | None = None,

@@ -115,13 +115,37 @@ def test_comm_report_cli(capsys):
     from megajax.comm_report import main
 
     table = main(["--config=gpt_tiny", "--mesh=2x4", "--batch=8"])
-    rows = [line.split() for line in table.splitlines()[1:]]
+    collectives_table, budget_table = table.split("\n\n")
+    rows = [line.split() for line in collectives_table.splitlines()[1:]]
     assert {r[0] for r in rows} == {"all-reduce"}
     # gpt_tiny: 2 layers, per-data-shard batch 4 x seq 128 x hidden 128 = 65536: (2L + 1) each way over model.
     assert ["all-reduce", "model", "forward", "65536", "5"] in rows
     assert ["all-reduce", "model", "backward", "65536", "5"] in rows
     assert any(r[1] == "data" for r in rows)
     assert capsys.readouterr().out.strip() == table
+    budget = {line[:26].strip(): line[26:].split() for line in budget_table.splitlines()[1:-1]}
+    # 5 x 65536 elements x 4 bytes each way; the tied embedding's second data-axis reduction: 4096 / 4 x 128 x 4
+    assert budget["tensor-parallel forward"] == ["1,310,720", "1,310,720", "1.0000"]
+    assert budget["tensor-parallel backward"] == ["1,310,720", "1,310,720", "1.0000"]
+    got, want = (int(x.replace(",", "")) for x in budget["data-parallel gradients"][:2])
+    assert got - want == 4096 // 4 * 128 * 4 and "other" not in budget
+
+
+def test_budget_bert_remat_is_megatron_minimum():
+    """BERT on 1x4 with remat=full: exactly the analytic bytes (the MLM accuracy reuses the loss's reductions;
+    the recomputed forward re-reduces each block's attention output only)."""
+    from megajax.comm_budget import step_budget
+    from megajax.config import bert_base_config
+    from megajax.training.loop import setup
+
+    c = bert_base_config()
+    c.model.update(vocab_size=1000, make_vocab_size_divisible_by=128, num_layers=L, hidden_size=H, num_heads=8,
+                   max_seq_len=S, dropout=0.0, remat="full")
+    c.mesh.data, c.mesh.model = 1, 4
+    c.train.update(global_batch_size=B, precision="fp32")
+    budget = step_budget(setup(c))
+    assert budget.compiled == budget.minimum and budget.ratio == 1.0, budget.table()
+    assert budget.minimum["tensor-parallel backward"] == (3 * L + 1) * B * S * H * 4
 
 
 def _train_step_collectives(monkeypatch, clip: bool) -> dict:

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from megajax.losses import lm_loss, vocab_parallel_cross_entropy
+from megajax.losses import lm_loss, vocab_parallel_nll_and_hit
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -57,12 +57,11 @@ BERT_FIELDS = ("tokens", "token_types", "padding_mask", "mlm_labels", "mlm_weigh
 def _mlm_sop(model: nnx.Module, batch: Batch, key: jax.Array | None) -> tuple[jax.Array, Metrics]:
     """MLM mean over the masked tokens + SOP cross-entropy (Lan et al. 2019), both logged."""
     mlm_logits, sop_logits = model(batch["tokens"], batch["token_types"], batch["padding_mask"], dropout_key=key)
-    nll = vocab_parallel_cross_entropy(mlm_logits, batch["mlm_labels"])  # (B, S)
+    nll, hit = vocab_parallel_nll_and_hit(mlm_logits, batch["mlm_labels"])  # (B, S) each
     weights = batch["mlm_weights"].astype(jnp.float32)
     count = jnp.maximum(weights.sum(), 1.0)
     mlm = (nll * weights).sum() / count
-    target = jnp.take_along_axis(mlm_logits, batch["mlm_labels"][..., None], axis=-1)[..., 0]
-    correct = (target >= mlm_logits.max(axis=-1)).astype(jnp.float32)  # per-token max: no logits gathered
+    correct = hit.astype(jnp.float32)
     sop_logits = sop_logits.astype(jnp.float32)
     sop = optax.softmax_cross_entropy_with_integer_labels(sop_logits, batch["sop_labels"]).mean()
     sop_acc = (sop_logits.argmax(-1) == batch["sop_labels"]).astype(jnp.float32).mean()
