@@ -25,11 +25,12 @@ flags.DEFINE_integer("cpu_devices", 0, "simulate this many devices on a CPU host
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax and jax log every step at INFO
+    from megajax.cli import absolute_paths
     from megajax.errors import USER_ERRORS
     from megajax.training.loop import train
 
     try:
-        train(flags.FLAGS.config, flags.FLAGS.workdir)
+        train(absolute_paths(flags.FLAGS.config), flags.FLAGS.workdir)
     except USER_ERRORS as e:  # a message that says what to change; no traceback
         sys.exit(f"error: {e}")
 

@@ -47,6 +47,21 @@ def load_config(name: str) -> ml_collections.ConfigDict:
     return module.get_config()
 
 
+PATH_FIELDS = (("data", "path"), ("data", "tokenizer"), ("data", "task_dir"), ("data", "tfds_data_dir"),
+               (None, "init_from"))
+
+
+def absolute_paths(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """``config`` with its file and directory fields made absolute (from the current directory): the config is
+    stored with every checkpoint, and eval.py or a resumed run may start elsewhere."""
+    for section, field in PATH_FIELDS:
+        parent = config if section is None else config.get(section)
+        value = parent.get(field) if parent is not None else None
+        if value:
+            parent[field] = str(pathlib.Path(value).expanduser().resolve())
+    return config
+
+
 def _flag_value(argv: list[str], name: str) -> str | None:
     """The value of ``--name=V`` or ``--name V`` (the last one wins, as absl's), else None."""
     value = None

@@ -114,6 +114,8 @@ def read_splits(task: str, config: ml_collections.ConfigDict, data: str | None,
                     print(f"note: {path} has no is_impossible field (a SQuAD 1.1 file?)", flush=True)
                 features = squad.featurize_squad(squad_data.examples, tok, seq, training=False, name=label)
                 out.append(Split(name, path, features.task, [e.qid for e in features.examples], features))
+    except InputError:
+        raise
     except (TaskDataError, FileNotFoundError) as e:
         raise InputError(str(e)) from e
     except ValueError as e:  # a sequence too short for the task's rows, a tokenizer without [CLS]/[SEP]
