@@ -124,3 +124,21 @@ def test_model_flops_per_model_kind():
     for name, flops in want.items():
         spec = SimpleNamespace(model_name=name, model=model, global_batch=b)
         assert model_flops_per_step(spec, s) == pytest.approx(flops, rel=1e-12), name
+
+
+def test_peak_flops_by_device_kind_and_precision():
+    from types import SimpleNamespace
+
+    from megajax.training.metrics import peak_flops
+
+    def peak(kind, precision, override=None):
+        return peak_flops(SimpleNamespace(device_kind=kind), precision, override)
+
+    assert peak("NVIDIA H100 80GB HBM3", "bf16") == 989e12 and peak("NVIDIA H100 80GB HBM3", "fp16") == 989e12
+    assert peak("NVIDIA H100 PCIe", "bf16") == 756e12  # the specific part before the general name
+    assert peak("NVIDIA A100-SXM4-80GB", "fp32") == 156e12  # TF32, XLA's default fp32 matmuls there
+    assert peak("Tesla V100-SXM2-32GB", "fp16") == 125e12 and peak("Tesla V100-SXM2-32GB", "fp32") == 15.7e12
+    assert peak("TPU v4", "fp32") is None  # no fp32 entry: no half-precision peak for an fp32 run
+    assert peak("cpu", "fp32") is None and peak("NVIDIA GeForce RTX 4090", "bf16") is None  # no guess
+    assert peak("NVIDIA L40S", "bf16") == 362e12 and peak("NVIDIA L4", "bf16") == 121e12
+    assert peak("cpu", "fp32", 1e12) == 1e12

@@ -209,7 +209,7 @@ def _loop(run: Run, state: TrainState, loader: Loader, valid: Loader | None,
     config, spec = run.config, run.spec
     seq = spec.model.max_seq_len
     flops = model_flops_per_step(spec, seq)
-    peak = peak_flops(jax.devices()[0], config.train.peak_flops_per_device)
+    peak = peak_flops(jax.devices()[0], spec.precision, config.train.peak_flops_per_device)
     records, first_step = [], int(state.step)
     guard = NonFiniteGuard(config.train.max_nonfinite_steps, checkpointer)
     progress = _progress(first_step, config.train.steps, is_main)

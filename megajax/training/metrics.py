@@ -7,11 +7,22 @@ import pathlib
 
 import jax
 
-# Dense bf16/fp16 peak per device (vendor datasheets), by substring of jax's device_kind.
+# Dense peak FLOP/s per device from vendor datasheets: (substring of jax's device_kind, precision). The first
+# matching kind wins, so the specific ones (H100 PCIe) come before the general (H100, the SXM part). fp32 runs
+# use the TF32 tensor-core peak on Ampere and Hopper (XLA's default matmul precision there) and the plain FP32
+# peak on Volta. A device or precision not listed gets no MFU rather than a guess (set
+# train.peak_flops_per_device).
 PEAK_FLOPS = {
-    "H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 125e12, "L4": 121e12, "V100": 125e12,
-    "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12, "TPU v6": 918e12,
+    ("H100 PCIe", "bf16"): 756e12, ("H100 PCIe", "fp32"): 378e12, ("H100 NVL", "bf16"): 835e12,
+    ("H100 NVL", "fp32"): 418e12,
+    ("H100", "bf16"): 989e12, ("H100", "fp32"): 495e12, ("H200", "bf16"): 989e12, ("H200", "fp32"): 495e12,
+    ("A100", "bf16"): 312e12, ("A100", "fp32"): 156e12, ("L40S", "bf16"): 362e12, ("L40S", "fp32"): 183e12,
+    ("L40", "bf16"): 181e12, ("L40", "fp32"): 90.5e12, ("L4", "bf16"): 121e12, ("L4", "fp32"): 60e12,
+    ("V100", "fp16"): 125e12, ("V100", "fp32"): 15.7e12,
+    ("TPU v4", "bf16"): 275e12, ("TPU v5 lite", "bf16"): 197e12, ("TPU v5e", "bf16"): 197e12,
+    ("TPU v5p", "bf16"): 459e12, ("TPU v6", "bf16"): 918e12,
 }
+
 
 
 def transformer_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
@@ -41,12 +52,14 @@ def model_flops_per_step(spec, seq: int) -> float:
     return flops
 
 
-def peak_flops(device: jax.Device, override: float | None = None) -> float | None:
-    """Peak FLOP/s of ``device`` from the table (None when unknown, e.g. CPU), unless overridden."""
+def peak_flops(device: jax.Device, precision: str, override: float | None = None) -> float | None:
+    """Peak FLOP/s of ``device`` at ``precision`` (fp32 | bf16 | fp16) from the table, None when it is not
+    listed (CPUs, unknown devices), unless ``override``."""
     if override:
         return float(override)
-    kind = getattr(device, "device_kind", "")
-    return next((v for k, v in PEAK_FLOPS.items() if k.lower() in kind.lower()), None)
+    kind = getattr(device, "device_kind", "").lower()
+    listed = ("fp32",) if precision == "fp32" else ("bf16", "fp16")  # half precisions share the tensor cores
+    return next((v for (name, p), v in PEAK_FLOPS.items() if p in listed and name.lower() in kind), None)
 
 
 class MetricsWriter:
