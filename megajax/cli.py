@@ -59,6 +59,10 @@ def absolute_paths(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
         value = parent.get(field) if parent is not None else None
         if value:
             parent[field] = str(pathlib.Path(value).expanduser().resolve())
+    items = config.data.get("blend", "").split()
+    if items and len(items) % 2 == 0:  # "W1 PREFIX1 W2 PREFIX2": the prefixes (malformed text is left to its check)
+        items[1::2] = [str(pathlib.Path(p).expanduser().resolve()) for p in items[1::2]]
+        config.data.blend = " ".join(items)
     return config
 
 

@@ -86,6 +86,10 @@ def base_config() -> ml_collections.ConfigDict:
         min_tokens=0,  # tfds: drop shorter documents (the preprocess CLI defaults to the paper's 128)
         seed=1234,
         valid_fraction=1 / 30,  # the paper's 29:1 train/validation split
+        # source=indexed: "W1 PREFIX1 W2 PREFIX2 ..." mixes several datasets by weight (Megatron's --data-path);
+        # each is split by valid_fraction. Resuming with other weights needs allow_blend_change=True.
+        blend="",
+        allow_blend_change=False,
         mask_prob=0.15,  # BERT: fraction of tokens masked (whole-word n-grams)
         max_ngram=3,  # BERT: n-gram lengths 1..max_ngram with probability proportional to 1/n
         short_seq_prob=0.1,  # BERT: probability of a shorter target length

@@ -98,3 +98,21 @@ def test_config_paths_resolve_from_any_directory(tmp_path, monkeypatch):
     assert pathlib.Path(resolve_config_path("gpt_tiny.py")).is_file()
     with pytest.raises(FileNotFoundError, match="available: "):
         resolve_config_path("gpt_nope")
+
+
+def test_train_py_stores_absolute_paths(tmp_path, monkeypatch):
+    """train.py resolves the config's paths at the boundary: the config stored with each checkpoint works from
+    any directory (eval.py, a resume started elsewhere)."""
+    import pathlib
+
+    from megajax.cli import absolute_paths
+    from megajax.config import base_config
+
+    monkeypatch.chdir(tmp_path)
+    c = base_config()
+    c.data.update(task_dir="glue/MNLI", tokenizer="~/vocab.txt", path="", blend="0.3 data/a 0.7 /abs/b")
+    c.init_from = "runs/bert"
+    absolute_paths(c)
+    assert c.data.task_dir == str(tmp_path / "glue" / "MNLI") and c.init_from == str(tmp_path / "runs" / "bert")
+    assert c.data.tokenizer == str(pathlib.Path.home() / "vocab.txt") and c.data.path == ""
+    assert c.data.blend == f"0.3 {tmp_path / 'data' / 'a'} 0.7 /abs/b"

@@ -209,3 +209,15 @@ def test_token_file_of_partial_ids_is_refused(tmp_path, corpus_texts, tokenizer)
         f.write(b"\0")  # half a uint16 id
     with pytest.raises(ValueError, match=r"out\.bin has \d+ bytes, not a whole number of uint16 ids"):
         IndexedTokens.open(tmp_path / "out")
+
+
+def test_cli_input_errors_print_a_message_not_a_traceback(tmp_path, corpus_texts, tokenizer):
+    src = _jsonl(tmp_path / "in.jsonl", corpus_texts[:2])
+    for args, message in [([f"--input={src}", f"--tokenizer={tmp_path / 'nope.json'}"], "nope.json does not exist"),
+                          ([f"--input={tmp_path / 'missing.jsonl'}", f"--tokenizer={tmp_path / 'tok.json'}"],
+                           "missing.jsonl")]:
+        tokenizer.save(tmp_path / "tok.json")
+        with pytest.raises(SystemExit) as exit_info:
+            preprocess_main([*args, f"--output_prefix={tmp_path / 'o'}", "--workers=1"])
+        assert str(exit_info.value).startswith("error: ") and message in str(exit_info.value)
+    assert not list(tmp_path.glob("o.*"))

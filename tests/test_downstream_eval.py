@@ -3,7 +3,6 @@ metrics equal those computed by hand from the model run one example at a time, o
 batches; bad inputs fail before the model is loaded."""
 
 import json
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -236,15 +235,3 @@ def test_median_over_seeds(tmp_path, capsys):
     assert main([str(p) for p in paths] + ["--output", str(tmp_path / "median.json")]) == 0
     assert json.loads((tmp_path / "median.json").read_text())["median"]["matched.accuracy"] == 84.0
 
-
-def test_train_py_stores_absolute_paths(tmp_path, monkeypatch):
-    """train.py resolves the config's paths at the boundary: the stored config works from any directory."""
-    from megajax.cli import absolute_paths
-
-    monkeypatch.chdir(tmp_path)
-    c = _task_config("mnli", (tmp_path, tmp_path / "t.json"))
-    c.data.update(task_dir="glue/MNLI", tokenizer="~/vocab.txt", path="")
-    c.init_from = "runs/bert"
-    absolute_paths(c)
-    assert c.data.task_dir == str(tmp_path / "glue" / "MNLI") and c.init_from == str(tmp_path / "runs" / "bert")
-    assert c.data.tokenizer == str(pathlib.Path.home() / "vocab.txt") and c.data.path == ""

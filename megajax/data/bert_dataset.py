@@ -153,9 +153,15 @@ class BERTBatches:
 
     def rows(self, step: int, start: int, stop: int) -> dict[str, np.ndarray]:
         """Rows ``start:stop`` of the global batch of ``step``."""
-        first, n = step * self.global_batch, len(self.sample_map)
-        samples = [self.sample(k // n, self._order[k]) for k in range(first + start, first + stop)]
-        return {name: np.stack([s[name] for s in samples]).astype(dtype) for name, (_, dtype) in self.fields.items()}
+        first = step * self.global_batch
+        return self.samples(np.arange(first + start, first + stop))
+
+    def samples(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """Samples ``indices`` of the endless stream (index k: epoch k // samples per epoch, reshuffled)."""
+        n = len(self.sample_map)
+        samples = [self.sample(int(k) // n, self._order[int(k)]) for k in indices]
+        return {name: np.stack([s[name] for s in samples]).astype(dtype).reshape(len(indices), *shape)
+                for name, (shape, dtype) in self.fields.items()}
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         return self.rows(step, 0, self.global_batch)

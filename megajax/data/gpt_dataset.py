@@ -54,7 +54,11 @@ class GPTBatches:
     def rows(self, step: int, start: int, stop: int) -> dict[str, np.ndarray]:
         """Rows ``start:stop`` of the global batch of ``step``: tokens (stop - start, seq_len + 1) int32."""
         first = step * self.global_batch
-        return {"tokens": np.stack([self._samples[k] for k in range(first + start, first + stop)])}
+        return self.samples(np.arange(first + start, first + stop))
+
+    def samples(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """Samples ``indices`` of the endless shuffled stream (index k: epoch k // num_samples)."""
+        return {"tokens": np.stack([self._samples[int(k)] for k in indices]).reshape(len(indices), -1)}
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         return self.rows(step, 0, self.global_batch)

@@ -63,10 +63,17 @@ class Loader:
     def get_state(self) -> dict:
         return {"step": self.step, "global_batch": self.batches.global_batch, **self.batches.identity()}
 
-    def set_state(self, state: dict, allow_batch_size_change: bool = False) -> None:
+    def set_state(self, state: dict, allow_batch_size_change: bool = False, allow_blend_change: bool = False) -> None:
         """Moves to a saved position after checking it belongs to this data (states without ``global_batch``, from
         older checkpoints, skip that check)."""
-        mine = {k: v for k, v in self.batches.identity().items() if k != "global_batch"}  # checked below
+        mine = {k: v for k, v in self.batches.identity().items() if k not in ("global_batch", "blend_weights")}
+        weights = self.batches.identity().get("blend_weights")
+        if state.get("blend_weights") != weights and not allow_blend_change:
+            raise LoaderStateError(
+                f"the checkpoint was trained with data.blend weights {state.get('blend_weights')} but this run has "
+                f"{weights}: which sample each step reads depends on them. Restore the weights, or pass "
+                "--config.data.allow_blend_change=True to go on with the new mixture (the datasets' positions are "
+                "then recomputed from it, so some samples repeat or are skipped)")
         if any(state.get(k) != v for k, v in mine.items()):
             raise LoaderStateError(
                 f"the checkpoint's data position {state} is from another dataset or seed (this one: {mine}); "

@@ -197,10 +197,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--split_sentences", action="store_true", help="record sentence boundaries (needed for BERT)")
     p.add_argument("--language", default="en", help="language code for the sentence splitter")
     args = p.parse_args(argv)
-    counts = preprocess(args.input, load_tokenizer(args.tokenizer), args.output_prefix, json_key=args.json_key,
-                        min_tokens=args.min_tokens, dedup=args.dedup, dedup_threshold=args.dedup_threshold,
-                        dtype=args.dtype, workers=args.workers, progress=sys.stderr.isatty(),
-                        split_sentences=args.split_sentences, language=args.language)
+    try:
+        counts = preprocess(args.input, load_tokenizer(args.tokenizer), args.output_prefix, json_key=args.json_key,
+                            min_tokens=args.min_tokens, dedup=args.dedup, dedup_threshold=args.dedup_threshold,
+                            dtype=args.dtype, workers=args.workers, progress=sys.stderr.isatty(),
+                            split_sentences=args.split_sentences, language=args.language)
+    except (OSError, ValueError) as e:  # missing files, a bad tokenizer, nothing left, a full disk: no traceback
+        sys.exit(f"error: {e} (nothing was written to {args.output_prefix})")
     print(json.dumps(dataclasses.asdict(counts), indent=1))
 
 

@@ -6,9 +6,12 @@ anything compiles, with the field to change.
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_collections
 import numpy as np
 
+from megajax.data.blend import BlendedBatches, BlendSpec, parse_blend
 from megajax.data.gpt_dataset import GPTBatches, split_by_documents
 from megajax.data.indexed import IndexedTokens
 from megajax.data.loader import Loader
@@ -17,6 +20,14 @@ from megajax.sharding import ConfigError
 
 MAX_ID_CHUNK = 1 << 26  # ids per read when scanning a memory-mapped corpus for its largest id
 TASK_MODELS = {model for model, _ in TASKS.values()}
+
+
+@dataclasses.dataclass(frozen=True)
+class BlendedData:
+    """``data.blend``'s datasets, opened and checked, with their weights."""
+
+    spec: BlendSpec
+    datasets: list[IndexedTokens]
 
 
 def max_token_id(tokens: np.ndarray) -> int:
@@ -37,10 +48,28 @@ def check_ids_fit(tokens: np.ndarray, meta: dict, vocab_size: int, what: str) ->
                           f"tokenizer or set --config.model.vocab_size to at least {top + 1}")
 
 
-def load_dataset(config: ml_collections.ConfigDict) -> IndexedTokens | TaskData:
+def load_dataset(config: ml_collections.ConfigDict) -> IndexedTokens | TaskData | BlendedData:
     """The corpus named by ``config.data``, checked against the model's vocabulary (a fine-tuning task's rows for
-    ``data.source='task'``)."""
+    ``data.source='task'``, several weighted corpora for ``data.blend``)."""
     d, vocab = config.data, config.model.vocab_size
+    if d.get("blend"):
+        if d.source != "indexed" or d.path:
+            raise ConfigError(f"data.blend lists preprocessed datasets: set --config.data.source=indexed (not "
+                              f"{d.source!r}) and leave data.path empty (got {d.path!r})")
+        spec = parse_blend(d.blend)
+        datasets = []
+        for path in spec.paths:
+            try:
+                datasets.append(IndexedTokens.open(path))
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"data.blend: dataset {path}: {e}") from e
+            check_ids_fit(datasets[-1].tokens, datasets[-1].meta, vocab, f"data.blend's dataset {path}")
+        tokenizers = [_tokenizer_text(ds) for ds in datasets]
+        for path, text in zip(spec.paths[1:], tokenizers[1:]):
+            if text != tokenizers[0]:
+                raise ConfigError(f"data.blend: {path} was preprocessed with another tokenizer than {spec.paths[0]}"
+                                  " (their ids mean different tokens); preprocess every dataset with one tokenizer")
+        return BlendedData(spec, datasets)
     if (d.source == "task") != (config.model.name in TASK_MODELS):
         raise ConfigError(f"model.name={config.model.name} with data.source={d.source}: the task models "
                           f"({', '.join(sorted(TASK_MODELS))}) train on data.source=task and only they do")
@@ -71,6 +100,11 @@ def load_dataset(config: ml_collections.ConfigDict) -> IndexedTokens | TaskData:
     return data
 
 
+def _tokenizer_text(data: IndexedTokens) -> str | None:
+    path = data.tokenizer_path()
+    return path.read_text(encoding="utf-8") if path is not None and path.is_file() else None
+
+
 def _split_hint(split: str, config: ml_collections.ConfigDict) -> str:
     if split == "valid":
         return (f"the validation split (the last data.valid_fraction={config.data.valid_fraction:.4g} of the "
@@ -80,13 +114,22 @@ def _split_hint(split: str, config: ml_collections.ConfigDict) -> str:
 
 
 def make_loader(config: ml_collections.ConfigDict, split: str = "train",
-                data: IndexedTokens | TaskData | None = None) -> Loader:
+                data: IndexedTokens | TaskData | BlendedData | None = None) -> Loader:
     """The loader of ``split`` ('train' or 'valid') for ``config.model.name``, positioned at step 0."""
     data = load_dataset(config) if data is None else data
     if isinstance(data, TaskData):  # fine-tuning: shuffled rows of the split (validation reads its first batches)
         from megajax.downstream.batches import TrainBatches
         return Loader(TrainBatches(data.train if split == "train" else data.valid, config.train.global_batch_size,
                                    config.data.seed))
+    if isinstance(data, BlendedData):  # each dataset split alike, then mixed by weight
+        parts = [_corpus_batches(config, part, split, f"data.blend's dataset {path}")
+                 for path, part in zip(data.spec.paths, data.datasets)]
+        return Loader(BlendedBatches(parts, data.spec.weights, config.train.global_batch_size, data.spec.paths))
+    return Loader(_corpus_batches(config, data, split, ""))
+
+
+def _corpus_batches(config: ml_collections.ConfigDict, data: IndexedTokens, split: str, which: str):
+    """GPT windows or BERT sentence pairs of one corpus's ``split``; ConfigError when it cannot fill a batch."""
     train_range, valid_range = split_by_documents(data.offsets, config.data.valid_fraction)
     token_range = train_range if split == "train" else valid_range
     b, seq = config.train.global_batch_size, config.model.max_seq_len
@@ -96,10 +139,11 @@ def make_loader(config: ml_collections.ConfigDict, split: str = "train",
     else:
         batches, unit = GPTBatches(data.tokens, seq, b, config.data.seed, token_range), f"samples of {seq + 1} tokens"
         n = batches.num_samples
-    if n == 0 or (split == "train" and n < b):
-        raise ConfigError(f"{_split_hint(split, config)} ({token_range[1] - token_range[0]} tokens make {n} {unit}; "
-                          f"one step needs train.global_batch_size={b})")
-    return Loader(batches)
+    if n == 0 or (split == "train" and n < b and not which):
+        tokens = token_range[1] - token_range[0]
+        raise ConfigError(f"{which + ': ' if which else ''}{_split_hint(split, config)} ({tokens} tokens make {n} "
+                          f"{unit}; one step needs train.global_batch_size={b})")
+    return batches
 
 
 def _bert_batches(config: ml_collections.ConfigDict, data: IndexedTokens, token_range: tuple[int, int],

@@ -18,9 +18,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from megajax.builder import abstract_model, model_factory
 from megajax.checkpoint import Checkpointer
 from megajax.config import RunSpec, resolve
+from megajax.data.blend import BlendedBatches
 from megajax.data.gpt_dataset import split_by_documents, unigram_entropy
 from megajax.data.loader import Loader
-from megajax.data.sources import TASK_MODELS, load_dataset, make_loader
+from megajax.data.sources import TASK_MODELS, BlendedData, load_dataset, make_loader
 from megajax.data.task_source import TaskData
 from megajax.finetune import check_init_from, load_trunk
 from megajax.info import memory_report
@@ -116,8 +117,13 @@ def _start_record(run: Run, data, resumed_from: int | None) -> dict:
         stats = dev.memory_stats()  # None or unsupported on CPU
     except Exception:  # noqa: BLE001 - purely informational
         stats = None
+    blend = None
     if isinstance(data, TaskData):  # fine-tuning rows: no corpus entropy
         entropy = None
+    elif isinstance(data, BlendedData):  # no single corpus; each dataset's weight and samples per epoch instead
+        entropy = None
+        blend = [{"path": p, "weight": w, "tokens": int(len(d.tokens))}
+                 for p, w, d in zip(data.spec.paths, data.spec.weights, data.datasets)]
     else:  # a bounded prefix of the training split: reading a whole multi-GB corpus at every start would stall it
         train_end = split_by_documents(data.offsets, run.config.data.valid_fraction)[0][1]
         entropy = unigram_entropy(data.tokens[:min(train_end, ENTROPY_SAMPLE_TOKENS)])
@@ -127,7 +133,7 @@ def _start_record(run: Run, data, resumed_from: int | None) -> dict:
             "precision": spec.precision, "param_bytes_per_device": report.param_bytes,
             "train_state_bytes_per_device": report.param_bytes + report.grad_bytes + report.optimizer_bytes,
             "device_bytes_in_use": (stats or {}).get("bytes_in_use"),
-            "unigram_entropy": entropy}
+            "unigram_entropy": entropy, **({"blend": blend} if blend else {})}
 
 
 def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dict]:
@@ -164,7 +170,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> li
     restored = checkpointer.resume(run.abstract_state, restore_step) if checkpointer else None
     if restored:
         state, loader_state = restored
-        loader.set_state(loader_state, config.train.allow_batch_size_change)
+        loader.set_state(loader_state, config.train.allow_batch_size_change, config.data.get("allow_blend_change"))
         if init_from and jax.process_index() == 0:
             print(f"resuming from {checkpointer.directory}: init_from={init_from!r} is ignored (resume wins)",
                   file=sys.stderr)
@@ -237,6 +243,8 @@ def _loop(run: Run, state: TrainState, loader: Loader, valid: Loader | None,
                       "tflops_per_device": tflops, "mfu": tflops * 1e12 / peak if peak else None}
             if state.loss_scale.dynamic:
                 record.update(loss_scale=metrics["loss_scale"], skipped=metrics["skipped"])
+            if isinstance(loader.batches, BlendedBatches):  # samples drawn so far from each data.blend dataset
+                record.update({f"blend_samples_{i}": n for i, n in enumerate(loader.batches.drawn(done))})
             writer.write(record)
             records.append(record)
             progress.update(done - progress.n)
