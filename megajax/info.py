@@ -60,13 +60,16 @@ def params_per_device(config: ml_collections.ConfigDict, mesh_shape: dict[str, i
 def activation_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: int, bytes_per_value: int) -> int:
     """Activation estimate per device after Korthikanti et al. 2022 (Eq. 2, no sequence parallelism).
 
-    One layer keeps s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes at 16-bit; with full recompute only each layer's input
-    (2*s*b*h bytes) is kept, plus one layer recomputed at a time. Scaled by bytes_per_value/2 for fp32.
+    One layer keeps s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes at 16-bit; ``selective`` recomputation drops the
+    attention core's 5*a*s/(h*t) term (its s x s tensors); with full recompute (and ``save_dots``, counted alike)
+    only each layer's input (2*s*b*h bytes) is kept, plus one layer recomputed at a time. Scaled by
+    bytes_per_value/2 for fp32.
     """
     m = config.model
     s, b, h, a, L = m.max_seq_len, micro_batch, m.hidden_size, m.num_heads, m.num_layers
-    per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
-    kept = L * 2 * s * b * h + per_layer if m.remat != "none" else L * per_layer
+    core = 0 if m.remat == "selective" else 5 * a * s / (h * tp)
+    per_layer = s * b * h * (10 + 24 / tp + core)
+    kept = L * 2 * s * b * h + per_layer if m.remat in ("full", "save_dots") else L * per_layer
     logits = 4 * s * b * model_config(config).padded_vocab_size / tp * 2  # fp32 logits and their gradient
     return int(kept * bytes_per_value / 2 + logits)
 

@@ -87,7 +87,7 @@ def test_fp16_overflow_skips_then_backs_off_then_grows():
     assert np.isfinite(jax.tree.leaves(state.params)[0]).all()
 
 
-@pytest.mark.parametrize("policy", ["full", "save_dots"])
+@pytest.mark.parametrize("policy", ["full", "save_dots", "selective"])
 def test_remat_gives_same_loss_and_gradients(policy):
     config = small_config()
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1000, (4, 17)))
@@ -106,6 +106,24 @@ def test_remat_gives_same_loss_and_gradients(policy):
     np.testing.assert_allclose(loss_r, loss, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads_r), jax.tree.leaves(grads)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
+
+
+def test_selective_recomputation_keeps_no_attention_matrix():
+    """remat=selective recomputes the attention core: the compiled backward keeps at least one (B, N, S, S) fp32
+    tensor per layer less than without recomputation (the scores / probabilities)."""
+    b, s, layers = 4, 256, 2
+
+    def temp_bytes(remat):
+        config = small_config(num_layers=layers)
+        config.model.update(max_seq_len=s, remat=remat, dropout=0.1)
+        graphdef, params = nnx.split(GPT(model_config(config), rngs=nnx.Rngs(0)))
+        tokens = jnp.zeros((b, s), jnp.int32)
+        grad = jax.jit(jax.grad(lambda p: lm_loss(nnx.merge(graphdef, p), tokens, tokens,
+                                                  dropout_key=jax.random.key(0))))
+        return grad.lower(params).compile().memory_analysis().temp_size_in_bytes
+
+    heads = small_config().model.num_heads
+    assert temp_bytes("selective") <= temp_bytes("none") - layers * b * heads * s * s * 4
 
 
 def test_model_flops_per_model_kind():

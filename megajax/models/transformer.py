@@ -17,7 +17,7 @@ from flax import nnx
 from megajax.layers import ACTIVATIONS, ColumnParallelLinear, LayerNorm, RowParallelLinear, dropout, scaled_init_std
 from megajax.sharding import constrain
 
-REMAT_POLICIES = ("none", "full", "save_dots")
+REMAT_POLICIES = ("none", "full", "save_dots", "selective")
 LayerCache = tuple[jax.Array, jax.Array]  # one layer's (keys, values), (B, S_max, N, D) each
 KVCache = tuple[jax.Array, jax.Array]  # all layers' (keys, values), (L, B, S_max, N, D) each
 
@@ -37,7 +37,7 @@ class TransformerConfig:
     init_std: float = 0.02
     layernorm_eps: float = 1e-5
     dtype: str = "float32"  # compute dtype; parameters stay fp32
-    remat: str = "none"  # none | full | save_dots
+    remat: str = "none"  # none | full | save_dots | selective (the attention core only, Korthikanti et al. 2022)
     post_layernorm: bool = False  # False: pre-LN + final LN (paper Fig. 7b); True: original BERT (Fig. 7a)
     activation: str = "gelu_tanh"  # gelu_tanh (GPT-2, Megatron's fused bias-GeLU) | gelu (erf, BERT)
     num_token_types: int = 0  # BERT's segment embeddings (2); 0 = none
@@ -79,6 +79,7 @@ class SelfAttention(nnx.Module):
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         dt, h = cfg.compute_dtype, cfg.hidden_size
         self.rate = cfg.dropout
+        self.selective = cfg.remat == "selective"  # recompute the attention core in the backward pass
         # (H, heads, 3, head_dim): a shard of `heads` holds whole heads with their own q, k and v.
         self.qkv = ColumnParallelLinear(h, (cfg.num_heads, 3, cfg.head_dim), ("embed", "heads", "qkv", "head_dim"),
                                         std=cfg.init_std, dtype=dt, rngs=rngs)
@@ -98,13 +99,20 @@ class SelfAttention(nnx.Module):
             k, v = (constrain(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), index, axis=1),
                               ("batch", "seq", "heads", "head_dim")) for c, new in zip(cache, (k, v)))
             cache = (k, v)
-        scale = jnp.sqrt(q.shape[-1]).astype(jnp.float32)
-        scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(jnp.float32) / scale  # (B, N, S, S_kv)
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        probs = dropout(probs, self.rate, key)
-        ctx = jnp.einsum("bnqk,bknd->bqnd", probs, v.astype(x.dtype))  # (B, S, N, D)
-        return self.out(ctx), cache
+        core = jax.checkpoint(attention_core, static_argnums=5) if self.selective else attention_core
+        return self.out(core(q, k, v, mask, key, self.rate)), cache
+
+
+def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, key: jax.Array | None,
+                   rate: float) -> jax.Array:
+    """softmax(q k^T / sqrt(d)) v under ``mask``, with dropout on the probabilities: (B, S, N, D) -> (B, S, N, D).
+    Its (B, N, S, S_kv) intermediates are what ``remat=selective`` recomputes instead of keeping."""
+    scale = jnp.sqrt(q.shape[-1]).astype(jnp.float32)
+    scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(jnp.float32) / scale  # (B, N, S, S_kv)
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    probs = dropout(probs, rate, key)
+    return jnp.einsum("bnqk,bknd->bqnd", probs, v.astype(q.dtype))  # (B, S, N, D)
 
 
 class MLP(nnx.Module):
@@ -170,7 +178,7 @@ def run_blocks(blocks: Block, cfg: TransformerConfig, x: jax.Array, mask: jax.Ar
     def step(block: Block, h: jax.Array, key: jax.Array | None, layer_cache: LayerCache | None):
         return block(h, mask, key, layer_cache, index)
 
-    if cfg.remat != "none":
+    if cfg.remat in ("full", "save_dots"):  # selective: inside SelfAttention
         step = nnx.remat(step, policy=_remat_policy(cfg.remat))
     scan = nnx.scan(step, in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
     return scan(blocks, x, layer_keys, cache)
