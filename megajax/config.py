@@ -41,6 +41,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.init_from = ""
     c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
     c.sharding = ml_collections.ConfigDict(dict(rules=MEGATRON_RULES))
+    # beyond the paper: shard_optimizer (ZeRO-1, Megatron's distributed optimizer) splits AdamW's moments over
+    # `data` too; the parameters stay replicated over it (the step all-gathers their updated shards)
+    c.parallel = ml_collections.ConfigDict(dict(shard_optimizer=False))
     c.train = ml_collections.ConfigDict(dict(
         steps=300_000,
         global_batch_size=512,  # sequences per step
@@ -239,6 +242,7 @@ class RunSpec:
     precision: str  # fp32 | bf16 | fp16 (``auto`` resolved)
     global_batch: int
     num_micro: int  # accumulation steps per optimizer step
+    shard_optimizer: bool = False  # ZeRO-1: AdamW's moments also split over `data`
 
     @property
     def micro_batch(self) -> int:
@@ -252,4 +256,5 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> RunSpec:
     num_micro = validate_training(config, dp)
     return RunSpec(model_name=config.model.name, model=model_config(config), rules=rules_of(config), data=dp,
                    tensor=tp, precision=resolve_precision(config.train.precision),
-                   global_batch=config.train.global_batch_size, num_micro=num_micro)
+                   global_batch=config.train.global_batch_size, num_micro=num_micro,
+                   shard_optimizer=bool(config.get("parallel", {}).get("shard_optimizer", False)))

@@ -81,7 +81,8 @@ def memory_report(config: ml_collections.ConfigDict, data: int, model: int, micr
     validate(config, data * model)
     total, local = params_per_device(config, {"data": data, "model": model})
     act_width = 4 if resolve_precision(config.train.get("precision", "auto")) == "fp32" else 2
-    return MemoryReport(total, local, 4 * local, 4 * local, 8 * local,
+    zero = config.get("parallel", {}).get("shard_optimizer", False)  # ZeRO-1: moments split over data too
+    return MemoryReport(total, local, 4 * local, 4 * local, 8 * local // (data if zero else 1),
                         activation_bytes(config, micro_batch, model, act_width), data, model)
 
 
@@ -93,7 +94,8 @@ def format_report(r: MemoryReport, device_memory_gb: float | None) -> str:
         f"params per device    {r.params_per_device:,}",
         f"  fp32 parameters    {g(r.param_bytes)}",
         f"  fp32 gradients     {g(r.grad_bytes)}",
-        f"  AdamW m, v (fp32)  {g(r.optimizer_bytes)}",
+        f"  AdamW m, v (fp32)  {g(r.optimizer_bytes)}"
+        + ("  (split over data: parallel.shard_optimizer)" if r.optimizer_bytes < 8 * r.params_per_device else ""),
         f"  = model state      {g(r.param_bytes + r.grad_bytes + r.optimizer_bytes)}"
         f"  ({(r.param_bytes + r.grad_bytes + r.optimizer_bytes) / r.num_params:.2f} bytes/param of the whole model)",
         f"  activations (est.) {g(r.activation_bytes)}",

@@ -7,6 +7,7 @@ names, map them through the rules to PartitionSpecs, then run the initialiser un
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -56,6 +57,23 @@ def spec_table(state: nnx.State, rules: Rules) -> dict[str, dict[str, object]]:
             for path, names in logical_names(state).items()}
 
 
+def over_data(sharding: NamedSharding, shape: tuple[int, ...], axis: str = "data") -> NamedSharding:
+    """``sharding`` additionally split over ``axis`` (ZeRO-1: AdamW's moments of a parameter held 1/data per
+    device): on the first dimension it leaves whole that the axis divides, else on the first already split one
+    whose shards it divides (e.g. ('model', 'data')); unchanged when nothing fits or the axis has size 1."""
+    mesh, size = sharding.mesh, sharding.mesh.shape.get(axis, 1)
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    if size == 1 or axis in jax.tree.leaves(spec):
+        return sharding
+    split = lambda names: (names,) if isinstance(names, str) else tuple(names or ())  # noqa: E731
+    for whole_only in (True, False):
+        for i, (dim, names) in enumerate(zip(shape, spec)):
+            if (names is None) == whole_only and dim % (size * math.prod(mesh.shape[n] for n in split(names))) == 0:
+                spec[i] = axis if names is None else (*split(names), axis)
+                return NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    return sharding
+
+
 def init_sharded(build: Callable[[], M], mesh: Mesh, rules: Rules) -> M:
     """Runs ``build()`` under jit so each parameter is created directly in its sharded layout."""
     abstract = nnx.eval_shape(build)
@@ -72,4 +90,4 @@ def init_sharded(build: Callable[[], M], mesh: Mesh, rules: Rules) -> M:
     return nnx.merge(graphdef, state)
 
 
-__all__ = ["init_sharded", "logical_names", "partition_specs", "shardings", "spec_table"]
+__all__ = ["init_sharded", "logical_names", "over_data", "partition_specs", "shardings", "spec_table"]

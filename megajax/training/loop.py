@@ -25,7 +25,7 @@ from megajax.data.sources import TASK_MODELS, BlendedData, load_dataset, make_lo
 from megajax.data.task_source import TaskData
 from megajax.finetune import check_init_from, load_trunk
 from megajax.info import memory_report
-from megajax.partition import shardings
+from megajax.partition import over_data, shardings
 from megajax.sharding import activate, logical_to_spec, make_mesh
 from megajax.training import distributed
 from megajax.training.health import NonFiniteGuard
@@ -84,9 +84,13 @@ def setup(config: ml_collections.ConfigDict) -> Run:
     init = _init_fn(config, spec, optimizer)
     abstract_state = jax.eval_shape(init)
     replicated = NamedSharding(mesh, P())
+    moment_shardings = param_shardings
+    if spec.shard_optimizer:  # ZeRO-1: each data shard keeps (and updates) its slice of the moments
+        moment_shardings = jax.tree.map(lambda s, a: over_data(s, a.shape), param_shardings,
+                                        nnx.to_pure_dict(abstract_params))
     state_shardings = TrainState(
         step=replicated, params=param_shardings,
-        opt_state=optax.tree_map_params(optimizer, lambda _, s: s, abstract_state.opt_state, param_shardings,
+        opt_state=optax.tree_map_params(optimizer, lambda _, s: s, abstract_state.opt_state, moment_shardings,
                                         transform_non_params=lambda _: replicated),
         loss_scale=jax.tree.map(lambda _: replicated, abstract_state.loss_scale), rng=replicated)
     abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state,
