@@ -1,6 +1,7 @@
 """eval.py --task=mnli|qqp|squad1|squad2|race on fine-tuned (here: freshly initialised) task checkpoints: the
-metrics equal those computed by hand from the model run one example at a time, on 1x1 and 2x4, with padded last
-batches; bad inputs fail before the model is loaded."""
+metrics equal those computed by hand from the model run one example at a time, on 1x1 (SQuAD 2.0, the task with
+the most steps between logits and metrics, also on 2x4), with padded last batches; bad inputs fail before the
+model is loaded."""
 
 import json
 
@@ -162,7 +163,7 @@ def _reference(task, model, files):
     return {"dev": {**squad_scores(data.examples, answers_at(spans, None), margins), "windows": len(features)}}
 
 
-@pytest.mark.parametrize("task, meshes", [("mnli", [(1, 1), (2, 4)]), ("qqp", [(1, 1)]), ("race", [(1, 1)]),
+@pytest.mark.parametrize("task, meshes", [("mnli", [(1, 1)]), ("qqp", [(1, 1)]), ("race", [(1, 1)]),
                                           ("squad1", [(1, 1)]), ("squad2", [(1, 1), (2, 4)])])
 def test_metrics_equal_the_hand_computed_ones(task, meshes, checkpoints, files, tmp_path, monkeypatch):
     path, model = checkpoints[task]

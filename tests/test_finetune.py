@@ -172,11 +172,12 @@ def test_init_from_errors_before_compiling(tmp_path, make, message):
 
 def test_finetune_from_a_converted_hugging_face_bert(tmp_path):
     """A random local transformers BertForPreTraining, converted with hf-to-megajax, is the trunk of a fine-tuning
-    run: on 1x4 its pooled output equals transformers' within 1e-4 before training; on 1x1 the run learns."""
+    run: read by ``load_trunk`` (as train.py does) onto 1x4, its pooled output equals transformers' within 1e-4;
+    fine-tuned from it on 1x1, the classifier learns."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from megajax.checkpoint import load_model
     from megajax.convert.__main__ import main as convert_main
+    from megajax.finetune import load_trunk
 
     torch.manual_seed(0)
     hf = transformers.BertForPreTraining(transformers.BertConfig(
@@ -189,15 +190,13 @@ def test_finetune_from_a_converted_hugging_face_bert(tmp_path):
     c = task_config("bert_classifier", data=1, model=4, heads=4)
     c.model.post_layernorm = True  # BertForPreTraining is post-LN; a mismatch is refused by init_from's checks
     c.init_from = str(tmp_path / "mj")
-    c.checkpoint.update(enabled=True, every_steps=1)
-    c.train.update(steps=1)
-    c.optimizer.update(lr=0.0, min_lr=0.0, warmup_steps=0)
-    train(c, tmp_path / "ft0")
 
-    model, config = load_model(tmp_path / "ft0", data=1, model=4)
+    mesh = build_mesh(c)
+    graphdef, state = nnx.split(create_model(c, mesh, seed=0))
+    params = nnx.to_pure_dict(state)
+    nnx.replace_by_pure_dict(state, {**params, **load_trunk(c, params)})
     batch = load_dataset(c).train.rows(np.arange(8))
-    graphdef, state = nnx.split(model)
-    with activate(build_mesh(config), rules_of(config)):
+    with activate(mesh, rules_of(c)):
         pooled = jax.jit(lambda s, *x: (m := nnx.merge(graphdef, s)).pool(m.encode(*x)))(
             state, *(jnp.asarray(batch[k]) for k in ("tokens", "token_types", "padding_mask")))
     with torch.no_grad():
@@ -209,7 +208,6 @@ def test_finetune_from_a_converted_hugging_face_bert(tmp_path):
     steps, lr, threshold = LEARN["bert_classifier"]
     c.train.update(steps=steps, global_batch_size=32, eval_every=0, eval_batches=8)
     c.optimizer.update(lr=lr, min_lr=lr / 10, warmup_steps=20)
-    c.checkpoint.enabled = False
     c.mesh.model = 1
     valid = [r for r in train(c, tmp_path / "ft") if "valid_accuracy" in r][-1]
     assert valid["valid_accuracy"] > threshold, valid
