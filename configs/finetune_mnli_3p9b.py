@@ -7,7 +7,8 @@ Command:  python train.py --config=configs/finetune_mnli_3p9b.py --workdir=WORKD
               --config.data.task_dir=DIR --config.data.tokenizer=vocab.txt
           (PRETRAINED: the configs/bert_3p9b.py run's workdir; DIR holds train.tsv, dev_matched.tsv)
 Expect:   the trainer logs validation loss and accuracy on the dev split (exact start and end for SQuAD windows);
-          the paper reports MNLI m/mm accuracy 91.4/91.4 (Table 5) after the official evaluation.
+          the paper reports MNLI m/mm accuracy 91.4/91.4 (Table 5, median of 5 seeds);
+          measure it: python eval.py --checkpoint=WORKDIR --task=mnli
 """
 
 from megajax.finetune import table6_config
