@@ -1,0 +1,63 @@
+"""The memory formula beside XLA's plan for the larger configs that compile on a CPU host (nothing is allocated).
+
+    python bench/memory_planner.py                 # gpt_125m, gpt_355m, bert_336m (~10-20 s of compiling each)
+    python bench/memory_planner.py --cases gpt_125m:1x1:1:full gpt_355m:1x8:1:none:zero
+
+A case is CONFIG:DATAxMODEL:MICRO_BATCH:REMAT[:zero][:accN]. For each it prints the formula's state, temp and
+peak per device (``megajax.info.memory_report``), the compiled step's (``megajax.memory_planner.compiled_memory``)
+and the ratios compiled / formula. bench/README.md records a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from megajax.cli import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices(["--cpu_devices=8"])  # before jax is imported
+
+from megajax.cli import load_config  # noqa: E402
+from megajax.info import memory_report  # noqa: E402
+from megajax.memory_planner import compiled_memory  # noqa: E402
+
+DEFAULT_CASES = ("gpt_125m:1x1:1:none", "gpt_125m:1x1:2:full", "gpt_125m:1x1:2:selective", "gpt_125m:1x1:2:save_dots",
+                 "gpt_125m:1x4:2:none", "gpt_125m:2x4:2:full", "gpt_125m:4x2:2:selective:zero",
+                 "gpt_125m:1x1:1:full:acc2", "gpt_355m:1x8:1:none", "gpt_355m:2x4:2:full:zero",
+                 "bert_336m:1x8:1:selective")
+MiB = 1024**2
+
+
+def run_case(case: str) -> str:
+    name, mesh, micro, remat, *flags = case.split(":")
+    data, model = (int(x) for x in mesh.split("x"))
+    config = load_config(name)
+    config.model.remat = remat
+    config.parallel.shard_optimizer = "zero" in flags
+    num_micro = next((int(f[3:]) for f in flags if f.startswith("acc")), 1)
+    report = memory_report(config, data, model, int(micro), num_micro=num_micro)
+    start = time.perf_counter()
+    compiled = compiled_memory(config, data, model, int(micro), num_micro)
+    seconds = time.perf_counter() - start
+    cells = [f"{f / MiB:9.1f} {c / MiB:9.1f} {c / f:6.3f}" for f, c in (
+        (report.state_bytes, compiled.state), (report.temp_bytes, compiled.temp), (report.peak_bytes, compiled.peak))]
+    return f"{case:34s} " + "  ".join(cells) + f"  {seconds:5.0f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", nargs="*", default=list(DEFAULT_CASES),
+                   help="CONFIG:DATAxMODEL:MICRO:REMAT[:zero][:accN]")
+    args = p.parse_args(argv)
+    print(f"{'':34s} " + "  ".join(f"{q:^26s}" for q in ("state MiB", "temp MiB", "peak MiB")))
+    print(f"{'case':34s} " + "  ".join(f"{'formula':>9s} {'XLA':>9s} {'ratio':>6s}" for _ in range(3))
+          + "  compile s")
+    for case in args.cases:
+        print(run_case(case), flush=True)
+
+
+if __name__ == "__main__":
+    main()

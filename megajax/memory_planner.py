@@ -1,0 +1,204 @@
+"""What one training step holds on a device besides its arguments, by formula and as XLA plans it.
+
+The formula (``megajax.info.MemoryReport.temp_bytes``) counts the step's temporaries term by term:
+
+* gradients: fp32, 4 bytes per parameter held: the accumulator the micro-batch scan carries (zeros first), with
+  or without accumulation (with it the compiled temp grew by 0.1 to 1.7 gradient sizes on the configs measured;
+  the formula adds nothing). With ``parallel.shard_optimizer`` XLA splits them over ``data`` too (the sharded
+  AdamW update is their only consumer, so the backward pass writes the shards): ZeRO-1 saves gradient memory as
+  ZeRO-2 would.
+* activations (``activations``): what JAX's autodiff keeps for the backward pass. ``layer_residual_bytes`` counts
+  one layer's residuals by kind (the same bytes as the traced jaxpr, ``traced_layer_residual_bytes``, which the
+  tests compare); the scanned stack keeps L of them. On top of those, the larger of the output head at the start
+  of the backward pass (``head_bytes``: the fp32 logits, their exponentials and their gradient) and, with full /
+  save_dots recomputation, one layer's recomputed residuals.
+* the moments' copy: XLA copies AdamW's moments (8 bytes per parameter) when the step starts, because the
+  skip-update ``where`` in ``megajax.training.step`` reads the old moments after the update has written the new
+  ones into the donated buffers (without that ``where`` the copies are gone: bert_tiny's temp fell 15%). The
+  freed originals then hold other temporaries, so only part of the copy shows: from none to all of it, depending
+  on how XLA's heap packs the buffers. The formula counts half.
+
+``compiled_memory`` compiles the real step ahead of time (``training.loop.setup``, abstract inputs, nothing
+allocated) and reads ``memory_analysis()``: arguments = state (parameters, moments, 32 bytes of scalars) + the
+batch; outputs alias the donated state (only the metrics are new); temp = everything else at the peak, after XLA
+reuses buffers (the donated moments' too) and packs them in one heap. So only state, temp and peak compare; XLA
+reports no gradients or activations apart. Measured on CPU (fp32) over 51 compiles (gpt_tiny and bert_tiny on
+1x1, 1x4, 2x4 and 4x2 with every remat policy and ZeRO-1 on and off, micro-batches 1-8; gpt_125m, gpt_355m and
+bert_336m up to 8 devices; bench/README.md): the state is exact (the 32 bytes aside); the peak agrees within 10%
+on all but one, temp on all but four. The misses are all the formula being high, where XLA hides the whole
+moment copy in the freed buffers: gpt_tiny on 1x1 (micro-batch 4: temp 0.89-0.90 of the formula; micro-batch 1,
+whose activations fit in the freed moments: temp 0.73, peak 0.83) and bert_336m on 1x8 at micro-batch 1 (temp
+0.86, peak 0.91).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import ml_collections
+
+from megajax.config import model_config, resolve_precision
+
+FP32 = 4
+MLP_GELU_RESIDUALS = {"gelu_tanh": 6, "gelu": 4}  # (b, s, 4h) tensors autodiff keeps: input, intermediates, output
+MULTIPLE_CHOICE_OPTIONS = 4  # bert_multiple_choice runs B x C rows (megajax.training.objectives.NUM_CHOICES)
+
+
+def compute_bytes(config: ml_collections.ConfigDict) -> int:
+    """Bytes of one activation value in the compute dtype: 4 (fp32) or 2 (bf16 / fp16)."""
+    return FP32 if resolve_precision(config.train.get("precision", "auto")) == "fp32" else 2
+
+
+def _rows(config: ml_collections.ConfigDict, micro_batch: int) -> int:
+    """Sequences the trunk runs per micro-batch (multiple choice: one per option)."""
+    return micro_batch * (MULTIPLE_CHOICE_OPTIONS if config.model.name == "bert_multiple_choice" else 1)
+
+
+def layer_residual_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: int,
+                         remat: str | None = None) -> int:
+    """Bytes one transformer layer keeps for its backward pass on one device (``remat`` defaults to the config's).
+
+    Per layer, with b*s*h-sized tensors replicated over ``model`` and head / MLP ones split by it (``tp``):
+    ``none`` keeps 8 (b, s, h) tensors (LayerNorm inputs, centred and normalised values, outputs: 6 in fp32,
+    2 in the compute dtype), q, k, v and the attention context, 6 (b, s, 4h) tensors for tanh-GeLU (4 for erf),
+    the softmax probabilities in fp32 and in the compute dtype (a*s*s*b each), with dropout a 1-byte mask of the
+    probabilities and of both residual branches, the LayerNorm and softmax statistics (and the LayerNorm scales
+    broadcast to (1, 1, h)), and in 16-bit the compute-dtype copies of the four weight matrices. ``selective``
+    drops the a*s*s*b tensors (the attention core is recomputed); ``full`` keeps only the layer's input;
+    ``save_dots`` two (b, s, h) tensors (the input and a projection's output) and the QKV and MLP-up outputs (the
+    matmuls with no batch dimensions).
+
+    Korthikanti et al. 2022 (Eq. 2) count 34*s*b*h + 5*a*s*s*b bytes at 16 bits: JAX keeps more (the GeLU's and
+    the LayerNorms' intermediates, the softmax in fp32), 146*s*b*h + 9*a*s*s*b bytes in fp32.
+    """
+    m = config.model
+    remat = remat or m.remat
+    cd, s, b, h, a = compute_bytes(config), m.max_seq_len, _rows(config, micro_batch), m.hidden_size, m.num_heads
+    sbh, dropout = s * b * h, m.dropout > 0
+    f = m.mlp_ratio * h
+    if remat == "full":
+        return sbh * cd
+    if remat == "save_dots":
+        return 2 * sbh * cd + (3 * sbh + s * b * f) * cd // tp
+    kept = sbh * (2 * cd + 6 * FP32 + (2 if dropout else 0)) + (4 * s * b + 2 * h) * FP32  # LayerNorms, masks
+    kept += (4 * sbh + MLP_GELU_RESIDUALS[m.activation] * s * b * f) * cd // tp  # q, k, v, context; the MLP
+    if remat != "selective":
+        kept += a * s * s * b * (FP32 + cd + (1 if dropout else 0)) // tp + 2 * a * s * b * FP32 // tp
+    if cd < FP32:
+        kept += (4 * h * h + 2 * h * f) * cd // tp  # compute-dtype copies of QKV, out, MLP-up and MLP-down
+    return kept
+
+
+def head_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: int) -> int:
+    """Bytes of the output head live when the backward pass starts, on one device.
+
+    The fp32 logits (b*s*V/t), their exponentials and their gradient (3 copies; BERT's MLM head 4, its biased
+    logits too; 16-bit adds the compute-dtype logits), plus 8 (b, s, h) fp32 tensors of the embedding and the
+    final LayerNorm (16 for BERT: the MLM transform's dense, GeLU and LayerNorm). Task models have no vocabulary
+    logits.
+    """
+    m = config.model
+    cd, s, b, h = compute_bytes(config), m.max_seq_len, _rows(config, micro_batch), m.hidden_size
+    vocab = {"gpt": 3, "bert": 4}.get(m.name, 0)  # fp32 (b, s, V/t) copies
+    logits = s * b * model_config(config).padded_vocab_size // tp
+    extra_cd = cd if vocab and cd < FP32 else 0
+    return logits * (vocab * FP32 + extra_cd) + (16 if m.name == "bert" else 8) * s * b * h * FP32
+
+
+@dataclasses.dataclass(frozen=True)
+class Activations:
+    """Activation bytes on one device for one micro-batch."""
+
+    layers: int  # L layers' residuals, kept from the forward pass to their backward
+    head: int  # the output head at the start of the backward pass
+    recompute: int  # one layer's residuals recomputed in the backward pass (full / save_dots), else 0
+
+    @property
+    def total(self) -> int:
+        return self.layers + max(self.head, self.recompute)  # the head is gone before the first layer's backward
+
+
+def activations(config: ml_collections.ConfigDict, micro_batch: int, tp: int) -> Activations:
+    """The activation estimate for ``config.model.remat`` on a ``tp``-way model-parallel mesh."""
+    m = config.model
+    recompute = layer_residual_bytes(config, micro_batch, tp, "none") if m.remat in ("full", "save_dots") else 0
+    layers = m.num_layers * layer_residual_bytes(config, micro_batch, tp)
+    return Activations(layers, head_bytes(config, micro_batch, tp), recompute)
+
+
+def traced_layer_residual_bytes(config: ml_collections.ConfigDict, micro_batch: int) -> int:
+    """One layer's residuals on a single device, read from the traced gradient (abstract values only).
+
+    Sums the per-layer slices of the forward layer scan's stacked outputs in ``jax.make_jaxpr(jax.grad(loss))``,
+    leaving out the stacked weights that full / save_dots recomputation passes through (those are the
+    parameters, not activations). The check behind ``layer_residual_bytes``.
+    """
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from megajax.builder import abstract_model
+    from megajax.training.objectives import objective_for
+
+    graphdef, state = nnx.split(abstract_model(config))
+    params = nnx.to_pure_dict(state)
+    objective = objective_for(config.model.name)
+    batch = {k: jax.ShapeDtypeStruct((micro_batch, *f.row_shape), f.dtype)
+             for k, f in objective.fields(config.model.max_seq_len).items()}
+    key = jax.random.key(0) if config.model.dropout > 0 else None
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p, x: objective.loss(nnx.merge(graphdef, p), x, key)[0]))(params, batch)
+    forward = next(e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan")  # the layer stack's forward pass
+    layer_weights = {v.shape[1:] for v in jax.tree.leaves(params["blocks"])}
+    total = 0
+    for v in forward.outvars[forward.params["num_carry"]:]:
+        shape, dtype = v.aval.shape[1:], v.aval.dtype
+        if jnp.issubdtype(dtype, jax.dtypes.prng_key) or (shape in layer_weights and dtype == jnp.float32):
+            continue  # dropout keys; fp32 weights passed through the scan
+        total += math.prod(shape) * dtype.itemsize
+    return total
+
+
+def gradient_bytes(params_per_device: int, data: int, shard_optimizer: bool) -> int:
+    """fp32 gradients as the step holds them: one buffer (the accumulator the micro-batch scan carries, zeros
+    first, with or without accumulation), split over ``data`` with ZeRO-1."""
+    return FP32 * params_per_device // (data if shard_optimizer else 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """``memory_analysis()`` of the compiled training step, per device, in bytes."""
+
+    arguments: int  # the state (parameters, moments, scalars) and the batch
+    outputs: int  # the new state (aliased to the donated one) and the metrics
+    aliased: int  # outputs written into donated argument buffers
+    temp: int  # everything else at the peak: gradients, activations, copies, workspace
+    batch: int  # the batch's share of ``arguments``
+
+    @property
+    def state(self) -> int:
+        return self.arguments - self.batch
+
+    @property
+    def peak(self) -> int:
+        return self.arguments + self.temp + self.outputs - self.aliased
+
+
+def compiled_memory(config: ml_collections.ConfigDict, data: int, model: int, micro_batch: int,
+                    num_micro: int = 1) -> CompiledMemory:
+    """Compiles ``config``'s training step for a ``data x model`` mesh (global batch micro_batch * data *
+    num_micro) ahead of time and reads XLA's memory plan; allocates nothing. Needs data * model devices."""
+    from megajax.training.loop import batch_layout, setup  # the loop imports this package's report
+
+    config = ml_collections.ConfigDict(config)
+    config.mesh.data, config.mesh.model = data, model
+    config.train.global_batch_size = micro_batch * data * num_micro
+    config.train.micro_batch_size = micro_batch if num_micro > 1 else 0
+    run = setup(config)
+    analysis = run.step_fn.memory_analysis()
+    if analysis is None:
+        raise RuntimeError("this backend's compiled step reports no memory_analysis()")
+    fields, _ = batch_layout(run.spec, run.mesh)
+    batch = micro_batch * num_micro * sum(math.prod(f.row_shape) * f.dtype.itemsize for f in fields.values())
+    return CompiledMemory(analysis.argument_size_in_bytes, analysis.output_size_in_bytes,
+                          analysis.alias_size_in_bytes, analysis.temp_size_in_bytes, batch)
