@@ -1,0 +1,123 @@
+"""The scaling model (megajax/scaling.py) beside the Megatron-LM paper's published scaling figures.
+
+    python bench/scaling_plot.py [--output=bench/scaling_vs_paper.png] [--no_plot]
+
+Prints every published figure (Figure 5's two curves, Table 7, Table 8, the 1-GPU baseline and the abstract's
+512-GPU number) beside its prediction on ``DGX2H_V100``, then draws them with each Figure 5 configuration's
+predicted step split into compute, tensor-parallel and exposed data-parallel time. Plotting needs matplotlib (not
+a megajax dependency): ``pip install matplotlib``; ``--no_plot`` prints the table only. Pure Python, a second.
+"""
+
+import argparse
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from megajax import scaling  # noqa: E402
+
+UNITS = {"baseline TFLOP/s": "TFLOP/s", "table 8": "x"}  # the rest are weak-scaling efficiencies in %
+AXIS = {"baseline TFLOP/s": "GPUs", "figure 5 model": "GPUs", "figure 5 model+data": "GPUs", "table 7": "heads",
+        "table 8": "GPUs", "abstract": "GPUs"}
+
+
+def text_table(predicted: dict) -> str:
+    lines = [f"{'figure':<22}{'':>10}{'published':>11}{'predicted':>11}{'error':>10}"]
+    for figure, published in scaling.PAPER_PUBLISHED.items():
+        unit = UNITS.get(figure, "%")
+        for x, want in published.items():
+            got = predicted[figure][x]
+            error = f"{(got / want - 1):+.1%}" if unit != "%" else f"{got - want:+.1f} pt"
+            lines.append(f"{figure:<22}{f'{x} {AXIS[figure]}':>10}{want:>9g} {unit:<2}{got:>8.2f} {unit:<2}"
+                         f"{error:>9}")
+    c = scaling.DGX2H_V100
+    lines.append(f"constants: gemm_efficiency={c.gemm_efficiency}, layer_overhead_s={c.layer_overhead_s}, "
+                 f"dp_overlap={c.dp_overlap}")
+    return "\n".join(lines)
+
+
+def breakdown() -> list[tuple[str, scaling.Prediction]]:
+    """Figure 5's configurations' predicted steps (the paper's fp16 gradients)."""
+    out = []
+    for t, (name, model) in zip((1, 2, 4, 8), scaling.PAPER_MODELS.items()):
+        for data, batch in ((1, 8), (64, 512)):
+            p = scaling.predict(model, (data, t), batch, scaling.DGX2H_V100, grad_bytes=2, memory=False)
+            out.append((f"{name}\n{data}x{t}", p))
+    return out
+
+
+def plot(predicted: dict, output: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pub = scaling.PAPER_PUBLISHED
+    fig, ax = plt.subplots(2, 2, figsize=(12, 9))
+    a = ax[0, 0]
+    for key, color, label in (("figure 5 model", "tab:blue", "model parallel (1-8 GPUs)"),
+                              ("figure 5 model+data", "tab:green", "model + 64-way data (64-512 GPUs)")):
+        xs = list(pub[key])
+        a.plot(xs, [pub[key][x] for x in xs], "o", color=color, ms=8, label=f"paper: {label}")
+        a.plot(xs, [predicted[key][x] for x in xs], "-x", color=color, label=f"model: {label}")
+    a.plot([512], [pub["abstract"][512]], "s", color="tab:red", label="paper: 8.3B (24 heads), 512 GPUs")
+    a.plot([512], [predicted["abstract"][512]], "x", color="tab:red", ms=10, label="model: same")
+    a.set(xscale="log", xlabel="GPUs", ylabel="weak-scaling efficiency (%)", ylim=(50, 105),
+          title="Figure 5: Table 1 models, 1.2B on 1 GPU = 100%")
+    a.set_xticks([1, 2, 4, 8, 64, 128, 256, 512], labels=["1", "2", "4", "8", "64", "128", "256", "512"])
+    a.legend(fontsize=7)
+    a = ax[0, 1]
+    heads = list(pub["table 7"])
+    a.bar([h - 1.5 for h in heads], [pub["table 7"][h] for h in heads], 3, label="paper")
+    a.bar([h + 1.5 for h in heads], [predicted["table 7"][h] for h in heads], 3, label="model")
+    a.set(xticks=heads, xlabel="attention heads", ylabel="weak-scaling efficiency (%)", ylim=(50, 100),
+          title="Table 7: 8.3B, 8-way model parallel")
+    a.legend()
+    a = ax[1, 0]
+    gpus = list(pub["table 8"])
+    a.plot(gpus, gpus, ":", color="gray", label="linear")
+    a.plot(gpus, [pub["table 8"][g] for g in gpus], "o", ms=8, label="paper")
+    a.plot(gpus, [predicted["table 8"][g] for g in gpus], "-x", label="model")
+    a.set(xlabel="model-parallel GPUs", ylabel="speedup", title="Table 8: 1.2B strong scaling, batch 8")
+    a.legend()
+    a = ax[1, 1]
+    rows = breakdown()
+    names = [n for n, _ in rows]
+    bottom = [0.0] * len(rows)
+    for part, label in (("compute_s", "compute"), ("tensor_comm_s", "tensor-parallel all-reduce"),
+                        ("data_comm_s", "exposed data-parallel all-reduce")):
+        values = [getattr(p, part) for _, p in rows]
+        a.bar(names, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    a.set(ylabel="predicted seconds per step", title="Figure 5's runs, predicted step (DGX-2H)",
+          ylim=(0, 1.35 * max(bottom)))
+    a.tick_params(axis="x", labelsize=7)
+    a.legend(fontsize=8)
+    fig.suptitle("megajax.scaling vs Shoeybi et al. 2019 (published points: markers / left bars)")
+    fig.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--output", default=str(pathlib.Path(__file__).resolve().parent / "scaling_vs_paper.png"))
+    p.add_argument("--no_plot", action="store_true", help="print the table only")
+    args = p.parse_args()
+    predicted = scaling.paper_predictions()
+    print(text_table(predicted))
+    if args.no_plot:
+        return 0
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("error: plotting needs matplotlib, which is not installed: pip install matplotlib "
+              "(or pass --no_plot for the table only)", file=sys.stderr)
+        return 1
+    plot(predicted, pathlib.Path(args.output))
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
