@@ -27,19 +27,18 @@ def _curves(records):
 
 @pytest.fixture(scope="module")
 def dropout_runs(tmp_path_factory):
-    """Three steps with dropout on 1x1, 1x4 and 2x4: {mesh: (curves, workdir)}; later tests reuse the 1x1 run."""
+    """Three steps with dropout on 1x1 and 2x4: {mesh: (curves, workdir)}; later tests reuse the 1x1 run."""
     runs = {}
-    for mesh in [(1, 1), (1, 4), (2, 4)]:
+    for mesh in [(1, 1), (2, 4)]:
         workdir = tmp_path_factory.mktemp(f"b{mesh[0]}x{mesh[1]}")
         runs[mesh] = _curves(train(bert_run_config(*mesh, dropout=0.1), workdir)), workdir
     return runs
 
 
-@pytest.mark.parametrize("mesh", [(1, 4), (2, 4)])
-def test_dropout_curves_are_mesh_independent(dropout_runs, mesh):
+def test_dropout_curves_are_mesh_independent(dropout_runs):
     ref = dropout_runs[(1, 1)][0]
     assert ref.shape == (3, 4) and np.isfinite(ref).all()
-    np.testing.assert_allclose(dropout_runs[mesh][0], ref, rtol=1e-5)
+    np.testing.assert_allclose(dropout_runs[(2, 4)][0], ref, rtol=1e-5)
 
 
 def test_resume_is_bit_exact_and_restores_on_another_mesh(dropout_runs, tmp_path):

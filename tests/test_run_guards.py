@@ -113,7 +113,8 @@ def test_train_py_exits_nonzero_on_divergence_with_cpu_devices_spaced(tmp_path):
     message, keeping its good checkpoint."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     cmd = [sys.executable, str(ROOT / "train.py"), "--cpu_devices", "2", "--config=gpt_tiny", f"--workdir={tmp_path}",
-           "--config.data.source=random", "--config.train.steps=6", "--config.train.log_every=1",
+           "--config.data.source=random", "--config.model.num_layers=1", "--config.model.max_seq_len=32",
+           "--config.train.steps=6", "--config.train.log_every=1",
            "--config.train.global_batch_size=8", "--config.optimizer.lr=1e10", "--config.optimizer.warmup_steps=1",
            "--config.checkpoint.every_steps=1", "--config.checkpoint.async_save=False"]
     out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)

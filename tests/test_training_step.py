@@ -21,18 +21,17 @@ def _curves(records):
 @pytest.fixture(scope="module")
 def dropout_runs(tmp_path_factory):
     out = {}
-    for data, model in [(1, 1), (1, 8), (2, 4)]:  # (2, 4) covers the data axis's share of the masks
+    for data, model in [(1, 1), (2, 4)]:  # 2x4: the model axis's and the data axis's shares of the masks
         out[(data, model)] = _curves(train(train_config(data, model, dropout=0.1),
                                            tmp_path_factory.mktemp(f"d{data}x{model}")))
     return out
 
 
-@pytest.mark.parametrize("mesh", [(1, 8), (2, 4)])
-def test_dropout_is_mesh_independent(dropout_runs, mesh):
+def test_dropout_is_mesh_independent(dropout_runs):
     """Appendix B.2 in JAX terms: masks are functions of the global array, so every mesh trains alike."""
     ref = dropout_runs[(1, 1)]
     assert ref.shape == (5, 2)
-    np.testing.assert_allclose(dropout_runs[mesh], ref, rtol=1e-5)
+    np.testing.assert_allclose(dropout_runs[(2, 4)], ref, rtol=1e-5)
 
 
 def test_dropout_changes_the_gradients(dropout_runs, tmp_path):
