@@ -7,7 +7,7 @@ Counts come from ``jax.eval_shape`` and the sharding rules, so the mesh can be f
 Training state is fp32 master parameters, fp32 gradients and AdamW's two fp32 moments: 16 bytes per parameter,
 as in the paper's accounting, divided by the model-parallel degree for the sharded weights (LayerNorms, position
 embeddings and row-parallel biases stay replicated). The step's peak adds what ``megajax.memory_planner`` counts
-(the activations JAX keeps, XLA's copy of the moments, ZeRO-1's split gradients, the batch); ``--compiled``
+(the activations JAX keeps, ZeRO-1's split gradients, the batch); ``--compiled``
 prints it beside the compiled step's own memory plan (``memory_analysis()``; needs the mesh's devices).
 """
 
@@ -54,7 +54,6 @@ class MemoryReport:
     model: int
     activations: Activations  # the activation estimate's parts
     step_grad_bytes: int  # gradients as the compiled step holds them (split over data with ZeRO-1)
-    moment_copy_bytes: int  # the part of XLA's copy of the moments counted (half; memory_planner)
     batch_bytes: int  # the step's input batch on this device
 
     @property
@@ -70,7 +69,7 @@ class MemoryReport:
     @property
     def temp_bytes(self) -> int:
         """What the step allocates besides its arguments (compare ``CompiledMemory.temp``)."""
-        return self.step_grad_bytes + self.activation_bytes + self.moment_copy_bytes
+        return self.step_grad_bytes + self.activation_bytes
 
     @property
     def peak_bytes(self) -> int:
@@ -123,7 +122,7 @@ def memory_report(config: ml_collections.ConfigDict, data: int, model: int, micr
     fields = objective_for(config.model.name).fields(config.model.max_seq_len).values()
     batch = micro_batch * num_micro * sum(math.prod(f.row_shape) * f.dtype.itemsize for f in fields)
     return MemoryReport(total, local, FP32 * local, FP32 * local, optimizer, act.total, data, model, act,
-                        gradient_bytes(local, data, zero), optimizer // 2, batch)
+                        gradient_bytes(local, data, zero), batch)
 
 
 def largest_micro_batch(config: ml_collections.ConfigDict, data: int, model: int, device_bytes: float) -> int:
@@ -168,8 +167,7 @@ def format_report(r: MemoryReport, device_memory_gb: float | None,
         f"  activations (est.) {_g(r.activation_bytes)}  (layers {a.layers / GiB:.3f}, then the larger of the head "
         f"{a.head / GiB:.3f} and one recomputed layer {a.recompute / GiB:.3f})",
         f"  total              {_g(r.total_bytes)}",
-        f"step peak (est.)     {_g(r.peak_bytes)}  (+ half XLA's copy of the moments {r.moment_copy_bytes / GiB:.3f}"
-        f", gradients as held {r.step_grad_bytes / GiB:.3f}, batch)",
+        f"step peak (est.)     {_g(r.peak_bytes)}  (+ gradients as held {r.step_grad_bytes / GiB:.3f}, batch)",
     ]
     if device_memory_gb:
         lines.append(f"fits a {device_memory_gb:g} GiB device: {'yes' if r.fits(device_memory_gb * GiB) else 'NO'}")
@@ -181,7 +179,7 @@ def format_report(r: MemoryReport, device_memory_gb: float | None,
 def compare_rows(r: MemoryReport, c: CompiledMemory) -> list[tuple[str, int, int]]:
     """(quantity, formula bytes, compiled bytes) for what XLA's memory plan separates."""
     return [("state (params + moments)", r.state_bytes, c.state), ("batch", r.batch_bytes, c.batch),
-            ("temp (grads + activations + moment copy)", r.temp_bytes, c.temp), ("peak", r.peak_bytes, c.peak)]
+            ("temp (grads + activations)", r.temp_bytes, c.temp), ("peak", r.peak_bytes, c.peak)]
 
 
 def format_comparison(r: MemoryReport, c: CompiledMemory) -> str:

@@ -12,11 +12,10 @@ The formula (``megajax.info.MemoryReport.temp_bytes``) counts the step's tempora
   tests compare); the scanned stack keeps L of them. On top of those, the larger of the output head at the start
   of the backward pass (``head_bytes``: the fp32 logits, their exponentials and their gradient) and, with full /
   save_dots recomputation, one layer's recomputed residuals.
-* the moments' copy: XLA copies AdamW's moments (8 bytes per parameter) when the step starts, because the
-  skip-update ``where`` in ``megajax.training.step`` reads the old moments after the update has written the new
-  ones into the donated buffers (without that ``where`` the copies are gone: bert_tiny's temp fell 15%). The
-  freed originals then hold other temporaries, so only part of the copy shows: from none to all of it, depending
-  on how XLA's heap packs the buffers. The formula counts half.
+
+The step skips a non-finite update with ``lax.cond``, not a ``where`` between the new and the old state: the
+``where`` read the old moments after the update had written the new ones into the donated buffers, so XLA
+copied the moments (8 bytes per parameter) at every step (bert_tiny's temp was 15% higher).
 
 ``compiled_memory`` compiles the real step ahead of time (``training.loop.setup``, abstract inputs, nothing
 allocated) and reads ``memory_analysis()``: arguments = state (parameters, moments, 32 bytes of scalars) + the
@@ -25,10 +24,8 @@ reuses buffers (the donated moments' too) and packs them in one heap. So only st
 reports no gradients or activations apart. Measured on CPU (fp32) over 51 compiles (gpt_tiny and bert_tiny on
 1x1, 1x4, 2x4 and 4x2 with every remat policy and ZeRO-1 on and off, micro-batches 1-8; gpt_125m, gpt_355m and
 bert_336m up to 8 devices; bench/README.md): the state is exact (the 32 bytes aside); the peak agrees within 10%
-on all but one, temp on all but four. The misses are all the formula being high, where XLA hides the whole
-moment copy in the freed buffers: gpt_tiny on 1x1 (micro-batch 4: temp 0.89-0.90 of the formula; micro-batch 1,
-whose activations fit in the freed moments: temp 0.73, peak 0.83) and bert_336m on 1x8 at micro-batch 1 (temp
-0.86, peak 0.91).
+on all but one, temp on all but four; those figures (bench/README.md) predate the removal of the moments' copy
+(the formula then counted half of it); tests/test_memory_planner.py checks the current step.
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ import math
 import jax
 import ml_collections
 
-from megajax.config import model_config, resolve_precision
+from megajax.config import model_config, resolve_precision, sequence_parallel
 
 FP32 = 4
 MLP_GELU_RESIDUALS = {"gelu_tanh": 6, "gelu": 4}  # (b, s, 4h) tensors autodiff keeps: input, intermediates, output
@@ -72,17 +69,23 @@ def layer_residual_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp
 
     Korthikanti et al. 2022 (Eq. 2) count 34*s*b*h + 5*a*s*s*b bytes at 16 bits: JAX keeps more (the GeLU's and
     the LayerNorms' intermediates, the softmax in fp32), 146*s*b*h + 9*a*s*s*b bytes in fp32.
+
+    With ``parallel.sequence`` the residual stream's tensors (the LayerNorms', the dropout masks, the layer's input
+    under ``full``) are split over ``model`` too; the two LayerNorm outputs are kept as the all-gathered inputs of
+    QKV and MLP-up, whole (the paper gathers them again in the backward pass instead, for 2L more all-gathers).
     """
     m = config.model
     remat = remat or m.remat
     cd, s, b, h, a = compute_bytes(config), m.max_seq_len, _rows(config, micro_batch), m.hidden_size, m.num_heads
     sbh, dropout = s * b * h, m.dropout > 0
     f = m.mlp_ratio * h
+    split = tp if sequence_parallel(config) else 1  # the residual stream's share on one device
     if remat == "full":
-        return sbh * cd
+        return sbh * cd // split
     if remat == "save_dots":
         return 2 * sbh * cd + (3 * sbh + s * b * f) * cd // tp
-    kept = sbh * (2 * cd + 6 * FP32 + (2 if dropout else 0)) + (4 * s * b + 2 * h) * FP32  # LayerNorms, masks
+    kept = sbh * 2 * cd + (sbh * (6 * FP32 + (2 if dropout else 0)) + 4 * s * b * FP32) // split  # LayerNorms, masks
+    kept += 2 * h * FP32  # the LayerNorm scales broadcast to (1, 1, h)
     kept += (4 * sbh + MLP_GELU_RESIDUALS[m.activation] * s * b * f) * cd // tp  # q, k, v, context; the MLP
     if remat != "selective":
         kept += a * s * s * b * (FP32 + cd + (1 if dropout else 0)) // tp + 2 * a * s * b * FP32 // tp

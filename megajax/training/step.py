@@ -90,10 +90,13 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         grad_norm = optax.tree.norm(grads)  # non-finite iff some gradient element is
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss"])
 
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params, grad_norm=grad_norm)
-        params = optax.apply_updates(state.params, updates)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-        params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)  # skip a bad update
+        def apply(params, opt_state):
+            updates, opt_state = optimizer.update(grads, opt_state, params, grad_norm=grad_norm)
+            return optax.apply_updates(params, updates), opt_state
+
+        # Skip a bad update with cond, not where(finite, new, old): reading the old moments after the update wrote
+        # the new ones into the donated buffers made XLA copy every moment each step (8 bytes per parameter).
+        params, opt_state = jax.lax.cond(finite, apply, lambda p, o: (p, o), state.params, state.opt_state)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                                   loss_scale=state.loss_scale.adjust(finite))
         scale = state.loss_scale
