@@ -21,11 +21,10 @@ copied the moments (8 bytes per parameter) at every step (bert_tiny's temp was 1
 allocated) and reads ``memory_analysis()``: arguments = state (parameters, moments, 32 bytes of scalars) + the
 batch; outputs alias the donated state (only the metrics are new); temp = everything else at the peak, after XLA
 reuses buffers (the donated moments' too) and packs them in one heap. So only state, temp and peak compare; XLA
-reports no gradients or activations apart. Measured on CPU (fp32) over 51 compiles (gpt_tiny and bert_tiny on
-1x1, 1x4, 2x4 and 4x2 with every remat policy and ZeRO-1 on and off, micro-batches 1-8; gpt_125m, gpt_355m and
-bert_336m up to 8 devices; bench/README.md): the state is exact (the 32 bytes aside); the peak agrees within 10%
-on all but one, temp on all but four; those figures (bench/README.md) predate the removal of the moments' copy
-(the formula then counted half of it); tests/test_memory_planner.py checks the current step.
+reports no gradients or activations apart. Measured on CPU (fp32; bench/README.md: gpt_tiny, bert_tiny, gpt_125m,
+gpt_355m, bert_336m on 1 to 8 devices, every remat policy, ZeRO-1): the state is exact (the 32 bytes aside), the
+peak within 10% everywhere, temp within 10% except gpt_tiny at micro-batch 1 (0.87: XLA fits some activations into
+buffers the step frees, which the formula does not model).
 """
 
 from __future__ import annotations
@@ -100,14 +99,18 @@ def head_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: int) -> 
     The fp32 logits (b*s*V/t), their exponentials and their gradient (3 copies; BERT's MLM head 4, its biased
     logits too; 16-bit adds the compute-dtype logits), plus 8 (b, s, h) fp32 tensors of the embedding and the
     final LayerNorm (16 for BERT: the MLM transform's dense, GeLU and LayerNorm). Task models have no vocabulary
-    logits.
+    logits. With ``parallel.sequence`` those run on the split sequence (1/t of them) and the output layer keeps its
+    all-gathered input, one whole (b, s, h) tensor in the compute dtype.
     """
     m = config.model
     cd, s, b, h = compute_bytes(config), m.max_seq_len, _rows(config, micro_batch), m.hidden_size
     vocab = {"gpt": 3, "bert": 4}.get(m.name, 0)  # fp32 (b, s, V/t) copies
     logits = s * b * model_config(config).padded_vocab_size // tp
     extra_cd = cd if vocab and cd < FP32 else 0
-    return logits * (vocab * FP32 + extra_cd) + (16 if m.name == "bert" else 8) * s * b * h * FP32
+    hidden = (16 if m.name == "bert" else 8) * s * b * h * FP32
+    if sequence_parallel(config):
+        hidden = hidden // tp + s * b * h * cd
+    return logits * (vocab * FP32 + extra_cd) + hidden
 
 
 @dataclasses.dataclass(frozen=True)
