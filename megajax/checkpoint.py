@@ -344,7 +344,7 @@ def load_model(path: str | pathlib.Path, *, data: int | None = None, model: int 
     ``path`` (absolute or relative) is a training workdir, its ``checkpoints/`` directory, one step of it, or a
     params-only export. The mesh defaults to the checkpoint's ``mesh.model`` and all remaining devices on
     ``data``; parameters are read straight into that layout (resharding on restore) and checked against their
-    digests.
+    digests. The returned config has ``parallel.sequence`` off: inference does not split the sequence.
     """
     from flax import nnx
 
@@ -354,6 +354,10 @@ def load_model(path: str | pathlib.Path, *, data: int | None = None, model: int 
 
     path = _resolve(path)
     config = read_config(path)
+    if "parallel" in config and "sequence" in config.parallel:
+        # Inference runs without sequence parallelism: it saves training memory, and a decoding step of one token
+        # has no sequence to split. The parameters are laid out the same either way.
+        config.parallel.sequence = False
     config.mesh.data = -1 if data is None else data
     if model is not None:
         config.mesh.model = model

@@ -14,28 +14,49 @@ With ``remat=full`` each block's forward runs again in the backward pass, but on
 the all-reduce again (the block's output is the saved scan carry): L more, where Megatron's checkpointing redoes
 both (2L). ``save_dots`` keeps the all-reduced outputs and redoes none.
 
-Sizes are the collective's message (elements x dtype bytes, per execution), not the wire traffic of an
-algorithm (a ring all-reduce moves 2 (n-1)/n of it). Scalar collectives (the gradient norm's sums of squares,
-logged metrics) are listed with their count: they cost latency, not bandwidth, and are outside the ratio.
-Anything else the compiled step does is ``other`` and counts against it.
+Sizes are the collective's message (elements x dtype bytes, per execution; an all-gather's is its input shard),
+not the wire traffic of an algorithm (a ring all-reduce moves 2 (n-1)/n of it). Scalar collectives (the gradient
+norm's sums of squares, logged metrics) are listed with their count: they cost latency, not bandwidth, and are
+outside the ratio. Anything else the compiled step does is ``other`` and counts against it.
+
+With sequence parallelism (``parallel.sequence``, Korthikanti et al. 2022) every tensor-parallel all-reduce of
+b x s x h becomes a reduce-scatter and an all-gather, whose message is one device's shard, b x s x h / t (the
+reduce-scatter's result, the all-gather's input):
+
+* tensor-parallel forward: 2L + 1 reduce-scatters and 2L + 1 all-gathers of b x s x h / t; for BERT also its
+  pooled first token, an all-reduce of b x h (the token lives on one model shard).
+* tensor-parallel backward: the same pairs; with ``remat=full`` or ``save_dots`` 3L shards more (the recomputed
+  forward all-gathers the inputs of QKV and MLP-up and reduce-scatters the attention output again: ``save_dots``
+  keeps the GEMMs' local outputs, not the collectives' results).
+* sequence-parallel extra: the gradients of the replicated parameters that see the split sequence, all-reduced over
+  ``model`` once per micro-batch (LayerNorms, row-parallel biases, BERT's MLM transform and segment embeddings),
+  and the position embeddings' b-summed gradient, whose rows follow the sequence: an all-gather of s x h / t.
+
+On a ring the pair moves what the all-reduce did: an all-reduce of N sends 2 (t-1)/t N per device, a
+reduce-scatter and an all-gather of shard N/t send (t-1) N/t each (``Budget.tensor_ring_bytes``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from megajax.hlo_audit import Collective
 
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "pred": 1}
-CATEGORIES = ("tensor-parallel forward", "tensor-parallel backward", "loss", "data-parallel gradients", "other")
+CATEGORIES = ("tensor-parallel forward", "tensor-parallel backward", "loss", "data-parallel gradients",
+              "sequence-parallel extra", "other")
+POOLED_HEADS = ("pooler", "sop", "classifier", "scorer")  # replicated layers on BERT's pooled first token
 
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
     """What the minimum depends on: per-data-shard sequences per micro-batch, micro-batches, sequence length,
-    hidden size, layers, mesh degrees, the activations' dtype bytes, local gradient elements and remat."""
+    hidden size, layers, mesh degrees, the activations' dtype bytes, local gradient elements and remat; with
+    sequence parallelism the replicated parameters' elements that see the split sequence (the position embeddings
+    counted as one shard) and the rows whose first token is pooled."""
 
     micro_batch: int
     num_micro: int
@@ -47,6 +68,9 @@ class Shape:
     activation_bytes: int
     local_grad_elements: int
     remat: str = "none"
+    sequence: bool = False
+    sequence_grad_elements: int = 0
+    pooled_rows: int = 0
 
 
 def minimum(shape: Shape) -> dict[str, int]:
@@ -55,9 +79,16 @@ def minimum(shape: Shape) -> dict[str, int]:
     out = dict.fromkeys(CATEGORIES, 0)
     if shape.tensor > 1:
         act = b * s * h * shape.activation_bytes * n
-        out["tensor-parallel forward"] = (2 * shape.layers + 1) * act
-        recompute = shape.layers if shape.remat == "full" else 0
-        out["tensor-parallel backward"] = (2 * shape.layers + 1 + recompute) * act
+        if shape.sequence:  # each all-reduce -> a reduce-scatter + an all-gather of one shard
+            pairs = 2 * (2 * shape.layers + 1) * act // shape.tensor
+            recompute = 3 * shape.layers if shape.remat in ("full", "save_dots") else 0
+            out["tensor-parallel forward"] = pairs + shape.pooled_rows * h * shape.activation_bytes * n
+            out["tensor-parallel backward"] = pairs + recompute * act // shape.tensor
+            out["sequence-parallel extra"] = shape.sequence_grad_elements * 4 * n
+        else:
+            recompute = shape.layers if shape.remat == "full" else 0
+            out["tensor-parallel forward"] = (2 * shape.layers + 1) * act
+            out["tensor-parallel backward"] = (2 * shape.layers + 1 + recompute) * act
         out["loss"] = 3 * b * s * 4 * n  # the cross-entropy runs in fp32
     if shape.data > 1:
         out["data-parallel gradients"] = shape.local_grad_elements * 4
@@ -72,11 +103,20 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
         if c.elements == 1:
             scalars += c.executions
             continue
-        size = c.elements * DTYPE_BYTES.get(c.dtype, 4) * c.executions
-        if c.op == "all-reduce" and c.axes == {"model"} and c.elements == tokens * shape.hidden:
+        size = c.shard_elements * DTYPE_BYTES.get(c.dtype, 4) * c.executions
+        over_model = c.axes == {"model"}
+        if shape.sequence and over_model and c.op in ("reduce-scatter", "all-gather") and \
+                c.shard_elements * shape.tensor == tokens * shape.hidden:
             out[f"tensor-parallel {c.phase}"] += size
-        elif c.op == "all-reduce" and c.axes == {"model"} and c.elements == tokens:
-            out["loss"] += size
+        elif not shape.sequence and c.op == "all-reduce" and over_model and c.elements == tokens * shape.hidden:
+            out[f"tensor-parallel {c.phase}"] += size
+        elif c.op == "all-reduce" and over_model and c.shape[:2] == (shape.micro_batch, shape.seq):
+            out["loss"] += size  # (b, s) or (b, s, 1): one value per token
+        elif shape.sequence and c.op == "all-reduce" and over_model and c.phase == "forward" and \
+                c.elements == shape.pooled_rows * shape.hidden:
+            out["tensor-parallel forward"] += size
+        elif shape.sequence and c.op in ("all-reduce", "all-gather") and over_model and c.phase == "backward":
+            out["sequence-parallel extra"] += size
         elif c.op == "all-reduce" and c.axes == {"data"}:
             out["data-parallel gradients"] += size
         else:
@@ -91,6 +131,17 @@ class Budget:
     compiled: dict[str, int]
     minimum: dict[str, int]
     scalars: int
+    tensor: int = 1
+    sequence: bool = False
+
+    @property
+    def tensor_ring_bytes(self) -> float:
+        """Bytes one device sends for the tensor-parallel categories on a ring: 2 (t-1)/t of each all-reduce's
+        message, (t-1) times each reduce-scatter's or all-gather's shard (the same for both layouts; BERT's
+        pooled first token aside, an all-reduce under sequence parallelism)."""
+        t = self.tensor
+        got = self.compiled["tensor-parallel forward"] + self.compiled["tensor-parallel backward"]
+        return got * ((t - 1) if self.sequence else 2 * (t - 1) / t)
 
     @property
     def ratio(self) -> float:
@@ -108,6 +159,9 @@ class Budget:
                 lines.append(f"{k:<26}{got:>16,}{want:>18,}{ratio:>9}")
         lines.append(f"{'total':<26}{sum(self.compiled.values()):>16,}{sum(self.minimum.values()):>18,}"
                      f"{self.ratio:>9.4f}")
+        if self.tensor > 1:
+            how = "reduce-scatter + all-gather shards x (t-1)" if self.sequence else "all-reduces x 2(t-1)/t"
+            lines.append(f"tensor-parallel bytes each device sends on a ring ({how}): {self.tensor_ring_bytes:,.0f}")
         lines.append(f"scalar collectives per step (gradient norm, metrics; not in the ratio): {self.scalars}")
         return "\n".join(lines)
 
@@ -115,17 +169,37 @@ class Budget:
 def step_budget(run) -> Budget:
     """The budget of a compiled training run (``megajax.training.loop.setup``): its step's collectives read from
     the optimized HLO beside the minimum for its model, mesh and batch."""
-    import jax
-
     from megajax.hlo_audit import collectives
 
-    spec = run.spec
-    local = sum(int(np.prod(s.shard_shape(a.shape))) for a, s in zip(
-        jax.tree.leaves(run.abstract_state.params), jax.tree.leaves(
-            jax.tree.map(lambda a: a.sharding, run.abstract_state.params))))
-    shape = Shape(micro_batch=spec.micro_batch, num_micro=spec.num_micro, seq=spec.model.max_seq_len,
-                  hidden=spec.model.hidden_size, layers=spec.model.num_layers, tensor=spec.tensor, data=spec.data,
-                  activation_bytes=np.dtype(spec.model.compute_dtype).itemsize, local_grad_elements=local,
-                  remat=spec.model.remat)
+    shape = step_shape(run)
     compiled, scalars = categorize(collectives(run.step_fn.as_text(), run.mesh), shape)
-    return Budget(compiled, minimum(shape), scalars)
+    return Budget(compiled, minimum(shape), scalars, shape.tensor, shape.sequence)
+
+
+def step_shape(run) -> Shape:
+    """What the minimum of a compiled training run depends on: its RunSpec and its parameters' layout."""
+    from megajax.training.objectives import NUM_CHOICES
+
+    spec = run.spec
+    params = run.abstract_state.params
+    local = sum(int(np.prod(a.sharding.shard_shape(a.shape))) for a in jax.tree.leaves(params))
+    pooled = {"bert": 1, "bert_classifier": 1, "bert_multiple_choice": NUM_CHOICES}.get(spec.model_name, 0)
+    return Shape(micro_batch=spec.micro_batch, num_micro=spec.num_micro, seq=spec.model.max_seq_len,
+                 hidden=spec.model.hidden_size, layers=spec.model.num_layers, tensor=spec.tensor, data=spec.data,
+                 activation_bytes=np.dtype(spec.model.compute_dtype).itemsize, local_grad_elements=local,
+                 remat=spec.model.remat, sequence=spec.sequence,
+                 sequence_grad_elements=sequence_grad_elements(params, spec.tensor) if spec.sequence else 0,
+                 pooled_rows=pooled * spec.micro_batch)
+
+
+def sequence_grad_elements(params: dict, tensor: int) -> int:
+    """Gradient elements summed over ``model`` under sequence parallelism: every parameter replicated over it
+    except the heads on the pooled first token (their input is whole on every shard), the position embeddings as
+    one shard of their rows (all-gathered)."""
+    total = 0
+    for path, a in jax.tree_util.tree_leaves_with_path(params):
+        keys = [str(getattr(k, "key", k)) for k in path]
+        if "model" in jax.tree.leaves(tuple(a.sharding.spec)) or keys[0] in POOLED_HEADS:
+            continue
+        total += a.size // tensor if keys[0] == "wpe" else a.size
+    return total

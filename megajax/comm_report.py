@@ -1,10 +1,11 @@
 """What one training step communicates, read from its compiled HLO (no step is run).
 
-    python -m megajax.comm_report --config=gpt_tiny --mesh=2x4 --cpu_devices=8 [--batch=8]
+    python -m megajax.comm_report --config=gpt_tiny --mesh=2x4 --cpu_devices=8 [--batch=8] [--sequence]
 
 Prints every collective of the compiled forward + backward + AdamW step: the mesh axes it spans, its phase, its
 size in elements and how many times it runs per step (scanned layers counted by trip count); then the bytes per
-category beside Megatron's analytic minimum and their ratio (``megajax.comm_budget``).
+category beside Megatron's analytic minimum and their ratio (``megajax.comm_budget``). ``--sequence`` turns on
+sequence parallelism (``parallel.sequence``): the reduce-scatters and all-gathers beside their expectation.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--mesh", default="1x1", help="DATAxMODEL")
     p.add_argument("--batch", type=int, default=0, help="global batch (default: the config's)")
     p.add_argument("--cpu_devices", type=int, default=0)
+    p.add_argument("--sequence", action="store_true", help="sequence parallelism (parallel.sequence=True)")
     args = p.parse_args(argv)
     if args.cpu_devices:
         simulate_cpu_devices([f"--cpu_devices={args.cpu_devices}"])
@@ -35,6 +37,8 @@ def main(argv: list[str] | None = None) -> str:
     config.mesh.data, config.mesh.model = (int(x) for x in args.mesh.lower().split("x"))
     if args.batch:
         config.train.global_batch_size = args.batch
+    if args.sequence:
+        config.parallel.sequence = True
     run = setup(config)
     table = format_table(collectives(run.step_fn.as_text(), run.mesh)) + "\n\n" + step_budget(run).table()
     print(table)

@@ -12,7 +12,8 @@ import dataclasses
 import ml_collections
 
 from megajax.models import MODELS, TransformerConfig
-from megajax.sharding import MEGATRON_RULES, MESH_AXES, ConfigError, Rules, ShardingConfigError, resolve_mesh_shape
+from megajax.sharding import (MEGATRON_RULES, MESH_AXES, SEQUENCE_PARALLEL_NAME, ConfigError, Rules,
+                              ShardingConfigError, resolve_mesh_shape)
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -42,8 +43,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
     c.sharding = ml_collections.ConfigDict(dict(rules=MEGATRON_RULES))
     # beyond the paper: shard_optimizer (ZeRO-1, Megatron's distributed optimizer) splits AdamW's moments over
-    # `data` too; the parameters stay replicated over it (the step all-gathers their updated shards)
-    c.parallel = ml_collections.ConfigDict(dict(shard_optimizer=False))
+    # `data` too; the parameters stay replicated over it (the step all-gathers their updated shards). sequence
+    # (Korthikanti et al. 2022) splits the residual stream's sequence over `model` (the `seq_sp` rule): each
+    # all-reduce of a block becomes a reduce-scatter + all-gather, and LayerNorm / dropout / residual activations
+    # take 1/model of the memory. Needs model.max_seq_len divisible by mesh.model.
+    c.parallel = ml_collections.ConfigDict(dict(shard_optimizer=False, sequence=False))
     c.train = ml_collections.ConfigDict(dict(
         steps=300_000,
         global_batch_size=512,  # sequences per step
@@ -153,13 +157,26 @@ def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
 
 
 def rules_of(config: ml_collections.ConfigDict) -> Rules:
-    """The logical-axis rules as a hashable tuple of pairs, with targets checked against the mesh axes."""
+    """The logical-axis rules as a hashable tuple of pairs, with targets checked against the mesh axes.
+
+    ``parallel.sequence`` maps the residual stream's sequence (``seq_sp``) to ``model``; rules stored before that
+    name existed get it (replicated), so their checkpoints still load.
+    """
     rules = tuple((str(k), None if v is None else str(v)) for k, v in config.sharding.rules)
+    if SEQUENCE_PARALLEL_NAME not in dict(rules):
+        rules += ((SEQUENCE_PARALLEL_NAME, None),)
+    if config.get("parallel", {}).get("sequence", False):  # .get: configs stored before the field existed
+        rules = tuple((k, "model" if k == SEQUENCE_PARALLEL_NAME else v) for k, v in rules)
     for name, axis in rules:
         if axis is not None and axis not in MESH_AXES:
             raise ShardingConfigError(f"sharding rule ({name!r}, {axis!r}) names no mesh axis; use one of "
                                       f"{MESH_AXES} or None")
     return rules
+
+
+def sequence_parallel(config: ml_collections.ConfigDict) -> bool:
+    """Whether the rules split the residual stream's sequence (``parallel.sequence``, or a ``seq_sp`` rule)."""
+    return dict(rules_of(config))[SEQUENCE_PARALLEL_NAME] is not None
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int]:
@@ -187,6 +204,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     if m.max_seq_len < 1 or not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.max_seq_len must be >= 1 and model.dropout in [0, 1); got {m.max_seq_len} and "
                           f"{m.dropout}")
+    if sequence_parallel(config) and m.max_seq_len % tp:
+        raise ConfigError(f"parallel.sequence splits the sequence over mesh.model={tp}, but model.max_seq_len="
+                          f"{m.max_seq_len} is not divisible by it: make max_seq_len a multiple of {tp}, pick "
+                          f"mesh.model from its divisors, or set parallel.sequence=False")
     model_config(config)  # name, precision, remat, activation
     dp, tp = resolve_mesh_shape(dp, tp, num_devices)
     rules_of(config)
@@ -243,6 +264,7 @@ class RunSpec:
     global_batch: int
     num_micro: int  # accumulation steps per optimizer step
     shard_optimizer: bool = False  # ZeRO-1: AdamW's moments also split over `data`
+    sequence: bool = False  # sequence parallelism: the residual stream's sequence split over `model` (in ``rules``)
 
     @property
     def micro_batch(self) -> int:
@@ -257,4 +279,5 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> RunSpec:
     return RunSpec(model_name=config.model.name, model=model_config(config), rules=rules_of(config), data=dp,
                    tensor=tp, precision=resolve_precision(config.train.precision),
                    global_batch=config.train.global_batch_size, num_micro=num_micro,
-                   shard_optimizer=bool(config.get("parallel", {}).get("shard_optimizer", False)))
+                   shard_optimizer=bool(config.get("parallel", {}).get("shard_optimizer", False)),
+                   sequence=sequence_parallel(config))

@@ -8,7 +8,8 @@ Usage::
 
 Each collective is mapped to the mesh axes its device groups span (``{'model'}``, ``{'data'}``) and counted once
 per execution: an op inside a ``while`` body (``nnx.scan`` over layers) counts ``known_trip_count`` times.
-Tuple-shaped collectives (several operands combined by XLA) yield one entry per operand.
+Tuple-shaped collectives (several operands combined by XLA) yield one entry per operand. Collectives over groups of
+one device (a ``shard_map`` reducing over a mesh axis of size 1) move nothing and are left out.
 """
 
 from __future__ import annotations
@@ -44,10 +45,17 @@ class Collective:
     executions: int  # times it runs per call of the program (loop trip counts multiplied)
     phase: str  # 'backward' if JAX's transpose produced it, else 'forward'
     instruction: str
+    group_size: int = 1  # devices per replica group (1 for collective-permute)
 
     @property
     def elements(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def shard_elements(self) -> int:
+        """One device's piece: an all-gather's input (its result / group size), a reduce-scatter's result; for
+        other ops the result."""
+        return self.elements // self.group_size if self.op == "all-gather" else self.elements
 
 
 def _parse_groups(text: str, num_devices: int) -> list[list[int]]:
@@ -168,16 +176,21 @@ def collectives(hlo: str, mesh: Mesh) -> list[Collective]:
             shapes = [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _SHAPE.findall(instr.group(3))]
             if opcode.endswith("-start") and base in ("all-gather", "collective-permute") and len(shapes) > 1:
                 shapes = shapes[len(shapes) // 2:]  # (operands..., results...): keep the results
+            group_size = 1
             if base == "collective-permute":
                 pairs = re.search(r"source_target_pairs=(\{[^ ]*\})", line)
                 axes = _pairs_axes(pairs.group(1), mesh) if pairs else frozenset()
             else:
-                groups = re.search(r"replica_groups=(.*)", line)
-                axes = _axes_of(_parse_groups(groups.group(1), n), mesh) if groups else frozenset(mesh.axis_names)
+                text = re.search(r"replica_groups=(.*)", line)
+                groups = _parse_groups(text.group(1), n) if text else [list(range(n))]
+                group_size = len(groups[0])
+                if group_size == 1:
+                    continue
+                axes = _axes_of(groups, mesh)
             op_name = _OP_NAME.search(line)
             phase = "backward" if op_name and "transpose(" in op_name.group(1) else "forward"
             for dt, shape in shapes:
-                out.append(Collective(base, dt, shape, axes, mult[comp], phase, instr.group(2)))
+                out.append(Collective(base, dt, shape, axes, mult[comp], phase, instr.group(2), group_size))
     return out
 
 

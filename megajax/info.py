@@ -2,6 +2,7 @@
 
     python -m megajax.info --config=configs/gpt_8p3b.py --mesh=64x8 --device_memory_gb=32 --precision=fp16
     python -m megajax.info --config=gpt_tiny --mesh=2x4 --cpu_devices=8 --compiled
+    python -m megajax.info --config=gpt_8p3b --mesh=64x8 --precision=fp16 --sequence  # parallel.sequence
 
 Counts come from ``jax.eval_shape`` and the sharding rules, so the mesh can be far larger than the host.
 Training state is fp32 master parameters, fp32 gradients and AdamW's two fp32 moments: 16 bytes per parameter,
@@ -9,6 +10,8 @@ as in the paper's accounting, divided by the model-parallel degree for the shard
 embeddings and row-parallel biases stay replicated). The step's peak adds what ``megajax.memory_planner`` counts
 (the activations JAX keeps, ZeRO-1's split gradients, the batch); ``--compiled``
 prints it beside the compiled step's own memory plan (``memory_analysis()``; needs the mesh's devices).
+``--sequence`` turns on sequence parallelism: the activations of the LayerNorm, dropout and residual regions are
+split over ``model`` too.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from flax import nnx  # noqa: E402
 
 from megajax.builder import abstract_model  # noqa: E402
 from megajax.cli import load_config  # noqa: E402
-from megajax.config import rules_of, validate  # noqa: E402
+from megajax.config import rules_of, sequence_parallel, validate  # noqa: E402
 from megajax.memory_planner import (FP32, Activations, CompiledMemory, activations, compiled_memory,  # noqa: E402
                                     gradient_bytes)
 from megajax.sharding import logical_to_spec  # noqa: E402
@@ -55,6 +58,7 @@ class MemoryReport:
     activations: Activations  # the activation estimate's parts
     step_grad_bytes: int  # gradients as the compiled step holds them (split over data with ZeRO-1)
     batch_bytes: int  # the step's input batch on this device
+    sequence: bool = False  # parallel.sequence: the residual stream's activations split over model
 
     @property
     def total_bytes(self) -> int:
@@ -122,7 +126,7 @@ def memory_report(config: ml_collections.ConfigDict, data: int, model: int, micr
     fields = objective_for(config.model.name).fields(config.model.max_seq_len).values()
     batch = micro_batch * num_micro * sum(math.prod(f.row_shape) * f.dtype.itemsize for f in fields)
     return MemoryReport(total, local, FP32 * local, FP32 * local, optimizer, act.total, data, model, act,
-                        gradient_bytes(local, data, zero), batch)
+                        gradient_bytes(local, data, zero), batch, sequence_parallel(config))
 
 
 def largest_micro_batch(config: ml_collections.ConfigDict, data: int, model: int, device_bytes: float) -> int:
@@ -165,7 +169,8 @@ def format_report(r: MemoryReport, device_memory_gb: float | None,
         + ("  (split over data: parallel.shard_optimizer)" if r.optimizer_bytes < 8 * r.params_per_device else ""),
         f"  = model state      {_g(state)}  ({state / r.num_params:.2f} bytes/param of the whole model)",
         f"  activations (est.) {_g(r.activation_bytes)}  (layers {a.layers / GiB:.3f}, then the larger of the head "
-        f"{a.head / GiB:.3f} and one recomputed layer {a.recompute / GiB:.3f})",
+        f"{a.head / GiB:.3f} and one recomputed layer {a.recompute / GiB:.3f})"
+        + ("  (LayerNorm / dropout / residual split over model: parallel.sequence)" if r.sequence else ""),
         f"  total              {_g(r.total_bytes)}",
         f"step peak (est.)     {_g(r.peak_bytes)}  (+ gradients as held {r.step_grad_bytes / GiB:.3f}, batch)",
     ]
@@ -202,8 +207,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compiled", action="store_true", help="also compile the step (abstract inputs, nothing "
                                                            "allocated) and print XLA's memory plan beside the formula")
     p.add_argument("--cpu_devices", type=int, default=0, help="simulate N CPU devices (applied before jax starts)")
+    p.add_argument("--sequence", action="store_true", help="sequence parallelism (parallel.sequence=True)")
     args = p.parse_args(argv)
     config = load_config(args.config)
+    if args.sequence:
+        config.parallel.sequence = True
     if args.mesh:
         data, model = (int(x) for x in args.mesh.lower().split("x"))
     else:

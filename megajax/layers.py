@@ -2,6 +2,13 @@
 
 Parameters are fp32 masters; each layer casts them to the compute ``dtype`` at use. Where the mesh axis lands is
 decided by the rules table (``megajax.sharding``), not here.
+
+Sequence parallelism (Korthikanti et al. 2022; the rules split the residual stream's sequence, ``seq_sp``) changes
+what happens at the four tensor-parallel boundaries, and only there: a column-parallel GEMM all-gathers its input's
+sequence, a row-parallel GEMM and the vocab-parallel lookup reduce-scatter their partial sums onto it, and the
+output layer gathers it. Each is written once, per device (``sharding.on_shards``), because a reduce-scatter needs
+the partial sums in hand; without the split the layers are plain jnp and XLA's partitioner adds Megatron's
+all-reduces.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from megajax.sharding import constrain
+from megajax.sharding import RESIDUAL, SEQUENCE_DIM, constrain, on_shards, sequence_axis
 
 Shape = tuple[int, ...]
 
@@ -36,42 +43,74 @@ class ColumnParallelLinear(nnx.Module):
     """``y = x @ W + b`` with W's output dimensions sharded (the first GEMM of a Megatron block).
 
     ``out_shape`` may have several dims, e.g. (heads, 3, head_dim) for QKV so each shard owns whole heads.
-    The bias is sharded like the output, so no communication happens in the forward pass.
+    The bias is sharded like the output, so no communication happens in the forward pass. Under sequence
+    parallelism the input (B, S/t, H) is all-gathered to (B, S, H) first (its gradient is reduce-scattered back).
     """
 
     def __init__(self, in_features: int, out_shape: Shape, names: Sequence[str], *, std: float,
                  dtype: jnp.dtype, rngs: nnx.Rngs):
         self.dtype = dtype
+        self.names = tuple(names)
         self.kernel = make_param(rngs, nnx.initializers.normal(std), (in_features, *out_shape), names)
         self.bias = make_param(rngs, nnx.initializers.zeros, tuple(out_shape), names[1:])
 
     def __call__(self, x: jax.Array) -> jax.Array:  # (..., in) -> (..., *out_shape)
-        y = _tensordot_last(x.astype(self.dtype), self.kernel[...].astype(self.dtype), 1)
-        return y + self.bias[...].astype(self.dtype)
+        axis = sequence_axis()
+        if axis is None:
+            return self.apply(x, self.kernel[...], self.bias[...])
+
+        def gathered(x, kernel, bias):  # per device: (B, S/t, H) -> (B, S, *out_shape / t)
+            return self.apply(jax.lax.all_gather(x, axis, axis=SEQUENCE_DIM, tiled=True), kernel, bias)
+
+        return on_shards(gathered, (x, self.kernel[...], self.bias[...]), (RESIDUAL, self.names, self.names[1:]),
+                         ("batch", "seq", *self.names[1:]))
+
+    def apply(self, x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
+        """``x @ kernel + bias`` in the compute dtype."""
+        return _tensordot_last(x.astype(self.dtype), kernel.astype(self.dtype), 1) + bias.astype(self.dtype)
 
 
 class Dense(ColumnParallelLinear):
     """A dense layer for small heads (pooler, MLM transform, classifiers): its names map to no mesh axis, so it
-    is replicated on every shard and its replicated input needs no communication, as in Megatron."""
+    is replicated on every shard and its replicated input needs no communication, as in Megatron. It runs on any
+    layout of its input (under sequence parallelism, on each device's positions), so it never gathers."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # (..., in) -> (..., *out_shape)
+        return self.apply(x, self.kernel[...], self.bias[...])
 
 
 class RowParallelLinear(nnx.Module):
     """``y = x @ W + b`` with W's input dimensions sharded (the second GEMM of a Megatron block).
 
     The local products are partial sums; XLA all-reduces them over ``model`` (Megatron's g operator) and the
-    replicated bias is added once, after the reduction.
+    replicated bias is added once, after the reduction. Under sequence parallelism they are reduce-scattered onto
+    the residual stream's split sequence instead, (B, S, H) partial -> (B, S/t, H).
     """
 
     def __init__(self, in_shape: Shape, out_features: int, names: Sequence[str], *, std: float,
                  dtype: jnp.dtype, rngs: nnx.Rngs):
         self.dtype = dtype
         self.n_in = len(in_shape)
+        self.names = tuple(names)
         self.kernel = make_param(rngs, nnx.initializers.normal(std), (*in_shape, out_features), names)
         self.bias = make_param(rngs, nnx.initializers.zeros, (out_features,), names[-1:])
 
     def __call__(self, x: jax.Array) -> jax.Array:  # (..., *in_shape) -> (..., out)
-        y = _tensordot_last(x.astype(self.dtype), self.kernel[...].astype(self.dtype), self.n_in)
+        axis = sequence_axis()
+        if axis is None:
+            y = self.partial(x, self.kernel[...])
+        else:
+            def scattered(x, kernel):  # per device: (B, S, *in_shape / t) -> (B, S/t, H)
+                return jax.lax.psum_scatter(self.partial(x, kernel), axis, scatter_dimension=SEQUENCE_DIM,
+                                            tiled=True)
+
+            y = on_shards(scattered, (x, self.kernel[...]), (("batch", "seq", *self.names[:-1]), self.names),
+                          RESIDUAL)
         return y + self.bias[...].astype(self.dtype)
+
+    def partial(self, x: jax.Array, kernel: jax.Array) -> jax.Array:
+        """``x @ kernel`` in the compute dtype (on one device's blocks: its partial sums)."""
+        return _tensordot_last(x.astype(self.dtype), kernel.astype(self.dtype), self.n_in)
 
 
 class VocabParallelEmbedding(nnx.Module):
@@ -79,6 +118,8 @@ class VocabParallelEmbedding(nnx.Module):
 
     Lookup: each shard gathers the rows it owns and the partial rows are all-reduced (b x s x h). ``attend``
     computes vocab-sharded logits with no forward communication; its input gradient is all-reduced (f operator).
+    Under sequence parallelism the lookup's partial rows are reduce-scattered onto the split sequence and
+    ``attend`` all-gathers its input (as Megatron-Core).
     """
 
     def __init__(self, num_embeddings: int, features: int, *, std: float, dtype: jnp.dtype, rngs: nnx.Rngs):
@@ -87,11 +128,32 @@ class VocabParallelEmbedding(nnx.Module):
                                     ("vocab", "embed"))
 
     def __call__(self, ids: jax.Array) -> jax.Array:  # (B, S) -> (B, S, H)
-        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+        axis = sequence_axis()
+        if axis is None:
+            return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+
+        def scattered(ids, rows):  # per device: ids (B, S), this shard's rows (V/t, H) -> (B, S/t, H)
+            local = ids - jax.lax.axis_index(axis) * rows.shape[0]
+            owned = (local >= 0) & (local < rows.shape[0])
+            found = jnp.where(owned[..., None], jnp.take(rows, jnp.where(owned, local, 0), axis=0), 0.0)
+            # one shard owns each row, the others add zeros: summing in the compute dtype is exact
+            return jax.lax.psum_scatter(found.astype(self.dtype), axis, scatter_dimension=SEQUENCE_DIM, tiled=True)
+
+        return on_shards(scattered, (ids, self.embedding[...]), (("batch", "seq"), ("vocab", "embed")), RESIDUAL)
 
     def attend(self, x: jax.Array) -> jax.Array:  # (B, S, H) -> (B, S, V)
-        logits = x.astype(self.dtype) @ self.embedding[...].astype(self.dtype).T
-        return constrain(logits, ("batch", "seq", "vocab"))
+        axis = sequence_axis()
+        if axis is None:
+            return constrain(self.logits(x, self.embedding[...]), ("batch", "seq", "vocab"))
+
+        def gathered(x, rows):  # per device: (B, S/t, H) -> (B, S, V/t)
+            return self.logits(jax.lax.all_gather(x, axis, axis=SEQUENCE_DIM, tiled=True), rows)
+
+        return on_shards(gathered, (x, self.embedding[...]), (RESIDUAL, ("vocab", "embed")), ("batch", "seq", "vocab"))
+
+    def logits(self, x: jax.Array, rows: jax.Array) -> jax.Array:
+        """``x @ rows^T`` in the compute dtype."""
+        return x.astype(self.dtype) @ rows.astype(self.dtype).T
 
 
 class LayerNorm(nnx.Module):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -18,11 +18,15 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 Rules = tuple[tuple[str, str | None], ...]
 
 MESH_AXES = ("data", "model")
+SEQUENCE_PARALLEL_NAME = "seq_sp"  # the residual stream's sequence axis
 
 # Megatron-LM (Shoeybi et al. 2019, Section 3) as a rules table.
 MEGATRON_RULES: Rules = (
     ("batch", "data"),  # activations' batch dimension
-    ("seq", None),
+    ("seq", None),  # the sequence where a tensor-parallel GEMM or attention needs all of it
+    # The residual stream's sequence (embeddings' output, LayerNorms, dropout, residual adds): None as Megatron;
+    # `model` with parallel.sequence (Korthikanti et al. 2022), set by config.rules_of.
+    (SEQUENCE_PARALLEL_NAME, None),
     ("embed", None),  # hidden size: replicated, Megatron keeps the residual stream whole on every model shard
     ("vocab", "model"),  # word embedding and logits: vocab-parallel
     ("position", None),  # learned position embeddings: replicated
@@ -35,6 +39,13 @@ MEGATRON_RULES: Rules = (
     ("embed_out", None),  # output side of the small replicated h -> h heads (pooler, MLM transform)
     ("classes", None),  # classifier outputs (SOP, task heads)
 )
+
+
+# The residual stream's layout (B, S, H). Under sequence parallelism its sequence is split over `model`: each
+# row-parallel GEMM's partial sums are reduce-scattered onto it, each column-parallel GEMM's input all-gathered
+# from it (megajax.layers).
+RESIDUAL = ("batch", SEQUENCE_PARALLEL_NAME, "embed")
+SEQUENCE_DIM = RESIDUAL.index(SEQUENCE_PARALLEL_NAME)
 
 
 class ConfigError(ValueError):
@@ -113,3 +124,27 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if rules is None or jax.sharding.get_abstract_mesh().empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))
+
+
+def sequence_axis() -> str | None:
+    """The mesh axis the active rules split the residual stream's sequence over (``parallel.sequence``: 'model'),
+    or None: Megatron's layout, or outside ``activate``."""
+    rules = _ACTIVE_RULES.get()
+    if rules is None or jax.sharding.get_abstract_mesh().empty:
+        return None
+    return dict(rules).get(SEQUENCE_PARALLEL_NAME)
+
+
+def on_shards(fn: Callable[..., jax.Array], args: Sequence[jax.Array], names: Sequence[Sequence[str | None]],
+              out_names: Sequence[str | None]) -> jax.Array:
+    """``fn`` run on each device's blocks of ``args`` (laid out by their logical ``names`` under the active rules),
+    its per-device result assembled by ``out_names``: a ``shard_map`` over the whole mesh.
+
+    For the collectives XLA's partitioner does not choose by itself: given a partial sum to lay out split (a
+    reduce-scatter), the SPMD partitioner all-reduces and slices; XLA's GPU pipeline rewrites that pair into a
+    reduce-scatter (its ReduceScatterCreator pass), the CPU pipeline does not. Inside ``fn`` the partial sums are
+    visible, so ``jax.lax.psum_scatter`` says it, and autodiff transposes it to an all-gather.
+    """
+    rules = _ACTIVE_RULES.get()
+    return jax.shard_map(fn, in_specs=tuple(logical_to_spec(n, rules) for n in names),
+                         out_specs=logical_to_spec(out_names, rules))(*args)

@@ -18,7 +18,7 @@ from flax import nnx
 from megajax.layers import ACTIVATIONS, Dense, LayerNorm, VocabParallelEmbedding, dropout, make_param
 from megajax.losses import mask_padded_vocab
 from megajax.models.transformer import TransformerConfig, make_blocks, padding_mask, run_blocks
-from megajax.sharding import constrain
+from megajax.sharding import RESIDUAL, constrain
 
 NUM_SOP_CLASSES = 2  # 0: A then B as in the document, 1: swapped
 
@@ -52,10 +52,13 @@ class BERTEncoder(nnx.Module):
         valid = jnp.ones_like(tokens) if valid is None else valid
         tokens = constrain(tokens, ("batch", "seq"))
         k_emb, k_layers = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
-        x = self.wte(tokens) + (self.wpe[:s] + jnp.take(self.tte[...], token_types, axis=0)).astype(cfg.compute_dtype)
+        positions = constrain(self.wpe[:s], ("position", "embed"))  # replicated: see GPT
+        # (B, S, H); under sequence parallelism the lookup's partial rows are reduce-scattered to (B, S/t, H)
+        x = self.wte(tokens) + (positions + jnp.take(self.tte[...], token_types, axis=0)).astype(cfg.compute_dtype)
+        x = constrain(x, RESIDUAL)
         if self.ln_emb is not None:
             x = self.ln_emb(x)
-        x = constrain(dropout(x, cfg.dropout, k_emb), ("batch", "seq", "embed"))  # (B, S, H)
+        x = constrain(dropout(x, cfg.dropout, k_emb), RESIDUAL)
         x, _ = run_blocks(self.blocks, cfg, x, padding_mask(valid), k_layers)
         return x if self.ln_f is None else self.ln_f(x)
 

@@ -12,7 +12,7 @@ from flax import nnx
 from megajax.layers import LayerNorm, VocabParallelEmbedding, dropout, make_param
 from megajax.losses import mask_padded_vocab
 from megajax.models.transformer import KVCache, TransformerConfig, causal_mask, make_blocks, run_blocks
-from megajax.sharding import constrain
+from megajax.sharding import RESIDUAL, constrain
 
 
 class GPT(nnx.Module):
@@ -53,9 +53,12 @@ class GPT(nnx.Module):
             raise ValueError(f"sequence length {s} exceeds model.max_seq_len={cfg.max_seq_len}")
         tokens = constrain(tokens, ("batch", "seq"))
         k_emb, k_layers = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
-        positions = jax.lax.dynamic_slice_in_dim(self.wpe[...], index, s, axis=0)
-        x = self.wte(tokens) + positions.astype(cfg.compute_dtype)  # (B, S, H)
-        x = constrain(dropout(x, cfg.dropout, k_emb), ("batch", "seq", "embed"))
+        # Replicated rows: under sequence parallelism their gradient (rows follow the split sequence) is gathered
+        # here, once, rather than left split for AdamW to update apart and gather three arrays.
+        positions = constrain(jax.lax.dynamic_slice_in_dim(self.wpe[...], index, s, axis=0), ("position", "embed"))
+        # (B, S, H); under sequence parallelism the lookup's partial rows are reduce-scattered to (B, S/t, H)
+        x = constrain(self.wte(tokens) + positions.astype(cfg.compute_dtype), RESIDUAL)
+        x = constrain(dropout(x, cfg.dropout, k_emb), RESIDUAL)
         kv_len = s if cache is None else cache[0].shape[2]
         mask = causal_mask(index + jnp.arange(s), kv_len)  # (1, 1, S, S_kv)
         x, cache = run_blocks(self.blocks, cfg, x, mask, k_layers, cache, index)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from megajax.layers import ACTIVATIONS, ColumnParallelLinear, LayerNorm, RowParallelLinear, dropout, scaled_init_std
-from megajax.sharding import constrain
+from megajax.sharding import RESIDUAL, constrain
 
 REMAT_POLICIES = ("none", "full", "save_dots", "selective")
 LayerCache = tuple[jax.Array, jax.Array]  # one layer's (keys, values), (B, S_max, N, D) each
@@ -146,13 +146,13 @@ class Block(nnx.Module):
         k_attn, k_res1, k_res2 = jax.random.split(key, 3) if key is not None else (None, None, None)
         if self.post_ln:  # Fig. 7a: LN(x + sublayer(x))
             attn, cache = self.attn(x, mask, k_attn, cache, index)
-            x = self.ln_1(constrain(x + dropout(attn, self.rate, k_res1), ("batch", "seq", "embed")))
+            x = self.ln_1(constrain(x + dropout(attn, self.rate, k_res1), RESIDUAL))
             x = self.ln_2(x + dropout(self.mlp(x), self.rate, k_res2))
         else:  # Fig. 7b: x + sublayer(LN(x))
             attn, cache = self.attn(self.ln_1(x), mask, k_attn, cache, index)
-            x = constrain(x + dropout(attn, self.rate, k_res1), ("batch", "seq", "embed"))
+            x = constrain(x + dropout(attn, self.rate, k_res1), RESIDUAL)
             x = x + dropout(self.mlp(self.ln_2(x)), self.rate, k_res2)
-        return constrain(x, ("batch", "seq", "embed")), cache
+        return constrain(x, RESIDUAL), cache
 
 
 def make_blocks(cfg: TransformerConfig, rngs: nnx.Rngs) -> Block:
