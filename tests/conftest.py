@@ -67,17 +67,3 @@ def train_config(data: int = 1, model: int = 1, steps: int = 5, dropout: float =
     c.optimizer.update(lr=1e-3, min_lr=1e-4, warmup_steps=2)
     c.data.source = "random"
     return c
-
-
-# The slowest modules first, heaviest first (measured on the 2-core CI machine). pytest-xdist's loadscope hands
-# whole modules to its two workers in collection order, so a slow module collected last (alphabetically) ran alone
-# at the end while the other worker sat idle.
-SLOWEST_MODULES = ("test_finetune", "test_training_step", "test_checkpoint", "test_bert_training", "test_bert_model",
-                   "test_communication_audit", "test_downstream_eval", "test_train_end_to_end", "test_run_guards",
-                   "test_sharded_optimizer", "test_sequence_parallel", "test_tensor_parallel_equivalence",
-                   "test_faults", "test_memory_planner")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(SLOWEST_MODULES)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a module keeps its own order
