@@ -6,6 +6,7 @@ import importlib.util
 import os
 import pathlib
 import sys
+from collections.abc import Callable
 
 import ml_collections
 
@@ -96,3 +97,17 @@ def simulate_cpu_devices(argv: list[str]) -> None:
             flags = os.environ.get("XLA_FLAGS", "")
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
             os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def exit_on_user_error(main: Callable[[], object]) -> object:
+    """Runs a tool's ``main``; an error the user can fix (``megajax.errors.USER_ERRORS``) exits 1 with its message,
+    not a traceback. The errors module is imported only on failure: it imports jax, which some tools must set up
+    (``--cpu_devices``) first."""
+    try:
+        return main()
+    except Exception as e:  # noqa: BLE001 - re-raised unless it is a user error
+        from megajax.errors import USER_ERRORS
+
+        if isinstance(e, USER_ERRORS):
+            sys.exit(f"error: {e}")
+        raise
