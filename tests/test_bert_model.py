@@ -77,6 +77,10 @@ def reference(request):
 @pytest.mark.parametrize("data,model_axis", [m for m in MESHES[1:] if m != (1, 2)])
 def test_mesh_matches_single_device(reference, data, model_axis):
     config, model, batch, (ref_loss, ref_metrics, ref_mlm, ref_sop, ref_grads) = reference
+    if not config.model.post_layernorm and (data, model_axis) != (2, 4):
+        # Pre-LN differs from post-LN only in the order within a block, on replicated activations: 2x4 (both
+        # axes) covers it here, and GPT's pre-LN blocks are checked on every mesh (test_tensor_parallel_equivalence).
+        pytest.skip("pre-LN: 2x4 only")
     loss, metrics, mlm, sop, grads = _run(model, config, batch, data, model_axis)
     np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
     for k in ("mlm_loss", "sop_loss", "mlm_accuracy", "sop_accuracy"):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import train_config
+from conftest import child_env, train_config
 from megajax.checkpoint import (Checkpointer, CheckpointError, _arrays, _to_tree, load_model, read_config,
                                 save_params)
 from megajax.config import ConfigError
@@ -28,7 +28,7 @@ FLAGS = ["--config=gpt_tiny", "--config.data.source=random", "--config.train.log
 
 def _launch(workdir, *extra):
     # One CPU device and a shared compilation cache: the processes of a test compile the step once between them.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_COMPILATION_CACHE_DIR=str(pathlib.Path(workdir).parent / "jax_cache"))
     return subprocess.Popen([sys.executable, str(ROOT / "train.py"), f"--workdir={workdir}", *FLAGS, *extra],

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from conftest import child_env
 from megajax.training import workdir_lock
 from megajax.training.workdir_lock import WorkdirInUseError, WorkdirLock, hold_workdir
 
@@ -108,7 +109,7 @@ def test_hold_workdir_releases_on_error(tmp_path):
 # --- train.py, as a user runs it -----------------------------------------------------------------------------
 
 def _train_py(workdir, *extra, expect_ok=True) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device: the cheapest compile
+    env = child_env()  # one CPU device: the cheapest compile
     env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(workdir.parent / "jax_cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     result = subprocess.run([sys.executable, str(ROOT / "train.py"), f"--workdir={workdir}", *FLAGS, *extra],
@@ -202,7 +203,7 @@ def test_every_process_of_a_multi_host_run_refuses_a_busy_workdir(tmp_path):
     """Two processes share the workdir: process 0 checks the lock and both refuse with its message."""
     holder = WorkdirLock(tmp_path)
     holder.acquire()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", JAX_NUM_PROCESSES="2", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--cpu_devices=2", f"--workdir={tmp_path}",

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import train_config
+from conftest import child_env, train_config
 from megajax.checkpoint import Checkpointer
 from megajax.cli import _flag_value
 from megajax.config import ConfigError, resolve
@@ -111,7 +111,7 @@ def test_flag_values_parse_with_or_without_equals():
 def test_train_py_exits_nonzero_on_divergence_with_cpu_devices_spaced(tmp_path):
     """As a user types it: `--cpu_devices 2` (a space) simulates 2 devices, and a diverging run exits 1 with a
     message, keeping its good checkpoint."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     cmd = [sys.executable, str(ROOT / "train.py"), "--cpu_devices", "2", "--config=gpt_tiny", f"--workdir={tmp_path}",
            "--config.data.source=random", "--config.model.num_layers=1", "--config.model.max_seq_len=32",
            "--config.train.steps=6", "--config.train.log_every=1",

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import child_env
 from megajax.cli import load_config
 from megajax.training.loop import train
 
@@ -46,7 +47,7 @@ ARGS = ["--config=gpt_tiny", "--config.data.source=random", "--config.train.step
 
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", JAX_NUM_PROCESSES="2", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--cpu_devices=4", f"--workdir={tmp_path}"]
