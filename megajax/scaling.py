@@ -3,7 +3,8 @@
     python -m megajax.scaling --config=gpt_8p3b --gpus=512 --cluster=dgx2h [--global_batch=512]
 
 prints every (data, model) mesh of the GPUs with its predicted step time, model TFLOP/s per GPU, MFU and memory,
-and recommends the fastest one that fits. Per GPU, with t-way model and d-way data parallelism:
+and recommends the fastest one that fits, choosing per mesh the remat policy, sequence parallelism and ZeRO-1
+(``--keep_choices``: the config's). Per GPU, with t-way model and d-way data parallelism:
 
 * Compute per layer and micro-batch: each GEMM (QKV, attention out, MLP up and down on their 1/t shards; QK^T
   and AV per local head) at the roofline ``max(flops / (gemm_efficiency x peak), operand bytes / HBM bandwidth)``,
@@ -39,7 +40,12 @@ Every published figure is predicted within 8 percentage points (speedups within 
 128 GPUs (+7.7: its 12-point drop from data parallelism is 3x the other sizes' and exceeds even an unoverlapped
 all-reduce) and 512 GPUs (-7.6): one overlap fraction splits the difference.
 
-Ignored: pipeline and sequence parallelism (megajax has neither), tensor-parallel communication overlapped with
+Beyond the paper: sequence parallelism splits the replicated element-wise work and the LayerNorm / dropout /
+residual activations by t (its reduce-scatter / all-gather pairs send the all-reduces' bytes); ZeRO-1 splits the
+moments over ``data`` (8 + 8/d bytes per local parameter) and adds an all-gather of the updated
+fp32 parameters (half a ring all-reduce, not overlapped). Neither is calibrated: the paper has them not.
+
+Ignored: pipeline parallelism (megajax has none), tensor-parallel communication overlapped with
 compute, NCCL's protocols and topology beyond a ring, kernel efficiency beyond the calibration (the 2019
 constants describe eager PyTorch; a fused XLA step moves fewer bytes and launches fewer kernels), stragglers,
 data loading and memory fragmentation. ``DGX_H100``'s calibration is assumed, not fitted: the paper has no H100.
@@ -103,7 +109,8 @@ CLUSTERS = {"dgx2h": DGX2H_V100, "dgx_h100": DGX_H100}
 
 @dataclasses.dataclass(frozen=True)
 class GPT:
-    """A GPT's sizes (vocab = the padded vocabulary) and its activation recomputation."""
+    """A GPT's sizes (vocab = the padded vocabulary), its activation recomputation and the memory choices beyond
+    the paper: ``sequence`` (parallel.sequence) and ``shard_optimizer`` (parallel.shard_optimizer, ZeRO-1)."""
 
     hidden: int
     layers: int
@@ -111,6 +118,8 @@ class GPT:
     seq: int = 1024
     vocab: int = 51200
     remat: str = "full"
+    sequence: bool = False
+    shard_optimizer: bool = False
 
     @classmethod
     def from_config(cls, config) -> GPT:
@@ -120,8 +129,15 @@ class GPT:
         m = config.model
         if m.get("mlp_ratio", 4) != 4:
             raise ValueError(f"the scaling model assumes mlp_ratio=4 (transformer_flops); got {m.mlp_ratio}")
+        parallel = config.get("parallel", {})
         return cls(m.hidden_size, m.num_layers, m.num_heads, m.max_seq_len,
-                   padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by), m.remat)
+                   padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by), m.remat,
+                   bool(parallel.get("sequence", False)), bool(parallel.get("shard_optimizer", False)))
+
+    def flags(self) -> str:
+        """The config flags that give this model's choices."""
+        return (f"--config.model.remat={self.remat} --config.parallel.sequence={self.sequence} "
+                f"--config.parallel.shard_optimizer={self.shard_optimizer}")
 
     def params(self, tensor: int = 1) -> tuple[int, int]:
         """(total parameters, parameters on one of ``tensor`` model-parallel GPUs), as megajax shards them: QKV,
@@ -141,6 +157,7 @@ class GPT:
 class Prediction:
     """One mesh's predicted step (seconds per step; memory per GPU)."""
 
+    model: GPT  # with the remat / sequence / shard_optimizer choices this prediction is for
     mesh: tuple[int, int]  # (data, model)
     global_batch: int
     micro_batch: int
@@ -202,8 +219,8 @@ def compute_s(model: GPT, tensor: int, micro_batch: int, cluster: Cluster) -> fl
     layer = (3 + dots) * sum(_gemm_s(*g, cluster) for g in dense)
     layer += (3 + core) * sum(_gemm_s(*g, cluster) for g in attention)
     tokens = micro_batch * model.seq
-    sizes = (tokens * model.hidden, tokens * model.hidden / tensor,
-             micro_batch * model.heads / tensor * model.seq**2)
+    replicated = tokens * model.hidden / (tensor if model.sequence else 1)  # SP: each GPU's positions only
+    sizes = (replicated, tokens * model.hidden / tensor, micro_batch * model.heads / tensor * model.seq**2)
     repeats = (elementwise, elementwise, core)
     passes = sum(n * ((1 + r) * fwd + bwd) for n, r, (fwd, bwd) in
                  zip(sizes, repeats, (REPLICATED_PASSES, SPLIT_PASSES, SCORE_PASSES)))
@@ -248,9 +265,10 @@ def data_comm_s(model: GPT, mesh: tuple[int, int], cluster: Cluster, grad_bytes:
     return within + across
 
 
-def memory_bytes(model: GPT, tensor: int, micro_batch: int) -> int:
-    """Per-GPU training memory: 16 bytes per local parameter plus ``megajax.info.activation_bytes`` (half
-    precision) for one micro-batch."""
+def memory_bytes(model: GPT, tensor: int, micro_batch: int, data: int = 1) -> int:
+    """Per-GPU training memory as ``megajax.info``'s total: 16 bytes per local parameter (with
+    ``shard_optimizer``: the two fp32 moments split over ``data``, 8 + 8/d) plus ``megajax.info.activation_bytes``
+    (half precision) for one micro-batch."""
     from megajax.config import base_config
     from megajax.info import activation_bytes
 
@@ -258,7 +276,23 @@ def memory_bytes(model: GPT, tensor: int, micro_batch: int) -> int:
     config.model.update(hidden_size=model.hidden, num_layers=model.layers, num_heads=model.heads,
                         max_seq_len=model.seq, vocab_size=model.vocab, make_vocab_size_divisible_by=1,
                         remat=model.remat)
-    return STATE_BYTES_PER_PARAM * model.params(tensor)[1] + activation_bytes(config, micro_batch, tensor, HALF)
+    config.parallel.sequence = model.sequence
+    local = model.params(tensor)[1]
+    state = STATE_BYTES_PER_PARAM * local if not model.shard_optimizer else 8 * local + 8 * local // data
+    return state + activation_bytes(config, micro_batch, tensor, HALF)
+
+
+def gather_params_s(model: GPT, mesh: tuple[int, int], cluster: Cluster) -> float:
+    """ZeRO-1's all-gather of the updated fp32 parameter shards over ``data`` (half a ring all-reduce), hierarchical
+    as ``data_comm_s``; 0 without ``shard_optimizer``."""
+    data, tensor = mesh
+    if data == 1 or not model.shard_optimizer:
+        return 0.0
+    nbytes = 4 * model.params(tensor)[1]
+    members = max(1, min(data, cluster.gpus_per_node // tensor))
+    nodes = math.ceil(data / members)
+    return (ring_allreduce_s(nbytes, members, cluster.intra_bandwidth, cluster.intra_latency)
+            + ring_allreduce_s(nbytes / members, nodes, cluster.inter_bandwidth, cluster.inter_latency)) / 2
 
 
 def _step(model, mesh, global_batch, cluster, micro_batch, grad_bytes) -> tuple[float, float, float, float, int]:
@@ -274,6 +308,7 @@ def _step(model, mesh, global_batch, cluster, micro_batch, grad_bytes) -> tuple[
     compute += OPTIMIZER_BYTES_PER_PARAM * model.params(tensor)[1] / cluster.hbm_bandwidth
     tensor_comm = num_micro * tensor_comm_s(model, tensor, micro, cluster)
     data_comm = (1 - cluster.dp_overlap) * data_comm_s(model, mesh, cluster, grad_bytes)
+    data_comm += gather_params_s(model, mesh, cluster)  # after the update: nothing to overlap it with
     return compute, tensor_comm, data_comm, compute + tensor_comm + data_comm, micro
 
 
@@ -293,8 +328,8 @@ def predict(model: GPT, mesh: tuple[int, int], global_batch: int, cluster: Clust
     if baseline_tflops is None:
         base = _step(model, (1, 1), global_batch // data, cluster, micro_batch, grad_bytes)[3]
         baseline_tflops = flops / data / base / 1e12
-    need = memory_bytes(model, tensor, micro) if memory else 0
-    return Prediction(mesh=mesh, global_batch=global_batch, micro_batch=micro,
+    need = memory_bytes(model, tensor, micro, data) if memory else 0
+    return Prediction(model=model, mesh=mesh, global_batch=global_batch, micro_batch=micro,
                       num_micro=global_batch // data // micro, compute_s=compute, tensor_comm_s=tensor_comm,
                       data_comm_s=data_comm, step_s=step, tflops_per_gpu=tflops,
                       mfu=tflops * 1e12 / cluster.peak_flops, efficiency=tflops / baseline_tflops,
@@ -316,14 +351,33 @@ def candidate_meshes(model: GPT, num_gpus: int, cluster: Cluster, global_batch: 
     return out
 
 
+REMAT_CHOICES = ("none", "selective", "save_dots", "full")  # least recomputation first
+
+
+def variants(model: GPT, mesh: tuple[int, int], choose: bool) -> list[GPT]:
+    """The model as given, or (``choose``) every remat policy x sequence parallelism (model-parallel meshes whose
+    t divides the sequence) x ZeRO-1 (data-parallel meshes) that could run on ``mesh``."""
+    if not choose:
+        return [model]
+    data, tensor = mesh
+    return [dataclasses.replace(model, remat=r, sequence=sp, shard_optimizer=z) for r in REMAT_CHOICES
+            for sp in ((False, True) if tensor > 1 and model.seq % tensor == 0 else (False,))
+            for z in ((False, True) if data > 1 else (False,))]
+
+
 def recommend_mesh(model: GPT, num_gpus: int, cluster: Cluster, global_batch: int, micro_batch: int | None = None,
-                   grad_bytes: int = 4) -> tuple[Prediction | None, list[Prediction]]:
-    """(the fastest mesh that fits in HBM or None, every candidate mesh's prediction, fastest first).
+                   grad_bytes: int = 4, choose: bool = False) -> tuple[Prediction | None, list[Prediction]]:
+    """(the fastest mesh that fits in HBM or None, one prediction per candidate mesh, fastest first).
 
     Meshes that do not divide the model or the batch are not candidates; those over HBM are listed, never
-    recommended."""
-    table = [predict(model, mesh, global_batch, cluster, micro_batch, grad_bytes)
-             for mesh in candidate_meshes(model, num_gpus, cluster, global_batch, micro_batch)]
+    recommended. ``choose``: besides the mesh, pick the remat policy, sequence parallelism and ZeRO-1 (each
+    mesh's row is its fastest choice that fits, else its least memory); otherwise the model's own are kept."""
+    table = []
+    for mesh in candidate_meshes(model, num_gpus, cluster, global_batch, micro_batch):
+        options = [predict(m, mesh, global_batch, cluster, micro_batch, grad_bytes)
+                   for m in variants(model, mesh, choose)]
+        fitting = [p for p in options if p.fits]
+        table.append(min(fitting, key=lambda p: p.step_s) if fitting else min(options, key=lambda p: p.memory_bytes))
     table.sort(key=lambda p: p.step_s)
     return next((p for p in table if p.fits), None), table
 
@@ -362,18 +416,23 @@ def paper_predictions(cluster: Cluster = DGX2H_V100) -> dict[str, dict[int, floa
 
 def format_table(table: list[Prediction], best: Prediction | None) -> str:
     """The CLI's table of meshes and its recommendation."""
-    lines = [f"{'mesh':>8} {'micro':>5} {'step s':>8} {'compute':>8} {'TP comm':>8} {'DP comm':>8} "
-             f"{'TFLOP/s':>8} {'MFU':>6} {'vs 1GPU':>7} {'GiB/GPU':>8} fits"]
+    lines = [f"{'mesh':>8} {'micro':>5} {'remat':>9} {'SP':>3} {'ZeRO':>4} {'step s':>8} {'compute':>8} "
+             f"{'TP comm':>8} {'DP comm':>8} {'TFLOP/s':>8} {'MFU':>6} {'vs 1GPU':>7} {'GiB/GPU':>8} fits"]
+    yes = lambda b: "yes" if b else "-"  # noqa: E731
     for p in table:
-        lines.append(f"{p.mesh[0]:>4}x{p.mesh[1]:<3} {p.micro_batch:>5} {p.step_s:8.3f} {p.compute_s:8.3f} "
+        m = p.model
+        lines.append(f"{p.mesh[0]:>4}x{p.mesh[1]:<3} {p.micro_batch:>5} {m.remat:>9} {yes(m.sequence):>3} "
+                     f"{yes(m.shard_optimizer):>4} {p.step_s:8.3f} {p.compute_s:8.3f} "
                      f"{p.tensor_comm_s:8.3f} {p.data_comm_s:8.3f} {p.tflops_per_gpu:8.1f} {p.mfu:6.1%} "
                      f"{p.efficiency:7.1%} {p.memory_bytes / GiB:8.1f} {'yes' if p.fits else 'NO'}")
     if best is None:
         lines.append("recommendation: none fits; add GPUs, shrink the micro-batch, or shard the optimizer")
     else:
-        lines.append(f"recommendation: data={best.mesh[0]} x model={best.mesh[1]} "
-                     f"(--config.mesh.data={best.mesh[0]} --config.mesh.model={best.mesh[1]}): "
-                     f"{best.step_s:.3f} s/step, {best.tflops_per_gpu:.1f} TFLOP/s per GPU")
+        lines.append(f"recommendation: data={best.mesh[0]} x model={best.mesh[1]}, remat={best.model.remat}, "
+                     f"sequence parallelism {'on' if best.model.sequence else 'off'}, ZeRO-1 "
+                     f"{'on' if best.model.shard_optimizer else 'off'}: {best.step_s:.3f} s/step, "
+                     f"{best.tflops_per_gpu:.1f} TFLOP/s per GPU\n"
+                     f"  --config.mesh.data={best.mesh[0]} --config.mesh.model={best.mesh[1]} {best.model.flags()}")
     return "\n".join(lines)
 
 
@@ -385,6 +444,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--global_batch", type=int, default=None, help="default: the config's train.global_batch_size")
     p.add_argument("--micro_batch", type=int, default=None, help="default: the config's (0: the whole shard)")
     p.add_argument("--grad_bytes", type=int, default=4, help="bytes per all-reduced gradient (Megatron 2019: 2)")
+    p.add_argument("--keep_choices", action="store_true", help="keep the config's remat, parallel.sequence and "
+                   "parallel.shard_optimizer instead of choosing them per mesh")
     args = p.parse_args(argv)
     from megajax.cli import load_config
 
@@ -394,7 +455,8 @@ def main(argv: list[str] | None = None) -> None:
     model, cluster = GPT.from_config(config), CLUSTERS[args.cluster]
     batch = args.global_batch or config.train.global_batch_size
     micro = args.micro_batch if args.micro_batch is not None else config.train.micro_batch_size
-    best, table = recommend_mesh(model, args.gpus, cluster, batch, micro or None, args.grad_bytes)
+    best, table = recommend_mesh(model, args.gpus, cluster, batch, micro or None, args.grad_bytes,
+                                 choose=not args.keep_choices)
     if not table:
         raise SystemExit(f"error: no (data, model) mesh of {args.gpus} GPUs divides the heads and the batch")
     print(f"{args.config}: {model.params()[0]:,} parameters, {args.gpus} GPUs on {cluster.name}, global batch {batch}")

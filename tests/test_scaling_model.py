@@ -101,6 +101,10 @@ def test_parameters_and_memory_match_info(name, tensor):
     config.train.precision = "bf16"  # half-precision activations, as on a GPU
     want = memory_report(config, 2, tensor, micro_batch=2).total_bytes
     assert scaling.memory_bytes(model, tensor, 2) == want
+    config.parallel.update(sequence=True, shard_optimizer=True)  # the planner's choices, counted as info does
+    chosen = GPT.from_config(config)
+    assert chosen.sequence and chosen.shard_optimizer
+    assert scaling.memory_bytes(chosen, tensor, 2, data=2) == memory_report(config, 2, tensor, micro_batch=2).total_bytes
 
 
 def test_one_gpu_has_no_communication():
@@ -129,10 +133,62 @@ def test_recommend_mesh_never_picks_a_mesh_that_does_not_fit():
 
 
 def test_cli_prints_the_table_and_recommendation(capsys):
-    scaling.main(["--config=gpt_8p3b", "--gpus=512", "--cluster=dgx2h", "--global_batch=512"])
+    scaling.main(["--config=gpt_8p3b", "--gpus=512", "--cluster=dgx2h", "--global_batch=512", "--keep_choices"])
     out = capsys.readouterr().out
-    assert "recommendation: data=64 x model=8" in out
+    assert "recommendation: data=64 x model=8, remat=full, sequence parallelism off, ZeRO-1 off" in out
     assert "  64x8 " in out and "fits" in out and out.count("NO") >= 1
+    scaling.main(["--config=gpt_8p3b", "--gpus=512", "--cluster=dgx2h", "--global_batch=512"])
+    out = capsys.readouterr().out.splitlines()
+    flags = out[-1].split()
+    assert flags[:2] == ["--config.mesh.data=64", "--config.mesh.model=8"]
+    assert "--config.parallel.sequence=True" in flags  # printed as train.py takes them
+
+
+def test_planner_turns_on_what_makes_a_model_fit_and_nothing_slower():
+    """gpt_8p3b on 512 V100s: with the config's full recomputation 64 x 8 fits at 2.3 s; choosing, the planner
+    keeps less (save_dots) and splits the LayerNorm / dropout activations (sequence parallelism) to fit in 32 GiB
+    and run faster. With HBM to spare nothing is recomputed or sharded; with too little for any plain mesh ZeRO-1
+    is what fits."""
+    model = PAPER_MODELS["8.3B"]
+    kept, _ = recommend_mesh(model, 512, DGX2H_V100, global_batch=512)
+    best, table = recommend_mesh(model, 512, DGX2H_V100, global_batch=512, choose=True)
+    assert best.fits and best.step_s < kept.step_s and best.model.remat != "full" and best.model.sequence
+    for p in table:  # each row: the fastest of its mesh's choices that fits
+        options = [predict(m, p.mesh, 512, DGX2H_V100) for m in scaling.variants(model, p.mesh, True)]
+        fitting = [o.step_s for o in options if o.fits]
+        assert p.step_s == (min(fitting) if fitting else p.step_s) and len(options) == 4 * (1 + (p.mesh[1] > 1)) * 2
+    roomy = dataclasses.replace(DGX2H_V100, hbm_bytes=1024 * scaling.GiB)
+    best, _ = recommend_mesh(model, 512, roomy, global_batch=512, choose=True)
+    assert (best.model.remat, best.model.shard_optimizer) == ("none", False)
+    small = PAPER_MODELS["1.2B"]
+    tight = dataclasses.replace(DGX2H_V100, hbm_bytes=4 * scaling.GiB)
+    assert recommend_mesh(small, 16, tight, global_batch=16)[0] is None  # no plain mesh fits in 4 GiB
+    best, _ = recommend_mesh(small, 16, tight, global_batch=16, choose=True)
+    assert best is not None and best.model.shard_optimizer
+
+
+def test_zero1_and_sequence_parallel_costs_by_hand():
+    """ZeRO-1 adds half a ring all-reduce of the fp32 parameters over `data` and saves 8 (d-1)/d bytes per local
+    parameter; sequence parallelism takes the replicated element-wise passes down by t and changes nothing at t=1."""
+    model = PAPER_MODELS["1.2B"]
+    zero = dataclasses.replace(model, shard_optimizer=True)
+    local = model.params(2)[1]
+    gather = scaling.gather_params_s(zero, (4, 2), DGX2H_V100)  # 4 x 2 fits in one 16-GPU node
+    assert gather == pytest.approx(scaling.ring_allreduce_s(4 * local, 4, DGX2H_V100.intra_bandwidth,
+                                                            DGX2H_V100.intra_latency) / 2)
+    assert scaling.gather_params_s(model, (4, 2), DGX2H_V100) == 0
+    assert predict(zero, (4, 2), 8, DGX2H_V100).step_s == pytest.approx(
+        predict(model, (4, 2), 8, DGX2H_V100).step_s + gather)
+    saved = scaling.memory_bytes(model, 2, 1, data=4) - scaling.memory_bytes(zero, 2, 1, data=4)
+    assert saved == 8 * local - 8 * local // 4
+    sp = dataclasses.replace(model, sequence=True)
+    tokens, h = 8 * model.seq, model.hidden
+    fwd, bwd = scaling.REPLICATED_PASSES
+    passes = tokens * h * (1 - 1 / 2) * (2 * fwd + bwd)  # remat=full reruns the forward's element-wise work
+    assert scaling.compute_s(model, 2, 8, DGX2H_V100) - scaling.compute_s(sp, 2, 8, DGX2H_V100) == pytest.approx(
+        model.layers * scaling.HALF * passes / DGX2H_V100.hbm_bandwidth)
+    assert scaling.compute_s(sp, 1, 8, DGX2H_V100) == scaling.compute_s(model, 1, 8, DGX2H_V100)
+    assert scaling.memory_bytes(sp, 2, 8) < scaling.memory_bytes(model, 2, 8)
 
 
 def test_larger_model_parallel_means_less_memory():
