@@ -55,7 +55,6 @@ def _final_params(workdir):
 @pytest.mark.slow
 def test_resume_after_sigkill_is_exact(tmp_path):
     args = ["--config.train.steps=24", "--config.checkpoint.every_steps=4"]
-    ref = _launch(tmp_path / "ref", *args)
     killed = _launch(tmp_path / "run", *args)
     _wait_for(lambda: (tmp_path / "run/checkpoints/8").is_dir(), killed)
     killed.send_signal(signal.SIGKILL)
@@ -63,6 +62,9 @@ def test_resume_after_sigkill_is_exact(tmp_path):
     assert killed.returncode == -signal.SIGKILL
     before = [r for r in _metrics(tmp_path / "run") if "loss" in r]
     assert before[-1]["step"] < 24  # it really died mid-run
+    # The uninterrupted reference starts now, beside the resume: both load the step the killed run compiled from
+    # the shared cache instead of compiling it again.
+    ref = _launch(tmp_path / "ref", *args)
     resumed = _launch(tmp_path / "run", *args)
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read()[-3000:]
     assert ref.wait(timeout=300) == 0, ref.stderr.read()[-3000:]
