@@ -42,8 +42,8 @@ all-reduce) and 512 GPUs (-7.6): one overlap fraction splits the difference.
 
 Beyond the paper: sequence parallelism splits the replicated element-wise work and the LayerNorm / dropout /
 residual activations by t (its reduce-scatter / all-gather pairs send the all-reduces' bytes); ZeRO-1 splits the
-moments over ``data`` (8 + 8/d bytes per local parameter) and adds an all-gather of the updated
-fp32 parameters (half a ring all-reduce, not overlapped). Neither is calibrated: the paper has them not.
+moments over ``data`` (8 + 8/d bytes per local parameter) and adds an all-gather of the updated fp32 parameters
+(half a ring all-reduce, not overlapped). Neither is calibrated: the paper has neither.
 
 Ignored: pipeline parallelism (megajax has none), tensor-parallel communication overlapped with
 compute, NCCL's protocols and topology beyond a ring, kernel efficiency beyond the calibration (the 2019
