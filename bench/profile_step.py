@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     import numpy as np
     from flax import nnx
 
+    from compare_peer import gemm_rates  # bench/ is this script's directory
     from megajax.builder import build_mesh, create_model
     from megajax.cli import load_config
     from megajax.losses import mask_padded_vocab, vocab_parallel_cross_entropy
@@ -131,14 +132,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # output layer; at the rate a jitted (m, k) @ (k, n) reaches on this machine for each shape.
     m_rows = b * s
     shapes = {"qkv": (h, 3 * h), "out": (h, h), "up": (h, 4 * h), "down": (4 * h, h), "logits": (h, v)}
-    floor = 0.0
-    matmul = jax.jit(jnp.matmul)
-    for name, (kk, nn_) in shapes.items():
-        a = jnp.asarray(rng.standard_normal((m_rows, kk)), jnp.float32)
-        w = jnp.asarray(rng.standard_normal((kk, nn_)), jnp.float32)
-        t = median_seconds(lambda: matmul(a, w), args.reps)
-        floor += 3 * t * (1 if name == "logits" else layers)
-    ms["gemms"] = floor
+    rates = gemm_rates(m_rows, shapes, args.reps)
+    ms["gemms"] = sum(3 * 2.0 * m_rows * kk * nn_ / rates[name] * (1 if name == "logits" else layers)
+                      for name, (kk, nn_) in shapes.items())
     ms["rest"] = ms["step"] - ms["blocks"] - ms["head"] - ms["optimizer"]
     ms = {key: 1000 * t for key, t in ms.items()}
 

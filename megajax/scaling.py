@@ -254,14 +254,19 @@ def data_comm_s(model: GPT, mesh: tuple[int, int], cluster: Cluster, grad_bytes:
     """The gradient all-reduce over ``data`` before overlap, hierarchical: ring among the group's members in a
     node, then a ring across nodes of 1/members of the gradient per GPU (all of a node's GPUs reduce at once,
     each on its share of the node's InfiniBand), then the all-gather back within the node."""
-    data, tensor = mesh
-    if data == 1:
+    if mesh[0] == 1:
         return 0.0
     grads = minimum(_shape(model, mesh, 1, 1))["data-parallel gradients"] / 4 * grad_bytes
+    return _over_data_s(grads, mesh, cluster)
+
+
+def _over_data_s(nbytes: float, mesh: tuple[int, int], cluster: Cluster) -> float:
+    """A hierarchical ring all-reduce of ``nbytes`` per GPU over ``data`` (``data_comm_s``)."""
+    data, tensor = mesh
     members = max(1, min(data, cluster.gpus_per_node // tensor))  # the group's GPUs on one node
     nodes = math.ceil(data / members)
-    within = ring_allreduce_s(grads, members, cluster.intra_bandwidth, cluster.intra_latency)
-    across = ring_allreduce_s(grads / members, nodes, cluster.inter_bandwidth, cluster.inter_latency)
+    within = ring_allreduce_s(nbytes, members, cluster.intra_bandwidth, cluster.intra_latency)
+    across = ring_allreduce_s(nbytes / members, nodes, cluster.inter_bandwidth, cluster.inter_latency)
     return within + across
 
 
@@ -285,14 +290,9 @@ def memory_bytes(model: GPT, tensor: int, micro_batch: int, data: int = 1) -> in
 def gather_params_s(model: GPT, mesh: tuple[int, int], cluster: Cluster) -> float:
     """ZeRO-1's all-gather of the updated fp32 parameter shards over ``data`` (half a ring all-reduce), hierarchical
     as ``data_comm_s``; 0 without ``shard_optimizer``."""
-    data, tensor = mesh
-    if data == 1 or not model.shard_optimizer:
+    if mesh[0] == 1 or not model.shard_optimizer:
         return 0.0
-    nbytes = 4 * model.params(tensor)[1]
-    members = max(1, min(data, cluster.gpus_per_node // tensor))
-    nodes = math.ceil(data / members)
-    return (ring_allreduce_s(nbytes, members, cluster.intra_bandwidth, cluster.intra_latency)
-            + ring_allreduce_s(nbytes / members, nodes, cluster.inter_bandwidth, cluster.inter_latency)) / 2
+    return _over_data_s(4 * model.params(mesh[1])[1], mesh, cluster) / 2
 
 
 def _step(model, mesh, global_batch, cluster, micro_batch, grad_bytes) -> tuple[float, float, float, float, int]:
