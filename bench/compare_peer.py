@@ -256,4 +256,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from megajax.cli import exit_on_user_error
+
+    exit_on_user_error(main)  # a mistyped config: "error: ..." and exit 1, not a traceback

@@ -150,4 +150,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    from megajax.cli import exit_on_user_error
+
+    exit_on_user_error(main)  # a mistyped config: "error: ..." and exit 1, not a traceback
