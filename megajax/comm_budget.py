@@ -182,7 +182,7 @@ def step_shape(run) -> Shape:
 
     spec = run.spec
     params = run.abstract_state.params
-    local = sum(int(np.prod(a.sharding.shard_shape(a.shape))) for a in jax.tree.leaves(params))
+    local = sum(model_shard_elements(a) for a in jax.tree.leaves(params))
     pooled = {"bert": 1, "bert_classifier": 1, "bert_multiple_choice": NUM_CHOICES}.get(spec.model_name, 0)
     return Shape(micro_batch=spec.micro_batch, num_micro=spec.num_micro, seq=spec.model.max_seq_len,
                  hidden=spec.model.hidden_size, layers=spec.model.num_layers, tensor=spec.tensor, data=spec.data,
@@ -190,6 +190,14 @@ def step_shape(run) -> Shape:
                  remat=spec.model.remat, sequence=spec.sequence,
                  sequence_grad_elements=sequence_grad_elements(params, spec.tensor) if spec.sequence else 0,
                  pooled_rows=pooled * spec.micro_batch)
+
+
+def model_shard_elements(param: jax.ShapeDtypeStruct) -> int:
+    """A parameter's elements on one device as the model axis alone splits it: what its gradient all-reduce over
+    ``data`` carries, also where ``parallel.fsdp`` stores it split over ``data`` too."""
+    sharding = param.sharding
+    split = [a for entry in sharding.spec for a in ((entry,) if isinstance(entry, str) else entry or ())]
+    return int(np.prod(param.shape)) // int(np.prod([sharding.mesh.shape[a] for a in split if a != "data"]))
 
 
 def sequence_grad_elements(params: dict, tensor: int) -> int:

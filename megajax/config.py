@@ -46,8 +46,10 @@ def base_config() -> ml_collections.ConfigDict:
     # `data` too; the parameters stay replicated over it (the step all-gathers their updated shards). sequence
     # (Korthikanti et al. 2022) splits the residual stream's sequence over `model` (the `seq_sp` rule): each
     # all-reduce of a block becomes a reduce-scatter + all-gather, and LayerNorm / dropout / residual activations
-    # take 1/model of the memory. Needs model.max_seq_len divisible by mesh.model.
-    c.parallel = ml_collections.ConfigDict(dict(shard_optimizer=False, sequence=False))
+    # take 1/model of the memory. Needs model.max_seq_len divisible by mesh.model. fsdp (ZeRO-3) splits the
+    # parameters, gradients and moments over `data`: each layer all-gathers its parameters when it runs (again in
+    # the backward pass) and their gradients are reduced onto the shards; implies shard_optimizer.
+    c.parallel = ml_collections.ConfigDict(dict(shard_optimizer=False, sequence=False, fsdp=False))
     c.train = ml_collections.ConfigDict(dict(
         steps=300_000,
         global_batch_size=512,  # sequences per step
@@ -265,6 +267,7 @@ class RunSpec:
     num_micro: int  # accumulation steps per optimizer step
     shard_optimizer: bool = False  # ZeRO-1: AdamW's moments also split over `data`
     sequence: bool = False  # sequence parallelism: the residual stream's sequence split over `model` (in ``rules``)
+    fsdp: bool = False  # ZeRO-3: parameters (and so gradients and moments) also split over `data`
 
     @property
     def micro_batch(self) -> int:
@@ -276,8 +279,9 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> RunSpec:
     """Validates a training config against ``num_devices`` and resolves every derived fact once."""
     dp, tp = validate(config, num_devices)
     num_micro = validate_training(config, dp)
+    parallel = config.get("parallel", {})  # .get: configs stored before the fields existed
     return RunSpec(model_name=config.model.name, model=model_config(config), rules=rules_of(config), data=dp,
                    tensor=tp, precision=resolve_precision(config.train.precision),
                    global_batch=config.train.global_batch_size, num_micro=num_micro,
-                   shard_optimizer=bool(config.get("parallel", {}).get("shard_optimizer", False)),
-                   sequence=sequence_parallel(config))
+                   shard_optimizer=bool(parallel.get("shard_optimizer", False) or parallel.get("fsdp", False)),
+                   sequence=sequence_parallel(config), fsdp=bool(parallel.get("fsdp", False)))

@@ -36,7 +36,7 @@ from megajax.cli import load_config  # noqa: E402
 from megajax.config import rules_of, sequence_parallel, validate  # noqa: E402
 from megajax.memory_planner import (FP32, Activations, CompiledMemory, activations, compiled_memory,  # noqa: E402
                                     gradient_bytes)
-from megajax.sharding import logical_to_spec  # noqa: E402
+from megajax.sharding import fsdp_spec, logical_to_spec  # noqa: E402
 from megajax.training.objectives import objective_for  # noqa: E402
 
 GiB = 1024**3
@@ -51,14 +51,15 @@ class MemoryReport:
     params_per_device: int
     param_bytes: int  # fp32 master
     grad_bytes: int  # fp32, one per parameter held (the paper's accounting)
-    optimizer_bytes: int  # AdamW m and v, fp32 (split over data with parallel.shard_optimizer)
+    optimizer_bytes: int  # AdamW m and v, fp32 (split over data with parallel.shard_optimizer or fsdp)
     activation_bytes: int  # one micro-batch: activations.total
     data: int
     model: int
     activations: Activations  # the activation estimate's parts
-    step_grad_bytes: int  # gradients as the compiled step holds them (split over data with ZeRO-1)
+    step_grad_bytes: int  # gradients as the compiled step holds them (split over data with ZeRO-1, FSDP)
     batch_bytes: int  # the step's input batch on this device
     sequence: bool = False  # parallel.sequence: the residual stream's activations split over model
+    fsdp: bool = False  # parallel.fsdp: params_per_device counts each device's data shard of them
 
     @property
     def total_bytes(self) -> int:
@@ -84,16 +85,19 @@ class MemoryReport:
         return self.peak_bytes <= device_bytes
 
 
-def params_per_device(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> tuple[int, int]:
-    """(total parameters, parameters held by one device) for a mesh given as ``{'data': D, 'model': M}``."""
+def params_per_device(config: ml_collections.ConfigDict, mesh_shape: dict[str, int],
+                      split_over_data: bool = False) -> tuple[int, int]:
+    """(total parameters, parameters held by one device) for a mesh given as ``{'data': D, 'model': M}``, as the
+    rules lay them out, or with ``split_over_data`` as ``parallel.fsdp`` stores them (``sharding.fsdp_spec``)."""
     rules = rules_of(config)
     state = nnx.state(abstract_model(config))
     total = per_device = 0
     for var in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
-        spec = logical_to_spec(var.get_metadata()["out_sharding"], rules)
-        shards = math.prod(mesh_shape[a] for a in spec if a is not None)
+        names = var.get_metadata()["out_sharding"]
+        spec = fsdp_spec(names, var.shape, rules, mesh_shape) if split_over_data else logical_to_spec(names, rules)
+        axes = [a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())]
         total += math.prod(var.shape)
-        per_device += math.prod(var.shape) // shards
+        per_device += math.prod(var.shape) // math.prod(mesh_shape[a] for a in axes)
     return total, per_device
 
 
@@ -118,15 +122,17 @@ def memory_report(config: ml_collections.ConfigDict, data: int, model: int, micr
     config = ml_collections.ConfigDict(config)
     config.mesh.data, config.mesh.model = data, model
     validate(config, data * model)
-    total, local = params_per_device(config, {"data": data, "model": model})
-    zero = config.get("parallel", {}).get("shard_optimizer", False)  # ZeRO-1: moments split over data too
+    parallel = config.get("parallel", {})
+    fsdp = bool(parallel.get("fsdp", False))  # parameters, so gradients and moments, split over data
+    zero = bool(parallel.get("shard_optimizer", False)) and not fsdp  # ZeRO-1: the moments and gradients only
+    total, local = params_per_device(config, {"data": data, "model": model}, split_over_data=fsdp)
     num_micro = num_micro or _num_micro(config, data, micro_batch)
     optimizer = 8 * local // (data if zero else 1)
     act = activations(config, micro_batch, model)
     fields = objective_for(config.model.name).fields(config.model.max_seq_len).values()
     batch = micro_batch * num_micro * sum(math.prod(f.row_shape) * f.dtype.itemsize for f in fields)
     return MemoryReport(total, local, FP32 * local, FP32 * local, optimizer, act.total, data, model, act,
-                        gradient_bytes(local, data, zero), batch, sequence_parallel(config))
+                        gradient_bytes(local, data, zero), batch, sequence_parallel(config), fsdp)
 
 
 def largest_micro_batch(config: ml_collections.ConfigDict, data: int, model: int, device_bytes: float) -> int:
@@ -162,7 +168,7 @@ def format_report(r: MemoryReport, device_memory_gb: float | None,
     lines = [
         f"parameters           {r.num_params:,} ({r.num_params / 1e9:.3f} B)",
         f"mesh                 data={r.data} x model={r.model} ({r.data * r.model} devices)",
-        f"params per device    {r.params_per_device:,}",
+        f"params per device    {r.params_per_device:,}" + ("  (split over data: parallel.fsdp)" if r.fsdp else ""),
         f"  fp32 parameters    {_g(r.param_bytes)}",
         f"  fp32 gradients     {_g(r.grad_bytes)}",
         f"  AdamW m, v (fp32)  {_g(r.optimizer_bytes)}"
@@ -208,10 +214,13 @@ def main(argv: list[str] | None = None) -> None:
                                                            "allocated) and print XLA's memory plan beside the formula")
     p.add_argument("--cpu_devices", type=int, default=0, help="simulate N CPU devices (applied before jax starts)")
     p.add_argument("--sequence", action="store_true", help="sequence parallelism (parallel.sequence=True)")
+    p.add_argument("--shard_optimizer", action="store_true", help="ZeRO-1 (parallel.shard_optimizer=True)")
+    p.add_argument("--fsdp", action="store_true", help="FSDP / ZeRO-3 (parallel.fsdp=True)")
     args = p.parse_args(argv)
     config = load_config(args.config)
-    if args.sequence:
-        config.parallel.sequence = True
+    for flag in ("sequence", "shard_optimizer", "fsdp"):
+        if getattr(args, flag):
+            config.parallel[flag] = True
     if args.mesh:
         data, model = (int(x) for x in args.mesh.lower().split("x"))
     else:

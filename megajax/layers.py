@@ -1,7 +1,8 @@
 """Tensor-parallel building blocks: every parameter is created with one logical axis name per dimension.
 
 Parameters are fp32 masters; each layer casts them to the compute ``dtype`` at use. Where the mesh axis lands is
-decided by the rules table (``megajax.sharding``), not here.
+decided by the rules table (``megajax.sharding``), not here. Each parameter is read through
+``sharding.param_at_use``: with ``parallel.fsdp`` that is where its data-split copy is gathered.
 
 Sequence parallelism (Korthikanti et al. 2022; the rules split the residual stream's sequence, ``seq_sp``) changes
 what happens at the four tensor-parallel boundaries, and only there: a column-parallel GEMM all-gathers its input's
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from megajax.sharding import RESIDUAL, SEQUENCE_DIM, constrain, on_shards, sequence_axis
+from megajax.sharding import RESIDUAL, SEQUENCE_DIM, constrain, on_shards, param_at_use, sequence_axis
 
 Shape = tuple[int, ...]
 
@@ -55,15 +56,23 @@ class ColumnParallelLinear(nnx.Module):
         self.bias = make_param(rngs, nnx.initializers.zeros, tuple(out_shape), names[1:])
 
     def __call__(self, x: jax.Array) -> jax.Array:  # (..., in) -> (..., *out_shape)
-        axis = sequence_axis()
+        axis, kernel, bias = sequence_axis(), self.kernel_at_use(), self.bias_at_use()
         if axis is None:
-            return self.apply(x, self.kernel[...], self.bias[...])
+            return self.apply(x, kernel, bias)
 
         def gathered(x, kernel, bias):  # per device: (B, S/t, H) -> (B, S, *out_shape / t)
             return self.apply(jax.lax.all_gather(x, axis, axis=SEQUENCE_DIM, tiled=True), kernel, bias)
 
-        return on_shards(gathered, (x, self.kernel[...], self.bias[...]), (RESIDUAL, self.names, self.names[1:]),
+        return on_shards(gathered, (x, kernel, bias), (RESIDUAL, self.names, self.names[1:]),
                          ("batch", "seq", *self.names[1:]))
+
+    def kernel_at_use(self) -> jax.Array:
+        """The kernel as the rules lay it out (gathered over ``data`` under ``parallel.fsdp``)."""
+        return param_at_use(self.kernel[...], self.names)
+
+    def bias_at_use(self) -> jax.Array:
+        """The bias as the rules lay it out (gathered over ``data`` under ``parallel.fsdp``)."""
+        return param_at_use(self.bias[...], self.names[1:])
 
     def apply(self, x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
         """``x @ kernel + bias`` in the compute dtype."""
@@ -76,7 +85,7 @@ class Dense(ColumnParallelLinear):
     layout of its input (under sequence parallelism, on each device's positions), so it never gathers."""
 
     def __call__(self, x: jax.Array) -> jax.Array:  # (..., in) -> (..., *out_shape)
-        return self.apply(x, self.kernel[...], self.bias[...])
+        return self.apply(x, self.kernel_at_use(), self.bias_at_use())
 
 
 class RowParallelLinear(nnx.Module):
@@ -96,17 +105,16 @@ class RowParallelLinear(nnx.Module):
         self.bias = make_param(rngs, nnx.initializers.zeros, (out_features,), names[-1:])
 
     def __call__(self, x: jax.Array) -> jax.Array:  # (..., *in_shape) -> (..., out)
-        axis = sequence_axis()
+        axis, kernel = sequence_axis(), param_at_use(self.kernel[...], self.names)
         if axis is None:
-            y = self.partial(x, self.kernel[...])
+            y = self.partial(x, kernel)
         else:
             def scattered(x, kernel):  # per device: (B, S, *in_shape / t) -> (B, S/t, H)
                 return jax.lax.psum_scatter(self.partial(x, kernel), axis, scatter_dimension=SEQUENCE_DIM,
                                             tiled=True)
 
-            y = on_shards(scattered, (x, self.kernel[...]), (("batch", "seq", *self.names[:-1]), self.names),
-                          RESIDUAL)
-        return y + self.bias[...].astype(self.dtype)
+            y = on_shards(scattered, (x, kernel), (("batch", "seq", *self.names[:-1]), self.names), RESIDUAL)
+        return y + param_at_use(self.bias[...], self.names[-1:]).astype(self.dtype)
 
     def partial(self, x: jax.Array, kernel: jax.Array) -> jax.Array:
         """``x @ kernel`` in the compute dtype (on one device's blocks: its partial sums)."""
@@ -122,15 +130,20 @@ class VocabParallelEmbedding(nnx.Module):
     ``attend`` all-gathers its input (as Megatron-Core).
     """
 
+    NAMES = ("vocab", "embed")
+
     def __init__(self, num_embeddings: int, features: int, *, std: float, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.dtype = dtype
-        self.embedding = make_param(rngs, nnx.initializers.normal(std), (num_embeddings, features),
-                                    ("vocab", "embed"))
+        self.embedding = make_param(rngs, nnx.initializers.normal(std), (num_embeddings, features), self.NAMES)
+
+    def rows_at_use(self) -> jax.Array:
+        """This layer's rows (V, H) as the rules lay them out (gathered over ``data`` under ``parallel.fsdp``)."""
+        return param_at_use(self.embedding[...], self.NAMES)
 
     def __call__(self, ids: jax.Array) -> jax.Array:  # (B, S) -> (B, S, H)
-        axis = sequence_axis()
+        axis, rows = sequence_axis(), self.rows_at_use()
         if axis is None:
-            return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+            return jnp.take(rows, ids, axis=0).astype(self.dtype)
 
         def scattered(ids, rows):  # per device: ids (B, S), this shard's rows (V/t, H) -> (B, S/t, H)
             local = ids - jax.lax.axis_index(axis) * rows.shape[0]
@@ -139,17 +152,17 @@ class VocabParallelEmbedding(nnx.Module):
             # one shard owns each row, the others add zeros: summing in the compute dtype is exact
             return jax.lax.psum_scatter(found.astype(self.dtype), axis, scatter_dimension=SEQUENCE_DIM, tiled=True)
 
-        return on_shards(scattered, (ids, self.embedding[...]), (("batch", "seq"), ("vocab", "embed")), RESIDUAL)
+        return on_shards(scattered, (ids, rows), (("batch", "seq"), self.NAMES), RESIDUAL)
 
     def attend(self, x: jax.Array) -> jax.Array:  # (B, S, H) -> (B, S, V)
-        axis = sequence_axis()
+        axis, rows = sequence_axis(), self.rows_at_use()
         if axis is None:
-            return constrain(self.logits(x, self.embedding[...]), ("batch", "seq", "vocab"))
+            return constrain(self.logits(x, rows), ("batch", "seq", "vocab"))
 
         def gathered(x, rows):  # per device: (B, S/t, H) -> (B, S, V/t)
             return self.logits(jax.lax.all_gather(x, axis, axis=SEQUENCE_DIM, tiled=True), rows)
 
-        return on_shards(gathered, (x, self.embedding[...]), (RESIDUAL, ("vocab", "embed")), ("batch", "seq", "vocab"))
+        return on_shards(gathered, (x, rows), (RESIDUAL, self.NAMES), ("batch", "seq", "vocab"))
 
     def logits(self, x: jax.Array, rows: jax.Array) -> jax.Array:
         """``x @ rows^T`` in the compute dtype."""
@@ -169,7 +182,8 @@ class LayerNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         mean = x32.mean(-1, keepdims=True)
         var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
+        scale, bias = (param_at_use(p[...], ("embed",)) for p in (self.scale, self.bias))
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * scale + bias
         return y.astype(self.dtype)
 
 

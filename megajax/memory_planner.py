@@ -6,7 +6,9 @@ The formula (``megajax.info.MemoryReport.temp_bytes``) counts the step's tempora
   or without accumulation (with it the compiled temp grew by 0.1 to 1.7 gradient sizes on the configs measured;
   the formula adds nothing). With ``parallel.shard_optimizer`` XLA splits them over ``data`` too (the sharded
   AdamW update is their only consumer, so the backward pass writes the shards): ZeRO-1 saves gradient memory as
-  ZeRO-2 would.
+  ZeRO-2 would. With ``parallel.fsdp`` the parameters are held split as well, so all three are counted per shard
+  (``info.params_per_device(..., split_over_data=True)``); the one layer gathered at a time is not counted (the
+  compiled temp was 1.013x the formula for gpt_tiny on 4x2).
 * activations (``activations``): what JAX's autodiff keeps for the backward pass. ``layer_residual_bytes`` counts
   one layer's residuals by kind (the same bytes as the traced jaxpr, ``traced_layer_residual_bytes``, which the
   tests compare); the scanned stack keeps L of them. On top of those, the larger of the output head at the start

@@ -8,14 +8,14 @@ names, map them through the rules to PartitionSpecs, then run the initialiser un
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from megajax.sharding import Rules, ShardingConfigError, logical_to_spec
+from megajax.sharding import Rules, ShardingConfigError, fsdp_spec, logical_to_spec, spec_over_data
 
 M = TypeVar("M", bound=nnx.Module)
 
@@ -45,10 +45,16 @@ def partition_specs(state: nnx.State, rules: Rules) -> nnx.State:
                         is_leaf=_is_var)
 
 
-def shardings(state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
-    """The state's tree with each variable's value replaced by its NamedSharding on ``mesh``."""
-    return jax.tree.map(lambda v: v.replace(NamedSharding(mesh, v.get_value())), partition_specs(state, rules),
-                        is_leaf=_is_var)
+def shardings(state: nnx.State, mesh: Mesh, rules: Rules, split_over_data: bool = False) -> nnx.State:
+    """The state's tree with each variable's value replaced by its NamedSharding on ``mesh``; ``split_over_data``:
+    ``parallel.fsdp``'s layout, each parameter split over ``data`` as well (``sharding.fsdp_spec``)."""
+    if not split_over_data:
+        return jax.tree.map(lambda v: v.replace(NamedSharding(mesh, v.get_value())), partition_specs(state, rules),
+                            is_leaf=_is_var)
+    logical_names(state)  # validates annotations
+    return jax.tree.map(lambda v: v.replace(NamedSharding(mesh, fsdp_spec(v.get_metadata()["out_sharding"], v.shape,
+                                                                          rules, dict(mesh.shape)))),
+                        state, is_leaf=_is_var)
 
 
 def spec_table(state: nnx.State, rules: Rules) -> dict[str, dict[str, object]]:
@@ -57,21 +63,12 @@ def spec_table(state: nnx.State, rules: Rules) -> dict[str, dict[str, object]]:
             for path, names in logical_names(state).items()}
 
 
-def over_data(sharding: NamedSharding, shape: tuple[int, ...], axis: str = "data") -> NamedSharding:
+def over_data(sharding: NamedSharding, shape: tuple[int, ...], axis: str = "data",
+              keep_whole: Sequence[int] = ()) -> NamedSharding:
     """``sharding`` additionally split over ``axis`` (ZeRO-1: AdamW's moments of a parameter held 1/data per
-    device): on the first dimension it leaves whole that the axis divides, else on the first already split one
-    whose shards it divides (e.g. ('model', 'data')); unchanged when nothing fits or the axis has size 1."""
-    mesh, size = sharding.mesh, sharding.mesh.shape.get(axis, 1)
-    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
-    if size == 1 or axis in jax.tree.leaves(spec):
-        return sharding
-    split = lambda names: (names,) if isinstance(names, str) else tuple(names or ())  # noqa: E731
-    for whole_only in (True, False):
-        for i, (dim, names) in enumerate(zip(shape, spec)):
-            if (names is None) == whole_only and dim % (size * math.prod(mesh.shape[n] for n in split(names))) == 0:
-                spec[i] = axis if names is None else (*split(names), axis)
-                return NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
-    return sharding
+    device; FSDP: the parameter itself), as ``spec_over_data`` chooses the dimension."""
+    spec = spec_over_data(sharding.spec, shape, dict(sharding.mesh.shape), axis, keep_whole)
+    return sharding if spec == sharding.spec else NamedSharding(sharding.mesh, spec)
 
 
 def init_sharded(build: Callable[[], M], mesh: Mesh, rules: Rules) -> M:

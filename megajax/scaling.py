@@ -3,8 +3,9 @@
     python -m megajax.scaling --config=gpt_8p3b --gpus=512 --cluster=dgx2h [--global_batch=512]
 
 prints every (data, model) mesh of the GPUs with its predicted step time, model TFLOP/s per GPU, MFU and memory,
-and recommends the fastest one that fits, choosing per mesh the remat policy, sequence parallelism and ZeRO-1
-(``--keep_choices``: the config's). Per GPU, with t-way model and d-way data parallelism:
+and recommends the fastest one that fits, choosing per mesh the remat policy, sequence parallelism and how much
+state to split over data: none, ZeRO-1 or FSDP (``--keep_choices``: the config's). Per GPU, with t-way model and
+d-way data parallelism:
 
 * Compute per layer and micro-batch: each GEMM (QKV, attention out, MLP up and down on their 1/t shards; QK^T
   and AV per local head) at the roofline ``max(flops / (gemm_efficiency x peak), operand bytes / HBM bandwidth)``,
@@ -43,7 +44,9 @@ all-reduce) and 512 GPUs (-7.6): one overlap fraction splits the difference.
 Beyond the paper: sequence parallelism splits the replicated element-wise work and the LayerNorm / dropout /
 residual activations by t (its reduce-scatter / all-gather pairs send the all-reduces' bytes); ZeRO-1 splits the
 moments over ``data`` (8 + 8/d bytes per local parameter) and adds an all-gather of the updated fp32 parameters
-(half a ring all-reduce, not overlapped). Neither is calibrated: the paper has neither.
+(half a ring all-reduce, not overlapped); FSDP splits all 16 bytes (16/d), reduce-scatters the gradients (half the
+all-reduce, overlapped as it) and all-gathers each layer's fp32 parameters twice, forward and backward (not
+overlapped, so the planner turns it on only where less does not fit). None is calibrated: the paper has none.
 
 Ignored: pipeline parallelism (megajax has none), tensor-parallel communication overlapped with
 compute, NCCL's protocols and topology beyond a ring, kernel efficiency beyond the calibration (the 2019
@@ -110,7 +113,8 @@ CLUSTERS = {"dgx2h": DGX2H_V100, "dgx_h100": DGX_H100}
 @dataclasses.dataclass(frozen=True)
 class GPT:
     """A GPT's sizes (vocab = the padded vocabulary), its activation recomputation and the memory choices beyond
-    the paper: ``sequence`` (parallel.sequence) and ``shard_optimizer`` (parallel.shard_optimizer, ZeRO-1)."""
+    the paper: ``sequence`` (parallel.sequence), ``shard_optimizer`` (parallel.shard_optimizer, ZeRO-1) and
+    ``fsdp`` (parallel.fsdp, ZeRO-3; it implies shard_optimizer)."""
 
     hidden: int
     layers: int
@@ -120,6 +124,7 @@ class GPT:
     remat: str = "full"
     sequence: bool = False
     shard_optimizer: bool = False
+    fsdp: bool = False
 
     @classmethod
     def from_config(cls, config) -> GPT:
@@ -132,12 +137,14 @@ class GPT:
         parallel = config.get("parallel", {})
         return cls(m.hidden_size, m.num_layers, m.num_heads, m.max_seq_len,
                    padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by), m.remat,
-                   bool(parallel.get("sequence", False)), bool(parallel.get("shard_optimizer", False)))
+                   bool(parallel.get("sequence", False)),
+                   bool(parallel.get("shard_optimizer", False) or parallel.get("fsdp", False)),
+                   bool(parallel.get("fsdp", False)))
 
     def flags(self) -> str:
         """The config flags that give this model's choices."""
         return (f"--config.model.remat={self.remat} --config.parallel.sequence={self.sequence} "
-                f"--config.parallel.shard_optimizer={self.shard_optimizer}")
+                f"--config.parallel.shard_optimizer={self.shard_optimizer} --config.parallel.fsdp={self.fsdp}")
 
     def params(self, tensor: int = 1) -> tuple[int, int]:
         """(total parameters, parameters on one of ``tensor`` model-parallel GPUs), as megajax shards them: QKV,
@@ -272,8 +279,9 @@ def _over_data_s(nbytes: float, mesh: tuple[int, int], cluster: Cluster) -> floa
 
 def memory_bytes(model: GPT, tensor: int, micro_batch: int, data: int = 1) -> int:
     """Per-GPU training memory as ``megajax.info``'s total: 16 bytes per local parameter (with
-    ``shard_optimizer``: the two fp32 moments split over ``data``, 8 + 8/d) plus ``megajax.info.activation_bytes``
-    (half precision) for one micro-batch."""
+    ``shard_optimizer``: the two fp32 moments split over ``data``, 8 + 8/d; with ``fsdp`` all of it, 16/d) plus
+    ``megajax.info.activation_bytes`` (half precision) for one micro-batch. Not counted: FSDP's one gathered
+    layer at a time (4 bytes per local parameter of a layer; 1.3% of the compiled temp for gpt_tiny on 4x2)."""
     from megajax.config import base_config
     from megajax.info import activation_bytes
 
@@ -283,16 +291,20 @@ def memory_bytes(model: GPT, tensor: int, micro_batch: int, data: int = 1) -> in
                         remat=model.remat)
     config.parallel.sequence = model.sequence
     local = model.params(tensor)[1]
-    state = STATE_BYTES_PER_PARAM * local if not model.shard_optimizer else 8 * local + 8 * local // data
+    if model.fsdp:
+        state = STATE_BYTES_PER_PARAM * (local // data)
+    else:
+        state = STATE_BYTES_PER_PARAM * local if not model.shard_optimizer else 8 * local + 8 * local // data
     return state + activation_bytes(config, micro_batch, tensor, HALF)
 
 
 def gather_params_s(model: GPT, mesh: tuple[int, int], cluster: Cluster) -> float:
-    """ZeRO-1's all-gather of the updated fp32 parameter shards over ``data`` (half a ring all-reduce), hierarchical
-    as ``data_comm_s``; 0 without ``shard_optimizer``."""
+    """The all-gathers of fp32 parameter shards over ``data`` (each half a ring all-reduce), hierarchical as
+    ``data_comm_s``, not overlapped: ZeRO-1's one of the updated parameters; FSDP's two, each layer's when the
+    forward pass reaches it and again in the backward pass. 0 with neither."""
     if mesh[0] == 1 or not model.shard_optimizer:
         return 0.0
-    return _over_data_s(4 * model.params(mesh[1])[1], mesh, cluster) / 2
+    return (2 if model.fsdp else 1) * _over_data_s(4 * model.params(mesh[1])[1], mesh, cluster) / 2
 
 
 def _step(model, mesh, global_batch, cluster, micro_batch, grad_bytes) -> tuple[float, float, float, float, int]:
@@ -307,8 +319,9 @@ def _step(model, mesh, global_batch, cluster, micro_batch, grad_bytes) -> tuple[
     compute = num_micro * compute_s(model, tensor, micro, cluster)
     compute += OPTIMIZER_BYTES_PER_PARAM * model.params(tensor)[1] / cluster.hbm_bandwidth
     tensor_comm = num_micro * tensor_comm_s(model, tensor, micro, cluster)
-    data_comm = (1 - cluster.dp_overlap) * data_comm_s(model, mesh, cluster, grad_bytes)
-    data_comm += gather_params_s(model, mesh, cluster)  # after the update: nothing to overlap it with
+    # FSDP reduces the gradients onto their shards: a reduce-scatter, half the all-reduce
+    grads = data_comm_s(model, mesh, cluster, grad_bytes) / (2 if model.fsdp else 1)
+    data_comm = (1 - cluster.dp_overlap) * grads + gather_params_s(model, mesh, cluster)
     return compute, tensor_comm, data_comm, compute + tensor_comm + data_comm, micro
 
 
@@ -354,15 +367,19 @@ def candidate_meshes(model: GPT, num_gpus: int, cluster: Cluster, global_batch: 
 REMAT_CHOICES = ("none", "selective", "save_dots", "full")  # least recomputation first
 
 
+SPLIT_CHOICES = ((False, False), (True, False), (True, True))  # (shard_optimizer, fsdp): none, ZeRO-1, FSDP
+
+
 def variants(model: GPT, mesh: tuple[int, int], choose: bool) -> list[GPT]:
     """The model as given, or (``choose``) every remat policy x sequence parallelism (model-parallel meshes whose
-    t divides the sequence) x ZeRO-1 (data-parallel meshes) that could run on ``mesh``."""
+    t divides the sequence) x the state split over data (none, ZeRO-1, FSDP: data-parallel meshes) that could run
+    on ``mesh``."""
     if not choose:
         return [model]
     data, tensor = mesh
-    return [dataclasses.replace(model, remat=r, sequence=sp, shard_optimizer=z) for r in REMAT_CHOICES
+    return [dataclasses.replace(model, remat=r, sequence=sp, shard_optimizer=z, fsdp=f) for r in REMAT_CHOICES
             for sp in ((False, True) if tensor > 1 and model.seq % tensor == 0 else (False,))
-            for z in ((False, True) if data > 1 else (False,))]
+            for z, f in (SPLIT_CHOICES if data > 1 else SPLIT_CHOICES[:1])]
 
 
 def recommend_mesh(model: GPT, num_gpus: int, cluster: Cluster, global_batch: int, micro_batch: int | None = None,
@@ -370,7 +387,7 @@ def recommend_mesh(model: GPT, num_gpus: int, cluster: Cluster, global_batch: in
     """(the fastest mesh that fits in HBM or None, one prediction per candidate mesh, fastest first).
 
     Meshes that do not divide the model or the batch are not candidates; those over HBM are listed, never
-    recommended. ``choose``: besides the mesh, pick the remat policy, sequence parallelism and ZeRO-1 (each
+    recommended. ``choose``: besides the mesh, pick the remat policy, sequence parallelism and ZeRO-1 / FSDP (each
     mesh's row is its fastest choice that fits, else its least memory); otherwise the model's own are kept."""
     table = []
     for mesh in candidate_meshes(model, num_gpus, cluster, global_batch, micro_batch):
@@ -419,21 +436,27 @@ def format_table(table: list[Prediction], best: Prediction | None) -> str:
     lines = [f"{'mesh':>8} {'micro':>5} {'remat':>9} {'SP':>3} {'ZeRO':>4} {'step s':>8} {'compute':>8} "
              f"{'TP comm':>8} {'DP comm':>8} {'TFLOP/s':>8} {'MFU':>6} {'vs 1GPU':>7} {'GiB/GPU':>8} fits"]
     yes = lambda b: "yes" if b else "-"  # noqa: E731
+    zero = lambda m: "3" if m.fsdp else "1" if m.shard_optimizer else "-"  # noqa: E731
     for p in table:
         m = p.model
         lines.append(f"{p.mesh[0]:>4}x{p.mesh[1]:<3} {p.micro_batch:>5} {m.remat:>9} {yes(m.sequence):>3} "
-                     f"{yes(m.shard_optimizer):>4} {p.step_s:8.3f} {p.compute_s:8.3f} "
+                     f"{zero(m):>4} {p.step_s:8.3f} {p.compute_s:8.3f} "
                      f"{p.tensor_comm_s:8.3f} {p.data_comm_s:8.3f} {p.tflops_per_gpu:8.1f} {p.mfu:6.1%} "
                      f"{p.efficiency:7.1%} {p.memory_bytes / GiB:8.1f} {'yes' if p.fits else 'NO'}")
     if best is None:
-        lines.append("recommendation: none fits; add GPUs, shrink the micro-batch, or shard the optimizer")
+        lines.append("recommendation: none fits; add GPUs, shrink the micro-batch, or split the state over data "
+                     "(parallel.shard_optimizer, parallel.fsdp)")
     else:
         lines.append(f"recommendation: data={best.mesh[0]} x model={best.mesh[1]}, remat={best.model.remat}, "
-                     f"sequence parallelism {'on' if best.model.sequence else 'off'}, ZeRO-1 "
-                     f"{'on' if best.model.shard_optimizer else 'off'}: {best.step_s:.3f} s/step, "
+                     f"sequence parallelism {'on' if best.model.sequence else 'off'}, state split over data: "
+                     f"{_split_name(best.model)}: {best.step_s:.3f} s/step, "
                      f"{best.tflops_per_gpu:.1f} TFLOP/s per GPU\n"
                      f"  --config.mesh.data={best.mesh[0]} --config.mesh.model={best.mesh[1]} {best.model.flags()}")
     return "\n".join(lines)
+
+
+def _split_name(model: GPT) -> str:
+    return "FSDP" if model.fsdp else "ZeRO-1" if model.shard_optimizer else "none"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -444,8 +467,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--global_batch", type=int, default=None, help="default: the config's train.global_batch_size")
     p.add_argument("--micro_batch", type=int, default=None, help="default: the config's (0: the whole shard)")
     p.add_argument("--grad_bytes", type=int, default=4, help="bytes per all-reduced gradient (Megatron 2019: 2)")
-    p.add_argument("--keep_choices", action="store_true", help="keep the config's remat, parallel.sequence and "
-                   "parallel.shard_optimizer instead of choosing them per mesh")
+    p.add_argument("--keep_choices", action="store_true", help="keep the config's remat, parallel.sequence, "
+                   "parallel.shard_optimizer and parallel.fsdp instead of choosing them per mesh")
     args = p.parse_args(argv)
     from megajax.cli import load_config
 

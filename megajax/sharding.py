@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator, Sequence
+import functools
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 Rules = tuple[tuple[str, str | None], ...]
@@ -104,18 +107,41 @@ def make_mesh(data: int, model: int, devices: Sequence[jax.Device] | None = None
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 2)
 
 
+def spec_over_data(spec: P, shape: tuple[int, ...], mesh_shape: Mapping[str, int], axis: str = "data",
+                   keep_whole: Sequence[int] = ()) -> P:
+    """``spec`` additionally split over ``axis``: on the first dimension it leaves whole that the axis divides, else
+    on the first already split one whose shards it divides (e.g. ('model', 'data')); dimensions in ``keep_whole``
+    are never chosen. Unchanged when nothing fits or the axis has size 1."""
+    size = mesh_shape.get(axis, 1)
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if size == 1 or axis in jax.tree.leaves(entries):
+        return spec
+    split = lambda names: (names,) if isinstance(names, str) else tuple(names or ())  # noqa: E731
+    for whole_only in (True, False):
+        for i, (dim, names) in enumerate(zip(shape, entries)):
+            if i in keep_whole or (names is None) != whole_only:
+                continue
+            if dim % (size * math.prod(mesh_shape[n] for n in split(names))) == 0:
+                entries[i] = axis if names is None else (*split(names), axis)
+                return P(*entries)
+    return spec
+
+
 _ACTIVE_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("megajax_rules", default=None)
+_PARAMS_SPLIT: contextvars.ContextVar[bool] = contextvars.ContextVar("megajax_params_split", default=False)
 
 
 @contextlib.contextmanager
-def activate(mesh: Mesh, rules: Rules) -> Iterator[None]:
-    """Sets the mesh and rules that ``constrain`` uses while a model is traced."""
-    token = _ACTIVE_RULES.set(rules)
+def activate(mesh: Mesh, rules: Rules, params_split: bool = False) -> Iterator[None]:
+    """Sets the mesh and rules that ``constrain`` uses while a model is traced; ``params_split``: the parameters
+    are stored split over ``data`` as well (``parallel.fsdp``), so ``param_at_use`` gathers them."""
+    tokens = _ACTIVE_RULES.set(rules), _PARAMS_SPLIT.set(params_split)
     try:
         with jax.set_mesh(mesh):
             yield
     finally:
-        _ACTIVE_RULES.reset(token)
+        _ACTIVE_RULES.reset(tokens[0])
+        _PARAMS_SPLIT.reset(tokens[1])
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -124,6 +150,66 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if rules is None or jax.sharding.get_abstract_mesh().empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))
+
+
+FSDP_GATHERED = "fsdp_gathered"  # checkpoint name of a parameter gathered at use: recomputed, never kept
+
+
+def fsdp_spec(names: Sequence[str], shape: tuple[int, ...], rules: Rules, mesh_shape: Mapping[str, int]) -> P:
+    """Where ``parallel.fsdp`` stores a parameter: its rules layout, split over ``data`` as well (never on the stacked
+    ``layers`` dimension: the scan slices one layer out of it, and a split there would gather the whole stack)."""
+    keep = [i for i, n in enumerate(names) if n == "layers"]
+    return spec_over_data(logical_to_spec(names, rules), shape, mesh_shape, keep_whole=keep)
+
+
+def param_at_use(value: jax.Array, names: Sequence[str]) -> jax.Array:
+    """A parameter's value in the layout its logical names give under the active rules: where a layer reads it.
+
+    With ``parallel.fsdp`` the parameter is stored split over ``data`` too (``fsdp_spec``) and this is where it is
+    all-gathered, one layer at a time inside the scan. Its gradient is laid out split again right here, so the
+    per-layer gradients never exist whole outside the layer; the gathered copy is named ``FSDP_GATHERED`` so the
+    blocks' remat policy recomputes (re-gathers) it in the backward pass instead of keeping every layer's.
+    Otherwise the value is already in that layout: unchanged.
+    """
+    if not params_split():
+        return value
+    rules = _ACTIVE_RULES.get()
+    whole = logical_to_spec(names, rules)
+    split = fsdp_spec(names, value.shape, rules, dict(jax.sharding.get_abstract_mesh().shape))
+    if split == whole:  # nothing divisible by the data degree: stored whole
+        return value
+    return checkpoint_name(_gather_parameter(value, whole, split), FSDP_GATHERED)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_parameter(value: jax.Array, whole: P, split: P) -> jax.Array:
+    return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(value, split), whole)
+
+
+def _gather_fwd(value: jax.Array, whole: P, split: P) -> tuple[jax.Array, None]:
+    return _gather_parameter(value, whole, split), None
+
+
+def _gather_bwd(whole: P, split: P, _: None, cotangent: jax.Array) -> tuple[jax.Array]:
+    # Straight from the layer's partial sums onto the shards: the whole gradient is never a value of the program
+    # (XLA:CPU all-reduces and slices; XLA:GPU's ReduceScatterCreator pass makes that pair one reduce-scatter).
+    return (jax.lax.with_sharding_constraint(cotangent, split),)
+
+
+_gather_parameter.defvjp(_gather_fwd, _gather_bwd)
+
+
+def keep_all_but_gathered(prim: jax.extend.core.Primitive, *_, **params) -> bool:
+    """A remat policy: keep every value for the backward pass except the parameters ``param_at_use`` gathered (the
+    name and the gather that makes the named value: keeping either would keep the whole parameter)."""
+    if prim.name == "name":
+        return params["name"] != FSDP_GATHERED
+    return not (prim.name == "custom_vjp_call" and getattr(params.get("bwd"), "f", None) is _gather_bwd)
+
+
+def params_split() -> bool:
+    """Whether the model being traced reads ``parallel.fsdp``'s split parameters (``param_at_use`` gathers them)."""
+    return _PARAMS_SPLIT.get() and _ACTIVE_RULES.get() is not None
 
 
 def sequence_axis() -> str | None:

@@ -11,9 +11,9 @@ allocated) agree on every config compiled here.
 * the activations' per-layer part equals what JAX's autodiff keeps, byte for byte (the traced jaxpr; abstract, so
   any size can be checked).
 
-Compiled here (three compiles, 45-50 s on the 2-core machine beside another job; the compiles are nearly all of
-it): gpt_tiny on 4x2 with remat=none (ZeRO-1 off) and remat=full (ZeRO-1 on), bert_tiny on 2x4 with
-remat=selective, micro-batch 4. Measured once beyond these (bench/README.md, ``bench/memory_planner.py``):
+Compiled here (four compiles; the compiles are nearly all of the time): gpt_tiny on 4x2 with remat=none (state
+replicated over data, and with parallel.fsdp: measured temp and peak 1.013x the formula) and remat=full (ZeRO-1
+on), bert_tiny on 2x4 with remat=selective, micro-batch 4. Measured once beyond these (bench/README.md, ``bench/memory_planner.py``):
 gpt_tiny and bert_tiny on 1x1, 1x4, 2x4 and 4x2 with every remat policy and ZeRO-1 on and off, gpt_125m,
 gpt_355m and bert_336m; the peak agreed within 10% in 50 of 51 compiles, the miss (gpt_tiny at micro-batch 1, 17%)
 and the four temp misses all on the safe side (``megajax.memory_planner``'s docstring).
@@ -33,17 +33,19 @@ from megajax.memory_planner import compiled_memory, layer_residual_bytes, traced
 
 SCALAR_STATE_BYTES = 32  # step, the optimizer's two counts, the loss scale's three fields, the dropout key (u32[2])
 MICRO_BATCH = 4
-CASES = {  # name -> (config, data, model, remat, ZeRO-1)
-    "gpt_4x2_none": ("gpt_tiny", 4, 2, "none", False),
-    "gpt_4x2_full_zero1": ("gpt_tiny", 4, 2, "full", True),
-    "bert_2x4_selective": ("bert_tiny", 2, 4, "selective", False),
+CASES = {  # name -> (config, data, model, remat, state split over data: None, shard_optimizer (ZeRO-1) or fsdp)
+    "gpt_4x2_none": ("gpt_tiny", 4, 2, "none", None),
+    "gpt_4x2_none_fsdp": ("gpt_tiny", 4, 2, "none", "fsdp"),
+    "gpt_4x2_full_zero1": ("gpt_tiny", 4, 2, "full", "shard_optimizer"),
+    "bert_2x4_selective": ("bert_tiny", 2, 4, "selective", None),
 }
 
 
-def _config(name: str, remat: str, zero: bool):
+def _config(name: str, remat: str, split: str | None):
     config = load_config(name)
     config.model.remat = remat
-    config.parallel.shard_optimizer = zero
+    if split:
+        config.parallel[split] = True
     return config
 
 
@@ -54,8 +56,8 @@ def measured():
 
     def get(case: str):
         if case not in cache:
-            name, data, model, remat, zero = CASES[case]
-            config = _config(name, remat, zero)
+            name, data, model, remat, split = CASES[case]
+            config = _config(name, remat, split)
             cache[case] = (memory_report(config, data, model, MICRO_BATCH, num_micro=1),
                            compiled_memory(config, data, model, MICRO_BATCH))
         return cache[case]
@@ -85,6 +87,12 @@ def test_zero1_moments_are_a_quarter_per_device_on_4x2(measured):
     moments = [c.state - params - SCALAR_STATE_BYTES for c in (replicated, sharded)]
     assert moments[0] == replicated_report.optimizer_bytes
     assert moments[1] * 4 == moments[0]
+
+
+def test_fsdp_state_is_a_quarter_per_device_on_4x2(measured):
+    _, replicated = measured("gpt_4x2_none")
+    _, fsdp = measured("gpt_4x2_none_fsdp")
+    assert (fsdp.state - SCALAR_STATE_BYTES) * 4 == replicated.state - SCALAR_STATE_BYTES  # parameters and moments
 
 
 @pytest.mark.parametrize("name,remat,dropout,precision", [

@@ -135,7 +135,8 @@ def test_recommend_mesh_never_picks_a_mesh_that_does_not_fit():
 def test_cli_prints_the_table_and_recommendation(capsys):
     scaling.main(["--config=gpt_8p3b", "--gpus=512", "--cluster=dgx2h", "--global_batch=512", "--keep_choices"])
     out = capsys.readouterr().out
-    assert "recommendation: data=64 x model=8, remat=full, sequence parallelism off, ZeRO-1 off" in out
+    assert "recommendation: data=64 x model=8, remat=full, sequence parallelism off, state split over data: none" \
+        in out
     assert "  64x8 " in out and "fits" in out and out.count("NO") >= 1
     scaling.main(["--config=gpt_8p3b", "--gpus=512", "--cluster=dgx2h", "--global_batch=512"])
     out = capsys.readouterr().out.splitlines()
@@ -156,15 +157,21 @@ def test_planner_turns_on_what_makes_a_model_fit_and_nothing_slower():
     for p in table:  # each row: the fastest of its mesh's choices that fits
         options = [predict(m, p.mesh, 512, DGX2H_V100) for m in scaling.variants(model, p.mesh, True)]
         fitting = [o.step_s for o in options if o.fits]
-        assert p.step_s == (min(fitting) if fitting else p.step_s) and len(options) == 4 * (1 + (p.mesh[1] > 1)) * 2
+        assert p.step_s == (min(fitting) if fitting else p.step_s) and len(options) == 4 * (1 + (p.mesh[1] > 1)) * 3
     roomy = dataclasses.replace(DGX2H_V100, hbm_bytes=1024 * scaling.GiB)
     best, _ = recommend_mesh(model, 512, roomy, global_batch=512, choose=True)
-    assert (best.model.remat, best.model.shard_optimizer) == ("none", False)
+    assert (best.model.remat, best.model.shard_optimizer, best.model.fsdp) == ("none", False, False)
     small = PAPER_MODELS["1.2B"]
     tight = dataclasses.replace(DGX2H_V100, hbm_bytes=4 * scaling.GiB)
     assert recommend_mesh(small, 16, tight, global_batch=16)[0] is None  # no plain mesh fits in 4 GiB
     best, _ = recommend_mesh(small, 16, tight, global_batch=16, choose=True)
     assert best is not None and best.model.shard_optimizer
+    # In 2.5 GiB only 16-way model parallelism fits without FSDP (2.59 GiB at best on 2 x 8); FSDP fits every
+    # data-parallel mesh in ~2 GiB and is faster than 1 x 16.
+    tighter = dataclasses.replace(DGX2H_V100, hbm_bytes=int(2.5 * scaling.GiB))
+    best, table = recommend_mesh(small, 16, tighter, global_batch=16, choose=True)
+    assert best.model.fsdp and best.mesh[0] > 1
+    assert [p.mesh for p in table if p.fits and not p.model.fsdp] == [(1, 16)]
 
 
 def test_zero1_and_sequence_parallel_costs_by_hand():
@@ -189,6 +196,21 @@ def test_zero1_and_sequence_parallel_costs_by_hand():
         model.layers * scaling.HALF * passes / DGX2H_V100.hbm_bandwidth)
     assert scaling.compute_s(sp, 1, 8, DGX2H_V100) == scaling.compute_s(model, 1, 8, DGX2H_V100)
     assert scaling.memory_bytes(sp, 2, 8) < scaling.memory_bytes(model, 2, 8)
+
+
+def test_fsdp_costs_by_hand():
+    """FSDP halves the gradients' exposed reduction (a reduce-scatter), adds two all-gathers of the fp32 parameters
+    (forward and backward, not overlapped) and keeps 16/d bytes per local parameter."""
+    model = PAPER_MODELS["1.2B"]
+    fsdp = dataclasses.replace(model, shard_optimizer=True, fsdp=True)
+    local, mesh = model.params(2)[1], (4, 2)
+    ring = scaling.ring_allreduce_s(4 * local, 4, DGX2H_V100.intra_bandwidth, DGX2H_V100.intra_latency)
+    assert scaling.gather_params_s(fsdp, mesh, DGX2H_V100) == pytest.approx(ring)  # two halves
+    grads = (1 - DGX2H_V100.dp_overlap) * scaling.data_comm_s(model, mesh, DGX2H_V100)
+    assert predict(fsdp, mesh, 8, DGX2H_V100).data_comm_s == pytest.approx(grads / 2 + ring)
+    assert scaling.memory_bytes(model, 2, 1, data=4) - scaling.memory_bytes(fsdp, 2, 1, data=4) == \
+        16 * local - 16 * (local // 4)
+    assert "--config.parallel.fsdp=True" in fsdp.flags()
 
 
 def test_larger_model_parallel_means_less_memory():

@@ -1,6 +1,13 @@
-"""parallel.shard_optimizer (ZeRO-1): AdamW's moments split over `data` by a rule on the parameters' layout. The
-same losses and parameters as the replicated step, 1/data of the optimizer-state bytes, and checkpoints that
-restore across the choice."""
+"""State split over `data` by a rule on the parameters' layout: parallel.shard_optimizer (ZeRO-1: AdamW's moments)
+and parallel.fsdp (ZeRO-3: the parameters, so their gradients and moments, too). The same losses and parameters as
+the replicated step, 1/data of the split bytes, the collectives pinned, and checkpoints that restore across the
+choices.
+
+Compiled here: the small GPT on 2x4 and 4x2 plain, with ZeRO-1 and with FSDP; the same-sized BERT on 2x4 plain and
+with FSDP (each once, shared by the tests).
+"""
+
+import functools
 
 import jax
 import numpy as np
@@ -8,17 +15,26 @@ import pytest
 from conftest import small_config
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from megajax.comm_budget import step_budget
+from megajax.comm_budget import model_shard_elements, step_budget
+from megajax.config import bert_base_config
 from megajax.data.sources import make_loader
 from megajax.hlo_audit import collectives
-from megajax.partition import over_data
-from megajax.sharding import make_mesh
+from megajax.partition import over_data, shardings
+from megajax.sharding import MEGATRON_RULES, make_mesh
 from megajax.training.loop import setup, train
 
 
-def _config(shard: bool, data: int, model: int, steps: int = 3):
+def _config(choice: str | None, data: int, model: int, steps: int = 3, name: str = "gpt"):
+    """The small model (``name``: gpt, or a BERT of the same sizes) with ``parallel.<choice>`` on."""
     c = small_config(data=data, model=model)
-    c.parallel.shard_optimizer = shard
+    if name == "bert":
+        b = bert_base_config()
+        b.model.update(vocab_size=1000, make_vocab_size_divisible_by=128, num_layers=2, hidden_size=64, num_heads=8,
+                       max_seq_len=32, dropout=0.0, remat="none")
+        b.mesh = c.mesh
+        c = b
+    if choice:
+        c.parallel[choice] = True
     c.data.source = "random"
     c.train.update(global_batch_size=8, precision="fp32", steps=steps, log_every=1, eval_batches=0)
     c.optimizer.update(lr=1e-3, warmup_steps=0, decay_steps=10)
@@ -42,29 +58,52 @@ def _moment_bytes(run) -> int:
     return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in leaves)
 
 
-def _steps(shard: bool, data: int, model: int):
-    c = _config(shard, data, model)
+def _bert_batches(rng: np.random.Generator):
+    """Random BERT batches (8 pairs of 32 positions, padded, 15% of positions scored) as the loader's
+    ``next_global``."""
+    def next_global(shardings: dict) -> dict:
+        b, s = 8, 32
+        valid = (np.arange(s)[None] < rng.integers(s // 2, s + 1, (b, 1))).astype(np.int32)
+        rows = {"tokens": rng.integers(5, 1000, (b, s)) * valid, "token_types": (np.arange(s) >= s // 2)[None] * valid,
+                "padding_mask": valid, "mlm_labels": rng.integers(5, 1000, (b, s)),
+                "mlm_weights": (rng.random((b, s)) < 0.15) * valid, "sop_labels": rng.integers(0, 2, b)}
+        return {k: jax.device_put(np.asarray(v, np.int32), shardings[k]) for k, v in rows.items()}
+    return next_global
+
+
+@functools.cache
+def _steps(choice: str | None, data: int, model: int, name: str = "gpt"):
+    """Three steps from the same initialisation: (run, losses, final parameters); each compiled once."""
+    c = _config(choice, data, model, name=name)
     run = setup(c)
-    state, loader, losses = run.init_state(), make_loader(c), []
+    state, losses = run.init_state(), []
+    next_batch = make_loader(c).next_global if name == "gpt" else _bert_batches(np.random.default_rng(0))
     for _ in range(3):
-        state, metrics = run.step_fn(state, loader.next_global(run.batch_shardings))
+        state, metrics = run.step_fn(state, next_batch(run.batch_shardings))
         losses.append(float(metrics["loss"]))
     return run, losses, jax.tree.map(np.array, state.params)  # writable copies
 
 
-@pytest.mark.parametrize("data, model", [(2, 4), (4, 2)])
-def test_same_training_and_a_data_th_of_the_moments(data, model):
-    plain, plain_losses, plain_params = _steps(False, data, model)
-    zero, zero_losses, zero_params = _steps(True, data, model)
-    np.testing.assert_allclose(zero_losses, plain_losses, rtol=1e-6)
+def _assert_same_training(got, want) -> None:
+    """Losses within 1e-6 relative, final parameters within 1e-5."""
+    (_, got_losses, got_params), (_, want_losses, want_params) = got, want
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
+    got_params, want_params = jax.tree.map(np.array, (got_params, want_params))  # the cached ones stay untouched
     # The key bias's gradient is 0 in exact arithmetic (softmax ignores a per-query constant), so both runs move it
     # by Adam-amplified rounding noise: compare it apart, as noise of size <= lr x steps.
-    zero_k, plain_k = (p["blocks"]["attn"]["qkv"]["bias"][:, :, 1] for p in (zero_params, plain_params))
-    assert np.abs(zero_k).max() < 3e-3 and np.abs(plain_k).max() < 3e-3
-    for p in (zero_params, plain_params):
+    got_k, want_k = (p["blocks"]["attn"]["qkv"]["bias"][:, :, 1] for p in (got_params, want_params))
+    assert np.abs(got_k).max() < 3e-3 and np.abs(want_k).max() < 3e-3
+    for p in (got_params, want_params):
         p["blocks"]["attn"]["qkv"]["bias"][:, :, 1] = 0
-    for a, b in zip(jax.tree.leaves(zero_params), jax.tree.leaves(plain_params)):
+    for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
+@pytest.mark.parametrize("data, model", [(2, 4), (4, 2)])
+def test_same_training_and_a_data_th_of_the_moments(data, model):
+    plain, zero = _steps(None, data, model), _steps("shard_optimizer", data, model)
+    _assert_same_training(zero, plain)
+    plain, zero = plain[0], zero[0]
     assert _moment_bytes(zero) * data == _moment_bytes(plain)  # every moment of this model divides by `data`
     # The collectives over `data`: the gradients are reduced as in the plain step's minimum (XLA:CPU all-reduces
     # and slices; GPU XLA makes that a reduce-scatter), and the updated parameter shards are all-gathered once:
@@ -80,14 +119,99 @@ def test_same_training_and_a_data_th_of_the_moments(data, model):
 
 def test_checkpoints_restore_across_the_choice(tmp_path):
     """Two steps with ZeRO-1, then two more without it (and the reverse) equal four steps of either."""
-    def run(shard, steps, workdir):
-        c = _config(shard, 2, 4, steps)
+    def run(choice, steps, workdir):
+        c = _config(choice, 2, 4, steps)
         c.checkpoint.update(enabled=True, every_steps=2, async_save=False)
         return [r["loss"] for r in train(c, workdir) if "loss" in r]
 
-    straight = run(False, 4, tmp_path / "straight")
-    for first in (True, False):
-        workdir = tmp_path / f"switch_{first}"
+    straight = run(None, 4, tmp_path / "straight")
+    for first, then in [("shard_optimizer", None), (None, "shard_optimizer"), ("fsdp", None), (None, "fsdp")]:
+        workdir = tmp_path / f"{first}_then_{then}"
         head = run(first, 2, workdir)
-        tail = run(not first, 4, workdir)
+        tail = run(then, 4, workdir)
         np.testing.assert_allclose(head + tail, straight, rtol=1e-6)
+
+
+def _state_bytes(run, part: str) -> int:
+    return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+               for x in jax.tree.leaves(getattr(run.abstract_state, part)) if x.ndim)
+
+
+def test_fsdp_splits_no_parameter_on_its_layers_dimension():
+    """The scan slices one layer out of a stacked parameter: split on ``layers`` the whole stack would be gathered
+    before the loop. ``data`` goes on the first other dimension it divides, as ZeRO-1's rule chooses."""
+    from megajax.builder import abstract_model
+    from flax import nnx
+
+    config = _config("fsdp", 2, 4)
+    state = nnx.state(abstract_model(config))
+    mesh = make_mesh(2, 4)
+    split, whole = (nnx.to_pure_dict(shardings(state, mesh, MEGATRON_RULES, split_over_data=f)) for f in (True, False))
+    blocks = split["blocks"]
+    assert blocks["mlp"]["up"]["kernel"].spec == P(None, "data", "model")  # (layers, embed, mlp)
+    assert blocks["mlp"]["down"]["kernel"].spec == P(None, "model", "data")  # (layers, mlp, embed)
+    assert split["wte"]["embedding"].spec == P("model", "data")  # (vocab, embed)
+    for s in jax.tree.leaves(blocks):
+        assert s.spec[0] is None
+    def without_data(spec: P) -> list:
+        out = []
+        for entry in spec:
+            kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a != "data")
+            out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+        return out
+
+    for s, w in zip(jax.tree.leaves(split), jax.tree.leaves(whole)):  # the rules' layout, plus data once
+        assert "data" in jax.tree.leaves(list(s.spec))
+        assert without_data(s.spec) == list(w.spec) + [None] * (len(s.spec) - len(w.spec))
+    # data of size 1 (1x1, 1x4): the layout, and so the compiled step, is the plain one
+    one = nnx.to_pure_dict(shardings(state, make_mesh(1, 4), MEGATRON_RULES, split_over_data=True))
+    assert jax.tree.leaves(one) == jax.tree.leaves(nnx.to_pure_dict(shardings(state, make_mesh(1, 4),
+                                                                              MEGATRON_RULES)))
+
+
+@pytest.mark.parametrize("name, data, model", [("gpt", 2, 4), ("gpt", 4, 2), ("bert", 2, 4)])
+def test_fsdp_same_training_with_a_data_th_of_the_state(name, data, model):
+    plain, fsdp = _steps(None, data, model, name), _steps("fsdp", data, model, name)
+    _assert_same_training(fsdp, plain)
+    plain, fsdp = plain[0], fsdp[0]
+    # Parameters and moments (so gradients: they take the parameters' layout) 1/data per device: every parameter
+    # of these models has a dimension `data` divides besides `layers`.
+    for part in ("params", "opt_state"):
+        assert _state_bytes(fsdp, part) * data == _state_bytes(plain, part), part
+    # The compiled step's arguments (and outputs: the state is donated back) per device, from memory_analysis():
+    # all that changed is the split state.
+    for size in ("argument_size_in_bytes", "output_size_in_bytes"):
+        rest = [getattr(r.step_fn.memory_analysis(), size) - _state_bytes(r, "params") - _state_bytes(r, "opt_state")
+                for r in (fsdp, plain)]
+        assert rest[0] == rest[1], size
+
+    colls = collectives(fsdp.step_fn.as_text(), fsdp.mesh)
+    layers = fsdp.spec.model.num_layers
+    per_device = {path: model_shard_elements(x)  # gathered: the model axis's shard, all layers
+                  for path, x in jax.tree_util.tree_leaves_with_path(fsdp.abstract_state.params)}
+    block = sum(n for p, n in per_device.items() if "blocks" in jax.tree_util.keystr(p))
+    block_kernels = sum(n for p, n in per_device.items()
+                        if "blocks" in jax.tree_util.keystr(p) and p[-1].key == "kernel")
+    gathers = [c for c in colls if c.op == "all-gather" and c.axes == {"data"}]
+    # Forward: every parameter gathered once where it is used, the blocks' one layer at a time inside the scan
+    # (no gather of a whole stack); the tied word embedding twice (lookup and output layer).
+    wte = per_device[next(p for p in per_device if "wte" in jax.tree_util.keystr(p))]
+    forward = sum(c.elements * c.executions for c in gathers if c.phase == "forward")
+    assert forward == sum(per_device.values()) + wte
+    assert all(c.executions % layers == 0 and c.elements * layers <= block
+               for c in gathers if c.phase == "forward" and c.elements * c.executions <= block and c.executions > 1)
+    # Backward: no layer's gathered kernels are kept for it; each is gathered again, one layer at a time.
+    backward = [c for c in gathers if c.phase == "backward" and c.executions == layers]
+    assert sum(c.elements * c.executions for c in backward) == block_kernels
+    # The gradients' reduction over data: XLA:CPU all-reduces each layer's gradients inside the backward loop and
+    # each device keeps its slice (the GPU pipeline makes the pair a reduce-scatter); a few small replicated
+    # kernels go by collective-permutes. That is the plain step's minimum, plus, for the embedding lookups'
+    # scatter-add into rows split over data, all-to-alls of the activations' gradient: measured exactly
+    # 4 b s h bytes more (b sequences per data shard) on GPT 2x4 and BERT 2x4, 4 b s h + 256 on GPT 4x2.
+    reduced = [c for c in colls if "data" in c.axes and c.phase == "backward" and c.op != "all-gather"
+               and c.elements > 1]
+    assert {c.op for c in reduced} <= {"all-reduce", "all-to-all", "collective-permute"}
+    sent = sum(c.shard_elements * c.executions * 4 for c in reduced)
+    minimum, b, s, h = step_budget(fsdp).minimum["data-parallel gradients"], 8 // data, 32, 64
+    assert minimum <= sent <= minimum + 4 * b * s * h + 256
+

@@ -18,7 +18,7 @@ from flax import nnx
 from megajax.layers import ACTIVATIONS, Dense, LayerNorm, VocabParallelEmbedding, dropout, make_param
 from megajax.losses import mask_padded_vocab
 from megajax.models.transformer import TransformerConfig, make_blocks, padding_mask, run_blocks
-from megajax.sharding import RESIDUAL, constrain
+from megajax.sharding import RESIDUAL, constrain, param_at_use
 
 NUM_SOP_CLASSES = 2  # 0: A then B as in the document, 1: swapped
 
@@ -52,9 +52,10 @@ class BERTEncoder(nnx.Module):
         valid = jnp.ones_like(tokens) if valid is None else valid
         tokens = constrain(tokens, ("batch", "seq"))
         k_emb, k_layers = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
-        positions = constrain(self.wpe[:s], ("position", "embed"))  # replicated: see GPT
+        positions = constrain(param_at_use(self.wpe[...], ("position", "embed"))[:s], ("position", "embed"))
         # (B, S, H); under sequence parallelism the lookup's partial rows are reduce-scattered to (B, S/t, H)
-        x = self.wte(tokens) + (positions + jnp.take(self.tte[...], token_types, axis=0)).astype(cfg.compute_dtype)
+        types = jnp.take(param_at_use(self.tte[...], ("token_type", "embed")), token_types, axis=0)
+        x = self.wte(tokens) + (positions + types).astype(cfg.compute_dtype)
         x = constrain(x, RESIDUAL)
         if self.ln_emb is not None:
             x = self.ln_emb(x)
@@ -88,5 +89,5 @@ class BERT(BERTEncoder):
     def mlm_logits(self, x: jax.Array) -> jax.Array:
         """(B, S, H) -> (B, S, padded_vocab): dense, GeLU, LN, tied output + vocab-parallel bias."""
         y = self.mlm_ln(self.act(self.mlm_dense(x)))
-        logits = self.wte.attend(y) + self.mlm_bias[...].astype(y.dtype)
+        logits = self.wte.attend(y) + param_at_use(self.mlm_bias[...], ("vocab",)).astype(y.dtype)
         return mask_padded_vocab(constrain(logits, ("batch", "seq", "vocab")), self.cfg.vocab_size)

@@ -12,7 +12,7 @@ from flax import nnx
 from megajax.layers import LayerNorm, VocabParallelEmbedding, dropout, make_param
 from megajax.losses import mask_padded_vocab
 from megajax.models.transformer import KVCache, TransformerConfig, causal_mask, make_blocks, run_blocks
-from megajax.sharding import RESIDUAL, constrain
+from megajax.sharding import RESIDUAL, constrain, param_at_use
 
 
 class GPT(nnx.Module):
@@ -55,7 +55,8 @@ class GPT(nnx.Module):
         k_emb, k_layers = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
         # Replicated rows: under sequence parallelism their gradient (rows follow the split sequence) is gathered
         # here, once, rather than left split for AdamW to update apart and gather three arrays.
-        positions = constrain(jax.lax.dynamic_slice_in_dim(self.wpe[...], index, s, axis=0), ("position", "embed"))
+        wpe = param_at_use(self.wpe[...], ("position", "embed"))
+        positions = constrain(jax.lax.dynamic_slice_in_dim(wpe, index, s, axis=0), ("position", "embed"))
         # (B, S, H); under sequence parallelism the lookup's partial rows are reduce-scattered to (B, S/t, H)
         x = constrain(self.wte(tokens) + positions.astype(cfg.compute_dtype), RESIDUAL)
         x = constrain(dropout(x, cfg.dropout, k_emb), RESIDUAL)

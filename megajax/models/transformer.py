@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from megajax.layers import ACTIVATIONS, ColumnParallelLinear, LayerNorm, RowParallelLinear, dropout, scaled_init_std
-from megajax.sharding import RESIDUAL, constrain
+from megajax.sharding import RESIDUAL, constrain, keep_all_but_gathered, params_split
 
 REMAT_POLICIES = ("none", "full", "save_dots", "selective")
 LayerCache = tuple[jax.Array, jax.Array]  # one layer's (keys, values), (B, S_max, N, D) each
@@ -167,7 +167,8 @@ def make_blocks(cfg: TransformerConfig, rngs: nnx.Rngs) -> Block:
 
 
 def _remat_policy(name: str):
-    return {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[name]
+    return {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            "none": keep_all_but_gathered}[name]  # FSDP without remat: re-gather, keep the rest
 
 
 def run_blocks(blocks: Block, cfg: TransformerConfig, x: jax.Array, mask: jax.Array, dropout_key: jax.Array | None,
@@ -180,5 +181,7 @@ def run_blocks(blocks: Block, cfg: TransformerConfig, x: jax.Array, mask: jax.Ar
 
     if cfg.remat in ("full", "save_dots"):  # selective: inside SelfAttention
         step = nnx.remat(step, policy=_remat_policy(cfg.remat))
+    elif params_split():  # FSDP: re-gather each layer's parameters in the backward pass rather than keep them all
+        step = nnx.remat(step, policy=_remat_policy("none"))
     scan = nnx.scan(step, in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
     return scan(blocks, x, layer_keys, cache)

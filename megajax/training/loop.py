@@ -78,7 +78,8 @@ def setup(config: ml_collections.ConfigDict) -> Run:
     mesh = make_mesh(spec.data, spec.tensor)
     abstract_params = nnx.state(abstract_model(config))
     graphdef = nnx.graphdef(abstract_model(config))
-    param_shardings = nnx.to_pure_dict(shardings(abstract_params, mesh, spec.rules))
+    # FSDP (ZeRO-3): stored split over data; each layer gathers its parameters at use (sharding.param_at_use)
+    param_shardings = nnx.to_pure_dict(shardings(abstract_params, mesh, spec.rules, split_over_data=spec.fsdp))
     schedule = learning_rate_schedule(config.optimizer, config.train.steps)
     optimizer = make_optimizer(config.optimizer, config.train.steps)
     init = _init_fn(config, spec, optimizer)
@@ -101,7 +102,7 @@ def setup(config: ml_collections.ConfigDict) -> Run:
                            dropout=spec.model.dropout > 0)
     abstract_batch = {k: jax.ShapeDtypeStruct((spec.global_batch, *f.row_shape), f.dtype,
                                               sharding=batch_shardings[k]) for k, f in fields.items()}
-    with activate(mesh, spec.rules):
+    with activate(mesh, spec.rules, params_split=spec.fsdp):
         init_state = jax.jit(init, out_shardings=state_shardings)
         compiled = jax.jit(step, in_shardings=(state_shardings, batch_shardings),
                            out_shardings=(state_shardings, replicated), donate_argnums=0
@@ -204,7 +205,7 @@ def validation_metrics(run: Run, params, valid: Loader, num_batches: int) -> dic
     """Mean loss (and the objective's metrics) over the first ``num_batches`` validation batches (the same ones
     every time)."""
     valid.step = 0
-    with activate(run.mesh, run.spec.rules):
+    with activate(run.mesh, run.spec.rules, params_split=run.spec.fsdp):
         out = [run.eval_step(params, valid.next_global(run.batch_shardings)) for _ in range(num_batches)]
     return {k: float(np.mean([o[k] for o in jax.device_get(out)])) for k in out[0]}
 
