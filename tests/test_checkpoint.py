@@ -26,6 +26,11 @@ FLAGS = ["--config=gpt_tiny", "--config.data.source=random", "--config.train.log
          "--config.model.dropout=0.1", "--config.train.global_batch_size=8"]
 
 
+# The schedule is part of the compiled step: with one decay length for both runs of this module, the SIGTERM run
+# loads the step the SIGKILL run compiled from the shared cache.
+SCHEDULE = ["--config.optimizer.decay_steps=24"]
+
+
 def _launch(workdir, *extra):
     # One CPU device and a shared compilation cache: the processes of a test compile the step once between them.
     env = child_env()
@@ -54,7 +59,7 @@ def _final_params(workdir):
 
 @pytest.mark.slow
 def test_resume_after_sigkill_is_exact(tmp_path):
-    args = ["--config.train.steps=24", "--config.checkpoint.every_steps=4"]
+    args = ["--config.train.steps=24", "--config.checkpoint.every_steps=4", *SCHEDULE]
     killed = _launch(tmp_path / "run", *args)
     _wait_for(lambda: (tmp_path / "run/checkpoints/8").is_dir(), killed)
     killed.send_signal(signal.SIGKILL)
@@ -82,7 +87,7 @@ def test_resume_after_sigkill_is_exact(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_saves_the_current_step(tmp_path):
-    proc = _launch(tmp_path, "--config.train.steps=100000", "--config.checkpoint.every_steps=100000")
+    proc = _launch(tmp_path, "--config.train.steps=100000", "--config.checkpoint.every_steps=100000", *SCHEDULE)
     _wait_for(lambda: (tmp_path / "metrics.jsonl").exists() and len(_metrics(tmp_path)) >= 4, proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0
