@@ -9,6 +9,7 @@ hidden, L layers, tensor-parallel degree > 1 and data-parallel degree > 1 where 
 | tensor-parallel backward | 2L + 1 all-reduces of b x s x h (+ L with ``remat=full``: see below) |
 | loss | 3 all-reduces of b x s (the vocab-parallel cross-entropy: max, sum of exponentials, target logit) |
 | data-parallel gradients | one all-reduce of every local gradient element |
+| data-parallel parameter gathers | ZeRO-1: one all-gather of each updated parameter shard; FSDP: two (forward, backward) |
 
 With ``remat=full`` each block's forward runs again in the backward pass, but only its attention output needs
 the all-reduce again (the block's output is the saved scan carry): L more, where Megatron's checkpointing redoes
@@ -47,7 +48,7 @@ from megajax.hlo_audit import Collective
 
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "pred": 1}
 CATEGORIES = ("tensor-parallel forward", "tensor-parallel backward", "loss", "data-parallel gradients",
-              "sequence-parallel extra", "other")
+              "data-parallel parameter gathers", "sequence-parallel extra", "other")
 POOLED_HEADS = ("pooler", "sop", "classifier", "scorer")  # replicated layers on BERT's pooled first token
 
 
@@ -71,6 +72,7 @@ class Shape:
     sequence: bool = False
     sequence_grad_elements: int = 0
     pooled_rows: int = 0
+    gathered_shard_elements: int = 0  # parameter shards all-gathered over data per step (ZeRO-1, FSDP)
 
 
 def minimum(shape: Shape) -> dict[str, int]:
@@ -92,6 +94,7 @@ def minimum(shape: Shape) -> dict[str, int]:
         out["loss"] = 3 * b * s * 4 * n  # the cross-entropy runs in fp32
     if shape.data > 1:
         out["data-parallel gradients"] = shape.local_grad_elements * 4
+        out["data-parallel parameter gathers"] = shape.gathered_shard_elements * 4  # fp32 masters
     return out
 
 
@@ -119,6 +122,8 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
             out["sequence-parallel extra"] += size
         elif c.op == "all-reduce" and c.axes == {"data"}:
             out["data-parallel gradients"] += size
+        elif c.op == "all-gather" and c.axes == {"data"}:
+            out["data-parallel parameter gathers"] += size
         else:
             out["other"] += size
     return out, scalars
@@ -189,7 +194,23 @@ def step_shape(run) -> Shape:
                  activation_bytes=np.dtype(spec.model.compute_dtype).itemsize, local_grad_elements=local,
                  remat=spec.model.remat, sequence=spec.sequence,
                  sequence_grad_elements=sequence_grad_elements(params, spec.tensor) if spec.sequence else 0,
-                 pooled_rows=pooled * spec.micro_batch)
+                 pooled_rows=pooled * spec.micro_batch, gathered_shard_elements=gathered_shard_elements(run))
+
+
+def gathered_shard_elements(run) -> int:
+    """The parameter shards a step all-gathers over ``data``, as ZeRO and FSDP define it: with
+    ``parallel.shard_optimizer`` (ZeRO-1) each updated parameter whose moments are split, once; with
+    ``parallel.fsdp`` each split parameter twice, for the forward and again for the backward pass."""
+    from megajax.partition import over_data
+
+    spec, total = run.spec, 0
+    if spec.data == 1 or not spec.shard_optimizer:
+        return 0
+    for a in jax.tree.leaves(run.abstract_state.params):
+        stored = a.sharding if spec.fsdp else over_data(a.sharding, a.shape)
+        if "data" in jax.tree.leaves(list(stored.spec)):
+            total += (2 if spec.fsdp else 1) * model_shard_elements(a) // spec.data
+    return total
 
 
 def model_shard_elements(param: jax.ShapeDtypeStruct) -> int:

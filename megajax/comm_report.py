@@ -1,11 +1,13 @@
 """What one training step communicates, read from its compiled HLO (no step is run).
 
     python -m megajax.comm_report --config=gpt_tiny --mesh=2x4 --cpu_devices=8 [--batch=8] [--sequence]
+        [--shard_optimizer | --fsdp]
 
 Prints every collective of the compiled forward + backward + AdamW step: the mesh axes it spans, its phase, its
 size in elements and how many times it runs per step (scanned layers counted by trip count); then the bytes per
 category beside Megatron's analytic minimum and their ratio (``megajax.comm_budget``). ``--sequence`` turns on
-sequence parallelism (``parallel.sequence``): the reduce-scatters and all-gathers beside their expectation.
+sequence parallelism (``parallel.sequence``): the reduce-scatters and all-gathers beside their expectation;
+``--shard_optimizer`` (ZeRO-1) and ``--fsdp`` the parameter gathers over ``data`` beside ZeRO's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--batch", type=int, default=0, help="global batch (default: the config's)")
     p.add_argument("--cpu_devices", type=int, default=0)
     p.add_argument("--sequence", action="store_true", help="sequence parallelism (parallel.sequence=True)")
+    p.add_argument("--shard_optimizer", action="store_true", help="ZeRO-1 (parallel.shard_optimizer=True)")
+    p.add_argument("--fsdp", action="store_true", help="FSDP / ZeRO-3 (parallel.fsdp=True)")
     args = p.parse_args(argv)
     if args.cpu_devices:
         simulate_cpu_devices([f"--cpu_devices={args.cpu_devices}"])
@@ -37,8 +41,9 @@ def main(argv: list[str] | None = None) -> str:
     config.mesh.data, config.mesh.model = (int(x) for x in args.mesh.lower().split("x"))
     if args.batch:
         config.train.global_batch_size = args.batch
-    if args.sequence:
-        config.parallel.sequence = True
+    for flag in ("sequence", "shard_optimizer", "fsdp"):
+        if getattr(args, flag):
+            config.parallel[flag] = True
     run = setup(config)
     table = format_table(collectives(run.step_fn.as_text(), run.mesh)) + "\n\n" + step_budget(run).table()
     print(table)
