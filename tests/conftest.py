@@ -96,3 +96,15 @@ def train_config(data: int = 1, model: int = 1, steps: int = 5, dropout: float =
     c.optimizer.update(lr=1e-3, min_lr=1e-4, warmup_steps=2)
     c.data.source = "random"
     return c
+
+
+def assert_same_step(loss: float, change, want_loss: float, want_change) -> None:
+    """One step's loss within 1e-6 (relative) and its parameter changes within 1e-5 of a reference's (with AdamW at
+    eps >> |g| the changes are the gradients, x lr / eps); every reference leaf must have moved."""
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    flat, ref = jax.tree_util.tree_leaves_with_path(change), jax.tree.leaves(want_change)
+    assert len(flat) == len(ref)
+    for (path, got), want in zip(flat, ref):
+        scale = np.abs(want).max()
+        assert scale > 0, jax.tree_util.keystr(path)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
