@@ -257,3 +257,11 @@ MATRIX = [("gpt", 1, 4, "sequence", "selective"), ("gpt", 2, 4, None, "selective
 @pytest.mark.parametrize("name, data, model, choice, remat", MATRIX)
 def test_each_choice_on_each_mesh_computes_the_plain_gradients(name, data, model, choice, remat):
     _assert_plain_gradients(name, _gradient_step(choice, data, model, name, remat))
+
+
+@pytest.mark.parametrize("name", ["gpt", "bert"])
+def test_selective_recomputation_communicates_as_the_plain_step(name):
+    """Recomputing the attention core redoes no collective: every category's bytes equal the plain step's (2x4)."""
+    plain, selective = (_gradient_step(None, 2, 4, name, remat)[0] for remat in ("none", "selective"))
+    assert step_budget(selective).compiled == step_budget(plain).compiled
+    assert step_budget(selective).scalars == step_budget(plain).scalars
