@@ -1,7 +1,9 @@
-"""Shared command-line plumbing: config files by path or bare name, simulated CPU devices."""
+"""Shared command-line plumbing: config files by path or bare name, simulated CPU devices, the parallelism
+switches of the tools."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import pathlib
@@ -37,6 +39,22 @@ def rewrite_config_flag(argv: list[str]) -> list[str]:
             arg = resolve_config_path(arg)
         out.append(arg)
     return out
+
+
+PARALLEL_FLAGS = {"sequence": "sequence parallelism", "shard_optimizer": "ZeRO-1", "fsdp": "FSDP / ZeRO-3"}
+
+
+def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
+    """``--sequence``, ``--shard_optimizer``, ``--fsdp``: each turns on ``parallel.<name>``."""
+    for name, what in PARALLEL_FLAGS.items():
+        parser.add_argument(f"--{name}", action="store_true", help=f"{what} (parallel.{name}=True)")
+
+
+def apply_parallel_flags(args: argparse.Namespace, config: ml_collections.ConfigDict) -> None:
+    """Sets ``parallel.<name>`` for each of ``add_parallel_flags``'s switches given."""
+    for name in PARALLEL_FLAGS:
+        if getattr(args, name):
+            config.parallel[name] = True
 
 
 def load_config(name: str) -> ml_collections.ConfigDict:

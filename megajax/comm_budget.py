@@ -45,6 +45,7 @@ import jax
 import numpy as np
 
 from megajax.hlo_audit import Collective
+from megajax.sharding import spec_axes
 
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "pred": 1}
 CATEGORIES = ("tensor-parallel forward", "tensor-parallel backward", "loss", "data-parallel gradients",
@@ -208,7 +209,7 @@ def gathered_shard_elements(run) -> int:
         return 0
     for a in jax.tree.leaves(run.abstract_state.params):
         stored = a.sharding if spec.fsdp else over_data(a.sharding, a.shape)
-        if "data" in jax.tree.leaves(list(stored.spec)):
+        if "data" in spec_axes(stored.spec):
             total += (2 if spec.fsdp else 1) * model_shard_elements(a) // spec.data
     return total
 
@@ -217,8 +218,8 @@ def model_shard_elements(param: jax.ShapeDtypeStruct) -> int:
     """A parameter's elements on one device as the model axis alone splits it: what its gradient all-reduce over
     ``data`` carries, also where ``parallel.fsdp`` stores it split over ``data`` too."""
     sharding = param.sharding
-    split = [a for entry in sharding.spec for a in ((entry,) if isinstance(entry, str) else entry or ())]
-    return int(np.prod(param.shape)) // int(np.prod([sharding.mesh.shape[a] for a in split if a != "data"]))
+    return int(np.prod(param.shape)) // int(np.prod([sharding.mesh.shape[a] for a in spec_axes(sharding.spec)
+                                                     if a != "data"]))
 
 
 def sequence_grad_elements(params: dict, tensor: int) -> int:

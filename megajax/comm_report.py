@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megajax.cli import simulate_cpu_devices
+from megajax.cli import add_parallel_flags, apply_parallel_flags, simulate_cpu_devices
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -25,9 +25,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--mesh", default="1x1", help="DATAxMODEL")
     p.add_argument("--batch", type=int, default=0, help="global batch (default: the config's)")
     p.add_argument("--cpu_devices", type=int, default=0)
-    p.add_argument("--sequence", action="store_true", help="sequence parallelism (parallel.sequence=True)")
-    p.add_argument("--shard_optimizer", action="store_true", help="ZeRO-1 (parallel.shard_optimizer=True)")
-    p.add_argument("--fsdp", action="store_true", help="FSDP / ZeRO-3 (parallel.fsdp=True)")
+    add_parallel_flags(p)
     args = p.parse_args(argv)
     if args.cpu_devices:
         simulate_cpu_devices([f"--cpu_devices={args.cpu_devices}"])
@@ -41,9 +39,7 @@ def main(argv: list[str] | None = None) -> str:
     config.mesh.data, config.mesh.model = (int(x) for x in args.mesh.lower().split("x"))
     if args.batch:
         config.train.global_batch_size = args.batch
-    for flag in ("sequence", "shard_optimizer", "fsdp"):
-        if getattr(args, flag):
-            config.parallel[flag] = True
+    apply_parallel_flags(args, config)
     run = setup(config)
     table = format_table(collectives(run.step_fn.as_text(), run.mesh)) + "\n\n" + step_budget(run).table()
     print(table)

@@ -181,6 +181,14 @@ def sequence_parallel(config: ml_collections.ConfigDict) -> bool:
     return dict(rules_of(config))[SEQUENCE_PARALLEL_NAME] is not None
 
 
+def state_split(config: ml_collections.ConfigDict) -> tuple[bool, bool]:
+    """(moments split over data, parameters split over data): ``parallel.shard_optimizer`` (ZeRO-1) gives
+    (True, False), ``parallel.fsdp`` (ZeRO-3) (True, True). ``.get``: configs stored before the fields existed."""
+    parallel = config.get("parallel", {})
+    fsdp = bool(parallel.get("fsdp", False))
+    return bool(parallel.get("shard_optimizer", False)) or fsdp, fsdp
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int]:
     """Checks a config against the device count; returns the resolved (data, model) mesh shape.
 
@@ -279,9 +287,8 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> RunSpec:
     """Validates a training config against ``num_devices`` and resolves every derived fact once."""
     dp, tp = validate(config, num_devices)
     num_micro = validate_training(config, dp)
-    parallel = config.get("parallel", {})  # .get: configs stored before the fields existed
+    shard_optimizer, fsdp = state_split(config)
     return RunSpec(model_name=config.model.name, model=model_config(config), rules=rules_of(config), data=dp,
                    tensor=tp, precision=resolve_precision(config.train.precision),
                    global_batch=config.train.global_batch_size, num_micro=num_micro,
-                   shard_optimizer=bool(parallel.get("shard_optimizer", False) or parallel.get("fsdp", False)),
-                   sequence=sequence_parallel(config), fsdp=bool(parallel.get("fsdp", False)))
+                   shard_optimizer=shard_optimizer, sequence=sequence_parallel(config), fsdp=fsdp)

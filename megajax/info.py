@@ -32,11 +32,11 @@ import ml_collections  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from megajax.builder import abstract_model  # noqa: E402
-from megajax.cli import load_config  # noqa: E402
-from megajax.config import rules_of, sequence_parallel, validate  # noqa: E402
+from megajax.cli import add_parallel_flags, apply_parallel_flags, load_config  # noqa: E402
+from megajax.config import rules_of, sequence_parallel, state_split, validate  # noqa: E402
 from megajax.memory_planner import (FP32, Activations, CompiledMemory, activations, compiled_memory,  # noqa: E402
                                     gradient_bytes)
-from megajax.sharding import fsdp_spec, logical_to_spec  # noqa: E402
+from megajax.sharding import fsdp_spec, logical_to_spec, spec_axes  # noqa: E402
 from megajax.training.objectives import objective_for  # noqa: E402
 
 GiB = 1024**3
@@ -95,9 +95,8 @@ def params_per_device(config: ml_collections.ConfigDict, mesh_shape: dict[str, i
     for var in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
         names = var.get_metadata()["out_sharding"]
         spec = fsdp_spec(names, var.shape, rules, mesh_shape) if split_over_data else logical_to_spec(names, rules)
-        axes = [a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())]
         total += math.prod(var.shape)
-        per_device += math.prod(var.shape) // math.prod(mesh_shape[a] for a in axes)
+        per_device += math.prod(var.shape) // math.prod(mesh_shape[a] for a in spec_axes(spec))
     return total, per_device
 
 
@@ -122,9 +121,8 @@ def memory_report(config: ml_collections.ConfigDict, data: int, model: int, micr
     config = ml_collections.ConfigDict(config)
     config.mesh.data, config.mesh.model = data, model
     validate(config, data * model)
-    parallel = config.get("parallel", {})
-    fsdp = bool(parallel.get("fsdp", False))  # parameters, so gradients and moments, split over data
-    zero = bool(parallel.get("shard_optimizer", False)) and not fsdp  # ZeRO-1: the moments and gradients only
+    moments_split, fsdp = state_split(config)  # FSDP: parameters, so gradients and moments, split over data
+    zero = moments_split and not fsdp  # ZeRO-1: the moments and gradients only
     total, local = params_per_device(config, {"data": data, "model": model}, split_over_data=fsdp)
     num_micro = num_micro or _num_micro(config, data, micro_batch)
     optimizer = 8 * local // (data if zero else 1)
@@ -213,14 +211,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compiled", action="store_true", help="also compile the step (abstract inputs, nothing "
                                                            "allocated) and print XLA's memory plan beside the formula")
     p.add_argument("--cpu_devices", type=int, default=0, help="simulate N CPU devices (applied before jax starts)")
-    p.add_argument("--sequence", action="store_true", help="sequence parallelism (parallel.sequence=True)")
-    p.add_argument("--shard_optimizer", action="store_true", help="ZeRO-1 (parallel.shard_optimizer=True)")
-    p.add_argument("--fsdp", action="store_true", help="FSDP / ZeRO-3 (parallel.fsdp=True)")
+    add_parallel_flags(p)
     args = p.parse_args(argv)
     config = load_config(args.config)
-    for flag in ("sequence", "shard_optimizer", "fsdp"):
-        if getattr(args, flag):
-            config.parallel[flag] = True
+    apply_parallel_flags(args, config)
     if args.mesh:
         data, model = (int(x) for x in args.mesh.lower().split("x"))
     else:

@@ -107,6 +107,16 @@ def make_mesh(data: int, model: int, devices: Sequence[jax.Device] | None = None
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 2)
 
 
+def entry_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The mesh axes one PartitionSpec entry splits a dimension over: None -> (), 'a' -> ('a',), ('a', 'b') as is."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def spec_axes(spec: P) -> list[str]:
+    """Every mesh axis a PartitionSpec splits over, in order."""
+    return [a for entry in spec for a in entry_axes(entry)]
+
+
 def spec_over_data(spec: P, shape: tuple[int, ...], mesh_shape: Mapping[str, int], axis: str = "data",
                    keep_whole: Sequence[int] = ()) -> P:
     """``spec`` additionally split over ``axis``: on the first dimension it leaves whole that the axis divides, else
@@ -114,15 +124,14 @@ def spec_over_data(spec: P, shape: tuple[int, ...], mesh_shape: Mapping[str, int
     are never chosen. Unchanged when nothing fits or the axis has size 1."""
     size = mesh_shape.get(axis, 1)
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    if size == 1 or axis in jax.tree.leaves(entries):
+    if size == 1 or axis in spec_axes(spec):
         return spec
-    split = lambda names: (names,) if isinstance(names, str) else tuple(names or ())  # noqa: E731
     for whole_only in (True, False):
         for i, (dim, names) in enumerate(zip(shape, entries)):
             if i in keep_whole or (names is None) != whole_only:
                 continue
-            if dim % (size * math.prod(mesh_shape[n] for n in split(names))) == 0:
-                entries[i] = axis if names is None else (*split(names), axis)
+            if dim % (size * math.prod(mesh_shape[n] for n in entry_axes(names))) == 0:
+                entries[i] = axis if names is None else (*entry_axes(names), axis)
                 return P(*entries)
     return spec
 

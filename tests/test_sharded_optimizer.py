@@ -22,7 +22,7 @@ from megajax.config import bert_base_config
 from megajax.data.sources import make_loader
 from megajax.hlo_audit import collectives
 from megajax.partition import over_data, shardings
-from megajax.sharding import MEGATRON_RULES, make_mesh
+from megajax.sharding import MEGATRON_RULES, entry_axes, make_mesh, spec_axes
 from megajax.training.loop import batch_layout, setup, train
 
 
@@ -174,14 +174,11 @@ def test_fsdp_splits_no_parameter_on_its_layers_dimension():
     for s in jax.tree.leaves(blocks):
         assert s.spec[0] is None
     def without_data(spec: P) -> list:
-        out = []
-        for entry in spec:
-            kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a != "data")
-            out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-        return out
+        kept = [tuple(a for a in entry_axes(entry) if a != "data") for entry in spec]
+        return [None if not k else k[0] if len(k) == 1 else k for k in kept]
 
     for s, w in zip(jax.tree.leaves(split), jax.tree.leaves(whole)):  # the rules' layout, plus data once
-        assert "data" in jax.tree.leaves(list(s.spec))
+        assert "data" in spec_axes(s.spec)
         assert without_data(s.spec) == list(w.spec) + [None] * (len(s.spec) - len(w.spec))
     # data of size 1 (1x1, 1x4): the layout, and so the compiled step, is the plain one
     one = nnx.to_pure_dict(shardings(state, make_mesh(1, 4), MEGATRON_RULES, split_over_data=True))
