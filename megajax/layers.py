@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from megajax.sharding import RESIDUAL, SEQUENCE_DIM, constrain, on_shards, param_at_use, sequence_axis
+from megajax.sharding import RESIDUAL, SEQUENCE_DIM, constrain, on_shards, param_at_use, replicas, sequence_axis
 
 Shape = tuple[int, ...]
 
@@ -127,7 +127,8 @@ class VocabParallelEmbedding(nnx.Module):
     Lookup: each shard gathers the rows it owns and the partial rows are all-reduced (b x s x h). ``attend``
     computes vocab-sharded logits with no forward communication; its input gradient is all-reduced (f operator).
     Under sequence parallelism the lookup's partial rows are reduce-scattered onto the split sequence and
-    ``attend`` all-gathers its input (as Megatron-Core).
+    ``attend`` all-gathers its input (as Megatron-Core). A model reads ``replica_rows`` once per step and passes
+    them to both uses, so the tied gradient is reduced over ``data`` once.
     """
 
     NAMES = ("vocab", "embed")
@@ -140,29 +141,47 @@ class VocabParallelEmbedding(nnx.Module):
         """This layer's rows (V, H) as the rules lay them out (gathered over ``data`` under ``parallel.fsdp``)."""
         return param_at_use(self.embedding[...], self.NAMES)
 
-    def __call__(self, ids: jax.Array) -> jax.Array:  # (B, S) -> (B, S, H)
-        axis, rows = sequence_axis(), self.rows_at_use()
-        if axis is None:
-            return jnp.take(rows, ids, axis=0).astype(self.dtype)
+    def replica_rows(self, batch: int) -> jax.Array:
+        """The rows as one copy per data-parallel replica, (D, V, H) split over ``batch``'s mesh axis: each device's
+        copy is its own rows, so nothing moves. The gradient of a replicated parameter used twice (lookup, output
+        layer) is otherwise reduced over ``data`` once per use; on these copies both contributions are local and
+        are summed before the one reduction, the transpose of this broadcast. D = 1 where it does not divide."""
+        rows = self.rows_at_use()
+        d = replicas(batch)
+        return constrain(jnp.broadcast_to(rows[None], (d, *rows.shape)), ("batch", *self.NAMES))
 
-        def scattered(ids, rows):  # per device: ids (B, S), this shard's rows (V/t, H) -> (B, S/t, H)
+    def __call__(self, ids: jax.Array, rows: jax.Array | None = None) -> jax.Array:  # (B, S) -> (B, S, H)
+        """The ids' rows; ``rows``: the step's ``replica_rows`` (read here when not given)."""
+        axis, rows = sequence_axis(), self.replica_rows(ids.shape[0]) if rows is None else rows
+        if axis is None:
+            d, (b, s) = rows.shape[0], ids.shape
+            ids = constrain(ids.reshape(d, b // d, s), ("batch", None, "seq"))  # (D, B/D, S)
+            found = jax.vmap(lambda r, i: jnp.take(r, i, axis=0))(rows, ids)  # (D, B/D, S, H)
+            return found.reshape(b, s, -1).astype(self.dtype)
+
+        def scattered(ids, rows):  # per device: ids (B/D, S), this shard's rows (1, V/t, H) -> (B/D, S/t, H)
+            rows = rows[0]
             local = ids - jax.lax.axis_index(axis) * rows.shape[0]
             owned = (local >= 0) & (local < rows.shape[0])
             found = jnp.where(owned[..., None], jnp.take(rows, jnp.where(owned, local, 0), axis=0), 0.0)
             # one shard owns each row, the others add zeros: summing in the compute dtype is exact
             return jax.lax.psum_scatter(found.astype(self.dtype), axis, scatter_dimension=SEQUENCE_DIM, tiled=True)
 
-        return on_shards(scattered, (ids, rows), (("batch", "seq"), self.NAMES), RESIDUAL)
+        return on_shards(scattered, (ids, rows), (("batch", "seq"), ("batch", *self.NAMES)), RESIDUAL)
 
-    def attend(self, x: jax.Array) -> jax.Array:  # (B, S, H) -> (B, S, V)
-        axis, rows = sequence_axis(), self.rows_at_use()
+    def attend(self, x: jax.Array, rows: jax.Array | None = None) -> jax.Array:  # (B, S, H) -> (B, S, V)
+        """Vocab-sharded logits ``x @ E^T``; ``rows``: the step's ``replica_rows`` (read here when not given)."""
+        axis, rows = sequence_axis(), self.replica_rows(x.shape[0]) if rows is None else rows
         if axis is None:
-            return constrain(self.logits(x, rows), ("batch", "seq", "vocab"))
+            d, (b, s, h) = rows.shape[0], x.shape
+            x = constrain(x.reshape(d, b // d, s, h), ("batch", None, "seq", "embed"))  # (D, B/D, S, H)
+            logits = jax.vmap(self.logits)(x, rows)  # (D, B/D, S, V)
+            return constrain(logits.reshape(b, s, -1), ("batch", "seq", "vocab"))
 
-        def gathered(x, rows):  # per device: (B, S/t, H) -> (B, S, V/t)
-            return self.logits(jax.lax.all_gather(x, axis, axis=SEQUENCE_DIM, tiled=True), rows)
+        def gathered(x, rows):  # per device: (B/D, S/t, H), (1, V/t, H) -> (B/D, S, V/t)
+            return self.logits(jax.lax.all_gather(x, axis, axis=SEQUENCE_DIM, tiled=True), rows[0])
 
-        return on_shards(gathered, (x, rows), (RESIDUAL, self.NAMES), ("batch", "seq", "vocab"))
+        return on_shards(gathered, (x, rows), (RESIDUAL, ("batch", *self.NAMES)), ("batch", "seq", "vocab"))
 
     def logits(self, x: jax.Array, rows: jax.Array) -> jax.Array:
         """``x @ rows^T`` in the compute dtype."""

@@ -221,6 +221,17 @@ def params_split() -> bool:
     return _PARAMS_SPLIT.get() and _ACTIVE_RULES.get() is not None
 
 
+def replicas(batch: int) -> int:
+    """How many data-parallel replicas a batch of ``batch`` rows is split over under the active rules (the size of
+    the mesh axes ``batch`` maps to); 1 outside ``activate`` or where that does not divide ``batch``."""
+    rules = _ACTIVE_RULES.get()
+    mesh = jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty:
+        return 1
+    d = math.prod(mesh.shape[a] for a in entry_axes(dict(rules).get("batch")))
+    return d if batch % d == 0 else 1
+
+
 def sequence_axis() -> str | None:
     """The mesh axis the active rules split the residual stream's sequence over (``parallel.sequence``: 'model'),
     or None: Megatron's layout, or outside ``activate``."""

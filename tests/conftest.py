@@ -1,5 +1,6 @@
 """Test setup: 8 simulated CPU devices (set before jax is imported) and shared small models."""
 
+import functools
 import os
 
 # Compiling dominates the suite (~75% of a model-test module's time; the test programs run in milliseconds). LLVM
@@ -31,7 +32,7 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from megajax.builder import build_mesh, create_model  # noqa: E402
-from megajax.config import base_config, rules_of  # noqa: E402
+from megajax.config import base_config, bert_base_config, rules_of  # noqa: E402
 from megajax.partition import shardings  # noqa: E402
 
 MESHES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 4), (4, 2)]
@@ -97,6 +98,39 @@ def train_config(data: int = 1, model: int = 1, steps: int = 5, dropout: float =
     c.optimizer.update(lr=1e-3, min_lr=1e-4, warmup_steps=2)
     c.data.source = "random"
     return c
+
+
+def choice_config(choice: str | None, data: int, model: int, steps: int = 3, name: str = "gpt",
+                  remat: str = "none", gradient_step: bool = False):
+    """The small model (``name``: gpt, or a BERT of the same sizes) on random data with ``parallel.<flag>`` on for
+    each flag of ``choice`` ('+'-joined, e.g. 'fsdp+sequence'). ``gradient_step``: AdamW with eps >> |g|, so one
+    step changes each parameter by lr / eps x its gradient (runs on different meshes then compare at 1e-5)."""
+    c = small_config(data=data, model=model)
+    if name == "bert":
+        b = bert_base_config()
+        b.model.update(vocab_size=1000, make_vocab_size_divisible_by=128, num_layers=2, hidden_size=64, num_heads=8,
+                       max_seq_len=32, dropout=0.0, remat="none")
+        b.mesh = c.mesh
+        c = b
+    for flag in choice.split("+") if choice else ():
+        c.parallel[flag] = True
+    c.model.remat = remat
+    c.data.source = "random"
+    c.train.update(global_batch_size=8, precision="fp32", steps=steps, log_every=1, eval_batches=0)
+    c.optimizer.update(lr=1e-3, warmup_steps=0, decay_steps=10)
+    if gradient_step:
+        c.optimizer.update(lr=1e6, eps=1e3, weight_decay=0.0, clip_norm=1e9)
+    c.checkpoint.enabled = False
+    return c
+
+
+@functools.cache
+def one_step_run(choice: str | None, data: int, model: int, name: str = "gpt", remat: str = "none"):
+    """``setup`` of ``choice_config(..., gradient_step=True)``: its step compiled once per process (and, through
+    the session's compilation cache, once for all the modules that use it)."""
+    from megajax.training.loop import setup
+
+    return setup(choice_config(choice, data, model, name=name, remat=remat, gradient_step=True))
 
 
 def assert_same_step(loss: float, change, want_loss: float, want_change) -> None:

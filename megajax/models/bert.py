@@ -42,8 +42,9 @@ class BERTEncoder(nnx.Module):
         self.pooler = Dense(h, (h,), ("embed", "embed_out"), std=std, dtype=dt, rngs=rngs)
 
     def encode(self, tokens: jax.Array, token_types: jax.Array | None = None, valid: jax.Array | None = None,
-               *, dropout_key: jax.Array | None = None) -> jax.Array:
-        """The trunk's final hidden states (B, S, H); ``valid`` is the (B, S) 1/0 padding mask."""
+               *, dropout_key: jax.Array | None = None, word_rows: jax.Array | None = None) -> jax.Array:
+        """The trunk's final hidden states (B, S, H); ``valid`` is the (B, S) 1/0 padding mask; ``word_rows``: the
+        word embedding's ``replica_rows``, when the caller uses them again (the tied MLM output layer)."""
         cfg = self.cfg
         b, s = tokens.shape
         if s > cfg.max_seq_len:
@@ -55,7 +56,7 @@ class BERTEncoder(nnx.Module):
         positions = constrain(param_at_use(self.wpe[...], ("position", "embed"))[:s], ("position", "embed"))
         # (B, S, H); under sequence parallelism the lookup's partial rows are reduce-scattered to (B, S/t, H)
         types = jnp.take(param_at_use(self.tte[...], ("token_type", "embed")), token_types, axis=0)
-        x = self.wte(tokens) + (positions + types).astype(cfg.compute_dtype)
+        x = self.wte(tokens, word_rows) + (positions + types).astype(cfg.compute_dtype)
         x = constrain(x, RESIDUAL)
         if self.ln_emb is not None:
             x = self.ln_emb(x)
@@ -83,11 +84,12 @@ class BERT(BERTEncoder):
     def __call__(self, tokens: jax.Array, token_types: jax.Array | None = None, valid: jax.Array | None = None,
                  *, dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """MLM logits (padded ids masked) and SOP logits."""
-        x = self.encode(tokens, token_types, valid, dropout_key=dropout_key)
-        return self.mlm_logits(x), self.sop(self.pool(x))
+        rows = self.wte.replica_rows(tokens.shape[0])  # one read for both uses: one gradient reduction
+        x = self.encode(tokens, token_types, valid, dropout_key=dropout_key, word_rows=rows)
+        return self.mlm_logits(x, rows), self.sop(self.pool(x))
 
-    def mlm_logits(self, x: jax.Array) -> jax.Array:
+    def mlm_logits(self, x: jax.Array, word_rows: jax.Array | None = None) -> jax.Array:
         """(B, S, H) -> (B, S, padded_vocab): dense, GeLU, LN, tied output + vocab-parallel bias."""
         y = self.mlm_ln(self.act(self.mlm_dense(x)))
-        logits = self.wte.attend(y) + param_at_use(self.mlm_bias[...], ("vocab",)).astype(y.dtype)
+        logits = self.wte.attend(y, word_rows) + param_at_use(self.mlm_bias[...], ("vocab",)).astype(y.dtype)
         return mask_padded_vocab(constrain(logits, ("batch", "seq", "vocab")), self.cfg.vocab_size)

@@ -58,10 +58,11 @@ class GPT(nnx.Module):
         wpe = param_at_use(self.wpe[...], ("position", "embed"))
         positions = constrain(jax.lax.dynamic_slice_in_dim(wpe, index, s, axis=0), ("position", "embed"))
         # (B, S, H); under sequence parallelism the lookup's partial rows are reduce-scattered to (B, S/t, H)
-        x = constrain(self.wte(tokens) + positions.astype(cfg.compute_dtype), RESIDUAL)
+        rows = self.wte.replica_rows(b)
+        x = constrain(self.wte(tokens, rows) + positions.astype(cfg.compute_dtype), RESIDUAL)
         x = constrain(dropout(x, cfg.dropout, k_emb), RESIDUAL)
         kv_len = s if cache is None else cache[0].shape[2]
         mask = causal_mask(index + jnp.arange(s), kv_len)  # (1, 1, S, S_kv)
         x, cache = run_blocks(self.blocks, cfg, x, mask, k_layers, cache, index)
-        logits = self.wte.attend(self.ln_f(x))  # (B, S, V_padded)
+        logits = self.wte.attend(self.ln_f(x), rows)  # (B, S, V_padded)
         return mask_padded_vocab(logits, cfg.vocab_size), cache
