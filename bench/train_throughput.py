@@ -17,6 +17,39 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 
+def measure(config, steps: int, warmup: int = 1) -> dict:
+    """Compiles ``config``'s step ahead of time, runs ``warmup`` untimed steps and times ``steps`` more on one real
+    batch (reused). Returns the figures as a dict (seconds, tokens/s, model TFLOP/s per device)."""
+    import jax
+
+    from megajax.data.sources import make_loader
+    from megajax.training.loop import setup
+    from megajax.training.metrics import model_flops_per_step, sequences_per_step
+
+    t0 = time.perf_counter()
+    run = setup(config)
+    state = run.init_state()
+    compile_s = time.perf_counter() - t0
+    batch = make_loader(config).next_global(run.batch_shardings)  # one real batch (GPT or BERT), reused
+    for _ in range(warmup):
+        state, m = run.step_fn(state, batch)
+    jax.block_until_ready(m)
+    t = time.perf_counter()
+    for _ in range(steps):
+        state, m = run.step_fn(state, batch)
+    jax.block_until_ready(m)
+    step_s = (time.perf_counter() - t) / steps
+    seq = config.model.max_seq_len
+    flops = model_flops_per_step(run.spec, seq)
+    return {"device": jax.devices()[0].device_kind, "devices": jax.device_count(),
+            "mesh": f"{run.spec.data}x{run.spec.tensor}", "global_batch": run.spec.global_batch, "seq": seq,
+            "precision": run.spec.precision, "remat": run.spec.model.remat, "params": run.num_params,
+            "setup_and_compile_s": round(compile_s, 1), "step_s": round(step_s, 4),
+            "tokens_per_s": round(sequences_per_step(run.spec) * seq / step_s, 1),
+            "model_tflops_per_device": round(flops / step_s / jax.device_count() / 1e12, 4),
+            "loss": float(m["loss"])}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="gpt_125m")
@@ -28,36 +61,14 @@ def main():
     p.add_argument("--remat", default="none")
     args = p.parse_args()
 
-    import jax
-
     from megajax.cli import load_config
-    from megajax.data.sources import make_loader
-    from megajax.training.loop import setup
-    from megajax.training.metrics import model_flops_per_step
 
     config = load_config(args.config)
     data, model = (int(x) for x in args.mesh.split("x"))
     config.mesh.update(data=data, model=model)
     config.model.update(max_seq_len=args.seq, remat=args.remat)
     config.train.update(global_batch_size=args.batch, precision=args.precision, steps=1000)
-    t0 = time.perf_counter()
-    run = setup(config)
-    state = run.init_state()
-    compile_s = time.perf_counter() - t0
-    batch = make_loader(config).next_global(run.batch_shardings)  # one real batch (GPT or BERT), reused
-    state, m = run.step_fn(state, batch)
-    jax.block_until_ready(m)
-    t = time.perf_counter()
-    for _ in range(args.steps):
-        state, m = run.step_fn(state, batch)
-    jax.block_until_ready(m)
-    step_s = (time.perf_counter() - t) / args.steps
-    flops = model_flops_per_step(run.spec, args.seq)
-    print(json.dumps({"config": args.config, "device": jax.devices()[0].device_kind, "mesh": args.mesh,
-                      "batch": args.batch, "seq": args.seq, "precision": config.train.precision,
-                      "params": run.num_params, "setup_and_compile_s": round(compile_s, 1),
-                      "step_s": round(step_s, 3), "tokens_per_s": round(args.batch * args.seq / step_s, 1),
-                      "model_tflops_per_device": round(flops / step_s / jax.device_count() / 1e12, 4)}, indent=1))
+    print(json.dumps({"config": args.config, **measure(config, args.steps)}, indent=1))
 
 
 if __name__ == "__main__":

@@ -103,10 +103,25 @@ class SelfAttention(nnx.Module):
         return self.out(core(q, k, v, mask, key, self.rate)), cache
 
 
+def attention_implementation(dtype: jnp.dtype, head_dim: int, dropout: bool) -> str:
+    """'cudnn' (jax.nn.dot_product_attention's cuDNN flash attention) on an NVIDIA GPU for fp16 / bf16 heads of at
+    most 128 dimensions, a multiple of 8, when no attention dropout is drawn (it has none); else 'xla': megajax's
+    own softmax(q k^T / sqrt(d)) v, the ops jax's XLA implementation emits too, with Megatron's dropout."""
+    if dropout or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) or head_dim > 128 or head_dim % 8:
+        return "xla"
+    device = jax.devices()[0]
+    return "cudnn" if device.platform == "gpu" and "cuda" in device.client.platform_version.lower() else "xla"
+
+
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, key: jax.Array | None,
                    rate: float) -> jax.Array:
     """softmax(q k^T / sqrt(d)) v under ``mask``, with dropout on the probabilities: (B, S, N, D) -> (B, S, N, D).
-    Its (B, N, S, S_kv) intermediates are what ``remat=selective`` recomputes instead of keeping."""
+    Its (B, N, S, S_kv) intermediates are what ``remat=selective`` recomputes instead of keeping (cuDNN's flash
+    attention, where ``attention_implementation`` picks it, never makes them)."""
+    dropout_on = key is not None and rate > 0.0
+    if attention_implementation(q.dtype, q.shape[-1], dropout_on) == "cudnn":
+        mask = jnp.broadcast_to(mask, (*mask.shape[:2], q.shape[1], k.shape[1]))
+        return jax.nn.dot_product_attention(q, k, v.astype(q.dtype), mask=mask, implementation="cudnn")
     scale = jnp.sqrt(q.shape[-1]).astype(jnp.float32)
     scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(jnp.float32) / scale  # (B, N, S, S_kv)
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)

@@ -1,0 +1,92 @@
+"""The GPU figures in one command: the paper's 1.2B and 2.5B GPT configs trained on every local GPU.
+
+    python bench/gpu_benchmark.py                              # gpt_1p2b and gpt_2p5b on all local GPUs
+    python bench/gpu_benchmark.py --configs=gpt_8p3b --mesh=1x8 --micro_batch=4 --steps=20
+    python bench/gpu_benchmark.py --allow_cpu --configs=gpt_tiny --seq=128 --steps=2   # checks the script only
+
+Per config: half precision (bf16; fp16 on V100, which has no bf16 tensor cores), dropout off (cuDNN's flash
+attention has none: with it off, ``jax.nn.dot_product_attention`` runs cuDNN, see
+``megajax.models.transformer.attention_implementation``), sequence 1024, the mesh ``--mesh`` or all GPUs as data
+parallel over the config's model-parallel degree, ``--micro_batch`` sequences per data replica, and the lightest
+recomputation (none, selective, full) whose planned peak fits the GPU's memory (``megajax.info.memory_report``).
+The step is compiled ahead of time, 2 warm-up steps are untimed, then ``--steps`` steps are timed. Printed per
+config: tokens/s, model TFLOP/s per GPU (Megatron's formula, no recomputation counted) and MFU against the
+datasheet peak (``megajax.training.metrics.PEAK_FLOPS``; an unlisted GPU gets no MFU rather than a guess).
+Everything goes to ``--output`` as JSON. Without a GPU it refuses, unless ``--allow_cpu``.
+"""
+
+import argparse
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+REMAT_ORDER = ("none", "selective", "full")  # cheapest recomputation first
+
+
+def lightest_remat(config, data: int, model: int, micro_batch: int, device_bytes: float | None) -> str:
+    """The first of ``REMAT_ORDER`` whose planned per-device peak fits ``device_bytes`` (None: unknown, 'none');
+    'full' if none fits (the compile then says by how much)."""
+    from megajax.info import memory_report
+
+    if device_bytes is None:
+        return "none"
+    for remat in REMAT_ORDER:
+        config.model.remat = remat
+        if memory_report(config, data, model, micro_batch, num_micro=1).fits(device_bytes):
+            return remat
+    return "full"
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default="gpt_1p2b,gpt_2p5b", help="comma-separated config names or paths")
+    p.add_argument("--mesh", default=None, help="DATAxMODEL; default: all GPUs, the config's mesh.model")
+    p.add_argument("--micro_batch", type=int, default=8, help="sequences per data replica per step")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--output", default=str(pathlib.Path(__file__).resolve().parent / "gpu_benchmark.json"))
+    p.add_argument("--allow_cpu", action="store_true", help="run without a GPU (to check the script)")
+    args = p.parse_args(argv)
+    if args.micro_batch < 1 or args.seq < 1 or args.steps < 1:
+        sys.exit("error: --micro_batch, --seq and --steps must be >= 1")
+
+    import jax
+
+    from megajax.cli import load_config
+    from megajax.training.metrics import peak_flops
+    from train_throughput import measure
+
+    device = jax.devices()[0]
+    if device.platform != "gpu" and not args.allow_cpu:
+        sys.exit(f"error: no GPU here (jax sees {device.platform} devices); this benchmark measures GPUs. "
+                 "bench/train_throughput.py and bench/compare_peer.py run on CPUs; --allow_cpu checks this script.")
+    precision = "fp16" if "v100" in device.device_kind.lower() else "bf16"
+    stats = device.memory_stats() or {}
+    device_bytes = stats.get("bytes_limit")
+    results = []
+    for name in args.configs.split(","):
+        config = load_config(name)
+        model = int(args.mesh.split("x")[1]) if args.mesh else config.mesh.model
+        data = int(args.mesh.split("x")[0]) if args.mesh else jax.device_count() // model
+        config.mesh.update(data=data, model=model)
+        config.model.update(max_seq_len=args.seq, dropout=0.0)
+        config.train.update(global_batch_size=args.micro_batch * data, precision=precision, steps=1000)
+        config.model.remat = lightest_remat(config, data, model, args.micro_batch, device_bytes)
+        row = {"config": name, **measure(config, args.steps, warmup=2)}
+        peak = peak_flops(device, precision)
+        row["mfu"] = round(row["model_tflops_per_device"] * 1e12 / peak, 4) if peak else None
+        results.append(row)
+        mfu = f"{row['mfu']:.1%}" if peak else "n/a (device not in PEAK_FLOPS)"
+        print(f"{name:>10} {row['mesh']:>5} {row['remat']:>9} {row['tokens_per_s']:>10,.0f} tokens/s "
+              f"{row['model_tflops_per_device']:>8.1f} TFLOP/s per GPU  MFU {mfu}", flush=True)
+    pathlib.Path(args.output).write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    from megajax.cli import exit_on_user_error
+
+    exit_on_user_error(main)
