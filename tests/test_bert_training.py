@@ -61,6 +61,7 @@ def test_resume_is_bit_exact_and_restores_on_another_mesh(dropout_runs, tmp_path
         np.testing.assert_allclose(np.asarray(got)[..., :v], np.asarray(want)[..., :v], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.many_steps
 def test_mlm_evaluation_is_mesh_independent(dropout_runs):
     from megajax.evaluation.inputs import InputError
     from megajax.evaluation.runner import run

@@ -82,6 +82,7 @@ def test_task_heads_are_tensor_parallel_exact(reference, name, mesh):
 LEARN = {"bert_classifier": (60, 2e-3, 0.8), "bert_span": (30, 2e-3, 0.8), "bert_multiple_choice": (120, 3e-3, 0.6)}
 
 
+@pytest.mark.many_steps
 @pytest.mark.parametrize("name", list(TASK_OF))
 def test_tiny_bert_learns_synthetic_task(tmp_path, name):
     steps, lr, threshold = LEARN[name]

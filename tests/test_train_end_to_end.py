@@ -17,6 +17,7 @@ from megajax.training.loop import train
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.many_steps
 def test_tiny_trains_on_the_default_corpus(tmp_path):
     config = load_config("gpt_tiny")
     config.train.update(steps=60, log_every=20)
