@@ -4,11 +4,13 @@
     python bench/gpu_benchmark.py --configs=gpt_8p3b --mesh=1x8 --micro_batch=4 --steps=20
     python bench/gpu_benchmark.py --allow_cpu --configs=gpt_tiny --seq=128 --steps=2   # checks the script only
 
-Per config: half precision (bf16; fp16 on V100, which has no bf16 tensor cores), dropout off (cuDNN's flash
-attention has none: with it off, ``jax.nn.dot_product_attention`` runs cuDNN, see
-``megajax.models.transformer.attention_implementation``), sequence 1024, the mesh ``--mesh`` or all GPUs as data
+Per config: half precision (bf16; fp16 before Ampere, e.g. V100, which has no bf16 tensor cores), dropout off
+(cuDNN's flash attention has none: with it off, ``jax.nn.dot_product_attention`` runs cuDNN, see
+``megajax.models.transformer.attention_implementation``; so the figures are not those of a run with Megatron's
+dropout), sequence 1024, the mesh ``--mesh`` or all GPUs as data
 parallel over the config's model-parallel degree, ``--micro_batch`` sequences per data replica, and the lightest
-recomputation (none, selective, full) whose planned peak fits the GPU's memory (``megajax.info.memory_report``).
+recomputation (none, selective, full) whose planned peak fits the GPU's memory (``megajax.info.memory_report``;
+the plan counts attention's (B, N, S, S) softmax arrays, which cuDNN never makes, so it errs towards recomputing).
 The step is compiled ahead of time, 2 warm-up steps are untimed, then ``--steps`` steps are timed. Printed per
 config: tokens/s, model TFLOP/s per GPU (Megatron's formula, no recomputation counted) and MFU against the
 datasheet peak (``megajax.training.metrics.PEAK_FLOPS``; an unlisted GPU gets no MFU rather than a guess).
@@ -40,6 +42,31 @@ def lightest_remat(config, data: int, model: int, micro_batch: int, device_bytes
     return "full"
 
 
+def half_precision_is_bf16(device) -> bool:
+    """bf16 where the tensor cores have it (compute capability 8.0 on, Ampere and later; non-CUDA devices), else
+    fp16 (V100, T4, ...)."""
+    capability = getattr(device, "compute_capability", None)
+    return capability is None or float(capability) >= 8.0
+
+
+def mesh_for(mesh: str | None, config_model: int, count: int, name: str) -> tuple[int, int]:
+    """(data, model): ``--mesh`` DATAxMODEL, or every device as data parallel over the config's ``mesh.model``;
+    exits with a message when that does not fit the devices."""
+    if mesh:
+        try:
+            data, model = (int(x) for x in mesh.lower().split("x"))
+        except ValueError:
+            sys.exit(f"error: --mesh={mesh!r}; give DATAxMODEL, e.g. 4x2")
+    else:
+        model, data = config_model, count // config_model
+    if not mesh and (data < 1 or count % model):
+        sys.exit(f"error: {name} has mesh.model={model}, which does not divide the {count} device(s) here; "
+                 "pass --mesh=DATAxMODEL")
+    if data < 1 or model < 1 or data * model > count:
+        sys.exit(f"error: --mesh={mesh} needs {data * model} devices, {count} are here")
+    return data, model
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="gpt_1p2b,gpt_2p5b", help="comma-separated config names or paths")
@@ -47,7 +74,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--micro_batch", type=int, default=8, help="sequences per data replica per step")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--output", default=str(pathlib.Path(__file__).resolve().parent / "gpu_benchmark.json"))
+    p.add_argument("--output", default="/tmp/megajax_gpu_benchmark.json")
     p.add_argument("--allow_cpu", action="store_true", help="run without a GPU (to check the script)")
     args = p.parse_args(argv)
     if args.micro_batch < 1 or args.seq < 1 or args.steps < 1:
@@ -59,18 +86,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from megajax.training.metrics import peak_flops
     from train_throughput import measure
 
-    device = jax.devices()[0]
+    device, count = jax.devices()[0], jax.device_count()
     if device.platform != "gpu" and not args.allow_cpu:
         sys.exit(f"error: no GPU here (jax sees {device.platform} devices); this benchmark measures GPUs. "
                  "bench/train_throughput.py and bench/compare_peer.py run on CPUs; --allow_cpu checks this script.")
-    precision = "fp16" if "v100" in device.device_kind.lower() else "bf16"
-    stats = device.memory_stats() or {}
-    device_bytes = stats.get("bytes_limit")
+    precision = "bf16" if half_precision_is_bf16(device) else "fp16"
+    # The allocator's limit (by default 75% of the GPU's memory), so the remat choice errs on the safe side.
+    device_bytes = (device.memory_stats() or {}).get("bytes_limit")
     results = []
     for name in args.configs.split(","):
         config = load_config(name)
-        model = int(args.mesh.split("x")[1]) if args.mesh else config.mesh.model
-        data = int(args.mesh.split("x")[0]) if args.mesh else jax.device_count() // model
+        data, model = mesh_for(args.mesh, config.mesh.model, count, name)
         config.mesh.update(data=data, model=model)
         config.model.update(max_seq_len=args.seq, dropout=0.0)
         config.train.update(global_batch_size=args.micro_batch * data, precision=precision, steps=1000)
@@ -82,7 +108,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         mfu = f"{row['mfu']:.1%}" if peak else "n/a (device not in PEAK_FLOPS)"
         print(f"{name:>10} {row['mesh']:>5} {row['remat']:>9} {row['tokens_per_s']:>10,.0f} tokens/s "
               f"{row['model_tflops_per_device']:>8.1f} TFLOP/s per GPU  MFU {mfu}", flush=True)
-    pathlib.Path(args.output).write_text(json.dumps(results, indent=1) + "\n")
+        pathlib.Path(args.output).write_text(json.dumps(results, indent=1) + "\n")  # kept if a later config fails
     return results
 
 

@@ -1,6 +1,6 @@
 """The memory formula beside XLA's plan for the larger configs that compile on a CPU host (nothing is allocated).
 
-    python bench/memory_planner.py                 # gpt_125m, gpt_355m, bert_336m (~10-20 s of compiling each)
+    python bench/memory_planner.py                 # 22 cases, tiny to 355m (~5-10 s of compiling each)
     python bench/memory_planner.py --cases gpt_125m:1x1:1:full gpt_355m:1x8:1:none:zero
 
 A case is CONFIG:DATAxMODEL:MICRO_BATCH:REMAT[:zero][:accN]. For each it prints the formula's state, temp and
@@ -24,10 +24,13 @@ from megajax.cli import load_config  # noqa: E402
 from megajax.info import memory_report  # noqa: E402
 from megajax.memory_planner import compiled_memory  # noqa: E402
 
-DEFAULT_CASES = ("gpt_125m:1x1:1:none", "gpt_125m:1x1:2:full", "gpt_125m:1x1:2:selective", "gpt_125m:1x1:2:save_dots",
+DEFAULT_CASES = ("gpt_tiny:1x1:1:none", "gpt_tiny:1x1:4:none", "gpt_tiny:2x4:4:full", "gpt_tiny:1x1:2:none:acc2",
+                 "gpt_tiny:2x4:2:full:acc4", "bert_tiny:1x1:4:none", "bert_tiny:4x2:4:full",
+                 "bert_tiny:1x1:1:none:acc2", "bert_tiny:2x4:2:selective:acc4",
+                 "gpt_125m:1x1:1:none", "gpt_125m:1x1:2:full", "gpt_125m:1x1:2:selective", "gpt_125m:1x1:2:save_dots",
                  "gpt_125m:1x4:2:none", "gpt_125m:2x4:2:full", "gpt_125m:4x2:2:selective:zero",
-                 "gpt_125m:1x1:1:full:acc2", "gpt_355m:1x8:1:none", "gpt_355m:2x4:2:full:zero",
-                 "bert_336m:1x8:1:selective")
+                 "gpt_125m:1x1:1:full:acc2", "gpt_125m:1x4:1:none:acc2", "gpt_125m:1x1:1:selective:acc2",
+                 "gpt_355m:1x8:1:none", "gpt_355m:2x4:2:full:zero", "bert_336m:1x8:1:selective")
 MiB = 1024**2
 
 

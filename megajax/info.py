@@ -35,7 +35,7 @@ from megajax.builder import abstract_model  # noqa: E402
 from megajax.cli import add_parallel_flags, apply_parallel_flags, load_config  # noqa: E402
 from megajax.config import rules_of, sequence_parallel, state_split, validate  # noqa: E402
 from megajax.memory_planner import (FP32, Activations, CompiledMemory, activations, compiled_memory,  # noqa: E402
-                                    gradient_bytes)
+                                    gradient_bytes, word_embedding_grad_bytes)
 from megajax.sharding import fsdp_spec, logical_to_spec, spec_axes  # noqa: E402
 from megajax.training.objectives import objective_for  # noqa: E402
 
@@ -60,6 +60,7 @@ class MemoryReport:
     batch_bytes: int  # the step's input batch on this device
     sequence: bool = False  # parallel.sequence: the residual stream's activations split over model
     fsdp: bool = False  # parallel.fsdp: params_per_device counts each device's data shard of them
+    late_grad_bytes: int = 0  # gradients not yet written at the head's peak (the tied word embedding's)
 
     @property
     def total_bytes(self) -> int:
@@ -73,8 +74,11 @@ class MemoryReport:
 
     @property
     def temp_bytes(self) -> int:
-        """What the step allocates besides its arguments (compare ``CompiledMemory.temp``)."""
-        return self.step_grad_bytes + self.activation_bytes
+        """What the step allocates besides its arguments (compare ``CompiledMemory.temp``): the gradients and the
+        layers' activations, then the larger of the head at the start of the backward pass (before the tied word
+        embedding's gradient is written) and one recomputed layer."""
+        a = self.activations
+        return self.step_grad_bytes + a.layers + max(a.head - self.late_grad_bytes, a.recompute)
 
     @property
     def peak_bytes(self) -> int:
@@ -129,8 +133,9 @@ def memory_report(config: ml_collections.ConfigDict, data: int, model: int, micr
     act = activations(config, micro_batch, model)
     fields = objective_for(config.model.name).fields(config.model.max_seq_len).values()
     batch = micro_batch * num_micro * sum(math.prod(f.row_shape) * f.dtype.itemsize for f in fields)
+    late = word_embedding_grad_bytes(config, data, model, split_over_data=moments_split)
     return MemoryReport(total, local, FP32 * local, FP32 * local, optimizer, act.total, data, model, act,
-                        gradient_bytes(local, data, zero), batch, sequence_parallel(config), fsdp)
+                        gradient_bytes(local, data, zero, num_micro), batch, sequence_parallel(config), fsdp, late)
 
 
 def largest_micro_batch(config: ml_collections.ConfigDict, data: int, model: int, device_bytes: float) -> int:

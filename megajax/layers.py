@@ -148,14 +148,19 @@ class VocabParallelEmbedding(nnx.Module):
         are summed before the one reduction, the transpose of this broadcast. D = 1 where it does not divide."""
         rows = self.rows_at_use()
         d = replicas(batch)
-        return constrain(jnp.broadcast_to(rows[None], (d, *rows.shape)), ("batch", *self.NAMES))
+        return constrain(jnp.broadcast_to(rows[None], (d, *rows.shape)), (self.replica_name(d), *self.NAMES))
+
+    @staticmethod
+    def replica_name(d: int) -> str | None:
+        """The logical name of the replica dimension: split like the batch, or whole where there is one copy."""
+        return "batch" if d > 1 else None
 
     def __call__(self, ids: jax.Array, rows: jax.Array | None = None) -> jax.Array:  # (B, S) -> (B, S, H)
         """The ids' rows; ``rows``: the step's ``replica_rows`` (read here when not given)."""
         axis, rows = sequence_axis(), self.replica_rows(ids.shape[0]) if rows is None else rows
         if axis is None:
             d, (b, s) = rows.shape[0], ids.shape
-            ids = constrain(ids.reshape(d, b // d, s), ("batch", None, "seq"))  # (D, B/D, S)
+            ids = constrain(ids.reshape(d, b // d, s), (self.replica_name(d), None, "seq"))  # (D, B/D, S)
             found = jax.vmap(lambda r, i: jnp.take(r, i, axis=0))(rows, ids)  # (D, B/D, S, H)
             return found.reshape(b, s, -1).astype(self.dtype)
 
@@ -167,21 +172,23 @@ class VocabParallelEmbedding(nnx.Module):
             # one shard owns each row, the others add zeros: summing in the compute dtype is exact
             return jax.lax.psum_scatter(found.astype(self.dtype), axis, scatter_dimension=SEQUENCE_DIM, tiled=True)
 
-        return on_shards(scattered, (ids, rows), (("batch", "seq"), ("batch", *self.NAMES)), RESIDUAL)
+        names = (("batch", "seq"), (self.replica_name(rows.shape[0]), *self.NAMES))
+        return on_shards(scattered, (ids, rows), names, RESIDUAL)
 
     def attend(self, x: jax.Array, rows: jax.Array | None = None) -> jax.Array:  # (B, S, H) -> (B, S, V)
         """Vocab-sharded logits ``x @ E^T``; ``rows``: the step's ``replica_rows`` (read here when not given)."""
         axis, rows = sequence_axis(), self.replica_rows(x.shape[0]) if rows is None else rows
         if axis is None:
             d, (b, s, h) = rows.shape[0], x.shape
-            x = constrain(x.reshape(d, b // d, s, h), ("batch", None, "seq", "embed"))  # (D, B/D, S, H)
+            x = constrain(x.reshape(d, b // d, s, h), (self.replica_name(d), None, "seq", "embed"))  # (D, B/D, S, H)
             logits = jax.vmap(self.logits)(x, rows)  # (D, B/D, S, V)
             return constrain(logits.reshape(b, s, -1), ("batch", "seq", "vocab"))
 
         def gathered(x, rows):  # per device: (B/D, S/t, H), (1, V/t, H) -> (B/D, S, V/t)
             return self.logits(jax.lax.all_gather(x, axis, axis=SEQUENCE_DIM, tiled=True), rows[0])
 
-        return on_shards(gathered, (x, rows), (RESIDUAL, ("batch", *self.NAMES)), ("batch", "seq", "vocab"))
+        names = (RESIDUAL, (self.replica_name(rows.shape[0]), *self.NAMES))
+        return on_shards(gathered, (x, rows), names, ("batch", "seq", "vocab"))
 
     def logits(self, x: jax.Array, rows: jax.Array) -> jax.Array:
         """``x @ rows^T`` in the compute dtype."""

@@ -2,9 +2,10 @@
 
 The formula (``megajax.info.MemoryReport.temp_bytes``) counts the step's temporaries term by term:
 
-* gradients: fp32, 4 bytes per parameter held: the accumulator the micro-batch scan carries (zeros first), with
-  or without accumulation (with it the compiled temp grew by 0.1 to 1.7 gradient sizes on the configs measured;
-  the formula adds nothing). With ``parallel.shard_optimizer`` XLA splits them over ``data`` too (the sharded
+* gradients: fp32, 4 bytes per parameter held: the accumulator the micro-batch scan carries (zeros first), and
+  with accumulation a second buffer, the micro-batch's own gradients (measured: the compiled temp grew by 0.75 to
+  1.3 gradient sizes over one buffer on seven configs with 2 or 4 micro-batches; two buffers put all seven within
+  5%). With ``parallel.shard_optimizer`` XLA splits them over ``data`` too (the sharded
   AdamW update is their only consumer, so the backward pass writes the shards): ZeRO-1 saves gradient memory as
   ZeRO-2 would. With ``parallel.fsdp`` the parameters are held split as well, so all three are counted per shard
   (``info.params_per_device(..., split_over_data=True)``); the one layer gathered at a time is not counted (the
@@ -12,8 +13,9 @@ The formula (``megajax.info.MemoryReport.temp_bytes``) counts the step's tempora
 * activations (``activations``): what JAX's autodiff keeps for the backward pass. ``layer_residual_bytes`` counts
   one layer's residuals by kind (the same bytes as the traced jaxpr, ``traced_layer_residual_bytes``, which the
   tests compare); the scanned stack keeps L of them. On top of those, the larger of the output head at the start
-  of the backward pass (``head_bytes``: the fp32 logits, their exponentials and their gradient) and, with full /
-  save_dots recomputation, one layer's recomputed residuals.
+  of the backward pass (``head_bytes``: the fp32 logits, their exponentials and their gradient; the tied word
+  embedding's gradient is not written yet then, ``word_embedding_grad_bytes``) and, with full / save_dots
+  recomputation, one layer's recomputed residuals.
 
 The step skips a non-finite update with ``lax.cond``, not a ``where`` between the new and the old state: the
 ``where`` read the old moments after the update had written the new ones into the donated buffers, so XLA
@@ -23,10 +25,9 @@ copied the moments (8 bytes per parameter) at every step (bert_tiny's temp was 1
 allocated) and reads ``memory_analysis()``: arguments = state (parameters, moments, 32 bytes of scalars) + the
 batch; outputs alias the donated state (only the metrics are new); temp = everything else at the peak, after XLA
 reuses buffers (the donated moments' too) and packs them in one heap. So only state, temp and peak compare; XLA
-reports no gradients or activations apart. Measured on CPU (fp32; bench/README.md: gpt_tiny, bert_tiny, gpt_125m,
-gpt_355m, bert_336m on 1 to 8 devices, every remat policy, ZeRO-1): the state is exact (the 32 bytes aside), the
-peak within 10% everywhere, temp within 10% except gpt_tiny at micro-batch 1 (0.87: XLA fits some activations into
-buffers the step frees, which the formula does not model).
+reports no gradients or activations apart. Measured on CPU (fp32; bench/README.md: 22 cases of gpt_tiny, bert_tiny,
+gpt_125m, gpt_355m and bert_336m on 1 to 8 devices, every remat policy, ZeRO-1, accumulation): the state is exact
+(the 32 bytes aside), temp and peak within 10% everywhere (temp 0.908-1.088 of the formula).
 """
 
 from __future__ import annotations
@@ -115,6 +116,20 @@ def head_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: int) -> 
     return logits * (vocab * FP32 + extra_cd) + hidden
 
 
+def word_embedding_grad_bytes(config: ml_collections.ConfigDict, data: int, model: int, split_over_data: bool) -> int:
+    """The tied word embedding's fp32 gradient on one device as the step holds it (split over ``data`` with ZeRO-1
+    or FSDP), when it is not live at the step's peak (``MemoryReport.temp_bytes``), else 0. The output layer's
+    backward writes it first, after the head's logits, their exponentials and their gradient are freed: without
+    recomputation or with ``selective`` the head is the peak, and this gradient is not part of it (gpt_tiny at
+    micro-batch 1: temp 0.87 -> 0.99 of the compiled). With ``full`` / ``save_dots`` the compiled peak comes later,
+    in the layers' backward, after it is written (leaving it out there undercounts by 8-12%). 0 for the task models,
+    which have no output layer over the vocabulary."""
+    if config.model.name not in ("gpt", "bert") or config.model.remat in ("full", "save_dots"):
+        return 0
+    rows = model_config(config).padded_vocab_size // model
+    return FP32 * rows * config.model.hidden_size // (data if split_over_data else 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Activations:
     """Activation bytes on one device for one micro-batch."""
@@ -167,10 +182,10 @@ def traced_layer_residual_bytes(config: ml_collections.ConfigDict, micro_batch: 
     return total
 
 
-def gradient_bytes(params_per_device: int, data: int, shard_optimizer: bool) -> int:
-    """fp32 gradients as the step holds them: one buffer (the accumulator the micro-batch scan carries, zeros
-    first, with or without accumulation), split over ``data`` with ZeRO-1."""
-    return FP32 * params_per_device // (data if shard_optimizer else 1)
+def gradient_bytes(params_per_device: int, data: int, shard_optimizer: bool, num_micro: int = 1) -> int:
+    """fp32 gradients as the step holds them, split over ``data`` with ZeRO-1: one buffer, and with accumulation
+    (``num_micro`` > 1) a second, the micro-batch's own gradients beside the accumulator the scan carries."""
+    return (2 if num_micro > 1 else 1) * FP32 * params_per_device // (data if shard_optimizer else 1)
 
 
 @dataclasses.dataclass(frozen=True)

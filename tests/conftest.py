@@ -58,7 +58,9 @@ SLOWEST_FIRST = {"test_sharded_optimizer.py": 129, "test_finetune.py": 110, "tes
 
 @pytest.fixture(autouse=True)
 def _compile_level(request: pytest.FixtureRequest):
-    """Tests marked ``many_steps`` compile at -O1 (COMPILE_FLAG), the rest with most optimizations off (above)."""
+    """Tests marked ``many_steps`` compile at -O1 (COMPILE_FLAG), the rest with most optimizations off (above). The
+    flag is read when a program compiles and is not part of jit's in-memory cache key: a program compiled before the
+    test (a module fixture's, ``one_step_run``'s) runs as it was compiled."""
     if request.node.get_closest_marker("many_steps") is None:
         yield
         return

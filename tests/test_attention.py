@@ -48,16 +48,17 @@ def test_core_equals_float64_and_dot_product_attention(kind):
 
 def test_implementation_is_xla_here_and_cudnn_where_it_applies(monkeypatch):
     assert jax.devices()[0].platform == "cpu"
-    assert attention_implementation(jnp.bfloat16, 64, dropout=False) == "xla"  # no GPU
+    assert attention_implementation(jnp.bfloat16, 64, dropout=False, lengths=(S, S)) == "xla"  # no GPU
 
     h100 = types.SimpleNamespace(platform="gpu", client=types.SimpleNamespace(platform_version="cuda 12080"))
     monkeypatch.setattr(transformer.jax, "devices", lambda: [h100])
-    assert attention_implementation(jnp.bfloat16, 64, dropout=False) == "cudnn"
-    assert attention_implementation(jnp.float16, 128, dropout=False) == "cudnn"
-    assert attention_implementation(jnp.bfloat16, 64, dropout=True) == "xla"  # cuDNN's path has no dropout
-    assert attention_implementation(jnp.float32, 64, dropout=False) == "xla"
-    assert attention_implementation(jnp.bfloat16, 160, dropout=False) == "xla"
-    assert attention_implementation(jnp.bfloat16, 60, dropout=False) == "xla"
+    assert attention_implementation(jnp.bfloat16, 64, dropout=False, lengths=(S, S)) == "cudnn"
+    assert attention_implementation(jnp.float16, 128, dropout=False, lengths=(S, S)) == "cudnn"
+    assert attention_implementation(jnp.bfloat16, 64, dropout=True, lengths=(S, S)) == "xla"  # cuDNN: no dropout
+    assert attention_implementation(jnp.float32, 64, dropout=False, lengths=(S, S)) == "xla"
+    assert attention_implementation(jnp.bfloat16, 160, dropout=False, lengths=(S, S)) == "xla"
+    assert attention_implementation(jnp.bfloat16, 60, dropout=False, lengths=(S, S)) == "xla"
+    assert attention_implementation(jnp.bfloat16, 64, dropout=False, lengths=(S - 1, S)) == "xla"  # odd length
     rocm = types.SimpleNamespace(platform="gpu", client=types.SimpleNamespace(platform_version="rocm 6.2"))
     monkeypatch.setattr(transformer.jax, "devices", lambda: [rocm])
-    assert attention_implementation(jnp.bfloat16, 64, dropout=False) == "xla"
+    assert attention_implementation(jnp.bfloat16, 64, dropout=False, lengths=(S, S)) == "xla"

@@ -11,12 +11,12 @@ allocated) agree on every config compiled here.
 * the activations' per-layer part equals what JAX's autodiff keeps, byte for byte (the traced jaxpr; abstract, so
   any size can be checked).
 
-Compiled here (four compiles; the compiles are nearly all of the time): gpt_tiny on 4x2 with remat=none (state
+Compiled here (five compiles; the compiles are nearly all of the time): gpt_tiny on 4x2 with remat=none (state
 replicated over data, and with parallel.fsdp: measured temp and peak 1.013x the formula) and remat=full (ZeRO-1
-on), bert_tiny on 2x4 with remat=selective, micro-batch 4. Measured once beyond these (bench/README.md, ``bench/memory_planner.py``):
-gpt_tiny and bert_tiny on 1x1, 1x4, 2x4 and 4x2 with every remat policy and ZeRO-1 on and off, gpt_125m,
-gpt_355m and bert_336m; the peak agreed within 10% in 50 of 51 compiles, the miss (gpt_tiny at micro-batch 1, 17%)
-and the four temp misses all on the safe side (``megajax.memory_planner``'s docstring).
+on), bert_tiny on 2x4 with remat=selective, micro-batch 4, and with two micro-batches per step (accumulation: the
+micro-batch's gradients beside the accumulator). Measured beyond these (bench/README.md,
+``bench/memory_planner.py``): 22 cases of gpt_tiny, bert_tiny, gpt_125m, gpt_355m and bert_336m on 1 to 8 devices,
+every remat policy, ZeRO-1 and accumulation, temp and peak all within 10%.
 
 Formula only, because compiling them is too big for this machine: the paper's configs (gpt_1p2b ... gpt_8p3b,
 bert_336m ... bert_3p9b) on their meshes (up to 64x8 = 512 devices) are far beyond the 8 simulated devices and
@@ -33,11 +33,13 @@ from megajax.memory_planner import compiled_memory, layer_residual_bytes, traced
 
 SCALAR_STATE_BYTES = 32  # step, the optimizer's two counts, the loss scale's three fields, the dropout key (u32[2])
 MICRO_BATCH = 4
-CASES = {  # name -> (config, data, model, remat, state split over data: None, shard_optimizer (ZeRO-1) or fsdp)
-    "gpt_4x2_none": ("gpt_tiny", 4, 2, "none", None),
-    "gpt_4x2_none_fsdp": ("gpt_tiny", 4, 2, "none", "fsdp"),
-    "gpt_4x2_full_zero1": ("gpt_tiny", 4, 2, "full", "shard_optimizer"),
-    "bert_2x4_selective": ("bert_tiny", 2, 4, "selective", None),
+CASES = {  # name -> (config, data, model, remat, state split over data: None, shard_optimizer (ZeRO-1) or fsdp,
+    #          micro-batches per step)
+    "gpt_4x2_none": ("gpt_tiny", 4, 2, "none", None, 1),
+    "gpt_4x2_none_fsdp": ("gpt_tiny", 4, 2, "none", "fsdp", 1),
+    "gpt_4x2_full_zero1": ("gpt_tiny", 4, 2, "full", "shard_optimizer", 1),
+    "bert_2x4_selective": ("bert_tiny", 2, 4, "selective", None, 1),
+    "bert_2x4_selective_acc2": ("bert_tiny", 2, 4, "selective", None, 2),
 }
 
 
@@ -56,10 +58,10 @@ def measured():
 
     def get(case: str):
         if case not in cache:
-            name, data, model, remat, split = CASES[case]
+            name, data, model, remat, split, num_micro = CASES[case]
             config = _config(name, remat, split)
-            cache[case] = (memory_report(config, data, model, MICRO_BATCH, num_micro=1),
-                           compiled_memory(config, data, model, MICRO_BATCH))
+            cache[case] = (memory_report(config, data, model, MICRO_BATCH, num_micro=num_micro),
+                           compiled_memory(config, data, model, MICRO_BATCH, num_micro))
         return cache[case]
 
     return get

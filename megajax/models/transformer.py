@@ -103,11 +103,14 @@ class SelfAttention(nnx.Module):
         return self.out(core(q, k, v, mask, key, self.rate)), cache
 
 
-def attention_implementation(dtype: jnp.dtype, head_dim: int, dropout: bool) -> str:
+def attention_implementation(dtype: jnp.dtype, head_dim: int, dropout: bool, lengths: tuple[int, int]) -> str:
     """'cudnn' (jax.nn.dot_product_attention's cuDNN flash attention) on an NVIDIA GPU for fp16 / bf16 heads of at
-    most 128 dimensions, a multiple of 8, when no attention dropout is drawn (it has none); else 'xla': megajax's
-    own softmax(q k^T / sqrt(d)) v, the ops jax's XLA implementation emits too, with Megatron's dropout."""
-    if dropout or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) or head_dim > 128 or head_dim % 8:
+    most 128 dimensions, a multiple of 8, even query and key lengths (its masked backward needs them), when no
+    attention dropout is drawn (it has none); else 'xla': megajax's own softmax(q k^T / sqrt(d)) v, the ops jax's
+    XLA implementation emits too, with Megatron's dropout. The mask reaches cuDNN as a dense bias (the mask is an
+    input, so its causal shortcut is not used); unmeasured, as no GPU has been available."""
+    if dropout or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) or head_dim > 128 or head_dim % 8 or \
+            any(n % 2 for n in lengths):
         return "xla"
     device = jax.devices()[0]
     return "cudnn" if device.platform == "gpu" and "cuda" in device.client.platform_version.lower() else "xla"
@@ -119,7 +122,7 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, ke
     Its (B, N, S, S_kv) intermediates are what ``remat=selective`` recomputes instead of keeping (cuDNN's flash
     attention, where ``attention_implementation`` picks it, never makes them)."""
     dropout_on = key is not None and rate > 0.0
-    if attention_implementation(q.dtype, q.shape[-1], dropout_on) == "cudnn":
+    if attention_implementation(q.dtype, q.shape[-1], dropout_on, (q.shape[1], k.shape[1])) == "cudnn":
         mask = jnp.broadcast_to(mask, (*mask.shape[:2], q.shape[1], k.shape[1]))
         return jax.nn.dot_product_attention(q, k, v.astype(q.dtype), mask=mask, implementation="cudnn")
     scale = jnp.sqrt(q.shape[-1]).astype(jnp.float32)
