@@ -52,11 +52,13 @@ def half_precision_is_bf16(device) -> bool:
 def mesh_for(mesh: str | None, config_model: int, count: int, name: str) -> tuple[int, int]:
     """(data, model): ``--mesh`` DATAxMODEL, or every device as data parallel over the config's ``mesh.model``;
     exits with a message when that does not fit the devices."""
+    from megajax.cli import parse_mesh
+
     if mesh:
         try:
-            data, model = (int(x) for x in mesh.lower().split("x"))
-        except ValueError:
-            sys.exit(f"error: --mesh={mesh!r}; give DATAxMODEL, e.g. 4x2")
+            data, model = parse_mesh(mesh)
+        except ValueError as e:
+            sys.exit(f"error: --{e}")
     else:
         model, data = config_model, count // config_model
     if not mesh and (data < 1 or count % model):

@@ -20,7 +20,7 @@ from megajax.cli import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(["--cpu_devices=8"])  # before jax is imported
 
-from megajax.cli import load_config  # noqa: E402
+from megajax.cli import load_config, parse_mesh  # noqa: E402
 from megajax.info import memory_report  # noqa: E402
 from megajax.memory_planner import compiled_memory  # noqa: E402
 
@@ -36,7 +36,7 @@ MiB = 1024**2
 
 def run_case(case: str) -> str:
     name, mesh, micro, remat, *flags = case.split(":")
-    data, model = (int(x) for x in mesh.split("x"))
+    data, model = parse_mesh(mesh)
     config = load_config(name)
     config.model.remat = remat
     config.parallel.shard_optimizer = "zero" in flags

@@ -62,10 +62,10 @@ def main():
     p.add_argument("--remat", default="none")
     args = p.parse_args()
 
-    from megajax.cli import load_config
+    from megajax.cli import load_config, parse_mesh
 
     config = load_config(args.config)
-    data, model = (int(x) for x in args.mesh.split("x"))
+    data, model = parse_mesh(args.mesh)
     config.mesh.update(data=data, model=model)
     config.model.update(max_seq_len=args.seq, remat=args.remat)
     config.train.update(global_batch_size=args.batch, precision=args.precision, steps=1000)

@@ -41,6 +41,15 @@ def rewrite_config_flag(argv: list[str]) -> list[str]:
     return out
 
 
+def parse_mesh(text: str) -> tuple[int, int]:
+    """``"DATAxMODEL"`` (e.g. ``"4x2"``) -> (data, model)."""
+    try:
+        data, model = (int(x) for x in str(text).lower().split("x"))
+    except ValueError:
+        raise ValueError(f"mesh {text!r}: give DATAxMODEL, e.g. 4x2") from None
+    return data, model
+
+
 PARALLEL_FLAGS = {"sequence": "sequence parallelism", "shard_optimizer": "ZeRO-1", "fsdp": "FSDP / ZeRO-3"}
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megajax.cli import add_parallel_flags, apply_parallel_flags, simulate_cpu_devices
+from megajax.cli import add_parallel_flags, apply_parallel_flags, parse_mesh, simulate_cpu_devices
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> str:
     from megajax.training.loop import setup
 
     config = load_config(args.config)
-    config.mesh.data, config.mesh.model = (int(x) for x in args.mesh.lower().split("x"))
+    config.mesh.data, config.mesh.model = parse_mesh(args.mesh)
     if args.batch:
         config.train.global_batch_size = args.batch
     apply_parallel_flags(args, config)

@@ -32,7 +32,7 @@ import ml_collections  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from megajax.builder import abstract_model  # noqa: E402
-from megajax.cli import add_parallel_flags, apply_parallel_flags, load_config  # noqa: E402
+from megajax.cli import add_parallel_flags, apply_parallel_flags, load_config, parse_mesh  # noqa: E402
 from megajax.config import rules_of, sequence_parallel, state_split, validate  # noqa: E402
 from megajax.memory_planner import (FP32, Activations, CompiledMemory, activations, compiled_memory,  # noqa: E402
                                     gradient_bytes, word_embedding_grad_bytes)
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(args.config)
     apply_parallel_flags(args, config)
     if args.mesh:
-        data, model = (int(x) for x in args.mesh.lower().split("x"))
+        data, model = parse_mesh(args.mesh)
     else:
         data, model = max(config.mesh.data, 1), config.mesh.model
     if args.precision:

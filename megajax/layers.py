@@ -155,14 +155,17 @@ class VocabParallelEmbedding(nnx.Module):
         """The logical name of the replica dimension: split like the batch, or whole where there is one copy."""
         return "batch" if d > 1 else None
 
+    def by_replica(self, x: jax.Array, rows: jax.Array, names: Sequence[str]) -> jax.Array:
+        """(B, ...) -> (D, B/D, ...): a batch-major array grouped like ``rows``' replicas (``names``: the rest)."""
+        d = rows.shape[0]
+        return constrain(x.reshape(d, x.shape[0] // d, *x.shape[1:]), (self.replica_name(d), None, *names))
+
     def __call__(self, ids: jax.Array, rows: jax.Array | None = None) -> jax.Array:  # (B, S) -> (B, S, H)
         """The ids' rows; ``rows``: the step's ``replica_rows`` (read here when not given)."""
         axis, rows = sequence_axis(), self.replica_rows(ids.shape[0]) if rows is None else rows
         if axis is None:
-            d, (b, s) = rows.shape[0], ids.shape
-            ids = constrain(ids.reshape(d, b // d, s), (self.replica_name(d), None, "seq"))  # (D, B/D, S)
-            found = jax.vmap(lambda r, i: jnp.take(r, i, axis=0))(rows, ids)  # (D, B/D, S, H)
-            return found.reshape(b, s, -1).astype(self.dtype)
+            found = jax.vmap(lambda r, i: jnp.take(r, i, axis=0))(rows, self.by_replica(ids, rows, ("seq",)))
+            return found.reshape(*ids.shape, -1).astype(self.dtype)  # (D, B/D, S, H) -> (B, S, H)
 
         def scattered(ids, rows):  # per device: ids (B/D, S), this shard's rows (1, V/t, H) -> (B/D, S/t, H)
             rows = rows[0]
@@ -179,10 +182,8 @@ class VocabParallelEmbedding(nnx.Module):
         """Vocab-sharded logits ``x @ E^T``; ``rows``: the step's ``replica_rows`` (read here when not given)."""
         axis, rows = sequence_axis(), self.replica_rows(x.shape[0]) if rows is None else rows
         if axis is None:
-            d, (b, s, h) = rows.shape[0], x.shape
-            x = constrain(x.reshape(d, b // d, s, h), (self.replica_name(d), None, "seq", "embed"))  # (D, B/D, S, H)
-            logits = jax.vmap(self.logits)(x, rows)  # (D, B/D, S, V)
-            return constrain(logits.reshape(b, s, -1), ("batch", "seq", "vocab"))
+            logits = jax.vmap(self.logits)(self.by_replica(x, rows, ("seq", "embed")), rows)  # (D, B/D, S, V)
+            return constrain(logits.reshape(*x.shape[:2], -1), ("batch", "seq", "vocab"))
 
         def gathered(x, rows):  # per device: (B/D, S/t, H), (1, V/t, H) -> (B/D, S, V/t)
             return self.logits(jax.lax.all_gather(x, axis, axis=SEQUENCE_DIM, tiled=True), rows[0])

@@ -129,14 +129,14 @@ class GPT:
     @classmethod
     def from_config(cls, config) -> GPT:
         """The GPT of a megajax config (``load_config``)."""
-        from megajax.config import padded_vocab_size, state_split
+        from megajax.config import padded_vocab_size, sequence_parallel, state_split
 
         m = config.model
         if m.get("mlp_ratio", 4) != 4:
             raise ValueError(f"the scaling model assumes mlp_ratio=4 (transformer_flops); got {m.mlp_ratio}")
         return cls(m.hidden_size, m.num_layers, m.num_heads, m.max_seq_len,
                    padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by), m.remat,
-                   bool(config.get("parallel", {}).get("sequence", False)), *state_split(config))
+                   sequence_parallel(config), *state_split(config))
 
     def flags(self) -> str:
         """The config flags that give this model's choices."""

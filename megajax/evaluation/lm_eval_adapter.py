@@ -26,6 +26,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
+from megajax import cli
 from megajax.checkpoint import load_model, read_config
 from megajax.config import rules_of
 from megajax.evaluation.generate import Sampling, generate
@@ -39,11 +40,7 @@ def parse_mesh(mesh: str | None) -> tuple[int | None, int | None]:
     """``"DxM"`` -> (D, M); None -> (None, None): ``load_model``'s default layout."""
     if mesh is None:
         return None, None
-    try:
-        data, model = (int(x) for x in str(mesh).lower().split("x"))
-    except ValueError:
-        raise ValueError(f"mesh={mesh!r}: give DATAxMODEL, e.g. mesh=1x8") from None
-    return data, model
+    return cli.parse_mesh(mesh)
 
 
 def cut_at_stop(text: str, until: list[str]) -> str | None:
