@@ -1,6 +1,5 @@
 """Checkpoints: exact resume after SIGKILL, SIGTERM saves, interrupted saves, resharding, damaged files."""
 
-import gc
 import json
 import os
 import pathlib
@@ -176,7 +175,6 @@ def test_damaged_checkpoint_is_a_clear_error(saved_1x8, run_1x8, tmp_path):
                                               r"Load an earlier step by passing its directory, e\.g\. \S+/1 "):
         load_model(workdir)
     assert _snapshot(workdir) == before
-    gc.collect()  # report the reader's leftover callback here, under this test's filter, not in the next test
 
 
 def test_keeps_last_k_and_every_mth(tmp_path):
