@@ -12,17 +12,14 @@
 """
 
 import argparse
-import sys
 
-from megajax.cli import simulate_cpu_devices
-
-simulate_cpu_devices(sys.argv)  # before jax is imported
+from megajax.cli import use_cpu_devices
+from megajax.evaluation.generate import Sampling
+from megajax.evaluation.inputs import InputError
+from megajax.evaluation.runner import TASKS, run
 
 
 def main(argv=None):
-    from megajax.evaluation.generate import Sampling
-    from megajax.evaluation.inputs import InputError
-    from megajax.evaluation.runner import TASKS, run
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="workdir, checkpoints/ dir, a step, or an export")
@@ -50,7 +47,7 @@ def main(argv=None):
     p.add_argument("--config.mesh.model", dest="mesh_model", type=int, default=None)
     p.add_argument("--cpu_devices", type=int, default=0)
     args = p.parse_args(argv)
-
+    use_cpu_devices(args.cpu_devices)
     try:
         sampling = Sampling(args.greedy, args.temperature, args.top_k, args.top_p)
     except ValueError as e:

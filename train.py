@@ -3,19 +3,18 @@
     python train.py --config=configs/gpt_tiny.py --workdir=/tmp/tiny
     python train.py --config=gpt_2p5b.py --config.train.steps=1000 --config.mesh.model=2
     python train.py --config=bert_tiny --workdir=/tmp/bert
+    python train.py --config=finetune.py:mnli,336m --config.init_from=runs/bert_336m ...
 
 ``--cpu_devices=N`` simulates N devices on a CPU host.
 """
 
 import sys
 
-from megajax.cli import rewrite_config_flag, simulate_cpu_devices
+from absl import app, flags, logging
+from ml_collections import config_flags
 
-sys.argv = rewrite_config_flag(sys.argv)
-simulate_cpu_devices(sys.argv)  # before jax is imported
-
-from absl import app, flags, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from megajax.cli import absolute_paths, rewrite_config_flag, use_cpu_devices
+from megajax.errors import USER_ERRORS
 
 config_flags.DEFINE_config_file("config", "configs/gpt_tiny.py", "config file (path or bare name in configs/)")
 flags.DEFINE_string("workdir", "workdir", "where metrics, TensorBoard events and checkpoints go")
@@ -25,9 +24,8 @@ flags.DEFINE_integer("cpu_devices", 0, "simulate this many devices on a CPU host
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax and jax log every step at INFO
-    from megajax.cli import absolute_paths
-    from megajax.errors import USER_ERRORS
-    from megajax.training.loop import train
+    use_cpu_devices(flags.FLAGS.cpu_devices)
+    from megajax.training.loop import train  # after the flags: importing the trainer takes a few seconds
 
     try:
         train(absolute_paths(flags.FLAGS.config), flags.FLAGS.workdir)
@@ -36,4 +34,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    sys.argv = rewrite_config_flag(sys.argv)  # bare config names, before absl reads the flag
     app.run(main)

@@ -130,8 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     import jax
     import numpy as np
 
+    from megajax.models.spec import transformer_flops
     from megajax.training.loop import setup
-    from megajax.training.metrics import model_flops_per_step, transformer_flops
+    from megajax.training.metrics import model_flops_per_step
     from megajax.training.optimizer import learning_rate_schedule, weight_decay_mask
 
     torch.set_num_threads(os.cpu_count())  # torch's default can be fewer; XLA's CPU pool uses every core

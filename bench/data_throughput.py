@@ -50,11 +50,11 @@ def main():
 
 
 def _gpt_125m_step_seconds() -> float:
-    from megajax.cli import load_config
-    from megajax.training.loop import setup
-
     import jax
     import numpy as np
+
+    from megajax.cli import load_config
+    from megajax.training.loop import setup
 
     config = load_config("gpt_125m")
     config.train.update(global_batch_size=1, precision="fp32", steps=10)

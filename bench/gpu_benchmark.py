@@ -31,7 +31,7 @@ REMAT_ORDER = ("none", "selective", "full")  # cheapest recomputation first
 def lightest_remat(config, data: int, model: int, micro_batch: int, device_bytes: float | None) -> str:
     """The first of ``REMAT_ORDER`` whose planned per-device peak fits ``device_bytes`` (None: unknown, 'none');
     'full' if none fits (the compile then says by how much)."""
-    from megajax.info import memory_report
+    from megajax.tools.memory_planner import memory_report
 
     if device_bytes is None:
         return "none"
@@ -83,10 +83,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         sys.exit("error: --micro_batch, --seq and --steps must be >= 1")
 
     import jax
+    from train_throughput import measure
 
     from megajax.cli import load_config
     from megajax.training.metrics import peak_flops
-    from train_throughput import measure
 
     device, count = jax.devices()[0], jax.device_count()
     if device.platform != "gpu" and not args.allow_cpu:

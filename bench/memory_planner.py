@@ -4,7 +4,7 @@
     python bench/memory_planner.py --cases gpt_125m:1x1:1:full gpt_355m:1x8:1:none:zero
 
 A case is CONFIG:DATAxMODEL:MICRO_BATCH:REMAT[:zero][:accN]. For each it prints the formula's state, temp and
-peak per device (``megajax.info.memory_report``), the compiled step's (``megajax.memory_planner.compiled_memory``)
+peak per device (``megajax.tools.memory_planner.memory_report``), the compiled step's (``compiled_memory``)
 and the ratios compiled / formula. bench/README.md records a run.
 """
 
@@ -16,13 +16,10 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from megajax.cli import simulate_cpu_devices  # noqa: E402
+from megajax.cli import load_config, parse_mesh, use_cpu_devices  # noqa: E402
+from megajax.tools.memory_planner import compiled_memory, memory_report  # noqa: E402
 
-simulate_cpu_devices(["--cpu_devices=8"])  # before jax is imported
-
-from megajax.cli import load_config, parse_mesh  # noqa: E402
-from megajax.info import memory_report  # noqa: E402
-from megajax.memory_planner import compiled_memory  # noqa: E402
+use_cpu_devices(8)  # before jax starts its backends
 
 DEFAULT_CASES = ("gpt_tiny:1x1:1:none", "gpt_tiny:1x1:4:none", "gpt_tiny:2x4:4:full", "gpt_tiny:1x1:2:none:acc2",
                  "gpt_tiny:2x4:2:full:acc4", "bert_tiny:1x1:4:none", "bert_tiny:4x2:4:full",

@@ -58,13 +58,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from compare_peer import gemm_rates  # bench/ is this script's directory
     from flax import nnx
 
-    from compare_peer import gemm_rates  # bench/ is this script's directory
-    from megajax.builder import build_mesh, create_model
     from megajax.cli import load_config
-    from megajax.losses import mask_padded_vocab, vocab_parallel_cross_entropy
+    from megajax.config import build_mesh, create_model
     from megajax.models.transformer import attention_core, causal_mask, run_blocks
+    from megajax.parallel.losses import mask_padded_vocab, vocab_parallel_cross_entropy
     from megajax.training.loop import batch_layout, setup
     from megajax.training.optimizer import make_optimizer
 

@@ -22,7 +22,7 @@ def measure(config, steps: int, warmup: int = 1) -> dict:
     batch (reused). Returns the figures as a dict (seconds, tokens/s, model TFLOP/s per device)."""
     import jax
 
-    from megajax.data.sources import make_loader
+    from megajax.training.data import make_loader
     from megajax.training.loop import setup
     from megajax.training.metrics import model_flops_per_step, sequences_per_step
 

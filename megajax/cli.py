@@ -5,23 +5,29 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import pathlib
 import sys
 from collections.abc import Callable
 
+import jax
 import ml_collections
 
-CONFIGS_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+from megajax.errors import USER_ERRORS
+
+_PACKAGE = pathlib.Path(__file__).resolve().parent
+# The shipped configs: megajax/configs/ in an installed package (pyproject.toml maps the repository's configs/ there),
+# else the checkout's configs/ beside the package (an editable install, or running from the repository).
+CONFIGS_DIR = next((d for d in (_PACKAGE / "configs", _PACKAGE.parent / "configs") if d.is_dir()), _PACKAGE / "configs")
 
 
 def resolve_config_path(name: str) -> str:
-    """``configs/gpt_2p5b.py`` as given, or a bare ``gpt_2p5b.py`` / ``gpt_2p5b`` found in ``configs/``."""
+    """``configs/gpt_2p5b.py`` as given, or a bare ``gpt_2p5b.py`` / ``gpt_2p5b`` found in ``./configs/`` or the
+    shipped configs (``CONFIGS_DIR``); a ``:ARG`` suffix (``finetune.py:mnli,336m``) is kept for ``get_config``."""
     path, _, override = name.partition(":")  # ml_collections allows 'file.py:arg'
     candidates = [pathlib.Path(path)]
     if not pathlib.Path(path).is_absolute():
         bare = path if path.endswith(".py") else path + ".py"
-        candidates += [pathlib.Path("configs") / bare, CONFIGS_DIR.parent / bare, CONFIGS_DIR / pathlib.Path(bare).name]
+        candidates += [pathlib.Path("configs") / bare, CONFIGS_DIR / pathlib.Path(bare).name]
     for c in candidates:
         if c.is_file():
             return str(c) + (":" + override if override else "")
@@ -67,12 +73,12 @@ def apply_parallel_flags(args: argparse.Namespace, config: ml_collections.Config
 
 
 def load_config(name: str) -> ml_collections.ConfigDict:
-    """Imports a config file (path or bare name) and returns its ``get_config()``."""
-    path = resolve_config_path(name)
+    """Imports a config file (path or bare name, with an optional ``:ARG``) and returns its ``get_config([ARG])``."""
+    path, _, arg = resolve_config_path(name).partition(":")
     spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.get_config()
+    return module.get_config(arg) if arg else module.get_config()
 
 
 PATH_FIELDS = (("data", "path"), ("data", "tokenizer"), ("data", "task_dir"), ("data", "tfds_data_dir"),
@@ -107,34 +113,35 @@ def _flag_value(argv: list[str], name: str) -> str | None:
     return value
 
 
+def use_cpu_devices(n: int) -> None:
+    """Simulates ``n`` CPU devices (0: the devices there are). Must run before jax starts its backends (any
+    computation, ``jax.devices()``); importing jax first is fine."""
+    if n < 0:
+        raise SystemExit(f"--cpu_devices={n}: give 0 (the real devices) or more")
+    if not n:
+        return
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError as e:  # jax refuses once a backend is up
+        raise RuntimeError(f"--cpu_devices must be applied before jax starts its backends: {e}") from e
+
+
 def simulate_cpu_devices(argv: list[str]) -> None:
-    """Honours ``--cpu_devices=N`` (or ``--cpu_devices N``) by setting XLA's host device count; must run before
-    jax is imported."""
+    """Honours ``--cpu_devices=N`` (or ``--cpu_devices N``) in ``argv`` (``use_cpu_devices``)."""
     value = _flag_value(argv, "cpu_devices")
     if value is not None:
         try:
             n = int(value)
         except ValueError:
             raise SystemExit(f"--cpu_devices={value!r}: give a whole number of devices, e.g. --cpu_devices=8")
-        if n < 0:
-            raise SystemExit(f"--cpu_devices={n}: give 0 (the real devices) or more")
-        if n:
-            if "jax" in sys.modules:
-                raise RuntimeError("--cpu_devices must be handled before jax is imported")
-            flags = os.environ.get("XLA_FLAGS", "")
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-            os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        use_cpu_devices(n)
 
 
 def exit_on_user_error(main: Callable[[], object]) -> object:
     """Runs a tool's ``main``; an error the user can fix (``megajax.errors.USER_ERRORS``) exits 1 with its message,
-    not a traceback. The errors module is imported only on failure: it imports jax, which some tools must set up
-    (``--cpu_devices``) first."""
+    not a traceback."""
     try:
         return main()
-    except Exception as e:  # noqa: BLE001 - re-raised unless it is a user error
-        from megajax.errors import USER_ERRORS
-
-        if isinstance(e, USER_ERRORS):
-            sys.exit(f"error: {e}")
-        raise
+    except USER_ERRORS as e:
+        sys.exit(f"error: {e}")

@@ -1,52 +1,7 @@
-"""What one training step communicates, read from its compiled HLO (no step is run).
+"""``python -m megajax.comm_report``: runs ``megajax.tools.comm_report``, where its code and documentation are."""
 
-    python -m megajax.comm_report --config=gpt_tiny --mesh=2x4 --cpu_devices=8 [--batch=8] [--sequence]
-        [--shard_optimizer | --fsdp]
-
-Prints every collective of the compiled forward + backward + AdamW step: the mesh axes it spans, its phase, its
-size in elements and how many times it runs per step (scanned layers counted by trip count); then the bytes per
-category beside Megatron's analytic minimum and their ratio (``megajax.comm_budget``). ``--sequence`` turns on
-sequence parallelism (``parallel.sequence``): the reduce-scatters and all-gathers beside their expectation;
-``--shard_optimizer`` (ZeRO-1) and ``--fsdp`` the parameter gathers over ``data`` beside ZeRO's.
-"""
-
-from __future__ import annotations
-
-import argparse
-import sys
-
-from megajax.cli import add_parallel_flags, apply_parallel_flags, parse_mesh, simulate_cpu_devices
-
-
-def main(argv: list[str] | None = None) -> str:
-    argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True)
-    p.add_argument("--mesh", default="1x1", help="DATAxMODEL")
-    p.add_argument("--batch", type=int, default=0, help="global batch (default: the config's)")
-    p.add_argument("--cpu_devices", type=int, default=0)
-    add_parallel_flags(p)
-    args = p.parse_args(argv)
-    if args.cpu_devices:
-        simulate_cpu_devices([f"--cpu_devices={args.cpu_devices}"])
-
-    from megajax.cli import load_config
-    from megajax.comm_budget import step_budget
-    from megajax.hlo_audit import collectives, format_table
-    from megajax.training.loop import setup
-
-    config = load_config(args.config)
-    config.mesh.data, config.mesh.model = parse_mesh(args.mesh)
-    if args.batch:
-        config.train.global_batch_size = args.batch
-    apply_parallel_flags(args, config)
-    run = setup(config)
-    table = format_table(collectives(run.step_fn.as_text(), run.mesh)) + "\n\n" + step_budget(run).table()
-    print(table)
-    return table
-
+from megajax.cli import exit_on_user_error
+from megajax.tools.comm_report import main
 
 if __name__ == "__main__":
-    from megajax.cli import exit_on_user_error
-
     exit_on_user_error(main)

@@ -1,13 +1,19 @@
-"""The errors a user can fix: entry points print their message (which says what to change) without a traceback."""
+"""The errors a user can fix. Each message says what is wrong and what to change; entry points print it as one
+``error: ...`` line (exit 1) instead of a traceback. Every such error derives from ``UserError``, so this module
+imports nothing and every layer can raise them."""
 
-from megajax.checkpoint import CheckpointError
-from megajax.data.loader import LoaderStateError
-from megajax.downstream.files import TaskDataError
-from megajax.sharding import ConfigError
-from megajax.training.health import TrainingDiverged
-from megajax.training.workdir_lock import WorkdirInUseError
 
-USER_ERRORS = (ConfigError, CheckpointError, LoaderStateError, TrainingDiverged, WorkdirInUseError, FileNotFoundError,
-               TaskDataError)
+class UserError(Exception):
+    """A mistake the user can fix (a config field, a path, a workdir); the message says how."""
 
-__all__ = ["USER_ERRORS"]
+
+class ConfigError(UserError, ValueError):
+    """A config that cannot run; the message names the field to change."""
+
+
+class ShardingConfigError(ConfigError):
+    """A sharding rule or mesh that cannot work; the message says what to change."""
+
+
+# FileNotFoundError: a missing config, checkpoint or data file, raised by the standard library as often as by us.
+USER_ERRORS = (UserError, FileNotFoundError)

@@ -11,11 +11,12 @@ from megajax.cli import simulate_cpu_devices
 
 
 def main() -> None:
-    simulate_cpu_devices(sys.argv)  # before jax is imported
+    simulate_cpu_devices(sys.argv)  # before jax starts its backends
     sys.argv = [a for i, a in enumerate(sys.argv)  # lm-eval's parser does not know the flag
                 if not a.startswith("--cpu_devices") and not (i and sys.argv[i - 1] == "--cpu_devices")]
-    import megajax.evaluation.lm_eval_adapter  # noqa: F401  (registers "megajax")
     from lm_eval.__main__ import cli_evaluate
+
+    import megajax.evaluation.lm_eval_adapter  # noqa: F401  (registers "megajax")
 
     cli_evaluate()
 

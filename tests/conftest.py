@@ -37,9 +37,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from megajax.builder import build_mesh, create_model  # noqa: E402
-from megajax.config import base_config, bert_base_config, rules_of  # noqa: E402
-from megajax.partition import shardings  # noqa: E402
+from megajax.config import base_config, bert_base_config, build_mesh, create_model, rules_of  # noqa: E402  # noqa: E402
+from megajax.parallel.partition import shardings  # noqa: E402
 
 MESHES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 4), (4, 2)]
 

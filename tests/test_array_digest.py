@@ -5,9 +5,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from megajax.array_digest import _SEEDS, digests
+from megajax.checkpoint.digest import _SEEDS, digests
 
 
 def _fmix32_np(h: np.ndarray) -> np.ndarray:

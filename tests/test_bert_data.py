@@ -13,7 +13,8 @@ from megajax.data.bert_dataset import BERTBatches, _truncate, build_sample_map, 
 from megajax.data.bert_vocab import BertVocab
 from megajax.data.indexed import IndexedTokens, IndexedWriter
 from megajax.data.masking import mask_whole_word_ngrams
-from megajax.data.preprocess import main as preprocess_main, write_documents
+from megajax.data.preprocess import main as preprocess_main
+from megajax.data.preprocess import write_documents
 from megajax.data.sentences import split_sentences
 from megajax.data.tokenizer import BERT_SPECIALS, load_tokenizer, train_tokenizer
 

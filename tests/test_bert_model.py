@@ -9,15 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import MESHES, place
 from flax import nnx
 
-from conftest import MESHES, place
-from megajax.builder import build_mesh, create_model
-from megajax.config import bert_base_config, rules_of
-from megajax.hlo_audit import collectives, summary
-from megajax.partition import spec_table
-from megajax.sharding import activate
-from megajax.training.objectives import objective_for
+from megajax.config import bert_base_config, build_mesh, create_model, rules_of
+from megajax.models import model_spec
+from megajax.parallel.hlo_audit import collectives, summary
+from megajax.parallel.partition import spec_table
+from megajax.parallel.sharding import activate
 
 RTOL = 1e-5  # fp32; sharded sums reorder additions
 B, S, H, L = 8, 16, 64, 2
@@ -53,7 +52,7 @@ def bert_batch(seed: int = 0, batch: int = B) -> dict[str, jnp.ndarray]:
 
 def _run(model, config, batch, data, model_axis):
     mesh, graphdef, state = place(model, config, data, model_axis)
-    loss_fn = objective_for("bert").loss
+    loss_fn = model_spec("bert").objective.loss
 
     def loss_and_outputs(state):
         m = nnx.merge(graphdef, state)
@@ -138,7 +137,7 @@ def test_attention_is_bidirectional():
 def test_golden_partition_specs():
     """Set UPDATE_GOLDEN=1 to rewrite after a deliberate layout change (and review the diff)."""
     config = bert_config()
-    from megajax.builder import abstract_model
+    from megajax.config import abstract_model
 
     table = spec_table(nnx.state(abstract_model(config)), rules_of(config))
     if os.environ.get("UPDATE_GOLDEN"):
@@ -155,7 +154,7 @@ def _audit(data, model_axis):
     mesh = build_mesh(config)
     graphdef, state = nnx.split(create_model(config, mesh))
     batch = bert_batch(batch=4)
-    loss_fn = objective_for("bert").loss
+    loss_fn = model_spec("bert").objective.loss
 
     def loss(state, batch):
         return loss_fn(nnx.merge(graphdef, state), batch, None)[0]

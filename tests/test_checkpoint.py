@@ -1,7 +1,6 @@
 """Checkpoints: exact resume after SIGKILL, SIGTERM saves, interrupted saves, resharding, damaged files."""
 
 import json
-import os
 import pathlib
 import re
 import shutil
@@ -14,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import child_env, train_config
-from megajax.checkpoint import (Checkpointer, CheckpointError, _arrays, _to_tree, load_model, read_config,
-                                save_params)
+
+from megajax.checkpoint import Checkpointer, CheckpointError, load_model, read_config, save_params
+from megajax.checkpoint.manager import _arrays, _to_tree
 from megajax.config import ConfigError
 from megajax.training.loop import setup, train
 

@@ -4,16 +4,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 from conftest import one_step_run, small_config
-from megajax.builder import build_mesh, create_model
-from megajax.comm_budget import step_budget
-from megajax.config import rules_of
-from megajax.hlo_audit import _parse_groups, collectives, summary
-from megajax.losses import lm_loss
-from megajax.sharding import activate, make_mesh
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from megajax.config import build_mesh, create_model, rules_of
+from megajax.parallel.hlo_audit import _parse_groups, collectives, summary
+from megajax.parallel.losses import lm_loss
+from megajax.parallel.sharding import activate, make_mesh
+from megajax.tools.comm_budget import step_budget
 
 L, B, S, H = 3, 4, 16, 64
 
@@ -111,7 +111,7 @@ def test_replica_group_syntaxes(text, groups):
 
 
 def test_comm_report_cli(capsys):
-    from megajax.comm_report import main
+    from megajax.tools.comm_report import main
 
     table = main(["--config=gpt_tiny", "--mesh=2x4", "--batch=8"])
     collectives_table, budget_table = table.split("\n\n")

@@ -4,14 +4,14 @@ import pathlib
 
 import jax
 import pytest
+from conftest import small_config
 from flax import nnx
 
-from conftest import small_config
-from megajax.builder import abstract_model, build_mesh, create_model
 from megajax.cli import CONFIGS_DIR, load_config, resolve_config_path
-from megajax.config import ConfigError, padded_vocab_size
-from megajax.info import params_per_device
-from megajax.sharding import ShardingConfigError
+from megajax.config import ConfigError, abstract_model, build_mesh, create_model, padded_vocab_size
+from megajax.errors import ShardingConfigError
+from megajax.models import model_spec
+from megajax.tools.memory_planner import params_per_device
 
 CONFIGS = sorted(p.stem for p in CONFIGS_DIR.glob("*.py"))
 
@@ -116,3 +116,44 @@ def test_train_py_stores_absolute_paths(tmp_path, monkeypatch):
     assert c.data.task_dir == str(tmp_path / "glue" / "MNLI") and c.init_from == str(tmp_path / "runs" / "bert")
     assert c.data.tokenizer == str(pathlib.Path.home() / "vocab.txt") and c.data.path == ""
     assert c.data.blend == f"0.3 {tmp_path / 'data' / 'a'} 0.7 /abs/b"
+
+
+# (batch, lr, epochs, training questions)
+TABLE6_ROWS = {("mnli", "336m"): (128, 1e-5, 10, 392_702), ("squad1", "1p3b"): (48, 3e-5, 2, 87_599),
+               ("race", "3p9b"): (32, 2e-5, 3, 87_866)}
+FINETUNE = [(task, size) for task in ("mnli", "qqp", "squad1", "squad2", "race") for size in ("336m", "1p3b", "3p9b")]
+
+
+@pytest.mark.parametrize("task,size", FINETUNE)
+def test_finetune_config_is_table_6_on_the_pretraining_model(task, size):
+    """``--config=finetune.py:TASK,SIZE``: the model of configs/bert_SIZE.py with the task's head and Table 6's
+    batch, learning rate and epochs; it builds abstractly and its data and model fit each other."""
+    from megajax.config import check_data_source
+
+    c, pretrain = load_config(f"finetune.py:{task},{size}"), load_config(f"bert_{size}")
+    assert c.data.task == task and c.model.name == model_spec(c.model.name).name
+    assert task in model_spec(c.model.name).tasks
+    for field in ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_seq_len"):
+        assert c.model[field] == pretrain.model[field]
+    if (task, size) in TABLE6_ROWS:  # rows read off the paper's Table 6 apart from the config file
+        batch, lr, epochs, questions = TABLE6_ROWS[task, size]
+        assert (c.train.global_batch_size, c.optimizer.lr) == (batch, lr)
+        assert c.train.steps == -(-epochs * questions // batch)
+    check_data_source(c)
+    assert sum(x.size for x in jax.tree.leaves(nnx.state(abstract_model(c)))) > 0
+
+
+def test_finetune_config_refuses_an_unknown_task_or_size():
+    with pytest.raises(ValueError, match="give TASK,SIZE"):
+        load_config("finetune.py:cola,336m")
+
+
+def test_every_package_folder_ships():
+    """pyproject.toml lists the packages (configs/ is mapped to megajax.configs): a folder missing from the list
+    would be missing from a non-editable install."""
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(p.parent.relative_to(root).parts) for p in (root / "megajax").rglob("__init__.py")}
+    assert listed == folders | {"megajax.configs"}

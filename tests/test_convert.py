@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import small_config
+
 from megajax.checkpoint import load_model, save_params
 from megajax.config import model_config
 from megajax.convert import hf_io, megatron_gpt
@@ -72,6 +72,7 @@ def test_hf_pytorch_bin_loads_without_pickle(hf_dir, tmp_path):
 def megajax_params():
     """Random parameters of the small model (8 heads, 2 layers), as host arrays."""
     from flax import nnx
+
     from megajax.models.gpt import GPT
 
     config = small_config()

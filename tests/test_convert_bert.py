@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from megajax.builder import build_mesh
 from megajax.checkpoint import load_model, save_params
-from megajax.config import base_config, rules_of
+from megajax.config import base_config, build_mesh, rules_of
 from megajax.convert import hf_bert, hf_io, megatron_bert
 from megajax.convert.__main__ import main as convert_main
-from megajax.sharding import activate
+from megajax.parallel.sharding import activate
 
 torch = pytest.importorskip("torch")  # the `test` extra installs it (CPU build)
 transformers = pytest.importorskip("transformers")
@@ -131,7 +130,7 @@ def bert_config(post_layernorm: bool = False):
 @pytest.fixture(scope="module")
 def megajax_params():
     """Random values for every pre-LN BERT parameter (Megatron's layout), shaped as the model's, as host arrays."""
-    from megajax.builder import abstract_model
+    from megajax.config import abstract_model
 
     config = bert_config()
     rng = np.random.default_rng(1)

@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from megajax.builder import abstract_model
 from megajax.checkpoint import load_model, read_config, save_params
-from megajax.config import base_config
+from megajax.config import abstract_model, base_config
 from megajax.convert import hf_gpt2, hf_io, megatron_gpt
 from megajax.convert.__main__ import host_params
 from megajax.convert.__main__ import main as convert_main

@@ -5,10 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from megajax.losses import mask_padded_vocab, vocab_parallel_cross_entropy
-from megajax.sharding import MEGATRON_RULES, activate, make_mesh
+from megajax.parallel.losses import mask_padded_vocab, vocab_parallel_cross_entropy
+from megajax.parallel.sharding import MEGATRON_RULES, activate, make_mesh
 
 V_TRUE, V_PAD = 1000, 1024
 

@@ -7,11 +7,11 @@ import pytest
 
 from megajax.config import base_config, bert_base_config
 from megajax.data.blend import PERIOD, BlendedBatches, interleave, parse_blend, slot_counts
-from megajax.data.loader import Loader, LoaderStateError
+from megajax.data.loader import LoaderStateError
 from megajax.data.preprocess import write_documents
-from megajax.data.sources import load_dataset, make_loader
 from megajax.data.tokenizer import train_tokenizer
-from megajax.sharding import ConfigError
+from megajax.errors import ConfigError
+from megajax.training.data import load_dataset, make_loader
 
 RNG = np.random.default_rng(0)
 WORDS = [f"w{i}" for i in range(500)]

@@ -8,9 +8,10 @@ import pytest
 
 from megajax.data.dedup import jaccard
 from megajax.data.gpt_dataset import GPTBatches, split_by_documents
-from megajax.data.loader import Loader, LoaderStateError
 from megajax.data.indexed import IndexedTokens
-from megajax.data.preprocess import main as preprocess_main, preprocess
+from megajax.data.loader import Loader, LoaderStateError
+from megajax.data.preprocess import main as preprocess_main
+from megajax.data.preprocess import preprocess
 from megajax.data.tokenizer import load_tokenizer, train_tokenizer
 
 RNG = np.random.default_rng(0)

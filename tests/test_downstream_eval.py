@@ -12,12 +12,12 @@ import pytest
 from downstream_fixtures import wordpiece_tokenizer
 from flax import nnx
 
-from megajax.builder import build_mesh, create_model
 from megajax.checkpoint import save_params
-from megajax.config import bert_base_config
-from megajax.data.task_source import TASKS
+from megajax.config import bert_base_config, build_mesh, create_model
+from megajax.downstream.task_data import TASK_CLASSES
 from megajax.evaluation.inputs import InputError
 from megajax.evaluation.runner import run
+from megajax.models import task_models
 
 SENTENCES = ["the cat sat on the mat .", "a dog ran in the park .", "john played the big red ball .",
              "mary was at the river .", "the team won the game !", "what did the cat do ?",
@@ -86,7 +86,7 @@ def files(tmp_path_factory):
 
 def _task_config(task, files):
     root, tokenizer = files
-    model, classes = TASKS[task]
+    model, classes = task_models()[task].name, TASK_CLASSES.get(task, 0)
     c = bert_base_config()
     c.model.update(name=model, num_classes=classes or 2, vocab_size=128, make_vocab_size_divisible_by=64,
                    num_layers=1, hidden_size=32, num_heads=4, max_seq_len=SEQ[task], dropout=0.0, remat="none")

@@ -7,8 +7,8 @@ import pathlib
 
 import numpy as np
 import pytest
-
 from conftest import small_config
+
 from megajax.checkpoint import save_params
 from megajax.data.indexed import IndexedWriter
 from megajax.data.tokenizer import train_tokenizer
@@ -28,7 +28,7 @@ class ModelLoaded(Exception):
 def model_loading_is_refused(monkeypatch):
     def refuse(*args, **kwargs):
         raise ModelLoaded("inputs passed their checks")
-    monkeypatch.setattr("megajax.checkpoint.load_model", refuse)
+    monkeypatch.setattr("megajax.evaluation.runner.restore_model", refuse)
 
 
 def _token_file(prefix, ids, vocab_size):

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import small_config
 from flax import nnx
 
-from conftest import small_config
 from megajax.checkpoint import save_params
 from megajax.config import model_config, rules_of
 from megajax.data.indexed import IndexedTokens, IndexedWriter
@@ -23,9 +23,9 @@ from megajax.evaluation.inputs import read_lambada
 from megajax.evaluation.runner import run
 from megajax.evaluation.scoring import Scorer, sliding_windows, stream_log_likelihood
 from megajax.evaluation.tasks import lambada
-from megajax.losses import mask_padded_vocab
 from megajax.models.gpt import GPT
-from megajax.sharding import make_mesh
+from megajax.parallel.losses import mask_padded_vocab
+from megajax.parallel.sharding import make_mesh
 
 
 def megatron_context_starts(num_tokens: int, seq_len: int, stride: int) -> dict[int, int]:
@@ -275,9 +275,9 @@ def test_ppl_uses_and_reports_the_stride_given(eval_checkpoint, one_device_score
 
 
 def test_eval_cli_writes_json(eval_checkpoint, tmp_path):
+    import pathlib
     import subprocess
     import sys
-    import pathlib
     root = eval_checkpoint
     repo = pathlib.Path(__file__).resolve().parent.parent
     out = tmp_path / "r.json"

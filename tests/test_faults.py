@@ -12,8 +12,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import child_env
+
 from megajax.training import workdir_lock
 from megajax.training.workdir_lock import WorkdirInUseError, WorkdirLock, hold_workdir
 

@@ -10,14 +10,13 @@ import pytest
 from conftest import place
 from flax import nnx
 
-from megajax.builder import build_mesh, create_model
 from megajax.checkpoint import CheckpointError, restore_params, save_params
-from megajax.config import bert_base_config, rules_of
-from megajax.data.sources import load_dataset
-from megajax.finetune import trunk_keys
-from megajax.sharding import activate
+from megajax.config import bert_base_config, build_mesh, create_model, rules_of
+from megajax.models import model_spec
+from megajax.parallel.sharding import activate
+from megajax.training.data import load_dataset
+from megajax.training.finetune import trunk_keys
 from megajax.training.loop import train
-from megajax.training.objectives import objective_for
 
 TASK_OF = {"bert_classifier": "synthetic_pair", "bert_span": "synthetic_span",
            "bert_multiple_choice": "synthetic_choice"}
@@ -51,7 +50,7 @@ def reference():
 def loss_and_grads(name: str, model: nnx.Module, batch: dict, config, data: int, tensor: int):
     """The objective's loss and parameter gradients with the model's parameters laid out on a data x tensor mesh."""
     mesh, graphdef, state = place(model, config, data, tensor)
-    loss = objective_for(name).loss
+    loss = model_spec(name).objective.loss
 
     @jax.jit
     def fn(state, batch):
@@ -178,7 +177,7 @@ def test_finetune_from_a_converted_hugging_face_bert(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from megajax.convert.__main__ import main as convert_main
-    from megajax.finetune import load_trunk
+    from megajax.training.finetune import load_trunk
 
     torch.manual_seed(0)
     hf = transformers.BertForPreTraining(transformers.BertConfig(

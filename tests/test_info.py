@@ -1,7 +1,8 @@
 """The memory tool reproduces the paper's accounting without allocating anything."""
 
 from megajax.cli import load_config
-from megajax.info import main, memory_report
+from megajax.tools.info import main
+from megajax.tools.memory_planner import memory_report
 
 
 def test_8p3b_on_64x8():

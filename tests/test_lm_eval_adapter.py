@@ -13,18 +13,20 @@ from flax import nnx
 
 pytest.importorskip("lm_eval")
 
+from conftest import small_config  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from conftest import small_config  # noqa: E402
-from megajax.builder import abstract_model  # noqa: E402
 from megajax.checkpoint import save_params  # noqa: E402
-from megajax.config import rules_of  # noqa: E402
+from megajax.config import (
+    abstract_model,  # noqa: E402
+    rules_of,  # noqa: E402
+)
 from megajax.data.indexed import IndexedWriter  # noqa: E402
 from megajax.data.tokenizer import train_tokenizer  # noqa: E402
 from megajax.evaluation.generate import Sampling, generate  # noqa: E402
 from megajax.evaluation.lm_eval_adapter import MegajaxLM  # noqa: E402
 from megajax.evaluation.scoring import Scorer, cloze_rows, stream_log_likelihood  # noqa: E402
-from megajax.sharding import activate, make_mesh  # noqa: E402
+from megajax.parallel.sharding import activate, make_mesh  # noqa: E402
 
 SEQ_LEN, STRIDE = 16, 6
 CORPUS = [f"the cat {w} on the mat . a dog ran {w} far away ; blue sky {i}" for i, w in

@@ -28,8 +28,15 @@ import math
 import pytest
 
 from megajax.cli import load_config
-from megajax.info import GiB, largest_micro_batch, main, memory_report
-from megajax.memory_planner import compiled_memory, layer_residual_bytes, traced_layer_residual_bytes
+from megajax.tools.info import main
+from megajax.tools.memory_planner import (
+    GiB,
+    compiled_memory,
+    largest_micro_batch,
+    layer_residual_bytes,
+    memory_report,
+    traced_layer_residual_bytes,
+)
 
 SCALAR_STATE_BYTES = 32  # step, the optimizer's two counts, the loss scale's three fields, the dropout key (u32[2])
 MICRO_BATCH = 4

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import small_config
 from flax import nnx
 
-from conftest import small_config
 from megajax.config import base_config, model_config
 from megajax.models.gpt import GPT
 from megajax.training.optimizer import clip_by_global_norm, learning_rate_schedule, make_optimizer, weight_decay_mask

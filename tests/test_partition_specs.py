@@ -6,12 +6,13 @@ import pathlib
 
 import jax
 import pytest
+from conftest import place
 from flax import nnx
 
-from conftest import place
 from megajax.config import rules_of
-from megajax.partition import logical_names, spec_table
-from megajax.sharding import MEGATRON_RULES, ShardingConfigError, logical_to_spec
+from megajax.errors import ShardingConfigError
+from megajax.parallel.partition import logical_names, spec_table
+from megajax.parallel.sharding import MEGATRON_RULES, logical_to_spec
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "gpt_partition_specs.json"
 

@@ -1,7 +1,6 @@
 """Runs that go bad stop before they harm a checkpoint, and bad input is refused before anything compiles."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -9,8 +8,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-
 from conftest import child_env, train_config
+
 from megajax.checkpoint import Checkpointer
 from megajax.cli import _flag_value
 from megajax.config import ConfigError, resolve

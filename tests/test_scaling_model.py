@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from megajax import scaling
 from megajax.cli import load_config
-from megajax.scaling import DGX2H_V100, GPT, PAPER_MODELS, predict, recommend_mesh
-from megajax.training.metrics import transformer_flops
+from megajax.models.spec import transformer_flops
+from megajax.tools import scaling
+from megajax.tools.scaling import DGX2H_V100, PAPER_MODELS, Decoder, predict, recommend_mesh
 
 # Shoeybi et al. 2019 (Megatron-LM), as published.
 PUBLISHED = {
@@ -93,18 +93,19 @@ def test_flops_are_transformer_flops(name, tensor):
 
 @pytest.mark.parametrize("name,tensor", [("gpt_tiny", 2), ("gpt_8p3b", 8)])
 def test_parameters_and_memory_match_info(name, tensor):
-    from megajax.info import memory_report, params_per_device
+    from megajax.tools.memory_planner import memory_report, params_per_device
 
     config = load_config(name)
-    model = GPT.from_config(config)
+    model = Decoder.from_config(config)
     assert model.params(tensor) == params_per_device(config, {"data": 1, "model": tensor})
     config.train.precision = "bf16"  # half-precision activations, as on a GPU
     want = memory_report(config, 2, tensor, micro_batch=2).total_bytes
     assert scaling.memory_bytes(model, tensor, 2) == want
     config.parallel.update(sequence=True, shard_optimizer=True)  # the planner's choices, counted as info does
-    chosen = GPT.from_config(config)
+    chosen = Decoder.from_config(config)
     assert chosen.sequence and chosen.shard_optimizer
-    assert scaling.memory_bytes(chosen, tensor, 2, data=2) == memory_report(config, 2, tensor, micro_batch=2).total_bytes
+    assert scaling.memory_bytes(chosen, tensor, 2, data=2) == \
+        memory_report(config, 2, tensor, micro_batch=2).total_bytes
 
 
 def test_one_gpu_has_no_communication():

@@ -14,12 +14,13 @@ import pytest
 from conftest import assert_same_step, small_config
 from flax import nnx
 
-from megajax.builder import abstract_model
-from megajax.comm_budget import step_budget
-from megajax.config import bert_base_config, rules_of, validate
-from megajax.hlo_audit import collectives, summary
-from megajax.partition import partition_specs
-from megajax.sharding import MEGATRON_RULES, ConfigError
+from megajax.checkpoint.migrate import migrate_config
+from megajax.config import abstract_model, bert_base_config, rules_of, validate
+from megajax.errors import ConfigError
+from megajax.parallel.hlo_audit import collectives, summary
+from megajax.parallel.partition import partition_specs
+from megajax.parallel.sharding import MEGATRON_RULES
+from megajax.tools.comm_budget import step_budget
 
 L, B, S, H = 2, 8, 32, 64  # global batch B
 # AdamW's first step with eps >> |g| moves each parameter by lr g / (|g| + eps) ~ 1000 g: the updated parameters
@@ -131,7 +132,7 @@ def test_bert_budget_is_the_analytic_minimum(steps):
 def test_activation_memory_falls(steps):
     """XLA's temp bytes (gradients and activations) of the BERT step on 1x4 fall with sequence parallelism, as
     the memory planner's formula says (within 10%)."""
-    from megajax.info import memory_report
+    from megajax.tools.memory_planner import memory_report
 
     temp = {}
     for sequence in (False, True):
@@ -144,7 +145,7 @@ def test_activation_memory_falls(steps):
 
 def test_comm_report_shows_the_pairs_at_ratio_one(capsys):
     """gpt_tiny on 1x4: per step 16 sequences x 128 tokens x 128 hidden / 4 = 65536 elements per shard."""
-    from megajax.comm_report import main
+    from megajax.tools.comm_report import main
 
     table = main(["--config=gpt_tiny", "--mesh=1x4", "--sequence"])
     collectives_table, budget_table = table.split("\n\n")
@@ -166,6 +167,7 @@ def test_rule_is_derived_from_the_config_and_checked_before_compiling():
     c.parallel.sequence = True
     assert dict(rules_of(c))["seq_sp"] == "model"
     c.sharding.rules = tuple(r for r in MEGATRON_RULES if r[0] != "seq_sp")  # a config stored before the name
+    c = migrate_config(c)  # as read_config reads it
     assert dict(rules_of(c))["seq_sp"] == "model"
     c.model.max_seq_len = 30
     with pytest.raises(ConfigError, match=r"mesh\.model=4, but model\.max_seq_len=30 is not divisible"):

@@ -15,13 +15,14 @@ import jax
 import numpy as np
 import pytest
 from conftest import assert_same_step, choice_config, one_step_run
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from megajax.comm_budget import model_shard_elements, step_budget
-from megajax.data.sources import make_loader
-from megajax.hlo_audit import collectives
-from megajax.partition import over_data, shardings
-from megajax.sharding import MEGATRON_RULES, entry_axes, make_mesh, spec_axes
+from megajax.parallel.hlo_audit import collectives
+from megajax.parallel.partition import over_data, shardings
+from megajax.parallel.sharding import MEGATRON_RULES, entry_axes, make_mesh, spec_axes
+from megajax.tools.comm_budget import model_shard_elements, step_budget
+from megajax.training.data import make_loader
 from megajax.training.loop import batch_layout, train
 
 
@@ -138,8 +139,9 @@ def _state_bytes(run, part: str) -> int:
 def test_fsdp_splits_no_parameter_on_its_layers_dimension():
     """The scan slices one layer out of a stacked parameter: split on ``layers`` the whole stack would be gathered
     before the loop. ``data`` goes on the first other dimension it divides, as ZeRO-1's rule chooses."""
-    from megajax.builder import abstract_model
     from flax import nnx
+
+    from megajax.config import abstract_model
 
     config = choice_config("fsdp", 2, 4)
     state = nnx.state(abstract_model(config))

@@ -3,12 +3,12 @@
 import jax
 import numpy as np
 import pytest
+from conftest import MESHES, place
 from flax import nnx
 
-from conftest import MESHES, place
 from megajax.config import rules_of
-from megajax.losses import lm_loss
-from megajax.sharding import activate
+from megajax.parallel.losses import lm_loss
+from megajax.parallel.sharding import activate
 
 # fp32 on CPU; the sharded sums reorder additions, so bit equality is not expected.
 RTOL = 1e-5
@@ -53,7 +53,8 @@ def test_mesh_matches_single_device(reference_model, batch, unsharded, data, mod
 def test_initialisation_is_mesh_independent(reference_model):
     """Partitionable threefry: the same seed gives the same weights whether or not they are sharded."""
     from conftest import small_config
-    from megajax.builder import build_mesh, create_model
+
+    from megajax.config import build_mesh, create_model
 
     config, model = reference_model
     c = small_config(data=2, model=4)

@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-
 from conftest import train_config
+
 from megajax.data.tokenizer import train_tokenizer
-from megajax.data.sources import make_loader
+from megajax.training.data import make_loader
 
 tfds = pytest.importorskip("tensorflow_datasets")  # the `test` extra installs it; CI runs this test
 
@@ -34,8 +34,8 @@ def test_tfds_text_feature_trains(tmp_path, monkeypatch):
     tokenizer.save(tmp_path / "tok.json")
     config = train_config()
     config.model.vocab_size = 400
-    config.data.update(source="tfds", tfds_name="tiny_text", tfds_feature="content", tfds_data_dir=str(tmp_path / "tfds"),
-                       tokenizer=str(tmp_path / "tok.json"), valid_fraction=0.0)
+    config.data.update(source="tfds", tfds_name="tiny_text", tfds_feature="content",
+                       tfds_data_dir=str(tmp_path / "tfds"), tokenizer=str(tmp_path / "tok.json"), valid_fraction=0.0)
     loader = make_loader(config)
     source = loader.batches.source
     stream = tokenizer.decode(np.asarray(source.tokens))

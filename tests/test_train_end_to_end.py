@@ -1,7 +1,6 @@
 """train.py end to end: real text on the CPU, metrics on disk, and two processes agreeing with one."""
 
 import json
-import os
 import pathlib
 import socket
 import subprocess
@@ -9,8 +8,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import child_env
+
 from megajax.cli import load_config
 from megajax.training.loop import train
 

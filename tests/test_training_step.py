@@ -4,13 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import small_config, train_config
 from flax import nnx
 
-from conftest import small_config, train_config
 from megajax.config import model_config
-from megajax.losses import lm_loss
 from megajax.models.gpt import GPT
-from megajax.data.sources import make_loader
+from megajax.parallel.losses import lm_loss
+from megajax.training.data import make_loader
 from megajax.training.loop import setup, train
 
 
@@ -130,6 +130,7 @@ def test_model_flops_per_model_kind():
     it (GPT, BERT's MLM, which also adds its h x h transform), four sequences per RACE example."""
     from types import SimpleNamespace
 
+    from megajax.models import model_spec
     from megajax.training.metrics import model_flops_per_step
 
     b, s, layers, h, v = 8, 128, 2, 64, 1024
@@ -139,7 +140,7 @@ def test_model_flops_per_model_kind():
     want = {"gpt": trunk + vocab_term, "bert": trunk + vocab_term + 6 * b * s * h * h, "bert_classifier": trunk,
             "bert_span": trunk, "bert_multiple_choice": 4 * trunk}
     for name, flops in want.items():
-        spec = SimpleNamespace(model_name=name, model=model, global_batch=b)
+        spec = SimpleNamespace(model_spec=model_spec(name), model=model, global_batch=b)
         assert model_flops_per_step(spec, s) == pytest.approx(flops, rel=1e-12), name
 
 

@@ -9,7 +9,7 @@
 CK is any megajax checkpoint: a training workdir, its checkpoints/ directory, one step, or an export.
 The model is found from the input: an HF config.json's model_type (gpt2, bert, megatron-bert), a Megatron-LM
 checkpoint's tensors (BERT holds an lm_head and binary_head), a megajax checkpoint's model.name.
-megajax outputs are params-only checkpoints that ``megajax.checkpoint.load_model`` and training both read.
+megajax outputs are params-only checkpoints that ``megajax.load_model`` and training both read.
 Every verb refuses an --output that already holds something unless --overwrite is given; the output is written
 beside it and renamed into place, so a conversion that fails leaves what was there untouched.
 """
@@ -32,9 +32,10 @@ INPUT_FLAGS = {"hf-to-megajax": "hf", "megatron-to-megajax": "megatron", "megaja
 
 def host_params(checkpoint: str | pathlib.Path):
     """(parameters as host numpy arrays, config) of any megajax checkpoint, read on one device."""
-    from megajax.checkpoint import load_model
+    from megajax.config.load import inference_config, restore_model
 
-    model, config = load_model(checkpoint, data=1, model=1)
+    config = inference_config(checkpoint, data=1, model=1)
+    model = restore_model(checkpoint, config).model
     return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model))), config
 
 

@@ -6,9 +6,8 @@ import json
 import pathlib
 from types import ModuleType
 
-import numpy as np
-
 import ml_collections
+import numpy as np
 
 from megajax.convert import hf_bert, hf_gpt2
 from megajax.convert.paths import require_empty

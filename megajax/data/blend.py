@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from megajax.sharding import ConfigError
+from megajax.errors import ConfigError
 
 PERIOD = 10_000  # slots per period: weights are kept to 1/PERIOD (0.01 %)
 

@@ -12,6 +12,8 @@ from typing import Protocol
 import jax
 import numpy as np
 
+from megajax.errors import UserError
+
 
 class Batches(Protocol):
     global_batch: int
@@ -22,7 +24,7 @@ class Batches(Protocol):
     def identity(self) -> dict: ...
 
 
-class LoaderStateError(ValueError):
+class LoaderStateError(UserError, ValueError):
     """A saved loader position that does not belong to this dataset, seed or batch size."""
 
 

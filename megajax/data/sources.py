@@ -1,7 +1,9 @@
 """Where training data comes from: ``config.data.source`` -> tokens + document offsets -> the model's batches.
 
-Every problem with the data (ids the model cannot embed, a split too small for one batch) is raised here, before
-anything compiles, with the field to change.
+The model's spec says how its examples are cut (an ``ExampleFormat``, or ``None`` for a fine-tuning model's task
+rows); this module never asks which model it is. Every problem with the data (ids the model cannot embed, a split
+too small for one batch) is raised here, before anything compiles, with the field to change. Whether the model
+and the source fit each other is checked with the config (``megajax.config.resolve.check_data_source``).
 """
 
 from __future__ import annotations
@@ -12,14 +14,17 @@ import ml_collections
 import numpy as np
 
 from megajax.data.blend import BlendedBatches, BlendSpec, parse_blend
-from megajax.data.gpt_dataset import GPTBatches, split_by_documents
+from megajax.data.default_corpus import cache_root
+from megajax.data.formats import ExampleFormat
+from megajax.data.gpt_dataset import split_by_documents
 from megajax.data.indexed import IndexedTokens
-from megajax.data.loader import Loader
-from megajax.data.task_source import TASKS, TaskData, load_task
-from megajax.sharding import ConfigError
+from megajax.data.loader import Batches, Loader
+from megajax.data.tfds_source import tfds_corpus
+from megajax.downstream.batches import TrainBatches
+from megajax.downstream.task_data import TaskData, load_task
+from megajax.errors import ConfigError
 
 MAX_ID_CHUNK = 1 << 26  # ids per read when scanning a memory-mapped corpus for its largest id
-TASK_MODELS = {model for model, _ in TASKS.values()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +53,13 @@ def check_ids_fit(tokens: np.ndarray, meta: dict, vocab_size: int, what: str) ->
                           f"tokenizer or set --config.model.vocab_size to at least {top + 1}")
 
 
-def load_dataset(config: ml_collections.ConfigDict) -> IndexedTokens | TaskData | BlendedData:
+def load_dataset(config: ml_collections.ConfigDict,
+                 examples: ExampleFormat | None) -> IndexedTokens | TaskData | BlendedData:
     """The corpus named by ``config.data``, checked against the model's vocabulary (a fine-tuning task's rows for
-    ``data.source='task'``, several weighted corpora for ``data.blend``)."""
+    ``data.source='task'``, several weighted corpora for ``data.blend``); ``examples``: the model's format (its
+    default corpus), None for a fine-tuning model."""
     d, vocab = config.data, config.model.vocab_size
-    if d.get("blend"):
+    if d.blend:
         if d.source != "indexed" or d.path:
             raise ConfigError(f"data.blend lists preprocessed datasets: set --config.data.source=indexed (not "
                               f"{d.source!r}) and leave data.path empty (got {d.path!r})")
@@ -70,28 +77,19 @@ def load_dataset(config: ml_collections.ConfigDict) -> IndexedTokens | TaskData 
                 raise ConfigError(f"data.blend: {path} was preprocessed with another tokenizer than {spec.paths[0]}"
                                   " (their ids mean different tokens); preprocess every dataset with one tokenizer")
         return BlendedData(spec, datasets)
-    if (d.source == "task") != (config.model.name in TASK_MODELS):
-        raise ConfigError(f"model.name={config.model.name} with data.source={d.source}: the task models "
-                          f"({', '.join(sorted(TASK_MODELS))}) train on data.source=task and only they do")
     if d.source == "task":
         return load_task(config)
-    if d.source == "default":  # GPT: the stdlib's source (BPE); BERT: its English prose, sentence-split (WordPiece)
-        from megajax.data.default_corpus import default_bert_corpus, default_corpus
-        data = (default_bert_corpus if config.model.name == "bert" else default_corpus)(vocab)[0]
+    if d.source == "default":  # the model's offline corpus (formats.WINDOWS, formats.SENTENCE_PAIRS)
+        data = examples.default_corpus(vocab)[0]
     elif d.source == "indexed":
         if not d.path:
             raise ConfigError("data.source=indexed needs --config.data.path=PREFIX (from python -m "
                               "megajax.data.preprocess --output_prefix=PREFIX)")
         data = IndexedTokens.open(d.path)
     elif d.source == "tfds":
-        from megajax.data.default_corpus import cache_root
-        from megajax.data.tfds_source import tfds_corpus
         data = tfds_corpus(d.tfds_name, d.tfds_split, d.tfds_feature, d.tokenizer, cache_root(), d.tfds_data_dir,
                            d.min_tokens)
     elif d.source == "random":  # labelled: uniform tokens, the loss cannot fall below log(vocab)
-        if config.model.name == "bert":
-            raise ConfigError("data.source=random has no sentences for BERT; use data.source=default (the embedded "
-                              "prose corpus) or a corpus preprocessed with --split_sentences")
         tokens = np.random.default_rng(d.seed).integers(0, vocab, 1 << 20, dtype=np.int32)
         return IndexedTokens(tokens, np.arange(0, len(tokens) + 1, 1024), {"vocab_size": vocab})
     else:
@@ -113,49 +111,35 @@ def _split_hint(split: str, config: ml_collections.ConfigDict) -> str:
     return "the training split is too small: use more data, a smaller train.global_batch_size or model.max_seq_len"
 
 
-def make_loader(config: ml_collections.ConfigDict, split: str = "train",
+def make_loader(config: ml_collections.ConfigDict, examples: ExampleFormat | None, split: str = "train",
                 data: IndexedTokens | TaskData | BlendedData | None = None) -> Loader:
-    """The loader of ``split`` ('train' or 'valid') for ``config.model.name``, positioned at step 0."""
-    data = load_dataset(config) if data is None else data
+    """The loader of ``split`` ('train' or 'valid') of the model's ``examples`` (None: task rows), positioned at
+    step 0."""
+    data = load_dataset(config, examples) if data is None else data
     if isinstance(data, TaskData):  # fine-tuning: shuffled rows of the split (validation reads its first batches)
-        from megajax.downstream.batches import TrainBatches
         return Loader(TrainBatches(data.train if split == "train" else data.valid, config.train.global_batch_size,
                                    config.data.seed))
     if isinstance(data, BlendedData):  # each dataset split alike, then mixed by weight
-        parts = [_corpus_batches(config, part, split, f"data.blend's dataset {path}")
+        parts = [_corpus_batches(config, examples, part, split, f"data.blend's dataset {path}")
                  for path, part in zip(data.spec.paths, data.datasets)]
         return Loader(BlendedBatches(parts, data.spec.weights, config.train.global_batch_size, data.spec.paths))
-    return Loader(_corpus_batches(config, data, split, ""))
+    return Loader(_corpus_batches(config, examples, data, split, ""))
 
 
-def _corpus_batches(config: ml_collections.ConfigDict, data: IndexedTokens, split: str, which: str):
-    """GPT windows or BERT sentence pairs of one corpus's ``split``; ConfigError when it cannot fill a batch."""
+def _corpus_batches(config: ml_collections.ConfigDict, examples: ExampleFormat, data: IndexedTokens, split: str,
+                    which: str) -> Batches:
+    """The model's examples of one corpus's ``split``; ConfigError when it cannot fill a batch."""
     train_range, valid_range = split_by_documents(data.offsets, config.data.valid_fraction)
     token_range = train_range if split == "train" else valid_range
     b, seq = config.train.global_batch_size, config.model.max_seq_len
-    if config.model.name == "bert":
-        batches, unit = _bert_batches(config, data, token_range, split), f"sentence pairs of {seq} tokens"
-        n = len(batches)
-    else:
-        batches, unit = GPTBatches(data.tokens, seq, b, config.data.seed, token_range), f"samples of {seq + 1} tokens"
-        n = batches.num_samples
-    if n == 0 or (split == "train" and n < b and not which):
-        tokens = token_range[1] - token_range[0]
-        raise ConfigError(f"{which + ': ' if which else ''}{_split_hint(split, config)} ({tokens} tokens make {n} "
-                          f"{unit}; one step needs train.global_batch_size={b})")
-    return batches
-
-
-def _bert_batches(config: ml_collections.ConfigDict, data: IndexedTokens, token_range: tuple[int, int],
-                  split: str):
-    from megajax.data.bert_dataset import BERTBatches, documents_in
-    from megajax.data.bert_vocab import BertVocab
-
-    d = config.data
     try:
-        return BERTBatches(data, BertVocab.from_dataset(data), config.model.max_seq_len,
-                           config.train.global_batch_size, d.seed, documents=documents_in(data.offsets, token_range),
-                           mask_prob=d.mask_prob, max_ngram=d.max_ngram, short_seq_prob=d.short_seq_prob)
+        batches = examples.batches(config, data, token_range)
     except ValueError as e:
         hint = _split_hint(split, config) + "; " if "two sentences" in str(e) else ""
         raise ConfigError(f"{hint}{e}") from e
+    n = examples.count(batches)
+    if n == 0 or (split == "train" and n < b and not which):
+        tokens = token_range[1] - token_range[0]
+        raise ConfigError(f"{which + ': ' if which else ''}{_split_hint(split, config)} ({tokens} tokens make {n} "
+                          f"{examples.unit(seq)}; one step needs train.global_batch_size={b})")
+    return batches

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import pathlib
 
+from megajax.errors import UserError
 
-class TaskDataError(ValueError):
+
+class TaskDataError(UserError, ValueError):
     """A task data file that cannot be used; the message names the file and what is wrong with it."""
 
 

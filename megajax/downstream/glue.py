@@ -20,8 +20,14 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from megajax.data.tokenizer import TextTokenizer
-from megajax.downstream.encoding import (SPECIALS_PER_PAIR, EncodedTask, PackedPairs, token_ids,
-                                         truncate_longer_first, wordpiece_backend)
+from megajax.downstream.encoding import (
+    SPECIALS_PER_PAIR,
+    EncodedTask,
+    PackedPairs,
+    token_ids,
+    truncate_longer_first,
+    wordpiece_backend,
+)
 from megajax.downstream.files import TaskDataError, existing_file
 
 # Label id = position in these tuples (fixed; the classifier's output order).

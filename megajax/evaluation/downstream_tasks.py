@@ -23,8 +23,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from megajax.data.task_source import TASKS
 from megajax.downstream.encoding import EncodedTask
+from megajax.downstream.task_data import TASK_CLASSES
 from megajax.evaluation.inputs import InputError
 
 DOWNSTREAM_TASKS = ("mnli", "qqp", "squad1", "squad2", "race")
@@ -49,7 +49,7 @@ class Split:
 
 def check_classes(task: str, config: ml_collections.ConfigDict) -> None:
     """Raises InputError when a classification task's classes differ from the checkpoint's classifier's."""
-    classes = TASKS[task][1]
+    classes = TASK_CLASSES.get(task, 0)
     if classes and config.model.num_classes != classes:
         raise InputError(f"--task={task} has {classes} classes but this checkpoint's classifier has "
                          f"{config.model.num_classes} (it was fine-tuned on data.task={config.data.get('task')!r})")
@@ -132,8 +132,8 @@ def predict(model, mesh, rules, rows: EncodedTask, batch_size: int) -> tuple[np.
     from flax import nnx
 
     from megajax.downstream.batches import OrderedBatches
-    from megajax.sharding import activate
-    from megajax.training.objectives import PAIR_FIELDS
+    from megajax.models.objectives import PAIR_FIELDS
+    from megajax.parallel.sharding import activate
 
     data = mesh.shape["data"]
     batches = OrderedBatches(rows, -(-batch_size // data) * data)

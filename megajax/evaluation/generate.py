@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from megajax.sharding import Rules, activate
+from megajax.parallel.sharding import Rules, activate
 
 
 @dataclasses.dataclass(frozen=True)

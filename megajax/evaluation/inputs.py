@@ -11,15 +11,18 @@ import ml_collections
 import numpy as np
 
 from megajax.data.indexed import META, IndexedTokens
+from megajax.data.sources import make_loader
 from megajax.data.tokenizer import TextTokenizer, load_tokenizer
+from megajax.errors import ConfigError, UserError
 from megajax.evaluation.detokenize import original_token_count, wikitext_detokenize
 from megajax.evaluation.scoring import check_stride
+from megajax.models import model_spec
 
 PAPER_STRIDE = 32  # the paper's WikiText-103 overlap (Megatron-LM's --overlapping-eval default)
 WINDOWED_TASKS = ("wikitext103", "ppl")
 
 
-class InputError(ValueError):
+class InputError(UserError, ValueError):
     """A bad eval.py input (flag, file or checkpoint/data mismatch); the message says what to change."""
 
 
@@ -29,9 +32,8 @@ def tokenizer_for(config: ml_collections.ConfigDict, explicit: str | None) -> Te
         return load_tokenizer(explicit)
     d = config.data
     try:
-        if d.source == "default":
-            from megajax.data.default_corpus import default_corpus
-            return load_tokenizer(default_corpus(config.model.vocab_size)[1])
+        if d.source == "default":  # the model's own offline corpus
+            return load_tokenizer(model_spec(config.model.name).examples.default_corpus(config.model.vocab_size)[1])
         if d.source == "tfds" and d.tokenizer:
             return load_tokenizer(d.tokenizer)
         if d.source == "indexed" and d.path:  # the sidecar names the tokenizer; the token files are not needed
@@ -144,38 +146,25 @@ def read_token_file(prefix: str | pathlib.Path, vocab_size: int) -> np.ndarray:
     return data.tokens
 
 
-LM_TASKS = ("wikitext103", "lambada", "ppl", "generate")  # GPT's
-
-
-def model_for_task(task: str) -> str:
-    """The ``model.name`` a task evaluates: gpt (language modelling), bert (mlm) or a fine-tuned task model."""
-    from megajax.data.task_source import TASKS
-
-    return "gpt" if task in LM_TASKS else "bert" if task == "mlm" else TASKS[task][0]
-
-
-def check_model_kind(task: str, config: ml_collections.ConfigDict, tasks: tuple[str, ...]) -> None:
-    """Raises InputError unless the checkpoint's model is the one ``task`` evaluates, naming the ``tasks`` that
-    apply to it instead."""
-    name = config.model.get("name", "gpt")
-    if name != model_for_task(task):
-        fits = [t for t in tasks if model_for_task(t) == name]
-        hint = f"use --task={' or '.join(fits)}" if fits else "eval.py has no task for it"
-        raise InputError(f"--task={task} does not apply to this checkpoint's model ({name}); {hint}")
+def check_model_kind(task: str, config: ml_collections.ConfigDict) -> None:
+    """Raises InputError unless the checkpoint's model is the one ``task`` evaluates (the model's spec lists its
+    eval tasks), naming the tasks that apply to it instead."""
+    spec = model_spec(config.model.name)
+    if task not in spec.eval_tasks:
+        hint = f"use --task={' or '.join(spec.eval_tasks)}" if spec.eval_tasks else "eval.py has no task for it"
+        raise InputError(f"--task={task} does not apply to this checkpoint's model ({spec.name}); {hint}")
 
 
 def bert_eval_batches(config: ml_collections.ConfigDict, prefix: str | None, batch_size: int):
     """(BERT batches, what they are) for ``--task=mlm``: the whole of ``--data=PREFIX`` (sentence-split), else the
     validation split of the checkpoint's own training data; checked against the model's vocabulary."""
-    from megajax.config import ConfigError
-    from megajax.data.sources import make_loader
-
     config = ml_collections.ConfigDict(config.to_dict())
     config.train.global_batch_size = batch_size
     if prefix:
         config.data.update(source="indexed", path=str(prefix), valid_fraction=0.0)
     where = f"--data={prefix}" if prefix else f"the validation split of the checkpoint's data ({config.data.source})"
     try:
-        return make_loader(config, "train" if prefix else "valid").batches, where
+        examples = model_spec(config.model.name).examples
+        return make_loader(config, examples, "train" if prefix else "valid").batches, where
     except (ConfigError, OSError, ValueError) as e:
         raise InputError(f"{where}: {e}" + ("" if prefix else "; pass --data=PREFIX")) from e

@@ -27,11 +27,12 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from megajax import cli
-from megajax.checkpoint import load_model, read_config
-from megajax.config import rules_of
+from megajax.checkpoint import read_config
+from megajax.config.load import inference_config, restore_model
 from megajax.evaluation.generate import Sampling, generate
 from megajax.evaluation.inputs import check_tokenizer, tokenizer_for
 from megajax.evaluation.scoring import Scorer, check_stride, cloze_rows, streams_log_likelihood
+from megajax.models import model_spec
 
 GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
 
@@ -66,8 +67,9 @@ class MegajaxLM(TemplateLM):
         if not str(batch_size).isdigit() or int(batch_size) < 1:
             raise ValueError(f"batch_size={batch_size!r}: give a whole number >= 1 (megajax has no 'auto')")
         config = read_config(checkpoint)  # checks before loading anything
-        if config.model.get("name", "gpt") != "gpt":
-            raise ValueError(f"{checkpoint} holds a {config.model.name} model; lm-eval needs a GPT (causal LM)")
+        if not model_spec(config.model.name).causal_lm:
+            raise ValueError(f"{checkpoint} holds a {config.model.name} model; lm-eval needs a causal language "
+                             "model (a GPT)")
         self.tok = tokenizer_for(config, tokenizer)
         check_tokenizer(self.tok, config.model.vocab_size)
         self.seq_len = config.model.max_seq_len
@@ -75,9 +77,8 @@ class MegajaxLM(TemplateLM):
         check_stride(self.stride, self.seq_len)
         self.max_gen_toks, self.seed = int(max_gen_toks), int(seed)
         data, model = parse_mesh(mesh)
-        self.model, config = load_model(checkpoint, data=data, model=model)
-        self.mesh = self.model.wte.embedding[...].sharding.mesh
-        self.rules = rules_of(config)
+        self.model, spec, self.mesh = restore_model(checkpoint, inference_config(checkpoint, data, model))
+        self.rules = spec.rules
         self.scorer = Scorer(self.model, self.mesh, self.rules, int(batch_size), self.seq_len)
         self.batch_size = self.scorer.batch_size  # rounded up to a multiple of the data axis
 

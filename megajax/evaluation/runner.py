@@ -10,11 +10,15 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from megajax.checkpoint import read_config
+from megajax.config.load import inference_config, restore_model
 from megajax.data.tokenizer import TextTokenizer
-from megajax.evaluation import downstream_tasks, inputs
-from megajax.evaluation.generate import Sampling, check_generation
+from megajax.evaluation import downstream_tasks, inputs, tasks
+from megajax.evaluation.generate import Sampling, check_generation, generate
+from megajax.evaluation.scoring import Scorer
+from megajax.models import eval_task_models
 
-TASKS = (*inputs.LM_TASKS, "mlm", *downstream_tasks.DOWNSTREAM_TASKS)
+TASKS = tuple(eval_task_models())  # every model's eval tasks (models/: each spec lists its own)
 
 
 def read_inputs(task: str, config: ml_collections.ConfigDict, *, data: str | None, prompt: str | None,
@@ -24,7 +28,7 @@ def read_inputs(task: str, config: ml_collections.ConfigDict, *, data: str | Non
     (``config``) so that mistakes fail here, before the model is loaded or anything is compiled."""
     if task not in TASKS:
         raise inputs.InputError(f"--task={task!r}; choose one of {TASKS}")
-    inputs.check_model_kind(task, config, TASKS)
+    inputs.check_model_kind(task, config)
     if batch_size < 1:
         raise inputs.InputError(f"--batch_size={batch_size}: must be >= 1")
     vocab_size, seq_len = config.model.vocab_size, config.model.max_seq_len
@@ -48,14 +52,12 @@ def read_inputs(task: str, config: ml_collections.ConfigDict, *, data: str | Non
     return ids, tok, stride
 
 
-def _mlm(model, mesh, rules, batches, where: str) -> dict:
+def _mlm(model, mesh, rules, objective, batches, where: str) -> dict:
     """One pass over the evaluation sentence pairs (masking fixed by the data seed), at least one batch."""
-    from megajax.evaluation import tasks
-
     if batches.global_batch % mesh.shape["data"]:
         raise inputs.InputError(f"--batch_size={batches.global_batch} is not a multiple of the mesh's data axis "
                                 f"({mesh.shape['data']})")
-    result = tasks.mlm(model, mesh, rules, batches, max(len(batches) // batches.global_batch, 1))
+    result = tasks.mlm(model, mesh, rules, objective, batches, max(len(batches) // batches.global_batch, 1))
     result["data"] = where
     return result
 
@@ -73,12 +75,6 @@ def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | No
     label, option letter or answer text; "" = no answer). Input mistakes raise ``InputError`` before the model is
     loaded.
     """
-    from megajax.checkpoint import load_model, read_config
-    from megajax.config import rules_of
-    from megajax.evaluation import tasks
-    from megajax.evaluation.generate import generate
-    from megajax.evaluation.scoring import Scorer
-
     sampling = sampling or Sampling()
     try:
         for flag, path in (("--output", output), ("--predictions", predictions)):
@@ -94,11 +90,10 @@ def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | No
         raise
     except (ValueError, FileNotFoundError) as e:  # from reading the checkpoint's config or a tokenizer
         raise inputs.InputError(str(e)) from e
-    model, config = load_model(checkpoint, data=mesh_data, model=mesh_model)
-    mesh = model.wte.embedding[...].sharding.mesh
-    rules = rules_of(config)
+    model, spec, mesh = restore_model(checkpoint, inference_config(checkpoint, mesh_data, mesh_model))
+    rules = spec.rules
     if task == "mlm":
-        result = _mlm(model, mesh, rules, *task_input)
+        result = _mlm(model, mesh, rules, spec.model_spec.objective, *task_input)
     elif task in downstream_tasks.DOWNSTREAM_TASKS:
         result, predicted = downstream_tasks.evaluate(model, mesh, rules, task, task_input, batch_size)
         if predictions:
@@ -111,7 +106,7 @@ def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | No
         result = {"task": "generate", "prompt": prompt,
                   "text": tok.decode(out[0, task_input.shape[1]:].tolist())}
     else:
-        scorer = Scorer(model, mesh, rules, batch_size, config.model.max_seq_len)
+        scorer = Scorer(model, mesh, rules, batch_size, spec.model.max_seq_len)
         if task == "wikitext103":
             result = tasks.wikitext103(scorer, task_input, stride)
         elif task == "lambada":

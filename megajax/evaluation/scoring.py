@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from megajax.losses import vocab_parallel_cross_entropy
-from megajax.sharding import Rules, activate
+from megajax.parallel.losses import vocab_parallel_cross_entropy
+from megajax.parallel.sharding import Rules, activate
 
 
 def check_stride(stride: int, seq_len: int) -> None:

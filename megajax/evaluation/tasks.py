@@ -6,10 +6,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import jax
 import numpy as np
+from flax import nnx
 
 from megajax.evaluation.inputs import WikiText
 from megajax.evaluation.scoring import Scorer, cloze_rows, sliding_windows, stream_log_likelihood
+from megajax.parallel.sharding import activate
 
 
 def _windowed_nll(scorer: Scorer, tokens: np.ndarray, stride: int, desc: str) -> tuple[float, int]:
@@ -58,17 +61,11 @@ def perplexity(scorer: Scorer, tokens: np.ndarray, stride: int, data: str) -> di
             "loss": nll / count, "ppl": math.exp(nll / count)}
 
 
-def mlm(model, mesh, rules, batches, num_batches: int) -> dict:
+def mlm(model, mesh, rules, objective, batches, num_batches: int) -> dict:
     """Masked-LM loss and accuracy and sentence-order accuracy over ``num_batches`` deterministic BERT batches
-    (masked-token metrics weighted by masked tokens, SOP by sequences)."""
-    import jax
-    from flax import nnx
-
-    from megajax.sharding import activate
-    from megajax.training.objectives import objective_for
-
+    (masked-token metrics weighted by masked tokens, SOP by sequences); ``objective``: the model's (MLM + SOP)."""
     graphdef, state = nnx.split(model)
-    loss_fn = objective_for("bert").loss
+    loss_fn = objective.loss
     evaluate = jax.jit(lambda state, batch: loss_fn(nnx.merge(graphdef, state), batch, None)[1])
     sums = {"mlm_nll": 0.0, "mlm_hits": 0.0, "masked": 0.0, "sop_hits": 0.0, "sequences": 0}
     with activate(mesh, rules):

@@ -1,11 +1,8 @@
-"""Model definitions, picked by ``config.model.name``: every model is built from a ``TransformerConfig``."""
+"""The models. Each file registers its ``ModelSpec`` (``spec.py``) under its ``config.model.name``; importing this
+package registers them all. ``transformer.py`` is the trunk every model shares; ``objectives.py`` the losses."""
 
-from megajax.models.bert import BERT
-from megajax.models.gpt import GPT
-from megajax.models.heads import BERTClassifier, BERTMultipleChoice, BERTSpan
+from megajax.models import bert, gpt, heads  # noqa: F401 - each registers its spec
+from megajax.models.spec import MODELS, ModelSpec, eval_task_models, model_spec, task_models
 from megajax.models.transformer import TransformerConfig
 
-MODELS = {"gpt": GPT, "bert": BERT, "bert_classifier": BERTClassifier, "bert_multiple_choice": BERTMultipleChoice,
-          "bert_span": BERTSpan}
-
-__all__ = ["BERT", "BERTClassifier", "BERTMultipleChoice", "BERTSpan", "GPT", "MODELS", "TransformerConfig"]
+__all__ = ["MODELS", "ModelSpec", "TransformerConfig", "eval_task_models", "model_spec", "task_models"]

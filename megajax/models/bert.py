@@ -15,10 +15,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from megajax.layers import ACTIVATIONS, Dense, LayerNorm, VocabParallelEmbedding, dropout, make_param
-from megajax.losses import mask_padded_vocab
+from megajax.data import formats
+from megajax.models import objectives
+from megajax.models.spec import HeadMemory, ModelSpec, register, transformer_flops
 from megajax.models.transformer import TransformerConfig, make_blocks, padding_mask, run_blocks
-from megajax.sharding import RESIDUAL, constrain, param_at_use
+from megajax.parallel.layers import ACTIVATIONS, Dense, LayerNorm, VocabParallelEmbedding, dropout, make_param
+from megajax.parallel.losses import mask_padded_vocab
+from megajax.parallel.sharding import RESIDUAL, constrain, param_at_use
 
 NUM_SOP_CLASSES = 2  # 0: A then B as in the document, 1: swapped
 
@@ -93,3 +96,19 @@ class BERT(BERTEncoder):
         y = self.mlm_ln(self.act(self.mlm_dense(x)))
         logits = self.wte.attend(y, word_rows) + param_at_use(self.mlm_bias[...], ("vocab",)).astype(y.dtype)
         return mask_padded_vocab(constrain(logits, ("batch", "seq", "vocab")), self.cfg.vocab_size)
+
+
+def _bert_flops(cfg: TransformerConfig, rows: int, seq: int) -> float:
+    """GPT's formula plus the MLM transform (an h x h dense at every position, 6 B s h^2 forward + backward; the
+    pooler is negligible)."""
+    return transformer_flops(rows, seq, cfg.num_layers, cfg.hidden_size, cfg.padded_vocab_size) + \
+        6.0 * rows * seq * cfg.hidden_size**2
+
+
+register(ModelSpec(
+    name="bert", module=BERT, objective=objectives.MLM_SOP, examples=formats.SENTENCE_PAIRS, flops=_bert_flops,
+    # the MLM logits, their exponentials, their gradient and the biased logits; the MLM transform's dense, GeLU
+    # and LayerNorm double the hidden tensors
+    head_memory=HeadMemory(vocab_logit_copies=4, hidden_tensors=16),
+    eval_tasks=("mlm",), pooled_heads=("pooler", "sop"), pooled_rows=1, sequence_rows=("wpe",),
+    perplexity_of="mlm_loss"))

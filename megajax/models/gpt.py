@@ -1,6 +1,7 @@
 """GPT-2: word + position embeddings, the shared trunk under a causal mask, a final LN and a tied output layer.
 
-Parameter paths (``wte``, ``wpe``, ``blocks``, ``ln_f``) are those of every megajax GPT checkpoint.
+Parameter paths (``wte``, ``wpe``, ``blocks``, ``ln_f``) are those of every megajax GPT checkpoint. Registered as
+``model.name=gpt``: next-token prediction on windows of a corpus.
 """
 
 from __future__ import annotations
@@ -9,10 +10,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from megajax.layers import LayerNorm, VocabParallelEmbedding, dropout, make_param
-from megajax.losses import mask_padded_vocab
+from megajax.data import formats
+from megajax.models import objectives
+from megajax.models.spec import HeadMemory, ModelSpec, register, transformer_flops
 from megajax.models.transformer import KVCache, TransformerConfig, causal_mask, make_blocks, run_blocks
-from megajax.sharding import RESIDUAL, constrain, param_at_use
+from megajax.parallel.layers import LayerNorm, VocabParallelEmbedding, dropout, make_param
+from megajax.parallel.losses import mask_padded_vocab
+from megajax.parallel.sharding import RESIDUAL, constrain, param_at_use
 
 
 class GPT(nnx.Module):
@@ -66,3 +70,13 @@ class GPT(nnx.Module):
         x, cache = run_blocks(self.blocks, cfg, x, mask, k_layers, cache, index)
         logits = self.wte.attend(self.ln_f(x), rows)  # (B, S, V_padded)
         return mask_padded_vocab(logits, cfg.vocab_size), cache
+
+
+register(ModelSpec(
+    name="gpt", module=GPT, objective=objectives.LM, examples=formats.WINDOWS,
+    # the output layer over the padded vocabulary at every position
+    flops=lambda cfg, rows, seq: transformer_flops(rows, seq, cfg.num_layers, cfg.hidden_size,
+                                                   cfg.padded_vocab_size),
+    head_memory=HeadMemory(vocab_logit_copies=3, hidden_tensors=8),
+    eval_tasks=("wikitext103", "lambada", "ppl", "generate"), sequence_rows=("wpe",), perplexity_of="loss",
+    causal_lm=True))

@@ -1,7 +1,7 @@
 """BERT task models: the shared ``BERTEncoder`` plus one small replicated head each (fine-tuning, paper Table 5).
 
 Each subclasses the encoder, so a pretrained BERT's trunk parameters (wte, wpe, tte, ln_emb / ln_f, blocks,
-pooler) sit at the same paths and load by name (``megajax.finetune.load_trunk``). Heads read the replicated
+pooler) sit at the same paths and load by name (``megajax.training.finetune.load_trunk``). Heads read the replicated
 hidden state and write a small replicated output: no communication, as in Megatron. They are initialised as the
 paper's BERT heads: normal(init_std = 0.02) kernels, zero biases (``Dense``).
 """
@@ -11,10 +11,13 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from megajax.layers import Dense, dropout
+from megajax.downstream.race import NUM_OPTIONS
+from megajax.models import objectives
 from megajax.models.bert import BERTEncoder
+from megajax.models.spec import HeadMemory, ModelSpec, register, transformer_flops
 from megajax.models.transformer import TransformerConfig
-from megajax.sharding import constrain
+from megajax.parallel.layers import Dense, dropout
+from megajax.parallel.sharding import constrain
 
 NUM_SPAN_LOGITS = 2  # start, end
 
@@ -74,3 +77,26 @@ class BERTSpan(BERTEncoder):
         x = self.encode(tokens, token_types, valid, dropout_key=dropout_key)  # (B, S, H)
         logits = constrain(self.span(x), ("batch", "seq", "classes"))  # (B, S, 2)
         return logits[..., 0], logits[..., 1]
+
+
+def _trunk_flops(cfg: TransformerConfig, rows: int, seq: int) -> float:
+    """The trunk only: the task heads are negligible beside it and there is no output layer over the vocabulary."""
+    return transformer_flops(rows, seq, cfg.num_layers, cfg.hidden_size, 0)
+
+
+def _task_model(name: str, module: type[BERTEncoder], objective: objectives.Objective, tasks: tuple[str, ...],
+                eval_tasks: tuple[str, ...], head: str, pooled_rows: int, rows: int = 1) -> ModelSpec:
+    """A fine-tuning model: the BERT trunk (loaded from a pretraining checkpoint by ``init_from``) and ``head``."""
+    return register(ModelSpec(
+        name=name, module=module, objective=objective, flops=_trunk_flops,
+        head_memory=HeadMemory(vocab_logit_copies=0, hidden_tensors=8), tasks=tasks, eval_tasks=eval_tasks,
+        rows_per_example=rows, pooled_heads=("pooler", head) if pooled_rows else ("pooler",), pooled_rows=pooled_rows,
+        sequence_rows=("wpe",), pretrained_trunk=BERTEncoder))
+
+
+_task_model("bert_classifier", BERTClassifier, objectives.CLASSIFY, ("mnli", "qqp", "synthetic_pair"),
+            ("mnli", "qqp"), head="classifier", pooled_rows=1)
+_task_model("bert_multiple_choice", BERTMultipleChoice, objectives.CHOOSE, ("race", "synthetic_choice"), ("race",),
+            head="scorer", pooled_rows=NUM_OPTIONS, rows=NUM_OPTIONS)
+_task_model("bert_span", BERTSpan, objectives.SPAN, ("squad1", "squad2", "synthetic_span"), ("squad1", "squad2"),
+            head="span", pooled_rows=0)  # every position's hidden state, no pooled token

@@ -14,8 +14,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from megajax.layers import ACTIVATIONS, ColumnParallelLinear, LayerNorm, RowParallelLinear, dropout, scaled_init_std
-from megajax.sharding import RESIDUAL, constrain, keep_all_but_gathered, params_split
+from megajax.parallel.layers import (
+    ACTIVATIONS,
+    ColumnParallelLinear,
+    LayerNorm,
+    RowParallelLinear,
+    dropout,
+    scaled_init_std,
+)
+from megajax.parallel.sharding import RESIDUAL, constrain, keep_all_but_gathered, params_split
 
 REMAT_POLICIES = ("none", "full", "save_dots", "selective")
 LayerCache = tuple[jax.Array, jax.Array]  # one layer's (keys, values), (B, S_max, N, D) each

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import jax
 
+from megajax.errors import UserError
 
-class TrainingDiverged(RuntimeError):
+
+class TrainingDiverged(UserError, RuntimeError):
     """The loss or gradient norm stayed non-finite; nothing was saved from the bad state."""
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 import sys
 import time
@@ -13,25 +14,25 @@ import ml_collections
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from megajax.builder import abstract_model, model_factory
 from megajax.checkpoint import Checkpointer
-from megajax.config import RunSpec, resolve
+from megajax.config import RunSpec, abstract_model, model_factory, resolve
 from megajax.data.blend import BlendedBatches
 from megajax.data.gpt_dataset import split_by_documents, unigram_entropy
 from megajax.data.loader import Loader
-from megajax.data.sources import TASK_MODELS, BlendedData, load_dataset, make_loader
-from megajax.data.task_source import TaskData
-from megajax.finetune import check_init_from, load_trunk
-from megajax.info import memory_report
-from megajax.partition import over_data, shardings
-from megajax.sharding import activate, logical_to_spec, make_mesh
+from megajax.data.sources import BlendedData
+from megajax.downstream.task_data import TaskData
+from megajax.models.objectives import Field
+from megajax.parallel.partition import over_data, shardings
+from megajax.parallel.sharding import activate, logical_to_spec, make_mesh
 from megajax.training import distributed
+from megajax.training.data import load_dataset, make_loader
+from megajax.training.finetune import check_init_from, load_trunk
 from megajax.training.health import NonFiniteGuard
 from megajax.training.loss_scale import LossScale
 from megajax.training.metrics import MetricsWriter, model_flops_per_step, peak_flops, sequences_per_step
-from megajax.training.objectives import Field, objective_for
 from megajax.training.optimizer import learning_rate_schedule, make_optimizer
 from megajax.training.preemption import StopRequest
 from megajax.training.step import TrainState, make_eval_step, make_train_step
@@ -68,7 +69,7 @@ def _init_fn(config: ml_collections.ConfigDict, spec: RunSpec, optimizer: optax.
 
 def batch_layout(spec: RunSpec, mesh: Mesh) -> tuple[dict[str, Field], dict[str, NamedSharding]]:
     """The objective's batch fields and the sharding of each (from its logical names)."""
-    fields = objective_for(spec.model_name).fields(spec.model.max_seq_len)
+    fields = spec.model_spec.objective.fields(spec.model.max_seq_len)
     return fields, {k: NamedSharding(mesh, logical_to_spec(f.names, spec.rules)) for k, f in fields.items()}
 
 
@@ -76,8 +77,7 @@ def setup(config: ml_collections.ConfigDict) -> Run:
     """Validates the config, builds the mesh, derives every sharding and compiles the step (nothing allocated)."""
     spec = resolve(config, jax.device_count())
     mesh = make_mesh(spec.data, spec.tensor)
-    abstract_params = nnx.state(abstract_model(config))
-    graphdef = nnx.graphdef(abstract_model(config))
+    graphdef, abstract_params = nnx.split(abstract_model(config))
     # FSDP (ZeRO-3): stored split over data; each layer gathers its parameters at use (sharding.param_at_use)
     param_shardings = nnx.to_pure_dict(shardings(abstract_params, mesh, spec.rules, split_over_data=spec.fsdp))
     schedule = learning_rate_schedule(config.optimizer, config.train.steps)
@@ -96,7 +96,7 @@ def setup(config: ml_collections.ConfigDict) -> Run:
         loss_scale=jax.tree.map(lambda _: replicated, abstract_state.loss_scale), rng=replicated)
     abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state,
                                   state_shardings)
-    objective = objective_for(spec.model_name)
+    objective = spec.model_spec.objective
     fields, batch_shardings = batch_layout(spec, mesh)
     step = make_train_step(graphdef, optimizer, schedule, objective, fields, num_micro=spec.num_micro,
                            dropout=spec.model.dropout > 0)
@@ -114,9 +114,15 @@ def setup(config: ml_collections.ConfigDict) -> Run:
     return Run(config, spec, mesh, abstract_state, batch_shardings, compiled, num_params, init_state, eval_step)
 
 
+def _bytes_per_device(tree) -> int:
+    """Bytes one device holds of the arrays (scalars aside: AdamW's step count) of a tree of sharded
+    ShapeDtypeStructs."""
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree) if a.ndim)
+
+
 def _start_record(run: Run, data, resumed_from: int | None) -> dict:
     spec = run.spec
-    report = memory_report(run.config, spec.data, spec.tensor, spec.micro_batch)
+    param_bytes = _bytes_per_device(run.abstract_state.params)
     dev = jax.local_devices()[0]
     try:
         stats = dev.memory_stats()  # None or unsupported on CPU
@@ -135,8 +141,9 @@ def _start_record(run: Run, data, resumed_from: int | None) -> dict:
     return {"step": resumed_from or 0, "event": "resume" if resumed_from is not None else "start",
             "model": spec.model_name, "mesh": f"{spec.data}x{spec.tensor}", "devices": jax.device_count(),
             "processes": jax.process_count(), "device_kind": dev.device_kind, "num_params": run.num_params,
-            "precision": spec.precision, "param_bytes_per_device": report.param_bytes,
-            "train_state_bytes_per_device": report.param_bytes + report.grad_bytes + report.optimizer_bytes,
+            "precision": spec.precision, "param_bytes_per_device": param_bytes,
+            # parameters, one fp32 gradient per parameter held (the paper's accounting) and AdamW's moments
+            "train_state_bytes_per_device": 2 * param_bytes + _bytes_per_device(run.abstract_state.opt_state),
             "device_bytes_in_use": (stats or {}).get("bytes_in_use"),
             "unigram_entropy": entropy, **({"blend": blend} if blend else {})}
 
@@ -160,7 +167,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> li
     loader = make_loader(config, "train", data)
     valid = make_loader(config, "valid", data) if config.train.eval_batches else None
     checkpointer = Checkpointer(workdir, config.checkpoint) if config.checkpoint.enabled else None
-    restore_step = config.checkpoint.get("restore_step", 0)
+    restore_step = config.checkpoint.restore_step
     latest = checkpointer.latest_step() if checkpointer else None
     if latest is not None and (restore_step or latest) >= config.train.steps:
         print(f"{workdir} already holds a checkpoint of step {restore_step or latest} >= train.steps="
@@ -168,14 +175,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> li
               file=sys.stderr)
         checkpointer.close()
         return []
-    init_from = config.get("init_from", "")  # .get: configs stored by older checkpoints lack it
+    init_from = config.init_from
     if init_from and latest is None:
         check_init_from(config)  # a wrong path or model fails before compiling
     run = setup(config)
     restored = checkpointer.resume(run.abstract_state, restore_step) if checkpointer else None
     if restored:
         state, loader_state = restored
-        loader.set_state(loader_state, config.train.allow_batch_size_change, config.data.get("allow_blend_change"))
+        loader.set_state(loader_state, config.train.allow_batch_size_change, config.data.allow_blend_change)
         if init_from and jax.process_index() == 0:
             print(f"resuming from {checkpointer.directory}: init_from={init_from!r} is ignored (resume wins)",
                   file=sys.stderr)
@@ -258,8 +265,8 @@ def _loop(run: Run, state: TrainState, loader: Loader, valid: Loader | None,
         if valid and (last or (every and done % every == 0)):
             v = validation_metrics(run, state.params, valid, config.train.eval_batches)
             record = {"step": done, **{f"valid_{k}": x for k, x in v.items()}}
-            if spec.model_name not in TASK_MODELS:  # a language model's perplexity; MLM alone for BERT
-                record["valid_ppl"] = float(np.exp(v.get("mlm_loss", v["loss"])))
+            if spec.model_spec.perplexity_of:  # a language model's perplexity (BERT's: of the MLM loss alone)
+                record["valid_ppl"] = float(np.exp(v[spec.model_spec.perplexity_of]))
             writer.write(record)
             records.append(record)
             last_time = time.perf_counter()  # keep evaluation out of the training step time

@@ -7,6 +7,8 @@ import pathlib
 
 import jax
 
+from megajax.config import RunSpec
+
 # Dense peak FLOP/s per device from vendor datasheets: (substring of jax's device_kind, precision). The first
 # matching kind wins, so the specific ones (H100 PCIe) come before the general (H100, the SXM part). fp32 runs
 # use the TF32 tensor-core peak on Ampere and Hopper (XLA's default matmul precision there) and the plain FP32
@@ -24,32 +26,15 @@ PEAK_FLOPS = {
 }
 
 
-
-def transformer_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
-    """Megatron's model FLOPs of one forward+backward step (Narayanan et al. 2021, without recomputation):
-    72 B s L h^2 (1 + s / (6 h) + V / (12 L h)); the last term is the output layer over every position."""
-    return 72.0 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
-
-
-def sequences_per_step(spec) -> int:
-    """Sequences of ``max_seq_len`` through the trunk per step: one per example, four for multiple choice (each
-    RACE option is its own row)."""
-    from megajax.training.objectives import NUM_CHOICES
-
-    return spec.global_batch * (NUM_CHOICES if spec.model_name == "bert_multiple_choice" else 1)
+def sequences_per_step(spec: RunSpec) -> int:
+    """Sequences of ``max_seq_len`` through the trunk per step: the model's rows per example (multiple choice: one
+    per option) for each example of the global batch."""
+    return spec.global_batch * spec.model_spec.rows_per_example
 
 
-def model_flops_per_step(spec, seq: int) -> float:
-    """Model FLOPs of one step of a resolved run (``config.RunSpec``): GPT's formula; BERT adds its MLM
-    transform (an h x h dense at every position, 6 B s h^2 forward + backward; the pooler is negligible). Task
-    models have no output layer over the vocabulary (their heads are negligible) and count every sequence."""
-    m = spec.model
-    vocab = m.padded_vocab_size if spec.model_name in ("gpt", "bert") else 0
-    rows = sequences_per_step(spec)
-    flops = transformer_flops(rows, seq, m.num_layers, m.hidden_size, vocab)
-    if spec.model_name == "bert":
-        flops += 6.0 * rows * seq * m.hidden_size**2
-    return flops
+def model_flops_per_step(spec: RunSpec, seq: int) -> float:
+    """Model FLOPs of one step of a resolved run, as the model's spec counts them (``ModelSpec.flops``)."""
+    return spec.model_spec.flops(spec.model, sequences_per_step(spec), seq)
 
 
 def peak_flops(device: jax.Device, precision: str, override: float | None = None) -> float | None:

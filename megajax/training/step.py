@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from megajax.sharding import constrain
+from megajax.models.objectives import Batch, Field, Metrics, Objective
+from megajax.parallel.sharding import constrain
 from megajax.training.loss_scale import LossScale
-from megajax.training.objectives import Batch, Field, Metrics, Objective
 from megajax.training.optimizer import applied_updates
 
 Params = dict[str, Any]

@@ -25,12 +25,14 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from megajax.errors import UserError
+
 LOCK_NAME = "train.lock"
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
 _MESSAGE_BYTES = 2048  # room for the refusal message when it is broadcast to the other processes
 
 
-class WorkdirInUseError(RuntimeError):
+class WorkdirInUseError(UserError, RuntimeError):
     """Another live run holds the workdir; the message names it and says what to do."""
 
 

@@ -16,7 +16,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import jax
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import AxisType, Mesh, PartitionSpec as P
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
+
+from megajax.errors import ShardingConfigError
 
 Rules = tuple[tuple[str, str | None], ...]
 
@@ -46,17 +49,9 @@ MEGATRON_RULES: Rules = (
 
 # The residual stream's layout (B, S, H). Under sequence parallelism its sequence is split over `model`: each
 # row-parallel GEMM's partial sums are reduce-scattered onto it, each column-parallel GEMM's input all-gathered
-# from it (megajax.layers).
+# from it (megajax.parallel.layers).
 RESIDUAL = ("batch", SEQUENCE_PARALLEL_NAME, "embed")
 SEQUENCE_DIM = RESIDUAL.index(SEQUENCE_PARALLEL_NAME)
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; the message names the field to change."""
-
-
-class ShardingConfigError(ConfigError):
-    """A sharding rule or mesh that cannot work; the message says what to change."""
 
 
 def logical_to_spec(names: Sequence[str | None], rules: Rules) -> P:

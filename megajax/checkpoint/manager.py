@@ -1,8 +1,8 @@
-"""Training checkpoints (orbax) with exact resume and resharding on restore, and loading a model for inference.
+"""Training checkpoints (orbax) with exact resume and resharding on restore; params-only exports.
 
 A training checkpoint is ``WORKDIR/checkpoints/<step>/`` with four items: ``state`` (parameters, optimizer
 state, step, loss-scale state, dropout key), ``data`` (the loader's position), ``config`` (the config that made
-it) and ``digests`` (a 64-bit content digest of every array, see ``megajax.array_digest``). Restoring reads every
+it) and ``digests`` (a 64-bit content digest of every array, see ``megajax.checkpoint.digest``). Restoring reads every
 array straight into the target mesh's shardings, so a checkpoint written on 1x8 loads on 2x4 or 1x1 without
 gathering the model on one host, then checks each array against its digest: orbax's zarr/zstd files carry no
 checksum of their data, so changed bytes would otherwise restore silently. Checkpoints written before digests
@@ -27,12 +27,14 @@ import ml_collections
 import orbax.checkpoint as ocp
 from flax import serialization
 
-from megajax import array_digest
+from megajax.checkpoint import digest as array_digest
+from megajax.checkpoint.migrate import migrate_config
+from megajax.errors import UserError
 
 SUPERSEDED = "superseded"  # WORKDIR/superseded/<time>/<step>: steps set aside by a resume from an earlier step
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be restored into this config; the message names the parameter."""
 
 
@@ -292,8 +294,9 @@ def _read_json_item(item: pathlib.Path) -> Any:
 
 
 def read_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
-    """The config stored with a checkpoint (training checkpoint or export)."""
-    return ml_collections.ConfigDict(_read_json_item(_step_dir(_resolve(path)) / "config"))
+    """The config stored with a checkpoint (training checkpoint or export), with the fields added since it was
+    written (``migrate_config``)."""
+    return migrate_config(ml_collections.ConfigDict(_read_json_item(_step_dir(_resolve(path)) / "config")))
 
 
 def restore_params(path: str | pathlib.Path, target: Any) -> Any:
@@ -336,35 +339,3 @@ def save_params(path: str | pathlib.Path, params: Any, config: ml_collections.Co
     manager.wait_until_finished()
     manager.close()
     return path / str(step)
-
-
-def load_model(path: str | pathlib.Path, *, data: int | None = None, model: int | None = None):
-    """Loads any megajax checkpoint onto the current devices: ``(model, config)``, ready for ``model(tokens)``.
-
-    ``path`` (absolute or relative) is a training workdir, its ``checkpoints/`` directory, one step of it, or a
-    params-only export. The mesh defaults to the checkpoint's ``mesh.model`` and all remaining devices on
-    ``data``; parameters are read straight into that layout (resharding on restore) and checked against their
-    digests. The returned config has ``parallel.sequence`` off: inference does not split the sequence.
-    """
-    from flax import nnx
-
-    from megajax.builder import abstract_model, build_mesh
-    from megajax.config import rules_of
-    from megajax.partition import shardings
-
-    path = _resolve(path)
-    config = read_config(path)
-    if "parallel" in config and "sequence" in config.parallel:
-        # Inference runs without sequence parallelism: it saves training memory, and a decoding step of one token
-        # has no sequence to split. The parameters are laid out the same either way.
-        config.parallel.sequence = False
-    config.mesh.data = -1 if data is None else data
-    if model is not None:
-        config.mesh.model = model
-    mesh = build_mesh(config)
-    graphdef, abstract = nnx.split(abstract_model(config))
-    target_shardings = nnx.to_pure_dict(shardings(abstract, mesh, rules_of(config)))
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          nnx.to_pure_dict(abstract), target_shardings)
-    params = restore_params(path, target)
-    return nnx.merge(graphdef, params), config

@@ -7,7 +7,6 @@ names, map them through the rules to PartitionSpecs, then run the initialiser un
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -15,7 +14,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from megajax.sharding import Rules, ShardingConfigError, fsdp_spec, logical_to_spec, spec_over_data
+from megajax.errors import ShardingConfigError
+from megajax.parallel.sharding import Rules, fsdp_spec, logical_to_spec, spec_over_data
 
 M = TypeVar("M", bound=nnx.Module)
 

@@ -1,7 +1,7 @@
 """From a config to a mesh and a sharded model: validate first, then allocate each shard where it lives.
 
-Every path that makes a model (training, evaluation, conversion, tools, tests) goes through ``model_factory``, so
-the model class is picked by ``config.model.name`` in one place.
+Every path that makes a model (training, evaluation, conversion, tools, tests) goes through ``model_factory``: the
+module comes from the spec registered as ``config.model.name``.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
-from megajax.config import model_config, rules_of, validate
-from megajax.models import MODELS
-from megajax.partition import init_sharded, partition_specs
-from megajax.sharding import make_mesh
+from megajax.config.resolve import model_config, rules_of, validate
+from megajax.models import model_spec
+from megajax.parallel.partition import init_sharded, partition_specs
+from megajax.parallel.sharding import make_mesh
 
 
 def build_mesh(config: ml_collections.ConfigDict, devices: list[jax.Device] | None = None) -> Mesh:
@@ -27,8 +27,8 @@ def build_mesh(config: ml_collections.ConfigDict, devices: list[jax.Device] | No
 
 
 def model_factory(config: ml_collections.ConfigDict) -> Callable[[int], nnx.Module]:
-    """``seed -> model`` for ``config.model.name`` (registry ``megajax.models.MODELS``)."""
-    cls, cfg = MODELS[config.model.name], model_config(config)  # model_config checks the name first
+    """``seed -> model`` for ``config.model.name`` (its ``megajax.models`` spec's module)."""
+    cls, cfg = model_spec(config.model.name).module, model_config(config)
     return lambda seed: cls(cfg, rngs=nnx.Rngs(seed))
 
 

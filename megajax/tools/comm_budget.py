@@ -9,7 +9,7 @@ hidden, L layers, tensor-parallel degree > 1 and data-parallel degree > 1 where 
 | tensor-parallel backward | 2L + 1 all-reduces of b x s x h (+ L with ``remat=full``: see below) |
 | loss | 3 all-reduces of b x s (the vocab-parallel cross-entropy: max, sum of exponentials, target logit) |
 | data-parallel gradients | one all-reduce of every local gradient element |
-| data-parallel parameter gathers | ZeRO-1: one all-gather of each updated parameter shard; FSDP: two (forward, backward) |
+| data-parallel parameter gathers | ZeRO-1: one all-gather of each updated shard; FSDP: two (forward, backward) |
 
 With ``remat=full`` each block's forward runs again in the backward pass, but only its attention output needs
 the all-reduce again (the block's output is the saved scan carry): L more, where Megatron's checkpointing redoes
@@ -44,13 +44,14 @@ import dataclasses
 import jax
 import numpy as np
 
-from megajax.hlo_audit import Collective
-from megajax.sharding import spec_axes
+from megajax.models import ModelSpec
+from megajax.parallel.hlo_audit import Collective, collectives
+from megajax.parallel.partition import over_data
+from megajax.parallel.sharding import spec_axes
 
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "pred": 1}
 CATEGORIES = ("tensor-parallel forward", "tensor-parallel backward", "loss", "data-parallel gradients",
               "data-parallel parameter gathers", "sequence-parallel extra", "other")
-POOLED_HEADS = ("pooler", "sop", "classifier", "scorer")  # replicated layers on BERT's pooled first token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,8 +176,6 @@ class Budget:
 def step_budget(run) -> Budget:
     """The budget of a compiled training run (``megajax.training.loop.setup``): its step's collectives read from
     the optimized HLO beside the minimum for its model, mesh and batch."""
-    from megajax.hlo_audit import collectives
-
     shape = step_shape(run)
     compiled, scalars = categorize(collectives(run.step_fn.as_text(), run.mesh), shape)
     return Budget(compiled, minimum(shape), scalars, shape.tensor, shape.sequence)
@@ -184,26 +183,22 @@ def step_budget(run) -> Budget:
 
 def step_shape(run) -> Shape:
     """What the minimum of a compiled training run depends on: its RunSpec and its parameters' layout."""
-    from megajax.training.objectives import NUM_CHOICES
-
     spec = run.spec
     params = run.abstract_state.params
     local = sum(model_shard_elements(a) for a in jax.tree.leaves(params))
-    pooled = {"bert": 1, "bert_classifier": 1, "bert_multiple_choice": NUM_CHOICES}.get(spec.model_name, 0)
     return Shape(micro_batch=spec.micro_batch, num_micro=spec.num_micro, seq=spec.model.max_seq_len,
                  hidden=spec.model.hidden_size, layers=spec.model.num_layers, tensor=spec.tensor, data=spec.data,
                  activation_bytes=np.dtype(spec.model.compute_dtype).itemsize, local_grad_elements=local,
                  remat=spec.model.remat, sequence=spec.sequence,
-                 sequence_grad_elements=sequence_grad_elements(params, spec.tensor) if spec.sequence else 0,
-                 pooled_rows=pooled * spec.micro_batch, gathered_shard_elements=gathered_shard_elements(run))
+                 sequence_grad_elements=sequence_grad_elements(params, spec.tensor, spec.model_spec)
+                 if spec.sequence else 0, pooled_rows=spec.model_spec.pooled_rows * spec.micro_batch,
+                 gathered_shard_elements=gathered_shard_elements(run))
 
 
 def gathered_shard_elements(run) -> int:
     """The parameter shards a step all-gathers over ``data``, as ZeRO and FSDP define it: with
     ``parallel.shard_optimizer`` (ZeRO-1) each updated parameter whose moments are split, once; with
     ``parallel.fsdp`` each split parameter twice, for the forward and again for the backward pass."""
-    from megajax.partition import over_data
-
     spec, total = run.spec, 0
     if spec.data == 1 or not spec.shard_optimizer:
         return 0
@@ -222,14 +217,15 @@ def model_shard_elements(param: jax.ShapeDtypeStruct) -> int:
                                                      if a != "data"]))
 
 
-def sequence_grad_elements(params: dict, tensor: int) -> int:
+def sequence_grad_elements(params: dict, tensor: int, model: ModelSpec) -> int:
     """Gradient elements summed over ``model`` under sequence parallelism: every parameter replicated over it
-    except the heads on the pooled first token (their input is whole on every shard), the position embeddings as
-    one shard of their rows (all-gathered)."""
+    except the heads on the pooled first token (``ModelSpec.pooled_heads``: their input is whole on every shard),
+    the parameters whose rows follow the sequence (``ModelSpec.sequence_rows``: the learned positions) as one shard
+    of their rows (all-gathered)."""
     total = 0
     for path, a in jax.tree_util.tree_leaves_with_path(params):
         keys = [str(getattr(k, "key", k)) for k in path]
-        if "model" in jax.tree.leaves(tuple(a.sharding.spec)) or keys[0] in POOLED_HEADS:
+        if "model" in jax.tree.leaves(tuple(a.sharding.spec)) or keys[0] in model.pooled_heads:
             continue
-        total += a.size // tensor if keys[0] == "wpe" else a.size
+        total += a.size // tensor if keys[0] in model.sequence_rows else a.size
     return total

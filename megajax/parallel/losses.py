@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from megajax.sharding import constrain
+from megajax.parallel.sharding import constrain
 
 
 def mask_padded_vocab(logits: jax.Array, vocab_size: int) -> jax.Array:

@@ -1,7 +1,8 @@
 """Training objectives: each says what its batch holds and turns (model, batch, dropout key) into (loss, metrics).
 
 A batch is a dict of arrays; every field carries logical axis names, which also give its sharding (rows over
-``data``). The step, the loop, evaluation and the tools read these tables and never a model's batch layout.
+``data``). Each model's spec (``megajax.models.spec``) names its objective; the step, the loop and the tools read
+the fields and the loss from there, never a model's batch layout.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from megajax.losses import lm_loss, vocab_parallel_nll_and_hit
+from megajax.downstream.race import NUM_OPTIONS as NUM_CHOICES
+from megajax.parallel.losses import lm_loss, vocab_parallel_nll_and_hit
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -74,7 +76,6 @@ def _mlm_sop_fields(seq_len: int) -> dict[str, Field]:
             "sop_labels": Field((), np.dtype(np.int32), ("batch",))}
 
 
-NUM_CHOICES = 4  # multiple-choice options per question (RACE)
 PAIR_FIELDS = ("tokens", "token_types", "padding_mask")  # the encoder's inputs, as BERT pretraining
 
 
@@ -117,12 +118,8 @@ def _span_fields(seq_len: int) -> dict[str, Field]:
             "end_positions": _label()}
 
 
-OBJECTIVES = {"gpt": Objective(_lm, _lm_fields), "bert": Objective(_mlm_sop, _mlm_sop_fields),
-              "bert_classifier": Objective(_choice_loss, _classifier_fields),
-              "bert_multiple_choice": Objective(_choice_loss, _choice_fields),
-              "bert_span": Objective(_span_loss, _span_fields)}
-
-
-def objective_for(model_name: str) -> Objective:
-    """The training objective of a model (``config.model.name``): pretraining or its fine-tuning task."""
-    return OBJECTIVES[model_name]
+LM = Objective(_lm, _lm_fields)  # next-token prediction
+MLM_SOP = Objective(_mlm_sop, _mlm_sop_fields)  # masked LM + sentence order
+CLASSIFY = Objective(_choice_loss, _classifier_fields)  # a label per sentence pair
+CHOOSE = Objective(_choice_loss, _choice_fields)  # one of NUM_CHOICES options per question
+SPAN = Objective(_span_loss, _span_fields)  # start and end positions of the answer

@@ -1,6 +1,6 @@
 """What one training step holds on a device besides its arguments, by formula and as XLA plans it.
 
-The formula (``megajax.info.MemoryReport.temp_bytes``) counts the step's temporaries term by term:
+The formula (``MemoryReport.temp_bytes``) counts the step's temporaries term by term:
 
 * gradients: fp32, 4 bytes per parameter held: the accumulator the micro-batch scan carries (zeros first), and
   with accumulation a second buffer, the micro-batch's own gradients (measured: the compiled temp grew by 0.75 to
@@ -8,7 +8,7 @@ The formula (``megajax.info.MemoryReport.temp_bytes``) counts the step's tempora
   5%). With ``parallel.shard_optimizer`` XLA splits them over ``data`` too (the sharded
   AdamW update is their only consumer, so the backward pass writes the shards): ZeRO-1 saves gradient memory as
   ZeRO-2 would. With ``parallel.fsdp`` the parameters are held split as well, so all three are counted per shard
-  (``info.params_per_device(..., split_over_data=True)``); the one layer gathered at a time is not counted (the
+  (``params_per_device(..., split_over_data=True)``); the one layer gathered at a time is not counted (the
   compiled temp was 1.013x the formula for gpt_tiny on 4x2).
 * activations (``activations``): what JAX's autodiff keeps for the backward pass. ``layer_residual_bytes`` counts
   one layer's residuals by kind (the same bytes as the traced jaxpr, ``traced_layer_residual_bytes``, which the
@@ -37,12 +37,25 @@ import math
 
 import jax
 import ml_collections
+from flax import nnx
 
-from megajax.config import model_config, resolve_precision, sequence_parallel
+from megajax.config import (
+    abstract_model,
+    model_config,
+    resolve_precision,
+    rules_of,
+    sequence_parallel,
+    state_split,
+    validate,
+)
+from megajax.models import model_spec
+from megajax.parallel.sharding import fsdp_spec, logical_to_spec, spec_axes
+from megajax.training.loop import batch_layout, setup
 
 FP32 = 4
+GiB = 1024**3
+MAX_MICRO_BATCH = 1 << 16  # the search for the largest micro-batch stops here
 MLP_GELU_RESIDUALS = {"gelu_tanh": 6, "gelu": 4}  # (b, s, 4h) tensors autodiff keeps: input, intermediates, output
-MULTIPLE_CHOICE_OPTIONS = 4  # bert_multiple_choice runs B x C rows (megajax.training.objectives.NUM_CHOICES)
 
 
 def compute_bytes(config: ml_collections.ConfigDict) -> int:
@@ -51,8 +64,8 @@ def compute_bytes(config: ml_collections.ConfigDict) -> int:
 
 
 def _rows(config: ml_collections.ConfigDict, micro_batch: int) -> int:
-    """Sequences the trunk runs per micro-batch (multiple choice: one per option)."""
-    return micro_batch * (MULTIPLE_CHOICE_OPTIONS if config.model.name == "bert_multiple_choice" else 1)
+    """Sequences the trunk runs per micro-batch (the model's rows per example: multiple choice, one per option)."""
+    return micro_batch * model_spec(config.model.name).rows_per_example
 
 
 def layer_residual_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: int,
@@ -107,10 +120,11 @@ def head_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: int) -> 
     """
     m = config.model
     cd, s, b, h = compute_bytes(config), m.max_seq_len, _rows(config, micro_batch), m.hidden_size
-    vocab = {"gpt": 3, "bert": 4}.get(m.name, 0)  # fp32 (b, s, V/t) copies
+    head = model_spec(m.name).head_memory
+    vocab = head.vocab_logit_copies  # fp32 (b, s, V/t) copies
     logits = s * b * model_config(config).padded_vocab_size // tp
     extra_cd = cd if vocab and cd < FP32 else 0
-    hidden = (16 if m.name == "bert" else 8) * s * b * h * FP32
+    hidden = head.hidden_tensors * s * b * h * FP32
     if sequence_parallel(config):
         hidden = hidden // tp + s * b * h * cd
     return logits * (vocab * FP32 + extra_cd) + hidden
@@ -124,7 +138,7 @@ def word_embedding_grad_bytes(config: ml_collections.ConfigDict, data: int, mode
     micro-batch 1: temp 0.87 -> 0.99 of the compiled). With ``full`` / ``save_dots`` the compiled peak comes later,
     in the layers' backward, after it is written (leaving it out there undercounts by 8-12%). 0 for the task models,
     which have no output layer over the vocabulary."""
-    if config.model.name not in ("gpt", "bert") or config.model.remat in ("full", "save_dots"):
+    if not model_spec(config.model.name).vocab_output or config.model.remat in ("full", "save_dots"):
         return 0
     rows = model_config(config).padded_vocab_size // model
     return FP32 * rows * config.model.hidden_size // (data if split_over_data else 1)
@@ -158,15 +172,9 @@ def traced_layer_residual_bytes(config: ml_collections.ConfigDict, micro_batch: 
     leaving out the stacked weights that full / save_dots recomputation passes through (those are the
     parameters, not activations). The check behind ``layer_residual_bytes``.
     """
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from megajax.builder import abstract_model
-    from megajax.training.objectives import objective_for
-
     graphdef, state = nnx.split(abstract_model(config))
     params = nnx.to_pure_dict(state)
-    objective = objective_for(config.model.name)
+    objective = model_spec(config.model.name).objective
     batch = {k: jax.ShapeDtypeStruct((micro_batch, *f.row_shape), f.dtype)
              for k, f in objective.fields(config.model.max_seq_len).items()}
     key = jax.random.key(0) if config.model.dropout > 0 else None
@@ -176,7 +184,7 @@ def traced_layer_residual_bytes(config: ml_collections.ConfigDict, micro_batch: 
     total = 0
     for v in forward.outvars[forward.params["num_carry"]:]:
         shape, dtype = v.aval.shape[1:], v.aval.dtype
-        if jnp.issubdtype(dtype, jax.dtypes.prng_key) or (shape in layer_weights and dtype == jnp.float32):
+        if jax.numpy.issubdtype(dtype, jax.dtypes.prng_key) or (shape in layer_weights and dtype == jax.numpy.float32):
             continue  # dropout keys; fp32 weights passed through the scan
         total += math.prod(shape) * dtype.itemsize
     return total
@@ -211,8 +219,6 @@ def compiled_memory(config: ml_collections.ConfigDict, data: int, model: int, mi
                     num_micro: int = 1) -> CompiledMemory:
     """Compiles ``config``'s training step for a ``data x model`` mesh (global batch micro_batch * data *
     num_micro) ahead of time and reads XLA's memory plan; allocates nothing. Needs data * model devices."""
-    from megajax.training.loop import batch_layout, setup  # the loop imports this package's report
-
     config = ml_collections.ConfigDict(config)
     config.mesh.data, config.mesh.model = data, model
     config.train.global_batch_size = micro_batch * data * num_micro
@@ -225,3 +231,120 @@ def compiled_memory(config: ml_collections.ConfigDict, data: int, model: int, mi
     batch = micro_batch * num_micro * sum(math.prod(f.row_shape) * f.dtype.itemsize for f in fields.values())
     return CompiledMemory(analysis.argument_size_in_bytes, analysis.output_size_in_bytes,
                           analysis.alias_size_in_bytes, analysis.temp_size_in_bytes, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Per-device memory in bytes for one (data, model) mesh and micro-batch."""
+
+    num_params: int
+    params_per_device: int
+    param_bytes: int  # fp32 master
+    grad_bytes: int  # fp32, one per parameter held (the paper's accounting)
+    optimizer_bytes: int  # AdamW m and v, fp32 (split over data with parallel.shard_optimizer or fsdp)
+    activation_bytes: int  # one micro-batch: activations.total
+    data: int
+    model: int
+    activations: Activations  # the activation estimate's parts
+    step_grad_bytes: int  # gradients as the compiled step holds them (split over data with ZeRO-1, FSDP)
+    batch_bytes: int  # the step's input batch on this device
+    sequence: bool = False  # parallel.sequence: the residual stream's activations split over model
+    fsdp: bool = False  # parallel.fsdp: params_per_device counts each device's data shard of them
+    late_grad_bytes: int = 0  # gradients not yet written at the head's peak (the tied word embedding's)
+
+    @property
+    def total_bytes(self) -> int:
+        """The paper's accounting: 16 bytes per parameter held plus the activations."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        """The step's donated state: parameters and moments (the compiled arguments less the batch)."""
+        return self.param_bytes + self.optimizer_bytes
+
+    @property
+    def temp_bytes(self) -> int:
+        """What the step allocates besides its arguments (compare ``CompiledMemory.temp``): the gradients and the
+        layers' activations, then the larger of the head at the start of the backward pass (before the tied word
+        embedding's gradient is written) and one recomputed layer."""
+        a = self.activations
+        return self.step_grad_bytes + a.layers + max(a.head - self.late_grad_bytes, a.recompute)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The step's peak on one device (compare ``CompiledMemory.peak``); what ``fits`` checks."""
+        return self.state_bytes + self.batch_bytes + self.temp_bytes
+
+    def fits(self, device_bytes: float) -> bool:
+        return self.peak_bytes <= device_bytes
+
+
+def params_per_device(config: ml_collections.ConfigDict, mesh_shape: dict[str, int],
+                      split_over_data: bool = False) -> tuple[int, int]:
+    """(total parameters, parameters held by one device) for a mesh given as ``{'data': D, 'model': M}``, as the
+    rules lay them out, or with ``split_over_data`` as ``parallel.fsdp`` stores them (``sharding.fsdp_spec``)."""
+    rules = rules_of(config)
+    state = nnx.state(abstract_model(config))
+    total = per_device = 0
+    for var in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        names = var.get_metadata()["out_sharding"]
+        spec = fsdp_spec(names, var.shape, rules, mesh_shape) if split_over_data else logical_to_spec(names, rules)
+        total += math.prod(var.shape)
+        per_device += math.prod(var.shape) // math.prod(mesh_shape[a] for a in spec_axes(spec))
+    return total, per_device
+
+
+def activation_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: int, bytes_per_value: int) -> int:
+    """Activation bytes per device for one micro-batch with ``bytes_per_value``-byte (4: fp32, 2: 16-bit) compute
+    (``megajax.memory_planner.activations``: the residuals JAX keeps per layer, the head or one recomputed layer)."""
+    config = ml_collections.ConfigDict(config)
+    config.train.precision = "fp32" if bytes_per_value == FP32 else "bf16"
+    return activations(config, micro_batch, tp).total
+
+
+def _num_micro(config: ml_collections.ConfigDict, data: int, micro_batch: int) -> int:
+    """Accumulation steps the config's global batch implies at this micro-batch (1 if it does not divide)."""
+    steps, rest = divmod(config.train.global_batch_size, micro_batch * data)
+    return max(steps, 1) if not rest else 1
+
+
+def memory_report(config: ml_collections.ConfigDict, data: int, model: int, micro_batch: int = 1,
+                  num_micro: int | None = None) -> MemoryReport:
+    """Per-device memory of training ``config`` on a ``data x model`` mesh, ``micro_batch`` sequences per device
+    per accumulation step (``num_micro`` steps; default: what the config's global batch implies)."""
+    config = ml_collections.ConfigDict(config)
+    config.mesh.data, config.mesh.model = data, model
+    validate(config, data * model)
+    moments_split, fsdp = state_split(config)  # FSDP: parameters, so gradients and moments, split over data
+    zero = moments_split and not fsdp  # ZeRO-1: the moments and gradients only
+    total, local = params_per_device(config, {"data": data, "model": model}, split_over_data=fsdp)
+    num_micro = num_micro or _num_micro(config, data, micro_batch)
+    optimizer = 8 * local // (data if zero else 1)
+    act = activations(config, micro_batch, model)
+    fields = model_spec(config.model.name).objective.fields(config.model.max_seq_len).values()
+    batch = micro_batch * num_micro * sum(math.prod(f.row_shape) * f.dtype.itemsize for f in fields)
+    late = word_embedding_grad_bytes(config, data, model, split_over_data=moments_split)
+    return MemoryReport(total, local, FP32 * local, FP32 * local, optimizer, act.total, data, model, act,
+                        gradient_bytes(local, data, zero, num_micro), batch, sequence_parallel(config), fsdp, late)
+
+
+def largest_micro_batch(config: ml_collections.ConfigDict, data: int, model: int, device_bytes: float) -> int:
+    """The largest micro-batch whose step peak (by formula, no accumulation) fits ``device_bytes``; 0 if none."""
+    one = memory_report(config, data, model, 1, num_micro=1)  # only the activations and the batch grow with it
+
+    def fits(micro_batch: int) -> bool:
+        act = activations(config, micro_batch, model)
+        return dataclasses.replace(one, activation_bytes=act.total, activations=act,
+                                   batch_bytes=one.batch_bytes * micro_batch).fits(device_bytes)
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2  # fits(low); double high until it does not fit, then bisect
+    while high <= MAX_MICRO_BATCH and fits(high):
+        low, high = high, 2 * high
+    if high > MAX_MICRO_BATCH:
+        return low
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low

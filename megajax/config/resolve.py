@@ -1,8 +1,8 @@
-"""The default experiment config, the checks that run before anything is allocated, and the resolved run.
+"""The checks that run before anything is allocated, and the resolved run.
 
-Each file in ``configs/`` starts from ``base_config()`` and sets the model. Layers never see this object:
-``resolve`` turns it, once, into a frozen ``RunSpec`` (the model's ``TransformerConfig``, the rules, the mesh
-shape, the precision, the micro-batching) that everything downstream reads.
+Layers never see the ConfigDict: ``resolve`` turns it into a frozen ``RunSpec`` (the model's spec and
+``TransformerConfig``, the rules, the mesh shape, the precision, the micro-batching) that the step, the loop and
+the tools read.
 """
 
 from __future__ import annotations
@@ -11,109 +11,9 @@ import dataclasses
 
 import ml_collections
 
-from megajax.models import MODELS, TransformerConfig
-from megajax.sharding import (MEGATRON_RULES, MESH_AXES, SEQUENCE_PARALLEL_NAME, ConfigError, Rules,
-                              ShardingConfigError, resolve_mesh_shape)
-
-
-def base_config() -> ml_collections.ConfigDict:
-    """Defaults shared by every GPT config (the paper's Section 4.2 where it says)."""
-    c = ml_collections.ConfigDict()
-    c.model = ml_collections.ConfigDict(dict(
-        name="gpt",
-        vocab_size=50257,
-        make_vocab_size_divisible_by=1024,  # 128 x 8 (paper Section 5.1): 50257 -> 51200
-        num_layers=12,
-        hidden_size=768,
-        num_heads=12,
-        max_seq_len=1024,
-        mlp_ratio=4,
-        dropout=0.1,
-        init_std=0.02,
-        layernorm_eps=1e-5,
-        remat="full",  # activation checkpointing after every layer (paper Section 4.2)
-        post_layernorm=False,  # False: pre-LN blocks + final LN (paper Fig. 7b); True: original BERT (Fig. 7a)
-        activation="gelu_tanh",  # gelu_tanh (GPT-2) | gelu (exact erf, BERT)
-        num_token_types=0,  # BERT: 2 (sentence A / B)
-        num_classes=2,  # bert_classifier's outputs (MNLI 3, QQP 2)
-    ))
-    # Fine-tuning: a megajax checkpoint (workdir or step directory) whose BERT trunk initialises the task model
-    # when the workdir has no checkpoint yet ('' = train from scratch; a resume ignores it).
-    c.init_from = ""
-    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
-    c.sharding = ml_collections.ConfigDict(dict(rules=MEGATRON_RULES))
-    # beyond the paper: shard_optimizer (ZeRO-1, Megatron's distributed optimizer) splits AdamW's moments over
-    # `data` too; the parameters stay replicated over it (the step all-gathers their updated shards). sequence
-    # (Korthikanti et al. 2022) splits the residual stream's sequence over `model` (the `seq_sp` rule): each
-    # all-reduce of a block becomes a reduce-scatter + all-gather, and LayerNorm / dropout / residual activations
-    # take 1/model of the memory. Needs model.max_seq_len divisible by mesh.model. fsdp (ZeRO-3) splits the
-    # parameters, gradients and moments over `data`: each layer all-gathers its parameters when it runs (again in
-    # the backward pass) and their gradients are reduced onto the shards; implies shard_optimizer.
-    c.parallel = ml_collections.ConfigDict(dict(shard_optimizer=False, sequence=False, fsdp=False))
-    c.train = ml_collections.ConfigDict(dict(
-        steps=300_000,
-        global_batch_size=512,  # sequences per step
-        micro_batch_size=0,  # sequences per data shard per accumulation step; 0 = no accumulation
-        seed=0,
-        log_every=10,
-        eval_every=0,  # validation loss every N steps (0: only at the end)
-        eval_batches=8,  # global batches of the validation split per evaluation (0: never)
-        precision="auto",  # fp32 | bf16 | fp16 | auto (bf16 on accelerators, fp32 on CPU)
-        max_nonfinite_steps=0,  # stop after this many consecutive non-finite losses (fp16's skipped steps aside)
-        allow_batch_size_change=False,  # resume with another global_batch_size (the data order then shifts)
-        peak_flops_per_device=0.0,  # override the MFU denominator; 0 = look up by device kind
-    ))
-    c.checkpoint = ml_collections.ConfigDict(dict(
-        enabled=True,
-        every_steps=1000,
-        # The newest K checkpoints in the workdir (0: all). Earlier runs' steps count too, so a resumed run keeps
-        # the same budget; an old step is deleted only after a newer save is complete.
-        keep=3,
-        keep_period=0,  # also keep every M-th step forever (0: off)
-        async_save=True,  # write in the background while training continues
-        # Resume from this step (0: the latest). Newer steps are moved to WORKDIR/superseded/<time>/, not deleted.
-        restore_step=0,
-    ))
-    c.loss_scale = ml_collections.ConfigDict(dict(initial=2.0**32, growth_interval=1000, hysteresis=2,
-                                                  min_scale=1.0))
-    c.optimizer = ml_collections.ConfigDict(dict(
-        lr=1.5e-4, min_lr=1e-5, warmup_steps=3000, decay="cosine", decay_steps=0,  # 0: until train.steps
-        b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, clip_norm=1.0,
-    ))
-    c.data = ml_collections.ConfigDict(dict(
-        source="default",  # default (stdlib corpus, offline) | indexed (data.path=PREFIX) | tfds | random | task
-        path="",  # indexed: the prefix written by python -m megajax.data.preprocess
-        tokenizer="",  # tfds, task: tokenizer.json, a GPT-2 BPE directory or a vocab.txt
-        # source=task: mnli | qqp | squad1 | squad2 | race (files in task_dir) or synthetic_pair | synthetic_span |
-        # synthetic_choice (generated from data.seed; for tests and CPU runs)
-        task="",
-        task_dir="",  # source=task: the task's downloaded files (GLUE TSVs, SQuAD JSONs, RACE's split folders)
-        tfds_name="",
-        tfds_split="train",
-        tfds_feature="text",
-        tfds_data_dir="",
-        min_tokens=0,  # tfds: drop shorter documents (the preprocess CLI defaults to the paper's 128)
-        seed=1234,
-        valid_fraction=1 / 30,  # the paper's 29:1 train/validation split
-        # source=indexed: "W1 PREFIX1 W2 PREFIX2 ..." mixes several datasets by weight (Megatron's --data-path);
-        # each is split by valid_fraction. Resuming with other weights needs allow_blend_change=True.
-        blend="",
-        allow_blend_change=False,
-        mask_prob=0.15,  # BERT: fraction of tokens masked (whole-word n-grams)
-        max_ngram=3,  # BERT: n-gram lengths 1..max_ngram with probability proportional to 1/n
-        short_seq_prob=0.1,  # BERT: probability of a shorter target length
-    ))
-    return c
-
-
-def bert_base_config() -> ml_collections.ConfigDict:
-    """``base_config()`` with BERT's defaults (paper Section 4.2, following Lan et al. 2019 and Devlin et al.)."""
-    c = base_config()
-    c.model.update(name="bert", vocab_size=30522, num_token_types=2, max_seq_len=512, activation="gelu",
-                   layernorm_eps=1e-12, post_layernorm=False)  # the paper's rearranged pre-LN (Figure 7b)
-    c.train.update(steps=2_000_000, global_batch_size=1024)
-    c.optimizer.update(lr=1e-4, min_lr=1e-5, warmup_steps=10_000, decay="linear")
-    return c
+from megajax.errors import ConfigError, ShardingConfigError
+from megajax.models import MODELS, ModelSpec, TransformerConfig, model_spec, task_models
+from megajax.parallel.sharding import MESH_AXES, SEQUENCE_PARALLEL_NAME, Rules, resolve_mesh_shape
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
@@ -138,11 +38,10 @@ def resolve_precision(precision: str) -> str:
 def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
     """The model's own frozen config, from ``config.model`` (and the compute dtype from ``train.precision``)."""
     m = config.model
-    if m.name not in MODELS:
-        raise ConfigError(f"model.name={m.name!r}; choose one of {sorted(MODELS)}")
+    model_spec(m.name)  # an unknown name fails first, naming the choices
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
-    precision = resolve_precision(config.train.get("precision", "auto"))
+    precision = resolve_precision(config.train.precision)
     if precision not in _PRECISION_DTYPES:
         raise ConfigError(f"train.precision={precision!r}; choose one of {sorted(_PRECISION_DTYPES)}")
     try:
@@ -153,7 +52,7 @@ def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
             mlp_ratio=m.mlp_ratio, dropout=m.dropout, init_std=m.init_std, layernorm_eps=m.layernorm_eps,
             dtype=_PRECISION_DTYPES[precision], remat=m.remat, post_layernorm=m.post_layernorm,
             activation=m.activation, num_token_types=m.num_token_types,
-            num_classes=m.get("num_classes", 2))  # .get: configs stored by older checkpoints lack it
+            num_classes=m.num_classes)
     except ValueError as e:
         raise ConfigError(str(e)) from e
 
@@ -161,13 +60,10 @@ def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
 def rules_of(config: ml_collections.ConfigDict) -> Rules:
     """The logical-axis rules as a hashable tuple of pairs, with targets checked against the mesh axes.
 
-    ``parallel.sequence`` maps the residual stream's sequence (``seq_sp``) to ``model``; rules stored before that
-    name existed get it (replicated), so their checkpoints still load.
+    ``parallel.sequence`` maps the residual stream's sequence (``seq_sp``) to ``model``.
     """
     rules = tuple((str(k), None if v is None else str(v)) for k, v in config.sharding.rules)
-    if SEQUENCE_PARALLEL_NAME not in dict(rules):
-        rules += ((SEQUENCE_PARALLEL_NAME, None),)
-    if config.get("parallel", {}).get("sequence", False):  # .get: configs stored before the field existed
+    if config.parallel.sequence:
         rules = tuple((k, "model" if k == SEQUENCE_PARALLEL_NAME else v) for k, v in rules)
     for name, axis in rules:
         if axis is not None and axis not in MESH_AXES:
@@ -183,10 +79,9 @@ def sequence_parallel(config: ml_collections.ConfigDict) -> bool:
 
 def state_split(config: ml_collections.ConfigDict) -> tuple[bool, bool]:
     """(moments split over data, parameters split over data): ``parallel.shard_optimizer`` (ZeRO-1) gives
-    (True, False), ``parallel.fsdp`` (ZeRO-3) (True, True). ``.get``: configs stored before the fields existed."""
-    parallel = config.get("parallel", {})
-    fsdp = bool(parallel.get("fsdp", False))
-    return bool(parallel.get("shard_optimizer", False)) or fsdp, fsdp
+    (True, False), ``parallel.fsdp`` (ZeRO-3) (True, True)."""
+    fsdp = bool(config.parallel.fsdp)
+    return bool(config.parallel.shard_optimizer) or fsdp, fsdp
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int]:
@@ -224,7 +119,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     if config.checkpoint.keep < 0:
         raise ConfigError(f"checkpoint.keep={config.checkpoint.keep}; use 0 to keep every checkpoint or K > 0 "
                           "to keep the newest K")
-    if config.checkpoint.get("restore_step", 0) < 0:  # .get: configs stored by older checkpoints lack it
+    if config.checkpoint.restore_step < 0:
         raise ConfigError(f"checkpoint.restore_step={config.checkpoint.restore_step}; use 0 for the latest step "
                           "or a step number listed in WORKDIR/checkpoints")
     return dp, tp
@@ -278,17 +173,49 @@ class RunSpec:
     fsdp: bool = False  # ZeRO-3: parameters (and so gradients and moments) also split over `data`
 
     @property
+    def model_spec(self) -> ModelSpec:
+        """The model family's spec (``megajax.models.spec``)."""
+        return model_spec(self.model_name)
+
+    @property
     def micro_batch(self) -> int:
         """Sequences per data shard per accumulation step."""
         return self.global_batch // (self.data * self.num_micro)
 
 
-def resolve(config: ml_collections.ConfigDict, num_devices: int) -> RunSpec:
-    """Validates a training config against ``num_devices`` and resolves every derived fact once."""
+def resolve(config: ml_collections.ConfigDict, num_devices: int, training: bool = True) -> RunSpec:
+    """Validates a config against ``num_devices`` and resolves every derived fact once. ``training=False`` (a model
+    loaded for inference) skips the fields only training reads; the batch is then the config's, in one step."""
     dp, tp = validate(config, num_devices)
-    num_micro = validate_training(config, dp)
+    num_micro = validate_training(config, dp) if training else 1
     shard_optimizer, fsdp = state_split(config)
     return RunSpec(model_name=config.model.name, model=model_config(config), rules=rules_of(config), data=dp,
                    tensor=tp, precision=resolve_precision(config.train.precision),
                    global_batch=config.train.global_batch_size, num_micro=num_micro,
                    shard_optimizer=shard_optimizer, sequence=sequence_parallel(config), fsdp=fsdp)
+
+
+def check_data_source(config: ml_collections.ConfigDict) -> None:
+    """Raises ConfigError when the model and ``config.data`` do not fit: pretraining models read corpora (their
+    spec's example format), fine-tuning models ``data.source=task`` with one of the tasks their spec lists."""
+    spec, d = model_spec(config.model.name), config.data
+    if d.blend:
+        if spec.examples is None:
+            raise ConfigError(f"data.blend mixes pretraining corpora, but model.name={spec.name} fine-tunes on "
+                              "data.source=task; leave data.blend empty")
+        return
+    if (d.source == "task") != (spec.examples is None):
+        fine_tuning = sorted(s.name for s in MODELS.values() if s.examples is None)
+        raise ConfigError(f"model.name={spec.name} with data.source={d.source}: the task models "
+                          f"({', '.join(fine_tuning)}) train on data.source=task and only they do")
+    if d.source == "task":
+        tasks = task_models()
+        if d.task not in tasks:
+            raise ConfigError(f"data.task={d.task!r}; choose one of {sorted(tasks)}")
+        if tasks[d.task] is not spec:
+            raise ConfigError(f"data.task={d.task} trains model.name={tasks[d.task].name}, got "
+                              f"model.name={spec.name!r}")
+    elif d.source == "random" and spec.examples.needs_sentences:
+        raise ConfigError(f"data.source=random has no sentences for model.name={spec.name} (its examples are "
+                          f"{spec.examples.name}); use data.source=default (the embedded prose corpus) or a corpus "
+                          "preprocessed with --split_sentences")

@@ -1,7 +1,7 @@
 """Tensor-parallel building blocks: every parameter is created with one logical axis name per dimension.
 
 Parameters are fp32 masters; each layer casts them to the compute ``dtype`` at use. Where the mesh axis lands is
-decided by the rules table (``megajax.sharding``), not here. Each parameter is read through
+decided by the rules table (``megajax.parallel.sharding``), not here. Each parameter is read through
 ``sharding.param_at_use``: with ``parallel.fsdp`` that is where its data-split copy is gathered.
 
 Sequence parallelism (Korthikanti et al. 2022; the rules split the residual stream's sequence, ``seq_sp``) changes
@@ -21,7 +21,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from megajax.sharding import RESIDUAL, SEQUENCE_DIM, constrain, on_shards, param_at_use, replicas, sequence_axis
+from megajax.parallel.sharding import (
+    RESIDUAL,
+    SEQUENCE_DIM,
+    constrain,
+    on_shards,
+    param_at_use,
+    replicas,
+    sequence_axis,
+)
 
 Shape = tuple[int, ...]
 

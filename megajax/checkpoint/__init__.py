@@ -1,0 +1,28 @@
+"""Persistence: orbax checkpoints with exact resume and resharding on restore (``manager.py``), the per-array
+digests verified on every restore (``digest.py``), and older stored configs brought up to date (``migrate.py``).
+Nothing here builds a mesh or a model: callers pass the target layout."""
+
+from megajax.checkpoint.manager import (
+    Checkpointer,
+    CheckpointError,
+    check_shapes,
+    read_config,
+    restore_params,
+    save_params,
+    verify,
+)
+
+__all__ = ["CheckpointError", "Checkpointer", "check_shapes", "read_config", "restore_params", "save_params",
+           "verify"]
+
+
+def __getattr__(name: str):
+    """``megajax.checkpoint.load_model``: the old entry point, kept for scripts; it still returns ``(model, config)``.
+    New code calls ``megajax.load_model`` (``(model, spec, mesh)``)."""
+    if name == "load_model":
+        # The one import of this package that points up a layer, kept for the deprecated alias: loading a model
+        # builds a mesh and a model, which persistence does not.
+        from megajax.config.load import load_model_and_config
+
+        return load_model_and_config
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

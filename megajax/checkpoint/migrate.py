@@ -1,0 +1,38 @@
+"""Configs stored by older checkpoints, brought up to today's fields when they are read, so the code that reads a
+config never needs a fallback. Each entry is a field added after checkpoints were first written, with the value
+that reproduces what those checkpoints did."""
+
+from __future__ import annotations
+
+import ml_collections
+
+# (section or None for the top level, field) -> the value an older checkpoint implied
+ADDED_FIELDS = {
+    ("model", "name"): "gpt",  # before BERT, every checkpoint was a GPT
+    ("model", "num_classes"): 2,
+    (None, "init_from"): "",
+    ("parallel", "sequence"): False,
+    ("parallel", "shard_optimizer"): False,
+    ("parallel", "fsdp"): False,
+    ("checkpoint", "restore_step"): 0,
+    ("train", "precision"): "auto",
+    ("data", "blend"): "",
+    ("data", "allow_blend_change"): False,
+}
+SEQUENCE_PARALLEL_RULE = ("seq_sp", None)  # the residual stream's sequence name, replicated unless parallel.sequence
+
+
+def migrate_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """``config`` (as stored with a checkpoint) with every field of ``ADDED_FIELDS`` it lacks set to its old
+    meaning, and the sequence-parallel rule added to sharding rules stored before it existed."""
+    config = ml_collections.ConfigDict(config.to_dict())
+    for (section, field), value in ADDED_FIELDS.items():
+        if section is not None and section not in config:
+            config[section] = ml_collections.ConfigDict()
+        parent = config if section is None else config[section]
+        if field not in parent:
+            parent[field] = value
+    rules = [tuple(r) for r in config.sharding.rules]
+    if SEQUENCE_PARALLEL_RULE[0] not in dict(rules):
+        config.sharding.rules = tuple(rules) + (SEQUENCE_PARALLEL_RULE,)
+    return config

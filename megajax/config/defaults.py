@@ -1,0 +1,108 @@
+"""The default experiment config. Each file in ``configs/`` starts from ``base_config()`` (GPT) or
+``bert_base_config()`` and sets the model; ``megajax.config.resolve`` checks and resolves it."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from megajax.parallel.sharding import MEGATRON_RULES
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Defaults shared by every GPT config (the paper's Section 4.2 where it says)."""
+    c = ml_collections.ConfigDict()
+    c.model = ml_collections.ConfigDict(dict(
+        name="gpt",
+        vocab_size=50257,
+        make_vocab_size_divisible_by=1024,  # 128 x 8 (paper Section 5.1): 50257 -> 51200
+        num_layers=12,
+        hidden_size=768,
+        num_heads=12,
+        max_seq_len=1024,
+        mlp_ratio=4,
+        dropout=0.1,
+        init_std=0.02,
+        layernorm_eps=1e-5,
+        remat="full",  # activation checkpointing after every layer (paper Section 4.2)
+        post_layernorm=False,  # False: pre-LN blocks + final LN (paper Fig. 7b); True: original BERT (Fig. 7a)
+        activation="gelu_tanh",  # gelu_tanh (GPT-2) | gelu (exact erf, BERT)
+        num_token_types=0,  # BERT: 2 (sentence A / B)
+        num_classes=2,  # bert_classifier's outputs (MNLI 3, QQP 2)
+    ))
+    # Fine-tuning: a megajax checkpoint (workdir or step directory) whose BERT trunk initialises the task model
+    # when the workdir has no checkpoint yet ('' = train from scratch; a resume ignores it).
+    c.init_from = ""
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
+    c.sharding = ml_collections.ConfigDict(dict(rules=MEGATRON_RULES))
+    # beyond the paper: shard_optimizer (ZeRO-1, Megatron's distributed optimizer) splits AdamW's moments over
+    # `data` too; the parameters stay replicated over it (the step all-gathers their updated shards). sequence
+    # (Korthikanti et al. 2022) splits the residual stream's sequence over `model` (the `seq_sp` rule): each
+    # all-reduce of a block becomes a reduce-scatter + all-gather, and LayerNorm / dropout / residual activations
+    # take 1/model of the memory. Needs model.max_seq_len divisible by mesh.model. fsdp (ZeRO-3) splits the
+    # parameters, gradients and moments over `data`: each layer all-gathers its parameters when it runs (again in
+    # the backward pass) and their gradients are reduced onto the shards; implies shard_optimizer.
+    c.parallel = ml_collections.ConfigDict(dict(shard_optimizer=False, sequence=False, fsdp=False))
+    c.train = ml_collections.ConfigDict(dict(
+        steps=300_000,
+        global_batch_size=512,  # sequences per step
+        micro_batch_size=0,  # sequences per data shard per accumulation step; 0 = no accumulation
+        seed=0,
+        log_every=10,
+        eval_every=0,  # validation loss every N steps (0: only at the end)
+        eval_batches=8,  # global batches of the validation split per evaluation (0: never)
+        precision="auto",  # fp32 | bf16 | fp16 | auto (bf16 on accelerators, fp32 on CPU)
+        max_nonfinite_steps=0,  # stop after this many consecutive non-finite losses (fp16's skipped steps aside)
+        allow_batch_size_change=False,  # resume with another global_batch_size (the data order then shifts)
+        peak_flops_per_device=0.0,  # override the MFU denominator; 0 = look up by device kind
+    ))
+    c.checkpoint = ml_collections.ConfigDict(dict(
+        enabled=True,
+        every_steps=1000,
+        # The newest K checkpoints in the workdir (0: all). Earlier runs' steps count too, so a resumed run keeps
+        # the same budget; an old step is deleted only after a newer save is complete.
+        keep=3,
+        keep_period=0,  # also keep every M-th step forever (0: off)
+        async_save=True,  # write in the background while training continues
+        # Resume from this step (0: the latest). Newer steps are moved to WORKDIR/superseded/<time>/, not deleted.
+        restore_step=0,
+    ))
+    c.loss_scale = ml_collections.ConfigDict(dict(initial=2.0**32, growth_interval=1000, hysteresis=2,
+                                                  min_scale=1.0))
+    c.optimizer = ml_collections.ConfigDict(dict(
+        lr=1.5e-4, min_lr=1e-5, warmup_steps=3000, decay="cosine", decay_steps=0,  # 0: until train.steps
+        b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, clip_norm=1.0,
+    ))
+    c.data = ml_collections.ConfigDict(dict(
+        source="default",  # default (stdlib corpus, offline) | indexed (data.path=PREFIX) | tfds | random | task
+        path="",  # indexed: the prefix written by python -m megajax.data.preprocess
+        tokenizer="",  # tfds, task: tokenizer.json, a GPT-2 BPE directory or a vocab.txt
+        # source=task: mnli | qqp | squad1 | squad2 | race (files in task_dir) or synthetic_pair | synthetic_span |
+        # synthetic_choice (generated from data.seed; for tests and CPU runs)
+        task="",
+        task_dir="",  # source=task: the task's downloaded files (GLUE TSVs, SQuAD JSONs, RACE's split folders)
+        tfds_name="",
+        tfds_split="train",
+        tfds_feature="text",
+        tfds_data_dir="",
+        min_tokens=0,  # tfds: drop shorter documents (the preprocess CLI defaults to the paper's 128)
+        seed=1234,
+        valid_fraction=1 / 30,  # the paper's 29:1 train/validation split
+        # source=indexed: "W1 PREFIX1 W2 PREFIX2 ..." mixes several datasets by weight (Megatron's --data-path);
+        # each is split by valid_fraction. Resuming with other weights needs allow_blend_change=True.
+        blend="",
+        allow_blend_change=False,
+        mask_prob=0.15,  # BERT: fraction of tokens masked (whole-word n-grams)
+        max_ngram=3,  # BERT: n-gram lengths 1..max_ngram with probability proportional to 1/n
+        short_seq_prob=0.1,  # BERT: probability of a shorter target length
+    ))
+    return c
+
+
+def bert_base_config() -> ml_collections.ConfigDict:
+    """``base_config()`` with BERT's defaults (paper Section 4.2, following Lan et al. 2019 and Devlin et al.)."""
+    c = base_config()
+    c.model.update(name="bert", vocab_size=30522, num_token_types=2, max_seq_len=512, activation="gelu",
+                   layernorm_eps=1e-12, post_layernorm=False)  # the paper's rearranged pre-LN (Figure 7b)
+    c.train.update(steps=2_000_000, global_batch_size=1024)
+    c.optimizer.update(lr=1e-4, min_lr=1e-5, warmup_steps=10_000, decay="linear")
+    return c

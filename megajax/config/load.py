@@ -1,0 +1,69 @@
+"""A saved model back on the devices: any megajax checkpoint (training workdir, a step, a params-only export) read
+straight into the shardings of a mesh of the current devices (resharding on restore), with its resolved spec."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import NamedTuple
+
+import jax
+import ml_collections
+from flax import nnx
+from jax.sharding import Mesh
+
+from megajax.checkpoint.manager import read_config, restore_params
+from megajax.config.build import abstract_model
+from megajax.config.resolve import RunSpec, resolve
+from megajax.parallel.partition import shardings
+from megajax.parallel.sharding import make_mesh
+
+
+class LoadedModel(NamedTuple):
+    """What ``load_model`` returns: ``model, spec, mesh = megajax.load_model(path)``."""
+
+    model: nnx.Module  # ready for model(tokens); its parameters sharded on ``mesh``
+    spec: RunSpec  # the resolved run (spec.model: the TransformerConfig, spec.model_spec: the family's spec)
+    mesh: Mesh
+
+
+def inference_config(path: str | pathlib.Path, data: int | None = None,
+                     model: int | None = None) -> ml_collections.ConfigDict:
+    """The config stored with a checkpoint, set up for inference on the current devices: ``mesh.model`` as saved
+    (or ``model``), every remaining device on ``data`` (or ``data``), and sequence parallelism off (it saves training
+    memory, and a decoding step of one token has no sequence to split; the parameters are laid out the same)."""
+    config = read_config(path)
+    config.parallel.sequence = False
+    config.mesh.data = -1 if data is None else data
+    if model is not None:
+        config.mesh.model = model
+    return config
+
+
+def restore_model(path: str | pathlib.Path, config: ml_collections.ConfigDict) -> LoadedModel:
+    """The checkpoint at ``path`` on the mesh of ``config`` (``inference_config``), digests verified."""
+    spec = resolve(config, jax.device_count(), training=False)
+    mesh = make_mesh(spec.data, spec.tensor)
+    graphdef, abstract = nnx.split(abstract_model(config))
+    target_shardings = nnx.to_pure_dict(shardings(abstract, mesh, spec.rules))
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          nnx.to_pure_dict(abstract), target_shardings)
+    return LoadedModel(nnx.merge(graphdef, restore_params(path, target)), spec, mesh)
+
+
+def load_model(path: str | pathlib.Path, *, data: int | None = None, model: int | None = None) -> LoadedModel:
+    """Loads any megajax checkpoint onto the current devices: ``(model, spec, mesh)``.
+
+    ``path`` (absolute or relative) is a training workdir, its ``checkpoints/`` directory, one step of it, or a
+    params-only export. The mesh defaults to the checkpoint's ``mesh.model`` and all remaining devices on
+    ``data``; parameters are read straight into that layout and checked against their digests. Sequence
+    parallelism is off: inference does not split the sequence.
+    """
+    return restore_model(path, inference_config(path, data, model))
+
+
+def load_model_and_config(path: str | pathlib.Path, *, data: int | None = None,
+                          model: int | None = None) -> tuple[nnx.Module, ml_collections.ConfigDict]:
+    """``megajax.checkpoint.load_model``, kept for scripts written against it: ``(model, config)``, the config as
+    stored, set up for inference (``inference_config``). New code: ``megajax.load_model`` -> (model, spec, mesh)."""
+    config = inference_config(path, data, model)
+    return restore_model(path, config).model, config

@@ -1,0 +1,84 @@
+"""What a model is, in one place: each model file registers a ``ModelSpec``, and everything outside ``models/``
+(data, the step, the loop, evaluation, the planners) asks the spec of ``config.model.name`` instead of comparing
+names. A new model arrives by adding its file and one import in ``megajax/models/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from flax import nnx
+
+from megajax.data.formats import ExampleFormat
+from megajax.errors import ConfigError
+from megajax.models.objectives import Objective
+from megajax.models.transformer import TransformerConfig
+
+
+def transformer_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """Megatron's model FLOPs of one forward+backward step (Narayanan et al. 2021, without recomputation):
+    72 B s L h^2 (1 + s / (6 h) + V / (12 L h)); the last term is the output layer over every position."""
+    return 72.0 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadMemory:
+    """What the model's output head holds when the backward pass starts (``tools.memory_planner.head_bytes``)."""
+
+    vocab_logit_copies: int  # fp32 (b, s, V/t) tensors: logits, exponentials, gradient (+ biased logits); 0: none
+    hidden_tensors: int  # fp32 (b, s, h) tensors of the embeddings, the final LayerNorm and the head
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A model family's facts: its module, how it trains, what it costs, what it is evaluated on."""
+
+    name: str  # config.model.name
+    module: type[nnx.Module]  # built as module(TransformerConfig, rngs=...)
+    objective: Objective  # the loss and the batch fields it reads
+    flops: Callable[[TransformerConfig, int, int], float]  # (cfg, sequences, seq_len) -> model FLOPs fwd + bwd
+    head_memory: HeadMemory
+    examples: ExampleFormat | None = None  # pretraining: how examples are cut from a corpus; None: fine-tuning
+    tasks: tuple[str, ...] = ()  # fine-tuning: the data.task values it trains on (data.source=task)
+    eval_tasks: tuple[str, ...] = ()  # the eval.py --task values that apply to its checkpoints
+    rows_per_example: int = 1  # sequences the trunk runs per example (multiple choice: one per option)
+    pooled_heads: tuple[str, ...] = ()  # replicated heads that read only the pooled first token
+    pooled_rows: int = 0  # first tokens pooled per example
+    sequence_rows: tuple[str, ...] = ()  # parameters whose rows follow the sequence (learned positions)
+    perplexity_of: str | None = None  # the validation metric whose exp is the perplexity (None: no perplexity)
+    causal_lm: bool = False  # generates text left to right: lm-eval, generation, the scaling model
+    pretrained_trunk: type[nnx.Module] | None = None  # init_from: a checkpoint whose module subclasses this
+
+    @property
+    def vocab_output(self) -> bool:
+        """Whether the model ends in the (tied, vocab-parallel) output layer over the vocabulary."""
+        return self.head_memory.vocab_logit_copies > 0
+
+
+MODELS: dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    """Adds ``spec`` to the registry under ``spec.name`` (once)."""
+    if spec.name in MODELS:
+        raise ValueError(f"model {spec.name!r} is registered twice")
+    MODELS[spec.name] = spec
+    return spec
+
+
+def model_spec(name: str) -> ModelSpec:
+    """The spec registered as ``name`` (``config.model.name``); ConfigError naming the choices otherwise."""
+    if name not in MODELS:
+        raise ConfigError(f"model.name={name!r}; choose one of {sorted(MODELS)}")
+    return MODELS[name]
+
+
+def task_models() -> dict[str, ModelSpec]:
+    """data.task -> the model that fine-tunes on it."""
+    return {task: spec for spec in MODELS.values() for task in spec.tasks}
+
+
+def eval_task_models() -> dict[str, ModelSpec]:
+    """eval.py --task -> the model whose checkpoints it evaluates."""
+    return {task: spec for spec in MODELS.values() for task in spec.eval_tasks}

@@ -1,0 +1,111 @@
+"""Model size and per-device memory for a config and mesh, without allocating the model.
+
+    python -m megajax.info --config=configs/gpt_8p3b.py --mesh=64x8 --device_memory_gb=32 --precision=fp16
+    python -m megajax.info --config=gpt_tiny --mesh=2x4 --cpu_devices=8 --compiled
+    python -m megajax.info --config=gpt_8p3b --mesh=64x8 --precision=fp16 --sequence  # parallel.sequence
+
+Counts come from ``jax.eval_shape`` and the sharding rules, so the mesh can be far larger than the host.
+Training state is fp32 master parameters, fp32 gradients and AdamW's two fp32 moments: 16 bytes per parameter,
+as in the paper's accounting, divided by the model-parallel degree for the sharded weights (LayerNorms, position
+embeddings and row-parallel biases stay replicated). The step's peak adds what ``megajax.tools.memory_planner`` counts
+(the activations JAX keeps, ZeRO-1's split gradients, the batch); ``--compiled``
+prints it beside the compiled step's own memory plan (``memory_analysis()``; needs the mesh's devices).
+``--sequence`` turns on sequence parallelism: the activations of the LayerNorm, dropout and residual regions are
+split over ``model`` too.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+
+from megajax.cli import add_parallel_flags, apply_parallel_flags, load_config, parse_mesh, use_cpu_devices
+from megajax.tools.memory_planner import (
+    CompiledMemory,
+    GiB,
+    MemoryReport,
+    compiled_memory,
+    largest_micro_batch,
+    memory_report,
+)
+
+
+def _g(x: float) -> str:
+    return f"{x / GiB:10.3f} GiB"
+
+
+def format_report(r: MemoryReport, device_memory_gb: float | None,
+                  largest: int | None = None) -> str:
+    a = r.activations
+    state = r.param_bytes + r.grad_bytes + r.optimizer_bytes
+    lines = [
+        f"parameters           {r.num_params:,} ({r.num_params / 1e9:.3f} B)",
+        f"mesh                 data={r.data} x model={r.model} ({r.data * r.model} devices)",
+        f"params per device    {r.params_per_device:,}" + ("  (split over data: parallel.fsdp)" if r.fsdp else ""),
+        f"  fp32 parameters    {_g(r.param_bytes)}",
+        f"  fp32 gradients     {_g(r.grad_bytes)}",
+        f"  AdamW m, v (fp32)  {_g(r.optimizer_bytes)}"
+        + ("  (split over data: parallel.shard_optimizer)" if r.optimizer_bytes < 8 * r.params_per_device else ""),
+        f"  = model state      {_g(state)}  ({state / r.num_params:.2f} bytes/param of the whole model)",
+        f"  activations (est.) {_g(r.activation_bytes)}  (layers {a.layers / GiB:.3f}, then the larger of the head "
+        f"{a.head / GiB:.3f} and one recomputed layer {a.recompute / GiB:.3f})"
+        + ("  (LayerNorm / dropout / residual split over model: parallel.sequence)" if r.sequence else ""),
+        f"  total              {_g(r.total_bytes)}",
+        f"step peak (est.)     {_g(r.peak_bytes)}  (+ gradients as held {r.step_grad_bytes / GiB:.3f}, batch)",
+    ]
+    if device_memory_gb:
+        lines.append(f"fits a {device_memory_gb:g} GiB device: {'yes' if r.fits(device_memory_gb * GiB) else 'NO'}")
+        if largest is not None:
+            lines.append(f"largest micro-batch that fits: {largest}" + ("" if largest else " (not even 1)"))
+    return "\n".join(lines)
+
+
+def compare_rows(r: MemoryReport, c: CompiledMemory) -> list[tuple[str, int, int]]:
+    """(quantity, formula bytes, compiled bytes) for what XLA's memory plan separates."""
+    return [("state (params + moments)", r.state_bytes, c.state), ("batch", r.batch_bytes, c.batch),
+            ("temp (grads + activations)", r.temp_bytes, c.temp), ("peak", r.peak_bytes, c.peak)]
+
+
+def format_comparison(r: MemoryReport, c: CompiledMemory) -> str:
+    mib = lambda x: f"{x / 2**20:12.1f} MiB"  # noqa: E731
+    lines = [f"{'':42s} {'formula':>16s} {'compiled':>16s}  ratio (compiled / formula)"]
+    for name, formula, compiled in compare_rows(r, c):
+        lines.append(f"{name:42s} {mib(formula)} {mib(compiled)}  {compiled / formula:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="config file, path or bare name (gpt_8p3b)")
+    p.add_argument("--mesh", default=None, help="DATAxMODEL, e.g. 64x8 (default: the config's, data=1)")
+    p.add_argument("--micro_batch", type=int, default=None, help="sequences per device per accumulation step "
+                   "(default: the config's; global batch / data without accumulation)")
+    p.add_argument("--device_memory_gb", type=float, default=None, help="say whether it fits this much memory")
+    p.add_argument("--precision", default=None, help="fp32 | bf16 | fp16 (default: the config's; auto is fp32 "
+                                                     "on a CPU host)")
+    p.add_argument("--compiled", action="store_true", help="also compile the step (abstract inputs, nothing "
+                                                           "allocated) and print XLA's memory plan beside the formula")
+    p.add_argument("--cpu_devices", type=int, default=0, help="simulate N CPU devices (applied before jax starts)")
+    add_parallel_flags(p)
+    args = p.parse_args(argv)
+    use_cpu_devices(args.cpu_devices)
+    config = load_config(args.config)
+    apply_parallel_flags(args, config)
+    if args.mesh:
+        data, model = parse_mesh(args.mesh)
+    else:
+        data, model = max(config.mesh.data, 1), config.mesh.model
+    if args.precision:
+        config.train.precision = args.precision
+    # the config's micro-batch; with no accumulation (0) each data shard runs its share of the global batch
+    micro = args.micro_batch or config.train.micro_batch_size or max(config.train.global_batch_size // data, 1)
+    report = memory_report(config, data, model, micro, num_micro=1 if args.compiled else None)
+    largest = largest_micro_batch(config, data, model, args.device_memory_gb * GiB) if args.device_memory_gb else None
+    print(format_report(report, args.device_memory_gb, largest))
+    if args.compiled:
+        if data * model > jax.device_count():
+            raise SystemExit(f"--compiled needs {data * model} devices, this host has {jax.device_count()}; "
+                             f"add --cpu_devices={data * model}")
+        print(f"\nthe compiled step (micro-batch {micro}, no accumulation):")
+        print(format_comparison(report, compiled_memory(config, data, model, micro)))

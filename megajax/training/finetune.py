@@ -1,0 +1,81 @@
+"""``config.init_from``: a fine-tuning run's trunk read from a pretrained megajax checkpoint.
+
+A task model's spec names its pretrained trunk (``ModelSpec.pretrained_trunk``: ``BERTEncoder`` for the BERT task
+models), which the task model and the pretraining model both subclass, so the trunk (embeddings, blocks, final /
+embedding LN, pooler) has the same parameter paths in a pretraining checkpoint and in the task model. Only those
+paths are read, straight into the task run's shardings (any mesh); the heads keep their fresh initialisation.
+Everything that can be checked from the checkpoint's stored config is checked before compiling.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import jax
+import ml_collections
+from flax import nnx
+
+from megajax.checkpoint import CheckpointError, read_config, restore_params
+from megajax.config import model_config
+from megajax.errors import ConfigError
+from megajax.models import MODELS, model_spec
+
+# config.model fields that fix the trunk's parameter shapes (and its architecture); max_seq_len may be smaller
+TRUNK_FIELDS = ("vocab_size", "make_vocab_size_divisible_by", "num_layers", "hidden_size", "num_heads", "mlp_ratio",
+                "num_token_types", "post_layernorm", "activation")
+
+
+def _trunk(config: ml_collections.ConfigDict) -> type[nnx.Module]:
+    trunk = model_spec(config.model.name).pretrained_trunk
+    if trunk is None:
+        raise ConfigError(f"init_from: model.name={config.model.name} has no pretrained trunk to load; leave "
+                          "init_from empty")
+    return trunk
+
+
+def trunk_keys(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+    """The top-level parameter names the task model shares with its pretrained trunk (wte, wpe, tte, blocks, ...)."""
+    trunk = _trunk(config)
+    encoder = nnx.eval_shape(lambda: trunk(model_config(config), rngs=nnx.Rngs(0)))
+    return tuple(nnx.to_pure_dict(nnx.state(encoder)))
+
+
+def check_init_from(config: ml_collections.ConfigDict) -> pathlib.Path:
+    """The resolved ``config.init_from`` after checking that it holds a checkpoint of this model's pretrained trunk
+    (a BERT for the BERT task models) of this config's sizes; raises FileNotFoundError or CheckpointError naming
+    what differs."""
+    path = pathlib.Path(config.init_from).expanduser().resolve()
+    if not path.exists():
+        raise FileNotFoundError(f"init_from={config.init_from!r}: {path} does not exist; pass a pretraining run's "
+                                "workdir or one of its step directories")
+    trunk, saved = _trunk(config), read_config(path).model
+    if saved.name not in MODELS or not issubclass(MODELS[saved.name].module, trunk):
+        raise CheckpointError(f"init_from={config.init_from!r} holds a model.name={saved.name!r} checkpoint: "
+                              f"fine-tuning {config.model.name} needs one whose model is a {trunk.__name__}")
+    for field in TRUNK_FIELDS:
+        if saved.get(field) != config.model.get(field):
+            raise CheckpointError(f"init_from={config.init_from!r} was trained with model.{field}={saved.get(field)}"
+                                  f" but this config has {config.model.get(field)}; set "
+                                  f"--config.model.{field}={saved.get(field)}")
+    if config.model.max_seq_len > saved.max_seq_len:
+        raise CheckpointError(f"init_from={config.init_from!r} has position embeddings for model.max_seq_len="
+                              f"{saved.max_seq_len}, fewer than this config's {config.model.max_seq_len}; set "
+                              f"--config.model.max_seq_len to at most {saved.max_seq_len}")
+    return path
+
+
+def load_trunk(config: ml_collections.ConfigDict, params_target: dict[str, Any]) -> dict[str, Any]:
+    """The trunk parameters of ``config.init_from``, read into the shardings and dtypes of ``params_target``'s
+    matching entries (a pure dict of ShapeDtypeStructs or arrays); the shapes are checked by name. A shorter
+    ``model.max_seq_len`` than pretraining's keeps the first rows of the position embeddings (fine-tuning at 128
+    tokens from a 512-token BERT, as BERT's GLUE runs)."""
+    path = check_init_from(config)
+    target = {k: params_target[k] for k in trunk_keys(config)}
+    wpe, positions = target["wpe"], read_config(path).model.max_seq_len
+    if positions != wpe.shape[0]:
+        target["wpe"] = jax.ShapeDtypeStruct((positions, *wpe.shape[1:]), wpe.dtype, sharding=wpe.sharding)
+    trunk = restore_params(path, target)
+    if positions != wpe.shape[0]:
+        trunk["wpe"] = jax.device_put(trunk["wpe"][:wpe.shape[0]], wpe.sharding)
+    return trunk
