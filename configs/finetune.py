@@ -17,7 +17,7 @@ Expect:   the trainer logs validation loss and accuracy on the dev split (exact 
 """
 
 from megajax.cli import load_config
-from megajax.downstream.task_data import TASK_CLASSES
+from megajax.data.tasks.task_data import TASK_CLASSES
 from megajax.models import task_models
 
 # Paper Table 6 (fine-tuning hyperparameters), as read from its garbled layout in the reference copy: per task and

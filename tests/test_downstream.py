@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 from downstream_fixtures import token_id, wordpiece_tokenizer
 
+from megajax.data.tasks import race
+from megajax.data.tasks.batches import OrderedBatches, TrainBatches
+from megajax.data.tasks.encoding import EncodedTask, PackedPairs, Specials, truncate_longer_first, wordpiece_backend
+from megajax.data.tasks.files import TaskDataError
+from megajax.data.tasks.glue import MNLI_LABELS, featurize_pairs, read_mnli, read_qqp
+from megajax.data.tasks.race import ChoiceExample, featurize_race, fill_blank, read_race
 from megajax.data.tokenizer import TextTokenizer
-from megajax.downstream import race
-from megajax.downstream.batches import OrderedBatches, TrainBatches
-from megajax.downstream.encoding import EncodedTask, PackedPairs, Specials, truncate_longer_first, wordpiece_backend
-from megajax.downstream.files import TaskDataError
-from megajax.downstream.glue import MNLI_LABELS, featurize_pairs, read_mnli, read_qqp
-from megajax.downstream.metrics import accuracy, positive_f1, race_accuracy
-from megajax.downstream.race import ChoiceExample, featurize_race, fill_blank, read_race
+from megajax.evaluation.task_metrics import accuracy, positive_f1, race_accuracy
 
 CLS, SEP, PAD = (token_id(t) for t in ("[CLS]", "[SEP]", "[PAD]"))
 

@@ -14,7 +14,7 @@ from flax import nnx
 
 from megajax.checkpoint import save_params
 from megajax.config import bert_base_config, build_mesh, create_model
-from megajax.downstream.task_data import TASK_CLASSES
+from megajax.data.tasks.task_data import TASK_CLASSES
 from megajax.evaluation.inputs import InputError
 from megajax.evaluation.runner import run
 from megajax.models import task_models
@@ -123,9 +123,9 @@ def _one_at_a_time(model, rows):
 
 def _reference(task, model, files):
     """Per split: (metrics computed here from per-example outputs, predicted ids)."""
-    from megajax.downstream import glue, race, squad
-    from megajax.downstream.squad_decode import answers_at, decode_squad
-    from megajax.downstream.squad_metrics import squad_scores
+    from megajax.data.tasks import glue, race, squad
+    from megajax.evaluation.squad_decode import answers_at, decode_squad
+    from megajax.evaluation.squad_metrics import squad_scores
 
     root, tokenizer = files
     seq = SEQ[task]

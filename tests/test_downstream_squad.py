@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from downstream_fixtures import wordpiece_tokenizer
 
-from megajax.downstream.files import TaskDataError
-from megajax.downstream.squad import Answer, SquadExample, featurize_squad, read_squad, windows
-from megajax.downstream.squad_decode import SpanPrediction, answers_at, best_span, decode_squad
-from megajax.downstream.squad_metrics import f1, normalize_answer, squad_scores
+from megajax.data.tasks.files import TaskDataError
+from megajax.data.tasks.squad import Answer, SquadExample, featurize_squad, read_squad, windows
+from megajax.evaluation.squad_decode import SpanPrediction, answers_at, best_span, decode_squad
+from megajax.evaluation.squad_metrics import f1, normalize_answer, squad_scores
 
 CONTEXT = ("Denver Broncos won the Super Bowl in 1990. The game was played in Paris, France at the city park. "
            "Mary played the big red ball and John ran to the long blue river.")

@@ -19,9 +19,9 @@ from megajax.data.formats import ExampleFormat
 from megajax.data.gpt_dataset import split_by_documents
 from megajax.data.indexed import IndexedTokens
 from megajax.data.loader import Batches, Loader
+from megajax.data.tasks.batches import TrainBatches
+from megajax.data.tasks.task_data import TaskData, load_task
 from megajax.data.tfds_source import tfds_corpus
-from megajax.downstream.batches import TrainBatches
-from megajax.downstream.task_data import TaskData, load_task
 from megajax.errors import ConfigError
 
 MAX_ID_CHUNK = 1 << 26  # ids per read when scanning a memory-mapped corpus for its largest id

@@ -23,8 +23,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from megajax.downstream.encoding import EncodedTask
-from megajax.downstream.task_data import TASK_CLASSES
+from megajax.data.tasks.encoding import EncodedTask
+from megajax.data.tasks.task_data import TASK_CLASSES
 from megajax.evaluation.inputs import InputError
 
 DOWNSTREAM_TASKS = ("mnli", "qqp", "squad1", "squad2", "race")
@@ -75,9 +75,9 @@ def read_splits(task: str, config: ml_collections.ConfigDict, data: str | None,
     """Every evaluation split of ``task`` (the checkpoint's model already checked to be the task's), encoded to
     the model's ``max_seq_len`` with its tokenizer (``--tokenizer``, else the run's ``data.tokenizer``). Raises
     InputError for a missing or unreadable input."""
+    from megajax.data.tasks import glue, race, squad
+    from megajax.data.tasks.files import TaskDataError
     from megajax.data.tokenizer import load_tokenizer
-    from megajax.downstream import glue, race, squad
-    from megajax.downstream.files import TaskDataError
 
     check_classes(task, config)
     where = data or config.data.get("task_dir")
@@ -131,7 +131,7 @@ def predict(model, mesh, rules, rows: EncodedTask, batch_size: int) -> tuple[np.
     import jax.numpy as jnp
     from flax import nnx
 
-    from megajax.downstream.batches import OrderedBatches
+    from megajax.data.tasks.batches import OrderedBatches
     from megajax.models.objectives import PAIR_FIELDS
     from megajax.parallel.sharding import activate
 
@@ -155,12 +155,12 @@ def predict(model, mesh, rules, rows: EncodedTask, batch_size: int) -> tuple[np.
 
 def _score(task: str, split: Split, outputs: tuple[np.ndarray, ...]) -> tuple[dict, dict]:
     """(metrics, predictions by example id) of one split."""
-    from megajax.downstream import metrics
-    from megajax.downstream.glue import MNLI_LABELS, QQP_LABELS
+    from megajax.data.tasks.glue import MNLI_LABELS, QQP_LABELS
+    from megajax.evaluation import task_metrics as metrics
 
     if task in ("squad1", "squad2"):
-        from megajax.downstream.squad_decode import answers_at, decode_squad
-        from megajax.downstream.squad_metrics import squad_scores
+        from megajax.evaluation.squad_decode import answers_at, decode_squad
+        from megajax.evaluation.squad_metrics import squad_scores
 
         features = split.extra
         spans = decode_squad(features, *outputs, max_answer_length=MAX_ANSWER_LENGTH)

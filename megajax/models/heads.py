@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from megajax.downstream.race import NUM_OPTIONS
+from megajax.data.tasks.race import NUM_OPTIONS
 from megajax.models import objectives
 from megajax.models.bert import BERTEncoder
 from megajax.models.spec import HeadMemory, ModelSpec, register, transformer_flops

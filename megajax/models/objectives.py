@@ -16,7 +16,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from megajax.downstream.race import NUM_OPTIONS as NUM_CHOICES
+from megajax.data.tasks.race import NUM_OPTIONS as NUM_CHOICES
 from megajax.parallel.losses import lm_loss, vocab_parallel_nll_and_hit
 
 Batch = dict[str, jax.Array]

@@ -23,7 +23,7 @@ from megajax.data.blend import BlendedBatches
 from megajax.data.gpt_dataset import split_by_documents, unigram_entropy
 from megajax.data.loader import Loader
 from megajax.data.sources import BlendedData
-from megajax.downstream.task_data import TaskData
+from megajax.data.tasks.task_data import TaskData
 from megajax.models.objectives import Field
 from megajax.parallel.partition import over_data, shardings
 from megajax.parallel.sharding import activate, logical_to_spec, make_mesh

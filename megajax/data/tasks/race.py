@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
+from megajax.data.tasks.encoding import SPECIALS_PER_PAIR, EncodedTask, PackedPairs, token_ids, wordpiece_backend
+from megajax.data.tasks.files import TaskDataError, read_json
 from megajax.data.tokenizer import TextTokenizer
-from megajax.downstream.encoding import SPECIALS_PER_PAIR, EncodedTask, PackedPairs, token_ids, wordpiece_backend
-from megajax.downstream.files import TaskDataError, read_json
 
 LEVELS = ("middle", "high")
 ANSWER_LETTERS = "ABCD"

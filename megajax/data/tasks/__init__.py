@@ -1,4 +1,5 @@
-"""Fine-tuning data and metrics for the paper's Table 5 tasks, read from the files users download.
+"""The fine-tuning tasks' data (the paper's Table 5), read from the files users download; their metrics are
+evaluation's (``megajax.evaluation.task_metrics``, ``squad_decode``, ``squad_metrics``).
 
 | module | one idea |
 | --- | --- |
@@ -7,8 +8,6 @@
 | `glue.py` | MNLI and QQP TSV readers, pair classification rows |
 | `race.py` | RACE per-article JSON reader, 4-way multiple-choice rows |
 | `squad.py` | SQuAD 1.1 / 2.0 JSON reader, document-stride windows with answer positions and offsets |
-| `squad_decode.py` | best span over all windows of a question, and its no-answer (null) score |
-| `squad_metrics.py` | SQuAD EM / F1 and the no-answer threshold, by the official definitions |
-| `metrics.py` | accuracy, positive-class F1, RACE accuracy per level |
 | `batches.py` | `TrainBatches` (the loader protocol, shuffled per epoch) and `OrderedBatches` (evaluation) |
+| `task_data.py` | `data.source=task`: a task's train and validation rows, read from its files or generated |
 """

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from megajax.downstream.race import LEVELS, ChoiceExample
+from megajax.data.tasks.race import LEVELS, ChoiceExample
 
 
 def _real(predictions: np.ndarray, labels: np.ndarray, valid: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:

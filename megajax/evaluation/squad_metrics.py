@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from megajax.downstream.squad import SquadExample
+from megajax.data.tasks.squad import SquadExample
 
 ARTICLES = re.compile(r"\b(a|an|the)\b")
 PUNCTUATION = frozenset(string.punctuation)

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
+from megajax.data.tasks.encoding import SPECIALS_PER_PAIR, EncodedTask, PackedPairs, encode, wordpiece_backend
+from megajax.data.tasks.files import TaskDataError, existing_file, read_json
 from megajax.data.tokenizer import TextTokenizer
-from megajax.downstream.encoding import SPECIALS_PER_PAIR, EncodedTask, PackedPairs, encode, wordpiece_backend
-from megajax.downstream.files import TaskDataError, existing_file, read_json
 
 NO_ANSWER = 0  # the position ([CLS]) that start/end point at when a window holds no answer
 

@@ -19,8 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
-from megajax.data.tokenizer import TextTokenizer
-from megajax.downstream.encoding import (
+from megajax.data.tasks.encoding import (
     SPECIALS_PER_PAIR,
     EncodedTask,
     PackedPairs,
@@ -28,7 +27,8 @@ from megajax.downstream.encoding import (
     truncate_longer_first,
     wordpiece_backend,
 )
-from megajax.downstream.files import TaskDataError, existing_file
+from megajax.data.tasks.files import TaskDataError, existing_file
+from megajax.data.tokenizer import TextTokenizer
 
 # Label id = position in these tuples (fixed; the classifier's output order).
 MNLI_LABELS = ("contradiction", "entailment", "neutral")

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import grain
 import numpy as np
 
-from megajax.downstream.encoding import INT, EncodedTask
+from megajax.data.tasks.encoding import INT, EncodedTask
 
 
 class TrainBatches:

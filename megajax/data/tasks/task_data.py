@@ -1,6 +1,6 @@
 """Fine-tuning data (``config.data.source='task'``): a task's train and validation rows as ``EncodedTask``s.
 
-Real tasks read the files users download (``megajax.downstream`` readers) with the model's WordPiece tokenizer;
+Real tasks read the files users download (``megajax.data.tasks`` readers) with the model's WordPiece tokenizer;
 synthetic tasks are generated from ``data.seed`` over a small vocabulary, learnable from scratch by a tiny BERT, so
 tests and CPU runs fine-tune without downloads. Every row is ``[CLS] A [SEP] B [SEP]`` as in pretraining.
 """
@@ -13,8 +13,8 @@ import pathlib
 import ml_collections
 import numpy as np
 
-from megajax.downstream.encoding import SPECIALS_PER_PAIR, EncodedTask, PackedPairs, Specials
-from megajax.downstream.race import NUM_OPTIONS
+from megajax.data.tasks.encoding import SPECIALS_PER_PAIR, EncodedTask, PackedPairs, Specials
+from megajax.data.tasks.race import NUM_OPTIONS
 from megajax.errors import ConfigError
 
 # The classification tasks' classes (the model that fine-tunes on each task is named by its spec in models/)
@@ -61,8 +61,8 @@ def load_task(config: ml_collections.ConfigDict) -> TaskData:
 
 
 def _read_task(config: ml_collections.ConfigDict) -> TaskData:
+    from megajax.data.tasks import glue, race, squad
     from megajax.data.tokenizer import load_tokenizer
-    from megajax.downstream import glue, race, squad
 
     d, seq = config.data, config.model.max_seq_len
     if not d.task_dir or not d.tokenizer:

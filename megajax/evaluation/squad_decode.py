@@ -15,7 +15,7 @@ import dataclasses
 
 import numpy as np
 
-from megajax.downstream.squad import SquadFeatures
+from megajax.data.tasks.squad import SquadFeatures
 
 
 @dataclasses.dataclass(frozen=True)
