@@ -9,8 +9,8 @@ Per config: half precision (bf16; fp16 before Ampere, e.g. V100, which has no bf
 ``megajax.models.transformer.attention_implementation``; so the figures are not those of a run with Megatron's
 dropout), sequence 1024, the mesh ``--mesh`` or all GPUs as data
 parallel over the config's model-parallel degree, ``--micro_batch`` sequences per data replica, and the lightest
-recomputation (none, selective, full) whose planned peak fits the GPU's memory (``megajax.info.memory_report``;
-the plan counts attention's (B, N, S, S) softmax arrays, which cuDNN never makes, so it errs towards recomputing).
+recomputation (none, selective, full) whose planned peak fits the GPU's memory (``memory_planner.memory_report``; the
+plan counts attention's (B, N, S, S) softmax arrays, which cuDNN never makes, so it errs towards recomputing).
 The step is compiled ahead of time, 2 warm-up steps are untimed, then ``--steps`` steps are timed. Printed per
 config: tokens/s, model TFLOP/s per GPU (Megatron's formula, no recomputation counted) and MFU against the
 datasheet peak (``megajax.training.metrics.PEAK_FLOPS``; an unlisted GPU gets no MFU rather than a guess).

@@ -5,8 +5,8 @@ documents held out).
 Command:  python train.py --config=configs/bert_tiny.py --workdir=/tmp/bert_tiny
 Expect:   about 1 s per step on an idle 2-core CPU (35 minutes for the 2000 steps). MLM loss from 9.0 (log 8192)
           to about 5.1-5.4 on the training batches (40% lower from about step 1000); held-out every 250 steps
-          (640 sentence pairs): MLM about 5.8, SOP accuracy 0.54-0.59 from step 750 (chance 0.5). The README's BERT
-          section has the measured curve.
+          (640 sentence pairs): MLM about 5.8, SOP accuracy 0.54-0.59 from step 750 (chance 0.5). docs/results.md has
+          the measured curve.
 """
 
 from megajax.config import bert_base_config

@@ -5,7 +5,7 @@ trainer as pretraining.
 Command:  python train.py --config=configs/finetune_tiny_pair.py --workdir=/tmp/ft_tiny_pair
           (optionally first pretrain python train.py --config=configs/bert_tiny.py --workdir=/tmp/bert_tiny and add
           --config.init_from=/tmp/bert_tiny: the trunk then starts from it, the classifier head fresh)
-Expect:   see the README's Fine-tuning section (valid_accuracy on held-out rows well above the 0.5 of chance).
+Expect:   see docs/results.md, finetune_tiny_pair (valid_accuracy on held-out rows well above the 0.5 of chance).
 """
 
 from megajax.config import bert_base_config

@@ -6,9 +6,9 @@ import os
 # Compiling dominates the suite; the test programs mostly run in milliseconds. So the tests compile with
 # jax_disable_most_optimizations: LLVM at -O0 without its expensive passes. XLA's HLO passes (SPMD partitioning,
 # fusion, buffer assignment) all run as usual, so the collectives and the memory plans the tests read are those of
-# the production program. Measured on the 2-core machine: the suite 660 s at -O1 -> 559 s. Numerics are unchanged
-# up to rounding (no fast-math flag moves). Tests that run many steps are marked `many_steps` and compile at
-# COMPILE_FLAG's -O1 instead (at -O0 their steps run ~2x slower: those tests took 58 s more).
+# the production program (what this saves: bench/README.md). Numerics are unchanged up to rounding (no fast-math
+# flag moves). Tests that run many steps are marked `many_steps` and compile at COMPILE_FLAG's -O1 instead (at -O0
+# their steps run ~2x slower).
 COMPILE_FLAG = "--xla_backend_optimization_level=1"
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -43,9 +43,8 @@ from megajax.parallel.partition import shardings  # noqa: E402
 MESHES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 4), (4, 2)]
 
 # xdist hands whole modules to the two workers (--dist loadscope), in collection order. Longest first keeps both
-# busy to the end: in alphabetical order one worker finished ~55 s before the other; in this order the two ended
-# within 2 s. Worker seconds, measured 2026-11-23 on the 2-core machine with most optimizations off (the modules
-# with `many_steps` tests less what their marks saved); the order only decides how modules are shared out.
+# busy to the end. The numbers are each module's worker seconds, roughly (docs/results.md has the suite's measured
+# times); they only decide how modules are shared out, so stale ones cost balance, never correctness.
 SLOWEST_FIRST = {"test_sharded_optimizer.py": 129, "test_finetune.py": 110, "test_checkpoint.py": 108,
                  "test_bert_training.py": 94, "test_train_end_to_end.py": 81, "test_training_step.py": 67,
                  "test_communication_audit.py": 62, "test_sequence_parallel.py": 60, "test_faults.py": 51,
@@ -74,6 +73,14 @@ def _compile_level(request: pytest.FixtureRequest):
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Modules longest first (a stable sort: the tests of a module keep their order)."""
     items.sort(key=lambda item: -SLOWEST_FIRST.get(item.path.name, 0))
+
+
+def host_batch(loader) -> dict:
+    """The loader's next global batch on the host (what ``Loader.next_global`` lays out on the devices), and one
+    step on."""
+    rows = loader.batches.rows(loader.step, 0, loader.batches.global_batch)
+    loader.step += 1
+    return rows
 
 
 def small_config(num_layers: int = 2, data: int = 1, model: int = 1):

@@ -4,6 +4,7 @@ unblended loader, resume checks, and bad input."""
 
 import numpy as np
 import pytest
+from conftest import host_batch
 
 from megajax.config import base_config, bert_base_config
 from megajax.data.blend import PERIOD, BlendedBatches, interleave, parse_blend, slot_counts
@@ -96,14 +97,15 @@ def test_blend_of_gpt_and_bert_datasets_and_resume_checks(tmp_path):
     loader = make_loader(_config(blend=f"0.25 {a} 0.75 {b}"))
     data = load_dataset(_config(blend=f"0.25 {a} 0.75 {b}"))
     for step in range(3):
-        tokens = next(loader)["tokens"]
+        tokens = host_batch(loader)["tokens"]
         assert tokens.shape == (8, 33) and tokens.dtype == np.int32
     valid = make_loader(_config(blend=f"0.25 {a} 0.75 {b}"), "valid", data)
     assert valid.batches.batch(0)["tokens"].shape == (8, 33)
     state = loader.get_state()
     resumed = make_loader(_config(blend=f"0.25 {a} 0.75 {b}"))
     resumed.set_state(state)
-    np.testing.assert_array_equal(next(resumed)["tokens"], next(loader)["tokens"])  # the same batch after resume
+    # the same batch after resume
+    np.testing.assert_array_equal(host_batch(resumed)["tokens"], host_batch(loader)["tokens"])
     changed = make_loader(_config(blend=f"0.5 {a} 0.5 {b}"))
     with pytest.raises(LoaderStateError, match="allow_blend_change=True"):
         changed.set_state(state)
@@ -115,7 +117,7 @@ def test_blend_of_gpt_and_bert_datasets_and_resume_checks(tmp_path):
 
     x, y = _corpus(tmp_path, "x", 40, split_sentences=True), _corpus(tmp_path, "y", 40, split_sentences=True)
     bert = make_loader(_config(bert=True, blend=f"1 {x} 3 {y}"))
-    batch = next(bert)
+    batch = host_batch(bert)
     assert batch["tokens"].shape == (8, 32) and set(batch) >= {"mlm_labels", "sop_labels", "token_types"}
 
 

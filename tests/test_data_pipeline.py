@@ -5,6 +5,7 @@ import pathlib
 
 import numpy as np
 import pytest
+from conftest import host_batch
 
 from megajax.data.dedup import jaccard
 from megajax.data.gpt_dataset import GPTBatches, split_by_documents
@@ -99,12 +100,12 @@ def test_determinism_resume_and_disjoint_data_shards():
     assert not np.array_equal(a.batch(5)["tokens"], GPTBatches(tokens, 16, 8, seed=4).batch(5)["tokens"])
     loader = Loader(a)
     for _ in range(3):
-        next(loader)
+        host_batch(loader)
     state = json.loads(json.dumps(loader.get_state()))  # survives serialisation
-    expected = next(loader)["tokens"]
+    expected = host_batch(loader)["tokens"]
     resumed = Loader(GPTBatches(tokens, 16, 8, seed=3))
     resumed.set_state(state)
-    np.testing.assert_array_equal(next(resumed)["tokens"], expected)
+    np.testing.assert_array_equal(host_batch(resumed)["tokens"], expected)
     with pytest.raises(LoaderStateError, match="another dataset or seed"):
         Loader(GPTBatches(tokens, 16, 8, seed=9)).set_state(state)
     # Another global batch size moves the data position: refused unless allowed, and the message says how.

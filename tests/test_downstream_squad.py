@@ -312,7 +312,7 @@ def test_decode_squad_matches_brute_force_over_windows(squad2, n_best):
             score, text, null = reference[qid]
             assert p.text == text and p.score == pytest.approx(score) and p.null_score == pytest.approx(null)
             assert p.null_margin == pytest.approx(null - score)
-            assert features.example_id(p.feature) == qid
+            assert features.examples[features.example_index[p.feature]].qid == qid
             assert features.context_mask(p.feature)[[p.start, p.end]].all()
             assert p.start <= p.end < p.start + max_len
 

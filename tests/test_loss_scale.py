@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import ml_collections
 
-from megajax.training.loss_scale import LossScale, all_finite
+from megajax.training.loss_scale import LossScale
 
 
 def _scale(initial=2.0**16, growth=3, hysteresis=2):
@@ -37,8 +37,3 @@ def test_min_scale_and_static():
     assert float(s.adjust(jnp.bool_(False)).scale) == 1.0
     static = LossScale.create(None, dynamic=False)
     assert static.adjust(jnp.bool_(False)) is static and static.scale_loss(3.0) == 3.0
-
-
-def test_all_finite():
-    assert bool(all_finite({"a": jnp.ones(3), "b": jnp.zeros(2)}))
-    assert not bool(all_finite({"a": jnp.ones(3), "b": jnp.array([0.0, jnp.inf])}))

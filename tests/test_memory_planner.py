@@ -1,13 +1,12 @@
-"""The memory planner against the compiler: ``megajax.info.memory_report`` (formula) and the compiled training
-step's ``memory_analysis()`` (``megajax.memory_planner.compiled_memory``: ahead of time, abstract inputs, nothing
+"""The memory planner against the compiler: ``megajax.tools.memory_planner.memory_report`` (formula) and the
+compiled training step's ``memory_analysis()`` (``compiled_memory``: ahead of time, abstract inputs, nothing
 allocated) agree on every config compiled here.
 
 * state (parameters + AdamW moments): exact; the compiled arguments hold 32 bytes more (step, two counts, loss
   scale, dropout key) besides the batch.
-* temp (gradients + activations + the moments' copy XLA makes) and the peak (state + batch + temp): within 10%.
-  Temp is not split further: XLA reports one number, after reusing the donated moment buffers for other
-  temporaries and packing everything in one heap, which is why the formula counts only half of the moments' copy
-  (``megajax.memory_planner``'s docstring).
+* temp (gradients + activations) and the peak (state + batch + temp): within 10%. Temp is not split further: XLA
+  reports one number, after reusing the donated moment buffers for other temporaries and packing everything in one
+  heap (``megajax.tools.memory_planner``'s docstring).
 * the activations' per-layer part equals what JAX's autodiff keeps, byte for byte (the traced jaxpr; abstract, so
   any size can be checked).
 

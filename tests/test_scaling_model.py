@@ -20,15 +20,15 @@ PUBLISHED = {
     "table 8": {1: 1.0, 2: 1.64, 4: 2.34, 8: 2.98},  # Table 8: 1.2B strong scaling, batch 8 (speedup)
     "abstract": {512: 76},  # Abstract / Section 1: 15.1 PFLOP/s on 512 GPUs = 76% of the 1-GPU baseline
 }
-# Tolerance: 10 percentage points for efficiencies, 10% for speedups and TFLOP/s. Figure 5's values are read off
-# a bar chart (about +-1 point), and a three-constant model of 17 numbers from two implementations' worth of
-# effects (2019 eager PyTorch, NCCL) should be judged on trends and magnitudes, not on single points.
-POINTS = 10.0
-RELATIVE = 0.10
-
-
-def test_published_numbers_are_the_papers():
-    assert scaling.PAPER_PUBLISHED == PUBLISHED
+# The three calibration constants of DGX2H_V100 were fitted to three of these figures (gemm_efficiency to the 1-GPU
+# baseline, layer_overhead_s to Table 8's strong scaling, dp_overlap to Figure 5's model + data curve); the other
+# three were not used to set anything and are held out. Tolerance, for both kinds: 8 percentage points for
+# efficiencies, 3% for speedups and TFLOP/s (what the README claims). Figure 5's values are read off a bar chart
+# (about +-1 point).
+FITTED = ("baseline TFLOP/s", "table 8", "figure 5 model+data")
+HELD_OUT = ("figure 5 model", "table 7", "abstract")
+POINTS = 8.0
+RELATIVE = 0.03
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def predicted():
     return scaling.paper_predictions(DGX2H_V100)
 
 
-@pytest.mark.parametrize("figure", sorted(PUBLISHED))
+@pytest.mark.parametrize("figure", FITTED + HELD_OUT)
 def test_paper_figure_within_tolerance(predicted, figure):
     for x, published in PUBLISHED[figure].items():
         got = predicted[figure][x]
@@ -85,7 +85,9 @@ def test_data_parallel_time_by_hand():
 def test_flops_are_transformer_flops(name, tensor):
     model = PAPER_MODELS[name]
     want = transformer_flops(8, model.seq, model.layers, model.hidden, model.vocab)
-    assert scaling.gemm_flops(model, tensor, 8) * tensor == pytest.approx(want, rel=1e-12)  # the GEMM shapes
+    dense, attention, logits = scaling.gemms(model, tensor, 8)  # one GPU's forward GEMMs, (batch, m, k, n) each
+    gemm_flops = 3 * (sum(2 * math.prod(g) for g in dense + attention) * model.layers + 2 * math.prod(logits))
+    assert gemm_flops * tensor == pytest.approx(want, rel=1e-12)  # the GEMM shapes
     p = predict(model, (2, tensor), 16, DGX2H_V100, memory=False)
     assert p.tflops_per_gpu * 1e12 * p.step_s * 2 * tensor == pytest.approx(2 * want, rel=1e-12)
     assert p.mfu == pytest.approx(p.tflops_per_gpu * 1e12 / DGX2H_V100.peak_flops)
@@ -98,14 +100,17 @@ def test_parameters_and_memory_match_info(name, tensor):
     config = load_config(name)
     model = Decoder.from_config(config)
     assert model.params(tensor) == params_per_device(config, {"data": 1, "model": tensor})
-    config.train.precision = "bf16"  # half-precision activations, as on a GPU
-    want = memory_report(config, 2, tensor, micro_batch=2).total_bytes
-    assert scaling.memory_bytes(model, tensor, 2) == want
+    # The state from scaling's own parameter formula against the planner's, which counts the abstract model's
+    # parameters through the sharding rules (the activations are the planner's own formula in both, held against
+    # XLA's compiled plan by tests/test_memory_planner.py).
+    report = memory_report(config, 2, tensor, micro_batch=2)
+    assert scaling.state_bytes(model, tensor, data=2) == report.param_bytes + report.grad_bytes + report.optimizer_bytes
     config.parallel.update(sequence=True, shard_optimizer=True)  # the planner's choices, counted as info does
     chosen = Decoder.from_config(config)
     assert chosen.sequence and chosen.shard_optimizer
-    assert scaling.memory_bytes(chosen, tensor, 2, data=2) == \
-        memory_report(config, 2, tensor, micro_batch=2).total_bytes
+    report = memory_report(config, 2, tensor, micro_batch=2)
+    assert scaling.state_bytes(chosen, tensor, data=2) == report.param_bytes + report.grad_bytes + \
+        report.optimizer_bytes
 
 
 def test_one_gpu_has_no_communication():
@@ -155,10 +160,14 @@ def test_planner_turns_on_what_makes_a_model_fit_and_nothing_slower():
     kept, _ = recommend_mesh(model, 512, DGX2H_V100, global_batch=512)
     best, table = recommend_mesh(model, 512, DGX2H_V100, global_batch=512, choose=True)
     assert best.fits and best.step_s < kept.step_s and best.model.remat != "full" and best.model.sequence
-    for p in table:  # each row: the fastest of its mesh's choices that fits
+    for p in table:  # each row: the fastest of its mesh's choices that fits, else the one that needs least memory
         options = [predict(m, p.mesh, 512, DGX2H_V100) for m in scaling.variants(model, p.mesh, True)]
-        fitting = [o.step_s for o in options if o.fits]
-        assert p.step_s == (min(fitting) if fitting else p.step_s) and len(options) == 4 * (1 + (p.mesh[1] > 1)) * 3
+        assert len(options) == 4 * (1 + (p.mesh[1] > 1)) * 3
+        fitting = [o for o in options if o.fits]
+        if fitting:
+            assert p.fits and p.step_s == min(o.step_s for o in fitting)
+        else:
+            assert not p.fits and p.memory_bytes == min(o.memory_bytes for o in options)
     roomy = dataclasses.replace(DGX2H_V100, hbm_bytes=1024 * scaling.GiB)
     best, _ = recommend_mesh(model, 512, roomy, global_batch=512, choose=True)
     assert (best.model.remat, best.model.shard_optimizer, best.model.fsdp) == ("none", False, False)

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from conftest import train_config
+from conftest import host_batch, train_config
 
 from megajax.data.tokenizer import train_tokenizer
 from megajax.training.data import make_loader
@@ -42,7 +42,7 @@ def test_tfds_text_feature_trains(tmp_path, monkeypatch):
     for text in TEXTS:
         assert text in stream  # every record made it through, in order, with the same tokenization
     assert stream.count("<|endoftext|>") == len(TEXTS)
-    assert next(loader)["tokens"].shape == (8, 33)
+    assert host_batch(loader)["tokens"].shape == (8, 33)
     config.data.tfds_feature = "body"
     with pytest.raises(KeyError, match="no feature 'body'"):
         make_loader(config)

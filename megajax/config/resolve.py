@@ -39,8 +39,6 @@ def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
     """The model's own frozen config, from ``config.model`` (and the compute dtype from ``train.precision``)."""
     m = config.model
     model_spec(m.name)  # an unknown name fails first, naming the choices
-    if m.hidden_size % m.num_heads:
-        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
     precision = resolve_precision(config.train.precision)
     if precision not in _PRECISION_DTYPES:
         raise ConfigError(f"train.precision={precision!r}; choose one of {sorted(_PRECISION_DTYPES)}")
@@ -92,8 +90,6 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     m, tp, dp = config.model, config.mesh.model, config.mesh.data
     if tp < 1:
         raise ConfigError(f"mesh.model must be >= 1, got {tp}")  # before the divisibility checks below
-    if m.hidden_size % m.num_heads:
-        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
     if m.num_heads % tp:
         raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by mesh.model={tp}: each model shard "
                           f"must hold whole heads; pick mesh.model from the divisors of {m.num_heads}")
@@ -101,7 +97,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by mesh.model={tp}")
     if (m.mlp_ratio * m.hidden_size) % tp:
         raise ConfigError(f"the MLP width {m.mlp_ratio * m.hidden_size} is not divisible by mesh.model={tp}")
-    padded = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+    cfg = model_config(config)  # name, shapes (TransformerConfig checks hidden % heads), precision, remat, activation
+    padded = cfg.padded_vocab_size
     if padded % tp:
         raise ConfigError(f"the padded vocabulary {padded} (model.make_vocab_size_divisible_by="
                           f"{m.make_vocab_size_divisible_by}) is not divisible by mesh.model={tp}; make "
@@ -113,7 +110,6 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
         raise ConfigError(f"parallel.sequence splits the sequence over mesh.model={tp}, but model.max_seq_len="
                           f"{m.max_seq_len} is not divisible by it: make max_seq_len a multiple of {tp}, pick "
                           f"mesh.model from its divisors, or set parallel.sequence=False")
-    model_config(config)  # name, precision, remat, activation
     dp, tp = resolve_mesh_shape(dp, tp, num_devices)
     rules_of(config)
     if config.checkpoint.keep < 0:

@@ -1,7 +1,8 @@
 """GPT training samples from an indexed token file: random access through ``grain``, position = step.
 
-Samples are non-overlapping windows of ``seq_len + 1`` tokens over the concatenated documents (each ends with
-the end-of-document id, so windows cross document boundaries, as in Megatron). ``grain.MapDataset``'s shuffle
+Samples are windows of ``seq_len + 1`` tokens over the concatenated documents, starting every ``seq_len`` tokens, so
+consecutive windows share one token (the last target of one is the first input of the next); documents end with
+the end-of-document id and windows cross their boundaries, as in Megatron. ``grain.MapDataset``'s shuffle
 permutes indices lazily (no per-epoch permutation array, whatever the corpus size) and ``repeat`` reshuffles each
 epoch. A batch is a pure function of the step, so a resumed run sees exactly the batches an uninterrupted one
 would, and each data shard or host reads only its own rows.

@@ -148,12 +148,6 @@ class IndexedTokens:
     def document(self, d: int) -> np.ndarray:
         return self.tokens[self.offsets[d]:self.offsets[d + 1]]
 
-    def document_sentences(self, d: int) -> list[np.ndarray]:
-        """The token ids of each sentence of document ``d`` (needs a sentence-split dataset)."""
-        if self.sentences is None:
-            raise ValueError(f"{self.prefix} has no sentence boundaries: preprocess it with --split_sentences")
-        return [self.tokens[a:b] for a, b in self.sentences[self.doc_sentences[d]:self.doc_sentences[d + 1]]]
-
     def tokenizer_path(self) -> pathlib.Path | None:
         """The tokenizer saved with the dataset, if any."""
         if self.prefix is None:

@@ -29,18 +29,10 @@ class LoaderStateError(UserError, ValueError):
 
 
 class Loader:
-    """An iterator over ``batches`` whose state is ``{'step', 'global_batch', **batches.identity()}``."""
+    """The position in ``batches``; its state is ``{'step', 'global_batch', **batches.identity()}``."""
 
     def __init__(self, batches: Batches, step: int = 0):
         self.batches, self.step = batches, step
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        out = self.batches.rows(self.step, 0, self.batches.global_batch)
-        self.step += 1
-        return out
 
     def next_global(self, shardings: dict[str, jax.sharding.Sharding]) -> dict[str, jax.Array]:
         """The next batch as global arrays; each process computes only the rows its devices hold, once per row

@@ -105,9 +105,9 @@ def _tokenizer_text(data: IndexedTokens) -> str | None:
 
 def _split_hint(split: str, config: ml_collections.ConfigDict) -> str:
     if split == "valid":
-        return (f"the validation split (the last data.valid_fraction={config.data.valid_fraction:.4g} of the "
-                "documents) is too small: raise --config.data.valid_fraction, or set --config.train.eval_batches=0 "
-                "to train without validation")
+        return (f"the validation split (the documents after the boundary nearest the last data.valid_fraction="
+                f"{config.data.valid_fraction:.4g} of the tokens) is too small: raise --config.data.valid_fraction, or "
+                "set --config.train.eval_batches=0 to train without validation")
     return "the training split is too small: use more data, a smaller train.global_batch_size or model.max_seq_len"
 
 

@@ -2,7 +2,8 @@
 
 A batch is a dict of arrays; every field carries logical axis names, which also give its sharding (rows over
 ``data``). Each model's spec (``megajax.models.spec``) names its objective; the step, the loop and the tools read
-the fields and the loss from there, never a model's batch layout.
+the fields and the loss from there. Evaluation reads the fields it scores by name (``tokens``, ``mlm_weights``,
+``PAIR_FIELDS``).
 """
 
 from __future__ import annotations

@@ -2,14 +2,12 @@
 
 The formula (``MemoryReport.temp_bytes``) counts the step's temporaries term by term:
 
-* gradients: fp32, 4 bytes per parameter held: the accumulator the micro-batch scan carries (zeros first), and
-  with accumulation a second buffer, the micro-batch's own gradients (measured: the compiled temp grew by 0.75 to
-  1.3 gradient sizes over one buffer on seven configs with 2 or 4 micro-batches; two buffers put all seven within
-  5%). With ``parallel.shard_optimizer`` XLA splits them over ``data`` too (the sharded
-  AdamW update is their only consumer, so the backward pass writes the shards): ZeRO-1 saves gradient memory as
-  ZeRO-2 would. With ``parallel.fsdp`` the parameters are held split as well, so all three are counted per shard
-  (``params_per_device(..., split_over_data=True)``); the one layer gathered at a time is not counted (the
-  compiled temp was 1.013x the formula for gpt_tiny on 4x2).
+* gradients: fp32, 4 bytes per parameter held: the accumulator the micro-batch scan carries (zeros first), and with
+  accumulation a second buffer, the micro-batch's own gradients. With ``parallel.shard_optimizer`` XLA splits them
+  over ``data`` too (the sharded AdamW update is their only consumer, so the backward pass writes the shards):
+  ZeRO-1 saves gradient memory as ZeRO-2 would. With ``parallel.fsdp`` the parameters are held split as well, so all
+  three are counted per shard (``params_per_device(..., split_over_data=True)``); the one layer gathered at a time
+  is not counted.
 * activations (``activations``): what JAX's autodiff keeps for the backward pass. ``layer_residual_bytes`` counts
   one layer's residuals by kind (the same bytes as the traced jaxpr, ``traced_layer_residual_bytes``, which the
   tests compare); the scanned stack keeps L of them. On top of those, the larger of the output head at the start
@@ -17,17 +15,12 @@ The formula (``MemoryReport.temp_bytes``) counts the step's temporaries term by 
   embedding's gradient is not written yet then, ``word_embedding_grad_bytes``) and, with full / save_dots
   recomputation, one layer's recomputed residuals.
 
-The step skips a non-finite update with ``lax.cond``, not a ``where`` between the new and the old state: the
-``where`` read the old moments after the update had written the new ones into the donated buffers, so XLA
-copied the moments (8 bytes per parameter) at every step (bert_tiny's temp was 15% higher).
-
 ``compiled_memory`` compiles the real step ahead of time (``training.loop.setup``, abstract inputs, nothing
 allocated) and reads ``memory_analysis()``: arguments = state (parameters, moments, 32 bytes of scalars) + the
 batch; outputs alias the donated state (only the metrics are new); temp = everything else at the peak, after XLA
 reuses buffers (the donated moments' too) and packs them in one heap. So only state, temp and peak compare; XLA
-reports no gradients or activations apart. Measured on CPU (fp32; bench/README.md: 22 cases of gpt_tiny, bert_tiny,
-gpt_125m, gpt_355m and bert_336m on 1 to 8 devices, every remat policy, ZeRO-1, accumulation): the state is exact
-(the 32 bytes aside), temp and peak within 10% everywhere (temp 0.908-1.088 of the formula).
+reports no gradients or activations apart. How close the formula comes, case by case, is measured by
+``bench/memory_planner.py`` and recorded in bench/README.md; the tests hold the compiled cases within 10%.
 """
 
 from __future__ import annotations
@@ -296,7 +289,7 @@ def params_per_device(config: ml_collections.ConfigDict, mesh_shape: dict[str, i
 
 def activation_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: int, bytes_per_value: int) -> int:
     """Activation bytes per device for one micro-batch with ``bytes_per_value``-byte (4: fp32, 2: 16-bit) compute
-    (``megajax.memory_planner.activations``: the residuals JAX keeps per layer, the head or one recomputed layer)."""
+    (``activations``: the residuals JAX keeps per layer, the head or one recomputed layer)."""
     config = ml_collections.ConfigDict(config)
     config.train.precision = "fp32" if bytes_per_value == FP32 else "bf16"
     return activations(config, micro_batch, tp).total

@@ -12,7 +12,7 @@ d-way data parallelism:
   and AV per local head) at the roofline ``max(flops / (gemm_efficiency x peak), operand bytes / HBM bandwidth)``,
   3 times (forward, two backward GEMMs) + once more where ``remat`` recomputes it; the memory-bound element-wise
   work as counted passes at HBM bandwidth (below); a fixed ``layer_overhead_s``. Plus the output layer and its
-  cross-entropy, and AdamW once per step. The GEMM shapes' FLOPs add up to ``metrics.transformer_flops`` (a
+  cross-entropy, and AdamW once per step. The GEMM shapes' FLOPs add up to ``models.spec.transformer_flops`` (a
   test pins it); a thin shard (h/t small) or the s x s GEMMs of narrow heads fall below the ridge and run at
   HBM speed: that is the model's GEMM efficiency as a function of size.
 * Tensor-parallel: ``comm_budget.minimum``'s all-reduces (2L + 1 of b x s x h each way, L more with
@@ -149,7 +149,8 @@ class Decoder:
     def params(self, tensor: int = 1) -> tuple[int, int]:
         """(total parameters, parameters on one of ``tensor`` model-parallel GPUs), as megajax shards them: QKV,
         MLP-up and their biases, attention-out and MLP-down weights and the word embedding split; LayerNorms,
-        row-parallel biases and position embeddings replicated (a test pins it to ``info.params_per_device``)."""
+        row-parallel biases and position embeddings replicated (a test pins it to
+        ``memory_planner.params_per_device``)."""
         h, L = self.hidden, self.layers
         split = L * (12 * h * h + 7 * h) + self.vocab * h
         replicated = L * 6 * h + self.seq * h + 2 * h
@@ -204,14 +205,6 @@ def gemms(model: Decoder, tensor: int, micro_batch: int) -> tuple[list[tuple], l
     head = h / model.heads
     attention = [(local_heads, s, head, s), (local_heads, s, s, head)]
     return dense, attention, (1, tokens, h, model.vocab / t)
-
-
-def gemm_flops(model: Decoder, tensor: int, micro_batch: int) -> float:
-    """FLOPs of one GPU's GEMMs per micro-batch, forward + backward, no recomputation: equals
-    ``transformer_flops / tensor`` (tests)."""
-    dense, attention, logits = gemms(model, tensor, micro_batch)
-    return 3 * sum(2 * bt * m * k * n for bt, m, k, n in dense + attention) * model.layers + \
-        3 * 2 * math.prod(logits)
 
 
 RECOMPUTED = {"none": (0, 0, 0), "full": (1, 1, 1), "save_dots": (0, 1, 1), "selective": (0, 0, 1)}
@@ -277,22 +270,25 @@ def _over_data_s(nbytes: float, mesh: tuple[int, int], cluster: Cluster) -> floa
     return within + across
 
 
+def state_bytes(model: Decoder, tensor: int, data: int = 1) -> int:
+    """Per-GPU training state: 16 bytes per local parameter (fp32 parameters, gradients, AdamW's two moments); with
+    ``shard_optimizer`` the moments split over ``data`` (8 + 8/d), with ``fsdp`` all of it (16/d)."""
+    local = model.params(tensor)[1]
+    if model.fsdp:
+        return STATE_BYTES_PER_PARAM * (local // data)
+    return STATE_BYTES_PER_PARAM * local if not model.shard_optimizer else 8 * local + 8 * local // data
+
+
 def memory_bytes(model: Decoder, tensor: int, micro_batch: int, data: int = 1) -> int:
-    """Per-GPU training memory as ``megajax.info``'s total: 16 bytes per local parameter (with
-    ``shard_optimizer``: the two fp32 moments split over ``data``, 8 + 8/d; with ``fsdp`` all of it, 16/d) plus
-    ``megajax.info.activation_bytes`` (half precision) for one micro-batch. Not counted: FSDP's one gathered
-    layer at a time (4 bytes per local parameter of a layer; 1.3% of the compiled temp for gpt_tiny on 4x2)."""
+    """Per-GPU training memory as ``megajax.info``'s total: ``state_bytes`` plus the memory planner's activations
+    (``memory_planner.activation_bytes``, half precision) for one micro-batch. Not counted: FSDP's one gathered
+    layer at a time."""
     config = base_config()
     config.model.update(hidden_size=model.hidden, num_layers=model.layers, num_heads=model.heads,
                         max_seq_len=model.seq, vocab_size=model.vocab, make_vocab_size_divisible_by=1,
                         remat=model.remat)
     config.parallel.sequence = model.sequence
-    local = model.params(tensor)[1]
-    if model.fsdp:
-        state = STATE_BYTES_PER_PARAM * (local // data)
-    else:
-        state = STATE_BYTES_PER_PARAM * local if not model.shard_optimizer else 8 * local + 8 * local // data
-    return state + activation_bytes(config, micro_batch, tensor, HALF)
+    return state_bytes(model, tensor, data) + activation_bytes(config, micro_batch, tensor, HALF)
 
 
 def gather_params_s(model: Decoder, mesh: tuple[int, int], cluster: Cluster) -> float:

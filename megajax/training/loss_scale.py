@@ -48,8 +48,3 @@ class LossScale:
         scale = jnp.where(grow, scale * 2.0, scale)
         return self.replace(scale=scale, good_steps=jnp.where(grow, 0, good),
                             hysteresis_left=jnp.where(grow, self.hysteresis, hysteresis_left))
-
-
-def all_finite(tree) -> jax.Array:
-    """True when every element of every leaf is finite."""
-    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))

@@ -123,9 +123,6 @@ class SquadFeatures:
     def __len__(self) -> int:
         return len(self.example_index)
 
-    def example_id(self, feature: int) -> str:
-        return self.examples[self.example_index[feature]].qid
-
     def context_mask(self, feature: int) -> np.ndarray:
         """(S,) bool: the positions of ``feature`` that hold context tokens."""
         positions = np.arange(self.task.inputs.seq_len) - self.context_position[feature]
