@@ -13,7 +13,7 @@
 
 import argparse
 
-from megajax.cli import use_cpu_devices
+from megajax.cli import parse_mesh, use_cpu_devices
 from megajax.evaluation.generate import Sampling
 from megajax.evaluation.inputs import InputError
 from megajax.evaluation.runner import TASKS, run
@@ -43,11 +43,21 @@ def main(argv=None):
     p.add_argument("--top_k", type=int, default=0, help="sample among the K most likely ids (0: off)")
     p.add_argument("--top_p", type=float, default=1.0, help="in (0, 1]: nucleus sampling (1: off)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--config.mesh.data", dest="mesh_data", type=int, default=None)
-    p.add_argument("--config.mesh.model", dest="mesh_model", type=int, default=None)
+    p.add_argument("--mesh", default=None, help="DATAxMODEL, e.g. 1x2 (default: the checkpoint's model split "
+                                                "over the devices there are)")
+    # the spelling of earlier releases, still accepted
+    p.add_argument("--config.mesh.data", dest="mesh_data", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--config.mesh.model", dest="mesh_model", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--cpu_devices", type=int, default=0)
     args = p.parse_args(argv)
     use_cpu_devices(args.cpu_devices)
+    if args.mesh:
+        if args.mesh_data or args.mesh_model:
+            p.error("give the mesh once: --mesh=DATAxMODEL")
+        try:
+            args.mesh_data, args.mesh_model = parse_mesh(args.mesh)
+        except ValueError as e:
+            p.error(str(e))
     try:
         sampling = Sampling(args.greedy, args.temperature, args.top_k, args.top_p)
     except ValueError as e:

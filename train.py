@@ -1,11 +1,12 @@
 """Train a GPT or BERT with Megatron-style tensor + data parallelism.
 
     python train.py --config=configs/gpt_tiny.py --workdir=/tmp/tiny
-    python train.py --config=gpt_2p5b.py --config.train.steps=1000 --config.mesh.model=2
+    python train.py --config=gpt_2p5b.py --config.train.steps=1000 --mesh=1x2
     python train.py --config=bert_tiny --workdir=/tmp/bert
     python train.py --config=finetune.py:mnli,336m --config.init_from=runs/bert_336m ...
 
-``--cpu_devices=N`` simulates N devices on a CPU host.
+``--mesh=DATAxMODEL`` sets ``config.mesh`` (the spelling every megajax command takes); ``--cpu_devices=N``
+simulates N devices on a CPU host.
 """
 
 import sys
@@ -13,11 +14,12 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from megajax.cli import absolute_paths, rewrite_config_flag, use_cpu_devices
+from megajax.cli import absolute_paths, parse_mesh, rewrite_config_flag, use_cpu_devices
 from megajax.errors import USER_ERRORS
 
 config_flags.DEFINE_config_file("config", "configs/gpt_tiny.py", "config file (path or bare name in configs/)")
 flags.DEFINE_string("workdir", "workdir", "where metrics, TensorBoard events and checkpoints go")
+flags.DEFINE_string("mesh", None, "DATAxMODEL, e.g. 4x2: sets config.mesh.data and config.mesh.model")
 flags.DEFINE_integer("cpu_devices", 0, "simulate this many devices on a CPU host (0: the real devices)")
 
 
@@ -27,8 +29,11 @@ def main(argv):
     use_cpu_devices(flags.FLAGS.cpu_devices)
     from megajax.training.loop import train  # after the flags: importing the trainer takes a few seconds
 
+    config = flags.FLAGS.config
     try:
-        train(absolute_paths(flags.FLAGS.config), flags.FLAGS.workdir)
+        if flags.FLAGS.mesh:
+            config.mesh.data, config.mesh.model = parse_mesh(flags.FLAGS.mesh)
+        train(absolute_paths(config), flags.FLAGS.workdir)
     except USER_ERRORS as e:  # a message that says what to change; no traceback
         sys.exit(f"error: {e}")
 

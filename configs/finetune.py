@@ -32,8 +32,6 @@ TABLE6 = {
 }
 TRAIN_EXAMPLES = {"mnli": 392_702, "qqp": 363_846, "squad1": 87_599, "squad2": 130_319, "race": 87_866}  # questions
 WARMUP_FRACTION = 0.065  # Megatron-LM's fine-tuning scripts; Table 6 does not give it
-# mesh.model per size: whole heads per shard on 8-GPU nodes for the larger models (the paper does not give it)
-MESH_MODEL = {"336m": 1, "1p3b": 2, "3p9b": 8}
 
 
 def get_config(arg: str = "mnli,336m"):
@@ -45,7 +43,6 @@ def get_config(arg: str = "mnli,336m"):
     steps = -(-epochs * TRAIN_EXAMPLES[task] // batch)
     c = load_config(f"bert_{size}")  # the pretraining model's sizes and mesh.model
     c.model.update(name=task_models()[task].name, num_classes=TASK_CLASSES.get(task, 2))
-    c.mesh.model = MESH_MODEL[size]
     c.data.update(source="task", task=task)
     c.train.update(steps=steps, global_batch_size=batch, log_every=50, eval_every=1000, eval_batches=32)
     c.optimizer.update(lr=lr, min_lr=0.0, warmup_steps=int(WARMUP_FRACTION * steps), decay="linear")

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import jax
 import ml_collections
 
-from megajax.errors import USER_ERRORS
+from megajax.errors import USER_ERRORS, ConfigError
 
 _PACKAGE = pathlib.Path(__file__).resolve().parent
 # The shipped configs: megajax/configs/ in an installed package (pyproject.toml maps the repository's configs/ there),
@@ -52,7 +52,7 @@ def parse_mesh(text: str) -> tuple[int, int]:
     try:
         data, model = (int(x) for x in str(text).lower().split("x"))
     except ValueError:
-        raise ValueError(f"mesh {text!r}: give DATAxMODEL, e.g. 4x2") from None
+        raise ConfigError(f"--mesh={text}: give DATAxMODEL, e.g. --mesh=4x2") from None
     return data, model
 
 

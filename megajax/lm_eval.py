@@ -14,7 +14,12 @@ def main() -> None:
     simulate_cpu_devices(sys.argv)  # before jax starts its backends
     sys.argv = [a for i, a in enumerate(sys.argv)  # lm-eval's parser does not know the flag
                 if not a.startswith("--cpu_devices") and not (i and sys.argv[i - 1] == "--cpu_devices")]
-    from lm_eval.__main__ import cli_evaluate
+    # Imported here, not at the top: lm-eval is an optional extra, so a missing one gets a message, not a traceback.
+    try:
+        from lm_eval.__main__ import cli_evaluate
+    except ImportError as e:
+        sys.exit(f"error: python -m megajax.lm_eval needs lm-evaluation-harness ({e}); "
+                 "install it with: pip install 'megajax[lmeval]'")
 
     import megajax.evaluation.lm_eval_adapter  # noqa: F401  (registers "megajax")
 

@@ -1,4 +1,4 @@
-"""GLUE MNLI / QQP and RACE readers, BERT pair rows, TrainBatches / OrderedBatches and classification metrics."""
+"""GLUE MNLI / QQP and RACE readers, BERT pair rows, TrainBatches and classification metrics."""
 
 import json
 
@@ -7,7 +7,7 @@ import pytest
 from downstream_fixtures import token_id, wordpiece_tokenizer
 
 from megajax.data.tasks import race
-from megajax.data.tasks.batches import OrderedBatches, TrainBatches
+from megajax.data.tasks.batches import TrainBatches
 from megajax.data.tasks.encoding import EncodedTask, PackedPairs, Specials, truncate_longer_first, wordpiece_backend
 from megajax.data.tasks.files import TaskDataError
 from megajax.data.tasks.glue import MNLI_LABELS, featurize_pairs, read_mnli, read_qqp
@@ -329,29 +329,6 @@ def test_fingerprint_follows_the_rows():
     moved = _task(6)
     changed = EncodedTask("t", moved.inputs, {"labels": moved.targets["labels"][::-1].copy()})
     assert changed.fingerprint != moved.fingerprint
-
-
-def test_ordered_batches_every_row_once_and_unpad():
-    task = _task(10)
-    batches = OrderedBatches(task, 4)
-    assert len(batches) == batches.num_steps == 3
-    got = list(batches)
-    np.testing.assert_array_equal(np.concatenate([b["valid"] for b in got]), [1] * 10 + [0] * 2)
-    np.testing.assert_array_equal(np.concatenate([b["index"] for b in got])[:10], np.arange(10))
-    np.testing.assert_array_equal(np.concatenate([b["labels"] for b in got])[:10], np.arange(10))
-    np.testing.assert_array_equal(batches.rows(2, 1, 4)["valid"], [1, 0, 0])
-    for key, value in batches.rows(1, 2, 4).items():
-        np.testing.assert_array_equal(value, got[1][key][2:4])
-    outputs = [{"prediction": b["labels"] * 2, "score": b["tokens"][:, 1]} for b in got]
-    restored = batches.unpad(outputs)
-    np.testing.assert_array_equal(restored["prediction"], 2 * np.arange(10))
-    np.testing.assert_array_equal(restored["score"], task.inputs.tokens[:, 1])
-    with pytest.raises(ValueError, match="batch outputs"):
-        batches.unpad(outputs[:2])
-    with pytest.raises(ValueError, match="4 rows"):
-        batches.unpad([{"p": np.zeros(3)}] * 3)
-    with pytest.raises(IndexError):
-        batches.batch(3)
 
 
 # ---------------------------------------------------------------------------------------------------- metrics

@@ -18,6 +18,7 @@ from megajax.config import model_config, rules_of
 from megajax.data.indexed import IndexedTokens, IndexedWriter
 from megajax.data.tokenizer import load_tokenizer, train_tokenizer
 from megajax.evaluation.detokenize import original_token_count, wikitext_detokenize
+from megajax.evaluation.evaluator import Evaluator
 from megajax.evaluation.generate import Sampling, generate, sample_logits
 from megajax.evaluation.inputs import read_lambada
 from megajax.evaluation.runner import run
@@ -124,6 +125,26 @@ def test_sliding_window_nll_equals_naive_reference(one_device_scorer, naive_nll,
         assert count == max(n - 1, 0)
         naive = math.fsum(naive_nll(tokens, t, start_of(t)) for t in range(1, n))
         np.testing.assert_allclose(total, naive, rtol=1e-6, atol=0, err_msg=f"T={n}")
+
+
+def test_evaluator_maps_every_row_once_in_order_and_drops_padding():
+    """10 rows at batch_size=3 on a data=2 mesh: batches of 4 (a multiple of the data axis), the last padded."""
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    x = np.random.default_rng(0).normal(size=(10, 3)).astype(np.float32)
+    rows = {"x": x, "i": np.arange(10, dtype=np.int32)}
+    seen = []
+
+    def fn(m, batch):
+        seen.append(batch["x"].shape)  # traced once: the batch shape
+        return m(batch["x"]), batch["i"] * 2
+
+    evaluator, state = Evaluator.of(model, fn, make_mesh(2, 1), rules_of(small_config()))
+    y, twice = evaluator.map_rows(state, rows, batch_size=3)
+    assert seen == [(4, 3)] and y.shape == (10, 2) and twice.shape == (10,)
+    np.testing.assert_array_equal(twice, 2 * np.arange(10))
+    want = x.astype(np.float64) @ np.asarray(model.kernel[...], np.float64) + np.asarray(model.bias[...])
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+
 
 
 @pytest.mark.parametrize("raw,want", [

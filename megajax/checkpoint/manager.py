@@ -51,7 +51,7 @@ def _abstract(tree: Any) -> Any:
 
 
 def _path(keys) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in keys)
+    return jax.tree_util.keystr(keys, simple=True, separator="/")
 
 
 def _params_first(name: str) -> tuple[bool, str]:

@@ -24,6 +24,10 @@ import jax
 import numpy as np
 from flax import nnx
 
+from megajax.checkpoint import save_params
+from megajax.cli import load_config
+from megajax.config.load import inference_config, restore_model
+from megajax.convert import hf_io, megatron_bert, megatron_gpt
 from megajax.convert.paths import absolute, existing_input, staged_output
 
 INPUT_FLAGS = {"hf-to-megajax": "hf", "megatron-to-megajax": "megatron", "megajax-to-hf": "checkpoint",
@@ -32,8 +36,6 @@ INPUT_FLAGS = {"hf-to-megajax": "hf", "megatron-to-megajax": "megatron", "megaja
 
 def host_params(checkpoint: str | pathlib.Path):
     """(parameters as host numpy arrays, config) of any megajax checkpoint, read on one device."""
-    from megajax.config.load import inference_config, restore_model
-
     config = inference_config(checkpoint, data=1, model=1)
     model = restore_model(checkpoint, config).model
     return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model))), config
@@ -69,9 +71,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _hf_to_megajax(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-    from megajax.checkpoint import save_params
-    from megajax.convert import hf_io
-
     hf = hf_io.read_config(source)
     converter = hf_io.converter_for(hf, source)  # before reading weights, which may be large
     config = converter.config_from_hf(hf, args.make_vocab_size_divisible_by)
@@ -80,8 +79,6 @@ def _hf_to_megajax(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Pat
 
 
 def _megajax_to_hf(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-    from megajax.convert import hf_io
-
     params, config = host_params(source)
     converter = hf_io.writer_for(config)
     hf_io.write(out, converter.params_to_hf(params, config), converter.hf_config(config))
@@ -89,10 +86,6 @@ def _megajax_to_hf(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Pat
 
 
 def _megatron_to_megajax(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-    from megajax.checkpoint import save_params
-    from megajax.cli import load_config
-    from megajax.convert import megatron_bert, megatron_gpt
-
     config = load_config(args.config) if args.config else None
     reader = megatron_bert if megatron_bert.holds_bert(source, args.iteration, args.allow_pickle) else megatron_gpt
     params, config = reader.read_megatron(source, config, iteration=args.iteration, vocab_size=args.vocab_size,
@@ -101,8 +94,6 @@ def _megatron_to_megajax(args, source: pathlib.Path, out: pathlib.Path) -> pathl
 
 
 def _megajax_to_megatron(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-    from megajax.convert import megatron_bert, megatron_gpt
-
     params, config = host_params(source)
     writer = megatron_bert if config.model.name == "bert" else megatron_gpt
     return writer.write_megatron(out, params, config, args.tp, iteration=args.iteration, names=args.names,
@@ -110,8 +101,6 @@ def _megajax_to_megatron(args, source: pathlib.Path, out: pathlib.Path) -> pathl
 
 
 def _export(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-    from megajax.checkpoint import save_params
-
     params, config = host_params(source)
     return save_params(out, params, config, dtype=args.dtype)
 

@@ -9,7 +9,7 @@ from types import ModuleType
 import ml_collections
 import numpy as np
 
-from megajax.convert import hf_bert, hf_gpt2
+from megajax.convert import hf_bert, hf_gpt2, torch_io
 from megajax.convert.paths import require_empty
 
 # config.json "model_type" -> the module converting it (it defines HF_CLASSES, config_from_hf, params_from_hf,
@@ -76,8 +76,6 @@ def _load_safetensors(path: pathlib.Path, allow_pickle: bool) -> dict[str, np.nd
 
 
 def _load_torch(path: pathlib.Path, allow_pickle: bool) -> dict[str, np.ndarray]:
-    from megajax.convert import torch_io
-
     return {k: torch_io.to_numpy(v) for k, v in torch_io.load(path, allow_pickle).items()}
 
 

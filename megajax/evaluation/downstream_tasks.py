@@ -20,12 +20,23 @@ import dataclasses
 import pathlib
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from megajax.data.tasks import glue, race, squad
 from megajax.data.tasks.encoding import EncodedTask
+from megajax.data.tasks.files import TaskDataError
+from megajax.data.tasks.glue import MNLI_LABELS, QQP_LABELS
 from megajax.data.tasks.task_data import TASK_CLASSES
+from megajax.data.tokenizer import load_tokenizer
+from megajax.evaluation import task_metrics as metrics
+from megajax.evaluation.evaluator import Evaluator
 from megajax.evaluation.inputs import InputError
+from megajax.evaluation.squad_decode import answers_at, decode_squad
+from megajax.evaluation.squad_metrics import squad_scores
+from megajax.models.objectives import PAIR_FIELDS
 
 DOWNSTREAM_TASKS = ("mnli", "qqp", "squad1", "squad2", "race")
 DEV_FILES = {"mnli": {"matched": "dev_matched.tsv", "mismatched": "dev_mismatched.tsv"}, "qqp": {"dev": "dev.tsv"},
@@ -75,10 +86,6 @@ def read_splits(task: str, config: ml_collections.ConfigDict, data: str | None,
     """Every evaluation split of ``task`` (the checkpoint's model already checked to be the task's), encoded to
     the model's ``max_seq_len`` with its tokenizer (``--tokenizer``, else the run's ``data.tokenizer``). Raises
     InputError for a missing or unreadable input."""
-    from megajax.data.tasks import glue, race, squad
-    from megajax.data.tasks.files import TaskDataError
-    from megajax.data.tokenizer import load_tokenizer
-
     check_classes(task, config)
     where = data or config.data.get("task_dir")
     if not where:
@@ -127,41 +134,19 @@ def predict(model, mesh, rules, rows: EncodedTask, batch_size: int) -> tuple[np.
     """The model's outputs (float32) for every row of ``rows`` in order: classifier / multiple-choice logits
     (N, C), or SQuAD start and end logits (N, S) each. ``batch_size`` is rounded up to a multiple of the mesh's
     data axis; the last batch is padded and the padding dropped."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
+    evaluate, state = Evaluator.of(model, _outputs, mesh, rules)
+    return evaluate.map_rows(state, {k: v for k, v in rows.rows(np.arange(len(rows))).items() if k in PAIR_FIELDS},
+                             batch_size)
 
-    from megajax.data.tasks.batches import OrderedBatches
-    from megajax.models.objectives import PAIR_FIELDS
-    from megajax.parallel.sharding import activate
 
-    data = mesh.shape["data"]
-    batches = OrderedBatches(rows, -(-batch_size // data) * data)
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def forward(state, inputs):
-        out = nnx.merge(graphdef, state)(*inputs)
-        return tuple(x.astype(jnp.float32) for x in (out if isinstance(out, tuple) else (out,)))
-
-    outputs = []
-    with activate(mesh, rules):
-        for batch in batches:
-            out = jax.device_get(forward(state, tuple(jnp.asarray(batch[k]) for k in PAIR_FIELDS)))
-            outputs.append({str(i): x for i, x in enumerate(out)})
-    merged = batches.unpad(outputs)
-    return tuple(merged[str(i)] for i in range(len(merged)))
+def _outputs(model, batch) -> tuple[jax.Array, ...]:
+    out = model(*(batch[k] for k in PAIR_FIELDS))
+    return tuple(x.astype(jnp.float32) for x in (out if isinstance(out, tuple) else (out,)))
 
 
 def _score(task: str, split: Split, outputs: tuple[np.ndarray, ...]) -> tuple[dict, dict]:
     """(metrics, predictions by example id) of one split."""
-    from megajax.data.tasks.glue import MNLI_LABELS, QQP_LABELS
-    from megajax.evaluation import task_metrics as metrics
-
     if task in ("squad1", "squad2"):
-        from megajax.evaluation.squad_decode import answers_at, decode_squad
-        from megajax.evaluation.squad_metrics import squad_scores
-
         features = split.extra
         spans = decode_squad(features, *outputs, max_answer_length=MAX_ANSWER_LENGTH)
         texts = answers_at(spans, None)

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from megajax.evaluation.evaluator import Evaluator
 from megajax.parallel.losses import vocab_parallel_cross_entropy
-from megajax.parallel.sharding import Rules, activate
+from megajax.parallel.sharding import Rules
 
 
 def check_stride(stride: int, seq_len: int) -> None:
@@ -54,32 +55,19 @@ class Scorer:
     seq_len: int
 
     def __post_init__(self):
-        data = self.mesh.shape["data"]
-        self.batch_size = -(-self.batch_size // data) * data  # a multiple of the data axis
-        graphdef, state = nnx.split(self.model)
-
-        def score(state, inputs, labels):
-            logits = nnx.merge(graphdef, state)(inputs)  # (B, S, V)
-            nll = vocab_parallel_cross_entropy(logits, labels)  # (B, S)
-            hit = jnp.argmax(logits, axis=-1) == labels
-            return nll, hit
-
-        self._state = state
-        self._score = jax.jit(score)
+        self._evaluator, self._state = Evaluator.of(self.model, _score, self.mesh, self.rules)
+        m = self._evaluator.batch_multiple
+        self.batch_size = -(-self.batch_size // m) * m
 
     def __call__(self, inputs: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(nll, hit), each (N, seq_len), for N rows of inputs/labels (padded to whole batches here)."""
-        n, b = len(inputs), self.batch_size
-        pad = -n % b
-        inputs = np.concatenate([inputs, np.zeros((pad, self.seq_len), np.int32)])
-        labels = np.concatenate([labels, np.zeros((pad, self.seq_len), np.int32)])
-        nll, hit = [], []
-        with activate(self.mesh, self.rules):
-            for i in range(0, len(inputs), b):
-                x, y = self._score(self._state, jnp.asarray(inputs[i:i + b]), jnp.asarray(labels[i:i + b]))
-                nll.append(np.asarray(x))
-                hit.append(np.asarray(y))
-        return np.concatenate(nll)[:n], np.concatenate(hit)[:n]
+        """(nll, hit), each (N, seq_len), for N rows of inputs/labels."""
+        rows = {"inputs": np.asarray(inputs, np.int32), "labels": np.asarray(labels, np.int32)}
+        return self._evaluator.map_rows(self._state, rows, self.batch_size)
+
+
+def _score(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    logits = model(batch["inputs"])  # (B, S, V)
+    return vocab_parallel_cross_entropy(logits, batch["labels"]), jnp.argmax(logits, axis=-1) == batch["labels"]
 
 
 def window_rows(tokens: np.ndarray, windows: Sequence[tuple[int, int, int]], seq_len: int):

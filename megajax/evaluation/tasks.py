@@ -8,11 +8,10 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 
+from megajax.evaluation.evaluator import Evaluator, objective_metrics
 from megajax.evaluation.inputs import WikiText
 from megajax.evaluation.scoring import Scorer, cloze_rows, sliding_windows, stream_log_likelihood
-from megajax.parallel.sharding import activate
 
 
 def _windowed_nll(scorer: Scorer, tokens: np.ndarray, stride: int, desc: str) -> tuple[float, int]:
@@ -64,20 +63,17 @@ def perplexity(scorer: Scorer, tokens: np.ndarray, stride: int, data: str) -> di
 def mlm(model, mesh, rules, objective, batches, num_batches: int) -> dict:
     """Masked-LM loss and accuracy and sentence-order accuracy over ``num_batches`` deterministic BERT batches
     (masked-token metrics weighted by masked tokens, SOP by sequences); ``objective``: the model's (MLM + SOP)."""
-    graphdef, state = nnx.split(model)
-    loss_fn = objective.loss
-    evaluate = jax.jit(lambda state, batch: loss_fn(nnx.merge(graphdef, state), batch, None)[1])
+    evaluate, state = Evaluator.of(model, objective_metrics(objective), mesh, rules)
     sums = {"mlm_nll": 0.0, "mlm_hits": 0.0, "masked": 0.0, "sop_hits": 0.0, "sequences": 0}
-    with activate(mesh, rules):
-        for step in range(num_batches):
-            batch = batches.batch(step)
-            m = jax.device_get(evaluate(state, batch))
-            masked = float(batch["mlm_weights"].sum())
-            sums["mlm_nll"] += float(m["mlm_loss"]) * masked
-            sums["mlm_hits"] += float(m["mlm_accuracy"]) * masked
-            sums["masked"] += masked
-            sums["sop_hits"] += float(m["sop_accuracy"]) * len(batch["sop_labels"])
-            sums["sequences"] += len(batch["sop_labels"])
+    for step in range(num_batches):
+        batch = batches.batch(step)
+        m = jax.device_get(evaluate(state, batch))
+        masked = float(batch["mlm_weights"].sum())
+        sums["mlm_nll"] += float(m["mlm_loss"]) * masked
+        sums["mlm_hits"] += float(m["mlm_accuracy"]) * masked
+        sums["masked"] += masked
+        sums["sop_hits"] += float(m["sop_accuracy"]) * len(batch["sop_labels"])
+        sums["sequences"] += len(batch["sop_labels"])
     loss = sums["mlm_nll"] / sums["masked"]
     return {"task": "mlm", "sequences": sums["sequences"], "masked_tokens": int(sums["masked"]),
             "mlm_loss": loss, "mlm_ppl": math.exp(loss), "mlm_accuracy": sums["mlm_hits"] / sums["masked"],

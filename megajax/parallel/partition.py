@@ -29,7 +29,7 @@ def logical_names(state: nnx.State) -> dict[str, tuple[str, ...]]:
     wrong-length annotation, so no parameter silently stays replicated."""
     out = {}
     for path, var in jax.tree_util.tree_leaves_with_path(state, is_leaf=_is_var):
-        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
         names = var.get_metadata().get("out_sharding")
         if names is None or len(names) != len(var.shape):
             raise ShardingConfigError(f"parameter {name} of shape {var.shape} has axis names {names}: "

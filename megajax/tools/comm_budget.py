@@ -224,8 +224,8 @@ def sequence_grad_elements(params: dict, tensor: int, model: ModelSpec) -> int:
     of their rows (all-gathered)."""
     total = 0
     for path, a in jax.tree_util.tree_leaves_with_path(params):
-        keys = [str(getattr(k, "key", k)) for k in path]
-        if "model" in jax.tree.leaves(tuple(a.sharding.spec)) or keys[0] in model.pooled_heads:
+        top = jax.tree_util.keystr(path[:1], simple=True)
+        if "model" in jax.tree.leaves(tuple(a.sharding.spec)) or top in model.pooled_heads:
             continue
-        total += a.size // tensor if keys[0] in model.sequence_rows else a.size
+        total += a.size // tensor if top in model.sequence_rows else a.size
     return total

@@ -24,6 +24,7 @@ from megajax.data.gpt_dataset import split_by_documents, unigram_entropy
 from megajax.data.loader import Loader
 from megajax.data.sources import BlendedData
 from megajax.data.tasks.task_data import TaskData
+from megajax.evaluation.evaluator import Evaluator, objective_metrics
 from megajax.models.objectives import Field
 from megajax.parallel.partition import over_data, shardings
 from megajax.parallel.sharding import activate, logical_to_spec, make_mesh
@@ -35,7 +36,7 @@ from megajax.training.loss_scale import LossScale
 from megajax.training.metrics import MetricsWriter, model_flops_per_step, peak_flops, sequences_per_step
 from megajax.training.optimizer import learning_rate_schedule, make_optimizer
 from megajax.training.preemption import StopRequest
-from megajax.training.step import TrainState, make_eval_step, make_train_step
+from megajax.training.step import TrainState, make_train_step
 from megajax.training.workdir_lock import hold_workdir
 
 ENTROPY_SAMPLE_TOKENS = 1 << 24  # tokens read for the logged unigram entropy
@@ -53,7 +54,7 @@ class Run:
     step_fn: jax.stages.Compiled
     num_params: int
     init_state: Callable[[], TrainState]  # fresh sharded state (jitted, each device makes its own shards)
-    eval_step: Callable  # jitted (params, batch) -> {'loss', ...}, for the validation split
+    evaluate: Evaluator  # (params, batch) -> {'loss', ...} on the validation split, compiled on first use
 
 
 def _init_fn(config: ml_collections.ConfigDict, spec: RunSpec, optimizer: optax.GradientTransformation):
@@ -107,11 +108,10 @@ def setup(config: ml_collections.ConfigDict) -> Run:
         compiled = jax.jit(step, in_shardings=(state_shardings, batch_shardings),
                            out_shardings=(state_shardings, replicated), donate_argnums=0
                            ).lower(abstract_state, abstract_batch).compile()
-        eval_step = jax.jit(make_eval_step(graphdef, objective), in_shardings=(state_shardings.params,
-                                                                               batch_shardings),
-                            out_shardings=replicated)  # compiled on first use
+    evaluate = Evaluator(objective_metrics(objective), graphdef, mesh, spec.rules, params_split=spec.fsdp,
+                         in_shardings=(state_shardings.params, batch_shardings), out_shardings=replicated)
     num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
-    return Run(config, spec, mesh, abstract_state, batch_shardings, compiled, num_params, init_state, eval_step)
+    return Run(config, spec, mesh, abstract_state, batch_shardings, compiled, num_params, init_state, evaluate)
 
 
 def _bytes_per_device(tree) -> int:
@@ -212,8 +212,7 @@ def validation_metrics(run: Run, params, valid: Loader, num_batches: int) -> dic
     """Mean loss (and the objective's metrics) over the first ``num_batches`` validation batches (the same ones
     every time)."""
     valid.step = 0
-    with activate(run.mesh, run.spec.rules, params_split=run.spec.fsdp):
-        out = [run.eval_step(params, valid.next_global(run.batch_shardings)) for _ in range(num_batches)]
+    out = [run.evaluate(params, valid.next_global(run.batch_shardings)) for _ in range(num_batches)]
     return {k: float(np.mean([o[k] for o in jax.device_get(out)])) for k in out[0]}
 
 

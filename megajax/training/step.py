@@ -41,16 +41,6 @@ def split_micro(batch: Batch, fields: dict[str, Field], num_micro: int) -> Batch
     return {k: split(v, fields[k]) for k, v in batch.items()}
 
 
-def make_eval_step(graphdef: nnx.GraphDef, objective: Objective) -> Callable[[Params, Batch], Metrics]:
-    """Builds ``eval_step(params, batch) -> {'loss', ...metrics}`` (no dropout, no gradients)."""
-
-    def eval_step(params: Params, batch: Batch) -> Metrics:
-        loss, metrics = objective.loss(nnx.merge(graphdef, params), batch, None)
-        return {"loss": loss, **metrics}
-
-    return eval_step
-
-
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
                     objective: Objective, fields: dict[str, Field], *, num_micro: int, dropout: bool
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:

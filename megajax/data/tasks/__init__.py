@@ -8,6 +8,6 @@ evaluation's (``megajax.evaluation.task_metrics``, ``squad_decode``, ``squad_met
 | `glue.py` | MNLI and QQP TSV readers, pair classification rows |
 | `race.py` | RACE per-article JSON reader, 4-way multiple-choice rows |
 | `squad.py` | SQuAD 1.1 / 2.0 JSON reader, document-stride windows with answer positions and offsets |
-| `batches.py` | `TrainBatches` (the loader protocol, shuffled per epoch) and `OrderedBatches` (evaluation) |
+| `batches.py` | `TrainBatches` (the loader protocol, shuffled per epoch) |
 | `task_data.py` | `data.source=task`: a task's train and validation rows, read from its files or generated |
 """

@@ -13,8 +13,10 @@ import pathlib
 import ml_collections
 import numpy as np
 
+from megajax.data.tasks import glue, race, squad
 from megajax.data.tasks.encoding import SPECIALS_PER_PAIR, EncodedTask, PackedPairs, Specials
 from megajax.data.tasks.race import NUM_OPTIONS
+from megajax.data.tokenizer import load_tokenizer
 from megajax.errors import ConfigError
 
 # The classification tasks' classes (the model that fine-tunes on each task is named by its spec in models/)
@@ -61,9 +63,6 @@ def load_task(config: ml_collections.ConfigDict) -> TaskData:
 
 
 def _read_task(config: ml_collections.ConfigDict) -> TaskData:
-    from megajax.data.tasks import glue, race, squad
-    from megajax.data.tokenizer import load_tokenizer
-
     d, seq = config.data, config.model.max_seq_len
     if not d.task_dir or not d.tokenizer:
         raise ConfigError(f"data.task={d.task} needs --config.data.task_dir (the task's files: "
