@@ -6,7 +6,7 @@
     python eval.py --checkpoint=runs/355m --task=generate --prompt="def main(" --top_p=0.9
     python eval.py --checkpoint=runs/bert --task=mlm [--data=PREFIX]          # BERT: MLM loss/accuracy, SOP
     python eval.py --checkpoint=runs/mnli --task=mnli [--data=glue/MNLI]     # fine-tuned: mnli qqp squad1 squad2 race
-    ... --config.mesh.model=4 --config.mesh.data=2 --output=results.json --tokenizer=gpt2/
+    ... --mesh=2x4 --output=results.json --tokenizer=gpt2/
 
 ``--cpu_devices=N`` simulates N devices on a CPU host.
 """

@@ -14,13 +14,28 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from megajax.cli import absolute_paths, parse_mesh, rewrite_config_flag, use_cpu_devices
+from megajax.cli import (
+    absolute_paths,
+    check_config_overrides,
+    parse_mesh,
+    resolve_config_path,
+    rewrite_config_flag,
+    use_cpu_devices,
+)
 from megajax.errors import USER_ERRORS
 
-config_flags.DEFINE_config_file("config", "configs/gpt_tiny.py", "config file (path or bare name in configs/)")
-flags.DEFINE_string("workdir", "workdir", "where metrics, TensorBoard events and checkpoints go")
-flags.DEFINE_string("mesh", None, "DATAxMODEL, e.g. 4x2: sets config.mesh.data and config.mesh.model")
-flags.DEFINE_integer("cpu_devices", 0, "simulate this many devices on a CPU host (0: the real devices)")
+DEFAULT_CONFIG = "gpt_tiny"
+
+
+def define_flags() -> None:
+    """The flags; defined after the config flags were checked, since ml_collections applies ``--config.a.b=V`` as
+    soon as ``--config`` is defined."""
+    # the default resolved here is found from any directory (./configs/, else the shipped configs)
+    config_flags.DEFINE_config_file("config", resolve_config_path(DEFAULT_CONFIG),
+                                    "config file (path or bare name in configs/)")
+    flags.DEFINE_string("workdir", "workdir", "where metrics, TensorBoard events and checkpoints go")
+    flags.DEFINE_string("mesh", None, "DATAxMODEL, e.g. 4x2: sets config.mesh.data and config.mesh.model")
+    flags.DEFINE_integer("cpu_devices", 0, "simulate this many devices on a CPU host (0: the real devices)")
 
 
 def main(argv):
@@ -39,5 +54,10 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.argv = rewrite_config_flag(sys.argv)  # bare config names, before absl reads the flag
+    try:
+        sys.argv = rewrite_config_flag(sys.argv)  # bare config names, before absl reads the flag
+        check_config_overrides(sys.argv, DEFAULT_CONFIG)
+    except USER_ERRORS as e:  # a misspelled config name, :ARG or field
+        sys.exit(f"error: {e}")
+    define_flags()
     app.run(main)

@@ -1,4 +1,4 @@
-"""The scaling model (megajax/scaling.py) beside the Megatron-LM paper's published scaling figures.
+"""The scaling model (megajax/tools/scaling.py) beside the Megatron-LM paper's published scaling figures.
 
     python bench/scaling_plot.py [--output=bench/scaling_vs_paper.png] [--no_plot]
 
@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from megajax import scaling  # noqa: E402
+from megajax.tools import scaling  # noqa: E402
 
 UNITS = {"baseline TFLOP/s": "TFLOP/s", "table 8": "x"}  # the rest are weak-scaling efficiencies in %
 AXIS = {"baseline TFLOP/s": "GPUs", "figure 5 model": "GPUs", "figure 5 model+data": "GPUs", "table 7": "heads",

@@ -4,6 +4,7 @@ switches of the tools."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.util
 import pathlib
 import sys
@@ -47,6 +48,25 @@ def rewrite_config_flag(argv: list[str]) -> list[str]:
     return out
 
 
+def check_config_overrides(argv: list[str], default: str) -> None:
+    """Loads the ``--config`` file (``default`` when argv has none) and raises ConfigError for a ``--config.a.b=V``
+    in ``argv`` that names none of its fields, with the closest field's spelling: absl and ml_collections would
+    raise a traceback while parsing flags."""
+    config = load_config(_flag_value(argv, "config") or default)
+    overrides = [a[len("--config."):].split("=", 1)[0] for a in argv if a.startswith("--config.")]
+    for field in overrides:
+        node, parts = config, field.split(".")
+        for i, part in enumerate(parts):
+            fields = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+            if part not in fields:
+                where = "config" + "".join(f".{p}" for p in parts[:i])
+                close = difflib.get_close_matches(part, fields, n=1)
+                hint = (f"did you mean --{where}.{close[0]}?" if close else
+                        f"its fields: {', '.join(sorted(fields))}" if fields else f"{where} is a value, not a section")
+                raise ConfigError(f"--config.{field}: {where} has no field {part!r}; {hint}")
+            node = node[part]
+
+
 def parse_mesh(text: str) -> tuple[int, int]:
     """``"DATAxMODEL"`` (e.g. ``"4x2"``) -> (data, model)."""
     try:
@@ -78,7 +98,10 @@ def load_config(name: str) -> ml_collections.ConfigDict:
     spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.get_config(arg) if arg else module.get_config()
+    try:
+        return module.get_config(arg) if arg else module.get_config()
+    except ValueError as e:  # a config file's own check of its :ARG
+        raise ConfigError(str(e)) from None
 
 
 PATH_FIELDS = (("data", "path"), ("data", "tokenizer"), ("data", "task_dir"), ("data", "tfds_data_dir"),
@@ -89,11 +112,10 @@ def absolute_paths(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
     """``config`` with its file and directory fields made absolute (from the current directory): the config is
     stored with every checkpoint, and eval.py or a resumed run may start elsewhere."""
     for section, field in PATH_FIELDS:
-        parent = config if section is None else config.get(section)
-        value = parent.get(field) if parent is not None else None
-        if value:
+        parent = config if section is None else config[section]
+        if value := parent[field]:
             parent[field] = str(pathlib.Path(value).expanduser().resolve())
-    items = config.data.get("blend", "").split()
+    items = config.data.blend.split()
     if items and len(items) % 2 == 0:  # "W1 PREFIX1 W2 PREFIX2": the prefixes (malformed text is left to its check)
         items[1::2] = [str(pathlib.Path(p).expanduser().resolve()) for p in items[1::2]]
         config.data.blend = " ".join(items)

@@ -7,7 +7,7 @@ import pytest
 from conftest import small_config
 from flax import nnx
 
-from megajax.cli import CONFIGS_DIR, load_config, resolve_config_path
+from megajax.cli import CONFIGS_DIR, check_config_overrides, load_config, resolve_config_path
 from megajax.config import ConfigError, abstract_model, build_mesh, create_model, padded_vocab_size
 from megajax.errors import ShardingConfigError
 from megajax.models import model_spec
@@ -157,3 +157,22 @@ def test_every_package_folder_ships():
     listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     folders = {".".join(p.parent.relative_to(root).parts) for p in (root / "megajax").rglob("__init__.py")}
     assert listed == folders | {"megajax.configs"}
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("--config.train.stpes=3", "config.train has no field 'stpes'; did you mean --config.train.steps?"),
+    ("--config.trian.steps=3", "config has no field 'trian'; did you mean --config.train?"),
+    ("--config.train.steps.x=3", "config.train.steps is a value, not a section"),
+])
+def test_a_misspelled_config_field_is_named_before_flags_are_parsed(arg, message):
+    with pytest.raises(ConfigError) as e:
+        check_config_overrides(["train.py", "--config=gpt_tiny", arg], "bert_tiny")
+    assert message in str(e.value)
+    with pytest.raises(ConfigError, match="did you mean --config.model.hidden_size"):  # the default config's fields
+        check_config_overrides(["train.py", "--config.model.hiden_size=3"], "gpt_tiny")
+    check_config_overrides(["train.py", "--config=gpt_tiny", "--config.train.steps=3", "--config.mesh.model=2"], "x")
+
+
+def test_a_bad_finetune_task_or_size_is_a_config_error():
+    with pytest.raises(ConfigError, match="give TASK,SIZE"):
+        load_config("finetune.py:mnli,7b")

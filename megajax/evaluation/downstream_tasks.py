@@ -63,7 +63,7 @@ def check_classes(task: str, config: ml_collections.ConfigDict) -> None:
     classes = TASK_CLASSES.get(task, 0)
     if classes and config.model.num_classes != classes:
         raise InputError(f"--task={task} has {classes} classes but this checkpoint's classifier has "
-                         f"{config.model.num_classes} (it was fine-tuned on data.task={config.data.get('task')!r})")
+                         f"{config.model.num_classes} (it was fine-tuned on data.task={config.data.task!r})")
 
 
 def _split_paths(task: str, data: pathlib.Path) -> list[tuple[str, pathlib.Path]]:
@@ -87,11 +87,11 @@ def read_splits(task: str, config: ml_collections.ConfigDict, data: str | None,
     the model's ``max_seq_len`` with its tokenizer (``--tokenizer``, else the run's ``data.tokenizer``). Raises
     InputError for a missing or unreadable input."""
     check_classes(task, config)
-    where = data or config.data.get("task_dir")
+    where = data or config.data.task_dir
     if not where:
         raise InputError(f"--task={task} needs --data (the folder holding {', '.join(DEV_FILES[task].values())}); "
                          "this checkpoint does not name its task_dir")
-    vocab = tokenizer or config.data.get("tokenizer")
+    vocab = tokenizer or config.data.tokenizer
     if not vocab:
         raise InputError("this checkpoint does not name its tokenizer; pass --tokenizer=PATH (the model's vocab.txt "
                          "or tokenizer.json)")

@@ -53,7 +53,7 @@ MLP_GELU_RESIDUALS = {"gelu_tanh": 6, "gelu": 4}  # (b, s, 4h) tensors autodiff 
 
 def compute_bytes(config: ml_collections.ConfigDict) -> int:
     """Bytes of one activation value in the compute dtype: 4 (fp32) or 2 (bf16 / fp16)."""
-    return FP32 if resolve_precision(config.train.get("precision", "auto")) == "fp32" else 2
+    return FP32 if resolve_precision(config.train.precision) == "fp32" else 2
 
 
 def _rows(config: ml_collections.ConfigDict, micro_batch: int) -> int:

@@ -135,7 +135,7 @@ class Decoder:
     def from_config(cls, config) -> Decoder:
         """The decoder of a megajax config (``load_config``)."""
         m = config.model
-        if m.get("mlp_ratio", 4) != 4:
+        if m.mlp_ratio != 4:
             raise ValueError(f"the scaling model assumes mlp_ratio=4 (transformer_flops); got {m.mlp_ratio}")
         return cls(m.hidden_size, m.num_layers, m.num_heads, m.max_seq_len,
                    padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by), m.remat,

@@ -54,10 +54,10 @@ def check_init_from(config: ml_collections.ConfigDict) -> pathlib.Path:
         raise CheckpointError(f"init_from={config.init_from!r} holds a model.name={saved.name!r} checkpoint: "
                               f"fine-tuning {config.model.name} needs one whose model is a {trunk.__name__}")
     for field in TRUNK_FIELDS:
-        if saved.get(field) != config.model.get(field):
-            raise CheckpointError(f"init_from={config.init_from!r} was trained with model.{field}={saved.get(field)}"
-                                  f" but this config has {config.model.get(field)}; set "
-                                  f"--config.model.{field}={saved.get(field)}")
+        if saved[field] != config.model[field]:
+            raise CheckpointError(f"init_from={config.init_from!r} was trained with model.{field}={saved[field]}"
+                                  f" but this config has {config.model[field]}; set "
+                                  f"--config.model.{field}={saved[field]}")
     if config.model.max_seq_len > saved.max_seq_len:
         raise CheckpointError(f"init_from={config.init_from!r} has position embeddings for model.max_seq_len="
                               f"{saved.max_seq_len}, fewer than this config's {config.model.max_seq_len}; set "

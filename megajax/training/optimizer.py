@@ -21,7 +21,7 @@ def learning_rate_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> 
     """Linear warmup from 0 to ``opt.lr`` over ``opt.warmup_steps``, then cosine or linear decay to ``opt.min_lr``
     over ``opt.decay_steps`` (default: the rest of training), flat at ``min_lr`` afterwards."""
     warmup = int(opt.warmup_steps)
-    decay = int(opt.decay_steps) if opt.get("decay_steps") else max(total_steps - warmup, 1)
+    decay = int(opt.decay_steps) if opt.decay_steps else max(total_steps - warmup, 1)
     if opt.decay == "cosine":
         return optax.warmup_cosine_decay_schedule(0.0, opt.lr, warmup, warmup + decay, opt.min_lr)
     if opt.decay == "linear":
