@@ -10,12 +10,13 @@ allocated) agree on every config compiled here.
 * the activations' per-layer part equals what JAX's autodiff keeps, byte for byte (the traced jaxpr; abstract, so
   any size can be checked).
 
-Compiled here (five compiles; the compiles are nearly all of the time): gpt_tiny on 4x2 with remat=none (state
-replicated over data, and with parallel.fsdp: measured temp and peak 1.013x the formula) and remat=full (ZeRO-1
-on), bert_tiny on 2x4 with remat=selective, micro-batch 4, and with two micro-batches per step (accumulation: the
-micro-batch's gradients beside the accumulator). Measured beyond these (bench/README.md,
-``bench/memory_planner.py``): 22 cases of gpt_tiny, bert_tiny, gpt_125m, gpt_355m and bert_336m on 1 to 8 devices,
-every remat policy, ZeRO-1 and accumulation, temp and peak all within 10%.
+Compiled here (seven compiles; the compiles are nearly all of the time): gpt_tiny on 4x2 with remat=none (state
+replicated over data, and with parallel.fsdp) and remat=full (ZeRO-1 on; FSDP with sequence parallelism), on 8x1
+with FSDP and remat=full (where the gathered word embedding and its unreduced gradient count), bert_tiny on 2x4
+with remat=selective, micro-batch 4, and with two micro-batches per step (accumulation: the micro-batch's gradients
+beside the accumulator). Measured beyond these (bench/README.md, ``bench/memory_planner.py``): 27 cases of
+gpt_tiny, bert_tiny, gpt_125m, gpt_355m and bert_336m on 1 to 8 devices, every remat policy, ZeRO-1, FSDP (with
+and without sequence parallelism) and accumulation, temp and peak all within 10%.
 
 Formula only, because compiling them is too big for this machine: the paper's configs (gpt_1p2b ... gpt_8p3b,
 bert_336m ... bert_3p9b) on their meshes (up to 64x8 = 512 devices) are far beyond the 8 simulated devices and
@@ -39,10 +40,12 @@ from megajax.tools.memory_planner import (
 
 SCALAR_STATE_BYTES = 32  # step, the optimizer's two counts, the loss scale's three fields, the dropout key (u32[2])
 MICRO_BATCH = 4
-CASES = {  # name -> (config, data, model, remat, state split over data: None, shard_optimizer (ZeRO-1) or fsdp,
-    #          micro-batches per step)
+CASES = {  # name -> (config, data, model, remat, parallel flags ('+'-joined: shard_optimizer (ZeRO-1), fsdp,
+    #          sequence) or None, micro-batches per step)
     "gpt_4x2_none": ("gpt_tiny", 4, 2, "none", None, 1),
     "gpt_4x2_none_fsdp": ("gpt_tiny", 4, 2, "none", "fsdp", 1),
+    "gpt_8x1_full_fsdp": ("gpt_tiny", 8, 1, "full", "fsdp", 1),
+    "gpt_4x2_full_fsdp_sequence": ("gpt_tiny", 4, 2, "full", "fsdp+sequence", 1),
     "gpt_4x2_full_zero1": ("gpt_tiny", 4, 2, "full", "shard_optimizer", 1),
     "bert_2x4_selective": ("bert_tiny", 2, 4, "selective", None, 1),
     "bert_2x4_selective_acc2": ("bert_tiny", 2, 4, "selective", None, 2),
@@ -52,8 +55,8 @@ CASES = {  # name -> (config, data, model, remat, state split over data: None, s
 def _config(name: str, remat: str, split: str | None):
     config = load_config(name)
     config.model.remat = remat
-    if split:
-        config.parallel[split] = True
+    for flag in split.split("+") if split else ():
+        config.parallel[flag] = True
     return config
 
 

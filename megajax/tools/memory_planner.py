@@ -6,8 +6,9 @@ The formula (``MemoryReport.temp_bytes``) counts the step's temporaries term by 
   accumulation a second buffer, the micro-batch's own gradients. With ``parallel.shard_optimizer`` XLA splits them
   over ``data`` too (the sharded AdamW update is their only consumer, so the backward pass writes the shards):
   ZeRO-1 saves gradient memory as ZeRO-2 would. With ``parallel.fsdp`` the parameters are held split as well, so all
-  three are counted per shard (``params_per_device(..., split_over_data=True)``); the one layer gathered at a time
-  is not counted.
+  three are counted per shard (``params_per_device(..., split_over_data=True)``), and what is gathered at use is
+  added where it is live (``gathered_bytes``): at the head's backward, the whole word embedding (as the model axis
+  splits it) and its gradient before the reduce-scatter; in a recomputed layer, that layer's parameters and gradients.
 * activations (``activations``): what JAX's autodiff keeps for the backward pass. ``layer_residual_bytes`` counts
   one layer's residuals by kind (the same bytes as the traced jaxpr, ``traced_layer_residual_bytes``, which the
   tests compare); the scanned stack keeps L of them. On top of those, the larger of the output head at the start
@@ -244,6 +245,8 @@ class MemoryReport:
     sequence: bool = False  # parallel.sequence: the residual stream's activations split over model
     fsdp: bool = False  # parallel.fsdp: params_per_device counts each device's data shard of them
     late_grad_bytes: int = 0  # gradients not yet written at the head's peak (the tied word embedding's)
+    gathered_head_bytes: int = 0  # FSDP: the gathered word embedding and its unreduced gradient (``gathered_bytes``)
+    gathered_layer_bytes: int = 0  # FSDP: one gathered layer's parameters and unreduced gradients
 
     @property
     def total_bytes(self) -> int:
@@ -259,9 +262,11 @@ class MemoryReport:
     def temp_bytes(self) -> int:
         """What the step allocates besides its arguments (compare ``CompiledMemory.temp``): the gradients and the
         layers' activations, then the larger of the head at the start of the backward pass (before the tied word
-        embedding's gradient is written) and one recomputed layer."""
+        embedding's gradient is written) and one recomputed layer, each with what FSDP gathers for it."""
         a = self.activations
-        return self.step_grad_bytes + a.layers + max(a.head - self.late_grad_bytes, a.recompute)
+        head = a.head - self.late_grad_bytes + self.gathered_head_bytes
+        recompute = a.recompute + self.gathered_layer_bytes if a.recompute else 0
+        return self.step_grad_bytes + a.layers + max(head, recompute)
 
     @property
     def peak_bytes(self) -> int:
@@ -270,6 +275,21 @@ class MemoryReport:
 
     def fits(self, device_bytes: float) -> bool:
         return self.peak_bytes <= device_bytes
+
+
+def gathered_bytes(config: ml_collections.ConfigDict, model: int) -> tuple[int, int]:
+    """(head, layer): what ``parallel.fsdp`` holds whole over ``data`` at its peaks, fp32 on one device of a
+    ``model``-way split. At the head's backward the gathered word embedding (needed for the input's gradient) and
+    its gradient before the reduce-scatter to the shards (gpt_125m on 8x1, remat=full: the formula's temp was
+    0.81 of the compiled without them); in a recomputed layer's backward, its parameters and gradients alike. The
+    task models' heads read no vocabulary: their head part is 0."""
+    _, whole = params_per_device(config, {"data": 1, "model": model})
+    m = config.model
+    embedding = model_config(config).padded_vocab_size // model * m.hidden_size
+    positions = m.max_seq_len * m.hidden_size  # replicated over model
+    layer = (whole - embedding - positions) // m.num_layers  # the trunk's blocks; the rest is small (norms, heads)
+    head = 2 * FP32 * embedding if model_spec(m.name).vocab_output else 0
+    return head, 2 * FP32 * layer
 
 
 def params_per_device(config: ml_collections.ConfigDict, mesh_shape: dict[str, int],
@@ -317,8 +337,10 @@ def memory_report(config: ml_collections.ConfigDict, data: int, model: int, micr
     fields = model_spec(config.model.name).objective.fields(config.model.max_seq_len).values()
     batch = micro_batch * num_micro * sum(math.prod(f.row_shape) * f.dtype.itemsize for f in fields)
     late = word_embedding_grad_bytes(config, data, model, split_over_data=moments_split)
+    head, layer = gathered_bytes(config, model) if fsdp else (0, 0)
     return MemoryReport(total, local, FP32 * local, FP32 * local, optimizer, act.total, data, model, act,
-                        gradient_bytes(local, data, zero, num_micro), batch, sequence_parallel(config), fsdp, late)
+                        gradient_bytes(local, data, zero, num_micro), batch, sequence_parallel(config), fsdp, late,
+                        head, layer)
 
 
 def largest_micro_batch(config: ml_collections.ConfigDict, data: int, model: int, device_bytes: float) -> int:
