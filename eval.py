@@ -12,8 +12,10 @@
 """
 
 import argparse
+import sys
 
-from megajax.cli import parse_mesh, use_cpu_devices
+from megajax.cli import ArgumentParser, parse_mesh, use_cpu_devices
+from megajax.errors import USER_ERRORS
 from megajax.evaluation.generate import Sampling
 from megajax.evaluation.inputs import InputError
 from megajax.evaluation.runner import TASKS, run
@@ -21,7 +23,7 @@ from megajax.evaluation.runner import TASKS, run
 
 def main(argv=None):
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="workdir, checkpoints/ dir, a step, or an export")
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--data", help="wiki.test.tokens, lambada_test.jsonl, or a preprocessed prefix (ppl; mlm: "
@@ -30,7 +32,11 @@ def main(argv=None):
                                   "dev file")
     p.add_argument("--tokenizer", help="default: the tokenizer the checkpoint was trained with")
     p.add_argument("--output", help="also write the results here as JSON")
-    p.add_argument("--predictions", help="fine-tuning tasks: write each example's prediction here as JSON")
+    p.add_argument("--predictions", help="fine-tuning tasks: write each example's prediction here as JSON (SQuAD: "
+                                         "the official {id: answer} file; squad2 also NAME.null_odds.json beside it)")
+    p.add_argument("--null_score_diff_threshold", type=float, default=None,
+                   help="squad2: answer \"\" where the null score minus the best span's score exceeds this "
+                        "(BERT's run_squad.py flag; default 0)")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--stride", type=int, default=None,
                    help="wikitext103/ppl: windows start every STRIDE tokens and each one after the first scores "
@@ -66,9 +72,11 @@ def main(argv=None):
         run(args.checkpoint, args.task, data=args.data, prompt=args.prompt, tokenizer=args.tokenizer,
             mesh_data=args.mesh_data, mesh_model=args.mesh_model, batch_size=args.batch_size, stride=args.stride,
             max_new_tokens=args.max_new_tokens, seed=args.seed, output=args.output, sampling=sampling,
-            predictions=args.predictions)
+            predictions=args.predictions, null_score_diff_threshold=args.null_score_diff_threshold)
     except InputError as e:  # raised before the model is loaded: usage, not a traceback
         p.error(str(e))
+    except USER_ERRORS as e:  # a path, a checkpoint, a config: what to change, not a traceback
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

@@ -7,13 +7,15 @@ import argparse
 import difflib
 import importlib.util
 import pathlib
+import shlex
 import sys
+import tempfile
 from collections.abc import Callable
 
 import jax
 import ml_collections
 
-from megajax.errors import USER_ERRORS, ConfigError
+from megajax.errors import USER_ERRORS, ConfigError, UserError
 
 _PACKAGE = pathlib.Path(__file__).resolve().parent
 # The shipped configs: megajax/configs/ in an installed package (pyproject.toml maps the repository's configs/ there),
@@ -79,6 +81,47 @@ def parse_mesh(text: str) -> tuple[int, int]:
 PARALLEL_FLAGS = {"sequence": "sequence parallelism", "shard_optimizer": "ZeRO-1", "fsdp": "FSDP / ZeRO-3"}
 
 
+class OutputPathError(UserError, ValueError):
+    """An output file flag that names a directory or a place that cannot be written."""
+
+
+def check_output_file(path: str | None, flag: str) -> None:
+    """Raises OutputPathError unless ``path`` (given as ``--flag``; None: not asked for) can be written as a file:
+    checked before the work starts, so an hour of evaluation is not lost to a typo. Writes nothing."""
+    if not path:
+        return
+    target = pathlib.Path(path).expanduser()
+    if target.is_dir():
+        raise OutputPathError(f"--{flag}={path} is a directory; give a file name, e.g. --{flag}="
+                              f"{target / 'results.json'}")
+    parent = target.resolve().parent
+    if not parent.is_dir():
+        raise OutputPathError(f"--{flag}={path}: the directory {parent} does not exist; create it first")
+    try:
+        if target.exists():
+            open(target, "a").close()  # opening to append changes neither its bytes nor its time
+        else:
+            tempfile.TemporaryFile(dir=parent).close()
+    except OSError as e:
+        raise OutputPathError(f"--{flag}={path} cannot be written ({e.strerror or e}); pick a writable place") \
+            from None
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with megajax's error format: one ``error:`` line naming the flag and what to do (argparse prints
+    its usage first and begins the line with the program's name)."""
+
+    def __init__(self, *args, **kwargs):
+        script = pathlib.Path(sys.argv[0]).resolve()
+        if "prog" not in kwargs and script.is_relative_to(_PACKAGE):  # ``python -m megajax.X``, named so
+            module = ".".join(script.relative_to(_PACKAGE.parent).with_suffix("").parts)
+            kwargs["prog"] = f"python -m {module.removesuffix('.__main__')}"
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     """``--sequence``, ``--shard_optimizer``, ``--fsdp``: each turns on ``parallel.<name>``."""
     for name, what in PARALLEL_FLAGS.items():
@@ -98,10 +141,17 @@ def load_config(name: str) -> ml_collections.ConfigDict:
     spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    if not callable(getattr(module, "get_config", None)):
+        raise ConfigError(f"config file {path} defines no get_config(); a config file's get_config() returns an "
+                          "ml_collections.ConfigDict (see configs/gpt_tiny.py)")
     try:
-        return module.get_config(arg) if arg else module.get_config()
+        config = module.get_config(arg) if arg else module.get_config()
     except ValueError as e:  # a config file's own check of its :ARG
         raise ConfigError(str(e)) from None
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise ConfigError(f"config file {path}: get_config() returned a {type(config).__name__}, not an "
+                          "ml_collections.ConfigDict; start from megajax.config.base_config(), as configs/gpt_tiny.py")
+    return config
 
 
 PATH_FIELDS = (("data", "path"), ("data", "tokenizer"), ("data", "task_dir"), ("data", "tfds_data_dir"),
@@ -115,10 +165,13 @@ def absolute_paths(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
         parent = config if section is None else config[section]
         if value := parent[field]:
             parent[field] = str(pathlib.Path(value).expanduser().resolve())
-    items = config.data.blend.split()
+    try:
+        items = shlex.split(config.data.blend)  # quoted prefixes may hold spaces
+    except ValueError:
+        items = []  # an unclosed quote: left to parse_blend's message
     if items and len(items) % 2 == 0:  # "W1 PREFIX1 W2 PREFIX2": the prefixes (malformed text is left to its check)
         items[1::2] = [str(pathlib.Path(p).expanduser().resolve()) for p in items[1::2]]
-        config.data.blend = " ".join(items)
+        config.data.blend = shlex.join(items)
     return config
 
 

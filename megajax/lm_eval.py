@@ -1,8 +1,9 @@
 """``python -m megajax.lm_eval ...``: lm-evaluation-harness's own command line with the ``megajax`` model
 registered (lm-eval finds models only by import; it reads no plugin entry points). ``--cpu_devices=N`` simulates
-N devices on a CPU host.
+N devices on a CPU host. ``--output_path DIR`` writes ``DIR/<checkpoint, sanitised>/results_<timestamp>.json``, as
+lm-eval names an HF model's results after ``pretrained=`` (the adapter's import teaches lm-eval the name).
 
-    python -m megajax.lm_eval --model megajax --model_args checkpoint=runs/355m,mesh=1x8 --tasks lambada_openai
+    python -m megajax.lm_eval --model megajax --model_args pretrained=runs/355m,mesh=1x8 --tasks lambada_openai
 """
 
 import sys

@@ -40,6 +40,12 @@ def test_parse_blend_normalises_and_refuses_bad_input():
                           ("1e-6 a 1 b", "below 1/10000")]:
         with pytest.raises(ConfigError, match=message):
             parse_blend(text)
+    # a prefix with a space: quoted, as in a shell; unquoted, the message says to quote it
+    spec = parse_blend('1 "my data/a" 1 data/b')
+    assert spec.paths == ("my data/a", "data/b")
+    for text in ["1 my data/a 1 data/b", "1 my data/a 1 data/b c", '1 "my data/a 1 data/b']:
+        with pytest.raises(ConfigError, match="a prefix with spaces goes in quotes"):
+            parse_blend(text)
 
 
 def test_every_prefix_of_a_period_is_within_one_sample_of_the_weights():

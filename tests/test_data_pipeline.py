@@ -1,19 +1,25 @@
 """Tokenizers, preprocessing, the indexed format and the GPT loader: round trips, filters, determinism, bad input."""
 
 import json
+import os
 import pathlib
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 from conftest import host_batch
+from tokenizers import Tokenizer
 
 from megajax.data.dedup import jaccard
 from megajax.data.gpt_dataset import GPTBatches, split_by_documents
-from megajax.data.indexed import IndexedTokens
+from megajax.data.indexed import DatasetError, IndexedTokens
 from megajax.data.loader import Loader, LoaderStateError
 from megajax.data.preprocess import main as preprocess_main
 from megajax.data.preprocess import preprocess
-from megajax.data.tokenizer import load_tokenizer, train_tokenizer
+from megajax.data.tokenizer import load_tokenizer, train_tokenizer, vocabulary_fingerprint
 
 RNG = np.random.default_rng(0)
 WORDS = [f"w{i}" for i in range(3000)] + ["the", "a", "of", "é", "naïve", "日本", "data"]
@@ -209,7 +215,7 @@ def test_token_file_of_partial_ids_is_refused(tmp_path, corpus_texts, tokenizer)
     preprocess([str(_jsonl(tmp_path / "a.jsonl", corpus_texts[:2]))], tokenizer, tmp_path / "out", min_tokens=0)
     with open(tmp_path / "out.bin", "ab") as f:
         f.write(b"\0")  # half a uint16 id
-    with pytest.raises(ValueError, match=r"out\.bin has \d+ bytes, not a whole number of uint16 ids"):
+    with pytest.raises(DatasetError, match=r"out\.bin has \d+ bytes, not a whole number of uint16 ids"):
         IndexedTokens.open(tmp_path / "out")
 
 
@@ -223,3 +229,81 @@ def test_cli_input_errors_print_a_message_not_a_traceback(tmp_path, corpus_texts
             preprocess_main([*args, f"--output_prefix={tmp_path / 'o'}", "--workers=1"])
         assert str(exit_info.value).startswith("error: ") and message in str(exit_info.value)
     assert not list(tmp_path.glob("o.*"))
+
+
+def test_cli_refuses_a_language_the_splitter_has_no_rules_for(tmp_path, corpus_texts, tokenizer, capsys):
+    tokenizer.save(tmp_path / "tok.json")
+    src = _jsonl(tmp_path / "in.jsonl", corpus_texts[:2])
+    with pytest.raises(SystemExit) as exit_info:
+        preprocess_main([f"--input={src}", f"--tokenizer={tmp_path / 'tok.json'}", f"--output_prefix={tmp_path / 'o'}",
+                         "--split_sentences", "--language=xx"])
+    assert exit_info.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: argument --language: invalid choice: 'xx' (choose from 'am', 'ar',") \
+        and "'en'," in line
+    with pytest.raises(ValueError, match="the sentence splitter has rules for am, ar"):
+        preprocess([str(src)], tokenizer, tmp_path / "o", split_sentences=True, language="xx")
+    assert not list(tmp_path.glob("o.*"))
+
+
+def test_a_stopped_preprocess_leaves_no_temporary_files(tmp_path, corpus_texts, tokenizer):
+    """SIGTERM mid-run removes the run's temporaries; files a SIGKILLed run left are removed by the next run on the
+    same prefix (their process is gone), a live writer's are not."""
+    tokenizer.save(tmp_path / "tok.json")
+    fifo = tmp_path / "in.jsonl"
+    os.mkfifo(fifo)  # the run blocks reading it, mid-run, with its temporary files open
+    run = subprocess.Popen([sys.executable, "-m", "megajax.data.preprocess", f"--input={fifo}",
+                            f"--tokenizer={tmp_path / 'tok.json'}", f"--output_prefix={tmp_path / 'o'}",
+                            "--min_tokens=0", "--workers=1"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while run.poll() is None and time.monotonic() < deadline:
+        try:  # opens once the run has opened the input to read it
+            feed = os.fdopen(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK), "w")
+            break
+        except OSError:  # ENXIO: no reader yet
+            time.sleep(0.05)
+    assert run.poll() is None, run.stderr.read()
+    with feed:
+        feed.write(json.dumps({"text": corpus_texts[0]}) + "\n")
+        feed.flush()
+        while not list(tmp_path.glob("o.tmp-*.bin")) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling for the run to start writing
+        assert list(tmp_path.glob("o.tmp-*.bin")), "the run never started writing"
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(timeout=60) != 0
+    assert "stopped by SIGTERM; nothing was written to" in run.stderr.read()
+    assert not list(tmp_path.glob("o.*"))
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        left = [tmp_path / f"o.tmp-{dead.pid}.bin", tmp_path / f"o.tmp-{dead.pid}.idx.npy",
+                tmp_path / f"o.tmp-{live.pid}.bin"]
+        for path in left:
+            path.write_bytes(b"\0\0")
+        preprocess([str(_jsonl(tmp_path / "a.jsonl", corpus_texts[:2]))], tokenizer, tmp_path / "o", min_tokens=0)
+        assert sorted(p.name for p in tmp_path.glob("o.tmp-*")) == [f"o.tmp-{live.pid}.bin"]
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_the_sidecar_records_the_tokenizers_vocabulary(tmp_path, corpus_texts, tokenizer):
+    """The fingerprint the checks compare: one vocabulary agrees whichever file it is read from (a dataset written
+    before fingerprints falls back to its saved tokenizer file); the same size with two ids exchanged differs."""
+    preprocess([str(_jsonl(tmp_path / "a.jsonl", corpus_texts[:3]))], tokenizer, tmp_path / "out", min_tokens=0)
+    data = IndexedTokens.open(tmp_path / "out")
+    assert data.meta["tokenizer_fingerprint"] == tokenizer.fingerprint == data.tokenizer_fingerprint()
+    meta = json.loads((tmp_path / "out.json").read_text())
+    del meta["tokenizer_fingerprint"]
+    (tmp_path / "out.json").write_text(json.dumps(meta))
+    assert IndexedTokens.open(tmp_path / "out").tokenizer_fingerprint() == tokenizer.fingerprint
+    tokenizer.save(tmp_path / "tok.json")
+    assert load_tokenizer(tmp_path / "tok.json").fingerprint == tokenizer.fingerprint
+    spec = json.loads(tokenizer.tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    swapped = Tokenizer.from_str(json.dumps(spec))
+    assert swapped.get_vocab_size() == tokenizer.vocab_size and vocabulary_fingerprint(swapped) != tokenizer.fingerprint

@@ -45,7 +45,7 @@ def test_read_mnli(tmp_path):
     assert [(e.text_a, e.text_b, e.label) for e in data.examples] == [
         ("The cat sat.", 'He said "yes', MNLI_LABELS.index("entailment")),
         ("A dog ran.", "No dog ran.", 0), ("John played.", "Mary played.", 2)]
-    assert [e.guid for e in data.examples] == ["train.tsv:2", "train.tsv:3", "train.tsv:5"]
+    assert [e.guid for e in data.examples] == ["0", "1", "2"]  # the index column, so predictions join the file
     assert data.skipped == {} and data.summary() == f"3 examples from {path}"
 
 
@@ -61,6 +61,49 @@ def test_read_qqp_skips_and_counts_bad_rows(tmp_path):
     assert data.first_skipped == {"rows with the wrong number of fields": 3, "with label '2'": 5}
     assert data.summary() == (f"2 examples from {path}; skipped 2 rows (1 rows with the wrong number of fields "
                               "(first on line 3), 1 with label '2' (first on line 5))")
+    assert [e.guid for e in data.examples] == ["1", "3"]  # QQP's id column
+    assert data.report() == {"examples": 2, "skipped_rows": 2, "skipped": {
+        "rows with the wrong number of fields": {"rows": 1, "first_line": 3},
+        "with label '2'": {"rows": 1, "first_line": 5}}}
+
+
+def test_glue_repeated_ids(tmp_path):
+    """Two rows under one id would share a prediction: an error in MNLI, a skipped row in QQP."""
+    path = _tsv(tmp_path / "dev_matched.tsv", MNLI_HEADER, [_mnli_row(7, "a", "b", "neutral"),
+                                                            _mnli_row(7, "c", "d", "neutral")])
+    with pytest.raises(TaskDataError, match="line 3: index '7' is also on line 2"):
+        read_mnli(path)
+    path = _tsv(tmp_path / "dev.tsv", QQP_HEADER, [["1", "1", "2", "a?", "b?", "1"], ["1", "3", "4", "c?", "d?", "0"]])
+    data = read_qqp(path)
+    assert [e.guid for e in data.examples] == ["1"] and data.first_skipped == {"with a repeated id": 3}
+
+
+def test_qqp_skipped_rows_in_the_training_report(tmp_path):
+    from megajax.config import bert_base_config
+    from megajax.data.tasks.task_data import load_task
+    from megajax.evaluation.downstream_tasks import read_splits
+
+    good = [[str(i), "1", "2", "why is it blue ?", "what is it ?", str(i % 2)] for i in range(300)]
+    _tsv(tmp_path / "train.tsv", QQP_HEADER, good + [["x", "y"], ["300", "1", "2", "a", "b", "2"]])  # 2 of 302
+    _tsv(tmp_path / "dev.tsv", QQP_HEADER, good[:5] + [["x", "y"]])
+    tokenizer = tmp_path / "tokenizer.json"
+    wordpiece_tokenizer().save(str(tokenizer))
+    c = bert_base_config()
+    c.model.update(name="bert_classifier", num_classes=2, vocab_size=128, max_seq_len=24)
+    c.data.update(source="task", task="qqp", task_dir=str(tmp_path), tokenizer=str(tokenizer))
+    report = load_task(c).report
+    assert report["train"] == {"file": str(tmp_path / "train.tsv"), "examples": 300, "skipped_rows": 2, "skipped": {
+        "rows with the wrong number of fields": {"rows": 1, "first_line": 302},
+        "with label '2'": {"rows": 1, "first_line": 303}}}
+    assert report["valid"]["skipped_rows"] == 1
+    (split,) = read_splits("qqp", c, None, None)  # eval.py's dev split: the counts go into its results
+    assert split.counts == {"skipped_rows": 1, "skipped": {"rows with the wrong number of fields": {
+        "rows": 1, "first_line": 7}}}
+    _tsv(tmp_path / "train.tsv", QQP_HEADER, good[:10] + [["x", "y"]] * 5)  # 5 of 15: a damaged file
+    with pytest.raises(TaskDataError, match=r"QQP file .*train.tsv: 5 of its 15 training rows \(33.3%\) cannot be "
+                                            r"used, .*skipped 5 rows \(5 rows with the wrong number of fields \(first "
+                                            r"on line 12\)\).*max_dropped_fraction=0.34 "):
+        load_task(c)
 
 
 def test_read_qqp_skips_empty_questions(tmp_path):
@@ -85,6 +128,7 @@ def test_glue_columns_found_by_name(tmp_path):
     path = _tsv(tmp_path / "x.tsv", ["label", "sentence2", "sentence1"], [["neutral", "b", "a"]])
     (example,) = read_mnli(path).examples
     assert (example.text_a, example.text_b, example.label) == ("a", "b", 2)
+    assert example.guid == "x.tsv:2"  # no index column: file name and line
 
 
 @pytest.mark.parametrize("reader, header, rows, message", [
@@ -203,9 +247,9 @@ def race_dir(tmp_path):
 
 def test_read_race(race_dir):
     examples = read_race(race_dir)
+    # file id:question index, the ids of the release's files (there "high132.txt"; here the file names)
     assert [(e.qid, e.label, e.level) for e in examples] == [
-        ("middle/10.txt:0", 0, "middle"), ("middle/2.txt:0", 0, "middle"), ("middle/2.txt:1", 2, "middle"),
-        ("high/1.txt:0", 2, "high")]
+        ("10.txt:0", 0, "middle"), ("2.txt:0", 0, "middle"), ("2.txt:1", 2, "middle"), ("1.txt:0", 2, "high")]
     assert examples[1].options == ("the ball", "a dog", "a cat", "the park")
     assert examples[3].article == "The game was played in Paris."
 
@@ -263,6 +307,17 @@ def test_race_errors_name_the_file(tmp_path, options, answers, message):
     with pytest.raises(TaskDataError, match=message) as e:
         read_race(tmp_path / "dev")
     assert str(tmp_path / "dev" / "high" / "7.txt") in str(e.value)
+
+
+def test_race_ids(tmp_path):
+    _article(tmp_path, "middle", "1.txt", "An article.", ["Q?"], [["a", "b", "c", "d"]], ["A"])
+    _article(tmp_path, "high", "1.txt", "An article.", ["Q?"], [["a", "b", "c", "d"]], ["B"])
+    with pytest.raises(TaskDataError, match=r"RACE files .*middle/1.txt and .*high/1.txt have the same id '1.txt'"):
+        read_race(tmp_path / "dev")
+    record = json.loads((tmp_path / "dev" / "high" / "1.txt").read_text())
+    del record["id"]  # no id: named by level and file
+    (tmp_path / "dev" / "high" / "1.txt").write_text(json.dumps(record))
+    assert [e.qid for e in read_race(tmp_path / "dev")] == ["1.txt:0", "high/1.txt:0"]
 
 
 def test_race_directory_errors(tmp_path):

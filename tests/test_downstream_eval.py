@@ -125,7 +125,7 @@ def _reference(task, model, files):
     """Per split: (metrics computed here from per-example outputs, predicted ids)."""
     from megajax.data.tasks import glue, race, squad
     from megajax.evaluation.squad_decode import answers_at, decode_squad
-    from megajax.evaluation.squad_metrics import squad_scores
+    from megajax.evaluation.squad_metrics import squad1_scores, squad2_scores
 
     root, tokenizer = files
     seq = SEQ[task]
@@ -141,7 +141,7 @@ def _reference(task, model, files):
             metrics = {"accuracy": 100 * np.mean(pred == labels), "examples": len(labels)}
             if task == "qqp":
                 tp, fp, fn = (np.sum((pred == p) & (labels == g)) for p, g in ((1, 1), (1, 0), (0, 1)))
-                metrics["f1"] = 100 * 2 * tp / (2 * tp + fp + fn)
+                metrics.update(f1=100 * 2 * tp / (2 * tp + fp + fn), skipped_rows=0)
             out[name] = metrics
         return out
     if task == "race":
@@ -159,8 +159,11 @@ def _reference(task, model, files):
     features = squad.featurize_squad(data.examples, wordpiece_tokenizer(), seq, training=False)
     assert len(features) > len(data.examples)  # the context needs several windows: they are merged per question
     spans = decode_squad(features, *_one_at_a_time(model, features.task), max_answer_length=30)
-    margins = {q: p.null_margin for q, p in spans.items()} if task == "squad2" else None
-    return {"dev": {**squad_scores(data.examples, answers_at(spans, None), margins), "windows": len(features)}}
+    if task == "squad1":
+        scores = squad1_scores(data.examples, answers_at(spans, None))
+    else:  # the predictions file at null threshold 0 and its null odds
+        scores = squad2_scores(data.examples, answers_at(spans, 0.0), {q: p.null_margin for q, p in spans.items()})
+    return {"dev": {**scores, "windows": len(features), "broken_offsets": 0}}
 
 
 @pytest.mark.parametrize("task, meshes", [("mnli", [(1, 1)]), ("qqp", [(1, 1)]), ("race", [(1, 1)]),
@@ -174,16 +177,22 @@ def test_metrics_equal_the_hand_computed_ones(task, meshes, checkpoints, files, 
         got = run(task, task, mesh_data=data, mesh_model=tensor, batch_size=3, output=str(out),
                   predictions=str(tmp_path / "predictions.json"))
         assert got["mesh"] == f"{data}x{tensor}" and json.loads(out.read_text()) == got
-        assert set(got) - {"task", "checkpoint", "mesh"} == set(want)
+        assert set(got) - {"task", "checkpoint", "mesh", "null_odds_file"} == set(want)
         for split, metrics in want.items():
             for key, value in metrics.items():
                 tolerance = dict(rel=1e-5) if key.endswith("thresh") else dict(abs=1e-9)  # a logit / a percentage
                 assert got[split][key] == pytest.approx(value, **tolerance), (split, key)
     predictions = json.loads((tmp_path / "predictions.json").read_text())
-    assert set(predictions) == set(want)
-    if task == "squad1":
-        assert sorted(predictions["dev"]) == ["q1", "q2", "q3", "q4"]  # the official predictions file's form
-        assert all(isinstance(text, str) for text in predictions["dev"].values())
+    if task.startswith("squad"):  # the official predictions file: {question id: answer text}, not per split
+        assert sorted(predictions) == ["q1", "q2", "q3", "q4", "q5"][:4 if task == "squad1" else 5]
+        assert all(isinstance(text, str) for text in predictions.values())
+        assert ("null_odds_file" in got) == (task == "squad2")
+        return
+    assert set(predictions) == set(want)  # per split, keyed by the files' own ids
+    ids = {"mnli": [str(i) for i in range(11)], "qqp": [str(i) for i in range(13)],
+           "race": ["1.txt:0", "1.txt:1", "1.txt:2", "2.txt:0", "2.txt:1"]}[task]
+    first = "dev" if task == "race" else next(iter(want))
+    assert list(predictions[first]) == ids
 
 
 def test_one_file_as_data(checkpoints, files):

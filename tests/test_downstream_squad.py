@@ -10,7 +10,7 @@ from downstream_fixtures import wordpiece_tokenizer
 from megajax.data.tasks.files import TaskDataError
 from megajax.data.tasks.squad import Answer, SquadExample, featurize_squad, read_squad, windows
 from megajax.evaluation.squad_decode import SpanPrediction, answers_at, best_span, decode_squad
-from megajax.evaluation.squad_metrics import f1, normalize_answer, squad_scores
+from megajax.evaluation.squad_metrics import f1, f1_v1, normalize_answer, squad_scores
 
 CONTEXT = ("Denver Broncos won the Super Bowl in 1990. The game was played in Paris, France at the city park. "
            "Mary played the big red ball and John ran to the long blue river.")
@@ -210,8 +210,49 @@ def test_training_drops_misaligned_answers_evaluation_keeps_them(tmp_path):
     path = _write(tmp_path, "train.json", qas)
     train = _features(path, training=True)
     assert train.dropped == 1 and [e.qid for e in train.examples] == ["ok"]
+    assert train.dropped_questions == {"answer text not at its answer_start": ("bad",)}
     evaluation = _features(path, training=False)
     assert evaluation.dropped == 0 and [e.qid for e in evaluation.examples] == ["ok", "bad"]
+    assert evaluation.broken_offsets == ("bad",) and evaluation.report()["broken_offsets"] == 1
+
+
+def test_training_drops_are_counted_by_reason(tmp_path):
+    """Each reason with its questions and the windows they would have had; evaluation keeps all of them."""
+    long_answer = "Paris, France at the city park. Mary played the big red ball and John ran"  # 17 tokens > 24 - 6 - 3
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps({"data": [{"paragraphs": [
+        {"context": CONTEXT, "qas": [
+            _qa("ok", "Who won?", "Denver Broncos"),
+            _qa("long", LONG_QUESTION, long_answer),
+            {"id": "off1", "question": "Who?", "answers": [{"text": "Paris", "answer_start": 1}]},
+            {"id": "off2", "question": "Who?", "answers": [{"text": "Paris", "answer_start": 2}]}]},
+        {"context": " ", "qas": [{"id": "empty", "question": "Who?", "answers": [], "is_impossible": True}]}]}]}))
+    examples = read_squad(path).examples
+    tok = wordpiece_tokenizer()
+    train = featurize_squad(examples, tok, SEQ, doc_stride=STRIDE, max_query_length=QUERY, training=True)
+    evaluation = featurize_squad(examples, tok, SEQ, doc_stride=STRIDE, max_query_length=QUERY, training=False)
+    windows_of = {e.qid: int(np.sum(evaluation.example_index == i)) for i, e in enumerate(evaluation.examples)}
+    assert [e.qid for e in train.examples] == ["ok"] and train.questions == 5
+    assert train.dropped_questions == {"empty context": ("empty",), "answer text not at its answer_start":
+                                       ("off1", "off2"), "no window holds the whole answer": ("long",)}
+    assert train.dropped_features == {"empty context": 1, "answer text not at its answer_start":
+                                      windows_of["off1"] + windows_of["off2"],
+                                      "no window holds the whole answer": windows_of["long"]}
+    assert len(train) == windows_of["ok"]
+    assert train.drop_summary() == ("1 empty context (id empty), 2 answer text not at its answer_start (ids off1, "
+                                    "off2), 1 no window holds the whole answer (id long)")
+    report = train.report()
+    assert report["dropped_questions"] == 4 and report["dropped"]["empty context"] == {
+        "questions": 1, "features": 1, "first_ids": ["empty"]}
+    assert evaluation.dropped == 0 and len(evaluation.examples) == 5 and evaluation.broken_offsets == ("off1", "off2")
+
+
+def test_training_with_every_question_dropped_names_the_cause(tmp_path):
+    qas = [{"id": f"q{i}", "question": "Who?", "answers": [{"text": t, "answer_start": CONTEXT.index(t) + 1}]}
+           for i, t in enumerate(["Denver", "Paris", "John"])]
+    with pytest.raises(TaskDataError, match=r"none of its 3 questions can train: 3 answer text not at its "
+                                            r"answer_start \(ids q0, q1, q2\)\. answer_start must be the 0-based"):
+        _features(_write(tmp_path, "train.json", qas), training=True)
 
 
 def test_featurize_rejects_a_query_that_leaves_no_context():
@@ -355,28 +396,39 @@ def test_normalize_answer(text, normalized):
 ])
 def test_f1_table(gold, prediction, expected):
     assert f1(gold, prediction) == pytest.approx(expected)
+    # evaluate-v1.1.py's F1 differs only where an answer is empty: 0 without a shared token
+    assert f1_v1(gold, prediction) == pytest.approx(expected if gold and prediction else 0.0)
 
 
 def _example(qid, *answers):
     return SquadExample(qid, "q", "c", tuple(Answer(a, 0) for a in answers), not answers)
 
 
-def test_squad_1_scores_take_the_best_gold_answer():
+def test_squad_1_scores_take_the_best_gold_answer(capsys):
     examples = [_example("a", "Denver Broncos", "Broncos"), _example("b", "Paris"), _example("c", "blue river")]
     answers = {"a": "the broncos", "b": "in Paris, France", "c": "red river"}
     # a: EM 1 (matches "Broncos"), F1 1; b: EM 0, F1 1/2; c: EM 0, F1 P = R = 1/2 -> 1/2
     scores = squad_scores(examples, answers)
     assert scores == {"exact": pytest.approx(100 / 3), "f1": pytest.approx(100 * 2 / 3), "total": 3}
-    with pytest.raises(ValueError, match="no prediction"):
-        squad_scores(examples, {"a": "x"})
+    # a missing prediction scores 0 with evaluate-v1.1.py's message (it used to raise ValueError)
+    assert squad_scores(examples, {"a": "broncos"}) == {"exact": pytest.approx(100 / 3), "f1": pytest.approx(100 / 3),
+                                                        "total": 3}
+    assert "Unanswered question b will receive score 0." in capsys.readouterr().err
+
+
+def test_squad_1_keeps_gold_answers_that_normalise_to_nothing():
+    """evaluate-v1.1.py keeps the gold "the" (v2.0 drops it): "The" matches it (EM 1) but F1 is 0 (no token)."""
+    scores = squad_scores([_example("a", "the", "1990")], {"a": "The"})
+    assert scores["exact"] == 100.0 and scores["f1"] == 0.0
 
 
 def test_squad_2_scores_and_best_thresholds():
     examples = [_example("q1", "Denver Broncos"), _example("q2", "Paris"), _example("q3"), _example("q4")]
-    answers = {"q1": "Denver Broncos", "q2": "in Paris France", "q3": "London", "q4": "Rome"}
     margins = {"q1": -2.0, "q2": -1.5, "q3": 0.5, "q4": -1.0}
+    # The predictions file written at null threshold 0: q3 (margin 0.5) answers "".
+    answers = {"q1": "Denver Broncos", "q2": "in Paris France", "q3": "", "q4": "Rome"}
     scores = squad_scores(examples, answers, margins)
-    # At threshold 0 q3 (margin 0.5) predicts no answer: EM 1 + 0 + 1 + 0, F1 1 + 1/2 + 1 + 0.
+    # No margin exceeds --na-prob-thresh 1.0: EM 1 + 0 + 1 + 0, F1 1 + 1/2 + 1 + 0.
     assert scores["exact"] == pytest.approx(50.0) and scores["f1"] == pytest.approx(62.5)
     assert scores["HasAns_exact"] == pytest.approx(50.0) and scores["HasAns_f1"] == pytest.approx(75.0)
     assert scores["NoAns_exact"] == pytest.approx(50.0) and scores["NoAns_f1"] == pytest.approx(50.0)
@@ -393,19 +445,40 @@ def test_squad_2_best_threshold_when_answering_never_helps():
     examples = [_example("q1"), _example("q2", "Paris")]
     answers = {"q1": "London", "q2": "Rome"}
     scores = squad_scores(examples, answers, {"q1": 0.3, "q2": -0.2})
-    # Answering q1 loses its point and q2's answer is wrong: no answer everywhere is best (1 of 2), and the
-    # threshold returned lies below every margin, so that it predicts exactly that.
+    # Answering q1 loses its point and q2's answer is wrong: no answer everywhere is best (1 of 2). As
+    # evaluate-v2.0.py, the threshold is then 0.0 (megajax used to return one below every margin).
     assert scores["best_exact"] == scores["best_f1"] == pytest.approx(50.0)
-    assert scores["best_exact_thresh"] < -0.2 and scores["best_f1_thresh"] < -0.2
+    assert scores["best_exact_thresh"] == scores["best_f1_thresh"] == 0.0
     assert scores["exact_at_best_f1_thresh"] == pytest.approx(50.0)
 
 
-def test_squad_2_equal_margins_switch_together():
+def test_squad_2_equal_margins_are_swept_one_at_a_time():
     examples = [_example("q1", "Paris"), _example("q2")]
     answers = {"q1": "Paris", "q2": "Rome"}
-    # Both margins 0: keeping q1's right answer (+1) also keeps q2's wrong one (-1); no threshold scores 2 of 2.
+    # Both margins 0: evaluate-v2.0.py adds q1 (+1, first in file order) then q2 (-1) and reports the running best
+    # 2 of 2, although no threshold gives it (megajax used to switch tied questions together: 1 of 2).
     scores = squad_scores(examples, answers, {"q1": 0.0, "q2": 0.0})
-    assert scores["best_exact"] == pytest.approx(50.0) and scores["exact"] == pytest.approx(50.0)
+    assert scores["best_exact"] == pytest.approx(100.0) and scores["best_exact_thresh"] == 0.0
+    assert scores["exact"] == pytest.approx(50.0)
+
+
+def test_squad_2_no_answer_prediction_that_normalises_to_nothing():
+    """(a) evaluate-v2.0.py's sweep tests the raw string: "the" for an unanswerable question takes 1 (raw EM 1)."""
+    examples = [_example("q1", "Paris"), _example("q2")]
+    scores = squad_scores(examples, {"q1": "Paris", "q2": "the"}, {"q1": -1.0, "q2": -0.5})
+    assert scores["exact"] == pytest.approx(100.0)  # "the" normalises to "", the gold of q2
+    # sweep from 1: q1 +1 = 2 (best, at -1), q2 -1 = 1; megajax used to add 0 for q2
+    assert scores["best_exact"] == pytest.approx(100.0) and scores["best_exact_thresh"] == -1.0
+    scores = squad_scores(examples, {"q1": "Rome", "q2": "the"}, {"q1": -1.0, "q2": -0.5})
+    assert scores["best_exact"] == pytest.approx(50.0) and scores["best_exact_thresh"] == 0.0
+
+
+def test_squad_2_answerable_with_empty_golds_and_no_answer():
+    """(c) gold answers that all normalise to "": v2.0 scores against "" so an empty prediction scores 1, unless
+    its odds exceed --na-prob-thresh (1.0), which counts an answerable question 0."""
+    examples = [_example("q1", "the"), _example("q2", "An")]
+    scores = squad_scores(examples, {"q1": "", "q2": ""}, {"q1": 0.5, "q2": 1.5})
+    assert scores["exact"] == scores["f1"] == pytest.approx(50.0) and scores["HasAns_total"] == 2
 
 
 def test_squad_2_empty_best_span_is_no_answer():
@@ -439,6 +512,73 @@ def test_squad_2_best_threshold_matches_the_official_sweep():
         em = {q: float(has_answer[q] and a == "Denver Broncos") for q, a in answers.items()}
         scores = squad_scores(examples, answers, margins)
         best, thresh = _official_best_thresh(answers, em, margins, has_answer)
-        assert scores["best_exact"] == pytest.approx(best)
-        if best > 100.0 * sum(not h for h in has_answer.values()) / n:  # else: no threshold beats "no answer"
-            assert scores["best_exact_thresh"] == thresh
+        assert scores["best_exact"] == pytest.approx(best) and scores["best_exact_thresh"] == thresh
+
+
+# ---------------------------------------------------------------------------------------------------- training data
+
+
+def _task_config(tmp_path, task="squad1", **data):
+    from megajax.config import bert_base_config
+
+    tokenizer = tmp_path / "tokenizer.json"
+    wordpiece_tokenizer().save(str(tokenizer))
+    c = bert_base_config()
+    c.model.update(name="bert_span", vocab_size=128, max_seq_len=72)
+    c.data.update(source="task", task=task, task_dir=str(tmp_path), tokenizer=str(tokenizer), **data)
+    return c
+
+
+def _squad_files(tmp_path, starts):
+    """train-v1.1.json with one question per answer_start shift in ``starts`` (0 = right), and a dev file whose
+    q1 has a broken offset."""
+    words = ["Denver", "Paris", "John", "Mary", "river", "park", "game", "1990"]
+    qas = [{"id": f"t{i}", "question": "Who?", "answers": [
+        {"text": words[i % 8], "answer_start": CONTEXT.index(words[i % 8]) + shift}]} for i, shift in enumerate(starts)]
+    _write(tmp_path, "train-v1.1.json", qas)
+    broken = {"id": "q1", "question": "Who?", "answers": [{"text": "Paris", "answer_start": 0}]}
+    _write(tmp_path, "dev-v1.1.json", [_qa("q0", "Who won?", "Denver"), broken])
+
+
+def test_training_refuses_a_file_with_most_offsets_wrong_naming_ids(tmp_path):
+    from megajax.data.tasks.task_data import load_task
+
+    _squad_files(tmp_path, [0] * 15 + [3] * 345)  # 345 of 360 wrong: the run used to train on the other 15
+    config = _task_config(tmp_path)
+    with pytest.raises(TaskDataError) as e:
+        load_task(config)
+    message = str(e.value)
+    assert message.startswith(f"SQuAD file {tmp_path / 'train-v1.1.json'}: 345 of its 360 training questions "
+                              "(95.8%) cannot be used, more than data.max_dropped_fraction=0.01: 345 answer text not "
+                              "at its answer_start (ids t15, t16, t17, t18, t19, ...)")
+    assert "--config.data.max_dropped_fraction=0.96 to train on the rest" in message
+
+    config.data.max_dropped_fraction = 0.96  # the flag lets it through; the report counts what was left out
+    data = load_task(config)
+    train, valid = data.report["train"], data.report["valid"]
+    assert train["questions"] == 360 and train["dropped_questions"] == 345 and len(data.train) == train["features"]
+    assert train["dropped"]["answer text not at its answer_start"]["first_ids"] == ["t15", "t16", "t17", "t18", "t19"]
+    assert valid == {"file": str(tmp_path / "dev-v1.1.json"), "questions": 2, "features": len(data.valid),
+                     "broken_offsets": 1, "broken_offset_ids": ["q1"]}
+
+
+def test_training_with_every_offset_off_by_one_names_the_cause(tmp_path):
+    from megajax.data.tasks.task_data import load_task
+
+    _squad_files(tmp_path, [1] * 20)  # used to end in a traceback saying the split "has no examples"
+    for fraction in (0.01, 1.0):  # the flag cannot make an empty split train
+        with pytest.raises(TaskDataError, match=re.escape(
+                f"SQuAD file {tmp_path / 'train-v1.1.json'}: none of its 20 questions can train: 20 answer text not "
+                "at its answer_start (ids t0, t1, t2, t3, t4, ...). answer_start must be the 0-based")):
+            load_task(_task_config(tmp_path, max_dropped_fraction=fraction))
+
+
+def test_training_accepts_a_few_drops_and_checks_the_fraction(tmp_path):
+    from megajax.data.tasks.task_data import load_task
+    from megajax.errors import ConfigError, UserError
+
+    _squad_files(tmp_path, [0] * 199 + [2])  # 0.5% <= 1%
+    assert load_task(_task_config(tmp_path)).report["train"]["dropped_questions"] == 1
+    with pytest.raises(ConfigError, match="data.max_dropped_fraction=1.5: must be in"):
+        load_task(_task_config(tmp_path, max_dropped_fraction=1.5))
+    assert issubclass(TaskDataError, UserError)  # train.py prints it as one error: line

@@ -8,10 +8,13 @@ import pathlib
 import numpy as np
 import pytest
 from conftest import small_config
+from tokenizers import Tokenizer
 
 from megajax.checkpoint import save_params
+from megajax.config import bert_base_config
 from megajax.data.indexed import IndexedWriter
-from megajax.data.tokenizer import train_tokenizer
+from megajax.data.preprocess import write_documents
+from megajax.data.tokenizer import TextTokenizer, load_tokenizer, train_tokenizer
 from megajax.evaluation.generate import Sampling
 from megajax.evaluation.inputs import InputError, resolve_stride, tokenizer_for
 from megajax.evaluation.runner import run
@@ -179,9 +182,14 @@ def test_moved_training_data_asks_for_tokenizer(root, tmp_path):
         tokenizer_for(config, None)
 
 
-def test_missing_output_directory_is_refused(root, tmp_path):
-    with pytest.raises(InputError, match="--output=.*its directory does not exist"):
+def test_output_paths_are_checked_before_any_work(root, tmp_path):
+    with pytest.raises(InputError, match=r"--output=.*: the directory .*/no does not exist; create it first"):
         _run(root, "ppl", "ppl", output=str(tmp_path / "no" / "r.json"))
+    with pytest.raises(InputError, match=r"--output=.* is a directory; give a file name, e.g. --output=.*results"):
+        _run(root, "ppl", "ppl", output=str(tmp_path))
+    with pytest.raises(InputError, match=r"--predictions=.* is a directory"):
+        _run(root, "mnli", "ppl", predictions=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
 
 def test_eval_cli_reports_input_errors_as_usage(root, capsys):
@@ -190,7 +198,60 @@ def test_eval_cli_reports_input_errors_as_usage(root, capsys):
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
     for flags, message in [(["--task=generate", "--temperature=-1"], "--temperature=-1.0: must be >= 0"),
-                           (["--task=ppl", f"--data={root / 'ppl'}", "--stride=0"], "--stride=0: ")]:
+                           (["--task=ppl", f"--data={root / 'ppl'}", "--stride=0"], "--stride=0: "),
+                           (["--task=ppl", f"--data={root / 'ppl'}", f"--output={root}"], "is a directory")]:
         with pytest.raises(SystemExit) as exit_:
             cli.main([f"--checkpoint={root / 'ck'}", f"--tokenizer={root / 'tok.json'}", *flags])
         assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def _swapped(tok: TextTokenizer) -> TextTokenizer:
+    """The same tokenizer with two words' ids exchanged: the same size, another vocabulary."""
+    spec = json.loads(tok.tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[-2:]  # the two last-learned merges
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    return TextTokenizer(Tokenizer.from_str(json.dumps(spec)), tok.eod_id, "swapped.json")
+
+
+def test_a_tokenizer_or_dataset_of_another_vocabulary_is_refused(root, tmp_path):
+    """A checkpoint records its training data's vocabulary fingerprint; a tokenizer or dataset of the same size with
+    other ids is refused before loading (without a record, as in older checkpoints, nothing is compared)."""
+    tok = load_tokenizer(root / "tok.json")
+    other = _swapped(tok)
+    other.save(tmp_path / "swapped.json")
+    assert other.vocab_size == tok.vocab_size and other.fingerprint != tok.fingerprint
+    recorded = small_config()
+    recorded.data.tokenizer_fingerprint = tok.fingerprint
+    save_params(tmp_path / "ck", {"unused": np.zeros(1, np.float32)}, recorded)
+    text = (root / "wiki.tokens").read_text()
+    write_documents([text], tok, tmp_path / "same", min_tokens=0)
+    write_documents([text], other, tmp_path / "other", min_tokens=0)
+    ck = str(tmp_path / "ck")
+    for task, data, tokenizer in [("wikitext103", root / "wiki.tokens", root / "tok.json"),
+                                  ("ppl", tmp_path / "same", None)]:
+        with pytest.raises(ModelLoaded):
+            run(ck, task, data=str(data), tokenizer=tokenizer and str(tokenizer))
+    message = r"has another vocabulary than the checkpoint was trained with \(tokenizer fingerprints"
+    with pytest.raises(InputError, match=r"tokenizer .*swapped.json " + message):
+        run(ck, "wikitext103", data=str(root / "wiki.tokens"), tokenizer=str(tmp_path / "swapped.json"))
+    with pytest.raises(InputError, match=r"--data=.*other " + message):
+        run(ck, "ppl", data=str(tmp_path / "other"))
+    with pytest.raises(ModelLoaded):  # no record: no comparison
+        run(str(root / "ck"), "wikitext103", data=str(root / "wiki.tokens"), tokenizer=str(tmp_path / "swapped.json"))
+
+
+def test_mlm_data_of_another_vocabulary_is_refused(tmp_path):
+    """--task=mlm on a sentence-split dataset made with a vocab.txt of the same size but other ids."""
+    texts = [". ".join(" ".join(f"w{(i * 7 + j * 3) % 60}" for j in range(10)) for i in range(5)) + "."] * 8
+    tok = train_tokenizer(texts, "wordpiece", 200)
+    bert = bert_base_config()
+    bert.model.max_seq_len = 32
+    bert.data.tokenizer_fingerprint = tok.fingerprint
+    save_params(tmp_path / "ck", {"unused": np.zeros(1, np.float32)}, bert)
+    write_documents(texts, tok, tmp_path / "same", min_tokens=0, split_sentences=True)
+    write_documents(texts, _swapped(tok), tmp_path / "other", min_tokens=0, split_sentences=True)
+    with pytest.raises(ModelLoaded):
+        run(str(tmp_path / "ck"), "mlm", data=str(tmp_path / "same"), batch_size=2)
+    with pytest.raises(InputError, match=r"--data=.*other has another vocabulary than the checkpoint was trained"):
+        run(str(tmp_path / "ck"), "mlm", data=str(tmp_path / "other"), batch_size=2)

@@ -20,7 +20,7 @@ from megajax.data.tokenizer import load_tokenizer, train_tokenizer
 from megajax.evaluation.detokenize import original_token_count, wikitext_detokenize
 from megajax.evaluation.evaluator import Evaluator
 from megajax.evaluation.generate import Sampling, generate, sample_logits
-from megajax.evaluation.inputs import read_lambada
+from megajax.evaluation.inputs import InputError, read_lambada
 from megajax.evaluation.runner import run
 from megajax.evaluation.scoring import Scorer, sliding_windows, stream_log_likelihood
 from megajax.evaluation.tasks import lambada
@@ -308,3 +308,22 @@ def test_eval_cli_writes_json(eval_checkpoint, tmp_path):
                           env={**__import__("os").environ, "PYTHONPATH": str(repo)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(out.read_text())["mesh"].endswith("x2")
+
+
+def test_a_checkpoint_of_a_wider_split_evaluates_on_the_devices_there_are(eval_checkpoint, tiny_model):
+    """Saved by a run with mesh.model=8, read where a replica has fewer devices: the split falls to the largest
+    divisor of 8 those devices hold, with the same results; a --mesh the devices cannot hold names the flag."""
+    root = eval_checkpoint
+    model, config = tiny_model
+    wide = config.copy_and_resolve_references()
+    wide.mesh.model = 8
+    save_params(root / "ck_1x8", jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model))), wide)
+    common = dict(data=str(root / "wiki.tokens"), tokenizer=str(root / "tok.json"), stride=4, batch_size=8)
+    reference = run(str(root / "ck"), "wikitext103", mesh_data=1, mesh_model=1, **common)
+    for mesh_data, mesh in [(None, "1x8"), (2, "2x4"), (8, "8x1")]:
+        result = run(str(root / "ck_1x8"), "wikitext103", mesh_data=mesh_data, **common)
+        assert result["mesh"] == mesh
+        np.testing.assert_allclose(result["loss"], reference["loss"], rtol=1e-5)
+    with pytest.raises(InputError, match=r"mesh 4x4 needs 16 devices but 8 are present; .*pass --mesh=DATAxMODEL "
+                                         r"with DATA x MODEL = 8 \(the devices here\)"):
+        run(str(root / "ck_1x8"), "wikitext103", mesh_data=4, mesh_model=4, **common)

@@ -15,7 +15,7 @@ from megajax.config import bert_base_config, build_mesh, create_model, rules_of
 from megajax.models import model_spec
 from megajax.parallel.sharding import activate
 from megajax.training.data import load_dataset
-from megajax.training.finetune import trunk_keys
+from megajax.training.finetune import check_init_from, trunk_keys
 from megajax.training.loop import train
 
 TASK_OF = {"bert_classifier": "synthetic_pair", "bert_span": "synthetic_span",
@@ -154,7 +154,9 @@ def test_init_from_loads_the_trunk_bitwise_on_another_mesh_and_resume_ignores_it
 
 @pytest.mark.parametrize("make, message", [
     (None, "does not exist"),
-    (lambda: _bert_config(hidden_size=32, num_heads=4), "model.hidden_size=32 but this config has 64"),
+    (lambda: _bert_config(hidden_size=32, num_heads=4), r"model.hidden_size: 32 saved, 64 here; model.num_heads: 4 "
+                                                        r"saved, 8 here\); set --config.model.hidden_size=32 "
+                                                        r"--config.model.num_heads=4"),
     (lambda: _bert_config(name="gpt"), "model.name='gpt' checkpoint"),
     (lambda: _bert_config(max_seq_len=16), "model.max_seq_len=16, fewer than this config's 24; set "
                                            "--config.model.max_seq_len to at most 16"),
@@ -168,6 +170,22 @@ def test_init_from_errors_before_compiling(tmp_path, make, message):
         save_params(tmp_path / "source", {"w": np.zeros(2, np.float32)}, config)  # only its config is read
     with pytest.raises((FileNotFoundError, CheckpointError), match=message):
         train(c, tmp_path / "ft")
+
+
+def test_init_from_pretrained_with_another_vocabulary_is_refused(tmp_path):
+    """A vocab.txt of the same size with other words passes every shape check; the vocabulary fingerprint the
+    pretraining run recorded (and the fine-tuning run records from its task data's tokenizer) tells them apart."""
+    source = _bert_config()
+    source.data.tokenizer_fingerprint = "0" * 16
+    save_params(tmp_path / "source", {"w": np.zeros(2, np.float32)}, source)  # only its config is read
+    c = task_config("bert_classifier")
+    c.init_from = str(tmp_path / "source")
+    c.data.update(tokenizer="other/vocab.txt", tokenizer_fingerprint="1" * 16)
+    with pytest.raises(CheckpointError, match=r"pretrained with another vocabulary than data.tokenizer='other/vocab"
+                                              r".txt' \(tokenizer fingerprints 0{16} there, 1{16} here\)"):
+        check_init_from(c)
+    c.data.tokenizer_fingerprint = "0" * 16
+    assert check_init_from(c) == tmp_path / "source"
 
 
 def test_finetune_from_a_converted_hugging_face_bert(tmp_path):

@@ -1,10 +1,12 @@
 """The lm-evaluation-harness adapter on a tiny GPT checkpoint: its log-likelihoods against megajax's scorer and a
-naive float64 softmax (meshes 1x1 and 2x4), greedy generate_until against megajax's generation, and an offline
-lm-eval run of a local YAML task over a jsonl file."""
+naive float64 softmax (meshes 1x1 and 2x4), its rolling log-likelihoods against lm-eval's own windows scored by a
+plain forward, greedy generate_until against megajax's generation, an offline lm-eval run of a local YAML task
+over a jsonl file, and the output folder named as lm-eval names a Hugging Face model's."""
 
 import functools
 import json
 import math
+import re
 
 import jax
 import numpy as np
@@ -15,6 +17,7 @@ pytest.importorskip("lm_eval")
 
 from conftest import small_config  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
 
 from megajax.checkpoint import save_params  # noqa: E402
 from megajax.config import (
@@ -25,16 +28,17 @@ from megajax.data.indexed import IndexedWriter  # noqa: E402
 from megajax.data.tokenizer import train_tokenizer  # noqa: E402
 from megajax.evaluation.generate import Sampling, generate  # noqa: E402
 from megajax.evaluation.lm_eval_adapter import MegajaxLM  # noqa: E402
-from megajax.evaluation.scoring import Scorer, cloze_rows, stream_log_likelihood  # noqa: E402
+from megajax.evaluation.scoring import Scorer, cloze_rows  # noqa: E402
 from megajax.parallel.sharding import activate, make_mesh  # noqa: E402
 
-SEQ_LEN, STRIDE = 16, 6
+SEQ_LEN = 16
 CORPUS = [f"the cat {w} on the mat . a dog ran {w} far away ; blue sky {i}" for i, w in
           enumerate(["sat", "lay", "slept", "stood", "ate", "sang"] * 8)]
 PAIRS = [("the cat sat on", " the mat"), ("a dog ran", " far away ; blue"), ("", "the cat"),
          ("the cat lay on the mat . a dog ran far away ; blue sky 3 the cat slept on the mat .", " a dog"),
          ("blue sky ", "12")]  # trailing context space (moved), empty context, context longer than max_seq_len
-DOCS = ["the cat sat", " ".join(CORPUS[i] for i in (0, 7, 14, 21)), "x"]
+# Lengths 3, 36 (three windows, the last of 4 tokens), 78 (five), 1 and 0 tokens.
+DOCS = ["the cat sat", " ".join(CORPUS[i] for i in (0, 7)), " ".join(CORPUS[i] for i in (0, 7, 14, 21)), "x", ""]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +72,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def adapters(checkpoint):
     """The adapter on each mesh, built once (each compiles its scorer)."""
-    return {mesh: MegajaxLM(str(checkpoint[0]), mesh=mesh, batch_size=3, stride=STRIDE, max_gen_toks=6)
+    return {mesh: MegajaxLM(str(checkpoint[0]), mesh=mesh, batch_size=3, max_gen_toks=6)
             for mesh in ("1x1", "2x4")}
 
 
@@ -113,13 +117,17 @@ def naive_loglikelihood(model, ctx, cont) -> tuple[float, bool]:
     return float(log_softmax(logits)[np.arange(len(cont)), cont].sum()), bool((logits.argmax(-1) == cont).all())
 
 
-def naive_rolling(model, tokens) -> float:
-    """Target t's context starts at 0 for t <= SEQ_LEN, else at ceil((t - SEQ_LEN) / STRIDE) * STRIDE."""
+def lm_eval_rolling(model, tokens, prefix) -> tuple[float, int]:
+    """(log-likelihood, windows) as lm-eval's HF model computes it: lm-eval's windows (context of one token, made
+    disjoint), each row (context + continuation)[-(SEQ_LEN + 1):][:-1] through a plain forward, its last
+    len(continuation) positions scored in float64, summed."""
+    windows = [make_disjoint_window(w) for w in get_rolling_token_windows(tokens, prefix, SEQ_LEN, 1)]
     total = 0.0
-    for t in range(1, len(tokens)):
-        start = 0 if t <= SEQ_LEN else -(-(t - SEQ_LEN) // STRIDE) * STRIDE
-        total += log_softmax(full_logits(model, tokens[start:t])[-1])[tokens[t]]
-    return total
+    for context, continuation in windows:
+        ids = (context + continuation)[-(SEQ_LEN + 1):]
+        logp = log_softmax(full_logits(model, ids[:-1])[-len(continuation):])
+        total += float(logp[np.arange(len(continuation)), continuation].sum())
+    return total, len(windows)
 
 
 @pytest.fixture(scope="module")
@@ -134,9 +142,8 @@ def reference(checkpoint):
     nll, hit = scorer(inputs, labels)
     pairs = [(-n[m].astype(np.float64).sum(), bool(h[m].all()), *naive_loglikelihood(model, c, t))
              for n, h, m, (c, t) in zip(nll, hit, mask, encoded)]
-    docs = [[tok.eod_id] + tok.encode_batch([d])[0] for d in DOCS]
-    assert len(docs[1]) > 2 * SEQ_LEN  # several overlapping windows
-    rolling = [(-stream_log_likelihood(scorer, np.asarray(d), STRIDE)[0], naive_rolling(model, d)) for d in docs]
+    rolling = [lm_eval_rolling(model, tok.encode_batch([d])[0], tok.eod_id) for d in DOCS]
+    assert [n for _, n in rolling] == [1, 3, 5, 1, 0]
     prompts = np.asarray(tok.encode_batch(CONTEXTS), np.int32)  # equal lengths: one batch, one compile
     out = generate(model, make_mesh(1, 1), rules_of(small_config()), prompts, 6, Sampling(temperature=0.0))
     full = [tok.decode(row[prompts.shape[1]:].tolist()) for row in out]
@@ -158,10 +165,19 @@ def test_loglikelihood_equals_megajax_scorer_and_naive_softmax(lm, reference):
         assert greedy == scorer_greedy == naive_greedy
 
 
-def test_loglikelihood_rolling_equals_megajax_windows_and_naive_softmax(lm, reference):
+def test_loglikelihood_rolling_equals_lm_eval_windows_scored_by_a_plain_forward(lm, reference):
+    """Within 1e-4 nats per document (float32 forwards on a mesh against a float64 softmax of an unsharded one)."""
     got = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (d,), i) for i, d in enumerate(DOCS)])
-    for ll, (scorer_ll, naive_ll) in zip(got, reference["rolling"]):
-        assert close(ll, scorer_ll) and close(ll, naive_ll), (ll, scorer_ll, naive_ll)
+    assert len(got) == len(DOCS)
+    for ll, (want, _) in zip(got, reference["rolling"]):
+        assert abs(ll - want) <= 1e-4, (ll, want)
+    assert got[-1] == 0.0  # an empty document has no windows
+
+
+def test_stride_is_refused(checkpoint):
+    """The old Megatron-window ``stride`` fails, naming eval.py's ppl task, instead of being silently ignored."""
+    with pytest.raises(ValueError, match="--task=ppl"):
+        MegajaxLM(str(checkpoint[0]), stride=6)
 
 
 def test_generate_until_is_megajax_greedy_generation_cut_at_the_stop_string(lm, reference):
@@ -228,6 +244,30 @@ def test_offline_lm_eval_run_of_a_local_task(tmp_path, monkeypatch, checkpoint, 
             assert close(resp[0][0], -nll[0][mask].astype(np.float64).sum())
     assert 0.0 <= out["results"]["megajax_tiny"]["acc,none"] <= 1.0 and not math.isnan(
         out["results"]["megajax_tiny"]["acc,none"])
+
+
+TIMESTAMP = r"\d{4}-\d\d-\d\dT\d\d-\d\d-\d\d(\.\d+)?"  # datetime.isoformat() with ":" -> "-"
+
+
+@pytest.mark.parametrize("model_args", ["pretrained=runs/355m,mesh=1x8", {"pretrained": "runs/355m", "mesh": "1x8"}])
+def test_output_folder_is_named_as_lm_eval_names_a_pretrained_model(tmp_path, model_args):
+    """--output_path's results file lands where lm-eval puts an HF model's with pretrained= the same path
+    (``<output>/runs__355m/results_<timestamp>.json``): lm-eval's own naming, with megajax's pretrained= key."""
+    from lm_eval.loggers import EvaluationTracker
+
+    def results_file(source: str, args) -> tuple:
+        tracker = EvaluationTracker(output_path=str(tmp_path / source))
+        tracker.general_config_tracker.log_experiment_args(  # as simple_evaluate calls it
+            model_source=source, model_args=args, system_instruction=None, chat_template=None,
+            fewshot_as_multiturn=False)
+        tracker.save_results_aggregated(results={}, samples=None)
+        (path,) = (tmp_path / source).glob("*/results_*.json")
+        return path.relative_to(tmp_path / source), json.loads(path.read_text())["model_name"]
+
+    ours, name = results_file("megajax", model_args)
+    hf, hf_name = results_file("hf", "pretrained=runs/355m,dtype=float32")
+    assert ours.parent == hf.parent == type(ours)("runs__355m") and name == hf_name == "runs/355m"
+    assert re.fullmatch(f"results_{TIMESTAMP}.json", ours.name), ours
 
 
 def test_registered_under_megajax():

@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 from conftest import child_env
 
+from megajax.checkpoint import read_config
 from megajax.cli import load_config
+from megajax.data.default_corpus import default_corpus
+from megajax.data.tokenizer import load_tokenizer
 from megajax.training.loop import train
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -33,6 +36,10 @@ def test_tiny_trains_on_the_default_corpus(tmp_path):
     assert logged[-1]["loss"] < logged[0]["loss"] - 0.5
     assert logged[-1]["loss"] < start["unigram_entropy"]  # it learned context, not just token frequencies
     assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+    # the checkpoints record the vocabulary of the data's tokenizer, which resuming and evaluation compare
+    tokenizer = load_tokenizer(default_corpus(config.model.vocab_size)[1])
+    assert read_config(tmp_path).data.tokenizer_fingerprint == tokenizer.fingerprint
+    assert config.data.tokenizer_fingerprint == ""  # recorded on the run's copy, not the caller's config
 
 
 def _free_port() -> int:

@@ -15,9 +15,13 @@ Paths may be relative (orbax needs absolute ones): every public function resolve
 from __future__ import annotations
 
 import datetime
+import errno
 import json
+import os
 import pathlib
 import re
+import shutil
+import socket
 import sys
 from typing import Any
 
@@ -186,11 +190,25 @@ def _handlers() -> dict:
             "config": ocp.JsonCheckpointHandler(), "digests": ocp.JsonCheckpointHandler()}
 
 
+def _check_writable(directory: pathlib.Path) -> None:
+    """Creates ``directory`` and writes and removes a probe file in it: orbax meets a read-only directory only at
+    the first save, then retries for minutes before a TimeoutError."""
+    probe = directory / f".write-probe-{socket.gethostname()}-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(f"cannot write checkpoints to {directory} ({e.strerror or e}): make it writable or "
+                              "pass a different --workdir; nothing in it was changed") from None
+
+
 class Checkpointer:
     """Periodic asynchronous saves of the training state, the loader position, the config and the digests."""
 
     def __init__(self, workdir: str | pathlib.Path, cfg: ml_collections.ConfigDict):
         self.directory = _resolve(workdir) / "checkpoints"
+        _check_writable(self.directory)
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=cfg.every_steps, max_to_keep=cfg.keep or None,  # keep=0: no limit
             keep_period=cfg.keep_period or None, enable_async_checkpointing=cfg.async_save,
@@ -206,10 +224,14 @@ class Checkpointer:
         if not (force or self.manager.should_save(step)):
             return False  # the common case: no host work on the step's hot path
         tree = _to_tree(state)
-        return self.manager.save(step, force=force, args=ocp.args.Composite(
-            state=ocp.args.PyTreeSave(tree), data=ocp.args.JsonSave(loader_state),
-            config=ocp.args.JsonSave(json.loads(config.to_json())),
-            digests=ocp.args.JsonSave(_digest_record(tree))))
+        self.check_space(tree)
+        try:
+            return self.manager.save(step, force=force, args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(tree), data=ocp.args.JsonSave(loader_state),
+                config=ocp.args.JsonSave(json.loads(config.to_json())),
+                digests=ocp.args.JsonSave(_digest_record(tree))))
+        except Exception as e:  # this save, or the previous asynchronous one, failed
+            raise self._failed_save(e) from e
 
     def restore(self, state_template: Any, step: int | None = None) -> tuple[Any, dict] | None:
         """(state, loader state) from ``step`` (default: the latest) laid out like ``state_template``'s arrays.
@@ -231,6 +253,12 @@ class Checkpointer:
         restored = _read(lambda: self.manager.restore(step, args=ocp.args.Composite(**items)), where, hint)
         verify(restored["state"], restored.get("digests"), where, hint)
         return serialization.from_state_dict(state_template, restored["state"]), restored["data"]
+
+    def stored(self, step: int) -> tuple[ml_collections.ConfigDict, dict]:
+        """(the config, the loader position) saved with ``step``: what a resume can check before compiling."""
+        step_dir = self.directory / str(step)
+        where, hint = f"checkpoint {step_dir}", _train_hint(self.directory, step)
+        return read_config(step_dir), _read(lambda: _read_json_item(step_dir / "data"), where, hint)
 
     def resume(self, state_template: Any, restore_step: int = 0) -> tuple[Any, dict] | None:
         """What training continues from: step ``restore_step`` (0: the latest), or None with no checkpoint.
@@ -266,7 +294,40 @@ class Checkpointer:
         self.manager.reload()
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # the asynchronous save failed
+            raise self._failed_save(e) from e
+
+    def check_space(self, state: Any) -> None:
+        """Raises CheckpointError when the checkpoint disk has less room than this process's share of ``state``
+        (arrays or ShapeDtypeStructs): refused before orbax starts writing, whose failure mid-write is noisy."""
+        need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) // jax.process_count()
+        free = shutil.disk_usage(self.directory).free
+        if free < need:
+            raise CheckpointError(
+                f"the disk of {self.directory} has {free / 2**20:.1f} MiB free but a checkpoint of this run takes "
+                f"~{need / 2**20:.1f} MiB: free space, or pass a --workdir on a larger disk, and run the same command "
+                "again (the checkpoints saved before are intact)")
+
+    def _failed_save(self, error: Exception) -> Exception:
+        """Removes the failed save's temporary directory (orbax leaves it until the next start) and returns the
+        error to raise: a CheckpointError saying what happened when the cause is the file system."""
+        if jax.process_index() == 0:
+            for partial in self.directory.glob("*.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
+        code, cause = None, error
+        while cause is not None and code is None:  # an OSError, or tensorstore's text with the OS error code
+            found = re.search(r"os_error_code='(\d+)'", str(cause))
+            code = cause.errno if isinstance(cause, OSError) else int(found.group(1)) if found else None
+            cause = cause.__cause__ or cause.__context__
+        if code is None:
+            return error  # not the file system: a bug, raised as it is
+        full = code in (errno.ENOSPC, errno.EDQUOT)
+        return CheckpointError(
+            f"saving a checkpoint to {self.directory} failed: {'the disk is full' if full else os.strerror(code)}. "
+            "The checkpoints saved before are intact and the partial one was removed; "
+            f"{'free space' if full else 'fix the directory'} and run the same command again to resume")
 
     def close(self) -> None:
         self.manager.close()

@@ -18,6 +18,8 @@ ADDED_FIELDS = {
     ("train", "precision"): "auto",
     ("data", "blend"): "",
     ("data", "allow_blend_change"): False,
+    ("data", "max_dropped_fraction"): 1.0,  # training used whatever rows its readers kept
+    ("data", "tokenizer_fingerprint"): "",  # not recorded: nothing to compare
 }
 SEQUENCE_PARALLEL_RULE = ("seq_sp", None)  # the residual stream's sequence name, replicated unless parallel.sequence
 

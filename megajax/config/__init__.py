@@ -7,6 +7,7 @@ from megajax.config.resolve import (
                                     RunSpec,
                                     check_data_source,
                                     model_config,
+                                    model_differences,
                                     padded_vocab_size,
                                     resolve,
                                     resolve_precision,
@@ -19,5 +20,6 @@ from megajax.config.resolve import (
 from megajax.errors import ConfigError
 
 __all__ = ["ConfigError", "RunSpec", "abstract_model", "base_config", "bert_base_config", "build_mesh",
-           "check_data_source", "create_model", "model_config", "model_factory", "padded_vocab_size", "resolve",
-           "resolve_precision", "rules_of", "sequence_parallel", "state_split", "validate", "validate_training"]
+           "check_data_source", "create_model", "model_config", "model_differences", "model_factory",
+           "padded_vocab_size", "resolve", "resolve_precision", "rules_of", "sequence_parallel", "state_split",
+           "validate", "validate_training"]

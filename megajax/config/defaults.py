@@ -94,6 +94,14 @@ def base_config() -> ml_collections.ConfigDict:
         mask_prob=0.15,  # BERT: fraction of tokens masked (whole-word n-grams)
         max_ngram=3,  # BERT: n-gram lengths 1..max_ngram with probability proportional to 1/n
         short_seq_prob=0.1,  # BERT: probability of a shorter target length
+        # source=task: the largest fraction of the training file's questions (SQuAD: text not at answer_start, no
+        # window holds the answer, empty context) or rows (QQP: malformed) left out before the run is refused. The
+        # official files lose none or a handful (QQP's train.tsv: a few of 364k rows), so more than 1% means a
+        # wrong or damaged file; 1.0 trains on whatever is left.
+        max_dropped_fraction=0.01,
+        # Recorded, not set: training writes here its data's tokenizer's vocabulary fingerprint (a sha256), stored
+        # with each checkpoint; resuming, fine-tuning and evaluation refuse a tokenizer or dataset that differs.
+        tokenizer_fingerprint="",
     ))
     return c
 

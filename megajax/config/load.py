@@ -28,14 +28,17 @@ class LoadedModel(NamedTuple):
 
 def inference_config(path: str | pathlib.Path, data: int | None = None,
                      model: int | None = None) -> ml_collections.ConfigDict:
-    """The config stored with a checkpoint, set up for inference on the current devices: ``mesh.model`` as saved
-    (or ``model``), every remaining device on ``data`` (or ``data``), and sequence parallelism off (it saves training
+    """The config stored with a checkpoint, set up for inference on the current devices: ``mesh.model`` as saved,
+    or its largest divisor that the devices here hold (a checkpoint of a 1x2 run evaluates on one device), or
+    ``model``; every remaining device on ``data`` (or ``data``); sequence parallelism off (it saves training
     memory, and a decoding step of one token has no sequence to split; the parameters are laid out the same)."""
     config = read_config(path)
     config.parallel.sequence = False
     config.mesh.data = -1 if data is None else data
-    if model is not None:
-        config.mesh.model = model
+    if model is None:  # a divisor of the saved split keeps every divisibility the saved run had
+        devices = jax.device_count() // data if data else jax.device_count()
+        model = max(t for t in range(1, config.mesh.model + 1) if config.mesh.model % t == 0 and devices % t == 0)
+    config.mesh.model = model
     return config
 
 

@@ -55,6 +55,18 @@ def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
         raise ConfigError(str(e)) from e
 
 
+# config.model fields that fix the function a checkpoint's parameters compute (dropout, init_std and remat do not)
+MODEL_FIELDS = ("name", "vocab_size", "make_vocab_size_divisible_by", "num_layers", "hidden_size", "num_heads",
+                "max_seq_len", "mlp_ratio", "layernorm_eps", "post_layernorm", "activation", "num_token_types",
+                "num_classes")
+
+
+def model_differences(saved: ml_collections.ConfigDict, requested: ml_collections.ConfigDict,
+                      fields: tuple[str, ...] = MODEL_FIELDS) -> list[str]:
+    """``"model.F: A saved, B here"`` for each of ``fields`` where two ``config.model`` sections differ."""
+    return [f"model.{f}: {saved[f]!r} saved, {requested[f]!r} here" for f in fields if saved[f] != requested[f]]
+
+
 def rules_of(config: ml_collections.ConfigDict) -> Rules:
     """The logical-axis rules as a hashable tuple of pairs, with targets checked against the mesh axes.
 
@@ -90,6 +102,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     m, tp, dp = config.model, config.mesh.model, config.mesh.data
     if tp < 1:
         raise ConfigError(f"mesh.model must be >= 1, got {tp}")  # before the divisibility checks below
+    # name, sizes >= 1, hidden % heads, dropout, precision, remat, activation: before anything divides by them
+    cfg = model_config(config)
     if m.num_heads % tp:
         raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by mesh.model={tp}: each model shard "
                           f"must hold whole heads; pick mesh.model from the divisors of {m.num_heads}")
@@ -97,15 +111,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by mesh.model={tp}")
     if (m.mlp_ratio * m.hidden_size) % tp:
         raise ConfigError(f"the MLP width {m.mlp_ratio * m.hidden_size} is not divisible by mesh.model={tp}")
-    cfg = model_config(config)  # name, shapes (TransformerConfig checks hidden % heads), precision, remat, activation
     padded = cfg.padded_vocab_size
     if padded % tp:
         raise ConfigError(f"the padded vocabulary {padded} (model.make_vocab_size_divisible_by="
                           f"{m.make_vocab_size_divisible_by}) is not divisible by mesh.model={tp}; make "
                           f"make_vocab_size_divisible_by a multiple of {tp}")
-    if m.max_seq_len < 1 or not 0.0 <= m.dropout < 1.0:
-        raise ConfigError(f"model.max_seq_len must be >= 1 and model.dropout in [0, 1); got {m.max_seq_len} and "
-                          f"{m.dropout}")
     if sequence_parallel(config) and m.max_seq_len % tp:
         raise ConfigError(f"parallel.sequence splits the sequence over mesh.model={tp}, but model.max_seq_len="
                           f"{m.max_seq_len} is not divisible by it: make max_seq_len a multiple of {tp}, pick "
@@ -141,6 +151,7 @@ def validate_training(config: ml_collections.ConfigDict, data_parallel: int) -> 
     _require(0.0 < d.mask_prob < 1.0 and d.max_ngram >= 1 and 0.0 <= d.short_seq_prob <= 1.0,
              f"data.mask_prob must be in (0, 1), data.max_ngram >= 1 and data.short_seq_prob in [0, 1]; got "
              f"{d.mask_prob}, {d.max_ngram}, {d.short_seq_prob}")
+    _validate_optimizer(config.optimizer, config.loss_scale)
     b, micro = t.global_batch_size, t.micro_batch_size or 0
     _require(b >= 1 and micro >= 0, f"train.global_batch_size must be >= 1 and train.micro_batch_size >= 0 "
                                     f"(0: no accumulation); got {b} and {micro}")
@@ -150,6 +161,25 @@ def validate_training(config: ml_collections.ConfigDict, data_parallel: int) -> 
     _require(b % (micro * data_parallel) == 0, f"train.global_batch_size={b} is not a multiple of "
                                                f"train.micro_batch_size={micro} x data={data_parallel}")
     return b // (micro * data_parallel)
+
+
+def _validate_optimizer(o: ml_collections.ConfigDict, s: ml_collections.ConfigDict) -> None:
+    """The optimizer's, schedule's and fp16 loss scale's fields: a negative rate or clip norm would train
+    (the loss climbing) rather than fail."""
+    _require(o.lr >= 0 and 0 <= o.min_lr <= o.lr,
+             f"optimizer.lr must be >= 0 and optimizer.min_lr in [0, lr] (as Megatron's scheduler asserts); got "
+             f"lr={o.lr}, min_lr={o.min_lr}")
+    _require(o.warmup_steps >= 0 and o.decay_steps >= 0, f"optimizer.warmup_steps and optimizer.decay_steps must be "
+                                                          f">= 0 (decay_steps 0: until train.steps); got "
+                                                          f"{o.warmup_steps} and {o.decay_steps}")
+    _require(o.decay in ("cosine", "linear"), f"optimizer.decay={o.decay!r}; choose 'cosine' or 'linear'")
+    _require(0 <= o.b1 < 1 and 0 <= o.b2 < 1 and o.eps > 0,
+             f"optimizer.b1 and optimizer.b2 must be in [0, 1) and optimizer.eps > 0; got {o.b1}, {o.b2}, {o.eps}")
+    _require(o.weight_decay >= 0 and o.clip_norm > 0, f"optimizer.weight_decay must be >= 0 and optimizer.clip_norm "
+                                                      f"> 0; got {o.weight_decay} and {o.clip_norm}")
+    _require(s.initial > 0 and 0 < s.min_scale <= s.initial and s.growth_interval >= 1 and s.hysteresis >= 1,
+             f"loss_scale needs initial > 0, min_scale in (0, initial], growth_interval >= 1 and hysteresis >= 1; "
+             f"got {s.initial}, {s.min_scale}, {s.growth_interval}, {s.hysteresis}")
 
 
 @dataclasses.dataclass(frozen=True)

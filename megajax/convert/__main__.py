@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from megajax.checkpoint import save_params
-from megajax.cli import load_config
+from megajax.cli import ArgumentParser, load_config
 from megajax.config.load import inference_config, restore_model
 from megajax.convert import hf_io, megatron_bert, megatron_gpt
 from megajax.convert.paths import absolute, existing_input, staged_output
@@ -42,8 +42,8 @@ def host_params(checkpoint: str | pathlib.Path):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megajax.convert", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m megajax.convert", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     verbs = {name: sub.add_parser(name) for name in INPUT_FLAGS}
     for name, parser in verbs.items():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shlex
 
 import numpy as np
 
@@ -32,16 +33,24 @@ class BlendSpec:
 
 
 def parse_blend(text: str) -> BlendSpec:
-    """``"W1 PREFIX1 W2 PREFIX2 ..."`` -> BlendSpec; raises ConfigError saying what is wrong."""
-    items = text.split()
+    """``"W1 PREFIX1 W2 PREFIX2 ..."`` -> BlendSpec (a prefix with spaces in quotes, as in a shell); raises
+    ConfigError saying what is wrong."""
+    quoting = "; a prefix with spaces goes in quotes, e.g. '0.3 \"my data/wiki\" 0.7 data/books'" \
+        if any(c.isspace() for c in text.strip()) else ""
+    try:
+        items = shlex.split(text)
+    except ValueError as e:  # an unclosed quote
+        raise ConfigError(f"data.blend={text!r}: {e}{quoting}") from None
     if len(items) < 2 or len(items) % 2:
-        raise ConfigError(f"data.blend={text!r}: give weight / prefix pairs, e.g. '0.3 data/wiki 0.7 data/books'")
+        raise ConfigError(f"data.blend={text!r}: give weight / prefix pairs, e.g. '0.3 data/wiki 0.7 data/books'"
+                          f"{quoting}")
     weights, paths = [], []
     for w, path in zip(items[::2], items[1::2]):
         try:
             weight = float(w)
         except ValueError:
-            raise ConfigError(f"data.blend={text!r}: {w!r} is not a weight (pairs are: weight prefix)") from None
+            raise ConfigError(f"data.blend={text!r}: {w!r} is not a weight (pairs are: weight prefix){quoting}") \
+                from None
         if not (math.isfinite(weight) and weight > 0):
             raise ConfigError(f"data.blend={text!r}: weight {w} of {path} must be a positive number")
         weights.append(weight)

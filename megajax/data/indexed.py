@@ -18,10 +18,19 @@ import pathlib
 from collections.abc import Sequence
 
 import numpy as np
+from tokenizers import Tokenizer
+
+from megajax.data.tokenizer import vocabulary_fingerprint
+from megajax.errors import UserError
 
 TOKENS, INDEX, META = ".bin", ".idx.npy", ".json"
 SENTENCES, DOC_SENTENCES, TOKENIZER = ".sentences.npy", ".doc_sentences.npy", ".tokenizer.json"
 SUFFIXES = (TOKENS, INDEX, SENTENCES, DOC_SENTENCES, TOKENIZER, META)  # META last: it marks completion
+
+
+class DatasetError(UserError, ValueError):
+    """A preprocessed dataset that is incomplete, truncated or inconsistent; the message says to re-run
+    preprocessing."""
 
 
 def choose_dtype(vocab_size: int, requested: str = "auto") -> np.dtype:
@@ -36,6 +45,28 @@ def choose_dtype(vocab_size: int, requested: str = "auto") -> np.dtype:
     return dtype
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temporaries(prefix: pathlib.Path) -> list[pathlib.Path]:
+    """Removes ``PREFIX.tmp-PID.*`` files whose writer process is gone (killed with SIGKILL, or its machine
+    restarted); returns them. A live writer's files are left alone."""
+    stale = []
+    for path in prefix.parent.glob(f"{prefix.name}.tmp-*"):
+        pid = path.name[len(prefix.name) + len(".tmp-"):].split(".", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+            stale.append(path)
+    return stale
+
+
 class IndexedWriter:
     """Appends documents to temporary files; ``commit(meta)`` moves them into place, sidecar last.
 
@@ -44,6 +75,7 @@ class IndexedWriter:
     def __init__(self, prefix: str | pathlib.Path, dtype: np.dtype, tokenizer_json: str | None = None):
         self.prefix = pathlib.Path(prefix)
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(self.prefix)
         self.dtype = np.dtype(dtype)
         self.tokenizer_json = tokenizer_json
         self._tmp = pathlib.Path(f"{self.prefix}.tmp-{os.getpid()}")
@@ -99,7 +131,11 @@ class IndexedWriter:
                 pathlib.Path(f"{self.prefix}{suffix}").unlink(missing_ok=True)
 
     def abort(self) -> None:
-        self._file.close()
+        """Removes the temporary files (also when closing fails, as on a full disk)."""
+        try:
+            self._file.close()
+        except OSError:  # its buffered bytes found no room: the file goes anyway
+            pass
         for suffix in SUFFIXES:
             pathlib.Path(f"{self._tmp}{suffix}").unlink(missing_ok=True)
 
@@ -121,19 +157,19 @@ class IndexedTokens:
         meta_path = pathlib.Path(f"{prefix}{META}")
         if not meta_path.is_file():
             if pathlib.Path(f"{prefix}{TOKENS}").exists():
-                raise ValueError(f"{prefix}{TOKENS} has no {META} sidecar: preprocessing did not finish; re-run it")
+                raise DatasetError(f"{prefix}{TOKENS} has no {META} sidecar: preprocessing did not finish; re-run it")
             raise FileNotFoundError(f"no preprocessed dataset at {prefix} (expected {meta_path}); create one with "
                                     "python -m megajax.data.preprocess --output_prefix=...")
         meta = json.loads(meta_path.read_text())
         dtype = np.dtype(meta["dtype"])
         size = os.path.getsize(f"{prefix}{TOKENS}")
         if size % dtype.itemsize:
-            raise ValueError(f"{prefix}{TOKENS} has {size} bytes, not a whole number of {dtype.name} ids (the "
+            raise DatasetError(f"{prefix}{TOKENS} has {size} bytes, not a whole number of {dtype.name} ids (the "
                              f"dtype in {meta_path}): the file is truncated or from another run; re-run preprocessing")
         tokens = np.memmap(f"{prefix}{TOKENS}", dtype=dtype, mode="r")
         offsets = np.load(f"{prefix}{INDEX}")
         if len(tokens) != meta["tokens"] or offsets[-1] != len(tokens):
-            raise ValueError(f"{prefix}: token file holds {len(tokens)} ids but the index says {offsets[-1]} and "
+            raise DatasetError(f"{prefix}: token file holds {len(tokens)} ids but the index says {offsets[-1]} and "
                              f"the sidecar {meta['tokens']}: the files are corrupt or from different runs")
         data = cls(tokens, offsets, meta, prefix)
         if "sentences" in meta:
@@ -141,12 +177,20 @@ class IndexedTokens:
             data.doc_sentences = np.load(f"{prefix}{DOC_SENTENCES}")
             if (len(data.sentences) != meta["sentences"] or len(data.doc_sentences) != len(offsets)
                     or data.doc_sentences[-1] != len(data.sentences)):
-                raise ValueError(f"{prefix}: {SENTENCES} / {DOC_SENTENCES} do not match the sidecar's "
+                raise DatasetError(f"{prefix}: {SENTENCES} / {DOC_SENTENCES} do not match the sidecar's "
                                  f"{meta['sentences']} sentences in {len(offsets) - 1} documents; re-run preprocessing")
         return data
 
     def document(self, d: int) -> np.ndarray:
         return self.tokens[self.offsets[d]:self.offsets[d + 1]]
+
+    def tokenizer_fingerprint(self) -> str:
+        """The vocabulary fingerprint of the dataset's tokenizer (``tokenizer.vocabulary_fingerprint``): from the
+        sidecar, else from the saved tokenizer file (datasets written before fingerprints), else "" (unknown)."""
+        if "tokenizer_fingerprint" in self.meta:
+            return self.meta["tokenizer_fingerprint"]
+        path = self.tokenizer_path()
+        return vocabulary_fingerprint(Tokenizer.from_file(str(path))) if path is not None else ""
 
     def tokenizer_path(self) -> pathlib.Path | None:
         """The tokenizer saved with the dataset, if any."""

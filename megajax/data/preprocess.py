@@ -14,18 +14,20 @@ same as without it, so one corpus serves GPT and BERT. The tokenizer is saved be
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import glob
 import json
 import multiprocessing
 import pathlib
+import signal
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 
+from megajax.cli import ArgumentParser
 from megajax.data.dedup import Deduplicator, minhash
 from megajax.data.indexed import IndexedWriter, choose_dtype
+from megajax.data.sentences import LANGUAGES
 from megajax.data.sentences import split_sentences as sentences_of
 from megajax.data.tokenizer import TextTokenizer, load_tokenizer
 
@@ -54,7 +56,7 @@ def _expand(inputs: Sequence[str]) -> list[pathlib.Path]:
             raise FileNotFoundError(f"no input files match {pattern!r}")
         for m in matches:
             p = pathlib.Path(m)
-            if not p.is_file():
+            if not (p.is_file() or p.is_fifo()):  # a named pipe streams a corpus without a copy on disk
                 raise FileNotFoundError(f"input file {p} does not exist")
             if p.suffix not in (".jsonl", ".txt"):
                 raise ValueError(f"input {p}: expected .jsonl (one JSON document per line) or .txt")
@@ -134,6 +136,8 @@ def write_documents(documents: Iterable[str], tokenizer: TextTokenizer, output_p
     documents, write with an EOD id each."""
     from tqdm import tqdm
 
+    if split_sentences and language not in LANGUAGES:
+        raise ValueError(f"language={language!r}: the sentence splitter has rules for {', '.join(LANGUAGES)}")
     token_dtype = choose_dtype(tokenizer.vocab_size, dtype)
     counts = counts or Counts()
     dedup_filter = Deduplicator(dedup_threshold, near=dedup)
@@ -169,6 +173,7 @@ def write_documents(documents: Iterable[str], tokenizer: TextTokenizer, output_p
             raise ValueError(f"no documents left ({dataclasses.asdict(counts)}); check the inputs, --json_key and "
                              "--min_tokens")
         writer.commit({**(meta or {}), "tokenizer": tokenizer.source, "vocab_size": tokenizer.vocab_size,
+                       "tokenizer_fingerprint": tokenizer.fingerprint,
                        "eod_id": tokenizer.eod_id, "min_tokens": min_tokens, "dedup": dedup,
                        "dedup_threshold": dedup_threshold, "counts": dataclasses.asdict(counts),
                        **({"sentence_splitter": f"sentencex ({language})"} if split_sentences else {}),
@@ -184,7 +189,7 @@ def write_documents(documents: Iterable[str], tokenizer: TextTokenizer, output_p
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", required=True, nargs="+", help=".jsonl/.txt files or glob patterns")
     p.add_argument("--tokenizer", required=True, help="tokenizer.json, a GPT-2 BPE directory, or a vocab.txt")
     p.add_argument("--output_prefix", required=True)
@@ -195,8 +200,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"])
     p.add_argument("--workers", type=int, default=max(multiprocessing.cpu_count() - 1, 1))
     p.add_argument("--split_sentences", action="store_true", help="record sentence boundaries (needed for BERT)")
-    p.add_argument("--language", default="en", help="language code for the sentence splitter")
+    p.add_argument("--language", default="en", choices=LANGUAGES, metavar="LANG",
+                   help=f"the sentence splitter's language, one of {', '.join(LANGUAGES)}")
     args = p.parse_args(argv)
+    # SIGTERM (a job scheduler's stop) unwinds like Ctrl-C, so the writer removes its temporary files
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("preprocess: stopped by SIGTERM; nothing was written to "
+                                                      f"{args.output_prefix}"))
     try:
         counts = preprocess(args.input, load_tokenizer(args.tokenizer), args.output_prefix, json_key=args.json_key,
                             min_tokens=args.min_tokens, dedup=args.dedup, dedup_threshold=args.dedup_threshold,

@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import sentencex
 
+# The languages with rules of their own in sentencex's source (src/languages/); any other code falls back to
+# another language's rules or to English's without a word, so the preprocessor refuses it.
+LANGUAGES = ("am", "ar", "bg", "bn", "ca", "da", "de", "el", "en", "es", "fi", "fr", "gu", "hi", "hy", "it", "ja", "kk",
+             "kn", "ml", "mr", "my", "nl", "pa", "pl", "pt", "ru", "sk", "ta", "te", "uk")
+
 
 def split_sentences(text: str, language: str = "en") -> list[str]:
     """The sentences of ``text`` (paragraph breaks also end one); ``"".join(result) == text``."""

@@ -98,6 +98,16 @@ def load_dataset(config: ml_collections.ConfigDict,
     return data
 
 
+def tokenizer_fingerprint(data: IndexedTokens | TaskData | BlendedData) -> str:
+    """The vocabulary fingerprint of the tokenizer that made ``data`` (``tokenizer.vocabulary_fingerprint``; a
+    blend's datasets share one), or "" when unknown (random tokens, synthetic tasks, older datasets)."""
+    if isinstance(data, BlendedData):
+        return data.datasets[0].tokenizer_fingerprint()
+    if isinstance(data, TaskData):
+        return data.tokenizer_fingerprint
+    return data.tokenizer_fingerprint()
+
+
 def _tokenizer_text(data: IndexedTokens) -> str | None:
     path = data.tokenizer_path()
     return path.read_text(encoding="utf-8") if path is not None and path.is_file() else None

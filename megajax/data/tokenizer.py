@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import pathlib
 from collections.abc import Iterable, Sequence
 
@@ -17,6 +19,13 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 GPT_EOD = "<|endoftext|>"
 BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def vocabulary_fingerprint(tokenizer: Tokenizer) -> str:
+    """The identity of a vocabulary: a sha256 of its (token, id) pairs, special tokens included. Two vocab.txt of
+    the same size with other words differ; one vocabulary read from vocab.txt or from a tokenizer.json agrees."""
+    pairs = sorted(tokenizer.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
+    return hashlib.sha256(json.dumps(pairs, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
 @dataclasses.dataclass
@@ -30,6 +39,11 @@ class TextTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def fingerprint(self) -> str:
+        """``vocabulary_fingerprint``: recorded with datasets and checkpoints, compared where they meet."""
+        return vocabulary_fingerprint(self.tokenizer)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids per text, without special tokens (Rust threads encode the batch in parallel)."""

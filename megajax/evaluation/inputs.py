@@ -45,12 +45,26 @@ def tokenizer_for(config: ml_collections.ConfigDict, explicit: str | None) -> Te
     raise InputError("this checkpoint does not say which tokenizer it was trained with; pass --tokenizer=PATH")
 
 
-def check_tokenizer(tokenizer: TextTokenizer, vocab_size: int) -> None:
-    """Raises when the tokenizer can produce ids the model cannot embed (they would score NaN)."""
+def check_vocabulary(fingerprint: str, config: ml_collections.ConfigDict, what: str) -> None:
+    """Raises InputError when ``what`` (a tokenizer or a dataset) has another vocabulary than the one the
+    checkpoint's training data had (``data.tokenizer_fingerprint``; either unknown: no check): of the same size, it
+    would pass every other check while the model reads every id as another token."""
+    recorded = config.data.tokenizer_fingerprint
+    if recorded and fingerprint and recorded != fingerprint:
+        raise InputError(f"{what} has another vocabulary than the checkpoint was trained with (tokenizer "
+                         f"fingerprints {fingerprint} and {recorded}): the model would read every id as another "
+                         "token; use the tokenizer of its training data (--tokenizer=PATH), or data made with it")
+
+
+def check_tokenizer(tokenizer: TextTokenizer, config: ml_collections.ConfigDict) -> None:
+    """Raises when the tokenizer can produce ids the model cannot embed (they would score NaN), or is not the
+    vocabulary the checkpoint was trained with."""
+    vocab_size = config.model.vocab_size
     if tokenizer.vocab_size > vocab_size:
         raise InputError(f"tokenizer {tokenizer.source} has {tokenizer.vocab_size} ids but the checkpoint's model "
                          f"has model.vocab_size={vocab_size}; pass --tokenizer=PATH with the tokenizer the model "
                          "was trained with")
+    check_vocabulary(tokenizer.fingerprint, config, f"tokenizer {tokenizer.source}")
 
 
 def resolve_stride(task: str, stride: int | None, seq_len: int) -> int | None:
@@ -125,12 +139,15 @@ def read_lambada(path: str | pathlib.Path, tokenizer: TextTokenizer, seq_len: in
     return examples
 
 
-def read_token_file(prefix: str | pathlib.Path, vocab_size: int) -> np.ndarray:
-    """The (memory-mapped) tokens of a preprocessed dataset, checked to hold only ids the model embeds."""
+def read_token_file(prefix: str | pathlib.Path, config: ml_collections.ConfigDict) -> np.ndarray:
+    """The (memory-mapped) tokens of a preprocessed dataset, checked to hold only ids the model embeds, made with
+    the checkpoint's vocabulary."""
+    vocab_size = config.model.vocab_size
     try:
         data = IndexedTokens.open(prefix)
     except (OSError, ValueError) as e:
         raise InputError(f"--data={prefix}: {e}") from e
+    check_vocabulary(data.tokenizer_fingerprint(), config, f"--data={prefix}")
     made_for = data.meta.get("vocab_size")
     if made_for is not None and made_for > vocab_size:
         raise InputError(f"--data={prefix} was preprocessed with a tokenizer of {made_for} ids ({prefix}{META}) but "
@@ -162,6 +179,11 @@ def bert_eval_batches(config: ml_collections.ConfigDict, prefix: str | None, bat
     config.train.global_batch_size = batch_size
     if prefix:
         config.data.update(source="indexed", path=str(prefix), valid_fraction=0.0)
+        try:
+            fingerprint = IndexedTokens.open(prefix).tokenizer_fingerprint()
+        except (OSError, ValueError):
+            fingerprint = ""  # the loader below opens it again and says what is wrong
+        check_vocabulary(fingerprint, config, f"--data={prefix}")
     where = f"--data={prefix}" if prefix else f"the validation split of the checkpoint's data ({config.data.source})"
     try:
         examples = model_spec(config.model.name).examples

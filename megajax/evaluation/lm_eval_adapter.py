@@ -3,17 +3,23 @@
 Importing this module registers the class under the name ``megajax`` (lm-eval 0.4.13 discovers no plugin entry
 points, so the registration needs this import: ``python -m megajax.lm_eval`` does it before lm-eval's CLI runs).
 
-    python -m megajax.lm_eval --model megajax --model_args checkpoint=runs/355m,mesh=1x8 --tasks lambada_openai
+    python -m megajax.lm_eval --model megajax --model_args pretrained=runs/355m,mesh=1x8 --tasks lambada_openai
 
-Model args: ``checkpoint`` (workdir, step or export; relative paths are fine), ``mesh=DxM`` (default: the
+Model args: ``pretrained`` (the checkpoint: workdir, step or export; relative paths are fine; ``checkpoint=`` is
+accepted too), ``mesh=DxM`` (default: the
 checkpoint's model axis, every other device on data), ``tokenizer`` (default: the one the checkpoint's training
-data used), ``stride`` (rolling log-likelihood windows, default max_seq_len), ``max_gen_toks`` (default 256),
-``seed`` (sampling). ``--batch_size`` is rows per forward (rounded up to a multiple of the data axis).
+data used), ``max_gen_toks`` (default 256), ``seed`` (sampling). ``--batch_size`` is rows per forward (rounded up
+to a multiple of the data axis).
 
 The requests run through megajax's own evaluation code: ``loglikelihood`` scores ``cloze_rows`` with the sharded
-``Scorer`` (the context cut from the left to fit max_seq_len), ``loglikelihood_rolling`` scores each document
-after an end-of-document token with Megatron-LM's windows (``streams_log_likelihood``), and ``generate_until``
-runs the KV-cache ``generate``, stopping when every row has produced one of its stop strings.
+``Scorer`` (the context cut from the left to fit max_seq_len), ``loglikelihood_rolling`` scores each document in
+lm-eval's own rolling windows (those of its Hugging Face model, so perplexities compare; Megatron-LM's strided
+windows are eval.py's ``--task=ppl``), and ``generate_until`` runs the KV-cache ``generate``, stopping when every
+row has produced one of its stop strings.
+
+With ``--output_path DIR`` lm-eval writes ``DIR/<model name>/results_<timestamp>.json``, naming the folder after
+``pretrained=`` as for a Hugging Face model (``runs/355m`` -> ``runs__355m``); with ``checkpoint=`` lm-eval knows no
+name and picks a random id.
 """
 
 from __future__ import annotations
@@ -25,13 +31,14 @@ import numpy as np
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from megajax import cli
 from megajax.checkpoint import read_config
 from megajax.config.load import inference_config, restore_model
 from megajax.evaluation.generate import Sampling, generate
 from megajax.evaluation.inputs import check_tokenizer, tokenizer_for
-from megajax.evaluation.scoring import Scorer, check_stride, cloze_rows, streams_log_likelihood
+from megajax.evaluation.scoring import Scorer, cloze_rows
 from megajax.models import model_spec
 
 GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
@@ -58,23 +65,29 @@ class MegajaxLM(TemplateLM):
     to the continuation; an empty context becomes the end-of-document token), so scores compare with HF models'.
     """
 
-    def __init__(self, checkpoint: str, mesh: str | None = None, tokenizer: str | None = None,
-                 batch_size: int | str = 8, stride: int | None = None, max_gen_toks: int = 256, seed: int = 0,
-                 max_batch_size: int | None = None, device: str | None = None):
+    def __init__(self, pretrained: str | None = None, checkpoint: str | None = None, mesh: str | None = None,
+                 tokenizer: str | None = None, batch_size: int | str = 8, stride: int | None = None,
+                 max_gen_toks: int = 256, seed: int = 0, max_batch_size: int | None = None, device: str | None = None):
         """``max_batch_size`` and ``device`` come from lm-eval's CLI and are not used: the mesh places the
-        model, and ``batch_size`` is fixed (no "auto")."""
+        model, and ``batch_size`` is fixed (no "auto"). ``stride`` is refused: the rolling windows are lm-eval's.
+        ``pretrained`` or ``checkpoint``: the checkpoint (``pretrained=`` also names lm-eval's output folder)."""
         super().__init__()
+        if (pretrained is None) == (checkpoint is None):
+            raise ValueError("give the checkpoint once: --model_args pretrained=PATH (a workdir, step or export)")
+        checkpoint = pretrained or checkpoint
         if not str(batch_size).isdigit() or int(batch_size) < 1:
             raise ValueError(f"batch_size={batch_size!r}: give a whole number >= 1 (megajax has no 'auto')")
+        if stride is not None:  # once Megatron's window stride; failing beats silently scoring other windows
+            raise ValueError(f"stride={stride}: loglikelihood_rolling uses lm-eval's own rolling windows (as its "
+                             "Hugging Face model) and takes no stride; Megatron-LM's strided windows are "
+                             "eval.py --task=ppl --stride=N")
         config = read_config(checkpoint)  # checks before loading anything
         if not model_spec(config.model.name).causal_lm:
             raise ValueError(f"{checkpoint} holds a {config.model.name} model; lm-eval needs a causal language "
                              "model (a GPT)")
         self.tok = tokenizer_for(config, tokenizer)
-        check_tokenizer(self.tok, config.model.vocab_size)
+        check_tokenizer(self.tok, config)
         self.seq_len = config.model.max_seq_len
-        self.stride = self.seq_len if stride is None else int(stride)
-        check_stride(self.stride, self.seq_len)
         self.max_gen_toks, self.seed = int(max_gen_toks), int(seed)
         data, model = parse_mesh(mesh)
         self.model, spec, self.mesh = restore_model(checkpoint, inference_config(checkpoint, data, model))
@@ -93,9 +106,10 @@ class MegajaxLM(TemplateLM):
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         return self.tok.encode_batch([string])[0]
 
-    def _loglikelihood_tokens(self, requests: list[tuple[tuple[str, str], list[int], list[int]]],
+    def _loglikelihood_tokens(self, requests: list[tuple[tuple[str, str] | None, list[int], list[int]]],
                               disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        """(sum of log p(continuation | context), continuation is the argmax at every position) per request."""
+        """(sum of log p(continuation | context), continuation is the argmax at every position) per request of
+        (request args or None, context ids, continuation ids)."""
         # A context of only spaces encodes to nothing once its spaces move to the continuation.
         rows = [cloze_rows(ctx or [self.eot_token_id], cont, self.seq_len) for _, ctx, cont in requests]
         results = []
@@ -106,14 +120,29 @@ class MegajaxLM(TemplateLM):
             for n, h, m in zip(nll, hit, mask):
                 results.append((-float(n[m].astype(np.float64).sum()), bool(h[m].all())))
         for (args, _, _), result in zip(requests, results):
-            self.cache_hook.add_partial("loglikelihood", args, result)
+            if args is not None:  # rolling windows have no request of their own to cache
+                self.cache_hook.add_partial("loglikelihood", args, result)
         return results
 
+    def rolling_windows(self, tokens: list[int]) -> list[tuple[list[int], list[int]]]:
+        """(context, continuation) windows covering ``tokens``, exactly as lm-eval's HF model cuts them: windows of
+        max_seq_len predicted tokens, the first after the prefix (end-of-document) token, each later one after the
+        token before it; the last, shorter one keeps the tokens before it as context up to max_seq_len."""
+        windows = get_rolling_token_windows(token_list=tokens, prefix_token=self.prefix_token_id,
+                                            max_seq_len=self.seq_len, context_len=1)
+        return [make_disjoint_window(w) for w in windows]
+
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
-        """log p(document | end-of-document token) with Megatron-LM's windows (``stride``): every document token
-        scored once; the windows of all documents batched together."""
-        streams = [np.asarray([self.eot_token_id] + self.tok_encode(req.args[0]), np.int32) for req in requests]
-        results = [-total for total, _ in streams_log_likelihood(self.scorer, streams, self.stride)]
+        """log p(document | prefix token) summed over lm-eval's rolling windows (``rolling_windows``): every
+        document token scored once; the windows of all documents batched together. An empty document scores 0."""
+        windows, owner = [], []
+        for i, req in enumerate(requests):
+            for context, continuation in self.rolling_windows(self.tok_encode(req.args[0])):
+                windows.append((None, context, continuation))
+                owner.append(i)
+        results = [0.0] * len(requests)
+        for i, (ll, _) in zip(owner, self._loglikelihood_tokens(windows, disable_tqdm)):
+            results[i] += ll  # in window order, as lm-eval's HF model sums them
         for req, result in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, result)
         return results

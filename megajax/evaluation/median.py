@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from megajax.cli import ArgumentParser, OutputPathError, check_output_file
+
 
 class ResultsError(ValueError):
     """Result files that cannot be combined; the message names the file."""
@@ -65,13 +67,14 @@ def median_of(paths: Sequence[str | pathlib.Path]) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", help="eval.py --output files, one per seed")
     p.add_argument("--output", help="also write the medians here as JSON")
     args = p.parse_args(argv)
     try:
+        check_output_file(args.output, "output")
         summary = median_of(args.results)
-    except ResultsError as e:
+    except (ResultsError, OutputPathError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     text = json.dumps(summary, indent=1)

@@ -7,12 +7,15 @@ import pathlib
 import sys
 from typing import Any
 
+import jax
 import ml_collections
 import numpy as np
 
 from megajax.checkpoint import read_config
+from megajax.cli import check_output_file
 from megajax.config.load import inference_config, restore_model
 from megajax.data.tokenizer import TextTokenizer
+from megajax.errors import ShardingConfigError
 from megajax.evaluation import downstream_tasks, inputs, tasks
 from megajax.evaluation.generate import Sampling, check_generation, generate
 from megajax.evaluation.scoring import Scorer
@@ -40,9 +43,9 @@ def read_inputs(task: str, config: ml_collections.ConfigDict, *, data: str | Non
     if task == "mlm":
         return inputs.bert_eval_batches(config, data, batch_size), None, None
     if task == "ppl":
-        return inputs.read_token_file(data, vocab_size), None, stride
+        return inputs.read_token_file(data, config), None, stride
     tok = inputs.tokenizer_for(config, tokenizer)
-    inputs.check_tokenizer(tok, vocab_size)
+    inputs.check_tokenizer(tok, config)
     if task == "wikitext103":
         return inputs.read_wikitext(data, tok), tok, stride
     if task == "lambada":
@@ -65,23 +68,27 @@ def _mlm(model, mesh, rules, objective, batches, where: str) -> dict:
 def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | None = None,
         tokenizer: str | None = None, mesh_data: int | None = None, mesh_model: int | None = None,
         batch_size: int = 8, stride: int | None = None, max_new_tokens: int = 64, sampling: Sampling | None = None,
-        seed: int = 0, output: str | None = None, predictions: str | None = None) -> dict:
+        seed: int = 0, output: str | None = None, predictions: str | None = None,
+        null_score_diff_threshold: float | None = None) -> dict:
     """Runs ``task`` on ``checkpoint``; prints and (with ``output``) writes the JSON results.
 
     ``stride`` (wikitext103 and ppl only): windows start every ``stride`` tokens and each window after the first
     scores its last ``stride`` targets (Megatron-LM's overlapping evaluation); default 32 (the paper's, at most
     max_seq_len) for wikitext103 and max_seq_len (non-overlapping) for ppl. The results report the stride used.
-    ``predictions`` (fine-tuning tasks only): also write each example's prediction there as JSON, per split (id ->
-    label, option letter or answer text; "" = no answer). Input mistakes raise ``InputError`` before the model is
-    loaded.
+    ``predictions`` (fine-tuning tasks only): also write each example's prediction there as JSON: SQuAD's official
+    ``{question id: answer text}`` ("" = no answer; squad2 also writes its null odds beside it, named in the results'
+    ``null_odds_file``), other tasks per split (id -> label or option letter). ``null_score_diff_threshold``
+    (squad2, default 0): answer "" where the null odds exceed it. Input mistakes raise ``InputError`` before the
+    model is loaded.
     """
     sampling = sampling or Sampling()
     try:
-        for flag, path in (("--output", output), ("--predictions", predictions)):
-            if path and not pathlib.Path(path).parent.is_dir():
-                raise inputs.InputError(f"{flag}={path}: its directory does not exist")
+        check_output_file(output, "output")  # a directory or an unwritable place: refused before any work
+        check_output_file(predictions, "predictions")
         if predictions and task not in downstream_tasks.DOWNSTREAM_TASKS:
             raise inputs.InputError(f"--predictions applies to --task={'|'.join(downstream_tasks.DOWNSTREAM_TASKS)}")
+        if null_score_diff_threshold is not None and task != "squad2":
+            raise inputs.InputError("--null_score_diff_threshold applies to --task=squad2")
         config = read_config(checkpoint)
         task_input, tok, stride = read_inputs(task, config, data=data, prompt=prompt, tokenizer=tokenizer,
                                               stride=stride, batch_size=batch_size, max_new_tokens=max_new_tokens,
@@ -90,14 +97,20 @@ def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | No
         raise
     except (ValueError, FileNotFoundError) as e:  # from reading the checkpoint's config or a tokenizer
         raise inputs.InputError(str(e)) from e
-    model, spec, mesh = restore_model(checkpoint, inference_config(checkpoint, mesh_data, mesh_model))
+    try:
+        model, spec, mesh = restore_model(checkpoint, inference_config(checkpoint, mesh_data, mesh_model))
+    except ShardingConfigError as e:  # a --mesh these devices cannot hold
+        n = jax.device_count()
+        raise inputs.InputError(f"{e}; pass --mesh=DATAxMODEL with DATA x MODEL = {n} (the devices here), or "
+                                f"leave --mesh out to use them all (e.g. --mesh={n}x1)") from None
     rules = spec.rules
     if task == "mlm":
         result = _mlm(model, mesh, rules, spec.model_spec.objective, *task_input)
     elif task in downstream_tasks.DOWNSTREAM_TASKS:
-        result, predicted = downstream_tasks.evaluate(model, mesh, rules, task, task_input, batch_size)
+        result, predicted, odds = downstream_tasks.evaluate(model, mesh, rules, task, task_input, batch_size,
+                                                            null_score_diff_threshold or 0.0)
         if predictions:
-            _write_json(predictions, predicted)
+            result.update(downstream_tasks.write_predictions(predictions, task, predicted, odds))
     elif task == "generate":
         print(prompt or "", end="", flush=True)
         stream = lambda col: print(tok.decode([int(col[0])]), end="", flush=True)  # noqa: E731

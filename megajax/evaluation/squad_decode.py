@@ -116,7 +116,13 @@ def decode_squad(features: SquadFeatures, start_logits: np.ndarray, end_logits: 
 
 
 def answers_at(predictions: dict[str, SpanPrediction], threshold: float | None) -> dict[str, str]:
-    """The answer texts: no answer ("") where ``null_margin > threshold``; ``threshold=None`` always answers
-    (SQuAD 1.1)."""
+    """The answer texts: no answer ("") where ``null_margin > threshold`` (BERT's null_score_diff_threshold);
+    ``threshold=None`` always answers (SQuAD 1.1)."""
     return {qid: "" if threshold is not None and p.null_margin > threshold else p.text
             for qid, p in predictions.items()}
+
+
+def null_odds(predictions: dict[str, SpanPrediction]) -> dict[str, float]:
+    """Each question's ``null_margin`` (inf when no span is allowed), in question order: the no-answer odds file
+    that evaluate-v2.0.py reads as --na-prob-file (BERT's null_odds.json)."""
+    return {qid: float(p.null_margin) for qid, p in predictions.items()}

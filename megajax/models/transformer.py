@@ -51,6 +51,12 @@ class TransformerConfig:
     num_classes: int = 2  # BERT classifier outputs (MNLI 3, QQP 2); other models ignore it
 
     def __post_init__(self):
+        for field in ("vocab_size", "num_layers", "hidden_size", "num_heads", "max_seq_len", "mlp_ratio"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"model.{field}={value!r} makes no model: it must be a whole number >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by "
                              f"model.num_heads={self.num_heads}")

@@ -12,10 +12,16 @@ sequence parallelism (``parallel.sequence``): the reduce-scatters and all-gather
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from megajax.cli import add_parallel_flags, apply_parallel_flags, load_config, parse_mesh, use_cpu_devices
+from megajax.cli import (
+    ArgumentParser,
+    add_parallel_flags,
+    apply_parallel_flags,
+    load_config,
+    parse_mesh,
+    use_cpu_devices,
+)
 from megajax.parallel.hlo_audit import collectives, format_table
 from megajax.tools.comm_budget import step_budget
 from megajax.training.loop import setup
@@ -23,7 +29,7 @@ from megajax.training.loop import setup
 
 def main(argv: list[str] | None = None) -> str:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
     p.add_argument("--mesh", default="1x1", help="DATAxMODEL")
     p.add_argument("--batch", type=int, default=0, help="global batch (default: the config's)")

@@ -16,11 +16,16 @@ split over ``model`` too.
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 
-from megajax.cli import add_parallel_flags, apply_parallel_flags, load_config, parse_mesh, use_cpu_devices
+from megajax.cli import (
+    ArgumentParser,
+    add_parallel_flags,
+    apply_parallel_flags,
+    load_config,
+    parse_mesh,
+    use_cpu_devices,
+)
 from megajax.tools.memory_planner import (
     CompiledMemory,
     GiB,
@@ -76,7 +81,7 @@ def format_comparison(r: MemoryReport, c: CompiledMemory) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="config file, path or bare name (gpt_8p3b)")
     p.add_argument("--mesh", default=None, help="DATAxMODEL, e.g. 64x8 (default: the config's, data=1)")
     p.add_argument("--micro_batch", type=int, default=None, help="sequences per device per accumulation step "

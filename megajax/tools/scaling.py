@@ -57,11 +57,10 @@ data loading and memory fragmentation. ``DGX_H100``'s calibration is assumed, no
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 
-from megajax.cli import load_config
+from megajax.cli import ArgumentParser, load_config
 from megajax.config import base_config, padded_vocab_size, sequence_parallel, state_split
 from megajax.models import model_spec
 from megajax.models.spec import transformer_flops
@@ -453,7 +452,7 @@ def _split_name(model: Decoder) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="config file, path or bare name (gpt_8p3b)")
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--cluster", default="dgx2h", choices=sorted(CLUSTERS))

@@ -17,7 +17,7 @@ import ml_collections
 from flax import nnx
 
 from megajax.checkpoint import CheckpointError, read_config, restore_params
-from megajax.config import model_config
+from megajax.config import model_config, model_differences
 from megajax.errors import ConfigError
 from megajax.models import MODELS, model_spec
 
@@ -49,15 +49,20 @@ def check_init_from(config: ml_collections.ConfigDict) -> pathlib.Path:
     if not path.exists():
         raise FileNotFoundError(f"init_from={config.init_from!r}: {path} does not exist; pass a pretraining run's "
                                 "workdir or one of its step directories")
-    trunk, saved = _trunk(config), read_config(path).model
+    trunk, stored = _trunk(config), read_config(path)
+    saved = stored.model
     if saved.name not in MODELS or not issubclass(MODELS[saved.name].module, trunk):
         raise CheckpointError(f"init_from={config.init_from!r} holds a model.name={saved.name!r} checkpoint: "
                               f"fine-tuning {config.model.name} needs one whose model is a {trunk.__name__}")
-    for field in TRUNK_FIELDS:
-        if saved[field] != config.model[field]:
-            raise CheckpointError(f"init_from={config.init_from!r} was trained with model.{field}={saved[field]}"
-                                  f" but this config has {config.model[field]}; set "
-                                  f"--config.model.{field}={saved[field]}")
+    if differences := model_differences(saved, config.model, TRUNK_FIELDS):
+        flags = " ".join(f"--config.model.{f}={saved[f]}" for f in TRUNK_FIELDS if saved[f] != config.model[f])
+        raise CheckpointError(f"init_from={config.init_from!r} holds a trunk unlike this config's "
+                              f"({'; '.join(differences)}); set {flags}")
+    theirs, ours = stored.data.tokenizer_fingerprint, config.data.tokenizer_fingerprint
+    if theirs and ours and theirs != ours:  # same size, other words: every id would mean another token
+        raise CheckpointError(f"init_from={config.init_from!r} was pretrained with another vocabulary than "
+                              f"data.tokenizer={config.data.tokenizer!r} (tokenizer fingerprints {theirs} there, "
+                              f"{ours} here): fine-tune with the tokenizer of its pretraining data")
     if config.model.max_seq_len > saved.max_seq_len:
         raise CheckpointError(f"init_from={config.init_from!r} has position embeddings for model.max_seq_len="
                               f"{saved.max_seq_len}, fewer than this config's {config.model.max_seq_len}; set "

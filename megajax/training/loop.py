@@ -17,12 +17,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from megajax.checkpoint import Checkpointer
-from megajax.config import RunSpec, abstract_model, model_factory, resolve
+from megajax.checkpoint import Checkpointer, CheckpointError
+from megajax.config import RunSpec, abstract_model, model_differences, model_factory, resolve
 from megajax.data.blend import BlendedBatches
 from megajax.data.gpt_dataset import split_by_documents, unigram_entropy
 from megajax.data.loader import Loader
-from megajax.data.sources import BlendedData
+from megajax.data.sources import BlendedData, tokenizer_fingerprint
 from megajax.data.tasks.task_data import TaskData
 from megajax.evaluation.evaluator import Evaluator, objective_metrics
 from megajax.models.objectives import Field
@@ -145,6 +145,7 @@ def _start_record(run: Run, data, resumed_from: int | None) -> dict:
             # parameters, one fp32 gradient per parameter held (the paper's accounting) and AdamW's moments
             "train_state_bytes_per_device": 2 * param_bytes + _bytes_per_device(run.abstract_state.opt_state),
             "device_bytes_in_use": (stats or {}).get("bytes_in_use"),
+            **({"task_data": data.report} if isinstance(data, TaskData) and data.report else {}),  # rows left out
             "unigram_entropy": entropy, **({"blend": blend} if blend else {})}
 
 
@@ -162,27 +163,60 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> lis
         return _train(config, workdir)
 
 
+def _check_same_model(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict,
+                      step_dir: pathlib.Path) -> None:
+    """Refuses to resume a checkpoint of another model (another family, other sizes) before anything is built."""
+    if differences := model_differences(saved.model, config.model):
+        raise CheckpointError(
+            f"{step_dir} holds another model than this config's ({'; '.join(differences)}): resume it with the "
+            "config it was trained with (its config is stored beside it), or pass a different --workdir to start "
+            "a new run; nothing was changed")
+
+
+def _check_same_tokenizer(saved: ml_collections.ConfigDict, fingerprint: str, step_dir: pathlib.Path) -> None:
+    """Refuses to resume on data made with another vocabulary (the model would read every id as another token)."""
+    recorded = saved.data.tokenizer_fingerprint
+    if recorded and fingerprint and recorded != fingerprint:
+        raise CheckpointError(
+            f"{step_dir} was trained on data tokenized with another vocabulary than this run's data (tokenizer "
+            f"fingerprints {recorded} there, {fingerprint} here): resume it on data made with its tokenizer, or "
+            "pass a different --workdir; nothing was changed")
+
+
 def _train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dict]:
-    data = load_dataset(config)  # data errors next, still before compiling
-    loader = make_loader(config, "train", data)
-    valid = make_loader(config, "valid", data) if config.train.eval_batches else None
+    config = config.copy_and_resolve_references()  # the copy records the data's tokenizer (not the caller's)
+    # a checkpoint directory that cannot be written fails here, not minutes into the first save
     checkpointer = Checkpointer(workdir, config.checkpoint) if config.checkpoint.enabled else None
     restore_step = config.checkpoint.restore_step
     latest = checkpointer.latest_step() if checkpointer else None
+    # the step a resume reads (a restore_step that is not there is refused by resume, naming the steps there are)
+    resume_dir = checkpointer.directory / str(restore_step or latest) if latest is not None else None
+    if resume_dir is not None and resume_dir.is_dir():
+        saved_config, saved_position = checkpointer.stored(int(resume_dir.name))
+        _check_same_model(saved_config, config, resume_dir)
+    data = load_dataset(config)  # data errors next, still before compiling
+    config.data.tokenizer_fingerprint = tokenizer_fingerprint(data)  # stored with every checkpoint
+    if resume_dir is not None and resume_dir.is_dir():
+        _check_same_tokenizer(saved_config, config.data.tokenizer_fingerprint, resume_dir)
+    loader = make_loader(config, "train", data)
+    valid = make_loader(config, "valid", data) if config.train.eval_batches else None
     if latest is not None and (restore_step or latest) >= config.train.steps:
         print(f"{workdir} already holds a checkpoint of step {restore_step or latest} >= train.steps="
               f"{config.train.steps}: nothing to train. Raise --config.train.steps to continue training it.",
               file=sys.stderr)
         checkpointer.close()
         return []
+    if resume_dir is not None and resume_dir.is_dir():  # the same data and batch, checked before compiling
+        loader.set_state(saved_position, config.train.allow_batch_size_change, config.data.allow_blend_change)
     init_from = config.init_from
     if init_from and latest is None:
         check_init_from(config)  # a wrong path or model fails before compiling
     run = setup(config)
+    if checkpointer:
+        checkpointer.check_space(run.abstract_state)  # a disk too small for one checkpoint: before the first step
     restored = checkpointer.resume(run.abstract_state, restore_step) if checkpointer else None
     if restored:
-        state, loader_state = restored
-        loader.set_state(loader_state, config.train.allow_batch_size_change, config.data.allow_blend_change)
+        state, _ = restored  # the loader already stands at the position saved with it
         if init_from and jax.process_index() == 0:
             print(f"resuming from {checkpointer.directory}: init_from={init_from!r} is ignored (resume wins)",
                   file=sys.stderr)

@@ -6,6 +6,10 @@ Fields are split on tabs only (no quoting: GLUE's sentences contain unbalanced q
 with the wrong number of fields or an unknown label is an error naming the file and line (as Megatron asserts); in
 a QQP file such rows, and rows with an empty question, are skipped and counted with the first line of each kind
 (QQP's train.tsv has a few, which Megatron skips too). A file with no usable row is an error.
+
+Each example is named by the file's own id (MNLI's ``index`` column, QQP's ``id``), so predictions join with the
+file; a file without that column names its examples ``file name:line``. A repeated id is an error in MNLI and a
+skipped row in QQP.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ QQP_LABELS = ("0", "1")  # is_duplicate: 0 = different questions, 1 = duplicates
 
 @dataclasses.dataclass(frozen=True)
 class PairExample:
-    """One sentence pair; ``guid`` is ``file name:line``."""
+    """One sentence pair; ``guid`` is the file's id of the row (module docstring) or ``file name:line``."""
 
     guid: str
     text_a: str
@@ -58,24 +62,39 @@ class PairData:
         """One line for the log: what was read and what was skipped."""
         line = f"{len(self.examples)} examples from {self.path}"
         if self.skipped:
-            reasons = ", ".join(f"{n} {reason}" + (f" (first on line {self.first_skipped[reason]})"
-                                                   if reason in self.first_skipped else "")
-                                for reason, n in sorted(self.skipped.items()))
-            line += f"; skipped {sum(self.skipped.values())} rows ({reasons})"
+            line += f"; {self.skipped_summary()}"
         return line
+
+    def skipped_summary(self) -> str:
+        """``skipped N rows (n reason (first on line L), ...)``; empty when none was."""
+        if not self.skipped:
+            return ""
+        reasons = ", ".join(f"{n} {reason}" + (f" (first on line {self.first_skipped[reason]})"
+                                               if reason in self.first_skipped else "")
+                            for reason, n in sorted(self.skipped.items()))
+        return f"skipped {sum(self.skipped.values())} rows ({reasons})"
+
+    def report(self) -> dict:
+        """The counts of ``summary`` for the training start record and eval.py's results."""
+        out = {"examples": len(self.examples), "skipped_rows": sum(self.skipped.values())}
+        if self.skipped:
+            out["skipped"] = {reason: {"rows": n, "first_line": self.first_skipped.get(reason)}
+                              for reason, n in sorted(self.skipped.items())}
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
 class _TsvSpec:
     task: str
     text_columns: tuple[str, str]
+    id_column: str  # the examples' ids, when the header has it
     label_columns: tuple[str, ...]  # the first one in the header is used
     labels: tuple[str, ...]
     skip_bad_rows: bool  # skip (and count) a malformed row instead of stopping at it
 
 
-MNLI = _TsvSpec("MNLI", ("sentence1", "sentence2"), ("gold_label", "label"), MNLI_LABELS, False)
-QQP = _TsvSpec("QQP", ("question1", "question2"), ("is_duplicate",), QQP_LABELS, True)
+MNLI = _TsvSpec("MNLI", ("sentence1", "sentence2"), "index", ("gold_label", "label"), MNLI_LABELS, False)
+QQP = _TsvSpec("QQP", ("question1", "question2"), "id", ("is_duplicate",), QQP_LABELS, True)
 
 
 def read_mnli(path: str | pathlib.Path) -> PairData:
@@ -101,7 +120,7 @@ def _columns(header: list[str], spec: _TsvSpec, path: pathlib.Path) -> tuple[int
 def _read_tsv(path: str | pathlib.Path, spec: _TsvSpec) -> PairData:
     p = existing_file(path, spec.task)
     label_ids = {name: i for i, name in enumerate(spec.labels)}
-    examples, skipped, first_skipped = [], collections.Counter(), {}
+    examples, skipped, first_skipped, seen = [], collections.Counter(), {}, {}
     try:
         with p.open(encoding="utf-8", newline="") as f:
             reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
@@ -109,6 +128,7 @@ def _read_tsv(path: str | pathlib.Path, spec: _TsvSpec) -> PairData:
             if header is None:
                 raise TaskDataError(f"{spec.task} file {p} is empty")
             a, b, label = _columns(header, spec, p)
+            key = header.index(spec.id_column) if spec.id_column in header else None
             for row in reader:
                 if not row:
                     continue  # blank line
@@ -119,8 +139,14 @@ def _read_tsv(path: str | pathlib.Path, spec: _TsvSpec) -> PairData:
                     problem, detail = f"with label {row[label]!r}", f"label {row[label]!r} is not one of {spec.labels}"
                 elif spec.skip_bad_rows and not (row[a].strip() and row[b].strip()):
                     problem = detail = "with an empty question"
+                elif key is not None and row[key] in seen:  # two predictions under one id would overwrite
+                    problem = f"with a repeated {spec.id_column}"
+                    detail = f"{spec.id_column} {row[key]!r} is also on line {seen[row[key]]}"
                 else:
-                    examples.append(PairExample(f"{p.name}:{reader.line_num}", row[a], row[b], label_ids[row[label]]))
+                    guid = row[key] if key is not None else f"{p.name}:{reader.line_num}"
+                    if key is not None:
+                        seen[guid] = reader.line_num
+                    examples.append(PairExample(guid, row[a], row[b], label_ids[row[label]]))
                     continue
                 if not spec.skip_bad_rows:
                     raise TaskDataError(f"{spec.task} file {p}, line {reader.line_num}: {detail}")

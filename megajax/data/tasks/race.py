@@ -6,6 +6,9 @@ question becomes one example with 4 rows ``[CLS] question+option [SEP] article [
 question+option is token type 0 and the article type 1): a question with a blank (``_``) has it filled with the
 option, any other gets the option appended after a space. Question+option keeps at most ``MAX_QA_LENGTH`` tokens
 and the article fills the rest of the row, cut from its end.
+
+A question is named ``file id:question index`` (the article's ``id``, e.g. ``high132.txt:0``), so predictions join
+with the release's files; an article without an ``id`` is named by ``level/file name``.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ MAX_QA_LENGTH = 128  # Megatron's cap on question+option tokens
 
 @dataclasses.dataclass(frozen=True)
 class ChoiceExample:
-    """One RACE question; ``qid`` is ``level/file name:question number``, ``label`` the right option (0-3)."""
+    """One RACE question; ``qid`` is ``file id:question index`` (module docstring), ``label`` the right option
+    (0-3)."""
 
     qid: str
     article: str
@@ -50,17 +54,22 @@ def read_race(split_dir: str | pathlib.Path) -> list[ChoiceExample]:
     if not present:
         raise TaskDataError(f"RACE split directory {root} has neither middle/ nor high/: give a split directory of "
                             "the official release, e.g. RACE/dev")
-    examples = []
+    examples, seen = [], {}
     for level in present:
         files = sorted((root / level).glob("*.txt"))
         if not files:
             raise TaskDataError(f"RACE directory {root / level} holds no *.txt article files")
         for path in files:
-            examples.extend(_read_article(path, level))
+            article_id, questions = _read_article(path, level)
+            if article_id in seen:  # two articles under one id would share their questions' prediction keys
+                raise TaskDataError(f"RACE files {seen[article_id]} and {path} have the same id {article_id!r}; "
+                                    "give each article its own id")
+            seen[article_id] = path
+            examples.extend(questions)
     return examples
 
 
-def _read_article(path: pathlib.Path, level: str) -> list[ChoiceExample]:
+def _read_article(path: pathlib.Path, level: str) -> tuple[str, list[ChoiceExample]]:
     record = read_json(path, "RACE")
     keys = ("article", "questions", "options", "answers")
     if not isinstance(record, dict) or any(k not in record for k in keys):
@@ -69,6 +78,9 @@ def _read_article(path: pathlib.Path, level: str) -> list[ChoiceExample]:
     if not (isinstance(questions, list) and isinstance(options, list) and isinstance(answers, list)
             and len(questions) == len(options) == len(answers)):
         raise TaskDataError(f"RACE file {path}: questions, options and answers must be lists of one length")
+    article_id = record.get("id")
+    if not isinstance(article_id, str) or not article_id:
+        article_id = f"{level}/{path.name}"
     out = []
     for i, (question, choices, answer) in enumerate(zip(questions, options, answers)):
         if not (isinstance(choices, list) and len(choices) == NUM_OPTIONS and all(isinstance(c, str) for c in choices)):
@@ -78,9 +90,9 @@ def _read_article(path: pathlib.Path, level: str) -> list[ChoiceExample]:
             raise TaskDataError(f"RACE file {path}, question {i}: answer {answer!r} is not one of A, B, C, D")
         if not isinstance(question, str) or not isinstance(record["article"], str):
             raise TaskDataError(f"RACE file {path}, question {i}: the article and the question must be strings")
-        out.append(ChoiceExample(f"{level}/{path.name}:{i}", record["article"], question, tuple(choices),
+        out.append(ChoiceExample(f"{article_id}:{i}", record["article"], question, tuple(choices),
                                  ANSWER_LETTERS.index(answer), level))
-    return out
+    return article_id, out
 
 
 def fill_blank(question: str, option: str) -> str:

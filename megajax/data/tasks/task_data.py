@@ -3,11 +3,16 @@
 Real tasks read the files users download (``megajax.data.tasks`` readers) with the model's WordPiece tokenizer;
 synthetic tasks are generated from ``data.seed`` over a small vocabulary, learnable from scratch by a tiny BERT, so
 tests and CPU runs fine-tune without downloads. Every row is ``[CLS] A [SEP] B [SEP]`` as in pretraining.
+
+What a reader leaves out (SQuAD training questions that would teach a wrong span, QQP's malformed rows) is counted
+in ``TaskData.report`` (the training start record shows it). A training file that loses more than
+``data.max_dropped_fraction`` of its questions or rows is refused, naming the first ids or lines and why.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 
 import ml_collections
@@ -15,6 +20,7 @@ import numpy as np
 
 from megajax.data.tasks import glue, race, squad
 from megajax.data.tasks.encoding import SPECIALS_PER_PAIR, EncodedTask, PackedPairs, Specials
+from megajax.data.tasks.files import TaskDataError
 from megajax.data.tasks.race import NUM_OPTIONS
 from megajax.data.tokenizer import load_tokenizer
 from megajax.errors import ConfigError
@@ -33,10 +39,13 @@ SYNTHETIC_SPECIALS = Specials(cls_id=1, sep_id=2, pad_id=0, vocab_size=FIRST_WOR
 
 @dataclasses.dataclass(frozen=True)
 class TaskData:
-    """The encoded rows of both splits."""
+    """The encoded rows of both splits; ``report``: per split ("train", "valid") the file read and what its
+    reader counted and left out (empty for synthetic tasks)."""
 
     train: EncodedTask
     valid: EncodedTask
+    report: dict = dataclasses.field(default_factory=dict)
+    tokenizer_fingerprint: str = ""  # the real tasks' tokenizer (tokenizer.vocabulary_fingerprint); "" synthetic
 
 
 def check_task(config: ml_collections.ConfigDict) -> None:
@@ -49,6 +58,8 @@ def check_task(config: ml_collections.ConfigDict) -> None:
     if d.task.startswith("synthetic") and (m.vocab_size < SYNTHETIC_SPECIALS.vocab_size or m.max_seq_len < 24):
         raise ConfigError(f"synthetic tasks need model.vocab_size >= {SYNTHETIC_SPECIALS.vocab_size} and "
                           f"model.max_seq_len >= 24; got {m.vocab_size} and {m.max_seq_len}")
+    if not 0.0 <= d.max_dropped_fraction <= 1.0:
+        raise ConfigError(f"data.max_dropped_fraction={d.max_dropped_fraction}: must be in [0, 1] (1 allows any)")
 
 
 def load_task(config: ml_collections.ConfigDict) -> TaskData:
@@ -74,13 +85,49 @@ def _read_task(config: ml_collections.ConfigDict) -> TaskData:
     paths = [pathlib.Path(d.task_dir).expanduser() / f for f in TASK_FILES[d.task]]
     if d.task in ("mnli", "qqp"):
         read = glue.read_mnli if d.task == "mnli" else glue.read_qqp
-        return TaskData(*(glue.featurize_pairs(read(p).examples, tokenizer, seq, f"{d.task}/{p.name}")
-                          for p in paths))
+        pairs = [read(p) for p in paths]
+        train = pairs[0]
+        skipped = sum(train.skipped.values())
+        _refuse_above(d.max_dropped_fraction, skipped, len(train.examples) + skipped, "rows",
+                      f"{d.task.upper()} file {paths[0]}", train.skipped_summary(),
+                      "check that it is GLUE's tab-separated file with its header line")
+        return TaskData(*(glue.featurize_pairs(data.examples, tokenizer, seq, f"{d.task}/{p.name}")
+                          for data, p in zip(pairs, paths)),
+                        _report(paths, [data.report() for data in pairs]), tokenizer.fingerprint)
     if d.task == "race":
-        return TaskData(*(race.featurize_race(race.read_race(p), tokenizer, seq, f"race/{p.name}") for p in paths))
-    return TaskData(*(squad.featurize_squad(squad.read_squad(p).examples, tokenizer, seq, training=training,
-                                            name=f"{d.task}/{p.name}").task
-                      for p, training in zip(paths, (True, False))))
+        splits = [race.read_race(p) for p in paths]
+        return TaskData(*(race.featurize_race(examples, tokenizer, seq, f"race/{p.name}")
+                          for examples, p in zip(splits, paths)),
+                        _report(paths, [{"questions": len(examples)} for examples in splits]), tokenizer.fingerprint)
+    features = [squad.featurize_squad(squad.read_squad(p).examples, tokenizer, seq, training=training,
+                                      name=f"{d.task}/{p.name}", source=f"SQuAD file {p}")
+                for p, training in zip(paths, (True, False))]
+    train = features[0]
+    _refuse_above(d.max_dropped_fraction, train.dropped, train.questions, "questions", f"SQuAD file {paths[0]}",
+                  train.drop_summary(), "answer_start must be the 0-based character offset of the answer's text "
+                  "in its context (a question no window holds needs a longer model.max_seq_len)")
+    return TaskData(features[0].task, features[1].task, _report(paths, [f.report() for f in features]),
+                    tokenizer.fingerprint)
+
+
+def _report(paths: list[pathlib.Path], counts: list[dict]) -> dict:
+    return {split: {"file": str(p), **c} for split, p, c in zip(("train", "valid"), paths, counts)}
+
+
+def _refuse_above(limit: float, dropped: int, total: int, unit: str, where: str, why: str, advice: str) -> None:
+    """Raises TaskDataError when ``dropped`` of ``total`` training ``unit`` exceed the fraction ``limit``."""
+    if dropped > limit * total:
+        raise TaskDataError(f"{where}: {dropped} of its {total} training {unit} ({100 * dropped / total:.1f}%) "
+                            f"cannot be used, more than data.max_dropped_fraction={limit:g}: {why}. {advice}; or "
+                            f"set --config.data.max_dropped_fraction={_enough(dropped, total)} to train on the rest")
+
+
+def _enough(dropped: int, total: int) -> str:
+    """``dropped / total`` rounded up to 2 significant digits: a data.max_dropped_fraction that lets the run
+    through."""
+    fraction = dropped / total
+    scale = 10.0 ** (1 - math.floor(math.log10(fraction)))
+    return f"{min(math.ceil(fraction * scale) / scale, 1.0):g}"
 
 
 def _words(rng: np.random.Generator, n: int | tuple[int, ...]) -> np.ndarray:
