@@ -55,16 +55,20 @@ def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
         raise ConfigError(str(e)) from e
 
 
-# config.model fields that fix the function a checkpoint's parameters compute (dropout, init_std and remat do not)
-MODEL_FIELDS = ("name", "vocab_size", "make_vocab_size_divisible_by", "num_layers", "hidden_size", "num_heads",
-                "max_seq_len", "mlp_ratio", "layernorm_eps", "post_layernorm", "activation", "num_token_types",
-                "num_classes")
+# config.model fields that say how a model trains, not what function its parameters compute; every other field
+# (a new family's too) must match for a checkpoint to be resumed
+TRAINING_ONLY_FIELDS = ("dropout", "init_std", "remat")
 
 
 def model_differences(saved: ml_collections.ConfigDict, requested: ml_collections.ConfigDict,
-                      fields: tuple[str, ...] = MODEL_FIELDS) -> list[str]:
-    """``"model.F: A saved, B here"`` for each of ``fields`` where two ``config.model`` sections differ."""
-    return [f"model.{f}: {saved[f]!r} saved, {requested[f]!r} here" for f in fields if saved[f] != requested[f]]
+                      fields: tuple[str, ...] | None = None) -> list[str]:
+    """``"model.F: A saved, B here"`` for each field where two ``config.model`` sections differ: ``fields``, or
+    every field of either but ``TRAINING_ONLY_FIELDS`` (the name first). A field one lacks reads as None."""
+    if fields is None:
+        names = (set(saved) | set(requested)) - set(TRAINING_ONLY_FIELDS)
+        fields = tuple(sorted(names, key=lambda f: (f != "name", f)))
+    return [f"model.{f}: {saved.get(f)!r} saved, {requested.get(f)!r} here" for f in fields
+            if saved.get(f) != requested.get(f)]
 
 
 def rules_of(config: ml_collections.ConfigDict) -> Rules:
