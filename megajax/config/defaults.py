@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from megajax.models import bert, gpt
 from megajax.parallel.sharding import MEGATRON_RULES
 
 
@@ -12,7 +13,7 @@ def base_config() -> ml_collections.ConfigDict:
     """Defaults shared by every GPT config (the paper's Section 4.2 where it says)."""
     c = ml_collections.ConfigDict()
     c.model = ml_collections.ConfigDict(dict(
-        name="gpt",
+        name=gpt.NAME,
         vocab_size=50257,
         make_vocab_size_divisible_by=1024,  # 128 x 8 (paper Section 5.1): 50257 -> 51200
         num_layers=12,
@@ -109,7 +110,7 @@ def base_config() -> ml_collections.ConfigDict:
 def bert_base_config() -> ml_collections.ConfigDict:
     """``base_config()`` with BERT's defaults (paper Section 4.2, following Lan et al. 2019 and Devlin et al.)."""
     c = base_config()
-    c.model.update(name="bert", vocab_size=30522, num_token_types=2, max_seq_len=512, activation="gelu",
+    c.model.update(name=bert.NAME, vocab_size=30522, num_token_types=2, max_seq_len=512, activation="gelu",
                    layernorm_eps=1e-12, post_layernorm=False)  # the paper's rearranged pre-LN (Figure 7b)
     c.train.update(steps=2_000_000, global_batch_size=1024)
     c.optimizer.update(lr=1e-4, min_lr=1e-5, warmup_steps=10_000, decay="linear")

@@ -105,8 +105,10 @@ def _bert_flops(cfg: TransformerConfig, rows: int, seq: int) -> float:
         6.0 * rows * seq * cfg.hidden_size**2
 
 
+NAME = "bert"  # config.model.name
+
 register(ModelSpec(
-    name="bert", module=BERT, objective=objectives.MLM_SOP, examples=formats.SENTENCE_PAIRS, flops=_bert_flops,
+    name=NAME, module=BERT, objective=objectives.MLM_SOP, examples=formats.SENTENCE_PAIRS, flops=_bert_flops,
     # the MLM logits, their exponentials, their gradient and the biased logits; the MLM transform's dense, GeLU
     # and LayerNorm double the hidden tensors
     head_memory=HeadMemory(vocab_logit_copies=4, hidden_tensors=16),

@@ -72,8 +72,10 @@ class GPT(nnx.Module):
         return mask_padded_vocab(logits, cfg.vocab_size), cache
 
 
+NAME = "gpt"  # config.model.name
+
 register(ModelSpec(
-    name="gpt", module=GPT, objective=objectives.LM, examples=formats.WINDOWS,
+    name=NAME, module=GPT, objective=objectives.LM, examples=formats.WINDOWS,
     # the output layer over the padded vocabulary at every position
     flops=lambda cfg, rows, seq: transformer_flops(rows, seq, cfg.num_layers, cfg.hidden_size,
                                                    cfg.padded_vocab_size),

@@ -191,12 +191,13 @@ def _train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> li
     latest = checkpointer.latest_step() if checkpointer else None
     # the step a resume reads (a restore_step that is not there is refused by resume, naming the steps there are)
     resume_dir = checkpointer.directory / str(restore_step or latest) if latest is not None else None
+    saved_config = saved_position = None
     if resume_dir is not None and resume_dir.is_dir():
         saved_config, saved_position = checkpointer.stored(int(resume_dir.name))
         _check_same_model(saved_config, config, resume_dir)
     data = load_dataset(config)  # data errors next, still before compiling
     config.data.tokenizer_fingerprint = tokenizer_fingerprint(data)  # stored with every checkpoint
-    if resume_dir is not None and resume_dir.is_dir():
+    if saved_config is not None:
         _check_same_tokenizer(saved_config, config.data.tokenizer_fingerprint, resume_dir)
     loader = make_loader(config, "train", data)
     valid = make_loader(config, "valid", data) if config.train.eval_batches else None
@@ -206,7 +207,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> li
               file=sys.stderr)
         checkpointer.close()
         return []
-    if resume_dir is not None and resume_dir.is_dir():  # the same data and batch, checked before compiling
+    if saved_position is not None:  # the same data and batch, checked before compiling
         loader.set_state(saved_position, config.train.allow_batch_size_change, config.data.allow_blend_change)
     init_from = config.init_from
     if init_from and latest is None:
