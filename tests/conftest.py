@@ -38,6 +38,7 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from megajax.config import base_config, bert_base_config, build_mesh, create_model, rules_of  # noqa: E402  # noqa: E402
+from megajax.models import llama  # noqa: E402
 from megajax.parallel.partition import shardings  # noqa: E402
 
 MESHES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 4), (4, 2)]
@@ -130,14 +131,22 @@ def train_config(data: int = 1, model: int = 1, steps: int = 5, dropout: float =
 
 def choice_config(choice: str | None, data: int, model: int, steps: int = 3, name: str = "gpt",
                   remat: str = "none", gradient_step: bool = False):
-    """The small model (``name``: gpt, or a BERT of the same sizes) on random data with ``parallel.<flag>`` on for
-    each flag of ``choice`` ('+'-joined, e.g. 'fsdp+sequence'). ``gradient_step``: AdamW with eps >> |g|, so one
+    """The small model (``name``: gpt, or a BERT or Llama of the same sizes) on random data with
+    ``parallel.<flag>`` on for each flag of ``choice`` ('+'-joined, e.g. 'fsdp+sequence'). ``gradient_step``: AdamW with eps >> |g|, so one
     step changes each parameter by lr / eps x its gradient (runs on different meshes then compare at 1e-5)."""
     c = small_config(data=data, model=model)
     if name == "bert":
         b = bert_base_config()
         b.model.update(vocab_size=1000, make_vocab_size_divisible_by=128, num_layers=2, hidden_size=64, num_heads=8,
                        max_seq_len=32, dropout=0.0, remat="none")
+        b.mesh = c.mesh
+        c = b
+    elif name == "llama":  # 2 key/value heads: split on mesh.model=2, replicated on 4 and 8; untied; Llama 3 rope
+        b = base_config()
+        b.model.update(llama.model_fields(
+            vocab_size=1000, make_vocab_size_divisible_by=128, num_layers=2, hidden_size=64, num_heads=8,
+            num_kv_heads=2, ffn_hidden_size=96, max_seq_len=32, remat="none", rope_scaling="llama3",
+            rope_original_max_len=8))
         b.mesh = c.mesh
         c = b
     for flag in choice.split("+") if choice else ():

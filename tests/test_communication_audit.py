@@ -129,10 +129,11 @@ def test_comm_report_cli(capsys):
     assert budget["data-parallel gradients"][2] == "1.0000" and "other" not in budget
 
 
-@pytest.mark.parametrize("name", ["gpt", "bert"])
+@pytest.mark.parametrize("name", ["gpt", "bert", "llama"])
 @pytest.mark.parametrize("data, model_axis", [(1, 2), (1, 4), (1, 8), (2, 4), (4, 2)])
 def test_training_step_communicates_exactly_the_minimum(name, data, model_axis):
-    """The whole compiled training step (forward, backward, clipping, AdamW) of the small GPT and BERT: every
+    """The whole compiled training step (forward, backward, clipping, AdamW) of the small GPT, BERT and Llama (2
+    key/value heads: replicated on 1x4, 1x8 and 2x4, their own category, module docstring of comm_budget): every
     category's bytes equal Megatron's analytic minimum on each mesh, ratio 1.0000; on `data` every gradient element is
     reduced once (the tied word embedding's lookup and output-layer contributions summed first). Selective
     recomputation communicates exactly as none (test_sharded_optimizer.py); with it these runs are the ones the
@@ -191,3 +192,24 @@ def test_train_step_reduces_the_gradient_norm_once(monkeypatch):
         ("all-reduce", model, B * S * H): 2 * (2 * L + 1), ("all-reduce", model, B * S): 3}
     assert set(with_clip) - {("all-reduce", model, B * S * H), ("all-reduce", model, B * S)} == {
         ("all-reduce", model, 1)}
+
+
+def test_llama_layers_communicate_as_gpt_blocks():
+    """Llama's step on 1x4 (its 2 key/value heads replicated): per layer the two all-reduces of b x s x h forward
+    and two backward (query and key/value fused into one column-parallel GEMM, gate and up too, so each input
+    gradient is one all-reduce), the lookup and the untied output layer's input gradient, the three per-token loss
+    reductions, and per layer the grouped all-reduce (2 shards share each head) and the gather of the key/value
+    heads' gradient; nothing else over `model`, nothing of the logits' size."""
+    run = one_step_run(None, 1, 4, "llama", "selective")
+    colls = collectives(run.step_fn.as_text(), run.mesh)
+    b, s, h, layers, kv_head = 8, 32, 64, 2, 64 * 2 * 8
+    over_model = {k: v for k, v in summary(colls).items() if k[1] == ("model",) and k[3] > 1}
+    assert over_model == {
+        ("all-reduce", ("model",), "forward", b * s * h): 2 * layers + 1,
+        ("all-reduce", ("model",), "backward", b * s * h): 2 * layers + 1,
+        ("all-reduce", ("model",), "forward", b * s): 3,
+        ("all-reduce", ("model",), "backward", kv_head): layers,
+        ("all-gather", ("model",), "backward", 2 * kv_head): layers,
+    }
+    assert {c.group_size for c in colls if c.elements in (kv_head, 2 * kv_head)} == {2}
+    assert max(c.elements for c in colls) < b * s * 1024 // 4

@@ -42,16 +42,18 @@ def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
     precision = resolve_precision(config.train.precision)
     if precision not in _PRECISION_DTYPES:
         raise ConfigError(f"train.precision={precision!r}; choose one of {sorted(_PRECISION_DTYPES)}")
+    # every TransformerConfig field config.model sets (a new family's options need no list here)
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)} - {"padded_vocab_size", "dtype"}
+    unknown = set(m) - fields - {"name", "make_vocab_size_divisible_by"}
+    if unknown:
+        raise ConfigError(f"config.model has no field {', '.join(sorted(unknown))}; the model's fields are "
+                          f"{', '.join(sorted(fields | {'name', 'make_vocab_size_divisible_by'}))}")
     try:
         return TransformerConfig(
-            vocab_size=m.vocab_size,
+            **{f: m[f] for f in fields if f in m},
             padded_vocab_size=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by),
-            num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads, max_seq_len=m.max_seq_len,
-            mlp_ratio=m.mlp_ratio, dropout=m.dropout, init_std=m.init_std, layernorm_eps=m.layernorm_eps,
-            dtype=_PRECISION_DTYPES[precision], remat=m.remat, post_layernorm=m.post_layernorm,
-            activation=m.activation, num_token_types=m.num_token_types,
-            num_classes=m.num_classes)
-    except ValueError as e:
+            dtype=_PRECISION_DTYPES[precision])
+    except (ValueError, TypeError) as e:
         raise ConfigError(str(e)) from e
 
 
@@ -79,6 +81,11 @@ def rules_of(config: ml_collections.ConfigDict) -> Rules:
     rules = tuple((str(k), None if v is None else str(v)) for k, v in config.sharding.rules)
     if config.parallel.sequence:
         rules = tuple((k, "model" if k == SEQUENCE_PARALLEL_NAME else v) for k, v in rules)
+    try:  # what the model leaves unsplit on this many model shards (replicated key/value heads)
+        overrides = model_config(config).rule_overrides(config.mesh.model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    rules = tuple((k, overrides.get(k, v)) for k, v in rules)
     for name, axis in rules:
         if axis is not None and axis not in MESH_AXES:
             raise ShardingConfigError(f"sharding rule ({name!r}, {axis!r}) names no mesh axis; use one of "
@@ -113,8 +120,12 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
                           f"must hold whole heads; pick mesh.model from the divisors of {m.num_heads}")
     if m.hidden_size % tp:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by mesh.model={tp}")
-    if (m.mlp_ratio * m.hidden_size) % tp:
-        raise ConfigError(f"the MLP width {m.mlp_ratio * m.hidden_size} is not divisible by mesh.model={tp}")
+    if cfg.ffn_size % tp:
+        raise ConfigError(f"the MLP width {cfg.ffn_size} is not divisible by mesh.model={tp}")
+    try:
+        cfg.kv_replicated(tp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     padded = cfg.padded_vocab_size
     if padded % tp:
         raise ConfigError(f"the padded vocabulary {padded} (model.make_vocab_size_divisible_by="

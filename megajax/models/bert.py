@@ -18,7 +18,14 @@ from flax import nnx
 from megajax.data import formats
 from megajax.models import objectives
 from megajax.models.spec import HeadMemory, ModelSpec, register, transformer_flops
-from megajax.models.transformer import TransformerConfig, make_blocks, padding_mask, run_blocks
+from megajax.models.transformer import (
+    LLAMA_OPTIONS,
+    TransformerConfig,
+    make_blocks,
+    padding_mask,
+    refuse_options,
+    run_blocks,
+)
 from megajax.parallel.layers import ACTIVATIONS, Dense, LayerNorm, VocabParallelEmbedding, dropout, make_param
 from megajax.parallel.losses import mask_padded_vocab
 from megajax.parallel.sharding import RESIDUAL, constrain, param_at_use
@@ -34,6 +41,7 @@ class BERTEncoder(nnx.Module):
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         if cfg.num_token_types < 1:
             raise ValueError("BERT needs model.num_token_types >= 1 (2 for sentence pairs)")
+        refuse_options(cfg, "BERT", LLAMA_OPTIONS)
         self.cfg = cfg
         dt, h, std = cfg.compute_dtype, cfg.hidden_size, cfg.init_std
         self.wte = VocabParallelEmbedding(cfg.padded_vocab_size, h, std=std, dtype=dt, rngs=rngs)

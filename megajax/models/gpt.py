@@ -13,7 +13,15 @@ from flax import nnx
 from megajax.data import formats
 from megajax.models import objectives
 from megajax.models.spec import HeadMemory, ModelSpec, register, transformer_flops
-from megajax.models.transformer import KVCache, TransformerConfig, causal_mask, make_blocks, run_blocks
+from megajax.models.transformer import (
+    LLAMA_OPTIONS,
+    KVCache,
+    TransformerConfig,
+    causal_mask,
+    make_blocks,
+    refuse_options,
+    run_blocks,
+)
 from megajax.parallel.layers import LayerNorm, VocabParallelEmbedding, dropout, make_param
 from megajax.parallel.losses import mask_padded_vocab
 from megajax.parallel.sharding import RESIDUAL, constrain, param_at_use
@@ -26,6 +34,7 @@ class GPT(nnx.Module):
         if cfg.post_layernorm or cfg.num_token_types:
             raise ValueError("GPT is pre-LN with no token types: set model.post_layernorm=False and "
                              "model.num_token_types=0")
+        refuse_options(cfg, "GPT", LLAMA_OPTIONS)
         self.cfg = cfg
         dt = cfg.compute_dtype
         self.wte = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, std=cfg.init_std, dtype=dt,

@@ -22,6 +22,17 @@ def transformer_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int
     return 72.0 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
 
 
+def decoder_flops(batch: int, seq: int, layers: int, hidden: int, kv_width: int, mlp_width: int,
+                  vocab: int) -> float:
+    """The same count for other block shapes: 3 (forward + backward) x 2 FLOPs per multiply-add of the query and
+    output projections (h x h each), the key/value projections (h x ``kv_width``: 2h for multi-head attention,
+    less with grouped-query heads), the MLP's GEMMs (h x ``mlp_width`` summed over them: 8h for GPT's 4h MLP, 3 ffn
+    for SwiGLU), the attention scores and context (2 s h each) and the output layer (h x vocab). With
+    ``kv_width=2h, mlp_width=8h`` it is ``transformer_flops``."""
+    per_token_layer = 2 * hidden * (2 * hidden + kv_width + mlp_width) + 4 * seq * hidden
+    return 3.0 * batch * seq * (layers * per_token_layer + 2 * hidden * vocab)
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadMemory:
     """What the model's output head holds when the backward pass starts (``tools.memory_planner.head_bytes``)."""

@@ -25,8 +25,9 @@ from megajax.parallel.layers import (
 from megajax.parallel.sharding import RESIDUAL, constrain, keep_all_but_gathered, params_split
 
 REMAT_POLICIES = ("none", "full", "save_dots", "selective")
-LayerCache = tuple[jax.Array, jax.Array]  # one layer's (keys, values), (B, S_max, N, D) each
-KVCache = tuple[jax.Array, jax.Array]  # all layers' (keys, values), (L, B, S_max, N, D) each
+ROPE_SCALINGS = ("none", "llama3")
+LayerCache = tuple[jax.Array, jax.Array]  # one layer's (keys, values), (B, S_max, N_kv, D) each
+KVCache = tuple[jax.Array, jax.Array]  # all layers' (keys, values), (L, B, S_max, N_kv, D) each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,16 @@ class TransformerConfig:
     activation: str = "gelu_tanh"  # gelu_tanh (GPT-2, Megatron's fused bias-GeLU) | gelu (erf, BERT)
     num_token_types: int = 0  # BERT's segment embeddings (2); 0 = none
     num_classes: int = 2  # BERT classifier outputs (MNLI 3, QQP 2); other models ignore it
+    # Llama's options (models/llama.py; GPT and BERT refuse values other than these defaults)
+    num_kv_heads: int = 0  # grouped-query attention's key/value heads; 0: num_heads (multi-head attention)
+    ffn_hidden_size: int = 0  # the MLP's width; 0: mlp_ratio * hidden_size
+    rope_theta: float = 10000.0  # rotary embeddings' base
+    rope_scaling: str = "none"  # none | llama3 (Llama 3.1's frequency scaling, the four rope_* fields below)
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    tie_embeddings: bool = True  # the output layer is the word embedding (False: its own vocab-parallel rows)
 
     def __post_init__(self):
         for field in ("vocab_size", "num_layers", "hidden_size", "num_heads", "max_seq_len", "mlp_ratio"):
@@ -66,6 +77,39 @@ class TransformerConfig:
             raise ValueError(f"model.remat={self.remat!r}; choose one of {REMAT_POLICIES}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"model.activation={self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
+        if self.num_kv_heads < 0 or self.ffn_hidden_size < 0:
+            raise ValueError("model.num_kv_heads and model.ffn_hidden_size must be >= 0 (0: the default)")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(f"model.num_kv_heads={self.num_kv_heads} does not divide model.num_heads="
+                             f"{self.num_heads}: each key/value head serves a whole group of query heads")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"model.rope_scaling={self.rope_scaling!r}; choose one of {ROPE_SCALINGS}")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (grouped-query attention; ``num_heads`` for multi-head attention)."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def ffn_size(self) -> int:
+        """The MLP's hidden width."""
+        return self.ffn_hidden_size or self.mlp_ratio * self.hidden_size
+
+    def kv_replicated(self, tp: int) -> bool:
+        """Whether ``tp`` model shards replicate the key/value heads (more shards than heads, Megatron's rule for
+        grouped-query attention) rather than split them; ValueError where neither divides the other."""
+        if self.kv_heads % tp == 0:
+            return False
+        if tp % self.kv_heads == 0:
+            return True
+        raise ValueError(f"mesh.model={tp} neither divides model.num_kv_heads={self.kv_heads} (each shard holds "
+                         f"whole key/value heads) nor is a multiple of it (each head replicated on the shards "
+                         f"that share it): pick mesh.model from the divisors or multiples of {self.kv_heads}")
+
+    def rule_overrides(self, tp: int) -> dict[str, str | None]:
+        """Logical names the rules must leave unsplit on ``tp`` model shards: ``kv_heads`` where they are replicated
+        (``kv_replicated``); each shard then uses its copy of its group's head."""
+        return {"kv_heads": None} if self.kv_replicated(tp) else {}
 
     @property
     def head_dim(self) -> int:
@@ -74,6 +118,19 @@ class TransformerConfig:
     @property
     def compute_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.dtype)
+
+
+def refuse_options(cfg: TransformerConfig, model: str, fields: tuple[str, ...]) -> None:
+    """ValueError naming the ``fields`` of ``cfg`` set away from their defaults: options ``model`` does not have."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
+    changed = [f"model.{f}={getattr(cfg, f)!r}" for f in fields if getattr(cfg, f) != defaults[f]]
+    if changed:
+        raise ValueError(f"{model} has no {', '.join(changed)}: leave {'them' if len(changed) > 1 else 'it'} at "
+                         "the default, or pick a model that has the option (model.name=llama)")
+
+
+# the options of Llama's decoder the GPT-2 and BERT blocks do not implement (rotary positions, grouped-query heads)
+LLAMA_OPTIONS = ("num_kv_heads", "rope_theta", "rope_scaling", "tie_embeddings")
 
 
 def causal_mask(q_positions: jax.Array, kv_len: int) -> jax.Array:
@@ -132,25 +189,35 @@ def attention_implementation(dtype: jnp.dtype, head_dim: int, dropout: bool, len
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, key: jax.Array | None,
                    rate: float) -> jax.Array:
     """softmax(q k^T / sqrt(d)) v under ``mask``, with dropout on the probabilities: (B, S, N, D) -> (B, S, N, D).
-    Its (B, N, S, S_kv) intermediates are what ``remat=selective`` recomputes instead of keeping (cuDNN's flash
-    attention, where ``attention_implementation`` picks it, never makes them)."""
+    Keys and values may have fewer heads, N_kv dividing N (grouped-query attention): query head n reads key/value
+    head n // (N / N_kv). Its (B, N, S, S_kv) intermediates are what ``remat=selective`` recomputes instead of
+    keeping (cuDNN's flash attention, where ``attention_implementation`` picks it, never makes them)."""
     dropout_on = key is not None and rate > 0.0
     if attention_implementation(q.dtype, q.shape[-1], dropout_on, (q.shape[1], k.shape[1])) == "cudnn":
         mask = jnp.broadcast_to(mask, (*mask.shape[:2], q.shape[1], k.shape[1]))
         return jax.nn.dot_product_attention(q, k, v.astype(q.dtype), mask=mask, implementation="cudnn")
     scale = jnp.sqrt(q.shape[-1]).astype(jnp.float32)
-    scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(jnp.float32) / scale  # (B, N, S, S_kv)
+    b, s, n, d = q.shape
+    groups = n // k.shape[2]
+    if groups == 1:
+        scores = jnp.einsum("bqnd,bknd->bnqk", q, k)
+    else:  # (B, S, N_kv, N/N_kv, D): each key/value head meets its group of query heads, nothing is repeated
+        scores = jnp.einsum("bqcgd,bkcd->bcgqk", q.reshape(b, s, -1, groups, d), k).reshape(b, n, s, -1)
+    scores = scores.astype(jnp.float32) / scale  # (B, N, S, S_kv)
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     probs = dropout(probs, rate, key)
-    return jnp.einsum("bnqk,bknd->bqnd", probs, v.astype(q.dtype))  # (B, S, N, D)
+    if groups == 1:
+        return jnp.einsum("bnqk,bknd->bqnd", probs, v.astype(q.dtype))  # (B, S, N, D)
+    out = jnp.einsum("bcgqk,bkcd->bqcgd", probs.reshape(b, -1, groups, s, probs.shape[-1]), v.astype(q.dtype))
+    return out.reshape(b, s, n, d)
 
 
 class MLP(nnx.Module):
     """H -> 4H (column-parallel) -> GeLU -> H (row-parallel)."""
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
-        dt, h, f = cfg.compute_dtype, cfg.hidden_size, cfg.mlp_ratio * cfg.hidden_size
+        dt, h, f = cfg.compute_dtype, cfg.hidden_size, cfg.ffn_size
         self.act = ACTIVATIONS[cfg.activation]
         self.up = ColumnParallelLinear(h, (f,), ("embed", "mlp"), std=cfg.init_std, dtype=dt, rngs=rngs)
         self.down = RowParallelLinear((f,), h, ("mlp", "embed"),
@@ -186,13 +253,14 @@ class Block(nnx.Module):
         return constrain(x, RESIDUAL), cache
 
 
-def make_blocks(cfg: TransformerConfig, rngs: nnx.Rngs) -> Block:
-    """``cfg.num_layers`` blocks stacked on a leading ``layers`` axis, each with its own initialisation."""
+def make_blocks(cfg: TransformerConfig, rngs: nnx.Rngs, block: type[nnx.Module] = Block) -> nnx.Module:
+    """``cfg.num_layers`` blocks (``block(cfg, rngs=...)``, called as ``Block`` is) stacked on a leading ``layers``
+    axis, each with its own initialisation."""
 
     @nnx.split_rngs(splits=cfg.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def make(rngs: nnx.Rngs) -> Block:
-        return Block(cfg, rngs=rngs)
+    def make(rngs: nnx.Rngs) -> nnx.Module:
+        return block(cfg, rngs=rngs)
 
     return make(rngs)
 
@@ -202,12 +270,12 @@ def _remat_policy(name: str):
             "none": keep_all_but_gathered}[name]  # FSDP without remat: re-gather, keep the rest
 
 
-def run_blocks(blocks: Block, cfg: TransformerConfig, x: jax.Array, mask: jax.Array, dropout_key: jax.Array | None,
+def run_blocks(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask: jax.Array, dropout_key: jax.Array | None,
                cache: KVCache | None = None, index: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
     """Runs the stacked blocks over ``x`` (B, S, H) with ``nnx.scan`` (and ``nnx.remat`` per ``cfg.remat``)."""
     layer_keys = jax.random.split(dropout_key, cfg.num_layers) if dropout_key is not None else None
 
-    def step(block: Block, h: jax.Array, key: jax.Array | None, layer_cache: LayerCache | None):
+    def step(block: nnx.Module, h: jax.Array, key: jax.Array | None, layer_cache: LayerCache | None):
         return block(h, mask, key, layer_cache, index)
 
     if cfg.remat in ("full", "save_dots"):  # selective: inside SelfAttention

@@ -57,34 +57,51 @@ class ColumnParallelLinear(nnx.Module):
     """
 
     def __init__(self, in_features: int, out_shape: Shape, names: Sequence[str], *, std: float,
-                 dtype: jnp.dtype, rngs: nnx.Rngs):
+                 dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = True):
         self.dtype = dtype
         self.names = tuple(names)
         self.kernel = make_param(rngs, nnx.initializers.normal(std), (in_features, *out_shape), names)
-        self.bias = make_param(rngs, nnx.initializers.zeros, tuple(out_shape), names[1:])
+        self.bias = make_param(rngs, nnx.initializers.zeros, tuple(out_shape), names[1:]) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:  # (..., in) -> (..., *out_shape)
-        axis, kernel, bias = sequence_axis(), self.kernel_at_use(), self.bias_at_use()
-        if axis is None:
-            return self.apply(x, kernel, bias)
-
-        def gathered(x, kernel, bias):  # per device: (B, S/t, H) -> (B, S, *out_shape / t)
-            return self.apply(jax.lax.all_gather(x, axis, axis=SEQUENCE_DIM, tiled=True), kernel, bias)
-
-        return on_shards(gathered, (x, kernel, bias), (RESIDUAL, self.names, self.names[1:]),
-                         ("batch", "seq", *self.names[1:]))
+        return column_parallel(x, self.kernel_at_use(), self.bias_at_use(), self.names, self.dtype)
 
     def kernel_at_use(self) -> jax.Array:
         """The kernel as the rules lay it out (gathered over ``data`` under ``parallel.fsdp``)."""
         return param_at_use(self.kernel[...], self.names)
 
-    def bias_at_use(self) -> jax.Array:
-        """The bias as the rules lay it out (gathered over ``data`` under ``parallel.fsdp``)."""
-        return param_at_use(self.bias[...], self.names[1:])
+    def bias_at_use(self) -> jax.Array | None:
+        """The bias as the rules lay it out (gathered over ``data`` under ``parallel.fsdp``); None without one."""
+        return None if self.bias is None else param_at_use(self.bias[...], self.names[1:])
 
-    def apply(self, x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
-        """``x @ kernel + bias`` in the compute dtype."""
-        return _tensordot_last(x.astype(self.dtype), kernel.astype(self.dtype), 1) + bias.astype(self.dtype)
+    def apply(self, x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+        """``x @ kernel (+ bias)`` in the compute dtype."""
+        return _affine(x, kernel, bias, self.dtype)
+
+
+def _affine(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
+    y = _tensordot_last(x.astype(dtype), kernel.astype(dtype), 1)
+    return y if bias is None else y + bias.astype(dtype)
+
+
+def column_parallel(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, names: Sequence[str | None],
+                    dtype: jnp.dtype) -> jax.Array:
+    """``x @ kernel (+ bias)`` for a kernel laid out by its logical ``names`` (the first: its input dimension), the
+    output split like the kernel's columns: ``ColumnParallelLinear``'s product, also for kernels a model assembles
+    at use (several projections of one input fused into one GEMM, so its input gradient is one all-reduce). Under
+    sequence parallelism the input (B, S/t, H) is all-gathered to (B, S, H) first."""
+    axis = sequence_axis()
+    if axis is None:
+        return _affine(x, kernel, bias, dtype)
+
+    def gathered(x, kernel, *bias):  # per device: (B, S/t, H) -> (B, S, *out_shape / t)
+        return _affine(jax.lax.all_gather(x, axis, axis=SEQUENCE_DIM, tiled=True), kernel, bias[0] if bias else None,
+                       dtype)
+
+    args, arg_names = (x, kernel), (RESIDUAL, tuple(names))
+    if bias is not None:
+        args, arg_names = (*args, bias), (*arg_names, tuple(names[1:]))
+    return on_shards(gathered, args, arg_names, ("batch", "seq", *names[1:]))
 
 
 class Dense(ColumnParallelLinear):
@@ -105,12 +122,12 @@ class RowParallelLinear(nnx.Module):
     """
 
     def __init__(self, in_shape: Shape, out_features: int, names: Sequence[str], *, std: float,
-                 dtype: jnp.dtype, rngs: nnx.Rngs):
+                 dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = True):
         self.dtype = dtype
         self.n_in = len(in_shape)
         self.names = tuple(names)
         self.kernel = make_param(rngs, nnx.initializers.normal(std), (*in_shape, out_features), names)
-        self.bias = make_param(rngs, nnx.initializers.zeros, (out_features,), names[-1:])
+        self.bias = make_param(rngs, nnx.initializers.zeros, (out_features,), names[-1:]) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:  # (..., *in_shape) -> (..., out)
         axis, kernel = sequence_axis(), param_at_use(self.kernel[...], self.names)
@@ -122,6 +139,8 @@ class RowParallelLinear(nnx.Module):
                                             tiled=True)
 
             y = on_shards(scattered, (x, kernel), (("batch", "seq", *self.names[:-1]), self.names), RESIDUAL)
+        if self.bias is None:
+            return y
         return y + param_at_use(self.bias[...], self.names[-1:]).astype(self.dtype)
 
     def partial(self, x: jax.Array, kernel: jax.Array) -> jax.Array:

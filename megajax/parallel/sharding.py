@@ -38,6 +38,9 @@ MEGATRON_RULES: Rules = (
     ("position", None),  # learned position embeddings: replicated
     ("token_type", None),  # BERT's segment embeddings: replicated
     ("heads", "model"),  # QKV columns / attention-out rows: whole heads per shard
+    # grouped-query attention's key/value heads (Llama): split like the query heads where mesh.model divides
+    # them; a model whose KV heads are fewer replicates them (TransformerConfig.rule_overrides)
+    ("kv_heads", "model"),
     ("qkv", None),
     ("head_dim", None),
     ("mlp", "model"),  # MLP-up columns / MLP-down rows
@@ -225,6 +228,15 @@ def replicas(batch: int) -> int:
         return 1
     d = math.prod(mesh.shape[a] for a in entry_axes(dict(rules).get("batch")))
     return d if batch % d == 0 else 1
+
+
+def mesh_size(name: str) -> int:
+    """The size of the mesh axes the logical ``name`` maps to under the active rules; 1 outside ``activate``."""
+    rules = _ACTIVE_RULES.get()
+    mesh = jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty:
+        return 1
+    return math.prod(mesh.shape[a] for a in entry_axes(dict(rules).get(name)))
 
 
 def sequence_axis() -> str | None:

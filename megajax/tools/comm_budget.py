@@ -33,6 +33,14 @@ reduce-scatter's result, the all-gather's input):
   ``model`` once per micro-batch (LayerNorms, row-parallel biases, BERT's MLM transform and segment embeddings),
   and the position embeddings' b-summed gradient, whose rows follow the sequence: an all-gather of s x h / t.
 
+Grouped-query attention with more model shards than key/value heads (Llama; ``TransformerConfig.kv_replicated``)
+keeps each key/value weight whole on every shard, and each shard uses the head its query heads share. Its own
+category, per micro-batch and layer: the gradient of that one head (h x 2 x head_dim) all-reduced over exactly the
+t / kv shards that share it, then the kv heads all-gathered (shard: one head) so every shard holds the whole
+gradient again, as its stored weight is whole. Megatron stores only the shard's head and needs no gather; the
+gather buys a checkpoint whose layout does not depend on the mesh. Over ``data`` each shard reduces its one head,
+as Megatron does, so the data-parallel minimum counts the key/value weight as one head per shard.
+
 On a ring the pair moves what the all-reduce did: an all-reduce of N sends 2 (t-1)/t N per device, a
 reduce-scatter and an all-gather of shard N/t send (t-1) N/t each (``Budget.tensor_ring_bytes``).
 """
@@ -51,7 +59,7 @@ from megajax.parallel.sharding import spec_axes
 
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "pred": 1}
 CATEGORIES = ("tensor-parallel forward", "tensor-parallel backward", "loss", "data-parallel gradients",
-              "data-parallel parameter gathers", "sequence-parallel extra", "other")
+              "data-parallel parameter gathers", "sequence-parallel extra", "replicated key/value heads", "other")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +83,7 @@ class Shape:
     sequence_grad_elements: int = 0
     pooled_rows: int = 0
     gathered_shard_elements: int = 0  # parameter shards all-gathered over data per step (ZeRO-1, FSDP)
+    kv_head_elements: int = 0  # replicated key/value heads: one head's weight per layer (h x 2 x head_dim); else 0
 
 
 def minimum(shape: Shape) -> dict[str, int]:
@@ -94,6 +103,8 @@ def minimum(shape: Shape) -> dict[str, int]:
             out["tensor-parallel forward"] = (2 * shape.layers + 1) * act
             out["tensor-parallel backward"] = (2 * shape.layers + 1 + recompute) * act
         out["loss"] = 3 * b * s * 4 * n  # the cross-entropy runs in fp32
+        # per layer: the grouped all-reduce of the shard's head, the all-gather of one head per group (fp32)
+        out["replicated key/value heads"] = 2 * shape.layers * shape.kv_head_elements * 4 * n
     if shape.data > 1:
         out["data-parallel gradients"] = shape.local_grad_elements * 4
         out["data-parallel parameter gathers"] = shape.gathered_shard_elements * 4  # fp32 masters
@@ -117,6 +128,10 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
             out[f"tensor-parallel {c.phase}"] += size
         elif c.op == "all-reduce" and over_model and c.shape[:2] == (shape.micro_batch, shape.seq):
             out["loss"] += size  # (b, s) or (b, s, 1): one value per token
+        elif over_model and shape.kv_head_elements and c.phase == "backward" and (
+                (c.op == "all-reduce" and c.elements == shape.kv_head_elements) or
+                (c.op == "all-gather" and c.shard_elements == shape.kv_head_elements)):
+            out["replicated key/value heads"] += size
         elif shape.sequence and c.op == "all-reduce" and over_model and c.phase == "forward" and \
                 c.elements == shape.pooled_rows * shape.hidden:
             out["tensor-parallel forward"] += size
@@ -186,13 +201,17 @@ def step_shape(run) -> Shape:
     spec = run.spec
     params = run.abstract_state.params
     local = sum(model_shard_elements(a) for a in jax.tree.leaves(params))
+    cfg, kv_head = spec.model, 0
+    if spec.tensor > 1 and cfg.kv_replicated(spec.tensor):
+        kv_head = cfg.hidden_size * 2 * cfg.head_dim
+        local -= cfg.num_layers * kv_head * (cfg.kv_heads - 1)  # each shard reduces its own head over data
     return Shape(micro_batch=spec.micro_batch, num_micro=spec.num_micro, seq=spec.model.max_seq_len,
                  hidden=spec.model.hidden_size, layers=spec.model.num_layers, tensor=spec.tensor, data=spec.data,
                  activation_bytes=np.dtype(spec.model.compute_dtype).itemsize, local_grad_elements=local,
                  remat=spec.model.remat, sequence=spec.sequence,
                  sequence_grad_elements=sequence_grad_elements(params, spec.tensor, spec.model_spec)
                  if spec.sequence else 0, pooled_rows=spec.model_spec.pooled_rows * spec.micro_batch,
-                 gathered_shard_elements=gathered_shard_elements(run))
+                 gathered_shard_elements=gathered_shard_elements(run), kv_head_elements=kv_head)
 
 
 def gathered_shard_elements(run) -> int:

@@ -1,0 +1,20 @@
+"""Llama 2 7B (Touvron et al. 2023): 32 layers, hidden 4096, 32 heads (multi-head attention), SwiGLU 11008,
+vocabulary 32000, untied output, 4096 positions; the paper's optimizer settings.
+
+Command:  python train.py --config=configs/llama2_7b.py --config.data.source=indexed --config.data.path=PREFIX
+Expect:   6,738,415,616 parameters (the published count); mesh.model=8 puts 4 heads on each GPU of a node.
+          From Hugging Face weights: python -m megajax.convert hf-to-megajax --hf=DIR --output=OUT, then
+          --config.init_from=OUT (docs/llama.md).
+"""
+
+from megajax.config import base_config
+from megajax.models import llama
+
+
+def get_config():
+    c = base_config()
+    c.model.update(llama.model_fields())
+    c.mesh.model = 8
+    c.train.update(steps=500_000, global_batch_size=1024, precision="bf16")  # 4M tokens per step
+    c.optimizer.update(lr=3e-4, min_lr=3e-5, warmup_steps=2000, b2=0.95, eps=1e-5, weight_decay=0.1)
+    return c

@@ -1,0 +1,19 @@
+"""Llama 3 8B (Dubey et al. 2024): 32 layers, hidden 4096, 32 query heads sharing 8 key/value heads, SwiGLU
+14336, vocabulary 128256, untied output, rope theta 500000, 8192 positions.
+
+Command:  python train.py --config=configs/llama3_8b.py --config.data.source=indexed --config.data.path=PREFIX
+Expect:   8,030,261,248 parameters (the published count); on mesh.model=8 each GPU holds one key/value head.
+"""
+
+from megajax.config import base_config
+from megajax.models import llama
+
+
+def get_config():
+    c = base_config()
+    c.model.update(llama.model_fields(vocab_size=128256, num_kv_heads=8, ffn_hidden_size=14336, rope_theta=500000.0,
+                                      max_seq_len=8192))
+    c.mesh.model = 8
+    c.train.update(steps=500_000, global_batch_size=512, precision="bf16")  # 4M tokens per step
+    c.optimizer.update(lr=3e-4, min_lr=3e-5, warmup_steps=2000, b2=0.95, eps=1e-5, weight_decay=0.1)
+    return c

@@ -1,0 +1,23 @@
+"""Llama 3.2 1B: 16 layers, hidden 2048, 32 query heads sharing 8 key/value heads, SwiGLU 8192, vocabulary 128256,
+output tied to the embedding, rope theta 500000 with Llama 3's frequency scaling (factor 32, original 8192).
+
+Command:  python train.py --config=configs/llama3p2_1b.py --config.data.source=indexed --config.data.path=PREFIX
+Expect:   1,235,814,400 parameters (the published count). Windows of 8192 tokens; the released model reads up to
+          131072 (--config.model.max_seq_len=131072 changes no parameter, positions are rotary).
+"""
+
+from megajax.config import base_config
+from megajax.models import llama
+
+
+def get_config():
+    c = base_config()
+    c.model.update(llama.model_fields(vocab_size=128256, num_layers=16, hidden_size=2048, num_heads=32,
+                                      num_kv_heads=8, ffn_hidden_size=8192, max_seq_len=8192, tie_embeddings=True,
+                                      rope_theta=500000.0, rope_scaling="llama3", rope_factor=32.0,
+                                      rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                                      rope_original_max_len=8192))
+    c.mesh.model = 8
+    c.train.update(steps=500_000, global_batch_size=512, precision="bf16")
+    c.optimizer.update(lr=3e-4, min_lr=3e-5, warmup_steps=2000, b2=0.95, eps=1e-5, weight_decay=0.1)
+    return c

@@ -1,0 +1,282 @@
+"""Llama-family decoders: RMSNorm, rotary positions, a SwiGLU MLP and grouped-query attention on the shared trunk.
+
+Llama 2 / 3 (Touvron et al. 2023; Dubey et al. 2024): pre-norm blocks with RMSNorm, no position table (rotary
+embeddings on the queries and keys, Hugging Face's rotate-half layout, optionally Llama 3's frequency scaling),
+``down(silu(gate(x)) * up(x))``, ``num_kv_heads`` key/value heads shared by groups of query heads, no biases, the
+output layer tied to the word embedding or its own vocab-parallel rows. Registered as ``model.name=llama``.
+
+Tensor parallelism is Megatron's: query heads, and the gate / up columns, split over ``model`` (the same slice of
+both on a shard), attention-out and down rows split. The key/value heads are split like the query heads where
+``mesh.model`` divides them; where the shards outnumber them each shard uses a copy of the one head its query
+heads read (``TransformerConfig.kv_replicated``): the stored weights stay whole on every shard (the ``kv_heads``
+rule maps to no axis, so checkpoints keep one layout) and each shard slices its head at use. The gradient of that
+slice is summed over exactly the shards sharing the head (XLA's partitioner all-reduces it in groups of
+``mesh.model / num_kv_heads`` and all-gathers the heads back into the whole weight).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from megajax.data import formats
+from megajax.models import objectives
+from megajax.models.spec import HeadMemory, ModelSpec, decoder_flops, register
+from megajax.models.transformer import (
+    KVCache,
+    LayerCache,
+    TransformerConfig,
+    attention_core,
+    causal_mask,
+    make_blocks,
+    run_blocks,
+)
+from megajax.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_parallel,
+    dropout,
+    make_param,
+    scaled_init_std,
+)
+from megajax.parallel.losses import mask_padded_vocab
+from megajax.parallel.sharding import RESIDUAL, constrain, mesh_size, param_at_use
+
+NAME = "llama"  # config.model.name
+
+
+def model_fields(**overrides) -> dict:
+    """Every ``config.model`` field of a Llama model with Llama 2's defaults (7B's shape), updated by ``overrides``:
+    ``config.model.update(llama.model_fields(...))`` on a ``base_config()``."""
+    fields = dict(
+        name=NAME, vocab_size=32000, make_vocab_size_divisible_by=128, num_layers=32, hidden_size=4096,
+        num_heads=32, num_kv_heads=0, ffn_hidden_size=11008, max_seq_len=4096, dropout=0.0, init_std=0.02,
+        layernorm_eps=1e-5, remat="full", rope_theta=10000.0, rope_scaling="none", rope_factor=8.0,
+        rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192, tie_embeddings=False)
+    unknown = set(overrides) - set(fields)
+    if unknown:
+        raise ValueError(f"Llama has no model field {', '.join(sorted(unknown))}")
+    return {**fields, **overrides}
+
+
+def rope_frequencies(cfg: TransformerConfig) -> jax.Array:
+    """The (head_dim / 2,) fp32 inverse frequencies theta^(-2i/d), with Llama 3's scaling where configured: wavelengths
+    longer than original_max_len / low_freq_factor slowed by ``rope_factor``, shorter than original_max_len /
+    high_freq_factor kept, the band between interpolated smoothly."""
+    d = cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    if cfg.rope_scaling == "none":
+        return inv
+    old, low, high = cfg.rope_original_max_len, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelength = 2 * math.pi / inv
+    smooth = (old / wavelength - low) / (high - low)  # 0 at the low-frequency edge, 1 at the high one
+    blended = (1 - smooth) * inv / cfg.rope_factor + smooth * inv
+    scaled = jnp.where(wavelength > old / low, inv / cfg.rope_factor, inv)
+    return jnp.where((wavelength >= old / high) & (wavelength <= old / low), blended, scaled)
+
+
+def rotate(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding of ``x`` (B, S, heads, D) at ``positions`` (S,), rotate-half layout: the pairs are
+    (x[i], x[i + D/2]), as Hugging Face's Llama (its checkpoints' q/k rows are ordered for it)."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (S, D/2)
+    cos, sin = (jnp.concatenate([f(angles)] * 2, axis=-1)[None, :, None, :] for f in (jnp.cos, jnp.sin))
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def fused_columns(x: jax.Array, kernels: tuple[jax.Array, ...], split: str, dtype: jnp.dtype) -> list[jax.Array]:
+    """``[x @ k for k in kernels]`` as one column-parallel GEMM: each kernel (H, ...) is split on its second
+    dimension by the logical name ``split``, and the shards' blocks are put side by side on each device (nothing
+    moves), so the input's gradient is summed over the model shards once, not once per projection (query and
+    key/value, gate and up). Each result comes back (B, S, prod(kernel.shape[1:])), split like its kernel."""
+    t = mesh_size(split)
+    blocks = [k.reshape(k.shape[0], t, -1) for k in kernels]  # (H, t, width / t): shard i's columns in row i
+    widths = [blk.shape[-1] for blk in blocks]
+    fused = constrain(jnp.concatenate(blocks, axis=-1), ("embed", split, None))
+    y = column_parallel(x, fused, None, ("embed", split, None), dtype)  # (B, S, t, sum of widths / t)
+    outs = jnp.split(y, np.cumsum(widths)[:-1], axis=-1)
+    return [o.reshape(*o.shape[:2], -1) for o in outs]
+
+
+class RMSNorm(nnx.Module):
+    """``x / rms(x) * scale`` with a replicated scale; the statistic in fp32 whatever the compute dtype."""
+
+    def __init__(self, features: int, *, eps: float, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.eps, self.dtype = eps, dtype
+        self.scale = make_param(rngs, nnx.initializers.ones, (features,), ("embed",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = (x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)).astype(self.dtype)
+        return normed * param_at_use(self.scale[...], ("embed",)).astype(self.dtype)
+
+
+def kv_copies(cfg: TransformerConfig) -> int:
+    """The key/value heads one step computes, under the active rules: ``num_kv_heads`` where the model shards split
+    them (or outside a mesh), else one copy per shard (each holds the head its query heads share)."""
+    tp = mesh_size("heads")
+    return tp if cfg.kv_replicated(tp) else cfg.kv_heads
+
+
+class KeyValue(ColumnParallelLinear):
+    """The key and value projections, (H, kv_heads, 2, head_dim) stored, used as ``kv_copies`` heads split like the
+    query heads: where the heads are replicated each shard's copy is a slice of the whole weight, no communication
+    (its gradient, the transpose, sums the copies: the grouped all-reduce)."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        super().__init__(cfg.hidden_size, (cfg.kv_heads, 2, cfg.head_dim), ("embed", "kv_heads", "qkv", "head_dim"),
+                         std=cfg.init_std, dtype=cfg.compute_dtype, rngs=rngs, bias=False)
+        self.stored_names, self.names = self.names, ("embed", "heads", "qkv", "head_dim")
+
+    def kernel_at_use(self) -> jax.Array:
+        kernel = param_at_use(self.kernel[...], self.stored_names)
+        copies = kv_copies(self.cfg)
+        if copies != self.cfg.kv_heads:
+            # the pin's transpose lays the gradient out whole again here, in the layer's backward pass: the shards
+            # sharing a head sum their copies' gradients, then the heads are gathered
+            kernel = jnp.repeat(constrain(kernel, self.stored_names), copies // self.cfg.kv_heads, axis=1)
+        return constrain(kernel, self.names)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with rotary positions; query heads are the model-parallel dimension."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        dt, h = cfg.compute_dtype, cfg.hidden_size
+        self.cfg, self.rate = cfg, cfg.dropout
+        self.selective = cfg.remat == "selective"  # recompute the attention core in the backward pass
+        self.q = ColumnParallelLinear(h, (cfg.num_heads, cfg.head_dim), ("embed", "heads", "head_dim"),
+                                      std=cfg.init_std, dtype=dt, rngs=rngs, bias=False)
+        self.kv = KeyValue(cfg, rngs=rngs)
+        self.out = RowParallelLinear((cfg.num_heads, cfg.head_dim), h, ("heads", "head_dim", "embed"),
+                                     std=scaled_init_std(cfg.init_std, cfg.num_layers), dtype=dt, rngs=rngs,
+                                     bias=False)
+
+    def __call__(self, x: jax.Array, mask: jax.Array, key: jax.Array | None, cache: LayerCache | None,
+                 index: jax.Array | int) -> tuple[jax.Array, LayerCache | None]:
+        """(B, S, H) -> (B, S, H) at positions ``index ..``; ``cache``: this layer's keys and values (B, S_max,
+        kv_copies, D), extended at ``index`` and read whole (the mask hides what is not there yet)."""
+        names = ("batch", "seq", "heads", "head_dim")
+        positions = index + jnp.arange(x.shape[1])
+        inv_freq = rope_frequencies(self.cfg)
+        b, s, _ = x.shape
+        q, kv = fused_columns(x, (self.q.kernel_at_use(), self.kv.kernel_at_use()), "heads", self.cfg.compute_dtype)
+        q = constrain(rotate(q.reshape(b, s, *self.q.kernel.shape[-2:]), positions, inv_freq), names)
+        kv = kv.reshape(b, s, -1, 2, self.cfg.head_dim)  # (B, S, kv_copies, 2, D)
+        k = constrain(rotate(kv[:, :, :, 0], positions, inv_freq), names)
+        v = constrain(kv[:, :, :, 1], names)
+        if cache is not None:
+            k, v = (constrain(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), index, axis=1), names)
+                    for c, new in zip(cache, (k, v)))
+            cache = (k, v)
+        core = jax.checkpoint(attention_core, static_argnums=5) if self.selective else attention_core
+        return self.out(core(q, k, v, mask, key, self.rate)), cache
+
+
+class SwiGLU(nnx.Module):
+    """``down(silu(gate(x)) * up(x))``: gate and up column-parallel on the same ``mlp`` split (a shard holds both
+    halves of its hidden units), down row-parallel; no biases."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        dt, h, f = cfg.compute_dtype, cfg.hidden_size, cfg.ffn_size
+        self.dtype = dt
+        self.gate, self.up = (ColumnParallelLinear(h, (f,), ("embed", "mlp"), std=cfg.init_std, dtype=dt,
+                                                   rngs=rngs, bias=False) for _ in range(2))
+        self.down = RowParallelLinear((f,), h, ("mlp", "embed"), std=scaled_init_std(cfg.init_std, cfg.num_layers),
+                                      dtype=dt, rngs=rngs, bias=False)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # (B, S, H) -> (B, S, H)
+        gate, up = fused_columns(x, (self.gate.kernel_at_use(), self.up.kernel_at_use()), "mlp", self.dtype)
+        y = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))  # (B, S, F)
+        return self.down(y)
+
+
+class LlamaBlock(nnx.Module):
+    """``x + attn(norm(x))`` then ``x + mlp(norm(x))`` (the trunk's pre-norm order, RMSNorm)."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        dt = cfg.compute_dtype
+        self.rate = cfg.dropout
+        self.ln_1 = RMSNorm(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.ln_2 = RMSNorm(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
+        self.mlp = SwiGLU(cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array, key: jax.Array | None, cache: LayerCache | None = None,
+                 index: jax.Array | int = 0) -> tuple[jax.Array, LayerCache | None]:
+        k_attn, k_res1, k_res2 = jax.random.split(key, 3) if key is not None else (None, None, None)
+        attn, cache = self.attn(self.ln_1(x), mask, k_attn, cache, index)
+        x = constrain(x + dropout(attn, self.rate, k_res1), RESIDUAL)
+        x = x + dropout(self.mlp(self.ln_2(x)), self.rate, k_res2)
+        return constrain(x, RESIDUAL), cache
+
+
+class Llama(nnx.Module):
+    """Llama decoder: ``tokens (B, S) -> logits (B, S, padded_vocab)`` with padded ids masked."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        if cfg.post_layernorm or cfg.num_token_types:
+            raise ValueError("Llama is pre-norm with no token types: set model.post_layernorm=False and "
+                             "model.num_token_types=0")
+        self.cfg = cfg
+        dt = cfg.compute_dtype
+        self.wte = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, std=cfg.init_std, dtype=dt,
+                                          rngs=rngs)
+        self.blocks = make_blocks(cfg, rngs, LlamaBlock)
+        self.ln_f = RMSNorm(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
+        self.lm_head = None if cfg.tie_embeddings else VocabParallelEmbedding(
+            cfg.padded_vocab_size, cfg.hidden_size, std=cfg.init_std, dtype=dt, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+        """Training / scoring forward: (B, S) int ids -> (B, S, padded_vocab) logits."""
+        return self._forward(tokens, dropout_key, None, 0)[0]
+
+    def init_cache(self, batch: int, max_len: int | None = None) -> KVCache:
+        """Zeroed keys and values for ``decode``: two (L, B, max_len, kv_copies, head_dim) arrays, the key/value
+        heads only (one per shard where the shards replicate them)."""
+        cfg = self.cfg
+        shape = (cfg.num_layers, batch, max_len or cfg.max_seq_len, kv_copies(cfg), cfg.head_dim)
+        zeros = jnp.zeros(shape, cfg.compute_dtype)
+        return (constrain(zeros, ("layers", "batch", "seq", "heads", "head_dim")),) * 2
+
+    def decode(self, tokens: jax.Array, cache: KVCache, index: jax.Array | int) -> tuple[jax.Array, KVCache]:
+        """Incremental forward of ``tokens`` (B, S) at positions ``index ..``, reading and extending ``cache``."""
+        return self._forward(tokens, None, cache, index)
+
+    def _forward(self, tokens, dropout_key, cache, index):
+        cfg = self.cfg
+        b, s = tokens.shape
+        if s > cfg.max_seq_len:
+            raise ValueError(f"sequence length {s} exceeds model.max_seq_len={cfg.max_seq_len}")
+        tokens = constrain(tokens, ("batch", "seq"))
+        k_emb, k_layers = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
+        rows = self.wte.replica_rows(b)
+        x = constrain(dropout(self.wte(tokens, rows), cfg.dropout, k_emb), RESIDUAL)
+        kv_len = s if cache is None else cache[0].shape[2]
+        mask = causal_mask(index + jnp.arange(s), kv_len)  # (1, 1, S, S_kv)
+        x, cache = run_blocks(self.blocks, cfg, x, mask, k_layers, cache, index)
+        head = self.wte if self.lm_head is None else self.lm_head
+        head_rows = rows if self.lm_head is None else self.lm_head.replica_rows(b)
+        logits = head.attend(self.ln_f(x), head_rows)  # (B, S, V_padded)
+        return mask_padded_vocab(logits, cfg.vocab_size), cache
+
+
+def flops(cfg: TransformerConfig, rows: int, seq: int) -> float:
+    """Model FLOPs of a step: the query and output projections h x h, key/value h x 2 kv_heads d, SwiGLU's three
+    h x ffn GEMMs, the attention scores and context, the output layer over the padded vocabulary."""
+    return decoder_flops(rows, seq, cfg.num_layers, cfg.hidden_size, 2 * cfg.kv_heads * cfg.head_dim,
+                         3 * cfg.ffn_size, cfg.padded_vocab_size)
+
+
+register(ModelSpec(
+    name=NAME, module=Llama, objective=objectives.LM, examples=formats.WINDOWS, flops=flops,
+    head_memory=HeadMemory(vocab_logit_copies=3, hidden_tensors=8),
+    eval_tasks=("wikitext103", "lambada", "ppl", "generate"), perplexity_of="loss", causal_lm=True))
