@@ -132,8 +132,9 @@ def train_config(data: int = 1, model: int = 1, steps: int = 5, dropout: float =
 def choice_config(choice: str | None, data: int, model: int, steps: int = 3, name: str = "gpt",
                   remat: str = "none", gradient_step: bool = False):
     """The small model (``name``: gpt, or a BERT or Llama of the same sizes) on random data with
-    ``parallel.<flag>`` on for each flag of ``choice`` ('+'-joined, e.g. 'fsdp+sequence'). ``gradient_step``: AdamW with eps >> |g|, so one
-    step changes each parameter by lr / eps x its gradient (runs on different meshes then compare at 1e-5)."""
+    ``parallel.<flag>`` on for each flag of ``choice`` ('+'-joined, e.g. 'fsdp+sequence'). ``gradient_step``: AdamW
+    with eps >> |g|, so one step changes each parameter by lr / eps x its gradient (runs on different meshes then
+    compare at 1e-5)."""
     c = small_config(data=data, model=model)
     if name == "bert":
         b = bert_base_config()
