@@ -52,7 +52,7 @@ SLOWEST_FIRST = {"test_sharded_optimizer.py": 129, "test_finetune.py": 110, "tes
                  "test_bert_model.py": 40, "test_tensor_parallel_equivalence.py": 30, "test_evaluation.py": 29,
                  "test_memory_planner.py": 29, "test_run_guards.py": 26, "test_downstream_eval.py": 22,
                  "test_lm_eval_adapter.py": 18, "test_convert_bert.py": 17, "test_bert_data.py": 13,
-                 "test_convert.py": 9, "test_convert_inputs.py": 9}
+                 "test_convert.py": 9, "test_convert_inputs.py": 9, "test_llama.py": 60, "test_convert_llama.py": 30}
 
 
 @pytest.fixture(autouse=True)

@@ -241,11 +241,11 @@ def test_missing_iteration_lists_the_ones_there(tiny, tmp_path):
 # --- item 14: Hugging Face inputs ----------------------------------------------------------------------------------
 
 def test_other_hf_architectures_name_the_supported_ones(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"],
                                                       "hidden_size": 16}))
-    with pytest.raises(ValueError, match=r"model_type 'llama' \(LlamaForCausalLM\); megajax converts only: gpt2 "
+    with pytest.raises(ValueError, match=r"model_type 'mistral' \(MistralForCausalLM\); megajax converts only: gpt2 "
                                          r"\(GPT2LMHeadModel\), bert \(BertForPreTraining\), megatron-bert "
-                                         r"\(MegatronBertForPreTraining\)$"):
+                                         r"\(MegatronBertForPreTraining\), llama \(LlamaForCausalLM\)$"):
         convert("hf-to-megajax", f"--hf={tmp_path}", f"--output={tmp_path / 'out'}")
     assert not (tmp_path / "out").exists()
 

@@ -2,7 +2,7 @@
 and parallel.fsdp (ZeRO-3: the parameters, so their gradients and moments, too). The same losses and parameters as
 the replicated step, 1/data of the split bytes, the collectives pinned, and checkpoints that restore across the
 choices. With the plain runs it shares, ``MATRIX`` completes the equivalence of every choice (sequence parallelism,
-ZeRO-1, FSDP, selective recomputation) on every mesh for both models.
+ZeRO-1, FSDP, selective recomputation) on every mesh for GPT and BERT, and each choice for Llama.
 
 Compiled here (each once, shared by the tests): the small GPT and the same-sized BERT plain on 2x4 and 4x2, with
 ZeRO-1 and with FSDP on 2x4 (and GPT on 4x2), and the ``MATRIX`` runs. With `data` of size 1 (1x1, 1x4) neither
@@ -70,7 +70,7 @@ def _gradient_step(choice: str | None, data: int, model: int, name: str = "gpt",
     if name not in _INITIAL:
         _INITIAL[name] = jax.tree.map(np.array, run.init_state())
     state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), _INITIAL[name], run.abstract_state)
-    batch = (make_loader(c).next_global if name == "gpt" else _bert_batches(np.random.default_rng(0)))(
+    batch = (make_loader(c).next_global if name != "bert" else _bert_batches(np.random.default_rng(0)))(
         run.batch_shardings)
     new, metrics = run.step_fn(state, batch)
     return run, float(metrics["loss"]), jax.tree.map(lambda a, b: np.asarray(a) - b, new.params,
@@ -223,7 +223,10 @@ def test_fsdp_same_gradients_with_a_data_th_of_the_state(name, data, model):
 MATRIX = [("gpt", 1, 4, "sequence", "selective"), ("gpt", 2, 4, None, "selective"),
           ("gpt", 4, 2, None, "selective"), ("bert", 1, 1, "sequence", "selective"),
           ("bert", 1, 4, None, "selective"), ("bert", 2, 4, None, "selective"),
-          ("bert", 4, 2, "shard_optimizer", "none"), ("bert", 4, 2, "fsdp", "selective")]
+          ("bert", 4, 2, "shard_optimizer", "none"), ("bert", 4, 2, "fsdp", "selective"),
+          # Llama's 2 key/value heads replicated (1x4, 2x4) and split (4x2) under each choice
+          ("llama", 1, 4, "sequence", "selective"), ("llama", 2, 4, "fsdp", "selective"),
+          ("llama", 4, 2, "shard_optimizer+sequence", "none")]
 
 
 @pytest.mark.parametrize("name, data, model, choice, remat", MATRIX)

@@ -1,14 +1,17 @@
-"""python -m megajax.convert SUBCOMMAND ...  (GPT and BERT checkpoints)
+"""python -m megajax.convert SUBCOMMAND ...  (GPT, BERT and Llama checkpoints)
 
-  hf-to-megajax        --hf=DIR --output=OUT [--make_vocab_size_divisible_by=1024]
+  hf-to-megajax        --hf=DIR --output=OUT [--make_vocab_size_divisible_by=N]
   megajax-to-hf        --checkpoint=CK --output=DIR
   megatron-to-megajax  --megatron=DIR --output=OUT --vocab_size=N [--iteration=N] [--config=NAME]
   megajax-to-megatron  --checkpoint=CK --output=DIR --tp=N [--names=legacy|core] [--dtype=float16]
   export               --checkpoint=CK --output=OUT [--dtype=bfloat16]
 
 CK is any megajax checkpoint: a training workdir, its checkpoints/ directory, one step, or an export.
-The model is found from the input: an HF config.json's model_type (gpt2, bert, megatron-bert), a Megatron-LM
+The model is found from the input: an HF config.json's model_type (gpt2, bert, megatron-bert, llama), a Megatron-LM
 checkpoint's tensors (BERT holds an lm_head and binary_head), a megajax checkpoint's model.name.
+--make_vocab_size_divisible_by pads the vocabulary to a multiple of N: by default GPT-2's and BERT's to a multiple of
+1024 (the paper's), Llama's not at all (its vocabularies already split over 8 shards). The Megatron verbs convert
+GPT and BERT only.
 megajax outputs are params-only checkpoints that ``megajax.load_model`` and training both read.
 Every verb refuses an --output that already holds something unless --overwrite is given; the output is written
 beside it and renamed into place, so a conversion that fails leaves what was there untouched.
@@ -51,7 +54,9 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument("--output", required=True)
         parser.add_argument("--overwrite", action="store_true",
                             help="replace what --output holds (only once the new output is complete)")
-    verbs["hf-to-megajax"].add_argument("--make_vocab_size_divisible_by", type=int, default=1024)
+    verbs["hf-to-megajax"].add_argument("--make_vocab_size_divisible_by", type=int, default=None,
+                                        help="pad the vocabulary to a multiple of this (default: the converter's, "
+                                             "1024 for GPT-2 and BERT, 1 for Llama)")
     c = verbs["megatron-to-megajax"]
     c.add_argument("--iteration", type=int, default=None)
     c.add_argument("--vocab_size", type=int, default=None,
@@ -73,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
 def _hf_to_megajax(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     hf = hf_io.read_config(source)
     converter = hf_io.converter_for(hf, source)  # before reading weights, which may be large
-    config = converter.config_from_hf(hf, args.make_vocab_size_divisible_by)
+    pad = args.make_vocab_size_divisible_by
+    config = converter.config_from_hf(hf) if pad is None else converter.config_from_hf(hf, pad)
     params = converter.params_from_hf(hf_io.read_weights(source, args.allow_pickle), config)
     return save_params(out, params, config)
 
@@ -95,6 +101,9 @@ def _megatron_to_megajax(args, source: pathlib.Path, out: pathlib.Path) -> pathl
 
 def _megajax_to_megatron(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     params, config = host_params(source)
+    if config.model.name not in ("gpt", "bert"):
+        raise ValueError(f"{source} holds a model.name={config.model.name!r} model: megajax-to-megatron writes GPT "
+                         "and BERT only")
     writer = megatron_bert if config.model.name == "bert" else megatron_gpt
     return writer.write_megatron(out, params, config, args.tp, iteration=args.iteration, names=args.names,
                                  dtype=args.dtype)

@@ -9,7 +9,7 @@ from types import ModuleType
 import ml_collections
 import numpy as np
 
-from megajax.convert import hf_bert, hf_gpt2, torch_io
+from megajax.convert import hf_bert, hf_gpt2, hf_llama, torch_io
 from megajax.convert.paths import require_empty
 
 # config.json "model_type" -> the module converting it (it defines HF_CLASSES, config_from_hf, params_from_hf,
@@ -18,9 +18,10 @@ CONVERTERS: dict[str, ModuleType] = {
     "gpt2": hf_gpt2,
     "bert": hf_bert,
     "megatron-bert": hf_bert,
+    "llama": hf_llama,
 }
 # megajax config.model.name -> the module writing that model as HF weights (hf_config picks the model_type).
-WRITERS: dict[str, ModuleType] = {"gpt": hf_gpt2, "bert": hf_bert}
+WRITERS: dict[str, ModuleType] = {"gpt": hf_gpt2, "bert": hf_bert, "llama": hf_llama}
 
 
 def read_config(directory: str | pathlib.Path) -> dict:
@@ -72,7 +73,14 @@ def _load_safetensors(path: pathlib.Path, allow_pickle: bool) -> dict[str, np.nd
     del allow_pickle  # safetensors holds no code
     from safetensors.numpy import load_file
 
-    return load_file(str(path))
+    try:
+        return load_file(str(path))
+    except TypeError:  # numpy has no bfloat16, so safetensors.numpy refuses BF16 files (most Llama checkpoints)
+        import jax
+        from safetensors.flax import load_file as load_jax_file
+
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):  # host memory, whatever the accelerator
+            return {name: np.asarray(a) for name, a in load_jax_file(str(path)).items()}  # ml_dtypes' bfloat16
 
 
 def _load_torch(path: pathlib.Path, allow_pickle: bool) -> dict[str, np.ndarray]:

@@ -57,10 +57,14 @@ class TextTokenizer:
 
 
 def _with_eod(tok: Tokenizer, source: str) -> TextTokenizer:
-    for name in (GPT_EOD, "[SEP]", "</s>"):
+    for name in EOD_TOKENS:
         if (i := tok.token_to_id(name)) is not None:
             return TextTokenizer(tok, i, source)
-    raise ValueError(f"tokenizer {source} has no end-of-document token ({GPT_EOD}, [SEP] or </s>)")
+    raise ValueError(f"tokenizer {source} has no end-of-document token ({', '.join(EOD_TOKENS)})")
+
+
+# the first one a vocabulary holds ends each document: GPT-2's, BERT's, Llama 2's (SentencePiece), Llama 3's
+EOD_TOKENS = (GPT_EOD, "[SEP]", "</s>", "<|end_of_text|>")
 
 
 def _byte_level_bpe(vocab: pathlib.Path, merges: pathlib.Path) -> Tokenizer:

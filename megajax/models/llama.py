@@ -17,6 +17,7 @@ slice is summed over exactly the shards sharing the head (XLA's partitioner all-
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -91,17 +92,25 @@ def rotate(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def fused_columns(x: jax.Array, kernels: tuple[jax.Array, ...], split: str, dtype: jnp.dtype) -> list[jax.Array]:
-    """``[x @ k for k in kernels]`` as one column-parallel GEMM: each kernel (H, ...) is split on its second
+def fused_columns(x: jax.Array, params: tuple[jax.Array, ...], prepare: Callable[..., tuple[jax.Array, ...]],
+                  split: str, dtype: jnp.dtype) -> list[jax.Array]:
+    """``[x @ k for k in prepare(*params)]`` as one column-parallel GEMM: each kernel (H, ...) is split on its second
     dimension by the logical name ``split``, and the shards' blocks are put side by side on each device (nothing
     moves), so the input's gradient is summed over the model shards once, not once per projection (query and
-    key/value, gate and up). Each result comes back (B, S, prod(kernel.shape[1:])), split like its kernel."""
+    key/value, gate and up). The assembled kernel is recomputed from ``params`` in the backward pass, not kept per
+    layer. Each result comes back (B, S, prod(kernel.shape[1:])), split like its kernel."""
     t = mesh_size(split)
-    blocks = [k.reshape(k.shape[0], t, -1) for k in kernels]  # (H, t, width / t): shard i's columns in row i
-    widths = [blk.shape[-1] for blk in blocks]
-    fused = constrain(jnp.concatenate(blocks, axis=-1), ("embed", split, None))
-    y = column_parallel(x, fused, None, ("embed", split, None), dtype)  # (B, S, t, sum of widths / t)
-    outs = jnp.split(y, np.cumsum(widths)[:-1], axis=-1)
+    names = ("embed", split, None)
+
+    def product(x, *params):
+        blocks = [k.reshape(k.shape[0], t, -1) for k in prepare(*params)]  # (H, t, width / t): shard i in row i
+        fused = constrain(jnp.concatenate(blocks, axis=-1), names)
+        y = column_parallel(x, fused, None, names, dtype)  # (B, S, t, sum of widths / t)
+        return jnp.split(y, np.cumsum([blk.shape[-1] for blk in blocks])[:-1], axis=-1)
+
+    # nothing inside is kept: the backward pass has x and the stored weights, and reassembles the kernel from them
+    # (under sequence parallelism it gathers x's sequence again, under FSDP the weights: 2 all-gathers per layer)
+    outs = jax.checkpoint(product, policy=jax.checkpoint_policies.nothing_saveable)(x, *params)
     return [o.reshape(*o.shape[:2], -1) for o in outs]
 
 
@@ -136,8 +145,10 @@ class KeyValue(ColumnParallelLinear):
                          std=cfg.init_std, dtype=cfg.compute_dtype, rngs=rngs, bias=False)
         self.stored_names, self.names = self.names, ("embed", "heads", "qkv", "head_dim")
 
-    def kernel_at_use(self) -> jax.Array:
-        kernel = param_at_use(self.kernel[...], self.stored_names)
+    def kernel_at_use(self, value: jax.Array | None = None) -> jax.Array:
+        """The kernel (of the stored ``value``, default this layer's) as ``kv_copies`` heads split like the query
+        heads."""
+        kernel = param_at_use(self.kernel[...] if value is None else value, self.stored_names)
         copies = kv_copies(self.cfg)
         if copies != self.cfg.kv_heads:
             # the pin's transpose lays the gradient out whole again here, in the layer's backward pass: the shards
@@ -168,7 +179,9 @@ class Attention(nnx.Module):
         positions = index + jnp.arange(x.shape[1])
         inv_freq = rope_frequencies(self.cfg)
         b, s, _ = x.shape
-        q, kv = fused_columns(x, (self.q.kernel_at_use(), self.kv.kernel_at_use()), "heads", self.cfg.compute_dtype)
+        q, kv = fused_columns(x, (self.q.kernel[...], self.kv.kernel[...]),
+                              lambda q, kv: (param_at_use(q, self.q.names), self.kv.kernel_at_use(kv)), "heads",
+                              self.cfg.compute_dtype)
         q = constrain(rotate(q.reshape(b, s, *self.q.kernel.shape[-2:]), positions, inv_freq), names)
         kv = kv.reshape(b, s, -1, 2, self.cfg.head_dim)  # (B, S, kv_copies, 2, D)
         k = constrain(rotate(kv[:, :, :, 0], positions, inv_freq), names)
@@ -194,7 +207,8 @@ class SwiGLU(nnx.Module):
                                       dtype=dt, rngs=rngs, bias=False)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # (B, S, H) -> (B, S, H)
-        gate, up = fused_columns(x, (self.gate.kernel_at_use(), self.up.kernel_at_use()), "mlp", self.dtype)
+        gate, up = fused_columns(x, (self.gate.kernel[...], self.up.kernel[...]),
+                                 lambda *ks: tuple(param_at_use(k, self.up.names) for k in ks), "mlp", self.dtype)
         y = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))  # (B, S, F)
         return self.down(y)
 
@@ -276,7 +290,36 @@ def flops(cfg: TransformerConfig, rows: int, seq: int) -> float:
                          3 * cfg.ffn_size, cfg.padded_vocab_size)
 
 
+def layer_residual_bytes(cfg: TransformerConfig, rows: int, tp: int, split: int, remat: str, cd: int) -> int:
+    """Bytes one Llama layer keeps for its backward pass on one device (``rows`` sequences, ``tp`` model shards,
+    the residual stream split ``split`` ways, ``cd`` bytes per compute-dtype value); the same as the traced jaxpr
+    (tests/test_llama.py). ``none`` keeps: per RMSNorm its fp32 input and normalised values, the compute-dtype
+    normalised and scaled values and its fp32 statistic; dropout's 1-byte masks of both residual branches; q and the
+    attention context, k and v (one head per shard where they are replicated); the SwiGLU's 6 (b, s, ffn) tensors;
+    the softmax probabilities in fp32 and the compute dtype with their two statistics (and their dropout mask);
+    the norms' scales broadcast in the compute dtype; in 16-bit the compute-dtype copies of attention-out and down
+    (the fused query / key-value and gate / up kernels are reassembled in the backward pass, not kept).
+    ``selective`` drops the a*s*s*b tensors, ``full`` keeps the layer's input, ``save_dots`` the input, one
+    projection and the two fused GEMMs' outputs."""
+    s, b, h, a, d, f = cfg.max_seq_len, rows, cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.ffn_size
+    sbh, dropout = s * b * h, cfg.dropout > 0
+    kv_local = 1 if cfg.kv_replicated(tp) else cfg.kv_heads // tp  # key/value heads on one shard
+    if remat == "full":
+        return sbh * cd // split
+    if remat == "save_dots":
+        return 2 * sbh * cd + (s * b * (h + 2 * f) // tp + 2 * s * b * kv_local * d) * cd
+    kept = (4 * sbh * (cd + 4) + 4 * s * b * 4 + (2 * sbh if dropout else 0)) // split  # norms, masks
+    kept += 2 * h * cd  # the scales broadcast to (1, 1, h)
+    kept += (2 * sbh + 6 * s * b * f) * cd // tp + 2 * s * b * kv_local * d * cd  # q, context; SwiGLU; k, v
+    if remat != "selective":
+        kept += a * s * s * b * (4 + cd + (1 if dropout else 0)) // tp + 2 * a * s * b * 4 // tp
+    if cd < 4:
+        kept += (h * h + f * h) * cd // tp  # compute-dtype copies of attention-out and down
+    return kept
+
+
 register(ModelSpec(
     name=NAME, module=Llama, objective=objectives.LM, examples=formats.WINDOWS, flops=flops,
     head_memory=HeadMemory(vocab_logit_copies=3, hidden_tensors=8),
-    eval_tasks=("wikitext103", "lambada", "ppl", "generate"), perplexity_of="loss", causal_lm=True))
+    eval_tasks=("wikitext103", "lambada", "ppl", "generate"), perplexity_of="loss", causal_lm=True,
+    layer_residuals=layer_residual_bytes))

@@ -84,6 +84,13 @@ class TransformerConfig:
                              f"{self.num_heads}: each key/value head serves a whole group of query heads")
         if self.rope_scaling not in ROPE_SCALINGS:
             raise ValueError(f"model.rope_scaling={self.rope_scaling!r}; choose one of {ROPE_SCALINGS}")
+        for field in ("rope_theta", "rope_factor", "rope_original_max_len", "rope_low_freq_factor"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"model.{field}={getattr(self, field)!r} must be > 0")
+        if not self.rope_high_freq_factor > self.rope_low_freq_factor:
+            raise ValueError(f"model.rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
+                             f"model.rope_low_freq_factor={self.rope_low_freq_factor} (the band between them is "
+                             "interpolated)")
 
     @property
     def kv_heads(self) -> int:

@@ -85,10 +85,13 @@ def layer_residual_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp
     """
     m = config.model
     remat = remat or m.remat
+    split = tp if sequence_parallel(config) else 1  # the residual stream's share on one device
+    own = model_spec(m.name).layer_residuals
+    if own is not None:  # a block of another shape counts its own
+        return own(model_config(config), _rows(config, micro_batch), tp, split, remat, compute_bytes(config))
     cd, s, b, h, a = compute_bytes(config), m.max_seq_len, _rows(config, micro_batch), m.hidden_size, m.num_heads
     sbh, dropout = s * b * h, m.dropout > 0
     f = m.mlp_ratio * h
-    split = tp if sequence_parallel(config) else 1  # the residual stream's share on one device
     if remat == "full":
         return sbh * cd // split
     if remat == "save_dots":

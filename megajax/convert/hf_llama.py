@@ -1,0 +1,232 @@
+"""Hugging Face ``LlamaForCausalLM`` <-> megajax Llama.
+
+HF's Linear layers store (out, in) weights; megajax keeps every projection as ``x @ kernel`` with its heads split
+out: q (H, heads, head_dim), the key and value projections fused as (H, kv_heads, 2, head_dim) so a model shard
+holds whole key/value heads with both halves, attention-out (heads, head_dim, H). megajax's rotary embedding uses
+HF's rotate-half pairing, so the q/k rows are taken as they are (no interleaving permutation, unlike Meta's
+original checkpoints). The vocabulary is padded with zero rows only when ``make_vocab_size_divisible_by`` asks.
+
+config.json is read in both of transformers' spellings of the rotary settings: v4's top-level ``rope_theta`` with
+``rope_scaling`` ({"rope_type" or "type": "llama3", ...}) and v5's ``rope_parameters`` (which holds rope_theta).
+``hf_config`` writes v4's spelling, which v4 and v5 both read.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import ml_collections
+import numpy as np
+
+from megajax.config import base_config, padded_vocab_size
+from megajax.models import llama
+
+Params = dict
+HF_CLASSES = {"llama": "LlamaForCausalLM"}  # config.json model_type -> the transformers class the weights fit
+
+# LlamaConfig's defaults for the fields a config.json may leave out (transformers fills them in the same way).
+HF_DEFAULTS = {"hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+               "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False}
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+ROPE_TYPES = {"default": "none", "llama3": "llama3"}  # HF rope_type -> megajax model.rope_scaling
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
+# Non-parameter tensors older transformers versions saved with the weights (the rotary table is recomputed).
+BUFFER = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def _refuse(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _ffn(m: ml_collections.ConfigDict) -> int:
+    """The MLP width (a megajax config may leave ffn_hidden_size at 0: mlp_ratio x hidden_size)."""
+    return m.ffn_hidden_size or m.mlp_ratio * m.hidden_size
+
+
+def _rope(hf: dict) -> dict:
+    """The megajax rope fields of a config.json, from either transformers spelling; ValueError on other kinds."""
+    # v5 reads rope_scaling first when both are present; do the same.
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    _refuse(isinstance(rope, dict) and not any(isinstance(v, dict) for v in rope.values()),
+            f"config.json rope settings {rope!r}: megajax's Llama has one rotary embedding for every layer")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    _refuse(kind in ROPE_TYPES, f"config.json rope_type={kind!r}: megajax's Llama supports rope_scaling null "
+                                f"(plain rotary embeddings) or rope_type 'llama3' (Llama 3.1's frequency scaling); "
+                                f"not linear, dynamic, yarn or longrope")
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    _refuse(partial == 1.0, f"config.json partial_rotary_factor={partial}: megajax rotates the whole head")
+    fields = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", HF_DEFAULTS["rope_theta"]))),
+              "rope_scaling": ROPE_TYPES[kind]}
+    if kind == "llama3":
+        missing = [k for k in LLAMA3_KEYS if k not in rope]
+        _refuse(not missing, f"config.json rope_scaling (llama3) has no {', '.join(missing)}")
+        factor, low, high = (float(rope[k]) for k in LLAMA3_KEYS)
+        _refuse(factor > 0 and high > low > 0, f"config.json llama3 rope scaling factor={factor}, low_freq_factor="
+                                               f"{low}, high_freq_factor={high}: needs factor > 0 and "
+                                               "high_freq_factor > low_freq_factor > 0")
+        # transformers falls back to max_position_embeddings where original_max_position_embeddings is absent
+        original = rope.get("original_max_position_embeddings", hf.get(
+            "original_max_position_embeddings", hf.get("max_position_embeddings", HF_DEFAULTS[
+                "max_position_embeddings"])))
+        fields.update(rope_factor=factor, rope_low_freq_factor=low, rope_high_freq_factor=high,
+                      rope_original_max_len=int(original))
+    return fields
+
+
+def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 1) -> ml_collections.ConfigDict:
+    """A megajax Llama config for an HF Llama ``config.json``; ValueError on variants megajax does not implement.
+
+    ``make_vocab_size_divisible_by`` defaults to 1: the embedding keeps exactly the checkpoint's rows (Llama's
+    vocabularies, 32000 and 128256, already split evenly over 8 model shards).
+    """
+    _refuse(hf.get("model_type") == "llama", f"config.json model_type={hf.get('model_type')!r}: hf_llama converts "
+                                             f"llama ({HF_CLASSES['llama']})")
+    missing = [k for k in REQUIRED if k not in hf]
+    _refuse(not missing, f"config.json has no {', '.join(missing)}: give the config.json save_pretrained wrote")
+    hf = {**HF_DEFAULTS, **{k: v for k, v in hf.items() if v is not None or k not in HF_DEFAULTS}}
+    _refuse(hf["hidden_act"] == "silu", f"config.json hidden_act={hf['hidden_act']!r}: megajax's Llama MLP is "
+                                        "SwiGLU (silu)")
+    for flag in ("attention_bias", "mlp_bias"):
+        _refuse(not hf[flag], f"config.json {flag}={hf[flag]!r}: megajax's Llama has no biases")
+    h, heads = hf["hidden_size"], hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads") or heads
+    _refuse(h % heads == 0, f"config.json hidden_size={h} is not a multiple of num_attention_heads={heads}")
+    head_dim = hf.get("head_dim") or h // heads
+    _refuse(head_dim == h // heads, f"config.json head_dim={head_dim}: megajax's Llama heads are hidden_size / "
+                                    f"num_attention_heads = {h // heads} wide")
+    _refuse(heads % kv_heads == 0, f"config.json num_key_value_heads={kv_heads} does not divide "
+                                   f"num_attention_heads={heads}")
+    tied = hf["tie_word_embeddings"]
+    _refuse(isinstance(tied, bool), f"config.json tie_word_embeddings={tied!r} is not true or false")
+    c = base_config()
+    c.model.update(llama.model_fields(
+        vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        num_layers=hf["num_hidden_layers"], hidden_size=h, num_heads=heads,
+        num_kv_heads=kv_heads, ffn_hidden_size=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
+        dropout=0.0, init_std=hf.get("initializer_range") or 0.02, layernorm_eps=float(hf["rms_norm_eps"]),
+        tie_embeddings=tied, **_rope(hf)))
+    return c
+
+
+def hf_config(config: ml_collections.ConfigDict) -> dict:
+    """The HF ``config.json`` for a megajax Llama config (true vocabulary size; the padding rows are dropped)."""
+    m = config.model
+    rope_scaling = None
+    if m.rope_scaling == "llama3":
+        rope_scaling = {"rope_type": "llama3", "factor": m.rope_factor, "low_freq_factor": m.rope_low_freq_factor,
+                        "high_freq_factor": m.rope_high_freq_factor,
+                        "original_max_position_embeddings": m.rope_original_max_len}
+    return {"architectures": [HF_CLASSES["llama"]], "model_type": "llama", "vocab_size": m.vocab_size,
+            "hidden_size": m.hidden_size, "intermediate_size": _ffn(m), "num_hidden_layers": m.num_layers,
+            "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads or m.num_heads,
+            "head_dim": m.hidden_size // m.num_heads, "hidden_act": "silu",
+            "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.layernorm_eps, "rope_theta": m.rope_theta,
+            "rope_scaling": rope_scaling, "tie_word_embeddings": bool(m.tie_embeddings),
+            # HF's Llama drops out only attention probabilities, megajax the residual branches: nothing to carry
+            "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+            "initializer_range": m.init_std, "torch_dtype": "float32", "use_cache": True}
+
+
+class _Tensors:
+    """An HF state dict read tensor by tensor, each checked against the shape config.json implies."""
+
+    def __init__(self, sd: dict[str, np.ndarray], config: ml_collections.ConfigDict):
+        # A bare LlamaModel's tensors lack the "model." prefix; the head, if any, never has one.
+        self.sd = {k if k.startswith(("model.", "lm_head.")) else f"model.{k}": v for k, v in sd.items()}
+        m = config.model
+        self.sizes = (f"vocab_size={m.vocab_size}, hidden_size={m.hidden_size}, intermediate_size="
+                      f"{_ffn(m)}, num_attention_heads={m.num_heads}, num_key_value_heads="
+                      f"{m.num_kv_heads or m.num_heads}")
+        self.used: set[str] = set()
+
+    def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.sd:
+            raise KeyError(f"the HF weights have no tensor {name!r}: give a {HF_CLASSES['llama']} directory whose "
+                           "config.json matches its weights")
+        a = self.sd[name]
+        _refuse(tuple(a.shape) == shape, f"HF tensor {name} is {tuple(a.shape)}, but config.json ({self.sizes}) "
+                                         f"implies {shape}")
+        self.used.add(name)
+        return np.asarray(a, np.float32)
+
+    def check_rest(self, tied: bool) -> None:
+        """Everything not taken must be a buffer or, tied, an lm_head equal to the embedding."""
+        rest = {k for k in set(self.sd) - self.used if not BUFFER.fullmatch(k)}
+        if tied and "lm_head.weight" in rest:
+            _refuse(np.array_equal(self.sd["lm_head.weight"], self.sd["model.embed_tokens.weight"]),
+                    "the HF weights hold an lm_head.weight that differs from model.embed_tokens.weight, but "
+                    "config.json says tie_word_embeddings=true")
+            rest.discard("lm_head.weight")
+        _refuse(not rest, f"the HF weights hold tensors megajax's Llama has no place for: {sorted(rest)[:4]} "
+                          "(layers past num_hidden_layers, biases, or another model's heads)")
+
+
+def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
+    """Zero rows appended up to the padded vocabulary (never predicted: those logits are masked)."""
+    return np.concatenate([a, np.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
+
+
+def _layer_from_hf(t: _Tensors, i: int, m: ml_collections.ConfigDict) -> Params:
+    h, n, f = m.hidden_size, m.num_heads, _ffn(m)
+    kv, d = m.num_kv_heads or n, h // n
+    pre = f"model.layers.{i}."
+
+    def proj(name: str, n_out: int) -> np.ndarray:  # torch (out, in) -> x @ kernel (in, out)
+        return t.take(f"{pre}{name}.weight", (n_out, h)).T
+
+    k, v = (proj(f"self_attn.{x}_proj", kv * d).reshape(h, kv, d) for x in "kv")
+    return {
+        "ln_1": {"scale": t.take(pre + "input_layernorm.weight", (h,))},
+        "ln_2": {"scale": t.take(pre + "post_attention_layernorm.weight", (h,))},
+        "attn": {"q": {"kernel": proj("self_attn.q_proj", n * d).reshape(h, n, d)},
+                 "kv": {"kernel": np.stack([k, v], axis=2)},
+                 "out": {"kernel": t.take(pre + "self_attn.o_proj.weight", (h, n * d)).T.reshape(n, d, h)}},
+        "mlp": {"gate": {"kernel": proj("mlp.gate_proj", f)}, "up": {"kernel": proj("mlp.up_proj", f)},
+                "down": {"kernel": t.take(pre + "mlp.down_proj.weight", (h, f)).T}},
+    }
+
+
+def params_from_hf(sd: dict[str, np.ndarray], config: ml_collections.ConfigDict) -> Params:
+    """megajax Llama parameters from an HF LlamaForCausalLM state dict (fp32, whatever the checkpoint's dtype)."""
+    m = config.model
+    h, vocab = m.hidden_size, m.vocab_size
+    rows = padded_vocab_size(vocab, m.make_vocab_size_divisible_by)
+    t = _Tensors(sd, config)
+    layers = [_layer_from_hf(t, i, m) for i in range(m.num_layers)]
+    params = {
+        "wte": {"embedding": _pad_rows(t.take("model.embed_tokens.weight", (vocab, h)), rows)},
+        "blocks": jax.tree.map(lambda *xs: np.stack(xs), *layers),
+        "ln_f": {"scale": t.take("model.norm.weight", (h,))},
+    }
+    if not m.tie_embeddings:
+        params["lm_head"] = {"embedding": _pad_rows(t.take("lm_head.weight", (vocab, h)), rows)}
+    t.check_rest(bool(m.tie_embeddings))
+    return params
+
+
+def params_to_hf(p: Params, config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
+    """An HF LlamaForCausalLM state dict (a tied ``lm_head`` omitted, as ``save_pretrained`` does)."""
+    m = config.model
+    h, n, vocab = m.hidden_size, m.num_heads, m.vocab_size
+    kv, d = m.num_kv_heads or n, h // n
+    sd = {"model.embed_tokens.weight": p["wte"]["embedding"][:vocab], "model.norm.weight": p["ln_f"]["scale"]}
+    if not m.tie_embeddings:
+        sd["lm_head.weight"] = p["lm_head"]["embedding"][:vocab]
+    for i in range(m.num_layers):
+        b = jax.tree.map(lambda x: x[i], p["blocks"])
+        pre = f"model.layers.{i}."
+        kv_kernel = b["attn"]["kv"]["kernel"]  # (h, kv, 2, d)
+        sd.update({
+            pre + "input_layernorm.weight": b["ln_1"]["scale"],
+            pre + "post_attention_layernorm.weight": b["ln_2"]["scale"],
+            pre + "self_attn.q_proj.weight": b["attn"]["q"]["kernel"].reshape(h, n * d).T,
+            pre + "self_attn.k_proj.weight": kv_kernel[:, :, 0].reshape(h, kv * d).T,
+            pre + "self_attn.v_proj.weight": kv_kernel[:, :, 1].reshape(h, kv * d).T,
+            pre + "self_attn.o_proj.weight": b["attn"]["out"]["kernel"].reshape(n * d, h).T,
+            pre + "mlp.gate_proj.weight": b["mlp"]["gate"]["kernel"].T,
+            pre + "mlp.up_proj.weight": b["mlp"]["up"]["kernel"].T,
+            pre + "mlp.down_proj.weight": b["mlp"]["down"]["kernel"].T,
+        })
+    return {k: np.ascontiguousarray(v, np.float32) for k, v in sd.items()}
