@@ -2,8 +2,9 @@
 trains on a laptop CPU in a few minutes on the embedded default corpus (stdlib source).
 
 Command:  python train.py --config=configs/llama_tiny.py --workdir=/tmp/llama_tiny
-Expect:   0.83M parameters; the loss falls from ~8.3 (log 4096) and the held-out valid_loss after 300 steps is
-          ~5.4 nats, well below the corpus's unigram entropy (~6.6 nats, logged at start), as gpt_tiny.
+Expect:   0.89M parameters, ~5k tokens/s on a 2-core CPU (3 minutes); the loss falls from ~8.3 (log 4096) and the
+          held-out valid_loss after 300 steps is ~4.8 nats, well below the corpus's unigram entropy (~6.6 nats,
+          logged at start).
 """
 
 from megajax.config import base_config

@@ -109,7 +109,9 @@ def test_fsdp_state_is_a_quarter_per_device_on_4x2(measured):
 @pytest.mark.parametrize("name,remat,dropout,precision", [
     ("gpt_tiny", "none", 0.1, "fp32"), ("gpt_tiny", "selective", 0.1, "bf16"), ("gpt_tiny", "full", 0.0, "fp32"),
     ("gpt_tiny", "save_dots", 0.1, "bf16"), ("bert_tiny", "none", 0.0, "bf16"), ("bert_tiny", "selective", 0.0, "fp32"),
-    ("bert_tiny", "save_dots", 0.1, "fp32"), ("bert_tiny", "full", 0.1, "bf16")])
+    ("bert_tiny", "save_dots", 0.1, "fp32"), ("bert_tiny", "full", 0.1, "bf16"), ("llama_tiny", "none", 0.1, "bf16"),
+    ("llama_tiny", "selective", 0.0, "fp32"), ("llama_tiny", "save_dots", 0.1, "bf16"),
+    ("llama_tiny", "full", 0.0, "fp32")])
 def test_layer_residuals_are_what_autodiff_keeps(name, remat, dropout, precision):
     config = load_config(name)
     config.model.update(remat=remat, dropout=dropout)

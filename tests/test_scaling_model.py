@@ -7,6 +7,8 @@ import math
 import pytest
 
 from megajax.cli import load_config
+from megajax.config import model_config
+from megajax.models import model_spec
 from megajax.models.spec import transformer_flops
 from megajax.tools import scaling
 from megajax.tools.scaling import DGX2H_V100, PAPER_MODELS, Decoder, predict, recommend_mesh
@@ -93,8 +95,23 @@ def test_flops_are_transformer_flops(name, tensor):
     assert p.mfu == pytest.approx(p.tflops_per_gpu * 1e12 / DGX2H_V100.peak_flops)
 
 
-@pytest.mark.parametrize("name,tensor", [("gpt_tiny", 2), ("gpt_8p3b", 8)])
+@pytest.mark.parametrize("name,tensor", [("llama3_8b", 8), ("llama3p2_1b", 4)])
+def test_llama_flops_are_its_specs(name, tensor):
+    """Llama's GEMMs (query and key/value with 8 key/value heads, SwiGLU's gate, up and down, the untied or tied
+    output layer) add up to the spec's model FLOPs, the metrics' MFU numerator."""
+    config = load_config(name)
+    model = Decoder.from_config(config)
+    want = model_spec(config.model.name).flops(model_config(config), 8, model.seq)
+    assert model.flops(8) == pytest.approx(want, rel=1e-12)
+    dense, attention, logits = scaling.gemms(model, tensor, 8)
+    gemm_flops = 3 * (sum(2 * math.prod(g) for g in dense + attention) * model.layers + 2 * math.prod(logits))
+    assert gemm_flops * tensor == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("name,tensor", [("gpt_tiny", 2), ("gpt_8p3b", 8), ("llama3_8b", 8), ("llama3p2_1b", 4),
+                                         ("llama_tiny", 4)])
 def test_parameters_and_memory_match_info(name, tensor):
+    """GPT-2's shape, and Llama's (untied, tied, and llama_tiny's 2 key/value heads whole on each of 4 shards)."""
     from megajax.tools.memory_planner import memory_report, params_per_device
 
     config = load_config(name)

@@ -322,4 +322,5 @@ register(ModelSpec(
     name=NAME, module=Llama, objective=objectives.LM, examples=formats.WINDOWS, flops=flops,
     head_memory=HeadMemory(vocab_logit_copies=3, hidden_tensors=8),
     eval_tasks=("wikitext103", "lambada", "ppl", "generate"), perplexity_of="loss", causal_lm=True,
-    layer_residuals=layer_residual_bytes))
+    layer_residuals=layer_residual_bytes, gated_mlp=True, biases=False,
+    pretrained_trunk=Llama))  # init_from: a converted (or another run's) Llama continues training

@@ -60,6 +60,8 @@ class ModelSpec:
     perplexity_of: str | None = None  # the validation metric whose exp is the perplexity (None: no perplexity)
     causal_lm: bool = False  # generates text left to right: lm-eval, generation, the scaling model
     pretrained_trunk: type[nnx.Module] | None = None  # init_from: a checkpoint whose module subclasses this
+    gated_mlp: bool = False  # the MLP's first GEMM is two (gate and up: SwiGLU), so 3 GEMMs of h x ffn
+    biases: bool = True  # the linear layers and norms have biases (LayerNorm; Llama's RMSNorm and GEMMs have none)
     # (cfg, sequences, tp, sequence split, remat, compute-dtype bytes) -> bytes one layer keeps for its backward pass
     # on a device; None: the GPT / BERT block's inventory (tools.memory_planner.layer_residual_bytes)
     layer_residuals: Callable[[TransformerConfig, int, int, int, str, int], int] | None = None

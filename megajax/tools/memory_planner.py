@@ -299,6 +299,8 @@ def params_per_device(config: ml_collections.ConfigDict, mesh_shape: dict[str, i
                       split_over_data: bool = False) -> tuple[int, int]:
     """(total parameters, parameters held by one device) for a mesh given as ``{'data': D, 'model': M}``, as the
     rules lay them out, or with ``split_over_data`` as ``parallel.fsdp`` stores them (``sharding.fsdp_spec``)."""
+    config = config.copy_and_resolve_references()
+    config.mesh.model = mesh_shape.get("model", 1)  # the rules depend on it (replicated key/value heads)
     rules = rules_of(config)
     state = nnx.state(abstract_model(config))
     total = per_device = 0

@@ -9,11 +9,12 @@ state to split over data: none, ZeRO-1 or FSDP (``--keep_choices``: the config's
 d-way data parallelism:
 
 * Compute per layer and micro-batch: each GEMM (QKV, attention out, MLP up and down on their 1/t shards; QK^T
-  and AV per local head) at the roofline ``max(flops / (gemm_efficiency x peak), operand bytes / HBM bandwidth)``,
+  and AV per local head; the block's shape from the model's spec: Llama's smaller key/value projections and
+  SwiGLU's gate, up and down) at the roofline ``max(flops / (gemm_efficiency x peak), operand bytes / HBM bandwidth)``,
   3 times (forward, two backward GEMMs) + once more where ``remat`` recomputes it; the memory-bound element-wise
   work as counted passes at HBM bandwidth (below); a fixed ``layer_overhead_s``. Plus the output layer and its
-  cross-entropy, and AdamW once per step. The GEMM shapes' FLOPs add up to ``models.spec.transformer_flops`` (a
-  test pins it); a thin shard (h/t small) or the s x s GEMMs of narrow heads fall below the ridge and run at
+  cross-entropy, and AdamW once per step. The GEMM shapes' FLOPs add up to the model FLOPs
+  (``models.spec.decoder_flops``; GPT-2's ``transformer_flops``; a test pins it); a thin shard (h/t small) or the s x s GEMMs of narrow heads fall below the ridge and run at
   HBM speed: that is the model's GEMM efficiency as a function of size.
 * Tensor-parallel: ``comm_budget.minimum``'s all-reduces (2L + 1 of b x s x h each way, L more with
   ``remat=full``, 3 per-token ones for the loss), each a ring in the node, ``2 (t-1)/t bytes / bandwidth +
@@ -22,7 +23,7 @@ d-way data parallelism:
   among the group's GPUs in a node, then across nodes on each GPU's share of the node's InfiniBand, 1/members of
   it per GPU); ``dp_overlap`` of it hides behind the backward pass.
 * Step = micro-batches x (compute + tensor-parallel) + optimizer + exposed data-parallel. TFLOP/s per GPU are
-  model FLOPs (``transformer_flops``, recomputation not counted) / step / GPUs; the weak-scaling efficiency is
+  model FLOPs (``Decoder.flops``, recomputation not counted) / step / GPUs; the weak-scaling efficiency is
   that over a 1-GPU baseline's.
 
 Tests pin ``transformer_flops`` and ``comm_budget.minimum`` equal to the compiled HLO's (ratio 1.00): the counted
@@ -61,9 +62,9 @@ import dataclasses
 import math
 
 from megajax.cli import ArgumentParser, load_config
-from megajax.config import base_config, padded_vocab_size, sequence_parallel, state_split
+from megajax.config import base_config, model_config, sequence_parallel, state_split
 from megajax.models import model_spec
-from megajax.models.spec import transformer_flops
+from megajax.models.spec import decoder_flops
 from megajax.tools.comm_budget import Shape, minimum
 from megajax.tools.memory_planner import activation_bytes
 
@@ -118,7 +119,11 @@ CLUSTERS = {"dgx2h": DGX2H_V100, "dgx_h100": DGX_H100}
 class Decoder:
     """A decoder language model's sizes (vocab = the padded vocabulary), its activation recomputation and the
     memory choices beyond the paper: ``sequence`` (parallel.sequence), ``shard_optimizer``
-    (parallel.shard_optimizer, ZeRO-1) and ``fsdp`` (parallel.fsdp, ZeRO-3; it implies shard_optimizer)."""
+    (parallel.shard_optimizer, ZeRO-1) and ``fsdp`` (parallel.fsdp, ZeRO-3; it implies shard_optimizer). The block's
+    shape is GPT-2's unless its family's spec says otherwise (``from_config``): ``kv_heads`` key/value heads (0:
+    ``heads``), an MLP of width ``ffn`` (0: 4 hidden) with a ``gated`` first GEMM (SwiGLU's gate and up), ``biases``
+    (linear layers and norms), a learned position table (``positions``), the output layer ``tied`` to the
+    embedding; ``name``: the family, for the memory planner."""
 
     hidden: int
     layers: int
@@ -129,16 +134,42 @@ class Decoder:
     sequence: bool = False
     shard_optimizer: bool = False
     fsdp: bool = False
+    kv_heads: int = 0
+    ffn: int = 0
+    gated: bool = False
+    biases: bool = True
+    positions: bool = True
+    tied: bool = True
+    name: str = "gpt"
 
     @classmethod
     def from_config(cls, config) -> Decoder:
-        """The decoder of a megajax config (``load_config``)."""
-        m = config.model
-        if m.mlp_ratio != 4:
-            raise ValueError(f"the scaling model assumes mlp_ratio=4 (transformer_flops); got {m.mlp_ratio}")
-        return cls(m.hidden_size, m.num_layers, m.num_heads, m.max_seq_len,
-                   padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by), m.remat,
-                   sequence_parallel(config), *state_split(config))
+        """The decoder of a megajax config (``load_config``), its block's shape from the model's spec."""
+        m, cfg, spec = config.model, model_config(config), model_spec(config.model.name)
+        return cls(m.hidden_size, m.num_layers, m.num_heads, m.max_seq_len, cfg.padded_vocab_size, m.remat,
+                   sequence_parallel(config), *state_split(config), kv_heads=cfg.num_kv_heads, ffn=cfg.ffn_hidden_size,
+                   gated=spec.gated_mlp, biases=spec.biases, positions=bool(spec.sequence_rows),
+                   tied=cfg.tie_embeddings, name=spec.name)
+
+    @property
+    def kv_width(self) -> int:
+        """The key and value projections' output columns, 2 x kv_heads x head_dim (2 hidden without GQA)."""
+        return 2 * (self.kv_heads or self.heads) * (self.hidden // self.heads)
+
+    @property
+    def mlp(self) -> int:
+        """The MLP's hidden width."""
+        return self.ffn or 4 * self.hidden
+
+    def kv_replicated(self, tensor: int) -> bool:
+        """Whether ``tensor`` model shards each hold a copy of one key/value head (more shards than heads)."""
+        return (self.kv_heads or self.heads) % tensor != 0
+
+    def flops(self, batch: int) -> float:
+        """Model FLOPs of ``batch`` sequences forward + backward (``models.spec.decoder_flops``; GPT-2's shape:
+        ``transformer_flops``)."""
+        up = self.mlp * (2 if self.gated else 1)
+        return decoder_flops(batch, self.seq, self.layers, self.hidden, self.kv_width, up + self.mlp, self.vocab)
 
     def flags(self) -> str:
         """The config flags that give this model's choices."""
@@ -146,18 +177,26 @@ class Decoder:
                 f"--config.parallel.shard_optimizer={self.shard_optimizer} --config.parallel.fsdp={self.fsdp}")
 
     def params(self, tensor: int = 1) -> tuple[int, int]:
-        """(total parameters, parameters on one of ``tensor`` model-parallel GPUs), as megajax shards them: QKV,
-        MLP-up and their biases, attention-out and MLP-down weights and the word embedding split; LayerNorms,
-        row-parallel biases and position embeddings replicated (a test pins it to
+        """(total parameters, parameters on one of ``tensor`` model-parallel GPUs), as megajax shards them: the
+        query / key-value (QKV), MLP-up (gate and up) and their biases, attention-out and MLP-down weights and the
+        word embedding (and an untied output layer) split, key/value heads whole where the shards replicate them;
+        norms, row-parallel biases and position embeddings replicated (a test pins it to
         ``memory_planner.params_per_device``)."""
-        h, L = self.hidden, self.layers
-        split = L * (12 * h * h + 7 * h) + self.vocab * h
-        replicated = L * 6 * h + self.seq * h + 2 * h
-        return split + replicated, split // tensor + replicated
+        h, L, kv, bias = self.hidden, self.layers, self.kv_width, int(self.biases)
+        up = self.mlp * (2 if self.gated else 1)
+        kv_part = L * (h * kv + bias * kv)
+        split = L * (h * h + h * h + h * up + self.mlp * h + bias * (h + up)) + self.vocab * h * (2 - self.tied)
+        norm = (1 + bias) * h  # LayerNorm's scale and bias; RMSNorm's scale
+        replicated = L * (2 * norm + bias * 2 * h) + self.positions * self.seq * h + norm
+        local_kv = kv_part if self.kv_replicated(tensor) else kv_part // tensor
+        return split + kv_part + replicated, split // tensor + local_kv + replicated
 
     def divisible_by(self, tensor: int) -> bool:
-        """Whether each of ``tensor`` shards holds whole heads and equal slices of hidden, MLP and vocabulary."""
-        return all(n % tensor == 0 for n in (self.heads, self.hidden, 4 * self.hidden, self.vocab))
+        """Whether each of ``tensor`` shards holds whole heads and equal slices of hidden, MLP and vocabulary, and
+        whole key/value heads or a copy of one."""
+        kv = self.kv_heads or self.heads
+        return all(n % tensor == 0 for n in (self.heads, self.hidden, self.mlp, self.vocab)) and \
+            (kv % tensor == 0 or tensor % kv == 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +212,7 @@ class Prediction:
     tensor_comm_s: float
     data_comm_s: float  # exposed part
     step_s: float
-    tflops_per_gpu: float  # model FLOPs (transformer_flops) / step / GPUs
+    tflops_per_gpu: float  # model FLOPs (Decoder.flops) / step / GPUs
     mfu: float
     efficiency: float  # tflops_per_gpu / the 1-GPU baseline's
     memory_bytes: int
@@ -200,7 +239,9 @@ def gemms(model: Decoder, tensor: int, micro_batch: int) -> tuple[list[tuple], l
     and the output layer's."""
     h, s, t, b = model.hidden, model.seq, tensor, micro_batch
     tokens, local_heads = b * s, b * model.heads / t
-    dense = [(1, tokens, h, 3 * h / t), (1, tokens, h / t, h), (1, tokens, h, 4 * h / t), (1, tokens, 4 * h / t, h)]
+    kv = 2 * h / model.heads if model.kv_replicated(t) else model.kv_width / t  # one head's copy, or a 1/t share
+    up = model.mlp * (2 if model.gated else 1)
+    dense = [(1, tokens, h, h / t + kv), (1, tokens, h / t, h), (1, tokens, h, up / t), (1, tokens, model.mlp / t, h)]
     head = h / model.heads
     attention = [(local_heads, s, head, s), (local_heads, s, s, head)]
     return dense, attention, (1, tokens, h, model.vocab / t)
@@ -283,9 +324,9 @@ def memory_bytes(model: Decoder, tensor: int, micro_batch: int, data: int = 1) -
     (``memory_planner.activation_bytes``, half precision) for one micro-batch. Not counted: FSDP's one gathered
     layer at a time."""
     config = base_config()
-    config.model.update(hidden_size=model.hidden, num_layers=model.layers, num_heads=model.heads,
+    config.model.update(name=model.name, hidden_size=model.hidden, num_layers=model.layers, num_heads=model.heads,
                         max_seq_len=model.seq, vocab_size=model.vocab, make_vocab_size_divisible_by=1,
-                        remat=model.remat)
+                        remat=model.remat, num_kv_heads=model.kv_heads, ffn_hidden_size=model.ffn)
     config.parallel.sequence = model.sequence
     return state_bytes(model, tensor, data) + activation_bytes(config, micro_batch, tensor, HALF)
 
@@ -328,7 +369,7 @@ def predict(model: Decoder, mesh: tuple[int, int], global_batch: int, cluster: C
     data, tensor = mesh
     compute, tensor_comm, data_comm, step, micro = _step(model, mesh, global_batch, cluster, micro_batch,
                                                          grad_bytes)
-    flops = transformer_flops(global_batch, model.seq, model.layers, model.hidden, model.vocab)
+    flops = model.flops(global_batch)
     tflops = flops / step / (data * tensor) / 1e12
     if baseline_tflops is None:
         base = _step(model, (1, 1), global_batch // data, cluster, micro_batch, grad_bytes)[3]

@@ -1,4 +1,5 @@
-"""``config.init_from``: a fine-tuning run's trunk read from a pretrained megajax checkpoint.
+"""``config.init_from``: a run's trunk read from a megajax checkpoint: a fine-tuning run's pretrained BERT, or a
+converted Llama (``hf-to-megajax``) whose training continues.
 
 A task model's spec names its pretrained trunk (``ModelSpec.pretrained_trunk``: ``BERTEncoder`` for the BERT task
 models), which the task model and the pretraining model both subclass, so the trunk (embeddings, blocks, final /
@@ -17,13 +18,14 @@ import ml_collections
 from flax import nnx
 
 from megajax.checkpoint import CheckpointError, read_config, restore_params
-from megajax.config import model_config, model_differences
+from megajax.config import TRAINING_ONLY_FIELDS, model_config, model_differences
 from megajax.errors import ConfigError
 from megajax.models import MODELS, model_spec
 
-# config.model fields that fix the trunk's parameter shapes (and its architecture); max_seq_len may be smaller
-TRUNK_FIELDS = ("vocab_size", "make_vocab_size_divisible_by", "num_layers", "hidden_size", "num_heads", "mlp_ratio",
-                "num_token_types", "post_layernorm", "activation")
+# config.model fields a run may set apart from its init_from checkpoint's: the family (a task model reads its
+# pretraining model's trunk), the task heads' outputs, the sequence length (BERT's GLUE runs read the first 128 of
+# 512 position rows); every other field but the training-only ones fixes the trunk and must match
+FREE_FIELDS = ("name", "num_classes", "max_seq_len")
 
 
 def _trunk(config: ml_collections.ConfigDict) -> type[nnx.Module]:
@@ -54,8 +56,9 @@ def check_init_from(config: ml_collections.ConfigDict) -> pathlib.Path:
     if saved.name not in MODELS or not issubclass(MODELS[saved.name].module, trunk):
         raise CheckpointError(f"init_from={config.init_from!r} holds a model.name={saved.name!r} checkpoint: "
                               f"fine-tuning {config.model.name} needs one whose model is a {trunk.__name__}")
-    if differences := model_differences(saved, config.model, TRUNK_FIELDS):
-        flags = " ".join(f"--config.model.{f}={saved[f]}" for f in TRUNK_FIELDS if saved[f] != config.model[f])
+    fields = tuple(sorted((set(saved) | set(config.model)) - set(FREE_FIELDS) - set(TRAINING_ONLY_FIELDS)))
+    if differences := model_differences(saved, config.model, fields):
+        flags = " ".join(f"--config.model.{f}={saved.get(f)}" for f in fields if saved.get(f) != config.model.get(f))
         raise CheckpointError(f"init_from={config.init_from!r} holds a trunk unlike this config's "
                               f"({'; '.join(differences)}); set {flags}")
     theirs, ours = stored.data.tokenizer_fingerprint, config.data.tokenizer_fingerprint
@@ -63,7 +66,7 @@ def check_init_from(config: ml_collections.ConfigDict) -> pathlib.Path:
         raise CheckpointError(f"init_from={config.init_from!r} was pretrained with another vocabulary than "
                               f"data.tokenizer={config.data.tokenizer!r} (tokenizer fingerprints {theirs} there, "
                               f"{ours} here): fine-tune with the tokenizer of its pretraining data")
-    if config.model.max_seq_len > saved.max_seq_len:
+    if config.model.max_seq_len > saved.max_seq_len and "wpe" in trunk_keys(config):  # rotary: no table
         raise CheckpointError(f"init_from={config.init_from!r} has position embeddings for model.max_seq_len="
                               f"{saved.max_seq_len}, fewer than this config's {config.model.max_seq_len}; set "
                               f"--config.model.max_seq_len to at most {saved.max_seq_len}")
@@ -77,6 +80,8 @@ def load_trunk(config: ml_collections.ConfigDict, params_target: dict[str, Any])
     tokens from a 512-token BERT, as BERT's GLUE runs)."""
     path = check_init_from(config)
     target = {k: params_target[k] for k in trunk_keys(config)}
+    if "wpe" not in target:  # no learned positions (rotary): nothing to cut
+        return restore_params(path, target)
     wpe, positions = target["wpe"], read_config(path).model.max_seq_len
     if positions != wpe.shape[0]:
         target["wpe"] = jax.ShapeDtypeStruct((positions, *wpe.shape[1:]), wpe.dtype, sharding=wpe.sharding)
