@@ -14,8 +14,9 @@ d-way data parallelism:
   3 times (forward, two backward GEMMs) + once more where ``remat`` recomputes it; the memory-bound element-wise
   work as counted passes at HBM bandwidth (below); a fixed ``layer_overhead_s``. Plus the output layer and its
   cross-entropy, and AdamW once per step. The GEMM shapes' FLOPs add up to the model FLOPs
-  (``models.spec.decoder_flops``; GPT-2's ``transformer_flops``; a test pins it); a thin shard (h/t small) or the s x s GEMMs of narrow heads fall below the ridge and run at
-  HBM speed: that is the model's GEMM efficiency as a function of size.
+  (``models.spec.decoder_flops``; GPT-2's ``transformer_flops``; a test pins it); a thin shard (h/t small) or the
+  s x s GEMMs of narrow heads fall below the ridge and run at HBM speed: that is the model's GEMM efficiency as a
+  function of size.
 * Tensor-parallel: ``comm_budget.minimum``'s all-reduces (2L + 1 of b x s x h each way, L more with
   ``remat=full``, 3 per-token ones for the loss), each a ring in the node, ``2 (t-1)/t bytes / bandwidth +
   2 (t-1) latency``, not overlapped (Megatron's f and g block the layer).
