@@ -312,7 +312,14 @@ def test_training_continues_from_a_converted_checkpoint(converted, tmp_path):
                       for p in (tmp_path / "run", mj))
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(trained), jax.tree.leaves(start)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
-    config.model.ffn_hidden_size = 128
+    config.model.make_vocab_size_divisible_by = 64  # 250 -> 256 rows as well: the same embedding
+    config.train.steps = 3
+    megajax.train(config, tmp_path / "other")
+    config.model.make_vocab_size_divisible_by = 100
+    with pytest.raises(CheckpointError, match=r"has 256 embedding rows .* this config 300; set "
+                                              r"--config.model.make_vocab_size_divisible_by=128"):
+        megajax.train(config, tmp_path / "third")
+    config.model.update(make_vocab_size_divisible_by=128, ffn_hidden_size=128)
     with pytest.raises(CheckpointError, match=r"model.ffn_hidden_size: 96 saved, 128 here.*"
                                               r"set --config.model.ffn_hidden_size=96"):
-        megajax.train(config, tmp_path / "other")
+        megajax.train(config, tmp_path / "fourth")

@@ -49,6 +49,9 @@ CASES = {  # name -> (config, data, model, remat, parallel flags ('+'-joined: sh
     "gpt_4x2_full_zero1": ("gpt_tiny", 4, 2, "full", "shard_optimizer", 1),
     "bert_2x4_selective": ("bert_tiny", 2, 4, "selective", None, 1),
     "bert_2x4_selective_acc2": ("bert_tiny", 2, 4, "selective", None, 2),
+    # Llama: its own layer inventory (llama.layer_residual_bytes); 2x4 replicates the 2 key/value heads
+    "llama_4x2_none": ("llama_tiny", 4, 2, "none", None, 1),
+    "llama_2x4_selective_sequence": ("llama_tiny", 2, 4, "selective", "sequence", 1),
 }
 
 

@@ -18,14 +18,14 @@ import ml_collections
 from flax import nnx
 
 from megajax.checkpoint import CheckpointError, read_config, restore_params
-from megajax.config import TRAINING_ONLY_FIELDS, model_config, model_differences
+from megajax.config import TRAINING_ONLY_FIELDS, model_config, model_differences, padded_vocab_size
 from megajax.errors import ConfigError
 from megajax.models import MODELS, model_spec
 
 # config.model fields a run may set apart from its init_from checkpoint's: the family (a task model reads its
 # pretraining model's trunk), the task heads' outputs, the sequence length (BERT's GLUE runs read the first 128 of
 # 512 position rows); every other field but the training-only ones fixes the trunk and must match
-FREE_FIELDS = ("name", "num_classes", "max_seq_len")
+FREE_FIELDS = ("name", "num_classes", "max_seq_len", "make_vocab_size_divisible_by")  # the last: as padded rows
 
 
 def _trunk(config: ml_collections.ConfigDict) -> type[nnx.Module]:
@@ -61,6 +61,12 @@ def check_init_from(config: ml_collections.ConfigDict) -> pathlib.Path:
         flags = " ".join(f"--config.model.{f}={saved.get(f)}" for f in fields if saved.get(f) != config.model.get(f))
         raise CheckpointError(f"init_from={config.init_from!r} holds a trunk unlike this config's "
                               f"({'; '.join(differences)}); set {flags}")
+    rows = [padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by) for m in (saved, config.model)]
+    if rows[0] != rows[1]:
+        raise CheckpointError(f"init_from={config.init_from!r} has {rows[0]} embedding rows (vocab_size "
+                              f"{saved.vocab_size} padded to a multiple of {saved.make_vocab_size_divisible_by}), "
+                              f"this config {rows[1]}; set --config.model.make_vocab_size_divisible_by="
+                              f"{saved.make_vocab_size_divisible_by}")
     theirs, ours = stored.data.tokenizer_fingerprint, config.data.tokenizer_fingerprint
     if theirs and ours and theirs != ours:  # same size, other words: every id would mean another token
         raise CheckpointError(f"init_from={config.init_from!r} was pretrained with another vocabulary than "
