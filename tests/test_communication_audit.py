@@ -213,3 +213,12 @@ def test_llama_layers_communicate_as_gpt_blocks():
     }
     assert {c.group_size for c in colls if c.elements in (kv_head, 2 * kv_head)} == {2}
     assert max(c.elements for c in colls) < b * s * 1024 // 4
+
+
+@pytest.mark.parametrize("choice, remat", [("sequence", "none"), ("shard_optimizer+sequence", "full")])
+def test_llama_with_sequence_parallelism_communicates_the_minimum(choice, remat):
+    """Llama under sequence parallelism on 2x4 (replicated key/value heads): its fused GEMMs keep their
+    all-gathered input as GPT's column-parallel GEMMs do, so each category equals the minimum (the key/value
+    weight's reduction in its own category, not the sequence-parallel one)."""
+    budget = step_budget(one_step_run(choice, 2, 4, "llama", remat))
+    assert budget.compiled == budget.minimum and budget.ratio == 1.0, budget.table()

@@ -37,6 +37,7 @@ from megajax.models.transformer import (
     run_blocks,
 )
 from megajax.parallel.layers import (
+    SEQUENCE_GATHERED,
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -108,9 +109,11 @@ def fused_columns(x: jax.Array, params: tuple[jax.Array, ...], prepare: Callable
         y = column_parallel(x, fused, None, names, dtype)  # (B, S, t, sum of widths / t)
         return jnp.split(y, np.cumsum([blk.shape[-1] for blk in blocks])[:-1], axis=-1)
 
-    # nothing inside is kept: the backward pass has x and the stored weights, and reassembles the kernel from them
-    # (under sequence parallelism it gathers x's sequence again, under FSDP the weights: 2 all-gathers per layer)
-    outs = jax.checkpoint(product, policy=jax.checkpoint_policies.nothing_saveable)(x, *params)
+    # the backward pass has x and the stored weights and reassembles the kernel from them; it keeps only x's
+    # all-gathered sequence under sequence parallelism (as GPT's column-parallel GEMMs do), and under FSDP gathers
+    # the weights again
+    policy = jax.checkpoint_policies.save_only_these_names(SEQUENCE_GATHERED)
+    outs = jax.checkpoint(product, policy=policy)(x, *params)
     return [o.reshape(*o.shape[:2], -1) for o in outs]
 
 

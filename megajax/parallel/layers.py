@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from megajax.parallel.sharding import (
     RESIDUAL,
@@ -32,6 +33,9 @@ from megajax.parallel.sharding import (
 )
 
 Shape = tuple[int, ...]
+# checkpoint name of a column-parallel GEMM's all-gathered input under sequence parallelism: a remat policy that
+# keeps it spares the backward pass a second all-gather
+SEQUENCE_GATHERED = "sequence_gathered"
 
 
 def make_param(rngs: nnx.Rngs, init, shape: Shape, names: Sequence[str]) -> nnx.Param:
@@ -95,8 +99,8 @@ def column_parallel(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, nam
         return _affine(x, kernel, bias, dtype)
 
     def gathered(x, kernel, *bias):  # per device: (B, S/t, H) -> (B, S, *out_shape / t)
-        return _affine(jax.lax.all_gather(x, axis, axis=SEQUENCE_DIM, tiled=True), kernel, bias[0] if bias else None,
-                       dtype)
+        whole = checkpoint_name(jax.lax.all_gather(x, axis, axis=SEQUENCE_DIM, tiled=True), SEQUENCE_GATHERED)
+        return _affine(whole, kernel, bias[0] if bias else None, dtype)
 
     args, arg_names = (x, kernel), (RESIDUAL, tuple(names))
     if bias is not None:

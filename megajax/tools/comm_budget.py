@@ -201,15 +201,16 @@ def step_shape(run) -> Shape:
     spec = run.spec
     params = run.abstract_state.params
     local = sum(model_shard_elements(a) for a in jax.tree.leaves(params))
-    cfg, kv_head = spec.model, 0
+    cfg, kv_head, kv_weight = spec.model, 0, 0
     if spec.tensor > 1 and cfg.kv_replicated(spec.tensor):
         kv_head = cfg.hidden_size * 2 * cfg.head_dim
+        kv_weight = cfg.num_layers * kv_head * cfg.kv_heads  # replicated over model, reduced in its own category
         local -= cfg.num_layers * kv_head * (cfg.kv_heads - 1)  # each shard reduces its own head over data
     return Shape(micro_batch=spec.micro_batch, num_micro=spec.num_micro, seq=spec.model.max_seq_len,
                  hidden=spec.model.hidden_size, layers=spec.model.num_layers, tensor=spec.tensor, data=spec.data,
                  activation_bytes=np.dtype(spec.model.compute_dtype).itemsize, local_grad_elements=local,
                  remat=spec.model.remat, sequence=spec.sequence,
-                 sequence_grad_elements=sequence_grad_elements(params, spec.tensor, spec.model_spec)
+                 sequence_grad_elements=sequence_grad_elements(params, spec.tensor, spec.model_spec) - kv_weight
                  if spec.sequence else 0, pooled_rows=spec.model_spec.pooled_rows * spec.micro_batch,
                  gathered_shard_elements=gathered_shard_elements(run), kv_head_elements=kv_head)
 
