@@ -160,6 +160,22 @@ def test_bad_shapes_are_refused_before_building(fields, mesh_model, message):
         validate(llama_config(model=mesh_model, **fields), 8)
 
 
+@pytest.mark.parametrize("fields,message", [
+    (dict(activation="gelu"), r"Llama has no model.activation='gelu': leave it at the default \(set "
+                              r"model.ffn_hidden_size"),
+    (dict(mlp_ratio=8), "Llama has no model.mlp_ratio=8"),
+    (dict(hidden_size=120, num_kv_heads=2), "model.hidden_size / model.num_heads = 15: rotary embeddings .* even"),
+    (dict(post_layernorm=True), "Llama is pre-norm with no token types"),
+])
+def test_what_llama_does_not_compute_is_a_config_error(fields, message):
+    """Checked on the abstract model (``abstract_model``: before anything is allocated or compiled), so train.py
+    prints it as one ``error:`` line."""
+    config = llama_config()
+    config.model.update(fields)  # GPT's fields too, which llama.model_fields does not offer
+    with pytest.raises(ConfigError, match=message):
+        abstract_model(config)
+
+
 def test_gpt_refuses_llama_options():
     c = base_config()
     c.model.num_kv_heads = 4

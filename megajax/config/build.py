@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from megajax.config.resolve import model_config, rules_of, validate
+from megajax.errors import ConfigError
 from megajax.models import model_spec
 from megajax.parallel.partition import init_sharded, partition_specs
 from megajax.parallel.sharding import make_mesh
@@ -35,7 +36,10 @@ def model_factory(config: ml_collections.ConfigDict) -> Callable[[int], nnx.Modu
 def abstract_model(config: ml_collections.ConfigDict) -> nnx.Module:
     """The model with ShapeDtypeStructs for parameters: shapes and names, no memory."""
     make = model_factory(config)
-    model = nnx.eval_shape(lambda: make(0))
+    try:
+        model = nnx.eval_shape(lambda: make(0))
+    except ValueError as e:  # the module's own checks of its config (options it does not have)
+        raise ConfigError(str(e)) from e
     partition_specs(nnx.state(model), rules_of(config))  # unknown names fail here, before allocation
     return model
 

@@ -19,6 +19,7 @@ from megajax.data import formats
 from megajax.models import objectives
 from megajax.models.spec import HeadMemory, ModelSpec, register, transformer_flops
 from megajax.models.transformer import (
+    LLAMA_HINT,
     LLAMA_OPTIONS,
     TransformerConfig,
     make_blocks,
@@ -41,7 +42,7 @@ class BERTEncoder(nnx.Module):
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         if cfg.num_token_types < 1:
             raise ValueError("BERT needs model.num_token_types >= 1 (2 for sentence pairs)")
-        refuse_options(cfg, "BERT", LLAMA_OPTIONS)
+        refuse_options(cfg, "BERT", LLAMA_OPTIONS, LLAMA_HINT)
         self.cfg = cfg
         dt, h, std = cfg.compute_dtype, cfg.hidden_size, cfg.init_std
         self.wte = VocabParallelEmbedding(cfg.padded_vocab_size, h, std=std, dtype=dt, rngs=rngs)

@@ -14,6 +14,7 @@ from megajax.data import formats
 from megajax.models import objectives
 from megajax.models.spec import HeadMemory, ModelSpec, register, transformer_flops
 from megajax.models.transformer import (
+    LLAMA_HINT,
     LLAMA_OPTIONS,
     KVCache,
     TransformerConfig,
@@ -34,7 +35,7 @@ class GPT(nnx.Module):
         if cfg.post_layernorm or cfg.num_token_types:
             raise ValueError("GPT is pre-LN with no token types: set model.post_layernorm=False and "
                              "model.num_token_types=0")
-        refuse_options(cfg, "GPT", LLAMA_OPTIONS)
+        refuse_options(cfg, "GPT", LLAMA_OPTIONS, LLAMA_HINT)
         self.cfg = cfg
         dt = cfg.compute_dtype
         self.wte = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, std=cfg.init_std, dtype=dt,

@@ -34,6 +34,7 @@ from megajax.models.transformer import (
     attention_core,
     causal_mask,
     make_blocks,
+    refuse_options,
     run_blocks,
 )
 from megajax.parallel.layers import (
@@ -243,6 +244,11 @@ class Llama(nnx.Module):
         if cfg.post_layernorm or cfg.num_token_types:
             raise ValueError("Llama is pre-norm with no token types: set model.post_layernorm=False and "
                              "model.num_token_types=0")
+        # its MLP is SwiGLU of width ffn_hidden_size: GPT's activation and width ratio would be silently unused
+        refuse_options(cfg, "Llama", ("activation", "mlp_ratio"), " (set model.ffn_hidden_size for the MLP's width)")
+        if cfg.head_dim % 2:
+            raise ValueError(f"model.hidden_size / model.num_heads = {cfg.head_dim}: rotary embeddings turn pairs of "
+                             "a head's dimensions, so the head size must be even")
         self.cfg = cfg
         dt = cfg.compute_dtype
         self.wte = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, std=cfg.init_std, dtype=dt,

@@ -127,17 +127,18 @@ class TransformerConfig:
         return jnp.dtype(self.dtype)
 
 
-def refuse_options(cfg: TransformerConfig, model: str, fields: tuple[str, ...]) -> None:
+def refuse_options(cfg: TransformerConfig, model: str, fields: tuple[str, ...], hint: str = "") -> None:
     """ValueError naming the ``fields`` of ``cfg`` set away from their defaults: options ``model`` does not have."""
     defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
     changed = [f"model.{f}={getattr(cfg, f)!r}" for f in fields if getattr(cfg, f) != defaults[f]]
     if changed:
         raise ValueError(f"{model} has no {', '.join(changed)}: leave {'them' if len(changed) > 1 else 'it'} at "
-                         "the default, or pick a model that has the option (model.name=llama)")
+                         f"the default{hint}")
 
 
 # the options of Llama's decoder the GPT-2 and BERT blocks do not implement (rotary positions, grouped-query heads)
 LLAMA_OPTIONS = ("num_kv_heads", "rope_theta", "rope_scaling", "tie_embeddings")
+LLAMA_HINT = ", or pick a model that has the option (model.name=llama)"
 
 
 def causal_mask(q_positions: jax.Array, kv_len: int) -> jax.Array:

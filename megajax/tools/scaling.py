@@ -142,6 +142,7 @@ class Decoder:
     positions: bool = True
     tied: bool = True
     name: str = "gpt"
+    dropout: float = 0.1  # its masks are activations (memory_bytes)
 
     @classmethod
     def from_config(cls, config) -> Decoder:
@@ -150,7 +151,7 @@ class Decoder:
         return cls(m.hidden_size, m.num_layers, m.num_heads, m.max_seq_len, cfg.padded_vocab_size, m.remat,
                    sequence_parallel(config), *state_split(config), kv_heads=cfg.num_kv_heads, ffn=cfg.ffn_hidden_size,
                    gated=spec.gated_mlp, biases=spec.biases, positions=bool(spec.sequence_rows),
-                   tied=cfg.tie_embeddings, name=spec.name)
+                   tied=cfg.tie_embeddings, name=spec.name, dropout=m.dropout)
 
     @property
     def kv_width(self) -> int:
@@ -271,9 +272,13 @@ def compute_s(model: Decoder, tensor: int, micro_batch: int, cluster: Cluster) -
 
 
 def _shape(model: Decoder, mesh: tuple[int, int], micro_batch: int, num_micro: int) -> Shape:
+    local, kv_head = model.params(mesh[1])[1], 0
+    if mesh[1] > 1 and model.kv_replicated(mesh[1]):  # comm_budget.step_shape: each shard reduces its head
+        kv_head = model.kv_width // (model.kv_heads or model.heads) * model.hidden
+        local -= model.layers * kv_head * ((model.kv_heads or model.heads) - 1)
     return Shape(micro_batch=micro_batch, num_micro=num_micro, seq=model.seq, hidden=model.hidden,
                  layers=model.layers, tensor=mesh[1], data=mesh[0], activation_bytes=HALF,
-                 local_grad_elements=model.params(mesh[1])[1], remat=model.remat)
+                 local_grad_elements=local, remat=model.remat, kv_head_elements=kv_head)
 
 
 def tensor_comm_s(model: Decoder, tensor: int, micro_batch: int, cluster: Cluster) -> float:
@@ -327,7 +332,8 @@ def memory_bytes(model: Decoder, tensor: int, micro_batch: int, data: int = 1) -
     config = base_config()
     config.model.update(name=model.name, hidden_size=model.hidden, num_layers=model.layers, num_heads=model.heads,
                         max_seq_len=model.seq, vocab_size=model.vocab, make_vocab_size_divisible_by=1,
-                        remat=model.remat, num_kv_heads=model.kv_heads, ffn_hidden_size=model.ffn)
+                        remat=model.remat, num_kv_heads=model.kv_heads, ffn_hidden_size=model.ffn,
+                        dropout=model.dropout)
     config.parallel.sequence = model.sequence
     return state_bytes(model, tensor, data) + activation_bytes(config, micro_batch, tensor, HALF)
 
