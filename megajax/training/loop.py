@@ -159,6 +159,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> lis
     """
     distributed.maybe_initialize()
     resolve(config, jax.device_count())  # config errors first, in milliseconds
+    abstract_model(config)  # then the module's own (options its family does not have), before the workdir exists
     with hold_workdir(workdir):  # one run per workdir, taken before anything is written; freed on return or error
         return _train(config, workdir)
 
