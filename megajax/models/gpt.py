@@ -16,7 +16,7 @@ from megajax.models.spec import HeadMemory, ModelSpec, register, transformer_flo
 from megajax.models.transformer import (
     LLAMA_HINT,
     LLAMA_OPTIONS,
-    KVCache,
+    CausalDecoder,
     TransformerConfig,
     causal_mask,
     make_blocks,
@@ -28,7 +28,7 @@ from megajax.parallel.losses import mask_padded_vocab
 from megajax.parallel.sharding import RESIDUAL, constrain, param_at_use
 
 
-class GPT(nnx.Module):
+class GPT(CausalDecoder):
     """GPT-2 language model: ``tokens (B, S) -> logits (B, S, padded_vocab)`` with padded ids masked."""
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
@@ -45,27 +45,10 @@ class GPT(nnx.Module):
         self.blocks = make_blocks(cfg, rngs)
         self.ln_f = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
-        """Training / scoring forward: (B, S) int ids -> (B, S, padded_vocab) logits."""
-        return self._forward(tokens, dropout_key, None, 0)[0]
-
-    def init_cache(self, batch: int, max_len: int | None = None) -> KVCache:
-        """Zeroed keys and values for ``decode``: two (L, B, max_len, heads, head_dim) arrays."""
-        cfg = self.cfg
-        shape = (cfg.num_layers, batch, max_len or cfg.max_seq_len, cfg.num_heads, cfg.head_dim)
-        zeros = jnp.zeros(shape, cfg.compute_dtype)
-        return (constrain(zeros, ("layers", "batch", "seq", "heads", "head_dim")),) * 2
-
-    def decode(self, tokens: jax.Array, cache: KVCache, index: jax.Array | int) -> tuple[jax.Array, KVCache]:
-        """Incremental forward of ``tokens`` (B, S) at positions ``index ..``, reading and extending ``cache``."""
-        return self._forward(tokens, None, cache, index)
-
     def _forward(self, tokens, dropout_key, cache, index):
         cfg = self.cfg
         b, s = tokens.shape
-        if s > cfg.max_seq_len:
-            raise ValueError(f"sequence length {s} exceeds model.max_seq_len={cfg.max_seq_len}")
-        tokens = constrain(tokens, ("batch", "seq"))
+        tokens = self._tokens(tokens)
         k_emb, k_layers = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
         # Replicated rows: under sequence parallelism their gradient (rows follow the split sequence) is gathered
         # here, once, rather than left split for AdamW to update apart and gather three arrays.

@@ -28,7 +28,7 @@ from megajax.data import formats
 from megajax.models import objectives
 from megajax.models.spec import HeadMemory, ModelSpec, decoder_flops, register
 from megajax.models.transformer import (
-    KVCache,
+    CausalDecoder,
     LayerCache,
     TransformerConfig,
     attention_core,
@@ -237,7 +237,7 @@ class LlamaBlock(nnx.Module):
         return constrain(x, RESIDUAL), cache
 
 
-class Llama(nnx.Module):
+class Llama(CausalDecoder):
     """Llama decoder: ``tokens (B, S) -> logits (B, S, padded_vocab)`` with padded ids masked."""
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
@@ -258,28 +258,14 @@ class Llama(nnx.Module):
         self.lm_head = None if cfg.tie_embeddings else VocabParallelEmbedding(
             cfg.padded_vocab_size, cfg.hidden_size, std=cfg.init_std, dtype=dt, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
-        """Training / scoring forward: (B, S) int ids -> (B, S, padded_vocab) logits."""
-        return self._forward(tokens, dropout_key, None, 0)[0]
-
-    def init_cache(self, batch: int, max_len: int | None = None) -> KVCache:
-        """Zeroed keys and values for ``decode``: two (L, B, max_len, kv_copies, head_dim) arrays, the key/value
-        heads only (one per shard where the shards replicate them)."""
-        cfg = self.cfg
-        shape = (cfg.num_layers, batch, max_len or cfg.max_seq_len, kv_copies(cfg), cfg.head_dim)
-        zeros = jnp.zeros(shape, cfg.compute_dtype)
-        return (constrain(zeros, ("layers", "batch", "seq", "heads", "head_dim")),) * 2
-
-    def decode(self, tokens: jax.Array, cache: KVCache, index: jax.Array | int) -> tuple[jax.Array, KVCache]:
-        """Incremental forward of ``tokens`` (B, S) at positions ``index ..``, reading and extending ``cache``."""
-        return self._forward(tokens, None, cache, index)
+    def cache_heads(self) -> int:
+        """The key/value heads only (one per shard where the shards replicate them), not the query heads."""
+        return kv_copies(self.cfg)
 
     def _forward(self, tokens, dropout_key, cache, index):
         cfg = self.cfg
         b, s = tokens.shape
-        if s > cfg.max_seq_len:
-            raise ValueError(f"sequence length {s} exceeds model.max_seq_len={cfg.max_seq_len}")
-        tokens = constrain(tokens, ("batch", "seq"))
+        tokens = self._tokens(tokens)
         k_emb, k_layers = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
         rows = self.wte.replica_rows(b)
         x = constrain(dropout(self.wte(tokens, rows), cfg.dropout, k_emb), RESIDUAL)

@@ -292,3 +292,40 @@ def run_blocks(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask: j
         step = nnx.remat(step, policy=_remat_policy("none"))
     scan = nnx.scan(step, in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
     return scan(blocks, x, layer_keys, cache)
+
+
+class CausalDecoder(nnx.Module):
+    """What every decoder language model shares for training, scoring and generation: the forward pass and the
+    key/value cache of incremental decoding. A subclass sets ``self.cfg`` and defines ``_forward(tokens,
+    dropout_key, cache, index) -> (logits, cache)``; ``cache_heads`` is how many key/value heads a step computes."""
+
+    cfg: TransformerConfig
+
+    def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+        """Training / scoring forward: (B, S) int ids -> (B, S, padded_vocab) logits."""
+        return self._forward(tokens, dropout_key, None, 0)[0]
+
+    def cache_heads(self) -> int:
+        """Key/value heads per layer in the cache (all of them for multi-head attention)."""
+        return self.cfg.num_heads
+
+    def init_cache(self, batch: int, max_len: int | None = None) -> KVCache:
+        """Zeroed keys and values for ``decode``: two (L, B, max_len, cache_heads, head_dim) arrays."""
+        cfg = self.cfg
+        shape = (cfg.num_layers, batch, max_len or cfg.max_seq_len, self.cache_heads(), cfg.head_dim)
+        zeros = jnp.zeros(shape, cfg.compute_dtype)
+        return (constrain(zeros, ("layers", "batch", "seq", "heads", "head_dim")),) * 2
+
+    def decode(self, tokens: jax.Array, cache: KVCache, index: jax.Array | int) -> tuple[jax.Array, KVCache]:
+        """Incremental forward of ``tokens`` (B, S) at positions ``index ..``, reading and extending ``cache``."""
+        return self._forward(tokens, None, cache, index)
+
+    def _tokens(self, tokens: jax.Array) -> jax.Array:
+        """The ids laid out by batch, after checking their length against the model's."""
+        if tokens.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        return constrain(tokens, ("batch", "seq"))
+
+    def _forward(self, tokens: jax.Array, dropout_key: jax.Array | None, cache: KVCache | None,
+                 index: jax.Array | int) -> tuple[jax.Array, KVCache | None]:
+        raise NotImplementedError
