@@ -4,7 +4,8 @@
 GPT: HF ``GPT2LMHeadModel`` (``hf_gpt2``), Megatron-LM legacy or Core names (``megatron_gpt``). BERT: HF
 ``BertForPreTraining`` (post-LN) and ``MegatronBertForPreTraining`` (pre-LN) (``hf_bert``), Megatron-LM legacy BERT
 (``megatron_bert``). Llama: HF ``LlamaForCausalLM`` (``hf_llama``; its own parameter names, see
-``megajax.models.llama``). ``hf_io`` picks the HF converter by model_type; ``megatron_files`` and
+``megajax.models.llama``). ``hf_io`` picks the HF converter by model_type, ``hf_tensors`` reads a state dict for
+them; ``megatron_files`` and
 ``megatron_checks`` serve both Megatron models.
 
 Conversions work on full (unsharded) host numpy arrays of the megajax parameter tree:

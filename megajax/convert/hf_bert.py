@@ -20,6 +20,7 @@ import ml_collections
 import numpy as np
 
 from megajax.config import base_config, padded_vocab_size
+from megajax.convert.hf_tensors import HFTensors
 
 Params = dict
 HF_CLASSES = {"bert": "BertForPreTraining", "megatron-bert": "MegatronBertForPreTraining"}  # by model_type
@@ -78,27 +79,17 @@ def hf_config(config: ml_collections.ConfigDict) -> dict:
             "initializer_range": m.init_std, "layer_norm_eps": m.layernorm_eps, "tie_word_embeddings": True}
 
 
-class _Tensors:
-    """An HF state dict read tensor by tensor, each checked against the shape the config implies."""
+class _Tensors(HFTensors):
+    """The HF BERT state dict, its TF-era LayerNorm names (gamma/beta) read as weight/bias."""
 
     def __init__(self, sd: dict[str, np.ndarray], config: ml_collections.ConfigDict):
-        self.sd = {k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"): v
-                   for k, v in sd.items()}  # TF-era checkpoints name LayerNorm parameters gamma/beta
         m = config.model
-        self.sizes = (f"vocab_size={m.vocab_size}, hidden_size={m.hidden_size}, intermediate_size="
-                      f"{m.mlp_ratio * m.hidden_size}, max_position_embeddings={m.max_seq_len}, "
-                      f"type_vocab_size={m.num_token_types}")
-        self.used: set[str] = set()
-
-    def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in self.sd:
-            raise KeyError(f"the HF weights have no tensor {name!r}: give a {' or '.join(HF_CLASSES.values())} "
-                           "directory whose config.json model_type matches its weights")
-        a = self.sd[name]
-        _refuse(tuple(a.shape) == shape, f"HF tensor {name} is {tuple(a.shape)}, but config.json ({self.sizes}) "
-                                         f"implies {shape}")
-        self.used.add(name)
-        return np.asarray(a, np.float32)
+        renamed = (k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+                   for k in sd)
+        super().__init__(dict(zip(renamed, sd.values())),
+                         f"vocab_size={m.vocab_size}, hidden_size={m.hidden_size}, intermediate_size="
+                         f"{m.mlp_ratio * m.hidden_size}, max_position_embeddings={m.max_seq_len}, "
+                         f"type_vocab_size={m.num_token_types}", " or ".join(HF_CLASSES.values()))
 
     def linear(self, name: str, n_in: int, n_out: int) -> dict[str, np.ndarray]:
         """A torch Linear (out, in) as a megajax dense layer: kernel (in, out)."""
@@ -109,12 +100,7 @@ class _Tensors:
 
     def check_rest(self) -> None:
         """Everything not taken must be a buffer or a tied copy; anything else has no place in megajax's BERT."""
-        rest = set(self.sd) - self.used - set(BUFFERS)
-        for copy, source in TIED.items():
-            if copy in rest:
-                _refuse(np.array_equal(self.sd[copy], self.sd[source]), f"the HF weights hold a {copy} that differs "
-                                                                        f"from {source}: megajax ties them")
-                rest.discard(copy)
+        rest = self.rest(TIED, "megajax ties them") - set(BUFFERS)
         _refuse(not rest, f"the HF weights hold tensors megajax's BERT has no place for: {sorted(rest)[:4]} (layers "
                           "past num_hidden_layers, or another model's heads)")
 

@@ -20,6 +20,7 @@ import ml_collections
 import numpy as np
 
 from megajax.config import base_config, padded_vocab_size
+from megajax.convert.hf_tensors import HFTensors
 from megajax.models import llama
 
 Params = dict
@@ -129,36 +130,21 @@ def hf_config(config: ml_collections.ConfigDict) -> dict:
             "initializer_range": m.init_std, "torch_dtype": "float32", "use_cache": True}
 
 
-class _Tensors:
-    """An HF state dict read tensor by tensor, each checked against the shape config.json implies."""
+class _Tensors(HFTensors):
+    """The HF Llama state dict; a bare LlamaModel's tensors lack the "model." prefix (the head never has one)."""
 
     def __init__(self, sd: dict[str, np.ndarray], config: ml_collections.ConfigDict):
-        # A bare LlamaModel's tensors lack the "model." prefix; the head, if any, never has one.
-        self.sd = {k if k.startswith(("model.", "lm_head.")) else f"model.{k}": v for k, v in sd.items()}
         m = config.model
-        self.sizes = (f"vocab_size={m.vocab_size}, hidden_size={m.hidden_size}, intermediate_size="
-                      f"{_ffn(m)}, num_attention_heads={m.num_heads}, num_key_value_heads="
-                      f"{m.num_kv_heads or m.num_heads}")
-        self.used: set[str] = set()
-
-    def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in self.sd:
-            raise KeyError(f"the HF weights have no tensor {name!r}: give a {HF_CLASSES['llama']} directory whose "
-                           "config.json matches its weights")
-        a = self.sd[name]
-        _refuse(tuple(a.shape) == shape, f"HF tensor {name} is {tuple(a.shape)}, but config.json ({self.sizes}) "
-                                         f"implies {shape}")
-        self.used.add(name)
-        return np.asarray(a, np.float32)
+        super().__init__({k if k.startswith(("model.", "lm_head.")) else f"model.{k}": v for k, v in sd.items()},
+                         f"vocab_size={m.vocab_size}, hidden_size={m.hidden_size}, intermediate_size={_ffn(m)}, "
+                         f"num_attention_heads={m.num_heads}, num_key_value_heads={m.num_kv_heads or m.num_heads}",
+                         HF_CLASSES["llama"])
 
     def check_rest(self, tied: bool) -> None:
         """Everything not taken must be a buffer or, tied, an lm_head equal to the embedding."""
-        rest = {k for k in set(self.sd) - self.used if not BUFFER.fullmatch(k)}
-        if tied and "lm_head.weight" in rest:
-            _refuse(np.array_equal(self.sd["lm_head.weight"], self.sd["model.embed_tokens.weight"]),
-                    "the HF weights hold an lm_head.weight that differs from model.embed_tokens.weight, but "
-                    "config.json says tie_word_embeddings=true")
-            rest.discard("lm_head.weight")
+        copies = {"lm_head.weight": "model.embed_tokens.weight"} if tied else {}
+        rest = {k for k in self.rest(copies, "config.json says tie_word_embeddings=true")
+                if not BUFFER.fullmatch(k)}
         _refuse(not rest, f"the HF weights hold tensors megajax's Llama has no place for: {sorted(rest)[:4]} "
                           "(layers past num_hidden_layers, biases, or another model's heads)")
 

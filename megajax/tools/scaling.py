@@ -64,7 +64,7 @@ import math
 
 from megajax.cli import ArgumentParser, load_config
 from megajax.config import base_config, model_config, sequence_parallel, state_split
-from megajax.models import model_spec
+from megajax.models import gpt, model_spec
 from megajax.models.spec import decoder_flops
 from megajax.tools.comm_budget import Shape, minimum
 from megajax.tools.memory_planner import activation_bytes
@@ -141,7 +141,7 @@ class Decoder:
     biases: bool = True
     positions: bool = True
     tied: bool = True
-    name: str = "gpt"
+    name: str = gpt.NAME
     dropout: float = 0.1  # its masks are activations (memory_bytes)
 
     @classmethod
