@@ -4,7 +4,7 @@ vocabulary 32000, untied output, 4096 positions; the paper's optimizer settings.
 Command:  python train.py --config=configs/llama2_7b.py --config.data.source=indexed --config.data.path=PREFIX
 Expect:   6,738,415,616 parameters (the published count); mesh.model=8 puts 4 heads on each GPU of a node.
           From Hugging Face weights: python -m megajax.convert hf-to-megajax --hf=DIR --output=OUT, then
-          --config.init_from=OUT (docs/llama.md).
+          --config.init_from=OUT (README.md, "Llama").
 """
 
 from megajax.config import base_config
