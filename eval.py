@@ -12,9 +12,8 @@
 """
 
 import argparse
-import sys
 
-from megajax.cli import ArgumentParser, parse_mesh, use_cpu_devices
+from megajax.cli import ArgumentParser, fail, parse_mesh, use_cpu_devices
 from megajax.errors import USER_ERRORS
 from megajax.evaluation.generate import Sampling
 from megajax.evaluation.inputs import InputError
@@ -76,7 +75,7 @@ def main(argv=None):
     except InputError as e:  # raised before the model is loaded: usage, not a traceback
         p.error(str(e))
     except USER_ERRORS as e:  # a path, a checkpoint, a config: what to change, not a traceback
-        sys.exit(f"error: {e}")
+        fail(e)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from ml_collections import config_flags
 from megajax.cli import (
     absolute_paths,
     check_config_overrides,
+    fail,
     parse_mesh,
     resolve_config_path,
     rewrite_config_flag,
@@ -50,7 +51,7 @@ def main(argv):
             config.mesh.data, config.mesh.model = parse_mesh(flags.FLAGS.mesh)
         train(absolute_paths(config), flags.FLAGS.workdir)
     except USER_ERRORS as e:  # a message that says what to change; no traceback
-        sys.exit(f"error: {e}")
+        fail(e)
 
 
 if __name__ == "__main__":
@@ -58,6 +59,6 @@ if __name__ == "__main__":
         sys.argv = rewrite_config_flag(sys.argv)  # bare config names, before absl reads the flag
         check_config_overrides(sys.argv, DEFAULT_CONFIG)
     except USER_ERRORS as e:  # a misspelled config name, :ARG or field
-        sys.exit(f"error: {e}")
+        fail(e)
     define_flags()
     app.run(main)

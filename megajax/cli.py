@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib.util
+import os
 import pathlib
 import shlex
 import sys
 import tempfile
 from collections.abc import Callable
+from typing import NoReturn
 
 import jax
 import ml_collections
@@ -213,10 +215,21 @@ def simulate_cpu_devices(argv: list[str]) -> None:
         use_cpu_devices(n)
 
 
+DEBUG_VARIABLE = "MEGAJAX_DEBUG"  # set to 1: a user error shows its traceback instead of the one error: line
+
+
+def fail(error: BaseException, message: str | None = None) -> NoReturn:
+    """Exits 1 with ``error: MESSAGE`` (default: the error's own text), the way every megajax command reports an
+    error the user can fix; with ``MEGAJAX_DEBUG=1`` in the environment the error is raised with its traceback."""
+    if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
+        raise error
+    sys.exit(f"error: {error if message is None else message}")
+
+
 def exit_on_user_error(main: Callable[[], object]) -> object:
     """Runs a tool's ``main``; an error the user can fix (``megajax.errors.USER_ERRORS``) exits 1 with its message,
-    not a traceback."""
+    not a traceback (``fail``)."""
     try:
         return main()
     except USER_ERRORS as e:
-        sys.exit(f"error: {e}")
+        fail(e)

@@ -158,3 +158,43 @@ def test_a_full_disk_while_preprocessing_is_an_error_line_and_leaves_nothing(tmp
         assert str(exit_info.value).startswith("error: ") and "No space left on device" in str(exit_info.value)
         assert f"nothing was written to {disk / 'out'}" in str(exit_info.value)
         assert list(disk.iterdir()) == []
+
+
+def test_every_other_command_reports_bad_input_as_one_error_line(tmp_path):
+    """The same rule through eval.py and each ``python -m megajax.*`` command: a misspelled config or flag, a missing
+    checkpoint, an unwritable output (checked before anything is read), an unknown language; the processes start
+    together. With MEGAJAX_DEBUG=1 the same mistake shows its traceback."""
+    (tmp_path / "sealed").mkdir()
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "gpt2"}')
+    (tmp_path / "doc.jsonl").write_text('{"text": "a b c"}\n')
+    cases = {  # name: (command, what the error line says)
+        "info config name": (["-m", "megajax.info", "--config=gpt_tiyn"], "config 'gpt_tiyn' not found"),
+        "comm_report config name": (["-m", "megajax.comm_report", "--config=gpt_tiyn"], "config 'gpt_tiyn' not found"),
+        "scaling config name": (["-m", "megajax.scaling", "--config=gpt_tiyn", "--gpus=8"],
+                                "config 'gpt_tiyn' not found"),
+        "eval.py flag": ([str(ROOT / "eval.py"), "--checkpoint=x", "--task=ppl", "--stide=4"],
+                         "unrecognized arguments: --stide=4"),
+        "eval.py checkpoint": ([str(ROOT / "eval.py"), f"--checkpoint={tmp_path / 'none'}", "--task=ppl"],
+                               "no megajax checkpoint at "),
+        "convert unwritable output": (["-m", "megajax.convert", "hf-to-megajax", f"--hf={hf}",
+                                       f"--output={tmp_path / 'sealed' / 'out'}"], "cannot be written"),
+        "preprocess language": (["-m", "megajax.data.preprocess", f"--input={tmp_path / 'doc.jsonl'}",
+                                 "--tokenizer=t.json", f"--output_prefix={tmp_path / 'o'}", "--language=xx"],
+                                "--language: invalid choice: 'xx'"),
+    }
+    env = {**child_env(), "PYTHONPATH": str(ROOT)}
+    with _read_only(tmp_path / "sealed"):
+        runs = {name: subprocess.Popen([sys.executable, *command], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.PIPE, text=True) for name, (command, _) in cases.items()}
+        debug = subprocess.Popen([sys.executable, "-m", "megajax.info", "--config=gpt_tiyn"], cwd=tmp_path,
+                                 env={**env, "MEGAJAX_DEBUG": "1"}, stderr=subprocess.PIPE, text=True)
+        results = {name: (run.wait(timeout=300), run.stderr.read()) for name, run in runs.items()}
+        debug_out = debug.communicate(timeout=300)[1]
+    for name, (rc, stderr) in results.items():
+        last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
+        assert rc != 0 and "error: " in last and cases[name][1] in last, (name, stderr[-3000:])
+        assert "Traceback" not in stderr, (name, stderr[-3000:])
+    assert list((tmp_path / "sealed").iterdir()) == [] and not list(tmp_path.glob("o.*"))
+    assert debug.returncode != 0 and "Traceback" in debug_out and "FileNotFoundError: config 'gpt_tiyn'" in debug_out

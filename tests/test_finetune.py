@@ -10,8 +10,9 @@ import pytest
 from conftest import place
 from flax import nnx
 
-from megajax.checkpoint import CheckpointError, restore_params, save_params
+from megajax.checkpoint import CheckpointError, read_config, restore_params, save_params
 from megajax.config import bert_base_config, build_mesh, create_model, rules_of
+from megajax.data.tokenizer import BERT_SPECIALS, load_tokenizer
 from megajax.models import model_spec
 from megajax.parallel.sharding import activate
 from megajax.training.data import load_dataset
@@ -203,11 +204,23 @@ def test_finetune_from_a_converted_hugging_face_bert(tmp_path):
         max_position_embeddings=24, type_vocab_size=2, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0)).eval()
     hf.save_pretrained(tmp_path / "hf")
+    words = [*BERT_SPECIALS, *(f"w{i}" for i in range(59))]  # 64 entries, as the model's vocabulary
+    (tmp_path / "hf" / "vocab.txt").write_text("\n".join(words) + "\n")
+    (tmp_path / "other.txt").write_text("\n".join(words[:5] + words[5:][::-1]) + "\n")  # same size, ids moved
     convert_main(["hf-to-megajax", f"--hf={tmp_path / 'hf'}", f"--output={tmp_path / 'mj'}",
                   "--make_vocab_size_divisible_by=64"])
+    recorded = read_config(tmp_path / "mj").data.tokenizer_fingerprint
+    assert recorded == load_tokenizer(tmp_path / "hf" / "vocab.txt").fingerprint
     c = task_config("bert_classifier", data=1, model=4, heads=4)
     c.model.post_layernorm = True  # BertForPreTraining is post-LN; a mismatch is refused by init_from's checks
     c.init_from = str(tmp_path / "mj")
+    # the converted directory's vocabulary is compared with the fine-tuning data's, as a pretraining run's is
+    c.data.update(tokenizer=str(tmp_path / "other.txt"),
+                  tokenizer_fingerprint=load_tokenizer(tmp_path / "other.txt").fingerprint)
+    with pytest.raises(CheckpointError, match="pretrained with another vocabulary than data.tokenizer="):
+        check_init_from(c)
+    c.data.update(tokenizer="", tokenizer_fingerprint=recorded)
+    assert check_init_from(c) == tmp_path / "mj"
 
     mesh = build_mesh(c)
     graphdef, state = nnx.split(create_model(c, mesh, seed=0))

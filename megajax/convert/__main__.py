@@ -28,10 +28,11 @@ import numpy as np
 from flax import nnx
 
 from megajax.checkpoint import save_params
-from megajax.cli import ArgumentParser, load_config
+from megajax.cli import ArgumentParser, fail, load_config
 from megajax.config.load import inference_config, restore_model
 from megajax.convert import hf_io, megatron_bert, megatron_gpt
 from megajax.convert.paths import absolute, existing_input, staged_output
+from megajax.data.tokenizer import load_tokenizer
 
 INPUT_FLAGS = {"hf-to-megajax": "hf", "megatron-to-megajax": "megatron", "megajax-to-hf": "checkpoint",
                "megajax-to-megatron": "checkpoint", "export": "checkpoint"}
@@ -81,7 +82,23 @@ def _hf_to_megajax(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Pat
     pad = args.make_vocab_size_divisible_by
     config = converter.config_from_hf(hf) if pad is None else converter.config_from_hf(hf, pad)
     params = converter.params_from_hf(hf_io.read_weights(source, args.allow_pickle), config)
+    config.data.tokenizer_fingerprint = _tokenizer_fingerprint(source, config.model.vocab_size)
     return save_params(out, params, config)
+
+
+def _tokenizer_fingerprint(source: pathlib.Path, vocab_size: int) -> str:
+    """The vocabulary fingerprint of the tokenizer saved beside the weights (tokenizer.json, vocab.json + merges.txt
+    or vocab.txt), recorded so that fine-tuning, evaluation and training on data of another vocabulary of the same
+    size are refused; "" (nothing to compare) where the directory holds none, or none megajax reads or that fits."""
+    try:
+        tokenizer = load_tokenizer(source)
+    except ValueError:  # no tokenizer files, or no end-of-document token in them
+        return ""
+    except Exception as e:  # a damaged file: the weights still convert
+        print(f"note: the tokenizer in {source} could not be read ({e}); no vocabulary fingerprint recorded",
+              file=sys.stderr)
+        return ""
+    return tokenizer.fingerprint if tokenizer.vocab_size <= vocab_size else ""
 
 
 def _megajax_to_hf(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
@@ -138,4 +155,4 @@ if __name__ == "__main__":
     try:
         main()
     except (*USER_ERRORS, CheckpointError) as e:
-        sys.exit(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}")
+        fail(e, e.args[0] if isinstance(e, KeyError) and e.args else None)

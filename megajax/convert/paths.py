@@ -9,6 +9,8 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 
+from megajax.cli import OutputPathError
+
 
 def absolute(path: str | pathlib.Path) -> pathlib.Path:
     """``path`` with ``~`` expanded, made absolute against the current directory (no symlinks resolved)."""
@@ -58,8 +60,12 @@ def staged_output(output: pathlib.Path, *, overwrite: bool = False,
         if source == output or output in source.parents:
             raise ValueError(f"--output={output} would replace the input {source} being converted: "
                              "pass another --output")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    try:  # before any input is read: an unwritable place fails now, not after the conversion
+        output.parent.mkdir(parents=True, exist_ok=True)
+        staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    except OSError as e:
+        raise OutputPathError(f"--output={output} cannot be written ({e.strerror or e}); pick a writable "
+                              "place") from None
     try:
         yield staging
     except BaseException:

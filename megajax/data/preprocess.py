@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 
-from megajax.cli import ArgumentParser
+from megajax.cli import ArgumentParser, fail
 from megajax.data.dedup import Deduplicator, minhash
 from megajax.data.indexed import IndexedWriter, choose_dtype
 from megajax.data.sentences import LANGUAGES
@@ -212,7 +212,9 @@ def main(argv: list[str] | None = None) -> None:
                             dtype=args.dtype, workers=args.workers, progress=sys.stderr.isatty(),
                             split_sentences=args.split_sentences, language=args.language)
     except (OSError, ValueError) as e:  # missing files, a bad tokenizer, nothing left, a full disk: no traceback
-        sys.exit(f"error: {e} (nothing was written to {args.output_prefix})")
+        fail(e, f"{e} (nothing was written to {args.output_prefix})")
+    except KeyboardInterrupt as e:  # Ctrl-C: the writer has removed its temporary files on the way out
+        fail(e, f"interrupted; nothing was written to {args.output_prefix}")
     print(json.dumps(dataclasses.asdict(counts), indent=1))
 
 

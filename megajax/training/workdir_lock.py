@@ -157,7 +157,8 @@ def hold_workdir(workdir: str | pathlib.Path) -> Iterator[None]:
             if note:
                 print(f"note: {note}", file=sys.stderr)
         except (WorkdirInUseError, OSError) as e:
-            refusal = str(e) if isinstance(e, WorkdirInUseError) else f"cannot lock workdir {workdir}: {e}"
+            refusal = (str(e) if isinstance(e, WorkdirInUseError)
+                       else f"cannot lock workdir {workdir}: {e}; pass a --workdir this user can write")
     try:
         refusal = _agree(refusal)
         if refusal:
