@@ -323,3 +323,48 @@ def test_training_continues_from_a_converted_checkpoint(converted, tmp_path):
     with pytest.raises(CheckpointError, match=r"model.ffn_hidden_size: 96 saved, 128 here.*"
                                               r"set --config.model.ffn_hidden_size=96"):
         megajax.train(config, tmp_path / "fourth")
+
+
+def _torch_nll(model, ids, last: int | None = None) -> float:
+    """transformers' summed next-token NLL of the last ``last`` targets of the row ``ids`` (default all), float64."""
+    ids = np.asarray(ids, np.int64)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.from_numpy(ids[:-1])[None]).logits[0].double(), -1).numpy()
+    nll = -logp[np.arange(len(ids) - 1), ids[1:]]
+    return float(nll[-(last or len(nll)):].sum())
+
+
+def test_eval_and_lm_eval_score_a_converted_llama_as_transformers(converted, tmp_path):
+    """eval.py's ppl task on 2x4 (replicated key/value heads) scores three non-overlapping windows of max_seq_len as
+    transformers does; the lm-eval adapter's loglikelihood_rolling on 1x4 follows lm-eval's windows over a document
+    three windows long and sums what transformers gives for them (both within 1e-5 relative)."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    from megajax.data.indexed import IndexedWriter
+    from megajax.data.tokenizer import train_tokenizer
+    from megajax.evaluation.lm_eval_adapter import MegajaxLM
+    from megajax.evaluation.runner import run
+
+    _, model, mj = converted("gqa")
+    seq = read_config(mj).model.max_seq_len
+    ids = np.random.default_rng(1).integers(0, 250, size=3 * seq + 1)
+    writer = IndexedWriter(tmp_path / "data", np.uint16)
+    writer.add(ids)
+    writer.commit({"vocab_size": 250})
+    result = run(str(mj), "ppl", data=str(tmp_path / "data"), mesh_data=2, mesh_model=4, batch_size=2)
+    want = sum(_torch_nll(model, ids[k * seq: (k + 1) * seq + 1]) for k in range(3)) / (3 * seq)
+    assert result["scored_targets"] == 3 * seq and result["mesh"] == "2x4"
+    np.testing.assert_allclose(result["loss"], want, rtol=1e-5)
+
+    words = [f"w{i}" for i in range(60)]
+    tok = train_tokenizer([" ".join(words)] * 4, "wordpiece", 120)  # [SEP] ends documents
+    tok.save(tmp_path / "tok.json")
+    lm = MegajaxLM(pretrained=str(mj), tokenizer=str(tmp_path / "tok.json"), mesh="1x4", batch_size=2)
+    document = " ".join(words[i % 60] for i in range(7 * 23))
+    tokens = tok.encode_batch([document])[0]
+    windows = [make_disjoint_window(w) for w in get_rolling_token_windows(tokens, tok.eod_id, seq, 1)]
+    assert len(windows) == 3
+    reference = -sum(_torch_nll(model, (ctx + cont)[-(seq + 1):], len(cont)) for ctx, cont in windows)
+    got = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (document,), 0)])[0]
+    np.testing.assert_allclose(got, reference, rtol=1e-5)
