@@ -33,7 +33,10 @@ CASES = {  # name: (extra flags, what the error line says)
     "no heads": (["--config.model.num_heads=0"], "model.num_heads=0 makes no model"),
     "negative width": (["--config.model.hidden_size=-128"], "model.hidden_size=-128 makes no model"),
     "no MLP": (["--config.model.mlp_ratio=0"], "model.mlp_ratio=0 makes no model"),
-    "no vocabulary": (["--config.model.vocab_size=0"], "model.vocab_size=0 makes no model"),
+    "no vocabulary": (["--config.model.vocab_size=0", "--config.data.source=default"],  # its own empty cache
+                      "model.vocab_size=0 makes no model"),
+    "blend prefix with a space": (["--config.data.source=indexed", "--config.data.blend=1 my data/a 1 data/b"],
+                                  "a prefix with spaces goes in quotes"),
     "negative lr": (["--config.optimizer.lr=-1"], "optimizer.lr must be >= 0"),
     "negative clip": (["--config.optimizer.clip_norm=-1"], "optimizer.clip_norm > 0"),
     "negative warmup": (["--config.optimizer.warmup_steps=-3"], "optimizer.warmup_steps and optimizer.decay_steps"),
@@ -83,8 +86,10 @@ def test_bad_input_to_train_py_is_one_error_line_and_leaves_nothing(tmp_path):
     env = {**child_env(), "PYTHONPATH": str(ROOT)}
     with _read_only(tmp_path / "read-only checkpoints" / "checkpoints"):
         runs = {name: subprocess.Popen([sys.executable, str(ROOT / "train.py"), f"--workdir={tmp_path / name}",
-                                        *FLAGS, *flags], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.PIPE, text=True)
+                                        *FLAGS, *flags], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.PIPE, text=True,
+                                       env={**env, "MEGAJAX_CACHE": str(tmp_path / "cache")}
+                                       if name == "no vocabulary" else env)
                 for name, (flags, _) in CASES.items()}
         results = {name: (run.wait(timeout=300), run.stderr.read()) for name, run in runs.items()}
     for name, (rc, stderr) in results.items():
@@ -94,6 +99,7 @@ def test_bad_input_to_train_py_is_one_error_line_and_leaves_nothing(tmp_path):
         assert "Traceback" not in stderr, (name, stderr[-3000:])
         workdir = tmp_path / name
         assert (_files(workdir) if workdir.exists() else {}) == before.get(name, {}), name  # nothing written
+    assert not (tmp_path / "cache").exists()  # the config was refused before the default corpus was built
 
 
 @contextlib.contextmanager
