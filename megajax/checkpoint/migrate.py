@@ -14,6 +14,8 @@ ADDED_FIELDS = {
     ("parallel", "sequence"): False,
     ("parallel", "shard_optimizer"): False,
     ("parallel", "fsdp"): False,
+    ("parallel", "pipeline_microbatches"): 0,
+    ("mesh", "pipe"): 1,
     ("checkpoint", "restore_step"): 0,
     ("train", "precision"): "auto",
     ("data", "blend"): "",

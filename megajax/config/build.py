@@ -24,7 +24,7 @@ def build_mesh(config: ml_collections.ConfigDict, devices: list[jax.Device] | No
     """The (data, model) mesh of ``config.mesh``, after ``validate``."""
     devices = list(jax.devices() if devices is None else devices)
     dp, tp = validate(config, len(devices))
-    return make_mesh(dp, tp, devices)
+    return make_mesh(dp, tp, devices, pipe=config.mesh.pipe)
 
 
 def model_factory(config: ml_collections.ConfigDict) -> Callable[[int], nnx.Module]:

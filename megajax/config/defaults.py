@@ -33,7 +33,9 @@ def base_config() -> ml_collections.ConfigDict:
     # Fine-tuning: a megajax checkpoint (workdir or step directory) whose BERT trunk initialises the task model
     # when the workdir has no checkpoint yet ('' = train from scratch; a resume ignores it).
     c.init_from = ""
-    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
+    # pipe > 1: pipeline parallelism (megajax.parallel.pipeline, GPipe): the layers split into `pipe` stages of
+    # contiguous layers, each batch into parallel.pipeline_microbatches microbatches
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, pipe=1))
     c.sharding = ml_collections.ConfigDict(dict(rules=MEGATRON_RULES))
     # beyond the paper: shard_optimizer (ZeRO-1, Megatron's distributed optimizer) splits AdamW's moments over
     # `data` too; the parameters stay replicated over it (the step all-gathers their updated shards). sequence
@@ -42,7 +44,8 @@ def base_config() -> ml_collections.ConfigDict:
     # take 1/model of the memory. Needs model.max_seq_len divisible by mesh.model. fsdp (ZeRO-3) splits the
     # parameters, gradients and moments over `data`: each layer all-gathers its parameters when it runs (again in
     # the backward pass) and their gradients are reduced onto the shards; implies shard_optimizer.
-    c.parallel = ml_collections.ConfigDict(dict(shard_optimizer=False, sequence=False, fsdp=False))
+    c.parallel = ml_collections.ConfigDict(dict(shard_optimizer=False, sequence=False, fsdp=False,
+                                                pipeline_microbatches=0))  # 0: mesh.pipe of them
     c.train = ml_collections.ConfigDict(dict(
         steps=300_000,
         global_batch_size=512,  # sequences per step

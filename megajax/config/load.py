@@ -30,10 +30,12 @@ def inference_config(path: str | pathlib.Path, data: int | None = None,
                      model: int | None = None) -> ml_collections.ConfigDict:
     """The config stored with a checkpoint, set up for inference on the current devices: ``mesh.model`` as saved,
     or its largest divisor that the devices here hold (a checkpoint of a 1x2 run evaluates on one device), or
-    ``model``; every remaining device on ``data`` (or ``data``); sequence parallelism off (it saves training
-    memory, and a decoding step of one token has no sequence to split; the parameters are laid out the same)."""
+    ``model``; every remaining device on ``data`` (or ``data``); no pipeline stages; sequence parallelism off (it
+    saves training memory, and a decoding step of one token has no sequence to split; the parameters are laid out
+    the same)."""
     config = read_config(path)
     config.parallel.sequence = False
+    config.mesh.pipe = 1  # inference runs on data x model (a pipelined run's stages are one resharding away)
     config.mesh.data = -1 if data is None else data
     if model is None:  # a divisor of the saved split keeps every divisibility the saved run had
         devices = jax.device_count() // data if data else jax.device_count()
@@ -45,7 +47,7 @@ def inference_config(path: str | pathlib.Path, data: int | None = None,
 def restore_model(path: str | pathlib.Path, config: ml_collections.ConfigDict) -> LoadedModel:
     """The checkpoint at ``path`` on the mesh of ``config`` (``inference_config``), digests verified."""
     spec = resolve(config, jax.device_count(), training=False)
-    mesh = make_mesh(spec.data, spec.tensor)
+    mesh = make_mesh(spec.data, spec.tensor, pipe=spec.pipe)
     graphdef, abstract = nnx.split(abstract_model(config))
     target_shardings = nnx.to_pure_dict(shardings(abstract, mesh, spec.rules))
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

@@ -13,7 +13,7 @@ import ml_collections
 
 from megajax.errors import ConfigError, ShardingConfigError
 from megajax.models import MODELS, ModelSpec, TransformerConfig, model_spec, task_models
-from megajax.parallel.sharding import MESH_AXES, SEQUENCE_PARALLEL_NAME, Rules, resolve_mesh_shape
+from megajax.parallel.sharding import MESH_AXES, PIPE_AXIS, SEQUENCE_PARALLEL_NAME, Rules, resolve_mesh_shape
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
@@ -86,10 +86,13 @@ def rules_of(config: ml_collections.ConfigDict) -> Rules:
     except ValueError as e:
         raise ConfigError(str(e)) from e
     rules = tuple((k, overrides.get(k, v)) for k, v in rules)
+    axes = MESH_AXES
+    if config.mesh.pipe > 1:  # pipeline stages own contiguous layers of the stacked blocks
+        rules, axes = tuple((k, PIPE_AXIS if k == "layers" else v) for k, v in rules), (PIPE_AXIS, *MESH_AXES)
     for name, axis in rules:
-        if axis is not None and axis not in MESH_AXES:
+        if axis is not None and axis not in axes:
             raise ShardingConfigError(f"sharding rule ({name!r}, {axis!r}) names no mesh axis; use one of "
-                                      f"{MESH_AXES} or None")
+                                      f"{axes} or None")
     return rules
 
 
@@ -135,7 +138,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
         raise ConfigError(f"parallel.sequence splits the sequence over mesh.model={tp}, but model.max_seq_len="
                           f"{m.max_seq_len} is not divisible by it: make max_seq_len a multiple of {tp}, pick "
                           f"mesh.model from its divisors, or set parallel.sequence=False")
-    dp, tp = resolve_mesh_shape(dp, tp, num_devices)
+    dp, tp = resolve_mesh_shape(dp, tp, num_devices // max(config.mesh.pipe, 1))
+    _check_pipeline(config)
     rules_of(config)
     if config.checkpoint.keep < 0:
         raise ConfigError(f"checkpoint.keep={config.checkpoint.keep}; use 0 to keep every checkpoint or K > 0 "
@@ -144,6 +148,24 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
         raise ConfigError(f"checkpoint.restore_step={config.checkpoint.restore_step}; use 0 for the latest step "
                           "or a step number listed in WORKDIR/checkpoints")
     return dp, tp
+
+
+def _check_pipeline(config: ml_collections.ConfigDict) -> None:
+    """mesh.pipe and parallel.pipeline_microbatches against the model and the other switches (GPipe, first slice:
+    what it does not compute yet is refused, naming the field to change)."""
+    p, m = config.mesh.pipe, config.model
+    _require(p >= 1, f"mesh.pipe must be >= 1 (1: no pipeline), got {p}")
+    _require(config.parallel.pipeline_microbatches >= 0, "parallel.pipeline_microbatches must be >= 0 (0: mesh.pipe "
+             f"of them), got {config.parallel.pipeline_microbatches}")
+    if p == 1:
+        return
+    _require(m.num_layers % p == 0, f"mesh.pipe={p} splits model.num_layers={m.num_layers} into equal stages: pick "
+             f"mesh.pipe from the divisors of {m.num_layers}")
+    _require(m.dropout == 0, f"mesh.pipe={p} with model.dropout={m.dropout}: the pipeline does not draw the plain "
+             "step's dropout masks yet; set --config.model.dropout=0 or mesh.pipe=1")
+    for flag in ("sequence", "fsdp"):
+        _require(not config.parallel[flag], f"mesh.pipe={p} with parallel.{flag}=True is not built yet; set "
+                 f"parallel.{flag}=False or mesh.pipe=1")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -212,6 +234,8 @@ class RunSpec:
     shard_optimizer: bool = False  # ZeRO-1: AdamW's moments also split over `data`
     sequence: bool = False  # sequence parallelism: the residual stream's sequence split over `model` (in ``rules``)
     fsdp: bool = False  # ZeRO-3: parameters (and so gradients and moments) also split over `data`
+    pipe: int = 1  # pipeline stages (mesh.pipe)
+    pipeline_microbatches: int = 0  # microbatches per pipelined batch (0: pipe of them)
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -233,7 +257,8 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, training: bool 
     return RunSpec(model_name=config.model.name, model=model_config(config), rules=rules_of(config), data=dp,
                    tensor=tp, precision=resolve_precision(config.train.precision),
                    global_batch=config.train.global_batch_size, num_micro=num_micro,
-                   shard_optimizer=shard_optimizer, sequence=sequence_parallel(config), fsdp=fsdp)
+                   shard_optimizer=shard_optimizer, sequence=sequence_parallel(config), fsdp=fsdp,
+                   pipe=config.mesh.pipe, pipeline_microbatches=config.parallel.pipeline_microbatches)
 
 
 def check_data_source(config: ml_collections.ConfigDict) -> None:

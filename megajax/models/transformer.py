@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from megajax.parallel import pipeline
 from megajax.parallel.layers import (
     ACTIVATIONS,
     ColumnParallelLinear,
@@ -22,7 +23,7 @@ from megajax.parallel.layers import (
     dropout,
     scaled_init_std,
 )
-from megajax.parallel.sharding import RESIDUAL, constrain, keep_all_but_gathered, params_split
+from megajax.parallel.sharding import RESIDUAL, constrain, keep_all_but_gathered, mesh_size, params_split, spec_of
 
 REMAT_POLICIES = ("none", "full", "save_dots", "selective")
 ROPE_SCALINGS = ("none", "llama3")
@@ -280,7 +281,16 @@ def _remat_policy(name: str):
 
 def run_blocks(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask: jax.Array, dropout_key: jax.Array | None,
                cache: KVCache | None = None, index: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
-    """Runs the stacked blocks over ``x`` (B, S, H) with ``nnx.scan`` (and ``nnx.remat`` per ``cfg.remat``)."""
+    """Runs the stacked blocks over ``x`` (B, S, H) with ``nnx.scan`` (and ``nnx.remat`` per ``cfg.remat``); on a
+    mesh with pipeline stages, as a pipeline of them (``megajax.parallel.pipeline``; not for incremental decoding)."""
+    if pipeline.stages() > 1 and cache is None:
+        return _run_pipelined(blocks, cfg, x, mask, dropout_key), None
+    return _scan_blocks(blocks, cfg, x, mask, dropout_key, cache, index)
+
+
+def _scan_blocks(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask: jax.Array,
+                 dropout_key: jax.Array | None, cache: KVCache | None = None,
+                 index: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
     layer_keys = jax.random.split(dropout_key, cfg.num_layers) if dropout_key is not None else None
 
     def step(block: nnx.Module, h: jax.Array, key: jax.Array | None, layer_cache: LayerCache | None):
@@ -292,6 +302,30 @@ def run_blocks(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask: j
         step = nnx.remat(step, policy=_remat_policy("none"))
     scan = nnx.scan(step, in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
     return scan(blocks, x, layer_keys, cache)
+
+
+def _run_pipelined(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask: jax.Array,
+                   dropout_key: jax.Array | None) -> jax.Array:
+    """The blocks as ``pipeline.stages()`` stages of contiguous layers over microbatches of ``x``'s rows (row
+    ``k * M + i`` in microbatch ``i``, so each spans every data shard and nothing moves to form them)."""
+    if dropout_key is not None:  # config.resolve refuses mesh.pipe > 1 with dropout before anything is traced
+        raise ValueError("the pipeline does not draw dropout masks yet")
+    p, (rows, *rest) = pipeline.stages(), x.shape
+    m = pipeline.microbatches(rows, mesh_size("batch"))
+    graphdef, state = nnx.split(blocks)
+    stage_params = jax.tree.map(lambda a: a.reshape(p, a.shape[0] // p, *a.shape[1:]), state)
+
+    def micro(a: jax.Array) -> jax.Array:  # (B, ...) -> (M, B/M, ...)
+        return jnp.swapaxes(a.reshape(rows // m, m, *a.shape[1:]), 0, 1)
+
+    per_row = mask is not None and mask.shape[0] == rows and rows > 1  # BERT's padding mask, not a shared one
+    xs = constrain(micro(x), (None, *RESIDUAL))
+
+    def stage(params, h, row_mask):
+        return _scan_blocks(nnx.merge(graphdef, params), cfg, h, row_mask if per_row else mask, None)[0]
+
+    ys = pipeline.gpipe(stage, stage_params, xs, micro(mask) if per_row else None, spec_of(RESIDUAL))
+    return constrain(jnp.swapaxes(ys, 0, 1).reshape(rows, *rest), RESIDUAL)
 
 
 class CausalDecoder(nnx.Module):

@@ -24,6 +24,7 @@ from megajax.errors import ShardingConfigError
 Rules = tuple[tuple[str, str | None], ...]
 
 MESH_AXES = ("data", "model")
+PIPE_AXIS = "pipe"  # pipeline stages (mesh.pipe > 1): outermost, so a stage may span hosts while `model` stays in one
 SEQUENCE_PARALLEL_NAME = "seq_sp"  # the residual stream's sequence axis
 
 # Megatron-LM (Shoeybi et al. 2019, Section 3) as a rules table.
@@ -93,16 +94,23 @@ def resolve_mesh_shape(data: int, model: int, num_devices: int) -> tuple[int, in
     return data, model
 
 
-def make_mesh(data: int, model: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ``Mesh(('data', 'model'))``; ``data=-1`` takes all devices left after ``model``.
+def make_mesh(data: int, model: int, devices: Sequence[jax.Device] | None = None, pipe: int = 1) -> Mesh:
+    """A ``Mesh(('data', 'model'))``; ``data=-1`` takes all devices left after ``model`` (and ``pipe``). With
+    ``pipe`` > 1 a ``Mesh(('pipe', 'data', 'model'))``, ``pipe`` outermost (``megajax.parallel.pipeline``); with 1
+    the mesh, so the compiled step, is the two-axis one.
 
     Axes are ``Auto``: XLA's SPMD partitioner propagates shardings from the parameters and the few activations we
     pin, which is how Megatron's f/g all-reduces appear without hand-written collectives.
     """
     devices = list(jax.devices() if devices is None else devices)
-    data, model = resolve_mesh_shape(data, model, len(devices))
-    grid = np.asarray(devices[: data * model]).reshape(data, model)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 2)
+    if pipe < 1 or len(devices) < pipe:
+        raise ShardingConfigError(f"mesh.pipe={pipe} needs 1 <= pipe <= the {len(devices)} devices present")
+    data, model = resolve_mesh_shape(data, model, len(devices) // pipe)
+    if pipe == 1:
+        grid = np.asarray(devices[: data * model]).reshape(data, model)
+        return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 2)
+    grid = np.asarray(devices[: pipe * data * model]).reshape(pipe, data, model)
+    return Mesh(grid, (PIPE_AXIS, *MESH_AXES), axis_types=(AxisType.Auto,) * 3)
 
 
 def entry_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -136,19 +144,27 @@ def spec_over_data(spec: P, shape: tuple[int, ...], mesh_shape: Mapping[str, int
 
 _ACTIVE_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("megajax_rules", default=None)
 _PARAMS_SPLIT: contextvars.ContextVar[bool] = contextvars.ContextVar("megajax_params_split", default=False)
+_PIPELINE_MICRO: contextvars.ContextVar[int] = contextvars.ContextVar("megajax_pipeline_micro", default=0)
 
 
 @contextlib.contextmanager
-def activate(mesh: Mesh, rules: Rules, params_split: bool = False) -> Iterator[None]:
+def activate(mesh: Mesh, rules: Rules, params_split: bool = False, pipeline_microbatches: int = 0) -> Iterator[None]:
     """Sets the mesh and rules that ``constrain`` uses while a model is traced; ``params_split``: the parameters
-    are stored split over ``data`` as well (``parallel.fsdp``), so ``param_at_use`` gathers them."""
-    tokens = _ACTIVE_RULES.set(rules), _PARAMS_SPLIT.set(params_split)
+    are stored split over ``data`` as well (``parallel.fsdp``), so ``param_at_use`` gathers them;
+    ``pipeline_microbatches``: how many microbatches a pipelined layer stack cuts a batch into (0: one per stage)."""
+    tokens = _ACTIVE_RULES.set(rules), _PARAMS_SPLIT.set(params_split), _PIPELINE_MICRO.set(pipeline_microbatches)
     try:
         with jax.set_mesh(mesh):
             yield
     finally:
         _ACTIVE_RULES.reset(tokens[0])
         _PARAMS_SPLIT.reset(tokens[1])
+        _PIPELINE_MICRO.reset(tokens[2])
+
+
+def pipeline_microbatches() -> int:
+    """``activate``'s ``pipeline_microbatches`` (0: one per pipeline stage)."""
+    return _PIPELINE_MICRO.get()
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -228,6 +244,12 @@ def replicas(batch: int) -> int:
         return 1
     d = math.prod(mesh.shape[a] for a in entry_axes(dict(rules).get("batch")))
     return d if batch % d == 0 else 1
+
+
+def spec_of(names: Sequence[str | None]) -> P:
+    """The PartitionSpec of logical ``names`` under the active rules (replicated outside ``activate``)."""
+    rules = _ACTIVE_RULES.get()
+    return P() if rules is None else logical_to_spec(names, rules)
 
 
 def mesh_size(name: str) -> int:

@@ -34,6 +34,7 @@ import ml_collections
 from flax import nnx
 
 from megajax.config import (
+    ConfigError,
     abstract_model,
     model_config,
     resolve_precision,
@@ -331,6 +332,9 @@ def memory_report(config: ml_collections.ConfigDict, data: int, model: int, micr
     """Per-device memory of training ``config`` on a ``data x model`` mesh, ``micro_batch`` sequences per device
     per accumulation step (``num_micro`` steps; default: what the config's global batch implies)."""
     config = ml_collections.ConfigDict(config)
+    if config.mesh.pipe > 1:
+        raise ConfigError(f"the memory planner does not count pipeline stages yet (mesh.pipe={config.mesh.pipe}); "
+                          "plan with --config.mesh.pipe=1 (the stages hold 1/pipe of the layers)")
     config.mesh.data, config.mesh.model = data, model
     validate(config, data * model)
     moments_split, fsdp = state_split(config)  # FSDP: parameters, so gradients and moments, split over data

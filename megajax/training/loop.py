@@ -77,7 +77,7 @@ def batch_layout(spec: RunSpec, mesh: Mesh) -> tuple[dict[str, Field], dict[str,
 def setup(config: ml_collections.ConfigDict) -> Run:
     """Validates the config, builds the mesh, derives every sharding and compiles the step (nothing allocated)."""
     spec = resolve(config, jax.device_count())
-    mesh = make_mesh(spec.data, spec.tensor)
+    mesh = make_mesh(spec.data, spec.tensor, pipe=spec.pipe)
     graphdef, abstract_params = nnx.split(abstract_model(config))
     # FSDP (ZeRO-3): stored split over data; each layer gathers its parameters at use (sharding.param_at_use)
     param_shardings = nnx.to_pure_dict(shardings(abstract_params, mesh, spec.rules, split_over_data=spec.fsdp))
@@ -103,7 +103,7 @@ def setup(config: ml_collections.ConfigDict) -> Run:
                            dropout=spec.model.dropout > 0)
     abstract_batch = {k: jax.ShapeDtypeStruct((spec.global_batch, *f.row_shape), f.dtype,
                                               sharding=batch_shardings[k]) for k, f in fields.items()}
-    with activate(mesh, spec.rules, params_split=spec.fsdp):
+    with activate(mesh, spec.rules, params_split=spec.fsdp, pipeline_microbatches=spec.pipeline_microbatches):
         init_state = jax.jit(init, out_shardings=state_shardings)
         compiled = jax.jit(step, in_shardings=(state_shardings, batch_shardings),
                            out_shardings=(state_shardings, replicated), donate_argnums=0
@@ -139,7 +139,8 @@ def _start_record(run: Run, data, resumed_from: int | None) -> dict:
         train_end = split_by_documents(data.offsets, run.config.data.valid_fraction)[0][1]
         entropy = unigram_entropy(data.tokens[:min(train_end, ENTROPY_SAMPLE_TOKENS)])
     return {"step": resumed_from or 0, "event": "resume" if resumed_from is not None else "start",
-            "model": spec.model_name, "mesh": f"{spec.data}x{spec.tensor}", "devices": jax.device_count(),
+            "model": spec.model_name, "mesh": f"{spec.data}x{spec.tensor}",
+            **({"pipe": spec.pipe} if spec.pipe > 1 else {}), "devices": jax.device_count(),
             "processes": jax.process_count(), "device_kind": dev.device_kind, "num_params": run.num_params,
             "precision": spec.precision, "param_bytes_per_device": param_bytes,
             # parameters, one fp32 gradient per parameter held (the paper's accounting) and AdamW's moments

@@ -1,0 +1,132 @@
+"""Pipeline parallelism (``mesh.pipe``, GPipe): one training step on (pipe, data, model) meshes computes the plain
+1x1 step's loss (within 1e-6) and every parameter's gradient (within 1e-5), for GPT, BERT and Llama, with 1, p and
+2p microbatches; the compiled step moves activations between stages with exactly the schedule's collective
+permutes, its loop runs the schedule's ticks (so the bubble is the predicted fraction); a run checkpointed on
+pipe=2 resumes on pipe=4 with the plain run's losses and restores on pipe=1 unchanged; what the pipeline does not
+compute yet is refused before anything is built."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from conftest import assert_same_step, choice_config
+from flax import nnx
+
+import megajax
+from megajax.checkpoint import Checkpointer
+from megajax.config import ConfigError, resolve
+from megajax.parallel import pipeline
+from megajax.parallel.hlo_audit import collectives
+from megajax.training.data import make_loader
+from megajax.training.loop import setup, train
+
+LAYERS = 8  # so that 8 stages hold one layer each
+_INITIAL = {}
+
+
+def _config(name: str, pipe: int, data: int, model: int, micro: int = 0, choice: str | None = None, **kwargs):
+    c = choice_config(choice, data, model, name=name, **kwargs)
+    c.model.num_layers = LAYERS
+    c.mesh.pipe = pipe
+    c.parallel.pipeline_microbatches = micro
+    return c
+
+
+@functools.cache
+def _run(name: str, pipe: int, data: int, model: int, micro: int = 0, accumulate: int = 0,
+         choice: str | None = None):
+    c = _config(name, pipe, data, model, micro, choice, gradient_step=True)
+    c.train.micro_batch_size = accumulate  # sequences per data shard per accumulation step (0: the whole batch)
+    return setup(c)
+
+
+def _step(name: str, pipe: int, data: int, model: int, micro: int = 0, accumulate: int = 0,
+          choice: str | None = None):
+    """(loss, parameter change) of one step from the same initial parameters and batch."""
+    run = _run(name, pipe, data, model, micro, accumulate, choice)
+    if name not in _INITIAL:
+        _INITIAL[name] = jax.tree.map(np.array, _run(name, 1, 1, 1).init_state())
+    state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), _INITIAL[name], run.abstract_state)
+    if name == "bert":
+        from test_sharded_optimizer import _bert_batches
+
+        batch = _bert_batches(np.random.default_rng(0))(run.batch_shardings)
+    else:
+        batch = make_loader(_config(name, pipe, data, model)).next_global(run.batch_shardings)
+    new, metrics = run.step_fn(state, batch)
+    return float(metrics["loss"]), jax.tree.map(lambda a, b: np.asarray(a) - b, new.params, _INITIAL[name].params)
+
+
+CASES = [("gpt", 2, 1, 1, 1), ("gpt", 4, 1, 1, 4), ("gpt", 4, 1, 1, 8), ("gpt", 2, 2, 2, 4), ("gpt", 8, 1, 1, 8),
+         ("bert", 2, 2, 2, 2),  # each microbatch with its rows' padding mask
+         ("llama", 2, 1, 4, 4)]  # its 2 key/value heads replicated over model=4 inside each stage
+
+
+@pytest.mark.parametrize("name, pipe, data, model, micro", CASES)
+def test_pipelined_step_equals_the_plain_step(name, pipe, data, model, micro):
+    run = _run(name, pipe, data, model, micro)
+    assert dict(run.mesh.shape) == {"pipe": pipe, "data": data, "model": model}
+    assert_same_step(*_step(name, pipe, data, model, micro), *_step(name, 1, 1, 1))
+
+
+def test_pipelined_accumulation_and_zero1_equal_the_plain_step():
+    """Each of 4 accumulation steps of 2 rows goes through the pipeline as 2 microbatches of 1; ZeRO-1 splits the
+    stages' moments over data as well."""
+    assert_same_step(*_step("gpt", 2, 1, 1, 2, accumulate=2), *_step("gpt", 1, 1, 1))
+    assert_same_step(*_step("gpt", 2, 2, 2, 2, choice="shard_optimizer"), *_step("gpt", 1, 1, 1))
+
+
+@pytest.mark.parametrize("name, pipe, data, model, micro", [CASES[1], CASES[3]])
+def test_stages_exchange_exactly_the_schedules_activations(name, pipe, data, model, micro):
+    """Over ``pipe``: M + p - 1 collective permutes forward (each stage's output to the next, one microbatch of
+    this device's rows) and as many backward (the ring reversed); the schedule's loop runs M + p - 1 times, so p - 1 of
+    those ticks are idle on each stage: the bubble (p - 1) / (M + p - 1). Besides them only the finished microbatches
+    leave stage 0 (once, and their gradient once back) and scalars (the gradient norm's partial sums)."""
+    run = _run(name, pipe, data, model, micro)
+    colls = [c for c in collectives(run.step_fn.as_text(), run.mesh) if "pipe" in c.axes]
+    ticks = pipeline.ticks(micro, pipe)
+    rows = 8 // micro // data  # the global batch of 8 rows, a microbatch of them, this device's share
+    activation = (1, rows, 32, 64)  # (stage, rows, seq, hidden) per device
+    permutes = [c for c in colls if c.op == "collective-permute"]
+    assert sorted((c.phase, c.shape, c.executions) for c in permutes) == [
+        ("backward", activation, ticks), ("forward", activation, ticks)]
+    assert pipeline.bubble_fraction(micro, pipe) == (pipe - 1) / ticks
+    boundary = [c for c in colls if c.op != "collective-permute" and c.elements > 1]
+    assert sorted((c.phase, c.shape, c.executions) for c in boundary) == [
+        ("backward", (1, micro, rows, 32, 64), 1), ("forward", (1, micro, rows, 32, 64), 1)]
+
+
+def test_a_pipe_2_run_resumes_on_pipe_4_and_restores_on_pipe_1(tmp_path):
+    """Two steps on pipe=2 (checkpointed), the third on pipe=4 from that checkpoint: the losses of three plain
+    steps (within 1e-5: the microbatches sum the gradients in another order). The step-2 checkpoint, written with
+    the layers split over two stages, restores onto pipe=4's layout and for inference on pipe=1 with the same bits."""
+    want = [r["loss"] for r in train(_config("gpt", 1, 1, 1), tmp_path / "plain") if "loss" in r]
+    c = _config("gpt", 2, 1, 1)
+    c.checkpoint.update(enabled=True, every_steps=1, async_save=False)
+    c.train.steps = 2
+    first = [r["loss"] for r in train(c, tmp_path / "piped") if "loss" in r]
+    c.mesh.pipe = 4
+    on_4 = Checkpointer(tmp_path / "piped", c.checkpoint).restore(setup(c).abstract_state, step=2)[0].params
+    on_1 = nnx.to_pure_dict(nnx.state(megajax.load_model(tmp_path / "piped" / "checkpoints" / "2").model))
+    assert all(a.sharding.spec[0] == "pipe" for a in jax.tree.leaves(on_4["blocks"]))  # the stages' layers
+    for a, b in zip(jax.tree.leaves(on_4), jax.tree.leaves(on_1), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    c.train.steps = 3
+    rest = [r["loss"] for r in train(c, tmp_path / "piped") if "loss" in r]
+    assert len(want) == 3 and len(first) == 2 and len(rest) == 1
+    np.testing.assert_allclose(first + rest, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(pipe=3), "mesh.pipe=3 splits model.num_layers=8 into equal stages"),
+    (dict(dropout=0.1), "the pipeline does not draw the plain step's dropout masks yet"),
+    (dict(sequence=True), "parallel.sequence=True is not built yet"),
+    (dict(fsdp=True), "parallel.fsdp=True is not built yet"),
+])
+def test_what_the_pipeline_does_not_compute_is_refused(change, message):
+    c = _config("gpt", change.get("pipe", 2), 1, 1)
+    c.model.dropout = change.get("dropout", 0.0)
+    c.parallel.update({k: v for k, v in change.items() if k in ("sequence", "fsdp")})
+    with pytest.raises(ConfigError, match=message):
+        resolve(c, 8)
