@@ -35,16 +35,17 @@ def _config(name: str, pipe: int, data: int, model: int, micro: int = 0, choice:
 
 @functools.cache
 def _run(name: str, pipe: int, data: int, model: int, micro: int = 0, accumulate: int = 0,
-         choice: str | None = None):
+         choice: str | None = None, dropout: float = 0.0):
     c = _config(name, pipe, data, model, micro, choice, gradient_step=True)
+    c.model.dropout = dropout
     c.train.micro_batch_size = accumulate  # sequences per data shard per accumulation step (0: the whole batch)
     return setup(c)
 
 
 def _step(name: str, pipe: int, data: int, model: int, micro: int = 0, accumulate: int = 0,
-          choice: str | None = None):
+          choice: str | None = None, dropout: float = 0.0):
     """(loss, parameter change) of one step from the same initial parameters and batch."""
-    run = _run(name, pipe, data, model, micro, accumulate, choice)
+    run = _run(name, pipe, data, model, micro, accumulate, choice, dropout)
     if name not in _INITIAL:
         _INITIAL[name] = jax.tree.map(np.array, _run(name, 1, 1, 1).init_state())
     state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), _INITIAL[name], run.abstract_state)
@@ -68,6 +69,13 @@ def test_pipelined_step_equals_the_plain_step(name, pipe, data, model, micro):
     run = _run(name, pipe, data, model, micro)
     assert dict(run.mesh.shape) == {"pipe": pipe, "data": data, "model": model}
     assert_same_step(*_step(name, pipe, data, model, micro), *_step(name, 1, 1, 1))
+
+
+@pytest.mark.parametrize("name, pipe, data, model, micro", [("gpt", 4, 2, 1, 4), ("bert", 2, 1, 4, 2)])
+def test_pipelined_dropout_drops_what_the_plain_step_drops(name, pipe, data, model, micro):
+    """With dropout 0.1 (attention probabilities and residuals): each stage draws its layers' masks for the whole
+    batch and keeps its microbatch's rows, so the step is the plain step's."""
+    assert_same_step(*_step(name, pipe, data, model, micro, dropout=0.1), *_step(name, 1, 1, 1, dropout=0.1))
 
 
 def test_pipelined_accumulation_and_zero1_equal_the_plain_step():
@@ -120,13 +128,11 @@ def test_a_pipe_2_run_resumes_on_pipe_4_and_restores_on_pipe_1(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     (dict(pipe=3), "mesh.pipe=3 splits model.num_layers=8 into equal stages"),
-    (dict(dropout=0.1), "the pipeline does not draw the plain step's dropout masks yet"),
     (dict(sequence=True), "parallel.sequence=True is not built yet"),
     (dict(fsdp=True), "parallel.fsdp=True is not built yet"),
 ])
 def test_what_the_pipeline_does_not_compute_is_refused(change, message):
     c = _config("gpt", change.get("pipe", 2), 1, 1)
-    c.model.dropout = change.get("dropout", 0.0)
     c.parallel.update({k: v for k, v in change.items() if k in ("sequence", "fsdp")})
     with pytest.raises(ConfigError, match=message):
         resolve(c, 8)

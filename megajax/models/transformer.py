@@ -21,6 +21,7 @@ from megajax.parallel.layers import (
     LayerNorm,
     RowParallelLinear,
     dropout,
+    microbatch_of,
     scaled_init_std,
 )
 from megajax.parallel.sharding import RESIDUAL, constrain, keep_all_but_gathered, mesh_size, params_split, spec_of
@@ -289,9 +290,10 @@ def run_blocks(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask: j
 
 
 def _scan_blocks(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask: jax.Array,
-                 dropout_key: jax.Array | None, cache: KVCache | None = None,
-                 index: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
-    layer_keys = jax.random.split(dropout_key, cfg.num_layers) if dropout_key is not None else None
+                 dropout_key: jax.Array | None, cache: KVCache | None = None, index: jax.Array | int = 0,
+                 layer_keys: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+    if dropout_key is not None:
+        layer_keys = jax.random.split(dropout_key, cfg.num_layers)
 
     def step(block: nnx.Module, h: jax.Array, key: jax.Array | None, layer_cache: LayerCache | None):
         return block(h, mask, key, layer_cache, index)
@@ -308,12 +310,12 @@ def _run_pipelined(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mas
                    dropout_key: jax.Array | None) -> jax.Array:
     """The blocks as ``pipeline.stages()`` stages of contiguous layers over microbatches of ``x``'s rows (row
     ``k * M + i`` in microbatch ``i``, so each spans every data shard and nothing moves to form them)."""
-    if dropout_key is not None:  # config.resolve refuses mesh.pipe > 1 with dropout before anything is traced
-        raise ValueError("the pipeline does not draw dropout masks yet")
     p, (rows, *rest) = pipeline.stages(), x.shape
     m = pipeline.microbatches(rows, mesh_size("batch"))
     graphdef, state = nnx.split(blocks)
-    stage_params = jax.tree.map(lambda a: a.reshape(p, a.shape[0] // p, *a.shape[1:]), state)
+    # each stage's layers, with their dropout keys: the plain step's, one per layer
+    keys = jax.random.split(dropout_key, cfg.num_layers) if dropout_key is not None else None
+    stage_params = jax.tree.map(lambda a: a.reshape(p, a.shape[0] // p, *a.shape[1:]), (state, keys))
 
     def micro(a: jax.Array) -> jax.Array:  # (B, ...) -> (M, B/M, ...)
         return jnp.swapaxes(a.reshape(rows // m, m, *a.shape[1:]), 0, 1)
@@ -321,10 +323,14 @@ def _run_pipelined(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mas
     per_row = mask is not None and mask.shape[0] == rows and rows > 1  # BERT's padding mask, not a shared one
     xs = constrain(micro(x), (None, *RESIDUAL))
 
-    def stage(params, h, row_mask):
-        return _scan_blocks(nnx.merge(graphdef, params), cfg, h, row_mask if per_row else mask, None)[0]
+    def stage(params, h, args):
+        (layers, layer_keys), (index, row_mask) = params, args
+        with microbatch_of(m, index):
+            return _scan_blocks(nnx.merge(graphdef, layers), cfg, h, row_mask if per_row else mask, None,
+                                layer_keys=layer_keys)[0]
 
-    ys = pipeline.gpipe(stage, stage_params, xs, micro(mask) if per_row else None, spec_of(RESIDUAL))
+    per_micro = (jnp.arange(m), micro(mask) if per_row else None)
+    ys = pipeline.gpipe(stage, stage_params, xs, per_micro, spec_of(RESIDUAL))
     return constrain(jnp.swapaxes(ys, 0, 1).reshape(rows, *rest), RESIDUAL)
 
 

@@ -14,8 +14,10 @@ all-reduces.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -245,15 +247,38 @@ class LayerNorm(nnx.Module):
         return y.astype(self.dtype)
 
 
+_MICROBATCH: contextvars.ContextVar[tuple[int, jax.Array] | None] = contextvars.ContextVar("megajax_microbatch",
+                                                                                            default=None)
+
+
+@contextlib.contextmanager
+def microbatch_of(count: int, index: jax.Array) -> Iterator[None]:
+    """Within it, activations are microbatch ``index`` of ``count`` (rows ``k * count + index`` of the batch): the
+    pipeline's stages. ``dropout`` then draws the whole batch's mask and keeps those rows."""
+    token = _MICROBATCH.set((count, index))
+    try:
+        yield
+    finally:
+        _MICROBATCH.reset(token)
+
+
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     """Inverted dropout; identity when ``key`` is None or rate is 0.
 
     The mask is drawn for the global array (partitionable threefry), so it is the same for every mesh shape:
-    replicated activations get identical masks on all model shards, sharded ones get distinct slices.
+    replicated activations get identical masks on all model shards, sharded ones get distinct slices. Inside
+    ``microbatch_of`` (a pipeline stage) it is the whole batch's mask, cut to the microbatch's rows, so a pipelined
+    step drops what the plain step drops (at the cost of drawing the whole mask on every stage's tick).
     """
     if key is None or rate == 0.0:
         return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    micro = _MICROBATCH.get()
+    if micro is None:
+        keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    else:
+        count, index = micro
+        whole = jax.random.bernoulli(key, 1.0 - rate, (x.shape[0] * count, *x.shape[1:]))
+        keep = jnp.take(whole.reshape(x.shape[0], count, *x.shape[1:]), index, axis=1)
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
