@@ -1,12 +1,12 @@
-"""Train a GPT or BERT with Megatron-style tensor + data parallelism.
+"""Train a GPT, BERT or Llama with Megatron-style tensor + data (+ pipeline) parallelism.
 
     python train.py --config=configs/gpt_tiny.py --workdir=/tmp/tiny
     python train.py --config=gpt_2p5b.py --config.train.steps=1000 --mesh=1x2
     python train.py --config=bert_tiny --workdir=/tmp/bert
     python train.py --config=finetune.py:mnli,336m --config.init_from=runs/bert_336m ...
 
-``--mesh=DATAxMODEL`` sets ``config.mesh`` (the spelling every megajax command takes); ``--cpu_devices=N``
-simulates N devices on a CPU host.
+``--mesh=DATAxMODEL`` sets ``config.mesh`` (the spelling every megajax command takes; ``PIPExDATAxMODEL`` adds
+pipeline stages); ``--cpu_devices=N`` simulates N devices on a CPU host.
 """
 
 import sys
@@ -16,9 +16,9 @@ from ml_collections import config_flags
 
 from megajax.cli import (
     absolute_paths,
+    apply_mesh,
     check_config_overrides,
     fail,
-    parse_mesh,
     resolve_config_path,
     rewrite_config_flag,
     use_cpu_devices,
@@ -35,7 +35,7 @@ def define_flags() -> None:
     config_flags.DEFINE_config_file("config", resolve_config_path(DEFAULT_CONFIG),
                                     "config file (path or bare name in configs/)")
     flags.DEFINE_string("workdir", "workdir", "where metrics, TensorBoard events and checkpoints go")
-    flags.DEFINE_string("mesh", None, "DATAxMODEL, e.g. 4x2: sets config.mesh.data and config.mesh.model")
+    flags.DEFINE_string("mesh", None, "DATAxMODEL, e.g. 4x2 (or PIPExDATAxMODEL, e.g. 2x2x2): sets config.mesh")
     flags.DEFINE_integer("cpu_devices", 0, "simulate this many devices on a CPU host (0: the real devices)")
 
 
@@ -48,7 +48,7 @@ def main(argv):
     config = flags.FLAGS.config
     try:
         if flags.FLAGS.mesh:
-            config.mesh.data, config.mesh.model = parse_mesh(flags.FLAGS.mesh)
+            apply_mesh(config, flags.FLAGS.mesh)
         train(absolute_paths(config), flags.FLAGS.workdir)
     except USER_ERRORS as e:  # a message that says what to change; no traceback
         fail(e)

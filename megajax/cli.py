@@ -80,6 +80,18 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return data, model
 
 
+def apply_mesh(config: ml_collections.ConfigDict, text: str) -> None:
+    """Sets ``config.mesh`` from ``"DATAxMODEL"`` or ``"PIPExDATAxMODEL"`` (pipeline stages outermost)."""
+    parts = str(text).lower().split("x")
+    if len(parts) == 3:
+        try:
+            config.mesh.pipe = int(parts[0])
+        except ValueError:
+            raise ConfigError(f"--mesh={text}: give DATAxMODEL or PIPExDATAxMODEL, e.g. --mesh=2x4x1") from None
+        parts = parts[1:]
+    config.mesh.data, config.mesh.model = parse_mesh("x".join(parts))
+
+
 PARALLEL_FLAGS = {"sequence": "sequence parallelism", "shard_optimizer": "ZeRO-1", "fsdp": "FSDP / ZeRO-3"}
 
 

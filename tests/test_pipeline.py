@@ -18,6 +18,7 @@ from megajax.checkpoint import Checkpointer
 from megajax.config import ConfigError, resolve
 from megajax.parallel import pipeline
 from megajax.parallel.hlo_audit import collectives
+from megajax.tools.memory_planner import memory_report, run_memory
 from megajax.training.data import make_loader
 from megajax.training.loop import setup, train
 
@@ -103,6 +104,20 @@ def test_stages_exchange_exactly_the_schedules_activations(name, pipe, data, mod
     boundary = [c for c in colls if c.op != "collective-permute" and c.elements > 1]
     assert sorted((c.phase, c.shape, c.executions) for c in boundary) == [
         ("backward", (1, micro, rows, 32, 64), 1), ("forward", (1, micro, rows, 32, 64), 1)]
+
+
+@pytest.mark.parametrize("name, pipe, data, model, micro", [CASES[3], CASES[4], CASES[5], CASES[6]])
+def test_memory_planner_counts_the_stages(name, pipe, data, model, micro):
+    """The planner's per-device memory for a pipelined step (a stage's layers and their moments; every tick's
+    residuals of its layers for one microbatch; the head on the whole batch) against XLA's plan of the same
+    compiled steps: state exact (but the step's scalars), temp and peak within 10%."""
+    run = _run(name, pipe, data, model, micro)
+    rows = 8 // data
+    report = memory_report(_config(name, pipe, data, model, micro), data, model, rows, num_micro=1)
+    compiled = run_memory(run, rows)
+    assert compiled.state - report.state_bytes == 32  # step, the optimizer's counts, the loss scale, the key
+    assert compiled.temp == pytest.approx(report.temp_bytes, rel=0.10)
+    assert compiled.peak == pytest.approx(report.peak_bytes, rel=0.10)
 
 
 def test_a_pipe_2_run_resumes_on_pipe_4_and_restores_on_pipe_1(tmp_path):

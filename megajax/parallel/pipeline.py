@@ -36,8 +36,12 @@ def stages() -> int:
 def microbatches(rows: int, replicas: int) -> int:
     """How many microbatches a batch of ``rows`` (split over ``replicas`` data shards) is cut into: ``activate``'s
     ``pipeline_microbatches`` (0: one per stage), or the largest smaller count that divides the batch evenly."""
-    want = pipeline_microbatches() or stages()
-    return next(m for m in range(min(want, rows), 0, -1) if rows % (m * replicas) == 0)
+    return microbatches_for(rows // replicas, pipeline_microbatches() or stages())
+
+
+def microbatches_for(rows_per_replica: int, wanted: int) -> int:
+    """The largest count up to ``wanted`` that cuts each data shard's ``rows_per_replica`` evenly."""
+    return next(m for m in range(min(wanted, rows_per_replica), 0, -1) if rows_per_replica % m == 0)
 
 
 def ticks(num_micro: int, num_stages: int) -> int:

@@ -21,9 +21,9 @@ import jax
 from megajax.cli import (
     ArgumentParser,
     add_parallel_flags,
+    apply_mesh,
     apply_parallel_flags,
     load_config,
-    parse_mesh,
     use_cpu_devices,
 )
 from megajax.tools.memory_planner import (
@@ -46,7 +46,8 @@ def format_report(r: MemoryReport, device_memory_gb: float | None,
     state = r.param_bytes + r.grad_bytes + r.optimizer_bytes
     lines = [
         f"parameters           {r.num_params:,} ({r.num_params / 1e9:.3f} B)",
-        f"mesh                 data={r.data} x model={r.model} ({r.data * r.model} devices)",
+        f"mesh                 {f'pipe={r.pipe} x ' if r.pipe > 1 else ''}data={r.data} x model={r.model} "
+        f"({r.pipe * r.data * r.model} devices)",
         f"params per device    {r.params_per_device:,}" + ("  (split over data: parallel.fsdp)" if r.fsdp else ""),
         f"  fp32 parameters    {_g(r.param_bytes)}",
         f"  fp32 gradients     {_g(r.grad_bytes)}",
@@ -83,7 +84,8 @@ def format_comparison(r: MemoryReport, c: CompiledMemory) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="config file, path or bare name (gpt_8p3b)")
-    p.add_argument("--mesh", default=None, help="DATAxMODEL, e.g. 64x8 (default: the config's, data=1)")
+    p.add_argument("--mesh", default=None, help="DATAxMODEL, e.g. 64x8, or PIPExDATAxMODEL with pipeline stages "
+                                                "(default: the config's, data=1)")
     p.add_argument("--micro_batch", type=int, default=None, help="sequences per device per accumulation step "
                    "(default: the config's; global batch / data without accumulation)")
     p.add_argument("--device_memory_gb", type=float, default=None, help="say whether it fits this much memory")
@@ -98,9 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(args.config)
     apply_parallel_flags(args, config)
     if args.mesh:
-        data, model = parse_mesh(args.mesh)
-    else:
-        data, model = max(config.mesh.data, 1), config.mesh.model
+        apply_mesh(config, args.mesh)
+    data, model, pipe = max(config.mesh.data, 1), config.mesh.model, config.mesh.pipe
     if args.precision:
         config.train.precision = args.precision
     # the config's micro-batch; with no accumulation (0) each data shard runs its share of the global batch
@@ -109,8 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     largest = largest_micro_batch(config, data, model, args.device_memory_gb * GiB) if args.device_memory_gb else None
     print(format_report(report, args.device_memory_gb, largest))
     if args.compiled:
-        if data * model > jax.device_count():
-            raise SystemExit(f"--compiled needs {data * model} devices, this host has {jax.device_count()}; "
-                             f"add --cpu_devices={data * model}")
+        if pipe * data * model > jax.device_count():
+            raise SystemExit(f"--compiled needs {pipe * data * model} devices, this host has {jax.device_count()}; "
+                             f"add --cpu_devices={pipe * data * model}")
         print(f"\nthe compiled step (micro-batch {micro}, no accumulation):")
         print(format_comparison(report, compiled_memory(config, data, model, micro)))

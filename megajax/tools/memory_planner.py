@@ -34,7 +34,6 @@ import ml_collections
 from flax import nnx
 
 from megajax.config import (
-    ConfigError,
     abstract_model,
     model_config,
     resolve_precision,
@@ -44,6 +43,7 @@ from megajax.config import (
     validate,
 )
 from megajax.models import model_spec
+from megajax.parallel import pipeline
 from megajax.parallel.sharding import fsdp_spec, logical_to_spec, spec_axes
 from megajax.training.loop import batch_layout, setup
 
@@ -156,8 +156,21 @@ class Activations:
 
 
 def activations(config: ml_collections.ConfigDict, micro_batch: int, tp: int) -> Activations:
-    """The activation estimate for ``config.model.remat`` on a ``tp``-way model-parallel mesh."""
-    m = config.model
+    """The activation estimate for ``config.model.remat`` on a ``tp``-way model-parallel mesh.
+
+    With pipeline stages (``mesh.pipe`` = p > 1, GPipe, M microbatches of the micro-batch's rows): each of the
+    M + p - 1 ticks keeps its stage's L/p layers' residuals for one microbatch until the backward pass (bubble ticks
+    included), the head runs on the whole micro-batch on every stage, and one recomputed layer has a microbatch.
+    Inside a stage every matmul carries the stages' vmapped dimension, so ``save_dots`` (dots without batch
+    dimensions) keeps what ``full`` keeps.
+    """
+    m, p = config.model, config.mesh.pipe
+    if p > 1:
+        micro = pipeline.microbatches_for(micro_batch, config.parallel.pipeline_microbatches or p)
+        rows, remat = micro_batch // micro, "full" if m.remat == "save_dots" else m.remat
+        recompute = layer_residual_bytes(config, rows, tp, "none") if m.remat in ("full", "save_dots") else 0
+        layers = pipeline.ticks(micro, p) * m.num_layers // p * layer_residual_bytes(config, rows, tp, remat)
+        return Activations(layers, head_bytes(config, micro_batch, tp), recompute)
     recompute = layer_residual_bytes(config, micro_batch, tp, "none") if m.remat in ("full", "save_dots") else 0
     layers = m.num_layers * layer_residual_bytes(config, micro_batch, tp)
     return Activations(layers, head_bytes(config, micro_batch, tp), recompute)
@@ -216,12 +229,18 @@ class CompiledMemory:
 def compiled_memory(config: ml_collections.ConfigDict, data: int, model: int, micro_batch: int,
                     num_micro: int = 1) -> CompiledMemory:
     """Compiles ``config``'s training step for a ``data x model`` mesh (global batch micro_batch * data *
-    num_micro) ahead of time and reads XLA's memory plan; allocates nothing. Needs data * model devices."""
+    num_micro) ahead of time and reads XLA's memory plan; allocates nothing. Needs data * model devices (times
+    ``mesh.pipe``)."""
     config = ml_collections.ConfigDict(config)
     config.mesh.data, config.mesh.model = data, model
     config.train.global_batch_size = micro_batch * data * num_micro
     config.train.micro_batch_size = micro_batch if num_micro > 1 else 0
-    run = setup(config)
+    return run_memory(setup(config), micro_batch, num_micro)
+
+
+def run_memory(run, micro_batch: int, num_micro: int = 1) -> CompiledMemory:
+    """XLA's memory plan of a compiled training run (``training.loop.setup``) of ``micro_batch`` sequences per data
+    shard and ``num_micro`` accumulation steps."""
     analysis = run.step_fn.memory_analysis()
     if analysis is None:
         raise RuntimeError("this backend's compiled step reports no memory_analysis()")
@@ -251,6 +270,10 @@ class MemoryReport:
     late_grad_bytes: int = 0  # gradients not yet written at the head's peak (the tied word embedding's)
     gathered_head_bytes: int = 0  # FSDP: the gathered word embedding and its unreduced gradient (``gathered_bytes``)
     gathered_layer_bytes: int = 0  # FSDP: one gathered layer's parameters and unreduced gradients
+    # pipeline stages: the backward loop over ticks sums its stage's layer gradients, an accumulator and each
+    # tick's contribution beside the gradients themselves
+    stage_grad_bytes: int = 0
+    pipe: int = 1  # pipeline stages: the parameters and activations above are one stage's
 
     @property
     def total_bytes(self) -> int:
@@ -266,11 +289,12 @@ class MemoryReport:
     def temp_bytes(self) -> int:
         """What the step allocates besides its arguments (compare ``CompiledMemory.temp``): the gradients and the
         layers' activations, then the larger of the head at the start of the backward pass (before the tied word
-        embedding's gradient is written) and one recomputed layer, each with what FSDP gathers for it."""
+        embedding's gradient is written) and one recomputed layer, each with what FSDP gathers for it; with
+        pipeline stages, the tick loop's two sums of the stage's layer gradients."""
         a = self.activations
         head = a.head - self.late_grad_bytes + self.gathered_head_bytes
         recompute = a.recompute + self.gathered_layer_bytes if a.recompute else 0
-        return self.step_grad_bytes + a.layers + max(head, recompute)
+        return self.step_grad_bytes + self.stage_grad_bytes + a.layers + max(head, recompute)
 
     @property
     def peak_bytes(self) -> int:
@@ -297,13 +321,16 @@ def gathered_bytes(config: ml_collections.ConfigDict, model: int) -> tuple[int, 
 
 
 def params_per_device(config: ml_collections.ConfigDict, mesh_shape: dict[str, int],
-                      split_over_data: bool = False) -> tuple[int, int]:
-    """(total parameters, parameters held by one device) for a mesh given as ``{'data': D, 'model': M}``, as the
-    rules lay them out, or with ``split_over_data`` as ``parallel.fsdp`` stores them (``sharding.fsdp_spec``)."""
+                      split_over_data: bool = False, only: str | None = None) -> tuple[int, int]:
+    """(total parameters, parameters held by one device) for a mesh given as ``{'data': D, 'model': M}`` (and
+    ``'pipe': P`` with pipeline stages), as the rules lay them out, or with ``split_over_data`` as
+    ``parallel.fsdp`` stores them (``sharding.fsdp_spec``); ``only``: those of one top-level module (``blocks``)."""
     config = config.copy_and_resolve_references()
     config.mesh.model = mesh_shape.get("model", 1)  # the rules depend on it (replicated key/value heads)
+    config.mesh.pipe = mesh_shape.get("pipe", 1)  # and on this (layers over pipe)
     rules = rules_of(config)
     state = nnx.state(abstract_model(config))
+    state = state[only] if only else state
     total = per_device = 0
     for var in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
         names = var.get_metadata()["out_sharding"]
@@ -332,14 +359,14 @@ def memory_report(config: ml_collections.ConfigDict, data: int, model: int, micr
     """Per-device memory of training ``config`` on a ``data x model`` mesh, ``micro_batch`` sequences per device
     per accumulation step (``num_micro`` steps; default: what the config's global batch implies)."""
     config = ml_collections.ConfigDict(config)
-    if config.mesh.pipe > 1:
-        raise ConfigError(f"the memory planner does not count pipeline stages yet (mesh.pipe={config.mesh.pipe}); "
-                          "plan with --config.mesh.pipe=1 (the stages hold 1/pipe of the layers)")
     config.mesh.data, config.mesh.model = data, model
-    validate(config, data * model)
+    pipe = config.mesh.pipe
+    validate(config, pipe * data * model)
     moments_split, fsdp = state_split(config)  # FSDP: parameters, so gradients and moments, split over data
     zero = moments_split and not fsdp  # ZeRO-1: the moments and gradients only
-    total, local = params_per_device(config, {"data": data, "model": model}, split_over_data=fsdp)
+    mesh_shape = {"data": data, "model": model, **({"pipe": pipe} if pipe > 1 else {})}  # a stage's layers
+    total, local = params_per_device(config, mesh_shape, split_over_data=fsdp)
+    stage = 2 * FP32 * params_per_device(config, mesh_shape, only="blocks")[1] if pipe > 1 else 0
     num_micro = num_micro or _num_micro(config, data, micro_batch)
     optimizer = 8 * local // (data if zero else 1)
     act = activations(config, micro_batch, model)
@@ -349,7 +376,7 @@ def memory_report(config: ml_collections.ConfigDict, data: int, model: int, micr
     head, layer = gathered_bytes(config, model) if fsdp else (0, 0)
     return MemoryReport(total, local, FP32 * local, FP32 * local, optimizer, act.total, data, model, act,
                         gradient_bytes(local, data, zero, num_micro), batch, sequence_parallel(config), fsdp, late,
-                        head, layer)
+                        head, layer, stage, pipe)
 
 
 def largest_micro_batch(config: ml_collections.ConfigDict, data: int, model: int, device_bytes: float) -> int:
