@@ -138,6 +138,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
         raise ConfigError(f"parallel.sequence splits the sequence over mesh.model={tp}, but model.max_seq_len="
                           f"{m.max_seq_len} is not divisible by it: make max_seq_len a multiple of {tp}, pick "
                           f"mesh.model from its divisors, or set parallel.sequence=False")
+    if config.mesh.pipe > 1 and dp == -1 and num_devices % (config.mesh.pipe * tp):
+        raise ConfigError(f"mesh.pipe={config.mesh.pipe} x mesh.model={tp} does not divide the {num_devices} devices "
+                          "present; set mesh.data, or pick mesh.pipe and mesh.model whose product divides them")
     dp, tp = resolve_mesh_shape(dp, tp, num_devices // max(config.mesh.pipe, 1))
     _check_pipeline(config)
     rules_of(config)

@@ -30,6 +30,7 @@ class Evaluator:
     mesh: jax.sharding.Mesh
     rules: Rules
     params_split: bool = False  # FSDP: parameters are also split over `data` (see sharding.activate)
+    pipeline_microbatches: int = 0  # with pipeline stages: microbatches per batch (0: one per stage)
     in_shardings: Any = None
     out_shardings: Any = None
 
@@ -52,7 +53,8 @@ class Evaluator:
         return self.mesh.shape["data"]
 
     def __call__(self, state: Any, batch: Batch) -> Any:
-        with activate(self.mesh, self.rules, params_split=self.params_split):
+        with activate(self.mesh, self.rules, params_split=self.params_split,
+                      pipeline_microbatches=self.pipeline_microbatches):
             return self._step(state, batch)
 
     def map_rows(self, state: Any, rows: Mapping[str, np.ndarray], batch_size: int) -> Any:

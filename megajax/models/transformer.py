@@ -179,7 +179,9 @@ class SelfAttention(nnx.Module):
             k, v = (constrain(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), index, axis=1),
                               ("batch", "seq", "heads", "head_dim")) for c, new in zip(cache, (k, v)))
             cache = (k, v)
-        core = jax.checkpoint(attention_core, static_argnums=5) if self.selective else attention_core
+        # a fresh closure per trace: jax.checkpoint caches traces by function, and a pipeline stage's dropout
+        # reads its microbatch from the context (parallel.layers.microbatch_of), which the cache key omits
+        core = jax.checkpoint(lambda *a: attention_core(*a), static_argnums=5) if self.selective else attention_core
         return self.out(core(q, k, v, mask, key, self.rate)), cache
 
 

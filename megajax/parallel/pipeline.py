@@ -12,7 +12,7 @@ transposes run the ring the other way. The stage function is vmapped over the st
 
 This is the schedule of MaxText's and praxis's pipeline layers (Huang et al. 2019, GPipe), written here for
 megajax's layer stack; docs/pipeline-plan.md has the design, what is measured and what is left (the circular
-schedule, dropout, sequence parallelism and FSDP under a pipeline).
+schedule, sequence parallelism and FSDP under a pipeline).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ def stages() -> int:
 def microbatches(rows: int, replicas: int) -> int:
     """How many microbatches a batch of ``rows`` (split over ``replicas`` data shards) is cut into: ``activate``'s
     ``pipeline_microbatches`` (0: one per stage), or the largest smaller count that divides the batch evenly."""
+    if rows % replicas:
+        raise ValueError(f"a batch of {rows} rows does not split over {replicas} data shards")
     return microbatches_for(rows // replicas, pipeline_microbatches() or stages())
 
 
@@ -74,8 +76,8 @@ def gpipe(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: An
     p, num_micro = stages(), xs.shape[0]
     stage = jax.lax.with_sharding_constraint(jnp.arange(p), P(PIPE_AXIS))
     on_stages = P(PIPE_AXIS, *x_spec)
-    # Stage 0's row holds the inputs, and the finished microbatches as they come back round; the other rows are
-    # never read (each device keeps only its own row: the same bytes as the inputs).
+    # Stage 0's row holds the inputs, and the finished microbatches as they come back round; the other stages' rows
+    # feed only their bubble ticks (each device keeps only its own row: the same bytes as the inputs).
     held = jnp.zeros((p, *xs.shape), xs.dtype).at[0].set(xs)
     held = jax.lax.with_sharding_constraint(held, P(PIPE_AXIS, None, *x_spec))
     first = (stage == 0).reshape(p, *(1,) * (xs.ndim - 1))

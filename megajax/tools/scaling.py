@@ -51,8 +51,8 @@ moments over ``data`` (8 + 8/d bytes per local parameter) and adds an all-gather
 all-reduce, overlapped as it) and all-gathers each layer's fp32 parameters twice, forward and backward (not
 overlapped, so the planner turns it on only where less does not fit). None is calibrated: the paper has none.
 
-Ignored: pipeline parallelism (megajax has none), tensor-parallel communication overlapped with
-compute, NCCL's protocols and topology beyond a ring, kernel efficiency beyond the calibration (the 2019
+Ignored: pipeline parallelism (``mesh.pipe``: a config that sets it is refused), tensor-parallel communication
+overlapped with compute, NCCL's protocols and topology beyond a ring, kernel efficiency beyond the calibration (the 2019
 constants describe eager PyTorch; a fused XLA step moves fewer bytes and launches fewer kernels), stragglers,
 data loading and memory fragmentation. ``DGX_H100``'s calibration is assumed, not fitted: the paper has no H100.
 """
@@ -63,7 +63,7 @@ import dataclasses
 import math
 
 from megajax.cli import ArgumentParser, load_config
-from megajax.config import base_config, model_config, sequence_parallel, state_split
+from megajax.config import ConfigError, base_config, model_config, sequence_parallel, state_split
 from megajax.models import gpt, model_spec
 from megajax.models.spec import decoder_flops
 from megajax.tools.comm_budget import Shape, minimum
@@ -511,6 +511,9 @@ def main(argv: list[str] | None = None) -> None:
                    "parallel.shard_optimizer and parallel.fsdp instead of choosing them per mesh")
     args = p.parse_args(argv)
     config = load_config(args.config)
+    if config.mesh.pipe > 1:
+        raise ConfigError(f"{args.config} sets mesh.pipe={config.mesh.pipe}: the scaling model plans data x model "
+                          "meshes and has no pipeline stages yet")
     if not model_spec(config.model.name).causal_lm:
         raise SystemExit(f"error: the scaling model covers causal language models (GPT configs); {args.config} is "
                          f"{config.model.name}")

@@ -109,6 +109,7 @@ def setup(config: ml_collections.ConfigDict) -> Run:
                            out_shardings=(state_shardings, replicated), donate_argnums=0
                            ).lower(abstract_state, abstract_batch).compile()
     evaluate = Evaluator(objective_metrics(objective), graphdef, mesh, spec.rules, params_split=spec.fsdp,
+                         pipeline_microbatches=spec.pipeline_microbatches,
                          in_shardings=(state_shardings.params, batch_shardings), out_shardings=replicated)
     num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
     return Run(config, spec, mesh, abstract_state, batch_shardings, compiled, num_params, init_state, evaluate)
