@@ -93,8 +93,8 @@ def test_recomputation_with_dropout_equals_the_plain_step_each_time_it_compiles(
 
 
 def test_pipelined_accumulation_and_zero1_equal_the_plain_step():
-    """Each of 4 accumulation steps of 2 rows goes through the pipeline as 2 microbatches of 1; ZeRO-1 splits the
-    stages' moments over data as well."""
+    """Each of 4 accumulation steps of 2 rows goes through the pipeline as 2 microbatches of 1; with ZeRO-1 on
+    (2,2,2) (the stages' moments also split over data) the step is the plain one too."""
     assert_same_step(*_step("gpt", 2, 1, 1, 2, accumulate=2), *_step("gpt", 1, 1, 1))
     assert_same_step(*_step("gpt", 2, 2, 2, 2, choice="shard_optimizer"), *_step("gpt", 1, 1, 1))
 
@@ -104,9 +104,13 @@ def test_stages_exchange_exactly_the_schedules_activations(name, pipe, data, mod
     """Over ``pipe``: M + p - 1 collective permutes forward (each stage's output to the next, one microbatch of
     this device's rows) and as many backward (the ring reversed); the schedule's loop runs M + p - 1 times, so p - 1 of
     those ticks are idle on each stage: the bubble (p - 1) / (M + p - 1). Besides them only the finished microbatches
-    leave stage 0 (once, and their gradient once back) and scalars (the gradient norm's partial sums)."""
+    go from stage 0 to every stage once (the head runs on each) and the inputs' gradient once back (the embedding's
+    backward runs on each), and scalars (the gradient norm's partial sums). Forming and unforming the microbatches
+    moves nothing: no forward collective over ``data``."""
     run = _run(name, pipe, data, model, micro)
-    colls = [c for c in collectives(run.step_fn.as_text(), run.mesh) if "pipe" in c.axes]
+    every = collectives(run.step_fn.as_text(), run.mesh)
+    assert not [c for c in every if "data" in c.axes and c.phase == "forward" and c.elements > 1]
+    colls = [c for c in every if "pipe" in c.axes]
     ticks = pipeline.ticks(micro, pipe)
     rows = 8 // micro // data  # the global batch of 8 rows, a microbatch of them, this device's share
     activation = (1, rows, 32, 64)  # (stage, rows, seq, hidden) per device
