@@ -19,7 +19,7 @@ from megajax.checkpoint import Checkpointer
 from megajax.config import ConfigError, resolve
 from megajax.parallel import pipeline
 from megajax.parallel.hlo_audit import collectives
-from megajax.tools.memory_planner import memory_report, run_memory
+from megajax.tools.memory_planner import memory_report, params_per_device, run_memory
 from megajax.training.data import make_loader
 from megajax.training.loop import setup, train
 
@@ -106,10 +106,14 @@ def test_stages_exchange_exactly_the_schedules_activations(name, pipe, data, mod
     those ticks are idle on each stage: the bubble (p - 1) / (M + p - 1). Besides them only the finished microbatches
     go from stage 0 to every stage once (the head runs on each) and the inputs' gradient once back (the embedding's
     backward runs on each), and scalars (the gradient norm's partial sums). Forming and unforming the microbatches
-    moves nothing: no forward collective over ``data``."""
+    moves nothing: no forward collective over ``data``. Each data replica runs its own copy of the stage's layers, so
+    their gradients are reduced over ``data`` once per step, every element of this device's once (not on each tick)."""
     run = _run(name, pipe, data, model, micro)
     every = collectives(run.step_fn.as_text(), run.mesh)
     assert not [c for c in every if "data" in c.axes and c.phase == "forward" and c.elements > 1]
+    reduced = sum(4 * c.elements * c.executions for c in every if "data" in c.axes and c.elements > 1)
+    local = params_per_device(_config(name, pipe, data, model, micro), {"pipe": pipe, "data": data, "model": model})
+    assert reduced == (4 * local[1] if data > 1 else 0)
     colls = [c for c in every if "pipe" in c.axes]
     ticks = pipeline.ticks(micro, pipe)
     rows = 8 // micro // data  # the global batch of 8 rows, a microbatch of them, this device's share

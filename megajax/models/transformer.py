@@ -24,7 +24,15 @@ from megajax.parallel.layers import (
     microbatch_of,
     scaled_init_std,
 )
-from megajax.parallel.sharding import RESIDUAL, constrain, keep_all_but_gathered, mesh_size, params_split, spec_of
+from megajax.parallel.sharding import (
+    RESIDUAL,
+    constrain,
+    keep_all_but_gathered,
+    mesh_size,
+    params_split,
+    rules_remapped,
+    spec_of,
+)
 
 REMAT_POLICIES = ("none", "full", "save_dots", "selective")
 ROPE_SCALINGS = ("none", "llama3")
@@ -312,12 +320,16 @@ def _run_pipelined(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mas
                    dropout_key: jax.Array | None) -> jax.Array:
     """The blocks as ``pipeline.stages()`` stages of contiguous layers over microbatches of ``x``'s rows (row
     ``k * M + i`` in microbatch ``i``, so each spans every data shard and nothing moves to form them)."""
-    p, (rows, *rest) = pipeline.stages(), x.shape
-    m = pipeline.microbatches(rows, mesh_size("batch"))
+    p, d, (rows, *rest) = pipeline.stages(), mesh_size("batch"), x.shape
+    m = pipeline.microbatches(rows, d)
     graphdef, state = nnx.split(blocks)
-    # each stage's layers, with their dropout keys: the plain step's, one per layer
-    keys = jax.random.split(dropout_key, cfg.num_layers) if dropout_key is not None else None
-    stage_params = jax.tree.map(lambda a: a.reshape(p, a.shape[0] // p, *a.shape[1:]), (state, keys))
+    # each stage's layers, one copy per data replica (each device holds its own: nothing moves), so the tick loop
+    # sums each replica's gradient locally and the copies' gradients are reduced over `data` once, after the loop,
+    # not on every tick (as the tied embedding's copies are: VocabParallelEmbedding.replica_rows)
+    layers = jax.tree.map(lambda a: jnp.broadcast_to(a.reshape(p, 1, a.shape[0] // p, *a.shape[1:]),
+                                                     (p, d, a.shape[0] // p, *a.shape[1:])), state)
+    # with their dropout keys: the plain step's, one per layer
+    keys = jax.random.split(dropout_key, cfg.num_layers).reshape(p, -1) if dropout_key is not None else None
 
     def micro(a: jax.Array) -> jax.Array:  # (B, ...) -> (M, B/M, ...)
         return jnp.swapaxes(a.reshape(rows // m, m, *a.shape[1:]), 0, 1)
@@ -326,13 +338,20 @@ def _run_pipelined(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mas
     xs = constrain(micro(x), (None, *RESIDUAL))
 
     def stage(params, h, args):
-        (layers, layer_keys), (index, row_mask) = params, args
-        with microbatch_of(m, index):
-            return _scan_blocks(nnx.merge(graphdef, layers), cfg, h, row_mask if per_row else mask, None,
-                                layer_keys=layer_keys)[0]
+        (copies, layer_keys), (index, row_mask) = params, args
+
+        def replica(own, r, h, row_mask):  # one data replica's rows of the microbatch, with its copy of the layers
+            with rules_remapped(batch=None), microbatch_of(m, index, d, r):
+                return _scan_blocks(nnx.merge(graphdef, own), cfg, h, row_mask if per_row else mask, None,
+                                    layer_keys=layer_keys)[0]
+
+        by_replica = lambda a: a.reshape(d, a.shape[0] // d, *a.shape[1:])  # noqa: E731
+        h = jax.vmap(replica, spmd_axis_name="data")(copies, jnp.arange(d), by_replica(h),
+                                                     by_replica(row_mask) if per_row else None)
+        return h.reshape(-1, *h.shape[2:])
 
     per_micro = (jnp.arange(m), micro(mask) if per_row else None)
-    ys = pipeline.gpipe(stage, stage_params, xs, per_micro, spec_of(RESIDUAL))
+    ys = pipeline.gpipe(stage, (layers, keys), xs, per_micro, spec_of(RESIDUAL))
     return constrain(jnp.swapaxes(ys, 0, 1).reshape(rows, *rest), RESIDUAL)
 
 

@@ -247,15 +247,16 @@ class LayerNorm(nnx.Module):
         return y.astype(self.dtype)
 
 
-_MICROBATCH: contextvars.ContextVar[tuple[int, jax.Array] | None] = contextvars.ContextVar("megajax_microbatch",
-                                                                                            default=None)
+_MICROBATCH: contextvars.ContextVar[tuple[int, jax.Array, int, jax.Array | int] | None] = contextvars.ContextVar(
+    "megajax_microbatch", default=None)
 
 
 @contextlib.contextmanager
-def microbatch_of(count: int, index: jax.Array) -> Iterator[None]:
-    """Within it, activations are microbatch ``index`` of ``count`` (rows ``k * count + index`` of the batch): the
-    pipeline's stages. ``dropout`` then draws the whole batch's mask and keeps those rows."""
-    token = _MICROBATCH.set((count, index))
+def microbatch_of(count: int, index: jax.Array, replicas: int = 1, replica: jax.Array | int = 0) -> Iterator[None]:
+    """Within it, activations are microbatch ``index`` of ``count`` (rows ``k * count + index`` of the batch), or
+    the ``replica``-th of ``replicas`` equal blocks of those rows: the pipeline's stages, per data replica.
+    ``dropout`` then draws the whole batch's mask and keeps those rows."""
+    token = _MICROBATCH.set((count, index, replicas, replica))
     try:
         yield
     finally:
@@ -276,9 +277,10 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     if micro is None:
         keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
     else:
-        count, index = micro
-        whole = jax.random.bernoulli(key, 1.0 - rate, (x.shape[0] * count, *x.shape[1:]))
-        keep = jnp.take(whole.reshape(x.shape[0], count, *x.shape[1:]), index, axis=1)
+        count, index, replicas, replica = micro
+        whole = jax.random.bernoulli(key, 1.0 - rate, (replicas * x.shape[0] * count, *x.shape[1:]))
+        whole = jnp.take(whole.reshape(replicas, x.shape[0], count, *x.shape[1:]), replica, axis=0)
+        keep = jnp.take(whole, index, axis=1)
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 

@@ -162,6 +162,17 @@ def activate(mesh: Mesh, rules: Rules, params_split: bool = False, pipeline_micr
         _PIPELINE_MICRO.reset(tokens[2])
 
 
+@contextlib.contextmanager
+def rules_remapped(**names: str | None) -> Iterator[None]:
+    """The active rules with the given logical names mapped elsewhere (e.g. ``batch=None`` inside a vmap that owns
+    the `data` axis through its ``spmd_axis_name``: a constraint inside it may not name that axis)."""
+    token = _ACTIVE_RULES.set(tuple((k, names.get(k, v)) for k, v in _ACTIVE_RULES.get()))
+    try:
+        yield
+    finally:
+        _ACTIVE_RULES.reset(token)
+
+
 def pipeline_microbatches() -> int:
     """``activate``'s ``pipeline_microbatches`` (0: one per pipeline stage)."""
     return _PIPELINE_MICRO.get()
