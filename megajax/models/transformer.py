@@ -28,8 +28,8 @@ from megajax.parallel.sharding import (
     RESIDUAL,
     constrain,
     keep_all_but_gathered,
-    mesh_size,
     params_split,
+    replicas,
     rules_remapped,
     spec_of,
 )
@@ -320,7 +320,8 @@ def _run_pipelined(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mas
                    dropout_key: jax.Array | None) -> jax.Array:
     """The blocks as ``pipeline.stages()`` stages of contiguous layers over microbatches of ``x``'s rows (row
     ``k * M + i`` in microbatch ``i``, so each spans every data shard and nothing moves to form them)."""
-    p, d, (rows, *rest) = pipeline.stages(), mesh_size("batch"), x.shape
+    p, (rows, *rest) = pipeline.stages(), x.shape
+    d = replicas(rows)
     m = pipeline.microbatches(rows, d)
     graphdef, state = nnx.split(blocks)
     # each stage's layers, one copy per data replica (each device holds its own: nothing moves), so the tick loop

@@ -34,10 +34,9 @@ def stages() -> int:
 
 
 def microbatches(rows: int, replicas: int) -> int:
-    """How many microbatches a batch of ``rows`` (split over ``replicas`` data shards) is cut into: ``activate``'s
-    ``pipeline_microbatches`` (0: one per stage), or the largest smaller count that divides the batch evenly."""
-    if rows % replicas:
-        raise ValueError(f"a batch of {rows} rows does not split over {replicas} data shards")
+    """How many microbatches a batch of ``rows`` (split over ``replicas`` data shards, ``sharding.replicas``) is cut
+    into: ``activate``'s ``pipeline_microbatches`` (0: one per stage), or the largest smaller count that divides
+    each shard's rows evenly."""
     return microbatches_for(rows // replicas, pipeline_microbatches() or stages())
 
 
