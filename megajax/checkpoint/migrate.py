@@ -15,6 +15,7 @@ ADDED_FIELDS = {
     ("parallel", "shard_optimizer"): False,
     ("parallel", "fsdp"): False,
     ("parallel", "pipeline_microbatches"): 0,
+    ("parallel", "pipeline_repeats"): 1,
     ("mesh", "pipe"): 1,
     ("checkpoint", "restore_step"): 0,
     ("train", "precision"): "auto",

@@ -7,6 +7,7 @@ from megajax.config.resolve import (
                                     TRAINING_ONLY_FIELDS,
                                     RunSpec,
                                     check_data_source,
+                                    layer_layout,
                                     model_config,
                                     model_differences,
                                     padded_vocab_size,
@@ -21,6 +22,6 @@ from megajax.config.resolve import (
 from megajax.errors import ConfigError
 
 __all__ = ["TRAINING_ONLY_FIELDS", "ConfigError", "RunSpec", "abstract_model", "base_config", "bert_base_config",
-           "build_mesh", "check_data_source", "create_model", "model_config", "model_differences", "model_factory",
-           "padded_vocab_size", "resolve", "resolve_precision", "rules_of", "sequence_parallel", "state_split",
-           "validate", "validate_training"]
+           "build_mesh", "check_data_source", "create_model", "layer_layout", "model_config", "model_differences",
+           "model_factory", "padded_vocab_size", "resolve", "resolve_precision", "rules_of", "sequence_parallel",
+           "state_split", "validate", "validate_training"]

@@ -33,8 +33,9 @@ def base_config() -> ml_collections.ConfigDict:
     # Fine-tuning: a megajax checkpoint (workdir or step directory) whose BERT trunk initialises the task model
     # when the workdir has no checkpoint yet ('' = train from scratch; a resume ignores it).
     c.init_from = ""
-    # pipe > 1: pipeline parallelism (megajax.parallel.pipeline, GPipe): the layers split into `pipe` stages of
-    # contiguous layers, each batch into parallel.pipeline_microbatches microbatches
+    # pipe > 1: pipeline parallelism (megajax.parallel.pipeline): the layers split into `pipe` stages, each batch
+    # into parallel.pipeline_microbatches microbatches; parallel.pipeline_repeats = 1 is GPipe (each stage holds
+    # contiguous layers), v > 1 the circular schedule (each stage holds v chunks; the bubble shrinks v-fold)
     c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, pipe=1))
     c.sharding = ml_collections.ConfigDict(dict(rules=MEGATRON_RULES))
     # beyond the paper: shard_optimizer (ZeRO-1, Megatron's distributed optimizer) splits AdamW's moments over
@@ -45,7 +46,8 @@ def base_config() -> ml_collections.ConfigDict:
     # parameters, gradients and moments over `data`: each layer all-gathers its parameters when it runs (again in
     # the backward pass) and their gradients are reduced onto the shards; implies shard_optimizer.
     c.parallel = ml_collections.ConfigDict(dict(shard_optimizer=False, sequence=False, fsdp=False,
-                                                pipeline_microbatches=0))  # 0: mesh.pipe of them
+                                                pipeline_microbatches=0,  # 0: mesh.pipe of them
+                                                pipeline_repeats=1))
     c.train = ml_collections.ConfigDict(dict(
         steps=300_000,
         global_batch_size=512,  # sequences per step

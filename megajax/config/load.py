@@ -4,7 +4,7 @@ straight into the shardings of a mesh of the current devices (resharding on rest
 from __future__ import annotations
 
 import pathlib
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import ml_collections
@@ -13,7 +13,9 @@ from jax.sharding import Mesh
 
 from megajax.checkpoint.manager import read_config, restore_params
 from megajax.config.build import abstract_model
-from megajax.config.resolve import RunSpec, resolve
+from megajax.config.resolve import RunSpec, layer_layout, resolve
+from megajax.models.transformer import reorder_layers
+from megajax.parallel import pipeline
 from megajax.parallel.partition import shardings
 from megajax.parallel.sharding import make_mesh
 
@@ -36,6 +38,7 @@ def inference_config(path: str | pathlib.Path, data: int | None = None,
     config = read_config(path)
     config.parallel.sequence = False
     config.mesh.pipe = 1  # inference runs on data x model (a pipelined run's stages are one resharding away)
+    config.parallel.pipeline_repeats = 1
     config.mesh.data = -1 if data is None else data
     if model is None:  # a divisor of the saved split keeps every divisibility the saved run had
         devices = jax.device_count() // data if data else jax.device_count()
@@ -52,7 +55,15 @@ def restore_model(path: str | pathlib.Path, config: ml_collections.ConfigDict) -
     target_shardings = nnx.to_pure_dict(shardings(abstract, mesh, spec.rules))
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           nnx.to_pure_dict(abstract), target_shardings)
-    return LoadedModel(nnx.merge(graphdef, restore_params(path, target)), spec, mesh)
+    params = in_layout(restore_params(path, target), read_config(path), spec.layer_layout)
+    return LoadedModel(nnx.merge(graphdef, params), spec, mesh)
+
+
+def in_layout(tree: Any, saved: ml_collections.ConfigDict, layout: tuple[int, int]) -> Any:
+    """``tree`` as read from a checkpoint whose config is ``saved``, its stacked layers put in the order of
+    ``layout`` = (stages, repeats) (``RunSpec.layer_layout``): a circular pipeline keeps them in another order
+    than the model's, and a checkpoint holds them as its run did."""
+    return reorder_layers(tree, pipeline.reorder(layer_layout(saved), layout, saved.model.num_layers))
 
 
 def load_model(path: str | pathlib.Path, *, data: int | None = None, model: int | None = None) -> LoadedModel:

@@ -154,16 +154,21 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
 
 
 def _check_pipeline(config: ml_collections.ConfigDict) -> None:
-    """mesh.pipe and parallel.pipeline_microbatches against the model and the other switches (GPipe, first slice:
-    what it does not compute yet is refused, naming the field to change)."""
-    p, m = config.mesh.pipe, config.model
+    """mesh.pipe, parallel.pipeline_microbatches and parallel.pipeline_repeats against the model and the other
+    switches (what the pipeline does not compute yet is refused, naming the field to change)."""
+    p, v, m = config.mesh.pipe, config.parallel.pipeline_repeats, config.model
     _require(p >= 1, f"mesh.pipe must be >= 1 (1: no pipeline), got {p}")
     _require(config.parallel.pipeline_microbatches >= 0, "parallel.pipeline_microbatches must be >= 0 (0: mesh.pipe "
              f"of them), got {config.parallel.pipeline_microbatches}")
+    _require(v >= 1, f"parallel.pipeline_repeats must be >= 1 (1: GPipe), got {v}")
+    _require(v == 1 or p > 1, f"parallel.pipeline_repeats={v} sets the circular pipeline schedule, which needs "
+             "pipeline stages: set mesh.pipe > 1, or parallel.pipeline_repeats=1")
     if p == 1:
         return
     _require(m.num_layers % p == 0, f"mesh.pipe={p} splits model.num_layers={m.num_layers} into equal stages: pick "
              f"mesh.pipe from the divisors of {m.num_layers}")
+    _require(m.num_layers % (p * v) == 0, f"mesh.pipe={p} x parallel.pipeline_repeats={v} splits "
+             f"model.num_layers={m.num_layers} into equal chunks: pick a product that divides {m.num_layers}")
     for flag in ("sequence", "fsdp"):
         _require(not config.parallel[flag], f"mesh.pipe={p} with parallel.{flag}=True is not built yet; set "
                  f"parallel.{flag}=False or mesh.pipe=1")
@@ -237,6 +242,12 @@ class RunSpec:
     fsdp: bool = False  # ZeRO-3: parameters (and so gradients and moments) also split over `data`
     pipe: int = 1  # pipeline stages (mesh.pipe)
     pipeline_microbatches: int = 0  # microbatches per pipelined batch (0: pipe of them)
+    pipeline_repeats: int = 1  # chunks of layers per stage (1: GPipe; more: the circular schedule)
+
+    @property
+    def layer_layout(self) -> tuple[int, int]:
+        """(stages, repeats): how the stacked layers are ordered in memory (``pipeline.layer_order``)."""
+        return self.pipe, self.pipeline_repeats
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -259,7 +270,14 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, training: bool 
                    tensor=tp, precision=resolve_precision(config.train.precision),
                    global_batch=config.train.global_batch_size, num_micro=num_micro,
                    shard_optimizer=shard_optimizer, sequence=sequence_parallel(config), fsdp=fsdp,
-                   pipe=config.mesh.pipe, pipeline_microbatches=config.parallel.pipeline_microbatches)
+                   pipe=config.mesh.pipe, pipeline_microbatches=config.parallel.pipeline_microbatches,
+                   pipeline_repeats=config.parallel.pipeline_repeats)
+
+
+def layer_layout(config: ml_collections.ConfigDict) -> tuple[int, int]:
+    """(stages, repeats) of a config, e.g. one stored with a checkpoint: the order its stacked layers were saved in
+    (``pipeline.layer_order``)."""
+    return config.mesh.pipe, config.parallel.pipeline_repeats
 
 
 def check_data_source(config: ml_collections.ConfigDict) -> None:

@@ -31,6 +31,7 @@ class Evaluator:
     rules: Rules
     params_split: bool = False  # FSDP: parameters are also split over `data` (see sharding.activate)
     pipeline_microbatches: int = 0  # with pipeline stages: microbatches per batch (0: one per stage)
+    pipeline_repeats: int = 1  # with pipeline stages: chunks of layers per stage (1: GPipe)
     in_shardings: Any = None
     out_shardings: Any = None
 
@@ -54,7 +55,7 @@ class Evaluator:
 
     def __call__(self, state: Any, batch: Batch) -> Any:
         with activate(self.mesh, self.rules, params_split=self.params_split,
-                      pipeline_microbatches=self.pipeline_microbatches):
+                      pipeline_microbatches=self.pipeline_microbatches, pipeline_repeats=self.pipeline_repeats):
             return self._step(state, batch)
 
     def map_rows(self, state: Any, rows: Mapping[str, np.ndarray], batch_size: int) -> Any:

@@ -9,9 +9,11 @@ a leading ``layers`` axis (``nnx.vmap``) and run with ``nnx.scan``, so compile t
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from megajax.parallel import pipeline
@@ -285,6 +287,26 @@ def make_blocks(cfg: TransformerConfig, rngs: nnx.Rngs, block: type[nnx.Module] 
     return make(rngs)
 
 
+STACK = "blocks"  # every model's attribute holding its stacked layers (make_blocks)
+
+
+def reorder_layers(tree: Any, index: np.ndarray | None) -> Any:
+    """``tree`` (parameters, or a training state whose optimizer moments mirror them) with the stacked layers'
+    leading dimension (every leaf under a ``STACK`` key) taken in ``index``'s order (``pipeline.reorder``); the
+    other leaves as they are. Each leaf keeps its sharding."""
+    if index is None:
+        return tree
+
+    def take(path, a):
+        if not any(getattr(k, "key", getattr(k, "name", None)) == STACK for k in path):
+            return a
+        if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):  # a committed array: once, on its devices
+            return jax.jit(lambda b: b[index], out_shardings=a.sharding, donate_argnums=0)(a)
+        return a[index]
+
+    return jax.tree_util.tree_map_with_path(take, tree)
+
+
 def _remat_policy(name: str):
     return {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
             "none": keep_all_but_gathered}[name]  # FSDP without remat: re-gather, keep the rest
@@ -296,19 +318,22 @@ def run_blocks(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask: j
     mesh with pipeline stages, as a pipeline of them (``megajax.parallel.pipeline``; not for incremental decoding)."""
     if pipeline.stages() > 1 and cache is None:
         return _run_pipelined(blocks, cfg, x, mask, dropout_key), None
+    if pipeline.stages() > 1 and pipeline.repeats() > 1:
+        raise ValueError("incremental decoding reads the layers in model order; a circular pipeline's stack is not "
+                         "(decode on a mesh without pipeline stages: megajax.config.load_model does)")
     return _scan_blocks(blocks, cfg, x, mask, dropout_key, cache, index)
 
 
 def _scan_blocks(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask: jax.Array,
                  dropout_key: jax.Array | None, cache: KVCache | None = None, index: jax.Array | int = 0,
-                 layer_keys: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+                 layer_keys: jax.Array | None = None, remat_layers: bool = True) -> tuple[jax.Array, KVCache | None]:
     if dropout_key is not None:
         layer_keys = jax.random.split(dropout_key, cfg.num_layers)
 
     def step(block: nnx.Module, h: jax.Array, key: jax.Array | None, layer_cache: LayerCache | None):
         return block(h, mask, key, layer_cache, index)
 
-    if cfg.remat in ("full", "save_dots"):  # selective: inside SelfAttention
+    if cfg.remat in ("full", "save_dots") and remat_layers:  # selective: inside SelfAttention
         step = nnx.remat(step, policy=_remat_policy(cfg.remat))
     elif params_split():  # FSDP: re-gather each layer's parameters in the backward pass rather than keep them all
         step = nnx.remat(step, policy=_remat_policy("none"))
@@ -318,19 +343,23 @@ def _scan_blocks(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask:
 
 def _run_pipelined(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask: jax.Array,
                    dropout_key: jax.Array | None) -> jax.Array:
-    """The blocks as ``pipeline.stages()`` stages of contiguous layers over microbatches of ``x``'s rows (row
-    ``k * M + i`` in microbatch ``i``, so each spans every data shard and nothing moves to form them)."""
-    p, (rows, *rest) = pipeline.stages(), x.shape
+    """The blocks as ``pipeline.stages()`` stages of ``pipeline.repeats()`` chunks of layers (the stack held in
+    ``pipeline.layer_order``) over microbatches of ``x``'s rows (row ``k * M + i`` in microbatch ``i``, so each
+    spans every data shard and nothing moves to form them)."""
+    p, v, (rows, *rest) = pipeline.stages(), pipeline.repeats(), x.shape
     d = replicas(rows)
     m = pipeline.microbatches(rows, d)
     graphdef, state = nnx.split(blocks)
-    # each stage's layers, one copy per data replica (each device holds its own: nothing moves), so the tick loop
-    # sums each replica's gradient locally and the copies' gradients are reduced over `data` once, after the loop,
-    # not on every tick (as the tied embedding's copies are: VocabParallelEmbedding.replica_rows)
-    layers = jax.tree.map(lambda a: jnp.broadcast_to(a.reshape(p, 1, a.shape[0] // p, *a.shape[1:]),
-                                                     (p, d, a.shape[0] // p, *a.shape[1:])), state)
-    # with their dropout keys: the plain step's, one per layer
-    keys = jax.random.split(dropout_key, cfg.num_layers).reshape(p, -1) if dropout_key is not None else None
+    per_chunk = cfg.num_layers // (p * v)
+    # each stage's chunks of layers, one copy per data replica (each device holds its own: nothing moves), so the
+    # tick loop sums each replica's gradient locally and the copies' gradients are reduced over `data` once, after
+    # the loop, not on every tick (as the tied embedding's copies are: VocabParallelEmbedding.replica_rows)
+    layers = jax.tree.map(lambda a: jnp.broadcast_to(a.reshape(p, v, 1, per_chunk, *a.shape[1:]),
+                                                     (p, v, d, per_chunk, *a.shape[1:])), state)
+    keys = None  # the plain step's dropout keys, one per layer, in the stack's order
+    if dropout_key is not None:
+        keys = jax.random.split(dropout_key, cfg.num_layers)[pipeline.layer_order(cfg.num_layers, p, v)]
+        keys = keys.reshape(p, v, per_chunk)
 
     def micro(a: jax.Array) -> jax.Array:  # (B, ...) -> (M, B/M, ...)
         return jnp.swapaxes(a.reshape(rows // m, m, *a.shape[1:]), 0, 1)
@@ -343,8 +372,9 @@ def _run_pipelined(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mas
 
         def replica(own, r, h, row_mask):  # one data replica's rows of the microbatch, with its copy of the layers
             with rules_remapped(batch=None), microbatch_of(m, index, d, r):
+                # the circular schedule recomputes each chunk from its input (pipeline.run): no second recomputation
                 return _scan_blocks(nnx.merge(graphdef, own), cfg, h, row_mask if per_row else mask, None,
-                                    layer_keys=layer_keys)[0]
+                                    layer_keys=layer_keys, remat_layers=v == 1)[0]
 
         by_replica = lambda a: a.reshape(d, a.shape[0] // d, *a.shape[1:])  # noqa: E731
         h = jax.vmap(replica, spmd_axis_name="data")(copies, jnp.arange(d), by_replica(h),
@@ -352,7 +382,7 @@ def _run_pipelined(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mas
         return h.reshape(-1, *h.shape[2:])
 
     per_micro = (jnp.arange(m), micro(mask) if per_row else None)
-    ys = pipeline.gpipe(stage, (layers, keys), xs, per_micro, spec_of(RESIDUAL))
+    ys = pipeline.run(stage, (layers, keys), xs, per_micro, spec_of(RESIDUAL))
     return constrain(jnp.swapaxes(ys, 0, 1).reshape(rows, *rest), RESIDUAL)
 
 

@@ -1,18 +1,27 @@
-"""Pipeline parallelism (GPipe) over the mesh's ``pipe`` axis, in SPMD: every stage runs the same program.
+"""Pipeline parallelism over the mesh's ``pipe`` axis, in SPMD: every stage runs the same program.
 
 The stacked layers (their leading ``layers`` dimension, split over ``pipe`` by the rule ``('layers', 'pipe')``)
-form ``p`` stages of ``L/p`` contiguous layers. A batch is cut into ``M`` microbatches. On tick ``t`` of
-``T = M + p - 1`` (a ``lax.scan``) stage ``s`` runs its layers on microbatch ``t - s`` (idle where that is outside
-``0 .. M-1``: the bubble, ``(p-1)/(M+p-1)`` of the stage-ticks); then every stage's output moves one stage on with one
-collective permute over ``pipe`` (``ppermute`` in ``shard_map``; the wrap-around pair carries a finished microbatch
-back to stage 0, which keeps the finished ones). Autodiff of the loop is the backward pipeline: the permutes'
-transposes run the ring the other way. The stage function is vmapped over the stages with
-``spmd_axis_name='pipe'``, so its own layout constraints (tensor parallelism over ``model``, the batch over
-``data``) hold inside every stage.
+form ``p`` stages. A batch is cut into ``M`` microbatches. Each tick of a ``lax.scan``, every stage runs its layers
+on the microbatch it holds; then every stage's output moves one stage on with one collective permute over ``pipe``
+(``ppermute`` in ``shard_map``; the wrap-around pair carries a microbatch from the last stage back to stage 0).
+Autodiff of the loop is the backward pipeline: the permutes' transposes run the ring the other way. The stage
+function is vmapped over the stages with ``spmd_axis_name='pipe'``, so its own layout constraints (tensor
+parallelism over ``model``, the batch over ``data``) hold inside every stage.
 
-This is the schedule of MaxText's and praxis's pipeline layers (Huang et al. 2019, GPipe), written here for
-megajax's layer stack; docs/pipeline-plan.md has the design, what is measured and what is left (the circular
-schedule, sequence parallelism and FSDP under a pipeline).
+Two schedules, by ``repeats`` = v (``parallel.pipeline_repeats``):
+
+* GPipe (v = 1; Huang et al. 2019): stage ``s`` holds ``L/p`` contiguous layers and runs microbatch ``t - s`` on
+  tick ``t`` of ``M + p - 1``: the bubble is ``p - 1`` idle ticks of ``L/p`` layers.
+* Circular (v > 1; Megatron's interleaved schedule in its effect on the bubble, Narayanan et al. 2021; MaxText's
+  circular pipeline): stage ``s`` holds v chunks of ``L/(p v)`` layers, chunks ``s, s + p, .., s + (v-1) p`` of the
+  model's ``p v``, and each microbatch goes round the ring v times. Stage ``s`` runs item ``k = t - s`` on tick ``t``:
+  microbatch ``k mod P`` through its chunk ``k div P``, where ``P = max(M, p)`` (slots ``M .. P-1`` idle: a
+  microbatch cannot start its next round before it has finished this one). ``(v-1) P + M + p - 1`` ticks of
+  ``L/(p v)`` layers: with ``M >= p`` the same ``p - 1`` idle ticks, each v times shorter.
+
+The circular schedule needs each stage's chunks on its devices, so a pipelined run keeps its stacked layers in
+``layer_order``'s order (a permutation, applied when the state is created and when a checkpoint of another layout
+is read; checkpoints record their layout in their config).
 """
 
 from __future__ import annotations
@@ -22,9 +31,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from megajax.parallel.sharding import PIPE_AXIS, pipeline_microbatches
+from megajax.parallel.sharding import PIPE_AXIS, pipeline_microbatches, pipeline_repeats
 
 
 def stages() -> int:
@@ -45,14 +55,42 @@ def microbatches_for(rows_per_replica: int, wanted: int) -> int:
     return next(m for m in range(min(wanted, rows_per_replica), 0, -1) if rows_per_replica % m == 0)
 
 
-def ticks(num_micro: int, num_stages: int) -> int:
-    """The schedule's length: every microbatch through every stage."""
-    return num_micro + num_stages - 1
+def repeats() -> int:
+    """Chunks of layers per stage under the active schedule (1: GPipe)."""
+    return pipeline_repeats()
 
 
-def bubble_fraction(num_micro: int, num_stages: int) -> float:
-    """The idle share of the stage-ticks: (p - 1) / (M + p - 1)."""
-    return (num_stages - 1) / ticks(num_micro, num_stages)
+def slots(num_micro: int, num_stages: int) -> int:
+    """Items per round of the ring: M, or p where fewer microbatches than stages leave idle slots."""
+    return max(num_micro, num_stages)
+
+
+def ticks(num_micro: int, num_stages: int, num_repeats: int = 1) -> int:
+    """The schedule's length: every microbatch through every chunk of every stage."""
+    return (num_repeats - 1) * slots(num_micro, num_stages) + num_micro + num_stages - 1
+
+
+def bubble_fraction(num_micro: int, num_stages: int, num_repeats: int = 1) -> float:
+    """The idle share of the stage-ticks, 1 - M v / ticks: (p - 1) / (M v + p - 1) with M >= p."""
+    return 1 - num_micro * num_repeats / ticks(num_micro, num_stages, num_repeats)
+
+
+def layer_order(num_layers: int, num_stages: int, num_repeats: int) -> np.ndarray:
+    """The model layer held at each position of the stacked layers of a ``(num_stages, num_repeats)`` pipeline:
+    position ``s L/p + r L/(p v) + j`` holds layer ``(r p + s) L/(p v) + j`` (stage s's chunk r). The identity
+    unless both are > 1."""
+    per_chunk = num_layers // (num_stages * num_repeats)
+    stage, repeat, j = np.meshgrid(np.arange(num_stages), np.arange(num_repeats), np.arange(per_chunk), indexing="ij")
+    return ((repeat * num_stages + stage) * per_chunk + j).reshape(-1)
+
+
+def reorder(saved: tuple[int, int], wanted: tuple[int, int], num_layers: int) -> np.ndarray | None:
+    """Indices that take stacked layers in the ``saved`` (stages, repeats) layout to the ``wanted`` one, or None
+    where the two orders are the same."""
+    have, want = layer_order(num_layers, *saved), layer_order(num_layers, *wanted)
+    if np.array_equal(have, want):
+        return None
+    return np.argsort(have)[want]
 
 
 def _ring_shift(x: jax.Array, num_stages: int) -> jax.Array:
@@ -63,37 +101,50 @@ def _ring_shift(x: jax.Array, num_stages: int) -> jax.Array:
     return shift(x)
 
 
-def gpipe(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any, xs: jax.Array,
-          per_micro: Any, x_spec: P) -> jax.Array:
-    """Runs ``xs`` (M, mb, ...) through ``p`` stages in order and returns the outputs (M, mb, ...), held by stage 0.
+def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any, xs: jax.Array,
+        per_micro: Any, x_spec: P) -> jax.Array:
+    """Runs ``xs`` (M, mb, ...) through the stages' chunks in order and returns the outputs (M, mb, ...), held by
+    stage 0.
 
-    ``stage_fn(params, x, args)``: one stage on one microbatch ``x`` (mb, ...); ``stage_params``: a pytree whose
-    leaves lead with the stage axis (p, ...), split over ``pipe``; ``per_micro``: a pytree whose leaves lead with
-    the microbatch axis (M, ...) (e.g. a padding mask), given to the stage with its microbatch's row, or None;
-    ``x_spec``: the layout of one microbatch (mb, ...).
+    ``stage_fn(params, x, args)``: one chunk of a stage on one microbatch ``x`` (mb, ...); ``stage_params``: a
+    pytree whose leaves lead with (stages, repeats, ...), the stage axis split over ``pipe``; ``per_micro``: a pytree
+    whose leaves lead with the microbatch axis (M, ...) (e.g. a padding mask), given to the stage with its
+    microbatch's row, or None; ``x_spec``: the layout of one microbatch (mb, ...).
     """
     p, num_micro = stages(), xs.shape[0]
+    v = jax.tree.leaves(stage_params)[0].shape[1]
+    period = slots(num_micro, p) if v > 1 else num_micro
     stage = jax.lax.with_sharding_constraint(jnp.arange(p), P(PIPE_AXIS))
     on_stages = P(PIPE_AXIS, *x_spec)
-    # Stage 0's row holds the inputs, and the finished microbatches as they come back round; the other stages' rows
-    # feed only their bubble ticks (each device keeps only its own row: the same bytes as the inputs).
-    held = jnp.zeros((p, *xs.shape), xs.dtype).at[0].set(xs)
+    # Stage 0's row holds the inputs and, slot by slot, each microbatch as it comes back round (its next round's
+    # input; after the last, the output); the other stages' rows feed only their idle ticks (each device keeps only
+    # its own row: the same bytes as the inputs). Slots past M (fewer microbatches than stages) are idle items.
+    pad = jnp.zeros((period - num_micro, *xs.shape[1:]), xs.dtype)
+    held = jnp.zeros((p, period, *xs.shape[1:]), xs.dtype).at[0].set(jnp.concatenate([xs, pad]))
     held = jax.lax.with_sharding_constraint(held, P(PIPE_AXIS, None, *x_spec))
     first = (stage == 0).reshape(p, *(1,) * (xs.ndim - 1))
 
+    def chunk(params, x, r, args):  # one stage's chunk r (its own: r differs between stages)
+        return stage_fn(jax.tree.map(lambda a: a[r] if v > 1 else a[0], params), x, args)
+
+    if v > 1:  # each tick's chunk is a slice that depends on the tick: the backward pass recomputes the chunk from
+        # its input rather than keep, per tick, the slice of the parameters its matmuls need (T copies of a chunk)
+        chunk = jax.checkpoint(chunk)
+
     def tick(carry, t):
         current, held = carry
-        fresh = held[:, t % num_micro]  # stage 0: microbatch t (read before it can be overwritten, at t + p - 1)
+        fresh = held[:, t % period]  # stage 0's item t (read before it can be overwritten, at t + p - 1 or later)
         x = jax.lax.with_sharding_constraint(jnp.where(first, fresh, current), on_stages)
-        rows = jnp.clip(t - stage, 0, num_micro - 1)
+        item = jnp.maximum(t - stage, 0)
+        r, rows = jnp.minimum(item // period, v - 1), jnp.minimum(item % period, num_micro - 1)
         args = jax.tree.map(lambda a: a[rows], per_micro)
-        y = jax.vmap(stage_fn, spmd_axis_name=PIPE_AXIS)(stage_params, x, args)
+        y = jax.vmap(chunk, spmd_axis_name=PIPE_AXIS)(stage_params, x, r, args)
         moved = jax.lax.with_sharding_constraint(_ring_shift(y, p), on_stages)
-        done = t - (p - 1)  # the microbatch the last stage finished, now arrived at stage 0
-        slot = done % num_micro
+        done = t - (p - 1)  # the item the last stage finished, now arrived at stage 0
+        slot = done % period
         kept = jnp.where(first & (done >= 0), moved, held[:, slot])
         return (moved, held.at[:, slot].set(kept)), None
 
     start = jax.lax.with_sharding_constraint(jnp.zeros((p, *xs.shape[1:]), xs.dtype), on_stages)
-    (_, held), _ = jax.lax.scan(tick, (start, held), jnp.arange(ticks(num_micro, p)))
-    return held[0]
+    (_, held), _ = jax.lax.scan(tick, (start, held), jnp.arange(ticks(num_micro, p, v)))
+    return held[0, :num_micro]

@@ -145,21 +145,25 @@ def spec_over_data(spec: P, shape: tuple[int, ...], mesh_shape: Mapping[str, int
 _ACTIVE_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("megajax_rules", default=None)
 _PARAMS_SPLIT: contextvars.ContextVar[bool] = contextvars.ContextVar("megajax_params_split", default=False)
 _PIPELINE_MICRO: contextvars.ContextVar[int] = contextvars.ContextVar("megajax_pipeline_micro", default=0)
+_PIPELINE_REPEATS: contextvars.ContextVar[int] = contextvars.ContextVar("megajax_pipeline_repeats", default=1)
 
 
 @contextlib.contextmanager
-def activate(mesh: Mesh, rules: Rules, params_split: bool = False, pipeline_microbatches: int = 0) -> Iterator[None]:
+def activate(mesh: Mesh, rules: Rules, params_split: bool = False, pipeline_microbatches: int = 0,
+             pipeline_repeats: int = 1) -> Iterator[None]:
     """Sets the mesh and rules that ``constrain`` uses while a model is traced; ``params_split``: the parameters
     are stored split over ``data`` as well (``parallel.fsdp``), so ``param_at_use`` gathers them;
-    ``pipeline_microbatches``: how many microbatches a pipelined layer stack cuts a batch into (0: one per stage)."""
-    tokens = _ACTIVE_RULES.set(rules), _PARAMS_SPLIT.set(params_split), _PIPELINE_MICRO.set(pipeline_microbatches)
+    ``pipeline_microbatches``: how many microbatches a pipelined layer stack cuts a batch into (0: one per stage);
+    ``pipeline_repeats``: how many chunks of layers each pipeline stage holds (1: GPipe; more: the circular
+    schedule, ``megajax.parallel.pipeline``)."""
+    tokens = (_ACTIVE_RULES.set(rules), _PARAMS_SPLIT.set(params_split), _PIPELINE_MICRO.set(pipeline_microbatches),
+              _PIPELINE_REPEATS.set(pipeline_repeats))
     try:
         with jax.set_mesh(mesh):
             yield
     finally:
-        _ACTIVE_RULES.reset(tokens[0])
-        _PARAMS_SPLIT.reset(tokens[1])
-        _PIPELINE_MICRO.reset(tokens[2])
+        for var, token in zip((_ACTIVE_RULES, _PARAMS_SPLIT, _PIPELINE_MICRO, _PIPELINE_REPEATS), tokens):
+            var.reset(token)
 
 
 @contextlib.contextmanager
@@ -176,6 +180,11 @@ def rules_remapped(**names: str | None) -> Iterator[None]:
 def pipeline_microbatches() -> int:
     """``activate``'s ``pipeline_microbatches`` (0: one per pipeline stage)."""
     return _PIPELINE_MICRO.get()
+
+
+def pipeline_repeats() -> int:
+    """``activate``'s ``pipeline_repeats`` (1: GPipe, each stage one chunk of contiguous layers)."""
+    return _PIPELINE_REPEATS.get()
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

@@ -41,6 +41,22 @@ gradient again, as its stored weight is whole. Megatron stores only the shard's 
 gather buys a checkpoint whose layout does not depend on the mesh. Over ``data`` each shard reduces its one head,
 as Megatron does, so the data-parallel minimum counts the key/value weight as one head per shard.
 
+With pipeline stages (``mesh.pipe`` = p > 1; ``megajax.parallel.pipeline``) the step runs T ticks
+(``pipeline.ticks``), each of a chunk of L/(p v) layers on one microbatch of m rows per device (v =
+``parallel.pipeline_repeats``; GPipe: v = 1, T = M + p - 1):
+
+* tensor-parallel: per tick and layer the block's 2 all-reduces of m x s x h, forward and backward (idle ticks
+  included: every stage runs every tick), plus the embedding's lookup once each way on the whole batch; recomputed:
+  GPipe as without stages (``save_dots`` as ``full``: inside the stages' vmap every matmul has a batch dimension),
+  the circular schedule 2 per layer (it recomputes whole chunks, as Megatron's checkpointing recomputes a group of
+  layers; a one-layer chunk needs one fewer, which XLA drops).
+* pipeline point-to-point: per tick one collective permute of m x s x h forward (each stage's output to the next)
+  and one backward (its gradient): 2 T.
+* pipeline boundary: the microbatches held by stage 0 (the slots: M, or max(M, p) under the circular schedule)
+  all-reduced over ``pipe`` once forward (the finished ones to every stage, whose head and loss run on the whole
+  batch) and once backward (their gradient, from every stage's embedding backward). Megatron keeps the embedding
+  on the first stage and the head on the last, and all-reduces the tied embedding's gradient between them instead.
+
 On a ring the pair moves what the all-reduce did: an all-reduce of N sends 2 (t-1)/t N per device, a
 reduce-scatter and an all-gather of shard N/t send (t-1) N/t each (``Budget.tensor_ring_bytes``).
 """
@@ -52,15 +68,16 @@ import dataclasses
 import jax
 import numpy as np
 
-from megajax.errors import ConfigError
 from megajax.models import ModelSpec
+from megajax.parallel import pipeline
 from megajax.parallel.hlo_audit import Collective, collectives
 from megajax.parallel.partition import over_data
 from megajax.parallel.sharding import spec_axes
 
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "pred": 1}
 CATEGORIES = ("tensor-parallel forward", "tensor-parallel backward", "loss", "data-parallel gradients",
-              "data-parallel parameter gathers", "sequence-parallel extra", "replicated key/value heads", "other")
+              "data-parallel parameter gathers", "sequence-parallel extra", "replicated key/value heads",
+              "pipeline point-to-point", "pipeline boundary", "other")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,13 +102,29 @@ class Shape:
     pooled_rows: int = 0
     gathered_shard_elements: int = 0  # parameter shards all-gathered over data per step (ZeRO-1, FSDP)
     kv_head_elements: int = 0  # replicated key/value heads: one head's weight per layer (h x 2 x head_dim); else 0
+    pipe: int = 1  # pipeline stages; with more than one, the schedule's:
+    pipe_ticks: int = 0  # ticks per micro-batch (pipeline.ticks)
+    pipe_rows: int = 0  # rows of one pipeline microbatch on one device
+    pipe_slots: int = 0  # microbatches held by stage 0
+    pipe_layers: int = 0  # layers a stage runs per tick, L/(p v)
+    pipe_circular: bool = False  # the circular schedule (recomputes whole chunks)
 
 
 def minimum(shape: Shape) -> dict[str, int]:
     """Megatron's analytic bytes per category (module docstring)."""
     b, s, h, n = shape.micro_batch, shape.seq, shape.hidden, shape.num_micro
     out = dict.fromkeys(CATEGORIES, 0)
-    if shape.tensor > 1:
+    if shape.pipe > 1:
+        tick = shape.pipe_rows * s * h * shape.activation_bytes * n  # one microbatch, every micro-batch
+        out["pipeline point-to-point"] = 2 * shape.pipe_ticks * tick
+        out["pipeline boundary"] = 2 * shape.pipe_slots * tick
+    if shape.tensor > 1 and shape.pipe > 1:
+        act, runs = b * s * h * shape.activation_bytes * n, shape.pipe_ticks * shape.pipe_layers
+        recompute = 2 if shape.pipe_circular else 1 if shape.remat in ("full", "save_dots") else 0
+        out["tensor-parallel forward"] = 2 * runs * tick + act
+        out["tensor-parallel backward"] = (2 + recompute) * runs * tick + act
+        out["loss"] = 3 * b * s * 4 * n
+    elif shape.tensor > 1:
         act = b * s * h * shape.activation_bytes * n
         if shape.sequence:  # each all-reduce -> a reduce-scatter + an all-gather of one shard
             pairs = 2 * (2 * shape.layers + 1) * act // shape.tensor
@@ -125,8 +158,14 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
         if shape.sequence and over_model and c.op in ("reduce-scatter", "all-gather") and \
                 c.shard_elements * shape.tensor == tokens * shape.hidden:
             out[f"tensor-parallel {c.phase}"] += size
-        elif not shape.sequence and c.op == "all-reduce" and over_model and c.elements == tokens * shape.hidden:
+        elif not shape.sequence and c.op == "all-reduce" and over_model and c.elements in (
+                tokens * shape.hidden, shape.pipe_rows * shape.seq * shape.hidden):
             out[f"tensor-parallel {c.phase}"] += size
+        elif c.op == "collective-permute" and c.axes == {"pipe"}:
+            out["pipeline point-to-point"] += size
+        elif c.op == "all-reduce" and c.axes == {"pipe"} and \
+                c.elements == shape.pipe_slots * shape.pipe_rows * shape.seq * shape.hidden:
+            out["pipeline boundary"] += size
         elif c.op == "all-reduce" and over_model and c.shape[:2] == (shape.micro_batch, shape.seq):
             out["loss"] += size  # (b, s) or (b, s, 1): one value per token
         elif over_model and shape.kv_head_elements and c.phase == "backward" and (
@@ -192,9 +231,6 @@ class Budget:
 def step_budget(run) -> Budget:
     """The budget of a compiled training run (``megajax.training.loop.setup``): its step's collectives read from
     the optimized HLO beside the minimum for its model, mesh and batch."""
-    if run.spec.pipe > 1:
-        raise ConfigError(f"the communication budget does not count pipeline stages yet (mesh.pipe={run.spec.pipe}); "
-                          "tests/test_pipeline.py pins the pipeline's own transfers")
     shape = step_shape(run)
     compiled, scalars = categorize(collectives(run.step_fn.as_text(), run.mesh), shape)
     return Budget(compiled, minimum(shape), scalars, shape.tensor, shape.sequence)
@@ -216,7 +252,19 @@ def step_shape(run) -> Shape:
                  remat=spec.model.remat, sequence=spec.sequence,
                  sequence_grad_elements=sequence_grad_elements(params, spec.tensor, spec.model_spec) - kv_weight
                  if spec.sequence else 0, pooled_rows=spec.model_spec.pooled_rows * spec.micro_batch,
-                 gathered_shard_elements=gathered_shard_elements(run), kv_head_elements=kv_head)
+                 gathered_shard_elements=gathered_shard_elements(run), kv_head_elements=kv_head,
+                 **_pipeline_shape(spec))
+
+
+def _pipeline_shape(spec) -> dict[str, int | bool]:
+    """The pipeline schedule's part of ``Shape`` (nothing without stages)."""
+    p, v = spec.pipe, spec.pipeline_repeats
+    if p == 1:
+        return {}
+    micro = pipeline.microbatches_for(spec.micro_batch, spec.pipeline_microbatches or p)
+    return dict(pipe=p, pipe_ticks=pipeline.ticks(micro, p, v), pipe_rows=spec.micro_batch // micro,
+                pipe_slots=pipeline.slots(micro, p) if v > 1 else micro,
+                pipe_layers=spec.model.num_layers // (p * v), pipe_circular=v > 1)
 
 
 def gathered_shard_elements(run) -> int:

@@ -158,9 +158,12 @@ class Activations:
 def activations(config: ml_collections.ConfigDict, micro_batch: int, tp: int) -> Activations:
     """The activation estimate for ``config.model.remat`` on a ``tp``-way model-parallel mesh.
 
-    With pipeline stages (``mesh.pipe`` = p > 1, GPipe, M microbatches of the micro-batch's rows): each of the
-    M + p - 1 ticks keeps its stage's L/p layers' residuals for one microbatch until the backward pass (bubble ticks
+    With pipeline stages (``mesh.pipe`` = p > 1, M microbatches of the micro-batch's rows, v =
+    ``parallel.pipeline_repeats`` chunks per stage): each of the schedule's ticks (``pipeline.ticks``: M + p - 1
+    for GPipe) keeps its chunk's L/(p v) layers' residuals for one microbatch until the backward pass (idle ticks
     included), the head runs on the whole micro-batch on every stage, and one recomputed layer has a microbatch.
+    The circular schedule (v > 1) recomputes each chunk from its input (``pipeline.run``): each tick keeps that
+    input, and a tick's backward pass holds its chunk's residuals (no recomputation inside it) for one microbatch.
     Inside a stage every matmul carries the stages' vmapped dimension, so ``save_dots`` (dots without batch
     dimensions) keeps what ``full`` keeps.
     """
@@ -169,7 +172,13 @@ def activations(config: ml_collections.ConfigDict, micro_batch: int, tp: int) ->
         micro = pipeline.microbatches_for(micro_batch, config.parallel.pipeline_microbatches or p)
         rows, remat = micro_batch // micro, "full" if m.remat == "save_dots" else m.remat
         recompute = layer_residual_bytes(config, rows, tp, "none") if m.remat in ("full", "save_dots") else 0
-        layers = pipeline.ticks(micro, p) * m.num_layers // p * layer_residual_bytes(config, rows, tp, remat)
+        v, ticks = config.parallel.pipeline_repeats, pipeline.ticks(micro, p, config.parallel.pipeline_repeats)
+        if v > 1:
+            inner = "selective" if m.remat == "selective" else "none"
+            recompute = m.num_layers // (p * v) * layer_residual_bytes(config, rows, tp, inner)
+            return Activations(ticks * layer_residual_bytes(config, rows, tp, "full"),
+                               head_bytes(config, micro_batch, tp), recompute)
+        layers = ticks * m.num_layers // p * layer_residual_bytes(config, rows, tp, remat)
         return Activations(layers, head_bytes(config, micro_batch, tp), recompute)
     recompute = layer_residual_bytes(config, micro_batch, tp, "none") if m.remat in ("full", "save_dots") else 0
     layers = m.num_layers * layer_residual_bytes(config, micro_batch, tp)
@@ -270,8 +279,7 @@ class MemoryReport:
     late_grad_bytes: int = 0  # gradients not yet written at the head's peak (the tied word embedding's)
     gathered_head_bytes: int = 0  # FSDP: the gathered word embedding and its unreduced gradient (``gathered_bytes``)
     gathered_layer_bytes: int = 0  # FSDP: one gathered layer's parameters and unreduced gradients
-    # pipeline stages: the backward loop over ticks sums its stage's layer gradients, an accumulator and each
-    # tick's contribution beside the gradients themselves
+    # pipeline stages: the backward loop over ticks sums its stage's layer gradients beside the gradients themselves
     stage_grad_bytes: int = 0
     pipe: int = 1  # pipeline stages: the parameters and activations above are one stage's
 
@@ -366,7 +374,11 @@ def memory_report(config: ml_collections.ConfigDict, data: int, model: int, micr
     zero = moments_split and not fsdp  # ZeRO-1: the moments and gradients only
     mesh_shape = {"data": data, "model": model, **({"pipe": pipe} if pipe > 1 else {})}  # a stage's layers
     total, local = params_per_device(config, mesh_shape, split_over_data=fsdp)
-    stage = 2 * FP32 * params_per_device(config, mesh_shape, only="blocks")[1] if pipe > 1 else 0
+    # pipeline stages sum their layers' gradients over the ticks: an accumulator and, under GPipe, each tick's
+    # contribution (the circular schedule's is a chunk's, computed while its chunk is recomputed: measured within
+    # the tolerance of tests/test_pipeline.py without it)
+    copies = 0 if pipe == 1 else 2 if config.parallel.pipeline_repeats == 1 else 1
+    stage = copies * FP32 * params_per_device(config, mesh_shape, only="blocks")[1]
     num_micro = num_micro or _num_micro(config, data, micro_batch)
     optimizer = 8 * local // (data if zero else 1)
     act = activations(config, micro_batch, model)

@@ -18,7 +18,8 @@ import ml_collections
 from flax import nnx
 
 from megajax.checkpoint import CheckpointError, read_config, restore_params
-from megajax.config import TRAINING_ONLY_FIELDS, model_config, model_differences, padded_vocab_size
+from megajax.config import TRAINING_ONLY_FIELDS, layer_layout, model_config, model_differences, padded_vocab_size
+from megajax.config.load import in_layout
 from megajax.errors import ConfigError
 from megajax.models import MODELS, model_spec
 
@@ -85,13 +86,13 @@ def load_trunk(config: ml_collections.ConfigDict, params_target: dict[str, Any])
     ``model.max_seq_len`` than pretraining's keeps the first rows of the position embeddings (fine-tuning at 128
     tokens from a 512-token BERT, as BERT's GLUE runs)."""
     path = check_init_from(config)
-    target = {k: params_target[k] for k in trunk_keys(config)}
+    target, saved = {k: params_target[k] for k in trunk_keys(config)}, read_config(path)
     if "wpe" not in target:  # no learned positions (rotary): nothing to cut
-        return restore_params(path, target)
-    wpe, positions = target["wpe"], read_config(path).model.max_seq_len
+        return in_layout(restore_params(path, target), saved, layer_layout(config))
+    wpe, positions = target["wpe"], saved.model.max_seq_len
     if positions != wpe.shape[0]:
         target["wpe"] = jax.ShapeDtypeStruct((positions, *wpe.shape[1:]), wpe.dtype, sharding=wpe.sharding)
-    trunk = restore_params(path, target)
+    trunk = in_layout(restore_params(path, target), saved, layer_layout(config))
     if positions != wpe.shape[0]:
         trunk["wpe"] = jax.device_put(trunk["wpe"][:wpe.shape[0]], wpe.sharding)
     return trunk

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from megajax.checkpoint import Checkpointer, CheckpointError
 from megajax.config import RunSpec, abstract_model, model_differences, model_factory, resolve
+from megajax.config.load import in_layout
 from megajax.data.blend import BlendedBatches
 from megajax.data.gpt_dataset import split_by_documents, unigram_entropy
 from megajax.data.loader import Loader
@@ -26,6 +27,8 @@ from megajax.data.sources import BlendedData, tokenizer_fingerprint
 from megajax.data.tasks.task_data import TaskData
 from megajax.evaluation.evaluator import Evaluator, objective_metrics
 from megajax.models.objectives import Field
+from megajax.models.transformer import reorder_layers
+from megajax.parallel import pipeline
 from megajax.parallel.partition import over_data, shardings
 from megajax.parallel.sharding import activate, logical_to_spec, make_mesh
 from megajax.training import distributed
@@ -60,8 +63,9 @@ class Run:
 def _init_fn(config: ml_collections.ConfigDict, spec: RunSpec, optimizer: optax.GradientTransformation):
     make, seed = model_factory(config), config.train.seed
 
-    def init() -> TrainState:
-        params = nnx.to_pure_dict(nnx.state(make(seed)))
+    def init() -> TrainState:  # the stacked layers in the run's order (the model's, but for a circular pipeline)
+        params = reorder_layers(nnx.to_pure_dict(nnx.state(make(seed))),
+                                pipeline.reorder((1, 1), spec.layer_layout, spec.model.num_layers))
         return TrainState(step=jax.numpy.int32(0), params=params, opt_state=optimizer.init(params),
                           loss_scale=LossScale.create(config.loss_scale, spec.precision == "fp16"),
                           rng=jax.random.key_data(jax.random.key(seed + 1)))
@@ -103,13 +107,14 @@ def setup(config: ml_collections.ConfigDict) -> Run:
                            dropout=spec.model.dropout > 0)
     abstract_batch = {k: jax.ShapeDtypeStruct((spec.global_batch, *f.row_shape), f.dtype,
                                               sharding=batch_shardings[k]) for k, f in fields.items()}
-    with activate(mesh, spec.rules, params_split=spec.fsdp, pipeline_microbatches=spec.pipeline_microbatches):
+    with activate(mesh, spec.rules, params_split=spec.fsdp, pipeline_microbatches=spec.pipeline_microbatches,
+                  pipeline_repeats=spec.pipeline_repeats):
         init_state = jax.jit(init, out_shardings=state_shardings)
         compiled = jax.jit(step, in_shardings=(state_shardings, batch_shardings),
                            out_shardings=(state_shardings, replicated), donate_argnums=0
                            ).lower(abstract_state, abstract_batch).compile()
     evaluate = Evaluator(objective_metrics(objective), graphdef, mesh, spec.rules, params_split=spec.fsdp,
-                         pipeline_microbatches=spec.pipeline_microbatches,
+                         pipeline_microbatches=spec.pipeline_microbatches, pipeline_repeats=spec.pipeline_repeats,
                          in_shardings=(state_shardings.params, batch_shardings), out_shardings=replicated)
     num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
     return Run(config, spec, mesh, abstract_state, batch_shardings, compiled, num_params, init_state, evaluate)
@@ -141,7 +146,8 @@ def _start_record(run: Run, data, resumed_from: int | None) -> dict:
         entropy = unigram_entropy(data.tokens[:min(train_end, ENTROPY_SAMPLE_TOKENS)])
     return {"step": resumed_from or 0, "event": "resume" if resumed_from is not None else "start",
             "model": spec.model_name, "mesh": f"{spec.data}x{spec.tensor}",
-            **({"pipe": spec.pipe} if spec.pipe > 1 else {}), "devices": jax.device_count(),
+            **({"pipe": spec.pipe, "pipeline_repeats": spec.pipeline_repeats} if spec.pipe > 1 else {}),
+            "devices": jax.device_count(),
             "processes": jax.process_count(), "device_kind": dev.device_kind, "num_params": run.num_params,
             "precision": spec.precision, "param_bytes_per_device": param_bytes,
             # parameters, one fp32 gradient per parameter held (the paper's accounting) and AdamW's moments
@@ -190,6 +196,15 @@ def _train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> li
     config = config.copy_and_resolve_references()  # the copy records the data's tokenizer (not the caller's)
     # a checkpoint directory that cannot be written fails here, not minutes into the first save
     checkpointer = Checkpointer(workdir, config.checkpoint) if config.checkpoint.enabled else None
+    try:
+        return _train_with(config, workdir, checkpointer)
+    finally:  # also on a bad input found below: an unclosed manager's thread fails noisily at exit
+        if checkpointer:
+            checkpointer.close()
+
+
+def _train_with(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
+                checkpointer: Checkpointer | None) -> list[dict]:
     restore_step = config.checkpoint.restore_step
     latest = checkpointer.latest_step() if checkpointer else None
     # the step a resume reads (a restore_step that is not there is refused by resume, naming the steps there are)
@@ -208,7 +223,6 @@ def _train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> li
         print(f"{workdir} already holds a checkpoint of step {restore_step or latest} >= train.steps="
               f"{config.train.steps}: nothing to train. Raise --config.train.steps to continue training it.",
               file=sys.stderr)
-        checkpointer.close()
         return []
     if saved_position is not None:  # the same data and batch, checked before compiling
         loader.set_state(saved_position, config.train.allow_batch_size_change, config.data.allow_blend_change)
@@ -221,6 +235,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> li
     restored = checkpointer.resume(run.abstract_state, restore_step) if checkpointer else None
     if restored:
         state, _ = restored  # the loader already stands at the position saved with it
+        state = in_layout(state, saved_config, run.spec.layer_layout)
         if init_from and jax.process_index() == 0:
             print(f"resuming from {checkpointer.directory}: init_from={init_from!r} is ignored (resume wins)",
                   file=sys.stderr)
@@ -241,7 +256,6 @@ def _train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> li
         stop.restore_handlers()
         if checkpointer:
             checkpointer.wait()
-            checkpointer.close()
         writer.close()
     return records
 
