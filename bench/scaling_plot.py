@@ -1,11 +1,14 @@
-"""The scaling model (megajax/tools/scaling.py) beside the Megatron-LM paper's published scaling figures.
+"""The scaling model (megajax/tools/scaling.py) beside Megatron-LM's published scaling figures
+(megajax/tools/scaling_papers.py).
 
     python bench/scaling_plot.py [--output=bench/scaling_vs_paper.png] [--no_plot]
 
-Prints every published figure (Figure 5's two curves, Table 7, Table 8, the 1-GPU baseline and the abstract's
-512-GPU number) beside its prediction on ``DGX2H_V100``, then draws them with each Figure 5 configuration's
-predicted step split into compute, tensor-parallel and exposed data-parallel time. Plotting needs matplotlib (not
-a megajax dependency): ``pip install matplotlib``; ``--no_plot`` prints the table only. Pure Python, a second.
+Prints every published figure of the 2019 paper (Figure 5's two curves, Table 7, Table 8, the 1-GPU baseline and
+the abstract's 512-GPU number) beside its prediction on ``DGX2H_V100``, and PTD-P's Table 1 (2021) beside its
+predictions on ``DGX_A100`` (interleaved with the model's fastest v, and plain 1F1B), then draws the 2019 figures
+with each Figure 5 configuration's predicted step split into compute, tensor-parallel and exposed data-parallel
+time. Plotting needs matplotlib (not a megajax dependency): ``pip install matplotlib``; ``--no_plot`` prints the
+tables only. Pure Python, a few seconds.
 """
 
 import argparse
@@ -14,7 +17,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from megajax.tools import scaling  # noqa: E402
+from megajax.tools import scaling, scaling_papers  # noqa: E402
 
 UNITS = {"baseline TFLOP/s": "TFLOP/s", "table 8": "x"}  # the rest are weak-scaling efficiencies in %
 AXIS = {"baseline TFLOP/s": "GPUs", "figure 5 model": "GPUs", "figure 5 model+data": "GPUs", "table 7": "heads",
@@ -23,7 +26,7 @@ AXIS = {"baseline TFLOP/s": "GPUs", "figure 5 model": "GPUs", "figure 5 model+da
 
 def text_table(predicted: dict) -> str:
     lines = [f"{'figure':<22}{'':>10}{'published':>11}{'predicted':>11}{'error':>10}"]
-    for figure, published in scaling.PAPER_PUBLISHED.items():
+    for figure, published in scaling_papers.PAPER_PUBLISHED.items():
         unit = UNITS.get(figure, "%")
         for x, want in published.items():
             got = predicted[figure][x]
@@ -36,10 +39,30 @@ def text_table(predicted: dict) -> str:
     return "\n".join(lines)
 
 
+def ptdp_table() -> str:
+    """PTD-P Table 1: published and predicted TFLOP/s per GPU (eq. 3's FLOPs), fitted or held out, the errors."""
+    interleaved, plain = scaling_papers.ptdp_predictions(), scaling_papers.ptdp_predictions(repeats=1)
+    errors, plain_errors = scaling_papers.ptdp_errors(interleaved), scaling_papers.ptdp_errors(plain)
+    lines = [f"{'PTD-P row':<10}{'t':>3}{'p':>4}{'GPUs':>6}{'b':>4}{'m':>5}{'v':>3}{'published':>11}{'predicted':>11}"
+             f"{'points':>8}{'rel':>8}{'1F1B':>8}{'points':>8}  rows"]
+    for row in scaling_papers.PTDP_TABLE1:
+        v = scaling_papers.ptdp_prediction(row).pipeline.repeats if row.pipe > 1 else 1
+        points, relative = errors[row.name]
+        kind = "fitted" if row.name in scaling_papers.PTDP_FITTED else "held out"
+        lines.append(f"{row.name:<10}{row.tensor:>3}{row.pipe:>4}{row.gpus:>6}{row.micro_batch:>4}"
+                     f"{row.microbatches if row.pipe > 1 else '-':>5}{v:>3}{row.tflops:>11.0f}"
+                     f"{interleaved[row.name]:>11.1f}{points:>+8.1f}{relative:>+8.1%}{plain[row.name]:>8.1f}"
+                     f"{plain_errors[row.name][0]:>+8.1f}  {kind}")
+    c = scaling.DGX_A100
+    lines.append(f"constants: gemm_efficiency={c.gemm_efficiency}, layer_overhead_s={c.layer_overhead_s}, "
+                 f"dp_overlap={c.dp_overlap} (fitted on {', '.join(scaling_papers.PTDP_FITTED)})")
+    return "\n".join(lines)
+
+
 def breakdown() -> list[tuple[str, scaling.Prediction]]:
     """Figure 5's configurations' predicted steps (the paper's fp16 gradients)."""
     out = []
-    for t, (name, model) in zip((1, 2, 4, 8), scaling.PAPER_MODELS.items()):
+    for t, (name, model) in zip((1, 2, 4, 8), scaling_papers.PAPER_MODELS.items()):
         for data, batch in ((1, 8), (64, 512)):
             p = scaling.predict(model, (data, t), batch, scaling.DGX2H_V100, grad_bytes=2, memory=False)
             out.append((f"{name}\n{data}x{t}", p))
@@ -52,7 +75,7 @@ def plot(predicted: dict, output: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pub = scaling.PAPER_PUBLISHED
+    pub = scaling_papers.PAPER_PUBLISHED
     fig, ax = plt.subplots(2, 2, figsize=(12, 9))
     a = ax[0, 0]
     for key, color, label in (("figure 5 model", "tab:blue", "model parallel (1-8 GPUs)"),
@@ -104,8 +127,10 @@ def main() -> int:
     p.add_argument("--output", default=str(pathlib.Path(__file__).resolve().parent / "scaling_vs_paper.png"))
     p.add_argument("--no_plot", action="store_true", help="print the table only")
     args = p.parse_args()
-    predicted = scaling.paper_predictions()
+    predicted = scaling_papers.paper_predictions()
     print(text_table(predicted))
+    print()
+    print(ptdp_table())
     if args.no_plot:
         return 0
     try:

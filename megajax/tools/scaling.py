@@ -1,12 +1,9 @@
 """Predicts a decoder language model's step time on a described cluster from its FLOPs, memory traffic and
 communication.
 
-    python -m megajax.scaling --config=gpt_8p3b --gpus=512 --cluster=dgx2h [--global_batch=512]
-
-prints every (data, model) mesh of the GPUs with its predicted step time, model TFLOP/s per GPU, MFU and memory,
-and recommends the fastest one that fits, choosing per mesh the remat policy, sequence parallelism and how much
-state to split over data: none, ZeRO-1 or FSDP (``--keep_choices``: the config's). Per GPU, with t-way model and
-d-way data parallelism:
+``python -m megajax.scaling`` (``scaling_plan.py``) runs it over every (pipe, data, model) mesh of a cluster and
+recommends one; ``scaling_papers.py`` checks it against Megatron-LM's published measurements. Per GPU, with t-way
+model, d-way data parallelism and p pipeline stages:
 
 * Compute per layer and micro-batch: each GEMM (QKV, attention out, MLP up and down on their 1/t shards; QK^T
   and AV per local head; the block's shape from the model's spec: Llama's smaller key/value projections and
@@ -27,6 +24,26 @@ d-way data parallelism:
   model FLOPs (``Decoder.flops``, recomputation not counted) / step / GPUs; the weak-scaling efficiency is
   that over a 1-GPU baseline's.
 
+Pipeline stages (``Pipeline``, ``scaling_pipeline.py``; p = 1 is the step above, term for term). Each layer-stack
+batch (a micro-batch's rows) is cut into M microbatches; the schedule runs ``Pipeline.ticks`` stage-ticks, M v + p - 1
+(M >= p; v = 1: GPipe / 1F1B, v > 1: circular / interleaved), each L/(p v) layers of one microbatch: compute and
+tensor-parallel all-reduces of those layers, and two point-to-point transfers (its activations forward, their
+gradient backward; ``p2p_s``: b s h half-precision bytes from every model-parallel GPU in megajax (1/t with
+sequence parallelism), 1/t over the link plus an NVLink all-gather with Megatron-LM's scatter/gather), on the
+InfiniBand link where a stage boundary crosses nodes (``crosses_nodes``: pipe is the mesh's outermost axis), not
+overlapped. Idle ticks cost as much as busy ones: the bubble, (p - 1)/(M v + p - 1) of them. megajax's circular
+schedule recomputes each chunk from its input whatever the remat policy (timed as ``full``, with ``selective``'s
+attention core once more), and inside a stage ``save_dots`` recomputes what ``full`` does. The ends: megajax runs
+the embeddings and head on every stage over the whole layer-stack batch (their parameters replicated over pipe) and
+moves the finished microbatches from stage 0 to every stage and their gradient back (one ring all-reduce of the
+batch's b s h over pipe); Megatron-LM runs the head on the last stage after each microbatch (M heads on the slowest
+stage) and all-reduces the tied embedding's gradient between the first and last stage. Data-parallel all-reduce,
+ZeRO-1's gather and AdamW cover one stage's parameters (``stage``: L/p layers and the ends). Memory per GPU
+(``stage_memory_bytes``): the stage's state; megajax's activations as the memory planner counts them (every tick's
+residuals or chunk input, bubble ticks included, the head on the whole batch, one recomputed layer or chunk) and the
+tick loop's fp32 sums of the stage's layer gradients; Megatron-LM's, the residuals of the chunk-microbatches in
+flight (``Pipeline.in_flight``: 1F1B at most p, interleaved its warm-up), and the head on one microbatch.
+
 Tests pin ``transformer_flops`` and ``comm_budget.minimum`` equal to the compiled HLO's (ratio 1.00): the counted
 work is megajax's; what this module adds is how long it takes.
 
@@ -34,27 +51,28 @@ Counted, not fitted (Megatron-LM 2019's eager PyTorch step; a pass reads or writ
 duplicated on every model-parallel GPU (two LayerNorms, bias + dropout + residual twice) 20 passes forward, 40
 backward; b*s*h/t split work (head transposes, GeLU) 16 and 32; the b*(a/t)*s*s attention scores (scale, mask,
 softmax, dropout) 10 and 20; 40 bytes per local logit (fp32 cross-entropy); 32 bytes per local parameter (AdamW).
+Megatron-LM 2021's fused kernels: 12, 10 and 5 forward (``MEGATRON_2021_PASSES``, ``DGX_A100``).
 
-Fitted to the paper (``PAPER_PUBLISHED``; ``bench/scaling_plot.py`` prints each figure beside its prediction),
-three constants of ``DGX2H_V100``: ``gemm_efficiency`` 0.88 (a large fp16 GEMM on a V100; sets the 1-GPU baseline,
-39 TFLOP/s = 30% of peak, read as transformer_flops / step); ``layer_overhead_s`` 6 ms per layer and micro-batch
-that does not shrink with t (the launches and tails of ~300 eager kernels: Table 8's strong scaling);
-``dp_overlap`` 0.3 (Figure 5's model + data curve; the paper all-reduced fp16 gradients: ``grad_bytes=2``).
-Every published figure is predicted within 8 percentage points (speedups within 3%). The worst are Figure 5's
-128 GPUs (+7.7: its 12-point drop from data parallelism is 3x the other sizes' and exceeds even an unoverlapped
-all-reduce) and 512 GPUs (-7.6): one overlap fraction splits the difference.
+Fitted, per cluster (``scaling_clusters.py``; ``scaling_papers.py`` has the published figures, which were fitted
+and which held out, what was assumed where a paper is silent, and the errors): ``DGX2H_V100``'s ``gemm_efficiency``
+0.88, ``layer_overhead_s`` 6 ms (the launches and tails of ~300 eager kernels) and ``dp_overlap`` 0.3 to three of
+Megatron-LM 2019's figures (every figure within 8 points, speedups within 3%); ``DGX_A100``'s ``gemm_efficiency``
+0.685 and ``layer_overhead_s`` 3.95 ms to the odd rows of PTD-P 2021's Table 1 (every row within 1.5 points of peak;
+the held-out even rows within 1.1); its ``dp_overlap`` 0 is Megatron-LM 2021's (an all-reduce after the backward
+pass). ``DGX_H100``'s calibration is assumed, not fitted: no paper here has an H100.
 
-Beyond the paper: sequence parallelism splits the replicated element-wise work and the LayerNorm / dropout /
+Beyond the papers: sequence parallelism splits the replicated element-wise work and the LayerNorm / dropout /
 residual activations by t (its reduce-scatter / all-gather pairs send the all-reduces' bytes); ZeRO-1 splits the
 moments over ``data`` (8 + 8/d bytes per local parameter) and adds an all-gather of the updated fp32 parameters
 (half a ring all-reduce, not overlapped); FSDP splits all 16 bytes (16/d), reduce-scatters the gradients (half the
 all-reduce, overlapped as it) and all-gathers each layer's fp32 parameters twice, forward and backward (not
-overlapped, so the planner turns it on only where less does not fit). None is calibrated: the paper has none.
+overlapped, so the planner turns it on only where less does not fit); megajax's own pipeline (GPipe / circular;
+the Megatron-LM schedule is what PTD-P checks). None is calibrated: the papers have none.
 
-Ignored: pipeline parallelism (``mesh.pipe``: a config that sets it is refused), tensor-parallel communication
-overlapped with compute, NCCL's protocols and topology beyond a ring, kernel efficiency beyond the calibration (the 2019
-constants describe eager PyTorch; a fused XLA step moves fewer bytes and launches fewer kernels), stragglers,
-data loading and memory fragmentation. ``DGX_H100``'s calibration is assumed, not fitted: the paper has no H100.
+Ignored: tensor-parallel communication overlapped with compute, point-to-point overlapped with compute, NCCL's
+protocols and topology beyond a ring, kernel efficiency beyond the calibration (the 2019 constants describe eager
+PyTorch; a fused XLA step moves fewer bytes and launches fewer kernels), megajax's pipeline drawing each layer's
+whole dropout mask on every stage-tick, stragglers, data loading and memory fragmentation.
 """
 
 from __future__ import annotations
@@ -62,58 +80,31 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from megajax.cli import ArgumentParser, load_config
-from megajax.config import ConfigError, base_config, model_config, sequence_parallel, state_split
+import ml_collections
+
+from megajax.config import base_config, model_config, sequence_parallel, state_split
 from megajax.models import gpt, model_spec
 from megajax.models.spec import decoder_flops
 from megajax.tools.comm_budget import Shape, minimum
 from megajax.tools.memory_planner import activation_bytes
+from megajax.tools.scaling_clusters import (  # noqa: F401 (the clusters are this module's API too)
+    CLUSTERS,
+    DGX2H_V100,
+    DGX_A100,
+    DGX_H100,
+    MEGATRON_2021_PASSES,
+    REPLICATED_PASSES,
+    SCORE_PASSES,
+    SPLIT_PASSES,
+    Cluster,
+    GiB,
+)
+from megajax.tools.scaling_pipeline import Pipeline, crosses_nodes, megatron_activation_bytes, p2p_s
 
-GiB = 1024**3
 HALF = 2  # bytes per activation value: fp16 / bf16 training
 STATE_BYTES_PER_PARAM = 16  # fp32 parameters, gradients and AdamW's two moments (megajax.info)
-# Memory passes per layer and micro-batch: (forward, backward); recomputation repeats the forward (docstring).
-REPLICATED_PASSES = (20, 40)  # b*s*h, on every model-parallel GPU
-SPLIT_PASSES = (16, 32)  # b*s*h/t
-SCORE_PASSES = (10, 20)  # b*(a/t)*s*s
 LOGIT_BYTES = 40  # per local logit, fp32 cross-entropy forward + backward
 OPTIMIZER_BYTES_PER_PARAM = 32  # AdamW's step: fp32 master, m, v read and written, half grads and params
-
-
-@dataclasses.dataclass(frozen=True)
-class Cluster:
-    """A GPU cluster: per-GPU peak and memory, the node's links, and the model's three calibration constants.
-
-    Bandwidths are per GPU and per direction (what a ring's every step moves); latencies are per ring step."""
-
-    name: str
-    peak_flops: float  # dense, at the training dtype
-    hbm_bytes: int
-    hbm_bandwidth: float
-    gpus_per_node: int
-    intra_bandwidth: float  # NVLink / NVSwitch
-    intra_latency: float
-    inter_bandwidth: float  # the GPU's share of the node's InfiniBand
-    inter_latency: float
-    gemm_efficiency: float  # fraction of peak a large GEMM sustains
-    layer_overhead_s: float  # per layer per micro-batch, independent of size and t
-    dp_overlap: float  # fraction of the data-parallel all-reduce hidden behind the backward pass
-
-
-# The paper's Section 5: DGX-2H, 16 V100 SXM3 32GB per node; 39 TFLOP/s = 30% of peak gives 130 TFLOP/s fp16
-# (the DGX-2H's 450 W parts; 125 is the 300 W V100's). "300 GB/sec between GPUs ... via NVSwitch" counts both
-# directions (6 NVLink2 links x 25 GB/s each way); "100 GB/sec ... using 8 InfiniBand adapters per server" is
-# 8 x 100 Gb/s EDR one way, shared by 16 GPUs.
-DGX2H_V100 = Cluster(name="dgx2h", peak_flops=130e12, hbm_bytes=32 * GiB, hbm_bandwidth=900e9, gpus_per_node=16,
-                     intra_bandwidth=150e9, intra_latency=2e-6, inter_bandwidth=100e9 / 16, inter_latency=5e-6,
-                     gemm_efficiency=0.88, layer_overhead_s=6e-3, dp_overlap=0.3)
-# DGX H100: 8 H100 SXM 80GB, 989 TFLOP/s bf16 dense, NVLink4 900 GB/s both ways, 8 x 400 Gb/s NDR (one per GPU).
-# Calibration assumed (no published measurement): GEMMs at 75% of peak, a tenth of the eager per-layer overhead
-# (XLA fuses and launches less), the paper's overlap.
-DGX_H100 = Cluster(name="dgx_h100", peak_flops=989e12, hbm_bytes=80 * GiB, hbm_bandwidth=3.35e12, gpus_per_node=8,
-                   intra_bandwidth=450e9, intra_latency=2e-6, inter_bandwidth=50e9, inter_latency=5e-6,
-                   gemm_efficiency=0.75, layer_overhead_s=0.6e-3, dp_overlap=0.3)
-CLUSTERS = {"dgx2h": DGX2H_V100, "dgx_h100": DGX_H100}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +197,7 @@ class Prediction:
     """One mesh's predicted step (seconds per step; memory per GPU)."""
 
     model: Decoder  # with the remat / sequence / shard_optimizer choices this prediction is for
-    mesh: tuple[int, int]  # (data, model)
+    mesh: tuple[int, int]  # (data, model); the pipe axis is ``pipeline.stages``
     global_batch: int
     micro_batch: int
     num_micro: int
@@ -219,6 +210,17 @@ class Prediction:
     efficiency: float  # tflops_per_gpu / the 1-GPU baseline's
     memory_bytes: int
     fits: bool
+    pipeline: Pipeline = Pipeline()  # the stages, schedule and microbatches (1 stage: none)
+    pipe_comm_s: float = 0.0  # point-to-point between stages, and the ends' transfers over pipe
+
+    @property
+    def gpus(self) -> int:
+        return self.pipeline.stages * self.mesh[0] * self.mesh[1]
+
+    @property
+    def bubble(self) -> float:
+        """The idle share of the pipeline's stage-ticks (0 without stages)."""
+        return self.pipeline.bubble()
 
 
 def ring_allreduce_s(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
@@ -255,8 +257,15 @@ GEMMs and scores). save_dots keeps the dense GEMMs' outputs but not the batched 
 
 
 def compute_s(model: Decoder, tensor: int, micro_batch: int, cluster: Cluster) -> float:
-    """One GPU's compute time for one micro-batch, forward + backward (+ recomputation), without communication."""
-    dense, attention, logits = gemms(model, tensor, micro_batch)
+    """One GPU's compute time for one micro-batch, forward + backward (+ recomputation), without communication: L
+    layers (``layer_s``) and the output layer (``head_s``)."""
+    return model.layers * layer_s(model, tensor, micro_batch, cluster) + head_s(model, tensor, micro_batch, cluster)
+
+
+def layer_s(model: Decoder, tensor: int, micro_batch: int, cluster: Cluster) -> float:
+    """One layer's compute time for one micro-batch on one GPU: its GEMMs at the roofline, its element-wise passes at
+    HBM bandwidth, the fixed overhead."""
+    dense, attention, _ = gemms(model, tensor, micro_batch)
     dots, elementwise, core = RECOMPUTED[model.remat]
     layer = (3 + dots) * sum(_gemm_s(*g, cluster) for g in dense)
     layer += (3 + core) * sum(_gemm_s(*g, cluster) for g in attention)
@@ -264,11 +273,15 @@ def compute_s(model: Decoder, tensor: int, micro_batch: int, cluster: Cluster) -
     replicated = tokens * model.hidden / (tensor if model.sequence else 1)  # SP: each GPU's positions only
     sizes = (replicated, tokens * model.hidden / tensor, micro_batch * model.heads / tensor * model.seq**2)
     repeats = (elementwise, elementwise, core)
-    passes = sum(n * ((1 + r) * fwd + bwd) for n, r, (fwd, bwd) in
-                 zip(sizes, repeats, (REPLICATED_PASSES, SPLIT_PASSES, SCORE_PASSES)))
-    layer += HALF * passes / cluster.hbm_bandwidth + cluster.layer_overhead_s
-    head = 3 * _gemm_s(*logits, cluster) + LOGIT_BYTES * tokens * model.vocab / tensor / cluster.hbm_bandwidth
-    return model.layers * layer + head
+    passes = sum(n * ((1 + r) * fwd + bwd) for n, r, (fwd, bwd) in zip(sizes, repeats, cluster.passes))
+    return layer + (HALF * passes / cluster.hbm_bandwidth + cluster.layer_overhead_s)
+
+
+def head_s(model: Decoder, tensor: int, micro_batch: int, cluster: Cluster) -> float:
+    """The output layer's GEMM and its cross-entropy for one micro-batch on one GPU."""
+    logits = gemms(model, tensor, micro_batch)[2]
+    tokens = micro_batch * model.seq
+    return 3 * _gemm_s(*logits, cluster) + LOGIT_BYTES * tokens * model.vocab / tensor / cluster.hbm_bandwidth
 
 
 def _shape(model: Decoder, mesh: tuple[int, int], micro_batch: int, num_micro: int) -> Shape:
@@ -325,17 +338,49 @@ def state_bytes(model: Decoder, tensor: int, data: int = 1) -> int:
     return STATE_BYTES_PER_PARAM * local if not model.shard_optimizer else 8 * local + 8 * local // data
 
 
-def memory_bytes(model: Decoder, tensor: int, micro_batch: int, data: int = 1) -> int:
-    """Per-GPU training memory as ``megajax.info``'s total: ``state_bytes`` plus the memory planner's activations
-    (``memory_planner.activation_bytes``, half precision) for one micro-batch. Not counted: FSDP's one gathered
-    layer at a time."""
+def planner_config(model: Decoder):
+    """A megajax config of ``model``'s sizes and choices, for the memory planner."""
     config = base_config()
     config.model.update(name=model.name, hidden_size=model.hidden, num_layers=model.layers, num_heads=model.heads,
                         max_seq_len=model.seq, vocab_size=model.vocab, make_vocab_size_divisible_by=1,
                         remat=model.remat, num_kv_heads=model.kv_heads, ffn_hidden_size=model.ffn,
                         dropout=model.dropout)
     config.parallel.sequence = model.sequence
+    return config
+
+
+def memory_bytes(model: Decoder, tensor: int, micro_batch: int, data: int = 1, pipeline: Pipeline | None = None) -> int:
+    """Per-GPU training memory as ``megajax.info``'s total: ``state_bytes`` plus the memory planner's activations
+    (``memory_planner.activation_bytes``, half precision) for one micro-batch. Not counted: FSDP's one gathered
+    layer at a time. With pipeline stages, one stage's (``stage_memory_bytes``)."""
+    config = planner_config(model)
+    if pipeline is not None and pipeline.stages > 1:
+        return stage_memory_bytes(model, config, tensor, micro_batch, data, pipeline)
     return state_bytes(model, tensor, data) + activation_bytes(config, micro_batch, tensor, HALF)
+
+
+def stage(model: Decoder, pipeline: Pipeline) -> Decoder:
+    """One stage's share of ``model`` for parameter counts: its L/p layers and the ends (megajax replicates the
+    embeddings, final norm and output layer over pipe; Megatron-LM's first stage holds the embeddings, its last the
+    final norm and the tied output layer's copy: about the same)."""
+    return dataclasses.replace(model, layers=model.layers // pipeline.stages)
+
+
+def stage_memory_bytes(model: Decoder, config, tensor: int, rows: int, data: int, pipeline: Pipeline) -> int:
+    """One stage's memory: its state (``state_bytes`` of ``stage``) and activations. megajax's are the memory
+    planner's (``megajax.info``'s: ``activation_bytes`` of the config with the stages, microbatches and repeats),
+    plus the tick loop's fp32 sums of the stage's layer gradients (GPipe: an accumulator and each tick's
+    contribution; circular: the accumulator: the planner's ``stage_grad_bytes``); Megatron-LM's are
+    ``megatron_activation_bytes``."""
+    part = stage(model, pipeline)
+    if pipeline.megatron:
+        return state_bytes(part, tensor, data) + megatron_activation_bytes(config, rows, tensor, pipeline)
+    config = ml_collections.ConfigDict(config)
+    config.mesh.pipe, config.parallel.pipeline_microbatches = pipeline.stages, pipeline.microbatches
+    config.parallel.pipeline_repeats = pipeline.repeats
+    blocks = part.params(tensor)[1] - dataclasses.replace(model, layers=0).params(tensor)[1]
+    sums = (2 if pipeline.repeats == 1 else 1) * 4 * blocks
+    return state_bytes(part, tensor, data) + activation_bytes(config, rows, tensor, HALF) + sums
 
 
 def gather_params_s(model: Decoder, mesh: tuple[int, int], cluster: Cluster) -> float:
@@ -347,15 +392,21 @@ def gather_params_s(model: Decoder, mesh: tuple[int, int], cluster: Cluster) -> 
     return (2 if model.fsdp else 1) * _over_data_s(4 * model.params(mesh[1])[1], mesh, cluster) / 2
 
 
-def _step(model, mesh, global_batch, cluster, micro_batch, grad_bytes) -> tuple[float, float, float, float, int]:
-    data, tensor = mesh
+def _rows(mesh, global_batch, micro_batch) -> tuple[int, int]:
+    """(sequences per data shard per accumulation step, accumulation steps)."""
+    data = mesh[0]
     if global_batch % data:
         raise ValueError(f"global batch {global_batch} is not divisible by data={data}")
     per_replica = global_batch // data
     micro = micro_batch or per_replica
     if per_replica % micro:
         raise ValueError(f"micro-batch {micro} does not divide the {per_replica} sequences per data shard")
-    num_micro = per_replica // micro
+    return micro, per_replica // micro
+
+
+def _step(model, mesh, global_batch, cluster, micro_batch, grad_bytes) -> tuple[float, float, float, float, int]:
+    data, tensor = mesh
+    micro, num_micro = _rows(mesh, global_batch, micro_batch)
     compute = num_micro * compute_s(model, tensor, micro, cluster)
     compute += OPTIMIZER_BYTES_PER_PARAM * model.params(tensor)[1] / cluster.hbm_bandwidth
     tensor_comm = num_micro * tensor_comm_s(model, tensor, micro, cluster)
@@ -365,164 +416,83 @@ def _step(model, mesh, global_batch, cluster, micro_batch, grad_bytes) -> tuple[
     return compute, tensor_comm, data_comm, compute + tensor_comm + data_comm, micro
 
 
-def predict(model: Decoder, mesh: tuple[int, int], global_batch: int, cluster: Cluster, micro_batch: int | None = None,
-            grad_bytes: int = 4, baseline_tflops: float | None = None, memory: bool = True) -> Prediction:
-    """The predicted step of ``model`` on a (data, model) ``mesh`` with ``global_batch`` sequences per step.
+def _tensor_parts(model: Decoder, tensor: int, micro_batch: int, cluster: Cluster) -> tuple[float, float]:
+    """(one layer's tensor-parallel time, the ends': the embedding's and output layer's all-reduces and the loss's)
+    for one micro-batch, from ``tensor_comm_s``."""
+    ends = tensor_comm_s(dataclasses.replace(model, layers=0), tensor, micro_batch, cluster)
+    return (tensor_comm_s(model, tensor, micro_batch, cluster) - ends) / model.layers, ends
 
-    ``micro_batch``: sequences per data shard per accumulation step (None: the whole shard at once).
+
+def _pipeline_step(model, mesh, global_batch, cluster, micro_batch, grad_bytes, pipeline: Pipeline):
+    """(compute, tensor-parallel, exposed data-parallel, pipe, step, rows) with pipeline stages (module docstring)."""
+    data, tensor = mesh
+    p, m, v = pipeline.stages, pipeline.microbatches, pipeline.repeats
+    rows, num_micro = _rows(mesh, global_batch, micro_batch)
+    if rows % m:
+        raise ValueError(f"{m} pipeline microbatches do not divide the {rows} sequences of a layer-stack batch")
+    if model.layers % (p * v):
+        raise ValueError(f"{p} stages x {v} repeats do not divide the {model.layers} layers")
+    micro, chunk, ticks = rows // m, model.layers // (p * v), pipeline.ticks()
+    extra = 0.0  # per layer, beyond the timed policy's recomputation
+    if not pipeline.megatron and (v > 1 or model.remat == "save_dots"):
+        # in the vmapped stage every dot is batched, so save_dots recomputes what full does; the circular schedule
+        # recomputes each chunk from its input whatever the policy, and under selective the attention core again
+        if v > 1 and model.remat == "selective":
+            extra = layer_s(model, tensor, micro, cluster) - layer_s(dataclasses.replace(model, remat="none"),
+                                                                     tensor, micro, cluster)
+        model = dataclasses.replace(model, remat="full")
+    inter = crosses_nodes(p, data, tensor, cluster.gpus_per_node)
+    link = (cluster.inter_bandwidth, cluster.inter_latency) if inter else (cluster.intra_bandwidth,
+                                                                           cluster.intra_latency)
+    tensor_layer, tensor_ends = _tensor_parts(model, tensor, micro, cluster)
+    message = micro * model.seq * model.hidden * HALF / (tensor if model.sequence else 1)  # SP: 1/t of the positions
+    hop = 2 * p2p_s(message, tensor, pipeline, inter, cluster)  # forward, backward
+    if pipeline.megatron:  # the last stage's head after each microbatch: the slowest stage sets the pace
+        ends, ends_comm, ends_moves = m * head_s(model, tensor, micro, cluster), m * tensor_ends, 0.0
+    else:  # every stage runs the ends on the whole batch; stage 0's outputs reach every stage, their gradient back
+        ends = head_s(model, tensor, rows, cluster)
+        ends_comm = _tensor_parts(model, tensor, rows, cluster)[1]
+        ends_moves = ring_allreduce_s(rows * model.seq * model.hidden * HALF, p, *link)
+    part = stage(model, pipeline)
+    compute = num_micro * (ticks * chunk * (layer_s(model, tensor, micro, cluster) + extra) + ends)
+    compute += OPTIMIZER_BYTES_PER_PARAM * part.params(tensor)[1] / cluster.hbm_bandwidth
+    tensor_comm = num_micro * (ticks * chunk * tensor_layer + ends_comm)
+    pipe_comm = num_micro * (ticks * hop + ends_moves)
+    if pipeline.megatron and model.tied:  # the tied embedding's gradient summed over the first and last stage
+        pipe_comm += ring_allreduce_s(grad_bytes * model.vocab * model.hidden / tensor, 2, *link)
+    grads = data_comm_s(part, mesh, cluster, grad_bytes) / (2 if model.fsdp else 1)
+    data_comm = (1 - cluster.dp_overlap) * grads + gather_params_s(part, mesh, cluster)
+    return compute, tensor_comm, data_comm, pipe_comm, compute + tensor_comm + data_comm + pipe_comm, rows
+
+
+def predict(model: Decoder, mesh: tuple[int, int], global_batch: int, cluster: Cluster, micro_batch: int | None = None,
+            grad_bytes: int = 4, baseline_tflops: float | None = None, memory: bool = True,
+            pipeline: Pipeline | None = None) -> Prediction:
+    """The predicted step of ``model`` on a (data, model) ``mesh`` (times ``pipeline.stages``) with ``global_batch``
+    sequences per step.
+
+    ``micro_batch``: sequences per data shard per accumulation step (None: the whole shard at once); with stages,
+    each is the layer stack's batch, cut into ``pipeline.microbatches``.
     ``grad_bytes``: bytes per gradient element all-reduced over ``data`` (megajax: 4; Megatron-LM 2019: 2).
     ``baseline_tflops``: the efficiency's reference (default: this model on 1 GPU with one shard's batch).
-    ``memory=False`` skips the memory estimate (it builds the abstract model): memory_bytes 0, fits True."""
+    ``memory=False`` skips the memory estimate (it builds a config): memory_bytes 0, fits True."""
     data, tensor = mesh
-    compute, tensor_comm, data_comm, step, micro = _step(model, mesh, global_batch, cluster, micro_batch,
-                                                         grad_bytes)
+    pipeline = pipeline or Pipeline()
+    if pipeline.stages == 1:
+        compute, tensor_comm, data_comm, step, micro = _step(model, mesh, global_batch, cluster, micro_batch,
+                                                             grad_bytes)
+        pipe_comm = 0.0
+    else:
+        compute, tensor_comm, data_comm, pipe_comm, step, micro = _pipeline_step(
+            model, mesh, global_batch, cluster, micro_batch, grad_bytes, pipeline)
     flops = model.flops(global_batch)
-    tflops = flops / step / (data * tensor) / 1e12
+    tflops = flops / step / (pipeline.stages * data * tensor) / 1e12
     if baseline_tflops is None:
         base = _step(model, (1, 1), global_batch // data, cluster, micro_batch, grad_bytes)[3]
         baseline_tflops = flops / data / base / 1e12
-    need = memory_bytes(model, tensor, micro, data) if memory else 0
+    need = memory_bytes(model, tensor, micro, data, pipeline) if memory else 0
     return Prediction(model=model, mesh=mesh, global_batch=global_batch, micro_batch=micro,
                       num_micro=global_batch // data // micro, compute_s=compute, tensor_comm_s=tensor_comm,
                       data_comm_s=data_comm, step_s=step, tflops_per_gpu=tflops,
                       mfu=tflops * 1e12 / cluster.peak_flops, efficiency=tflops / baseline_tflops,
-                      memory_bytes=need, fits=need <= cluster.hbm_bytes)
-
-
-def candidate_meshes(model: Decoder, num_gpus: int, cluster: Cluster, global_batch: int,
-                     micro_batch: int | None = None) -> list[tuple[int, int]]:
-    """(data, model) factorizations of ``num_gpus`` with model parallelism within a node, whole heads and equal
-    hidden / MLP / vocabulary slices per shard, and the batch split evenly over ``data`` (and micro-batches)."""
-    out = []
-    for tensor in range(1, min(num_gpus, cluster.gpus_per_node) + 1):
-        data = num_gpus // tensor
-        if num_gpus % tensor or not model.divisible_by(tensor) or global_batch % data:
-            continue
-        if micro_batch and (global_batch // data) % micro_batch:
-            continue
-        out.append((data, tensor))
-    return out
-
-
-REMAT_CHOICES = ("none", "selective", "save_dots", "full")  # least recomputation first
-
-
-SPLIT_CHOICES = ((False, False), (True, False), (True, True))  # (shard_optimizer, fsdp): none, ZeRO-1, FSDP
-
-
-def variants(model: Decoder, mesh: tuple[int, int], choose: bool) -> list[Decoder]:
-    """The model as given, or (``choose``) every remat policy x sequence parallelism (model-parallel meshes whose
-    t divides the sequence) x the state split over data (none, ZeRO-1, FSDP: data-parallel meshes) that could run
-    on ``mesh``."""
-    if not choose:
-        return [model]
-    data, tensor = mesh
-    return [dataclasses.replace(model, remat=r, sequence=sp, shard_optimizer=z, fsdp=f) for r in REMAT_CHOICES
-            for sp in ((False, True) if tensor > 1 and model.seq % tensor == 0 else (False,))
-            for z, f in (SPLIT_CHOICES if data > 1 else SPLIT_CHOICES[:1])]
-
-
-def recommend_mesh(model: Decoder, num_gpus: int, cluster: Cluster, global_batch: int, micro_batch: int | None = None,
-                   grad_bytes: int = 4, choose: bool = False) -> tuple[Prediction | None, list[Prediction]]:
-    """(the fastest mesh that fits in HBM or None, one prediction per candidate mesh, fastest first).
-
-    Meshes that do not divide the model or the batch are not candidates; those over HBM are listed, never
-    recommended. ``choose``: besides the mesh, pick the remat policy, sequence parallelism and ZeRO-1 / FSDP (each
-    mesh's row is its fastest choice that fits, else its least memory); otherwise the model's own are kept."""
-    table = []
-    for mesh in candidate_meshes(model, num_gpus, cluster, global_batch, micro_batch):
-        options = [predict(m, mesh, global_batch, cluster, micro_batch, grad_bytes)
-                   for m in variants(model, mesh, choose)]
-        fitting = [p for p in options if p.fits]
-        table.append(min(fitting, key=lambda p: p.step_s) if fitting else min(options, key=lambda p: p.memory_bytes))
-    table.sort(key=lambda p: p.step_s)
-    return next((p for p in table if p.fits), None), table
-
-
-# The paper's scaling experiments (Section 5.1 and Appendix D): Table 1's models (96 per head), seq 1024, the
-# vocabulary padded to 51,200, checkpointing every layer, and fp16 gradients all-reduced (Megatron-LM 2019).
-PAPER_MODELS = {"1.2B": Decoder(1536, 40, 16), "2.5B": Decoder(1920, 54, 20), "4.2B": Decoder(2304, 64, 24),
-                "8.3B": Decoder(3072, 72, 32)}
-PAPER_PUBLISHED = {
-    "baseline TFLOP/s": {1: 39.0},  # Section 5.1.1: 1.2B on one GPU, 30% of peak
-    "figure 5 model": {1: 100, 2: 95, 4: 82, 8: 77},  # weak scaling %, batch 8, Table 1's model per GPU count
-    "figure 5 model+data": {64: 96, 128: 83, 256: 79, 512: 74},  # the same x 64-way data, global batch 512
-    "table 7": {16: 82, 24: 80, 32: 77},  # 8.3B at 8-way, by attention heads
-    "table 8": {1: 1.0, 2: 1.64, 4: 2.34, 8: 2.98},  # 1.2B, batch 8, speedup by model-parallel GPUs
-    "abstract": {512: 76},  # 15.1 PFLOP/s on 512 GPUs: Table 2's 8.3B (24 heads) on 64 x 8, global batch 512
-}
-
-
-def paper_predictions(cluster: Cluster = DGX2H_V100) -> dict[str, dict[int, float]]:
-    """The model's values for ``PAPER_PUBLISHED``'s keys (efficiencies in %, relative to the 1.2B 1-GPU run)."""
-    def run(model: Decoder, mesh: tuple[int, int], batch: int) -> Prediction:
-        return predict(model, mesh, batch, cluster, grad_bytes=2, baseline_tflops=1.0, memory=False)
-
-    base = run(PAPER_MODELS["1.2B"], (1, 1), 8)
-    weak = lambda p: 100 * p.tflops_per_gpu / base.tflops_per_gpu  # noqa: E731
-    sizes = dict(zip((1, 2, 4, 8), PAPER_MODELS.values()))
-    return {
-        "baseline TFLOP/s": {1: base.tflops_per_gpu},
-        "figure 5 model": {t: weak(run(m, (1, t), 8)) for t, m in sizes.items()},
-        "figure 5 model+data": {64 * t: weak(run(m, (64, t), 512)) for t, m in sizes.items()},
-        "table 7": {a: weak(run(dataclasses.replace(PAPER_MODELS["8.3B"], heads=a), (1, 8), 8)) for a in (16, 24, 32)},
-        "table 8": {t: base.step_s / run(PAPER_MODELS["1.2B"], (1, t), 8).step_s for t in (1, 2, 4, 8)},
-        "abstract": {512: weak(run(dataclasses.replace(PAPER_MODELS["8.3B"], heads=24), (64, 8), 512))},
-    }
-
-
-def format_table(table: list[Prediction], best: Prediction | None) -> str:
-    """The CLI's table of meshes and its recommendation."""
-    lines = [f"{'mesh':>8} {'micro':>5} {'remat':>9} {'SP':>3} {'ZeRO':>4} {'step s':>8} {'compute':>8} "
-             f"{'TP comm':>8} {'DP comm':>8} {'TFLOP/s':>8} {'MFU':>6} {'vs 1GPU':>7} {'GiB/GPU':>8} fits"]
-    yes = lambda b: "yes" if b else "-"  # noqa: E731
-    zero = lambda m: "3" if m.fsdp else "1" if m.shard_optimizer else "-"  # noqa: E731
-    for p in table:
-        m = p.model
-        lines.append(f"{p.mesh[0]:>4}x{p.mesh[1]:<3} {p.micro_batch:>5} {m.remat:>9} {yes(m.sequence):>3} "
-                     f"{zero(m):>4} {p.step_s:8.3f} {p.compute_s:8.3f} "
-                     f"{p.tensor_comm_s:8.3f} {p.data_comm_s:8.3f} {p.tflops_per_gpu:8.1f} {p.mfu:6.1%} "
-                     f"{p.efficiency:7.1%} {p.memory_bytes / GiB:8.1f} {'yes' if p.fits else 'NO'}")
-    if best is None:
-        lines.append("recommendation: none fits; add GPUs, shrink the micro-batch, or split the state over data "
-                     "(parallel.shard_optimizer, parallel.fsdp)")
-    else:
-        lines.append(f"recommendation: data={best.mesh[0]} x model={best.mesh[1]}, remat={best.model.remat}, "
-                     f"sequence parallelism {'on' if best.model.sequence else 'off'}, state split over data: "
-                     f"{_split_name(best.model)}: {best.step_s:.3f} s/step, "
-                     f"{best.tflops_per_gpu:.1f} TFLOP/s per GPU\n"
-                     f"  --config.mesh.data={best.mesh[0]} --config.mesh.model={best.mesh[1]} {best.model.flags()}")
-    return "\n".join(lines)
-
-
-def _split_name(model: Decoder) -> str:
-    return "FSDP" if model.fsdp else "ZeRO-1" if model.shard_optimizer else "none"
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, help="config file, path or bare name (gpt_8p3b)")
-    p.add_argument("--gpus", type=int, required=True)
-    p.add_argument("--cluster", default="dgx2h", choices=sorted(CLUSTERS))
-    p.add_argument("--global_batch", type=int, default=None, help="default: the config's train.global_batch_size")
-    p.add_argument("--micro_batch", type=int, default=None, help="default: the config's (0: the whole shard)")
-    p.add_argument("--grad_bytes", type=int, default=4, help="bytes per all-reduced gradient (Megatron 2019: 2)")
-    p.add_argument("--keep_choices", action="store_true", help="keep the config's remat, parallel.sequence, "
-                   "parallel.shard_optimizer and parallel.fsdp instead of choosing them per mesh")
-    args = p.parse_args(argv)
-    config = load_config(args.config)
-    if config.mesh.pipe > 1:
-        raise ConfigError(f"{args.config} sets mesh.pipe={config.mesh.pipe}: the scaling model plans data x model "
-                          "meshes and has no pipeline stages yet")
-    if not model_spec(config.model.name).causal_lm:
-        raise SystemExit(f"error: the scaling model covers causal language models (GPT configs); {args.config} is "
-                         f"{config.model.name}")
-    model, cluster = Decoder.from_config(config), CLUSTERS[args.cluster]
-    batch = args.global_batch or config.train.global_batch_size
-    micro = args.micro_batch if args.micro_batch is not None else config.train.micro_batch_size
-    best, table = recommend_mesh(model, args.gpus, cluster, batch, micro or None, args.grad_bytes,
-                                 choose=not args.keep_choices)
-    if not table:
-        raise SystemExit(f"error: no (data, model) mesh of {args.gpus} GPUs divides the heads and the batch")
-    print(f"{args.config}: {model.params()[0]:,} parameters, {args.gpus} GPUs on {cluster.name}, global batch {batch}")
-    print(format_table(table, best))
+                      memory_bytes=need, fits=need <= cluster.hbm_bytes, pipeline=pipeline, pipe_comm_s=pipe_comm)

@@ -1,0 +1,191 @@
+"""Chooses a mesh for a cluster with the scaling model (``megajax.tools.scaling``), and its command.
+
+    python -m megajax.scaling --config=gpt_8p3b --gpus=512 --cluster=dgx2h [--global_batch=512] [--pipe=P]
+
+prints every (pipe, data, model) mesh of the GPUs with its predicted step time (compute, tensor-parallel,
+point-to-point over pipe, exposed data-parallel), the pipeline's bubble, model TFLOP/s per GPU, MFU and memory, and
+recommends the fastest one that fits, as train.py flags. Per mesh it chooses (``recommend_mesh``):
+
+* with pipeline stages (pipe dividing the layers), the schedule and microbatches (``pipelines``): GPipe, or the
+  circular schedule with v chunks per stage (v up to ``MAX_REPEATS``, dividing L/p), at
+  M = p, 2p, 4p, ... (the smallest divisor of the layer stack's batch from each) and one sequence per microbatch;
+* the remat policy, sequence parallelism and how much state to split over data: none, ZeRO-1 or FSDP
+  (``variants``; ``--keep_choices``: the config's). With stages megajax builds neither sequence parallelism nor
+  FSDP, and ``save_dots`` keeps what ``full`` keeps, so neither is tried there.
+
+Each mesh's row is its fastest choice that fits (else the one needing least memory). The config's own mesh is not
+kept (``--pipe`` restricts the stages); the flags name all three axes, so a config with mesh.pipe > 1 takes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megajax.cli import ArgumentParser, load_config
+from megajax.models import model_spec
+from megajax.tools.scaling import CLUSTERS, Cluster, Decoder, GiB, Prediction, memory_bytes, predict
+from megajax.tools.scaling_pipeline import Pipeline
+
+
+def candidate_meshes(model: Decoder, num_gpus: int, cluster: Cluster, global_batch: int,
+                     micro_batch: int | None = None, pipe: int | None = None) -> list[tuple[int, int, int]]:
+    """(pipe, data, model) factorizations of ``num_gpus`` with model parallelism within a node, whole heads and equal
+    hidden / MLP / vocabulary slices per shard, equal stages of whole layers, and the batch split evenly over
+    ``data`` (and micro-batches). ``pipe``: only that many stages (None: every count that divides the layers)."""
+    out = []
+    for stages in range(1, num_gpus + 1):
+        if num_gpus % stages or model.layers % stages or (pipe is not None and stages != pipe):
+            continue
+        for tensor in range(1, min(num_gpus // stages, cluster.gpus_per_node) + 1):
+            data = num_gpus // stages // tensor
+            if (num_gpus // stages) % tensor or not model.divisible_by(tensor) or global_batch % data:
+                continue
+            if micro_batch and (global_batch // data) % micro_batch:
+                continue
+            out.append((stages, data, tensor))
+    return out
+
+
+REMAT_CHOICES = ("none", "selective", "save_dots", "full")  # least recomputation first
+
+
+SPLIT_CHOICES = ((False, False), (True, False), (True, True))  # (shard_optimizer, fsdp): none, ZeRO-1, FSDP
+MAX_REPEATS = 8  # the circular schedule's chunks per stage the planner tries (every divisor of L/p up to this)
+
+
+def variants(model: Decoder, mesh: tuple[int, int], choose: bool, pipe: int = 1) -> list[Decoder]:
+    """The model as given, or (``choose``) every remat policy x sequence parallelism (model-parallel meshes whose
+    t divides the sequence) x the state split over data (none, ZeRO-1, FSDP: data-parallel meshes) that could run
+    on ``mesh``. With ``pipe`` > 1 stages megajax builds neither sequence parallelism nor FSDP (a model that asks
+    for them has no variant), and ``save_dots`` keeps and recomputes what ``full`` does (so it is not tried)."""
+    if pipe > 1:
+        if not choose:
+            return [] if model.sequence or model.fsdp else [model]
+        return [dataclasses.replace(model, remat=r, sequence=False, shard_optimizer=z, fsdp=False)
+                for r in REMAT_CHOICES if r != "save_dots" for z in ((False, True) if mesh[0] > 1 else (False,))]
+    if not choose:
+        return [model]
+    data, tensor = mesh
+    return [dataclasses.replace(model, remat=r, sequence=sp, shard_optimizer=z, fsdp=f) for r in REMAT_CHOICES
+            for sp in ((False, True) if tensor > 1 and model.seq % tensor == 0 else (False,))
+            for z, f in (SPLIT_CHOICES if data > 1 else SPLIT_CHOICES[:1])]
+
+
+def pipelines(model: Decoder, stages: int, rows: int) -> list[Pipeline]:
+    """The schedules the planner tries on ``stages`` stages for a layer-stack batch of ``rows`` sequences: GPipe and
+    the circular schedule with every v up to ``MAX_REPEATS`` that splits the layers evenly, each at M = the smallest
+    divisor of ``rows`` from p, 2p, 4p, ... up, and all ``rows`` (one sequence per microbatch); fewer than p only
+    where the rows are fewer."""
+    if stages == 1:
+        return [Pipeline()]
+    divisors = [m for m in range(1, rows + 1) if rows % m == 0]
+    counts, want = set(), min(stages, rows)
+    while want <= rows:
+        counts.add(next(m for m in divisors if m >= want))
+        want *= 2
+    counts.add(rows)
+    repeats = [v for v in range(1, MAX_REPEATS + 1) if model.layers % (stages * v) == 0]
+    return [Pipeline(stages, m, v) for v in repeats for m in sorted(counts)]
+
+
+def recommend_mesh(model: Decoder, num_gpus: int, cluster: Cluster, global_batch: int, micro_batch: int | None = None,
+                   grad_bytes: int = 4, choose: bool = False,
+                   pipe: int | None = None) -> tuple[Prediction | None, list[Prediction]]:
+    """(the fastest mesh that fits in HBM or None, one prediction per candidate mesh, fastest first).
+
+    Meshes are (pipe, data, model) (``candidate_meshes``; ``pipe``: only that many stages); those that do not divide
+    the model or the batch are not candidates; those over HBM are listed, never recommended. With stages, every
+    schedule and microbatch count of ``pipelines`` is tried. ``choose``: besides the mesh, pick the remat policy,
+    sequence parallelism and ZeRO-1 / FSDP (each mesh's row is its fastest choice that fits, else its least memory);
+    otherwise the model's own are kept."""
+    table = []
+    for stages, data, tensor in candidate_meshes(model, num_gpus, cluster, global_batch, micro_batch, pipe):
+        mesh = (data, tensor)
+        rows = micro_batch or global_batch // data
+        options = sorted((predict(m, mesh, global_batch, cluster, micro_batch, grad_bytes, memory=False, pipeline=pl)
+                          for pl in pipelines(model, stages, rows) for m in variants(model, mesh, choose, stages)),
+                         key=lambda p: p.step_s)
+        row = None
+        for option in options:  # fastest first: the first that fits is the row; else the one needing least memory
+            need = memory_bytes(option.model, tensor, option.micro_batch, data, option.pipeline)
+            option = dataclasses.replace(option, memory_bytes=need, fits=need <= cluster.hbm_bytes)
+            if option.fits:
+                row = option
+                break
+            row = option if row is None or need < row.memory_bytes else row
+        if row is not None:
+            table.append(row)
+    table.sort(key=lambda p: p.step_s)
+    return next((p for p in table if p.fits), None), table
+
+
+def format_table(table: list[Prediction], best: Prediction | None) -> str:
+    """The CLI's table of meshes and its recommendation."""
+    lines = [f"{'pipe':>4} {'mesh':>8} {'sched':>7} {'M':>4} {'micro':>5} {'remat':>9} {'SP':>3} {'ZeRO':>4} "
+             f"{'step s':>8} {'compute':>8} {'TP comm':>8} {'PP comm':>8} {'DP comm':>8} {'bubble':>6} "
+             f"{'TFLOP/s':>8} {'MFU':>6} {'vs 1GPU':>7} {'GiB/GPU':>8} fits"]
+    yes = lambda b: "yes" if b else "-"  # noqa: E731
+    zero = lambda m: "3" if m.fsdp else "1" if m.shard_optimizer else "-"  # noqa: E731
+    for p in table:
+        m, pl = p.model, p.pipeline
+        lines.append(f"{pl.stages:>4} {p.mesh[0]:>4}x{p.mesh[1]:<3} {_schedule(pl):>7} "
+                     f"{pl.microbatches if pl.stages > 1 else '-':>4} {p.micro_batch:>5} {m.remat:>9} "
+                     f"{yes(m.sequence):>3} {zero(m):>4} {p.step_s:8.3f} {p.compute_s:8.3f} {p.tensor_comm_s:8.3f} "
+                     f"{p.pipe_comm_s:8.3f} {p.data_comm_s:8.3f} {p.bubble:6.1%} {p.tflops_per_gpu:8.1f} "
+                     f"{p.mfu:6.1%} {p.efficiency:7.1%} {p.memory_bytes / GiB:8.1f} {'yes' if p.fits else 'NO'}")
+    if best is None:
+        lines.append("recommendation: none fits; add GPUs, shrink the micro-batch, or split the state over data "
+                     "(parallel.shard_optimizer, parallel.fsdp)")
+    else:
+        pl = best.pipeline
+        schedule = (f" ({pl.schedule}{f' v={pl.repeats}' if pl.repeats > 1 else ''}, {pl.microbatches} "
+                    f"microbatches, bubble {pl.bubble():.1%})" if pl.stages > 1 else "")
+        lines.append(f"recommendation: pipe={pl.stages} x data={best.mesh[0]} x model={best.mesh[1]}{schedule}, "
+                     f"remat={best.model.remat}, sequence parallelism {'on' if best.model.sequence else 'off'}, "
+                     f"state split over data: {_split_name(best.model)}: {best.step_s:.3f} s/step, "
+                     f"{best.tflops_per_gpu:.1f} TFLOP/s per GPU\n  {flags(best)}")
+    return "\n".join(lines)
+
+
+def flags(prediction: Prediction) -> str:
+    """The train.py flags of a prediction's mesh, schedule and choices."""
+    pl, (data, tensor) = prediction.pipeline, prediction.mesh
+    mesh = f"--config.mesh.pipe={pl.stages} --config.mesh.data={data} --config.mesh.model={tensor}"
+    return " ".join(f for f in (mesh, pl.flags(), prediction.model.flags()) if f)
+
+
+def _schedule(pipeline: Pipeline) -> str:
+    return pipeline.schedule if pipeline.repeats == 1 else f"circ{pipeline.repeats}"
+
+
+def _split_name(model: Decoder) -> str:
+    return "FSDP" if model.fsdp else "ZeRO-1" if model.shard_optimizer else "none"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="config file, path or bare name (gpt_8p3b)")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--cluster", default="dgx2h", choices=sorted(CLUSTERS))
+    p.add_argument("--global_batch", type=int, default=None, help="default: the config's train.global_batch_size")
+    p.add_argument("--micro_batch", type=int, default=None, help="default: the config's (0: the whole shard)")
+    p.add_argument("--grad_bytes", type=int, default=4, help="bytes per all-reduced gradient (Megatron 2019: 2)")
+    p.add_argument("--pipe", type=int, default=0, help="only meshes of this many pipeline stages (default: every "
+                   "count that divides the layers; the config's mesh.pipe is not kept, as its data and model are not)")
+    p.add_argument("--keep_choices", action="store_true", help="keep the config's remat, parallel.sequence, "
+                   "parallel.shard_optimizer and parallel.fsdp instead of choosing them per mesh")
+    args = p.parse_args(argv)
+    config = load_config(args.config)
+    if not model_spec(config.model.name).causal_lm:
+        raise SystemExit(f"error: the scaling model covers causal language models (GPT configs); {args.config} is "
+                         f"{config.model.name}")
+    model, cluster = Decoder.from_config(config), CLUSTERS[args.cluster]
+    batch = args.global_batch or config.train.global_batch_size
+    micro = args.micro_batch if args.micro_batch is not None else config.train.micro_batch_size
+    best, table = recommend_mesh(model, args.gpus, cluster, batch, micro or None, args.grad_bytes,
+                                 choose=not args.keep_choices, pipe=args.pipe or None)
+    if not table:
+        raise SystemExit(f"error: no (pipe, data, model) mesh of {args.gpus} GPUs divides the layers, the heads and "
+                         "the batch")
+    print(f"{args.config}: {model.params()[0]:,} parameters, {args.gpus} GPUs on {cluster.name}, global batch {batch}")
+    print(format_table(table, best))
