@@ -137,6 +137,18 @@ def test_recomputation_with_dropout_equals_the_plain_step_each_time_it_compiles(
     assert_same_step(*_step("gpt", 2, 2, 1, 2, run=setup(again)), *want)
 
 
+@pytest.mark.parametrize("pipe, data, model, micro, repeats", [(2, 1, 4, 2, 1), (2, 2, 2, 4, 2)])
+def test_sequence_parallel_stages_equal_the_plain_step(pipe, data, model, micro, repeats):
+    """parallel.sequence inside every stage (GPipe on (2,1,4), circular on (2,2,2)): the residual stream's sequence
+    split over ``model``, so the schedule's permutes carry 1/model of a microbatch (the scatter/gather of PTD-P,
+    without its all-gather) and the step is still the plain one."""
+    run = _run("gpt", pipe, data, model, micro, choice="sequence", repeats=repeats)
+    permutes = {c.shape for c in collectives(run.step_fn.as_text(), run.mesh) if c.op == "collective-permute"}
+    assert permutes == {(1, 8 // micro // data, 32 // model, 64)}
+    assert_same_step(*_step("gpt", pipe, data, model, micro, choice="sequence", repeats=repeats),
+                     *_step("gpt", 1, 1, 1))
+
+
 def test_pipelined_accumulation_and_zero1_equal_the_plain_step():
     """Each of 4 accumulation steps of 2 rows goes through the pipeline as 2 microbatches of 1; with ZeRO-1 on
     (2,2,2) (the stages' moments also split over data) the step is the plain one too."""
@@ -267,7 +279,6 @@ def test_a_circular_pipe_2_run_resumes_exactly_and_on_pipe_4_and_restores_on_pip
 
 @pytest.mark.parametrize("change, message", [
     (dict(pipe=3), "mesh.pipe=3 splits model.num_layers=8 into equal stages"),
-    (dict(sequence=True), "parallel.sequence=True is not built yet"),
     (dict(fsdp=True), "parallel.fsdp=True is not built yet"),
     (dict(pipeline_repeats=3), "mesh.pipe=2 x parallel.pipeline_repeats=3 splits model.num_layers=8 into equal"),
     (dict(pipe=1, pipeline_repeats=2), "needs pipeline stages: set mesh.pipe > 1"),
@@ -275,6 +286,6 @@ def test_a_circular_pipe_2_run_resumes_exactly_and_on_pipe_4_and_restores_on_pip
 ])
 def test_what_the_pipeline_does_not_compute_is_refused(change, message):
     c = _config("gpt", change.get("pipe", 2), 1, 1)
-    c.parallel.update({k: v for k, v in change.items() if k in ("sequence", "fsdp", "pipeline_repeats")})
+    c.parallel.update({k: v for k, v in change.items() if k in ("fsdp", "pipeline_repeats")})
     with pytest.raises(ConfigError, match=message):
         resolve(c, 8)
