@@ -387,8 +387,14 @@ def restore_params(path: str | pathlib.Path, target: Any) -> Any:
 
 def save_params(path: str | pathlib.Path, params: Any, config: ml_collections.ConfigDict, step: int = 0,
                 dtype: str | None = None) -> pathlib.Path:
-    """Writes a params-only checkpoint (``path/<step>/{params,config,digests}``), optionally cast (e.g. bfloat16)."""
+    """Writes a params-only checkpoint (``path/<step>/{params,config,digests}``), optionally cast (e.g. bfloat16).
+    ``params`` hold the stacked layers in the model's order (converters and exports make them so), and the config
+    written says so: ``parallel.pipeline_repeats`` 1, whatever the given config's pipeline schedule (readers reorder
+    by the layout a config records: ``megajax.config.layer_layout``)."""
     path = _resolve(path)
+    config = config.copy_and_resolve_references()
+    if "parallel" in config:
+        config.parallel.pipeline_repeats = 1
     if dtype:
         params = jax.tree.map(lambda x: x.astype(dtype), params)
     manager = ocp.CheckpointManager(path, item_handlers={

@@ -35,7 +35,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.init_from = ""
     # pipe > 1: pipeline parallelism (megajax.parallel.pipeline): the layers split into `pipe` stages, each batch
     # into parallel.pipeline_microbatches microbatches; parallel.pipeline_repeats = 1 is GPipe (each stage holds
-    # contiguous layers), v > 1 the circular schedule (each stage holds v chunks; the bubble shrinks v-fold)
+    # contiguous layers), v > 1 the circular schedule (each stage holds v chunks; with M >= pipe the bubble's time
+    # shrinks v-fold)
     c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, pipe=1))
     c.sharding = ml_collections.ConfigDict(dict(rules=MEGATRON_RULES))
     # beyond the paper: shard_optimizer (ZeRO-1, Megatron's distributed optimizer) splits AdamW's moments over

@@ -15,7 +15,6 @@ from megajax.checkpoint.manager import read_config, restore_params
 from megajax.config.build import abstract_model
 from megajax.config.resolve import RunSpec, layer_layout, resolve
 from megajax.models.transformer import reorder_layers
-from megajax.parallel import pipeline
 from megajax.parallel.partition import shardings
 from megajax.parallel.sharding import make_mesh
 
@@ -63,7 +62,7 @@ def in_layout(tree: Any, saved: ml_collections.ConfigDict, layout: tuple[int, in
     """``tree`` as read from a checkpoint whose config is ``saved``, its stacked layers put in the order of
     ``layout`` = (stages, repeats) (``RunSpec.layer_layout``): a circular pipeline keeps them in another order
     than the model's, and a checkpoint holds them as its run did."""
-    return reorder_layers(tree, pipeline.reorder(layer_layout(saved), layout, saved.model.num_layers))
+    return reorder_layers(tree, layer_layout(saved), layout)
 
 
 def load_model(path: str | pathlib.Path, *, data: int | None = None, model: int | None = None) -> LoadedModel:

@@ -169,9 +169,6 @@ def _check_pipeline(config: ml_collections.ConfigDict) -> None:
              f"mesh.pipe from the divisors of {m.num_layers}")
     _require(m.num_layers % (p * v) == 0, f"mesh.pipe={p} x parallel.pipeline_repeats={v} splits "
              f"model.num_layers={m.num_layers} into equal chunks: pick a product that divides {m.num_layers}")
-    for flag in ("fsdp",):
-        _require(not config.parallel[flag], f"mesh.pipe={p} with parallel.{flag}=True is not built yet; set "
-                 f"parallel.{flag}=False or mesh.pipe=1")
 
 
 def _require(ok: bool, message: str) -> None:

@@ -13,7 +13,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from megajax.parallel import pipeline
@@ -30,7 +29,9 @@ from megajax.parallel.sharding import (
     RESIDUAL,
     constrain,
     keep_all_but_gathered,
+    param_at_use,
     params_split,
+    params_whole,
     replicas,
     rules_remapped,
     spec_of,
@@ -290,21 +291,26 @@ def make_blocks(cfg: TransformerConfig, rngs: nnx.Rngs, block: type[nnx.Module] 
 STACK = "blocks"  # every model's attribute holding its stacked layers (make_blocks)
 
 
-def reorder_layers(tree: Any, index: np.ndarray | None) -> Any:
-    """``tree`` (parameters, or a training state whose optimizer moments mirror them) with the stacked layers'
-    leading dimension (every leaf under a ``STACK`` key) taken in ``index``'s order (``pipeline.reorder``); the
-    other leaves as they are. Each leaf keeps its sharding."""
-    if index is None:
+def reorder_layers(tree: Any, saved: tuple[int, int], wanted: tuple[int, int]) -> Any:
+    """``tree`` (parameters, or a training state whose optimizer moments mirror them) with the stacked layers (every
+    leaf under a ``STACK`` key) taken from the ``saved`` (stages, repeats) order to the ``wanted`` one
+    (``pipeline.relayout``); the other leaves as they are. Committed arrays keep their shardings and are given up
+    (one jitted program for all of them, so each is replaced as it goes, not copied whole)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    stacked = [i for i, (path, _) in enumerate(flat)
+               if any(getattr(k, "key", getattr(k, "name", None)) == STACK for k in path)]
+    leaves = [a for _, a in flat]
+    if not stacked or pipeline.same_order(saved, wanted, leaves[stacked[0]].shape[0]):
         return tree
-
-    def take(path, a):
-        if not any(getattr(k, "key", getattr(k, "name", None)) == STACK for k in path):
-            return a
-        if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):  # a committed array: once, on its devices
-            return jax.jit(lambda b: b[index], out_shardings=a.sharding, donate_argnums=0)(a)
-        return a[index]
-
-    return jax.tree_util.tree_map_with_path(take, tree)
+    picked = [leaves[i] for i in stacked]
+    move = lambda xs: [pipeline.relayout(x, saved, wanted) for x in xs]  # noqa: E731
+    if all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) for a in picked):
+        picked = jax.jit(move, out_shardings=[a.sharding for a in picked], donate_argnums=0)(picked)
+    else:
+        picked = move(picked)
+    for i, a in zip(stacked, picked, strict=True):
+        leaves[i] = a
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _remat_policy(name: str):
@@ -350,6 +356,10 @@ def _run_pipelined(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mas
     d = replicas(rows)
     m = pipeline.microbatches(rows, d)
     graphdef, state = nnx.split(blocks)
+    if params_split():  # FSDP: the stage's layers gathered over `data` once per step, outside the tick loop (a
+        # gather per tick would repeat it T times); their gradients are split again here
+        state = jax.tree.map(lambda var: var.replace(param_at_use(var.get_value(), var.get_metadata()["out_sharding"])),
+                             state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     per_chunk = cfg.num_layers // (p * v)
     # each stage's chunks of layers, one copy per data replica (each device holds its own: nothing moves), so the
     # tick loop sums each replica's gradient locally and the copies' gradients are reduced over `data` once, after
@@ -371,7 +381,7 @@ def _run_pipelined(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mas
         (copies, layer_keys), (index, row_mask) = params, args
 
         def replica(own, r, h, row_mask):  # one data replica's rows of the microbatch, with its copy of the layers
-            with rules_remapped(batch=None), microbatch_of(m, index, d, r):
+            with rules_remapped(batch=None), microbatch_of(m, index, d, r), params_whole():
                 # the circular schedule recomputes each chunk from its input (pipeline.run): no second recomputation
                 return _scan_blocks(nnx.merge(graphdef, own), cfg, h, row_mask if per_row else mask, None,
                                     layer_keys=layer_keys, remat_layers=v == 1)[0]

@@ -84,13 +84,23 @@ def layer_order(num_layers: int, num_stages: int, num_repeats: int) -> np.ndarra
     return ((repeat * num_stages + stage) * per_chunk + j).reshape(-1)
 
 
-def reorder(saved: tuple[int, int], wanted: tuple[int, int], num_layers: int) -> np.ndarray | None:
-    """Indices that take stacked layers in the ``saved`` (stages, repeats) layout to the ``wanted`` one, or None
-    where the two orders are the same."""
-    have, want = layer_order(num_layers, *saved), layer_order(num_layers, *wanted)
-    if np.array_equal(have, want):
-        return None
-    return np.argsort(have)[want]
+def same_order(saved: tuple[int, int], wanted: tuple[int, int], num_layers: int) -> bool:
+    """Whether stacked layers in the ``saved`` (stages, repeats) layout are already in the ``wanted`` one's order."""
+    return np.array_equal(layer_order(num_layers, *saved), layer_order(num_layers, *wanted))
+
+
+def relayout(a: jax.Array, saved: tuple[int, int], wanted: tuple[int, int]) -> jax.Array:
+    """``a``'s leading dimension (stacked layers) taken from the ``saved`` (stages, repeats) order to the ``wanted``
+    one: ``a[argsort(layer_order(saved))][layer_order(wanted)]``, written as reshapes and transposes of whole
+    chunks, which XLA turns into an all-to-all over ``pipe`` where the stack is split over it (an index gather would
+    gather the stack onto every device)."""
+    num_layers = a.shape[0]
+    if same_order(saved, wanted, num_layers):
+        return a
+    (p, v), rest = saved, a.shape[1:]
+    natural = jnp.swapaxes(a.reshape(p, v, num_layers // (p * v), *rest), 0, 1).reshape(a.shape)
+    (p, v) = wanted
+    return jnp.swapaxes(natural.reshape(v, p, num_layers // (p * v), *rest), 0, 1).reshape(a.shape)
 
 
 def _ring_shift(x: jax.Array, num_stages: int) -> jax.Array:

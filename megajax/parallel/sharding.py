@@ -250,6 +250,17 @@ def keep_all_but_gathered(prim: jax.extend.core.Primitive, *_, **params) -> bool
     return not (prim.name == "custom_vjp_call" and getattr(params.get("bwd"), "f", None) is _gather_bwd)
 
 
+@contextlib.contextmanager
+def params_whole() -> Iterator[None]:
+    """Traces as though the parameters were stored whole over ``data`` (``param_at_use`` a no-op): inside a region
+    whose parameters were gathered already (a pipeline stage's, once per step)."""
+    token = _PARAMS_SPLIT.set(False)
+    try:
+        yield
+    finally:
+        _PARAMS_SPLIT.reset(token)
+
+
 def params_split() -> bool:
     """Whether the model being traced reads ``parallel.fsdp``'s split parameters (``param_at_use`` gathers them)."""
     return _PARAMS_SPLIT.get() and _ACTIVE_RULES.get() is not None

@@ -48,8 +48,10 @@ With pipeline stages (``mesh.pipe`` = p > 1; ``megajax.parallel.pipeline``) the 
 * tensor-parallel: per tick and layer the block's 2 all-reduces of m x s x h, forward and backward (idle ticks
   included: every stage runs every tick), plus the embedding's lookup once each way on the whole batch; recomputed:
   GPipe as without stages (``save_dots`` as ``full``: inside the stages' vmap every matmul has a batch dimension),
-  the circular schedule 2 per layer (it recomputes whole chunks, as Megatron's checkpointing recomputes a group of
-  layers; a one-layer chunk needs one fewer, which XLA drops).
+  the circular schedule's whole chunks, 2 L/(p v) - 1 per tick (the chunk's last output is not needed again; XLA's
+  layer scan cannot drop the last iteration's, so chunks of more than one layer compile one more per tick).
+  Sequence parallelism, FSDP and replicated key/value heads under stages are not counted yet
+  (``check_countable``).
 * pipeline point-to-point: per tick one collective permute of m x s x h forward (each stage's output to the next)
   and one backward (its gradient): 2 T.
 * pipeline boundary: the microbatches held by stage 0 (the slots: M, or max(M, p) under the circular schedule)
@@ -121,9 +123,12 @@ def minimum(shape: Shape) -> dict[str, int]:
         out["pipeline boundary"] = 2 * shape.pipe_slots * tick
     if shape.tensor > 1 and shape.pipe > 1:
         act, runs = b * s * h * shape.activation_bytes * n, shape.pipe_ticks * shape.pipe_layers
-        recompute = 2 if shape.pipe_circular else 1 if shape.remat in ("full", "save_dots") else 0
+        if shape.pipe_circular:  # per tick: the chunk's all-reduces but its last
+            recompute = shape.pipe_ticks * (2 * shape.pipe_layers - 1)
+        else:
+            recompute = runs if shape.remat in ("full", "save_dots") else 0
         out["tensor-parallel forward"] = 2 * runs * tick + act
-        out["tensor-parallel backward"] = (2 + recompute) * runs * tick + act
+        out["tensor-parallel backward"] = (2 * runs + recompute) * tick + act
         out["loss"] = 3 * b * s * 4 * n
     elif shape.tensor > 1:
         act = b * s * h * shape.activation_bytes * n
@@ -232,13 +237,26 @@ class Budget:
 def step_budget(run) -> Budget:
     """The budget of a compiled training run (``megajax.training.loop.setup``): its step's collectives read from
     the optimized HLO beside the minimum for its model, mesh and batch."""
-    if run.spec.pipe > 1 and run.spec.sequence:
-        raise ConfigError("the communication budget does not count sequence parallelism under pipeline stages yet "
-                          "(the step computes the plain step's loss and gradients: tests/test_pipeline.py); drop "
-                          "--sequence or use a mesh without pipe to read a budget")
+    check_countable(run.spec)
     shape = step_shape(run)
     compiled, scalars = categorize(collectives(run.step_fn.as_text(), run.mesh), shape)
     return Budget(compiled, minimum(shape), scalars, shape.tensor, shape.sequence)
+
+
+def check_countable(spec) -> None:
+    """Raises ConfigError for a run (its ``RunSpec``) whose communication the budget does not count yet: sequence
+    parallelism, FSDP or replicated key/value heads under pipeline stages (the step itself is right:
+    tests/test_pipeline.py)."""
+    if spec.pipe == 1:
+        return
+    for flag, on in (("sequence", spec.sequence), ("fsdp", spec.fsdp)):
+        if on:
+            raise ConfigError(f"the communication budget does not count --{flag} under pipeline stages yet; drop it, "
+                              "or use a mesh without pipe, to read a budget")
+    if spec.tensor > 1 and spec.model.kv_replicated(spec.tensor):
+        raise ConfigError("the communication budget does not count replicated key/value heads under pipeline stages "
+                          f"yet (mesh.model={spec.tensor} > the {spec.model.kv_heads} key/value heads); use a "
+                          "mesh.model that divides them, or a mesh without pipe, to read a budget")
 
 
 def step_shape(run) -> Shape:

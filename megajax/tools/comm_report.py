@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import sys
 
+import jax
+
 from megajax.cli import (
     ArgumentParser,
     add_parallel_flags,
@@ -25,8 +27,9 @@ from megajax.cli import (
     load_config,
     use_cpu_devices,
 )
+from megajax.config import resolve
 from megajax.parallel.hlo_audit import collectives, format_table
-from megajax.tools.comm_budget import step_budget
+from megajax.tools.comm_budget import check_countable, step_budget
 from megajax.training.loop import setup
 
 
@@ -50,6 +53,7 @@ def main(argv: list[str] | None = None) -> str:
     if args.batch:
         config.train.global_batch_size = args.batch
     apply_parallel_flags(args, config)
+    check_countable(resolve(config, jax.device_count()))  # before compiling
     run = setup(config)
     table = format_table(collectives(run.step_fn.as_text(), run.mesh)) + "\n\n" + step_budget(run).table()
     print(table)

@@ -10,8 +10,9 @@ recommends the fastest one that fits, as train.py flags. Per mesh it chooses (``
   circular schedule with v chunks per stage (v up to ``MAX_REPEATS``, dividing L/p), at
   M = p, 2p, 4p, ... (the smallest divisor of the layer stack's batch from each) and one sequence per microbatch;
 * the remat policy, sequence parallelism and how much state to split over data: none, ZeRO-1 or FSDP
-  (``variants``; ``--keep_choices``: the config's). With stages megajax builds neither sequence parallelism nor
-  FSDP, and ``save_dots`` keeps what ``full`` keeps, so neither is tried there.
+  (``variants``; ``--keep_choices``: the config's). With stages the step model covers neither sequence
+  parallelism nor FSDP (megajax runs both there; not modelled yet), and ``save_dots`` keeps what ``full`` keeps, so
+  none of them is tried there.
 
 Each mesh's row is its fastest choice that fits (else the one needing least memory). The config's own mesh is not
 kept (``--pipe`` restricts the stages); the flags name all three axes, so a config with mesh.pipe > 1 takes them.
@@ -56,8 +57,9 @@ MAX_REPEATS = 8  # the circular schedule's chunks per stage the planner tries (e
 def variants(model: Decoder, mesh: tuple[int, int], choose: bool, pipe: int = 1) -> list[Decoder]:
     """The model as given, or (``choose``) every remat policy x sequence parallelism (model-parallel meshes whose
     t divides the sequence) x the state split over data (none, ZeRO-1, FSDP: data-parallel meshes) that could run
-    on ``mesh``. With ``pipe`` > 1 stages megajax builds neither sequence parallelism nor FSDP (a model that asks
-    for them has no variant), and ``save_dots`` keeps and recomputes what ``full`` does (so it is not tried)."""
+    on ``mesh``. With ``pipe`` > 1 stages the step model does not cover sequence parallelism or FSDP (megajax runs
+    both under stages, FSDP gathering each stage's layers once per step: not modelled yet), so a model that asks for
+    them has no pipelined variant; ``save_dots`` keeps and recomputes what ``full`` does (so it is not tried)."""
     if pipe > 1:
         if not choose:
             return [] if model.sequence or model.fsdp else [model]

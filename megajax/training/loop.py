@@ -60,12 +60,16 @@ class Run:
     evaluate: Evaluator  # (params, batch) -> {'loss', ...} on the validation split, compiled on first use
 
 
-def _init_fn(config: ml_collections.ConfigDict, spec: RunSpec, optimizer: optax.GradientTransformation):
+def _init_fn(config: ml_collections.ConfigDict, spec: RunSpec, optimizer: optax.GradientTransformation,
+             param_shardings: dict):
     make, seed = model_factory(config), config.train.seed
+    circular = not pipeline.same_order((1, 1), spec.layer_layout, spec.model.num_layers)
 
     def init() -> TrainState:  # the stacked layers in the run's order (the model's, but for a circular pipeline)
-        params = reorder_layers(nnx.to_pure_dict(nnx.state(make(seed))),
-                                pipeline.reorder((1, 1), spec.layer_layout, spec.model.num_layers))
+        params = nnx.to_pure_dict(nnx.state(make(seed)))
+        if circular:  # each device makes its own layers, then the stages swap them (else each would make all)
+            params = reorder_layers(jax.lax.with_sharding_constraint(params, param_shardings), (1, 1),
+                                    spec.layer_layout)
         return TrainState(step=jax.numpy.int32(0), params=params, opt_state=optimizer.init(params),
                           loss_scale=LossScale.create(config.loss_scale, spec.precision == "fp16"),
                           rng=jax.random.key_data(jax.random.key(seed + 1)))
@@ -87,7 +91,7 @@ def setup(config: ml_collections.ConfigDict) -> Run:
     param_shardings = nnx.to_pure_dict(shardings(abstract_params, mesh, spec.rules, split_over_data=spec.fsdp))
     schedule = learning_rate_schedule(config.optimizer, config.train.steps)
     optimizer = make_optimizer(config.optimizer, config.train.steps)
-    init = _init_fn(config, spec, optimizer)
+    init = _init_fn(config, spec, optimizer, param_shardings)
     abstract_state = jax.eval_shape(init)
     replicated = NamedSharding(mesh, P())
     moment_shardings = param_shardings
