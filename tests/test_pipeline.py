@@ -8,6 +8,7 @@ checkpointed on pipe=2 resumes exactly, on pipe=4 with the plain run's losses, a
 what the pipeline does not compute yet is refused before anything is built."""
 
 import functools
+import gc
 
 import jax
 import numpy as np
@@ -32,6 +33,19 @@ from megajax.training.loop import setup, train
 
 LAYERS = 8  # so that 8 stages hold one layer each
 _INITIAL = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_steps():
+    """Frees this module's ~40 compiled steps when it ends. With them alive, jaxlib segfaulted serializing a later
+    module's step into the compilation cache (test_communication_audit after this module in one process: reproduced
+    three times, jax 0.10; either half of this module alone did not)."""
+    yield
+    _run.cache_clear()
+    _fp16_run.cache_clear()
+    _INITIAL.clear()
+    jax.clear_caches()
+    gc.collect()
 
 
 def _config(name: str, pipe: int, data: int, model: int, micro: int = 0, choice: str | None = None,
