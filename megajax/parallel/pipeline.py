@@ -128,7 +128,7 @@ def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any,
     on_stages = P(PIPE_AXIS, *x_spec)
     # Stage 0's row holds the inputs and, slot by slot, each microbatch as it comes back round (its next round's
     # input; after the last, the output); the other stages' rows feed only their idle ticks (each device keeps only
-    # its own row: the same bytes as the inputs). Slots past M (fewer microbatches than stages) are idle items.
+    # its own row: the inputs' bytes, or p microbatches' where fewer than p circulate). Slots past M are idle items.
     pad = jnp.zeros((period - num_micro, *xs.shape[1:]), xs.dtype)
     held = jnp.zeros((p, period, *xs.shape[1:]), xs.dtype).at[0].set(jnp.concatenate([xs, pad]))
     held = jax.lax.with_sharding_constraint(held, P(PIPE_AXIS, None, *x_spec))

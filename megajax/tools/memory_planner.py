@@ -298,7 +298,7 @@ class MemoryReport:
         """What the step allocates besides its arguments (compare ``CompiledMemory.temp``): the gradients and the
         layers' activations, then the larger of the head at the start of the backward pass (before the tied word
         embedding's gradient is written) and one recomputed layer, each with what FSDP gathers for it; with
-        pipeline stages, the tick loop's two sums of the stage's layer gradients."""
+        pipeline stages, the tick loop's sums of the stage's layer gradients (two under GPipe, one circular)."""
         a = self.activations
         head = a.head - self.late_grad_bytes + self.gathered_head_bytes
         recompute = a.recompute + self.gathered_layer_bytes if a.recompute else 0
