@@ -47,11 +47,13 @@ def microbatches(rows: int, replicas: int) -> int:
     """How many microbatches a batch of ``rows`` (split over ``replicas`` data shards, ``sharding.replicas``) is cut
     into: ``activate``'s ``pipeline_microbatches`` (0: one per stage), or the largest smaller count that divides
     each shard's rows evenly."""
-    return microbatches_for(rows // replicas, pipeline_microbatches() or stages())
+    return microbatches_for(rows // replicas, pipeline_microbatches(), stages())
 
 
-def microbatches_for(rows_per_replica: int, wanted: int) -> int:
-    """The largest count up to ``wanted`` that cuts each data shard's ``rows_per_replica`` evenly."""
+def microbatches_for(rows_per_replica: int, configured: int, num_stages: int) -> int:
+    """The largest count up to ``configured`` (``parallel.pipeline_microbatches``; 0: one per stage) that cuts each
+    data shard's ``rows_per_replica`` evenly."""
+    wanted = configured or num_stages
     return next(m for m in range(min(wanted, rows_per_replica), 0, -1) if rows_per_replica % m == 0)
 
 

@@ -284,7 +284,7 @@ def _pipeline_shape(spec) -> dict[str, int | bool]:
     p, v = spec.pipe, spec.pipeline_repeats
     if p == 1:
         return {}
-    micro = pipeline.microbatches_for(spec.micro_batch, spec.pipeline_microbatches or p)
+    micro = pipeline.microbatches_for(spec.micro_batch, spec.pipeline_microbatches, p)
     return dict(pipe=p, pipe_ticks=pipeline.ticks(micro, p, v), pipe_rows=spec.micro_batch // micro,
                 pipe_slots=pipeline.slots(micro, p) if v > 1 else micro,
                 pipe_layers=spec.model.num_layers // (p * v), pipe_circular=v > 1)

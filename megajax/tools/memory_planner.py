@@ -169,7 +169,7 @@ def activations(config: ml_collections.ConfigDict, micro_batch: int, tp: int) ->
     """
     m, p = config.model, config.mesh.pipe
     if p > 1:
-        micro = pipeline.microbatches_for(micro_batch, config.parallel.pipeline_microbatches or p)
+        micro = pipeline.microbatches_for(micro_batch, config.parallel.pipeline_microbatches, p)
         rows, remat = micro_batch // micro, "full" if m.remat == "save_dots" else m.remat
         recompute = layer_residual_bytes(config, rows, tp, "none") if m.remat in ("full", "save_dots") else 0
         v, ticks = config.parallel.pipeline_repeats, pipeline.ticks(micro, p, config.parallel.pipeline_repeats)
