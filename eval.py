@@ -13,7 +13,7 @@
 
 import argparse
 
-from megajax.cli import ArgumentParser, fail, parse_mesh, use_cpu_devices
+from megajax.cli import ArgumentParser, fail, parse_mesh, start_backend, use_cpu_devices
 from megajax.errors import USER_ERRORS
 from megajax.evaluation.generate import Sampling
 from megajax.evaluation.inputs import InputError
@@ -29,8 +29,12 @@ def main(argv=None):
                                   "sentence-split, default the validation split of the checkpoint's data); "
                                   "fine-tuning tasks: the task's folder (default the run's data.task_dir) or one "
                                   "dev file")
-    p.add_argument("--tokenizer", help="default: the tokenizer the checkpoint was trained with")
+    p.add_argument("--tokenizer", help="default: the tokenizer the checkpoint was trained with (mlm and ppl read "
+                                       "token ids: a tokenizer given there is only checked to be the model's)")
     p.add_argument("--output", help="also write the results here as JSON")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier results or predictions file at --output / --predictions (never a "
+                        "dataset's or a checkpoint's file)")
     p.add_argument("--predictions", help="fine-tuning tasks: write each example's prediction here as JSON (SQuAD: "
                                          "the official {id: answer} file; squad2 also NAME.null_odds.json beside it)")
     p.add_argument("--null_score_diff_threshold", type=float, default=None,
@@ -56,6 +60,10 @@ def main(argv=None):
     p.add_argument("--cpu_devices", type=int, default=0)
     args = p.parse_args(argv)
     use_cpu_devices(args.cpu_devices)
+    try:
+        start_backend()
+    except USER_ERRORS as e:
+        fail(e)
     if args.mesh:
         if args.mesh_data or args.mesh_model:
             p.error("give the mesh once: --mesh=DATAxMODEL")
@@ -71,7 +79,8 @@ def main(argv=None):
         run(args.checkpoint, args.task, data=args.data, prompt=args.prompt, tokenizer=args.tokenizer,
             mesh_data=args.mesh_data, mesh_model=args.mesh_model, batch_size=args.batch_size, stride=args.stride,
             max_new_tokens=args.max_new_tokens, seed=args.seed, output=args.output, sampling=sampling,
-            predictions=args.predictions, null_score_diff_threshold=args.null_score_diff_threshold)
+            predictions=args.predictions, null_score_diff_threshold=args.null_score_diff_threshold,
+            overwrite=args.overwrite)
     except InputError as e:  # raised before the model is loaded: usage, not a traceback
         p.error(str(e))
     except USER_ERRORS as e:  # a path, a checkpoint, a config: what to change, not a traceback

@@ -21,6 +21,7 @@ from megajax.cli import (
     fail,
     resolve_config_path,
     rewrite_config_flag,
+    start_backend,
     use_cpu_devices,
 )
 from megajax.errors import USER_ERRORS
@@ -43,13 +44,21 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax and jax log every step at INFO
     use_cpu_devices(flags.FLAGS.cpu_devices)
-    from megajax.training.loop import train  # after the flags: importing the trainer takes a few seconds
+    # after the flags: importing the trainer takes a few seconds
+    from megajax.training import distributed
+    from megajax.training.loop import train
+    from megajax.training.preemption import TrainingStopped
 
     config = flags.FLAGS.config
     try:
+        distributed.maybe_initialize()  # a multi-host job joins before jax's backends start
+        start_backend()
         if flags.FLAGS.mesh:
             apply_mesh(config, flags.FLAGS.mesh)
         train(absolute_paths(config), flags.FLAGS.workdir)
+    except TrainingStopped as e:  # saved, not finished: the signal's exit status, as schedulers expect
+        print(e, file=sys.stderr)
+        sys.exit(e.exit_status)
     except USER_ERRORS as e:  # a message that says what to change; no traceback
         fail(e)
 

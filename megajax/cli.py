@@ -10,12 +10,13 @@ import os
 import pathlib
 import shlex
 import sys
-import tempfile
+import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
 import jax
 import ml_collections
+from absl import flags
 
 from megajax.errors import USER_ERRORS, ConfigError, UserError
 
@@ -41,34 +42,59 @@ def resolve_config_path(name: str) -> str:
 
 
 def rewrite_config_flag(argv: list[str]) -> list[str]:
-    """Resolves the value of ``--config=`` in argv so users can type a bare config name."""
-    out = []
+    """Resolves the value of ``--config=`` in argv so users can type a bare config name, and puts ``--config``
+    before its ``--config.FIELD=V`` overrides (ml_collections refuses an override it meets first)."""
+    out, config = [], []
     for i, arg in enumerate(argv):
         if arg.startswith("--config="):
-            arg = "--config=" + resolve_config_path(arg.split("=", 1)[1])
+            config = ["--config=" + resolve_config_path(arg.split("=", 1)[1])]
+        elif arg == "--config" and i + 1 < len(argv):
+            continue  # its value follows
         elif i > 0 and argv[i - 1] == "--config":
-            arg = resolve_config_path(arg)
-        out.append(arg)
-    return out
+            config = ["--config=" + resolve_config_path(arg)]
+        else:
+            out.append(arg)
+    return out[:1] + config + out[1:]
+
+
+# how ml_collections reads an override of a field holding a bool, an int or a float (absl's parsers)
+_VALUE_PARSERS = {bool: flags.BooleanParser(), int: flags.IntegerParser(), float: flags.FloatParser()}
 
 
 def check_config_overrides(argv: list[str], default: str) -> None:
     """Loads the ``--config`` file (``default`` when argv has none) and raises ConfigError for a ``--config.a.b=V``
-    in ``argv`` that names none of its fields, with the closest field's spelling: absl and ml_collections would
-    raise a traceback while parsing flags."""
+    in ``argv`` that names none of its fields (with the closest field's spelling) or whose value does not parse as
+    the field's type: absl and ml_collections would raise a traceback or a FATAL while parsing flags."""
     config = load_config(_flag_value(argv, "config") or default)
-    overrides = [a[len("--config."):].split("=", 1)[0] for a in argv if a.startswith("--config.")]
-    for field in overrides:
-        node, parts = config, field.split(".")
-        for i, part in enumerate(parts):
-            fields = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
-            if part not in fields:
-                where = "config" + "".join(f".{p}" for p in parts[:i])
-                close = difflib.get_close_matches(part, fields, n=1)
-                hint = (f"did you mean --{where}.{close[0]}?" if close else
-                        f"its fields: {', '.join(sorted(fields))}" if fields else f"{where} is a value, not a section")
-                raise ConfigError(f"--config.{field}: {where} has no field {part!r}; {hint}")
-            node = node[part]
+    for i, arg in enumerate(argv):
+        if not arg.startswith("--config."):
+            continue
+        field, given, value = arg[len("--config."):].partition("=")
+        if not given and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            value, given = argv[i + 1], "="
+        _check_override(config, field, value if given else None)
+
+
+def _check_override(config: ml_collections.ConfigDict, field: str, value: str | None) -> None:
+    """Raises ConfigError unless ``field`` (``a.b``) names a field of ``config`` and ``value`` parses as its type."""
+    node, parts = config, field.split(".")
+    for i, part in enumerate(parts):
+        fields = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+        if part not in fields:
+            where = "config" + "".join(f".{p}" for p in parts[:i])
+            close = difflib.get_close_matches(part, fields, n=1)
+            hint = (f"did you mean --{where}.{close[0]}?" if close else
+                    f"its fields: {', '.join(sorted(fields))}" if fields else f"{where} is a value, not a section")
+            raise ConfigError(f"--config.{field}: {where} has no field {part!r}; {hint}")
+        node = node[part]
+    parser = _VALUE_PARSERS.get(type(node))
+    if parser is not None and value is not None:
+        try:
+            parser.parse(value)
+        except ValueError:
+            what = {bool: "true or false", int: "a whole number", float: "a number"}[type(node)]
+            raise ConfigError(f"--config.{field}={value}: config.{field} takes {what} (now {node!r}), e.g. "
+                              f"--config.{field}={node}") from None
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -93,32 +119,6 @@ def apply_mesh(config: ml_collections.ConfigDict, text: str) -> None:
 
 
 PARALLEL_FLAGS = {"sequence": "sequence parallelism", "shard_optimizer": "ZeRO-1", "fsdp": "FSDP / ZeRO-3"}
-
-
-class OutputPathError(UserError, ValueError):
-    """An output file flag that names a directory or a place that cannot be written."""
-
-
-def check_output_file(path: str | None, flag: str) -> None:
-    """Raises OutputPathError unless ``path`` (given as ``--flag``; None: not asked for) can be written as a file:
-    checked before the work starts, so an hour of evaluation is not lost to a typo. Writes nothing."""
-    if not path:
-        return
-    target = pathlib.Path(path).expanduser()
-    if target.is_dir():
-        raise OutputPathError(f"--{flag}={path} is a directory; give a file name, e.g. --{flag}="
-                              f"{target / 'results.json'}")
-    parent = target.resolve().parent
-    if not parent.is_dir():
-        raise OutputPathError(f"--{flag}={path}: the directory {parent} does not exist; create it first")
-    try:
-        if target.exists():
-            open(target, "a").close()  # opening to append changes neither its bytes nor its time
-        else:
-            tempfile.TemporaryFile(dir=parent).close()
-    except OSError as e:
-        raise OutputPathError(f"--{flag}={path} cannot be written ({e.strerror or e}); pick a writable place") \
-            from None
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -154,7 +154,12 @@ def load_config(name: str) -> ml_collections.ConfigDict:
     path, _, arg = resolve_config_path(name).partition(":")
     spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ConfigError(f"config file {e.filename}, line {e.lineno}: {e.msg}; fix the file") from None
+    except Exception as e:  # noqa: BLE001 - any error of the user's file: where it is, not a traceback
+        raise ConfigError(f"config file {path} fails when loaded: {_where_in(e, path)}") from None
     if not callable(getattr(module, "get_config", None)):
         raise ConfigError(f"config file {path} defines no get_config(); a config file's get_config() returns an "
                           "ml_collections.ConfigDict (see configs/gpt_tiny.py)")
@@ -162,14 +167,33 @@ def load_config(name: str) -> ml_collections.ConfigDict:
         config = module.get_config(arg) if arg else module.get_config()
     except ValueError as e:  # a config file's own check of its :ARG
         raise ConfigError(str(e)) from None
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"config file {path}: get_config() fails: {_where_in(e, path)}") from None
     if not isinstance(config, ml_collections.ConfigDict):
         raise ConfigError(f"config file {path}: get_config() returned a {type(config).__name__}, not an "
                           "ml_collections.ConfigDict; start from megajax.config.base_config(), as configs/gpt_tiny.py")
     return config
 
 
+def _where_in(error: Exception, path: str) -> str:
+    """``line N: ErrorType: message`` of the innermost frame of ``error`` in the file ``path``."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == path]
+    line = f"line {frames[-1].lineno}: " if frames else ""
+    return f"{line}{type(error).__name__}: {error}"
+
+
 PATH_FIELDS = (("data", "path"), ("data", "tokenizer"), ("data", "task_dir"), ("data", "tfds_data_dir"),
                (None, "init_from"))
+
+
+def _blend_items(blend: str) -> list[str] | None:
+    """``data.blend``'s "W1 PREFIX1 W2 PREFIX2 ..." split (quoted prefixes may hold spaces); None when malformed
+    (left to the blend's own check and message)."""
+    try:
+        items = shlex.split(blend)
+    except ValueError:  # an unclosed quote
+        return None
+    return items if items and len(items) % 2 == 0 else None
 
 
 def absolute_paths(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -179,14 +203,17 @@ def absolute_paths(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
         parent = config if section is None else config[section]
         if value := parent[field]:
             parent[field] = str(pathlib.Path(value).expanduser().resolve())
-    try:
-        items = shlex.split(config.data.blend)  # quoted prefixes may hold spaces
-    except ValueError:
-        items = []  # an unclosed quote: left to parse_blend's message
-    if items and len(items) % 2 == 0:  # "W1 PREFIX1 W2 PREFIX2": the prefixes (malformed text is left to its check)
+    if items := _blend_items(config.data.blend):
         items[1::2] = [str(pathlib.Path(p).expanduser().resolve()) for p in items[1::2]]
         config.data.blend = shlex.join(items)
     return config
+
+
+def input_paths(config: ml_collections.ConfigDict) -> list[str]:
+    """What a training config reads from disk: its data prefix or blend, tokenizer, task files and ``init_from``
+    (a training run writes nowhere on, in or above them: ``megajax.outputs.claim_workdir``)."""
+    paths = [(config if section is None else config[section])[field] for section, field in PATH_FIELDS]
+    return [p for p in paths if p] + ((_blend_items(config.data.blend) or [])[1::2])
 
 
 def _flag_value(argv: list[str], name: str) -> str | None:
@@ -227,6 +254,35 @@ def simulate_cpu_devices(argv: list[str]) -> None:
         use_cpu_devices(n)
 
 
+class BackendError(UserError):
+    """The platform asked for (``JAX_PLATFORMS``) cannot start here: its plugin is missing or it has no device."""
+
+
+def backend_error(error: BaseException) -> BackendError | None:
+    """The BackendError to report for ``error`` if jax raised it while starting its backends (a bare
+    AssertionError for ``JAX_PLATFORMS=cuda`` without the CUDA plugin, a RuntimeError without a device), else None."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not isinstance(error, (AssertionError, RuntimeError)) or not frames or \
+            not frames[-1].filename.endswith(os.path.join("jax", "_src", "xla_bridge.py")):
+        return None
+    asked = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
+    cause = str(error).split(" (set JAX_PLATFORMS")[0] or "no backend for it is installed"
+    return BackendError(f"JAX_PLATFORMS={asked} cannot start here ({cause}). For NVIDIA GPUs install the gpu extra "
+                        "(pip install 'megajax[gpu]') on a machine with a GPU and its driver; to run on the CPU, "
+                        "unset JAX_PLATFORMS or set it to cpu")
+
+
+def start_backend() -> None:
+    """Starts jax's backends now (after ``--cpu_devices`` and a multi-host start), so that a platform which cannot
+    start is one ``error:`` line naming the fix (``backend_error``)."""
+    try:
+        jax.devices()
+    except (AssertionError, RuntimeError) as e:
+        if (failure := backend_error(e)) is None:
+            raise
+        raise failure from None
+
+
 DEBUG_VARIABLE = "MEGAJAX_DEBUG"  # set to 1: a user error shows its traceback instead of the one error: line
 
 
@@ -245,3 +301,7 @@ def exit_on_user_error(main: Callable[[], object]) -> object:
         return main()
     except USER_ERRORS as e:
         fail(e)
+    except (AssertionError, RuntimeError) as e:  # jax's backends failing to start: the fix, not a traceback
+        if (failure := backend_error(e)) is None:
+            raise
+        fail(failure)

@@ -131,7 +131,7 @@ def test_a_disk_too_small_for_a_checkpoint_is_refused_before_training(tmp_path):
                          last), last
         assert "train:" not in run.stderr  # before the first step
         assert "Traceback" not in run.stderr
-        assert [p.name for p in (disk / "run" / "checkpoints").iterdir()] == []
+        assert list(disk.iterdir()) == []  # the workdir this run made is gone
 
 
 def test_a_save_that_fails_mid_write_removes_its_partial_directory(tmp_path):

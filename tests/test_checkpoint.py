@@ -56,46 +56,65 @@ def _final_params(workdir):
     return jax.tree.map(np.asarray, jax.tree.leaves(model))
 
 
+ARGS = ["--config.train.steps=24", "--config.checkpoint.every_steps=4", *SCHEDULE]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run both stopped runs must equal: its losses by step and its final parameters."""
+    workdir = tmp_path_factory.mktemp("reference") / "run"
+    run = _launch(workdir, *ARGS)
+    assert run.wait(timeout=300) == 0, run.stderr.read()[-3000:]
+    return {r["step"]: r["loss"] for r in _metrics(workdir) if "loss" in r}, _final_params(workdir)
+
+
+def _assert_resumed_exactly(workdir, reference) -> int:
+    """The resumed part of ``workdir``'s run equals the reference bit for bit; returns the step it resumed from."""
+    lines = _metrics(workdir)
+    resume = next(r for r in lines if r.get("event") == "resume")
+    after = {r["step"]: r["loss"] for r in lines[lines.index(resume):] if "loss" in r}
+    losses, params = reference
+    assert sorted(after) == list(range(resume["step"] + 1, 25))
+    assert all(after[s] == losses[s] for s in after), [(s, after[s], losses[s]) for s in after]  # bitwise
+    for a, b in zip(jax.tree.leaves(_final_params(workdir)), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)
+    return resume["step"]
+
+
 @pytest.mark.slow
-def test_resume_after_sigkill_is_exact(tmp_path):
-    args = ["--config.train.steps=24", "--config.checkpoint.every_steps=4", *SCHEDULE]
-    killed = _launch(tmp_path / "run", *args)
+def test_resume_after_sigkill_is_exact(tmp_path, reference):
+    killed = _launch(tmp_path / "run", *ARGS)
     _wait_for(lambda: (tmp_path / "run/checkpoints/8").is_dir(), killed)
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     assert killed.returncode == -signal.SIGKILL
     before = [r for r in _metrics(tmp_path / "run") if "loss" in r]
     assert before[-1]["step"] < 24  # it really died mid-run
-    # The uninterrupted reference starts now, beside the resume: both load the step the killed run compiled from
-    # the shared cache instead of compiling it again.
-    ref = _launch(tmp_path / "ref", *args)
-    resumed = _launch(tmp_path / "run", *args)
+    resumed = _launch(tmp_path / "run", *ARGS)
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read()[-3000:]
-    assert ref.wait(timeout=300) == 0, ref.stderr.read()[-3000:]
-    lines = _metrics(tmp_path / "run")
-    resume_at = next(r["step"] for r in lines if r.get("event") == "resume")
-    assert 8 <= resume_at <= before[-1]["step"]
-    after = {r["step"]: r["loss"] for r in lines[lines.index(next(r for r in lines if r.get("event") == "resume")):]
-             if "loss" in r}
-    reference = {r["step"]: r["loss"] for r in _metrics(tmp_path / "ref") if "loss" in r}
-    assert sorted(after) == list(range(resume_at + 1, 25))
-    assert all(after[s] == reference[s] for s in after), [(s, after[s], reference[s]) for s in after]  # bitwise
-    for a, b in zip(jax.tree.leaves(_final_params(tmp_path / "run")), jax.tree.leaves(_final_params(tmp_path / "ref"))):
-        np.testing.assert_array_equal(a, b)
+    assert 8 <= _assert_resumed_exactly(tmp_path / "run", reference) <= before[-1]["step"]
 
 
 @pytest.mark.slow
-def test_sigterm_saves_the_current_step(tmp_path):
-    proc = _launch(tmp_path, "--config.train.steps=100000", "--config.checkpoint.every_steps=100000", *SCHEDULE)
-    _wait_for(lambda: (tmp_path / "metrics.jsonl").exists() and len(_metrics(tmp_path)) >= 4, proc)
+def test_sigterm_saves_exits_143_and_resumes_exactly(tmp_path, reference):
+    """A scheduler's stop: the current step finishes and is saved, the exit status is 143 (128 + SIGTERM) with one
+    line saying where the checkpoint is, and the same command then finishes the run as if nothing happened."""
+    workdir = tmp_path / "run"
+    proc = _launch(workdir, *ARGS)
+    _wait_for(lambda: (workdir / "metrics.jsonl").exists() and len(_metrics(workdir)) >= 4, proc)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 0
-    last = _metrics(tmp_path)[-1]["step"]
-    config = train_config()
-    ck = Checkpointer(tmp_path, config.checkpoint)
-    assert ck.latest_step() == last
-    model, _ = load_model(tmp_path)  # complete and readable
-    assert model(jnp.zeros((1, 8), jnp.int32)).shape == (1, 8, 4096)
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    last = _metrics(workdir)[-1]["step"]
+    assert last < 24  # stopped before the end
+    stderr = proc.stderr.read()
+    assert stderr.strip().splitlines()[-1].startswith(f"stopped by SIGTERM: step {last}/24; "), stderr[-2000:]
+    assert f"checkpoint {workdir / 'checkpoints' / str(last)}; run the same command to resume" in stderr
+    assert "Traceback" not in stderr
+    assert Checkpointer(workdir, train_config().checkpoint).latest_step() == last
+    resumed = _launch(workdir, *ARGS)
+    assert resumed.wait(timeout=300) == 0
+    assert "done: step 24/24; " in resumed.stderr.read()
+    assert _assert_resumed_exactly(workdir, reference) == last
 
 
 @pytest.fixture(scope="module")

@@ -248,6 +248,6 @@ def test_megatron_bert_missing_rank_and_token_types_are_named(megajax_params, tm
         megatron_bert.read_megatron(tmp_path, wrong)
     shutil.rmtree(it_dir / "mp_rank_02")
     with pytest.raises(ValueError, match=r"lacks mp_rank_02 \(it holds mp_rank_00, mp_rank_01, mp_rank_03\)"):
-        convert_main(["megatron-to-megajax", f"--megatron={tmp_path}", f"--output={tmp_path / 'out'}",
+        convert_main(["megatron-to-megajax", f"--megatron={tmp_path}", f"--output={tmp_path.parent / 'out'}",
                       f"--vocab_size={VOCAB}"])
     assert not (tmp_path / "out").exists()

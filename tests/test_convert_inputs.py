@@ -19,6 +19,7 @@ from megajax.config import abstract_model, base_config
 from megajax.convert import hf_gpt2, hf_io, megatron_gpt
 from megajax.convert.__main__ import host_params
 from megajax.convert.__main__ import main as convert_main
+from megajax.outputs import OutputPathError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 torch = pytest.importorskip("torch")  # the `test` extra installs it (CPU build)
@@ -116,7 +117,10 @@ def test_vocabulary_far_below_the_padding_is_refused(tiny, tmp_path):
 def test_args_that_contradict_the_tensors_are_refused(tiny, tmp_path, key, value):
     megatron_checkpoint(tmp_path, tiny, tp=2)
     edit_ranks(tmp_path, lambda ck, _: setattr(ck["args"], key, value))
-    with pytest.raises(ValueError, match=rf"inconsistent: {key}: {value} in args.{key}, \d+ in the "):
+    want = (r"lacks mp_rank_02, mp_rank_03: its args say tensor_model_parallel_size=4 but only "
+            r"mp_rank_00..mp_rank_01 are there" if key == "tensor_model_parallel_size"  # the ranks it names
+            else rf"inconsistent: {key}: {value} in args.{key}, \d+ in the ")
+    with pytest.raises(ValueError, match=want):
         megatron_gpt.read_megatron(tmp_path, vocab_size=1000)
 
 
@@ -241,12 +245,13 @@ def test_missing_iteration_lists_the_ones_there(tiny, tmp_path):
 # --- item 14: Hugging Face inputs ----------------------------------------------------------------------------------
 
 def test_other_hf_architectures_name_the_supported_ones(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"],
-                                                      "hidden_size": 16}))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "mistral", "architectures":
+                                                             ["MistralForCausalLM"], "hidden_size": 16}))
     with pytest.raises(ValueError, match=r"model_type 'mistral' \(MistralForCausalLM\); megajax converts only: gpt2 "
                                          r"\(GPT2LMHeadModel\), bert \(BertForPreTraining\), megatron-bert "
                                          r"\(MegatronBertForPreTraining\), llama \(LlamaForCausalLM\)$"):
-        convert("hf-to-megajax", f"--hf={tmp_path}", f"--output={tmp_path / 'out'}")
+        convert("hf-to-megajax", f"--hf={tmp_path / 'hf'}", f"--output={tmp_path / 'out'}")
     assert not (tmp_path / "out").exists()
 
 
@@ -317,8 +322,8 @@ def test_megatron_output_with_other_iterations_is_refused_then_replaced(megajax_
     out = tmp_path / "mt"
     convert("megajax-to-megatron", f"--checkpoint={megajax_ck}", f"--output={out}", "--tp=2", "--iteration=100")
     before = tree_bytes(out)
-    with pytest.raises(FileExistsError, match=r"already holds iter_0000100/, latest_checkpointed_iteration.txt: "
-                                              r"pass a fresh --output, or --overwrite"):
+    with pytest.raises(OutputPathError, match=r"mt already exists \(a Megatron-LM checkpoint\): pass --overwrite to "
+                                              r"replace it"):
         convert("megajax-to-megatron", f"--checkpoint={megajax_ck}", f"--output={out}", "--tp=4", "--iteration=7")
     assert tree_bytes(out) == before
     with pytest.raises(FileExistsError, match="already holds iter_0000100/"):  # the library refuses too
@@ -352,10 +357,12 @@ def test_failed_overwrite_keeps_the_old_checkpoint(megajax_ck, tmp_path, monkeyp
 def test_other_verbs_refuse_a_used_output(megajax_ck, tmp_path, verb):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "model.safetensors").write_bytes(b"someone else's")
-    with pytest.raises(FileExistsError, match=r"--output .*out already holds model.safetensors: pass a fresh"):
-        convert(verb, f"--checkpoint={megajax_ck}", f"--output={tmp_path / 'out'}")
+    for overwrite in ([], ["--overwrite"]):  # not an earlier output of the verb: --overwrite does not replace it
+        with pytest.raises(OutputPathError, match=r"--output=.*out already holds other files \(model.safetensors\), "
+                                                  r"not a .*: --overwrite replaces only"):
+            convert(verb, f"--checkpoint={megajax_ck}", f"--output={tmp_path / 'out'}", *overwrite)
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == b"someone else's"
-    with pytest.raises(ValueError, match="would replace the input"):
+    with pytest.raises(OutputPathError, match="is the input"):
         convert(verb, f"--checkpoint={megajax_ck}", f"--output={megajax_ck}", "--overwrite")
 
 

@@ -175,7 +175,7 @@ def test_metrics_equal_the_hand_computed_ones(task, meshes, checkpoints, files, 
     for data, tensor in meshes:
         out = tmp_path / f"{task}_{data}x{tensor}.json"
         got = run(task, task, mesh_data=data, mesh_model=tensor, batch_size=3, output=str(out),
-                  predictions=str(tmp_path / "predictions.json"))
+                  predictions=str(tmp_path / "predictions.json"), overwrite=True)  # each mesh's replaces the last
         assert got["mesh"] == f"{data}x{tensor}" and json.loads(out.read_text()) == got
         assert set(got) - {"task", "checkpoint", "mesh", "null_odds_file"} == set(want)
         for split, metrics in want.items():

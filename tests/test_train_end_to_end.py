@@ -84,6 +84,6 @@ def test_two_processes_match_one(tmp_path):
     config = load_config("gpt_tiny")
     config.data.source, config.mesh.model = "random", 2
     config.train.update(steps=3, log_every=1, global_batch_size=8)
-    single = [r["loss"] for r in train(config, tmp_path / "single") if "loss" in r]
+    single = [r["loss"] for r in train(config, tmp_path.parent / f"{tmp_path.name}-single") if "loss" in r]
     assert len(multi) == 3
     np.testing.assert_allclose(multi, single, rtol=1e-5)

@@ -9,11 +9,12 @@ from megajax.checkpoint.manager import (
     read_config,
     restore_params,
     save_params,
+    saved_steps,
     verify,
 )
 
 __all__ = ["CheckpointError", "Checkpointer", "check_shapes", "read_config", "restore_params", "save_params",
-           "verify"]
+           "saved_steps", "verify"]
 
 
 def __getattr__(name: str):

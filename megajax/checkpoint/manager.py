@@ -34,6 +34,7 @@ from flax import serialization
 from megajax.checkpoint import digest as array_digest
 from megajax.checkpoint.migrate import migrate_config
 from megajax.errors import UserError
+from megajax.outputs import CHECKPOINTS_NAME, STEP_CONFIG, STEP_PARAMS, STEP_STATE
 
 SUPERSEDED = "superseded"  # WORKDIR/superseded/<time>/<step>: steps set aside by a resume from an earlier step
 
@@ -186,8 +187,8 @@ def _array_tree_handler() -> ocp.PyTreeCheckpointHandler:
 
 
 def _handlers() -> dict:
-    return {"state": _array_tree_handler(), "data": ocp.JsonCheckpointHandler(),
-            "config": ocp.JsonCheckpointHandler(), "digests": ocp.JsonCheckpointHandler()}
+    return {STEP_STATE: _array_tree_handler(), "data": ocp.JsonCheckpointHandler(),
+            STEP_CONFIG: ocp.JsonCheckpointHandler(), "digests": ocp.JsonCheckpointHandler()}
 
 
 def _check_writable(directory: pathlib.Path) -> None:
@@ -207,13 +208,22 @@ class Checkpointer:
     """Periodic asynchronous saves of the training state, the loader position, the config and the digests."""
 
     def __init__(self, workdir: str | pathlib.Path, cfg: ml_collections.ConfigDict):
-        self.directory = _resolve(workdir) / "checkpoints"
+        self.directory = _resolve(workdir) / CHECKPOINTS_NAME
         _check_writable(self.directory)
+        self._remove_partial_saves()
+        # orbax's own clean-up of partial saves runs in a thread that outlives close(); a command that fails right
+        # after this then prints that thread's traceback at exit. It is done above instead, synchronously.
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=cfg.every_steps, max_to_keep=cfg.keep or None,  # keep=0: no limit
             keep_period=cfg.keep_period or None, enable_async_checkpointing=cfg.async_save,
-            cleanup_tmp_directories=True)
+            cleanup_tmp_directories=False)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+
+    def _remove_partial_saves(self) -> None:
+        """Removes what a save that did not finish left behind (a killed run's, or a failed one's)."""
+        if jax.process_index() == 0:
+            for partial in self.directory.glob("*.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -313,9 +323,7 @@ class Checkpointer:
     def _failed_save(self, error: Exception) -> Exception:
         """Removes the failed save's temporary directory (orbax leaves it until the next start) and returns the
         error to raise: a CheckpointError saying what happened when the cause is the file system."""
-        if jax.process_index() == 0:
-            for partial in self.directory.glob("*.orbax-checkpoint-tmp*"):
-                shutil.rmtree(partial, ignore_errors=True)
+        self._remove_partial_saves()
         code, cause = None, error
         while cause is not None and code is None:  # an OSError, or tensorstore's text with the OS error code
             found = re.search(r"os_error_code='(\d+)'", str(cause))
@@ -333,11 +341,17 @@ class Checkpointer:
         self.manager.close()
 
 
+def saved_steps(workdir: str | pathlib.Path) -> list[int]:
+    """The training checkpoints a workdir holds (complete ones: a save in progress has a temporary name), read
+    without creating anything."""
+    return _steps_in(_resolve(workdir) / CHECKPOINTS_NAME)
+
+
 def _step_dir(path: pathlib.Path) -> pathlib.Path:
     """A workdir, a checkpoints/ directory or a step directory -> the step directory to read."""
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
-    if (path / "config").is_dir():
+    if (path / CHECKPOINTS_NAME).is_dir():
+        path = path / CHECKPOINTS_NAME
+    if (path / STEP_CONFIG).is_dir():
         return path
     steps = _steps_in(path)
     if not steps:
@@ -357,7 +371,7 @@ def _read_json_item(item: pathlib.Path) -> Any:
 def read_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
     """The config stored with a checkpoint (training checkpoint or export), with the fields added since it was
     written (``migrate_config``)."""
-    return migrate_config(ml_collections.ConfigDict(_read_json_item(_step_dir(_resolve(path)) / "config")))
+    return migrate_config(ml_collections.ConfigDict(_read_json_item(_step_dir(_resolve(path)) / STEP_CONFIG)))
 
 
 def restore_params(path: str | pathlib.Path, target: Any) -> Any:
@@ -365,10 +379,10 @@ def restore_params(path: str | pathlib.Path, target: Any) -> Any:
     step_dir = _step_dir(_resolve(path))
     where, hint = f"checkpoint {step_dir}", _load_hint(step_dir)
     handler = _array_tree_handler()
-    if (step_dir / "state").is_dir():  # a training checkpoint: only its params subtree
-        item, wrap = step_dir / "state", lambda t: {"params": t}
-    elif (step_dir / "params").is_dir():
-        item, wrap = step_dir / "params", lambda t: t
+    if (step_dir / STEP_STATE).is_dir():  # a training checkpoint: only its params subtree
+        item, wrap = step_dir / STEP_STATE, lambda t: {"params": t}
+    elif (step_dir / STEP_PARAMS).is_dir():
+        item, wrap = step_dir / STEP_PARAMS, lambda t: t
     else:
         raise FileNotFoundError(f"{step_dir} holds neither state/ nor params/")
     try:
@@ -382,7 +396,7 @@ def restore_params(path: str | pathlib.Path, target: Any) -> Any:
     record = _read(lambda: _read_json_item(step_dir / "digests"), where, hint) \
         if (step_dir / "digests").is_dir() else None
     verify(restored, record, where, hint)
-    return restored["params"] if (step_dir / "state").is_dir() else restored
+    return restored["params"] if (step_dir / STEP_STATE).is_dir() else restored
 
 
 def save_params(path: str | pathlib.Path, params: Any, config: ml_collections.ConfigDict, step: int = 0,
@@ -398,7 +412,7 @@ def save_params(path: str | pathlib.Path, params: Any, config: ml_collections.Co
     if dtype:
         params = jax.tree.map(lambda x: x.astype(dtype), params)
     manager = ocp.CheckpointManager(path, item_handlers={
-        "params": _array_tree_handler(), "config": ocp.JsonCheckpointHandler(),
+        STEP_PARAMS: _array_tree_handler(), STEP_CONFIG: ocp.JsonCheckpointHandler(),
         "digests": ocp.JsonCheckpointHandler()})
     manager.save(step, force=True, args=ocp.args.Composite(params=ocp.args.PyTreeSave(params),
                                                            config=ocp.args.JsonSave(json.loads(config.to_json())),

@@ -138,11 +138,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
         raise ConfigError(f"parallel.sequence splits the sequence over mesh.model={tp}, but model.max_seq_len="
                           f"{m.max_seq_len} is not divisible by it: make max_seq_len a multiple of {tp}, pick "
                           f"mesh.model from its divisors, or set parallel.sequence=False")
-    if config.mesh.pipe > 1 and dp == -1 and num_devices % (config.mesh.pipe * tp):
-        raise ConfigError(f"mesh.pipe={config.mesh.pipe} x mesh.model={tp} does not divide the {num_devices} devices "
-                          "present; set mesh.data, or pick mesh.pipe and mesh.model whose product divides them")
-    dp, tp = resolve_mesh_shape(dp, tp, num_devices // max(config.mesh.pipe, 1))
     _check_pipeline(config)
+    dp, tp = resolve_mesh_shape(dp, tp, num_devices, config.mesh.pipe)
     rules_of(config)
     if config.checkpoint.keep < 0:
         raise ConfigError(f"checkpoint.keep={config.checkpoint.keep}; use 0 to keep every checkpoint or K > 0 "
@@ -169,6 +166,18 @@ def _check_pipeline(config: ml_collections.ConfigDict) -> None:
              f"mesh.pipe from the divisors of {m.num_layers}")
     _require(m.num_layers % (p * v) == 0, f"mesh.pipe={p} x parallel.pipeline_repeats={v} splits "
              f"model.num_layers={m.num_layers} into equal chunks: pick a product that divides {m.num_layers}")
+
+
+def _check_pipeline_microbatches(config: ml_collections.ConfigDict, rows: int) -> None:
+    """A ``parallel.pipeline_microbatches`` given must cut each data replica's ``rows`` (per accumulation step)
+    evenly (0, one per stage, takes the largest count up to mesh.pipe that does)."""
+    wanted = config.parallel.pipeline_microbatches
+    if config.mesh.pipe == 1 or not wanted or rows % wanted == 0:
+        return
+    fits = [m for m in range(1, rows + 1) if rows % m == 0]
+    raise ConfigError(f"parallel.pipeline_microbatches={wanted} does not cut the {rows} rows each data replica "
+                      f"holds per step (train.global_batch_size / (data x accumulation steps)) evenly; pick one of "
+                      f"{', '.join(map(str, fits))}, or 0 (one per stage)")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -262,6 +271,8 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, training: bool 
     loaded for inference) skips the fields only training reads; the batch is then the config's, in one step."""
     dp, tp = validate(config, num_devices)
     num_micro = validate_training(config, dp) if training else 1
+    if training:
+        _check_pipeline_microbatches(config, config.train.global_batch_size // (dp * num_micro))
     shard_optimizer, fsdp = state_split(config)
     return RunSpec(model_name=config.model.name, model=model_config(config), rules=rules_of(config), data=dp,
                    tensor=tp, precision=resolve_precision(config.train.precision),

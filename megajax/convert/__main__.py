@@ -13,8 +13,10 @@ checkpoint's tensors (BERT holds an lm_head and binary_head), a megajax checkpoi
 1024 (the paper's), Llama's not at all (its vocabularies already split over 8 shards). The Megatron verbs convert
 GPT and BERT only.
 megajax outputs are params-only checkpoints that ``megajax.load_model`` and training both read.
-Every verb refuses an --output that already holds something unless --overwrite is given; the output is written
-beside it and renamed into place, so a conversion that fails leaves what was there untouched.
+Every verb refuses an --output on, inside or above its input, on or inside a training workdir or checkpoint, or
+inside a model directory. An --output that already holds something is refused unless --overwrite is given and it
+holds an earlier output of the same kind (a megajax model, a Hugging Face or a Megatron-LM directory); the output
+is written beside it and renamed into place, so a conversion that fails leaves what was there untouched.
 """
 
 from __future__ import annotations
@@ -28,14 +30,19 @@ import numpy as np
 from flax import nnx
 
 from megajax.checkpoint import save_params
-from megajax.cli import ArgumentParser, fail, load_config
+from megajax.cli import ArgumentParser, fail, load_config, start_backend
 from megajax.config.load import inference_config, restore_model
 from megajax.convert import hf_io, megatron_bert, megatron_gpt
 from megajax.convert.paths import absolute, existing_input, staged_output
+from megajax.data.sources import CONVERTED
 from megajax.data.tokenizer import load_tokenizer
+from megajax.outputs import Kind
 
 INPUT_FLAGS = {"hf-to-megajax": "hf", "megatron-to-megajax": "megatron", "megajax-to-hf": "checkpoint",
                "megajax-to-megatron": "checkpoint", "export": "checkpoint"}
+# what each verb writes: --overwrite replaces only an earlier output of the same kind
+OUTPUT_KINDS = {"hf-to-megajax": Kind.MODEL, "megatron-to-megajax": Kind.MODEL, "megajax-to-hf": Kind.HF_MODEL,
+                "megajax-to-megatron": Kind.MEGATRON, "export": Kind.MODEL}
 
 
 def host_params(checkpoint: str | pathlib.Path):
@@ -82,7 +89,10 @@ def _hf_to_megajax(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Pat
     pad = args.make_vocab_size_divisible_by
     config = converter.config_from_hf(hf) if pad is None else converter.config_from_hf(hf, pad)
     params = converter.params_from_hf(hf_io.read_weights(source, args.allow_pickle), config)
-    config.data.tokenizer_fingerprint = _tokenizer_fingerprint(source, config.model.vocab_size)
+    fingerprint = _tokenizer_fingerprint(source, config.model.vocab_size)
+    # no training data to name; the tokenizer that came with the weights (evaluation reads it)
+    config.data.update(source=CONVERTED, tokenizer=str(source) if fingerprint else "",
+                       tokenizer_fingerprint=fingerprint)
     return save_params(out, params, config)
 
 
@@ -113,6 +123,7 @@ def _megatron_to_megajax(args, source: pathlib.Path, out: pathlib.Path) -> pathl
     reader = megatron_bert if megatron_bert.holds_bert(source, args.iteration, args.allow_pickle) else megatron_gpt
     params, config = reader.read_megatron(source, config, iteration=args.iteration, vocab_size=args.vocab_size,
                                           allow_pickle=args.allow_pickle)
+    config.data.update(source=CONVERTED, path="", tokenizer="")  # Megatron saves no tokenizer or data path
     return save_params(out, params, config)
 
 
@@ -137,11 +148,12 @@ VERBS = {"hf-to-megajax": _hf_to_megajax, "megajax-to-hf": _megajax_to_hf,
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
+    start_backend()
     flag = INPUT_FLAGS[args.command]
     # Paths are made absolute here, once, so every verb and library below sees the same file whatever the cwd.
     source = existing_input(getattr(args, flag), flag)
     output = absolute(args.output)
-    with staged_output(output, overwrite=args.overwrite, reads=[source]) as staging:
+    with staged_output(output, OUTPUT_KINDS[args.command], overwrite=args.overwrite, reads=[source]) as staging:
         written = pathlib.Path(VERBS[args.command](args, source, staging)).absolute()
     print(f"wrote {output / written.relative_to(staging)}", file=sys.stderr)
 
@@ -151,8 +163,9 @@ USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, ImportE
 
 if __name__ == "__main__":
     from megajax.checkpoint import CheckpointError
+    from megajax.cli import BackendError
 
     try:
         main()
-    except (*USER_ERRORS, CheckpointError) as e:
+    except (*USER_ERRORS, CheckpointError, BackendError) as e:
         fail(e, e.args[0] if isinstance(e, KeyError) and e.args else None)

@@ -71,16 +71,21 @@ def read_weights(directory: str | pathlib.Path, allow_pickle: bool = False) -> d
 
 def _load_safetensors(path: pathlib.Path, allow_pickle: bool) -> dict[str, np.ndarray]:
     del allow_pickle  # safetensors holds no code
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
     try:
-        return load_file(str(path))
-    except TypeError:  # numpy has no bfloat16, so safetensors.numpy refuses BF16 files (most Llama checkpoints)
-        import jax
-        from safetensors.flax import load_file as load_jax_file
+        try:
+            return load_file(str(path))
+        except TypeError:  # numpy has no bfloat16, so safetensors.numpy refuses BF16 files (most Llama checkpoints)
+            import jax
+            from safetensors.flax import load_file as load_jax_file
 
-        with jax.default_device(jax.local_devices(backend="cpu")[0]):  # host memory, whatever the accelerator
-            return {name: np.asarray(a) for name, a in load_jax_file(str(path)).items()}  # ml_dtypes' bfloat16
+            with jax.default_device(jax.local_devices(backend="cpu")[0]):  # host memory, whatever the accelerator
+                return {name: np.asarray(a) for name, a in load_jax_file(str(path)).items()}  # ml_dtypes' bfloat16
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path} cannot be read as safetensors ({e}): the file is missing, truncated or damaged; "
+                         "copy or download it again") from None
 
 
 def _load_torch(path: pathlib.Path, allow_pickle: bool) -> dict[str, np.ndarray]:

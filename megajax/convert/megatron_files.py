@@ -10,8 +10,9 @@ from collections.abc import Iterable
 
 from megajax.convert import torch_io
 from megajax.convert.paths import require_empty
+from megajax.outputs import MEGATRON_TRACKER
 
-TRACKER = "latest_checkpointed_iteration.txt"
+TRACKER = MEGATRON_TRACKER
 RANK_FILE = "model_optim_rng.pt"
 
 
@@ -73,6 +74,20 @@ def rank_files(it_dir: pathlib.Path) -> list[pathlib.Path]:
     if absent:
         raise FileNotFoundError(f"rank file(s) missing: {', '.join(absent)}")
     return files
+
+
+def check_rank_count(it_dir: pathlib.Path, found: int, saved_tp: int | None) -> None:
+    """Raises ValueError naming the rank directories missing (or extra) when the checkpoint's own args say another
+    tensor-parallel size than the ``found`` mp_rank_NN directories."""
+    if saved_tp is None or saved_tp == found:
+        return
+    if saved_tp > found:
+        missing = ", ".join(f"mp_rank_{r:02d}" for r in range(found, saved_tp))
+        there = "mp_rank_00" + (f"..mp_rank_{found - 1:02d} are" if found > 1 else " is")
+        raise ValueError(f"{it_dir} lacks {missing}: its args say tensor_model_parallel_size={saved_tp} but only "
+                         f"{there} there; copy the missing rank(s) from the save")
+    raise ValueError(f"{it_dir} holds {found} rank directories but its args say tensor_model_parallel_size="
+                     f"{saved_tp}: mp_rank_{saved_tp:02d} and above come from another save; remove them")
 
 
 def write_ranks(directory: pathlib.Path, models: Iterable[dict], args: argparse.Namespace,

@@ -221,6 +221,7 @@ def load_merged(it_dir: pathlib.Path, config: ml_collections.ConfigDict | None, 
     files = megatron_files.rank_files(it_dir)
     checkpoints = [torch_io.load(f, allow_pickle) for f in files]
     args = checks.common_args(checkpoints, files)
+    megatron_files.check_rank_count(it_dir, len(files), (args or {}).get("tensor_model_parallel_size"))
     version = checkpoints[0].get("checkpoint_version", 0)
     if version < 2:
         raise ValueError(f"checkpoint_version {version}: QKV rows are not interleaved per head; only >= 2 is supported")

@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 
-from megajax.cli import OutputPathError
+from megajax.outputs import Kind, OutputPathError, claim_directory, make_directory, remove_created
 
 
 def absolute(path: str | pathlib.Path) -> pathlib.Path:
@@ -42,34 +42,29 @@ def require_empty(directory: pathlib.Path, what: str) -> None:
 
 
 @contextlib.contextmanager
-def staged_output(output: pathlib.Path, *, overwrite: bool = False,
+def staged_output(output: pathlib.Path, kind: Kind, *, overwrite: bool = False,
                   reads: Iterable[pathlib.Path] = ()) -> Iterator[pathlib.Path]:
     """Yields an empty directory beside ``output`` to write into; once the block succeeds it becomes ``output``.
 
-    An ``output`` that already holds something is refused unless ``overwrite``; even then the old contents are
-    removed only after the new ones are complete, so a conversion that fails half-way loses nothing. ``reads`` are
-    the inputs: replacing one of them (or a directory holding one) is refused.
+    Where ``output`` may go is ``megajax.outputs.claim_directory``'s rule (never on, in or above an input in
+    ``reads``, a workdir or a checkpoint; an existing ``kind`` replaced only with ``overwrite``). Even then the old
+    contents are removed only after the new ones are complete, so a conversion that fails half-way loses nothing;
+    and a failure removes every directory this made (the staging one, and parents it created).
     """
-    if not overwrite:
-        try:
-            require_empty(output, "--output")
-        except FileExistsError as e:
-            raise FileExistsError(f"{e}: pass a fresh --output, or --overwrite to replace it (the old contents "
-                                  "are removed only once the new ones are complete)") from None
-    for source in reads:
-        if source == output or output in source.parents:
-            raise ValueError(f"--output={output} would replace the input {source} being converted: "
-                             "pass another --output")
+    claim_directory(output, kind, inputs=reads, overwrite=overwrite)
+    created = []
     try:  # before any input is read: an unwritable place fails now, not after the conversion
-        output.parent.mkdir(parents=True, exist_ok=True)
+        created = make_directory(output.parent)
         staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
     except OSError as e:
+        remove_created(created)
         raise OutputPathError(f"--output={output} cannot be written ({e.strerror or e}); pick a writable "
                               "place") from None
     try:
         yield staging
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        remove_created(created)
         raise
     _swap_in(staging, output)
 

@@ -25,14 +25,22 @@ def load(path: str | pathlib.Path, allow_pickle: bool = False) -> Any:
     and must only be used on files you trust.
     """
     torch = _torch()
-    if allow_pickle:
-        return torch.load(path, map_location="cpu", weights_only=False)
     try:
+        if allow_pickle:
+            return torch.load(path, map_location="cpu", weights_only=False)
         with torch.serialization.safe_globals([argparse.Namespace]):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError subclasses and RuntimeErrors here
-        raise ValueError(f"{path} cannot be loaded with weights_only=True ({str(e)[:200]}); if you trust the file, "
-                         "pass --allow_pickle") from e
+        if not allow_pickle and "Weights only load failed" in str(e):  # readable, but it pickles code
+            raise ValueError(f"{path} holds pickled objects that weights_only=True refuses ({_first_line(e)}); if "
+                             "you trust the file, pass --allow_pickle") from e
+        raise ValueError(f"{path} cannot be read as a PyTorch checkpoint ({_first_line(e)}): the file is truncated "
+                         "or damaged; copy or save it again") from e
+
+
+def _first_line(error: Exception, limit: int = 160) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def save(obj: Any, path: str | pathlib.Path) -> None:

@@ -97,7 +97,7 @@ class BERTBatches:
         if data.sentences is None:
             raise ValueError(f"{data.prefix} has no sentence boundaries: BERT needs a corpus preprocessed with "
                              "python -m megajax.data.preprocess --split_sentences")
-        if data.meta["vocab_size"] != vocab.vocab_size:
+        if data.meta.get("vocab_size", vocab.vocab_size) != vocab.vocab_size:  # unrecorded: nothing to compare
             raise ValueError(f"the dataset's tokenizer has {data.meta['vocab_size']} ids but the BERT vocabulary "
                              f"{vocab.vocab_size}: use the tokenizer saved with the dataset")
         if seq_len < SPECIALS_PER_SAMPLE + 2:

@@ -22,10 +22,20 @@ from tokenizers import Tokenizer
 
 from megajax.data.tokenizer import vocabulary_fingerprint
 from megajax.errors import UserError
+from megajax.outputs import (
+    DATASET_SUFFIXES,
+    DOC_SENTENCES,
+    INDEX,
+    META,
+    SENTENCES,
+    TOKENIZER,
+    TOKENS,
+    make_directory,
+    remove_created,
+)
 
-TOKENS, INDEX, META = ".bin", ".idx.npy", ".json"
-SENTENCES, DOC_SENTENCES, TOKENIZER = ".sentences.npy", ".doc_sentences.npy", ".tokenizer.json"
-SUFFIXES = (TOKENS, INDEX, SENTENCES, DOC_SENTENCES, TOKENIZER, META)  # META last: it marks completion
+# the file names live with the rule that protects them (megajax.outputs); META last: it marks completion
+SUFFIXES = DATASET_SUFFIXES
 
 
 class DatasetError(UserError, ValueError):
@@ -74,7 +84,7 @@ class IndexedWriter:
 
     def __init__(self, prefix: str | pathlib.Path, dtype: np.dtype, tokenizer_json: str | None = None):
         self.prefix = pathlib.Path(prefix)
-        self.prefix.parent.mkdir(parents=True, exist_ok=True)
+        self._created = make_directory(self.prefix.parent)  # removed again if the dataset is not committed
         remove_stale_temporaries(self.prefix)
         self.dtype = np.dtype(dtype)
         self.tokenizer_json = tokenizer_json
@@ -138,6 +148,26 @@ class IndexedWriter:
             pass
         for suffix in SUFFIXES:
             pathlib.Path(f"{self._tmp}{suffix}").unlink(missing_ok=True)
+        remove_created(self._created)
+
+
+def _read_meta(path: pathlib.Path) -> dict:
+    """A dataset's sidecar, checked to hold what reading the dataset needs (DatasetError naming the file if not)."""
+    try:
+        meta = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DatasetError(f"{path} is not a dataset's JSON sidecar ({e}): the dataset is damaged; re-run "
+                           "preprocessing") from None
+    if not isinstance(meta, dict):
+        raise DatasetError(f"{path} is not a dataset's sidecar (it holds no JSON object); re-run preprocessing")
+    missing = [k for k in ("dtype", "tokens") if k not in meta] + (
+        [] if meta.get("dtype") in ("uint16", "uint32", None) else [f"dtype (uint16 or uint32, not {meta['dtype']!r})"])
+    if "sentences" in meta and not isinstance(meta["sentences"], int):
+        missing.append("sentences (a count)")
+    if missing or not isinstance(meta.get("tokens"), int):
+        raise DatasetError(f"{path} lacks what a dataset's sidecar holds ({', '.join(missing) or 'tokens (a count)'}):"
+                           " it was not written by preprocessing, or was edited; re-run preprocessing")
+    return meta
 
 
 @dataclasses.dataclass
@@ -160,8 +190,12 @@ class IndexedTokens:
                 raise DatasetError(f"{prefix}{TOKENS} has no {META} sidecar: preprocessing did not finish; re-run it")
             raise FileNotFoundError(f"no preprocessed dataset at {prefix} (expected {meta_path}); create one with "
                                     "python -m megajax.data.preprocess --output_prefix=...")
-        meta = json.loads(meta_path.read_text())
+        meta = _read_meta(meta_path)
         dtype = np.dtype(meta["dtype"])
+        for suffix in (TOKENS, INDEX):
+            if not pathlib.Path(f"{prefix}{suffix}").is_file():
+                raise DatasetError(f"{prefix}{suffix} is missing beside {meta_path}: the dataset is incomplete; "
+                                   "re-run preprocessing")
         size = os.path.getsize(f"{prefix}{TOKENS}")
         if size % dtype.itemsize:
             raise DatasetError(f"{prefix}{TOKENS} has {size} bytes, not a whole number of {dtype.name} ids (the "

@@ -22,7 +22,7 @@ import pathlib
 import signal
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from megajax.cli import ArgumentParser, fail
 from megajax.data.dedup import Deduplicator, minhash
@@ -30,6 +30,7 @@ from megajax.data.indexed import IndexedWriter, choose_dtype
 from megajax.data.sentences import LANGUAGES
 from megajax.data.sentences import split_sentences as sentences_of
 from megajax.data.tokenizer import TextTokenizer, load_tokenizer
+from megajax.outputs import claim_dataset
 
 
 @dataclasses.dataclass
@@ -127,13 +128,22 @@ def _tokenize(texts: list[str], tokenizer: TextTokenizer, split: bool, language:
     return out
 
 
+class Stopped(Exception):
+    """A stop signal (SIGTERM, SIGINT) arrived while preprocessing; nothing was written."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
 def write_documents(documents: Iterable[str], tokenizer: TextTokenizer, output_prefix: str | pathlib.Path, *,
                     counts: Counts | None = None, meta: dict | None = None, min_tokens: int = 128,
                     dedup: bool = False, dedup_threshold: float = 0.7, dtype: str = "auto", workers: int = 1,
                     batch_size: int = 512, progress: bool = False, split_sentences: bool = False,
-                    language: str = "en") -> Counts:
+                    language: str = "en", stop_signal: Callable[[], int | None] = lambda: None) -> Counts:
     """The pipeline on document texts: tokenize (per sentence with ``split_sentences``), drop short and duplicate
-    documents, write with an EOD id each."""
+    documents, write with an EOD id each. ``stop_signal()`` is asked before each batch and before the dataset is
+    committed: a signal number ends the run with ``Stopped``, the temporary files removed and nothing written."""
     from tqdm import tqdm
 
     if split_sentences and language not in LANGUAGES:
@@ -142,11 +152,13 @@ def write_documents(documents: Iterable[str], tokenizer: TextTokenizer, output_p
     counts = counts or Counts()
     dedup_filter = Deduplicator(dedup_threshold, near=dedup)
     writer = IndexedWriter(output_prefix, token_dtype, tokenizer.tokenizer.to_str())
-    pool = multiprocessing.get_context("spawn").Pool(workers) if dedup and workers > 1 else None
+    pool = multiprocessing.get_context("spawn").Pool(workers, _ignore_stop_signals) if dedup and workers > 1 else None
     start = time.perf_counter()
     bar = tqdm(desc="preprocess", unit="doc", disable=not progress)
     try:
         for texts in _batched(iter(documents), batch_size):
+            if signum := stop_signal():
+                raise Stopped(signum)
             if counts.files == 0:  # documents given directly, not read from files
                 counts.documents_read += len(texts)
                 counts.bytes += sum(len(t.encode()) for t in texts)
@@ -172,6 +184,8 @@ def write_documents(documents: Iterable[str], tokenizer: TextTokenizer, output_p
         if counts.kept == 0:
             raise ValueError(f"no documents left ({dataclasses.asdict(counts)}); check the inputs, --json_key and "
                              "--min_tokens")
+        if signum := stop_signal():
+            raise Stopped(signum)
         writer.commit({**(meta or {}), "tokenizer": tokenizer.source, "vocab_size": tokenizer.vocab_size,
                        "tokenizer_fingerprint": tokenizer.fingerprint,
                        "eod_id": tokenizer.eod_id, "min_tokens": min_tokens, "dedup": dedup,
@@ -180,6 +194,8 @@ def write_documents(documents: Iterable[str], tokenizer: TextTokenizer, output_p
                        "seconds": round(time.perf_counter() - start, 3)})
     except BaseException:
         writer.abort()
+        if pool:
+            pool.terminate()
         raise
     finally:
         bar.close()
@@ -188,11 +204,20 @@ def write_documents(documents: Iterable[str], tokenizer: TextTokenizer, output_p
     return counts
 
 
+def _ignore_stop_signals() -> None:
+    """A deduplication worker leaves SIGINT and SIGTERM to the main process, which stops the pool."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", required=True, nargs="+", help=".jsonl/.txt files or glob patterns")
     p.add_argument("--tokenizer", required=True, help="tokenizer.json, a GPT-2 BPE directory, or a vocab.txt")
-    p.add_argument("--output_prefix", required=True)
+    p.add_argument("--output_prefix", required=True,
+                   help="the dataset's path without suffix: writes PREFIX.bin, PREFIX.idx.npy, PREFIX.json")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a dataset already at --output_prefix (once the new one is complete)")
     p.add_argument("--json_key", default="text")
     p.add_argument("--min_tokens", type=int, default=128)
     p.add_argument("--dedup", action="store_true", help="drop near duplicates (MinHash LSH)")
@@ -203,18 +228,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--language", default="en", choices=LANGUAGES, metavar="LANG",
                    help=f"the sentence splitter's language, one of {', '.join(LANGUAGES)}")
     args = p.parse_args(argv)
-    # SIGTERM (a job scheduler's stop) unwinds like Ctrl-C, so the writer removes its temporary files
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit("preprocess: stopped by SIGTERM; nothing was written to "
-                                                      f"{args.output_prefix}"))
+    # A stop signal only records itself; the loop checks it between batches. (A handler that raised could land in
+    # a garbage-collection callback, where Python prints the exception and carries on writing.)
+    received = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _: received.append(signum))
     try:
+        claim_dataset(args.output_prefix, inputs=[*_expand(args.input), args.tokenizer], overwrite=args.overwrite)
         counts = preprocess(args.input, load_tokenizer(args.tokenizer), args.output_prefix, json_key=args.json_key,
                             min_tokens=args.min_tokens, dedup=args.dedup, dedup_threshold=args.dedup_threshold,
                             dtype=args.dtype, workers=args.workers, progress=sys.stderr.isatty(),
-                            split_sentences=args.split_sentences, language=args.language)
+                            split_sentences=args.split_sentences, language=args.language,
+                            stop_signal=lambda: received[0] if received else None)
+    except Stopped as e:  # the writer removed its temporary files; the exit status says which signal
+        print(f"error: preprocess {e}; nothing was written to {args.output_prefix}", file=sys.stderr)
+        sys.exit(128 + e.signum)
     except (OSError, ValueError) as e:  # missing files, a bad tokenizer, nothing left, a full disk: no traceback
         fail(e, f"{e} (nothing was written to {args.output_prefix})")
-    except KeyboardInterrupt as e:  # Ctrl-C: the writer has removed its temporary files on the way out
-        fail(e, f"interrupted; nothing was written to {args.output_prefix}")
     print(json.dumps(dataclasses.asdict(counts), indent=1))
 
 

@@ -53,6 +53,11 @@ def check_ids_fit(tokens: np.ndarray, meta: dict, vocab_size: int, what: str) ->
                           f"tokenizer or set --config.model.vocab_size to at least {top + 1}")
 
 
+# data.source of a converted model's stored config: weights from elsewhere, no training data (data.tokenizer: the
+# tokenizer that came with them, if any)
+CONVERTED = "converted"
+
+
 def load_dataset(config: ml_collections.ConfigDict,
                  examples: ExampleFormat | None) -> IndexedTokens | TaskData | BlendedData:
     """The corpus named by ``config.data``, checked against the model's vocabulary (a fine-tuning task's rows for
@@ -77,6 +82,9 @@ def load_dataset(config: ml_collections.ConfigDict,
                 raise ConfigError(f"data.blend: {path} was preprocessed with another tokenizer than {spec.paths[0]}"
                                   " (their ids mean different tokens); preprocess every dataset with one tokenizer")
         return BlendedData(spec, datasets)
+    if d.source == CONVERTED:
+        raise ConfigError(f"data.source={CONVERTED} marks a converted model's config, which names no training data; "
+                          "train with a config file (and --config.init_from=THE_CONVERTED_MODEL to start from it)")
     if d.source == "task":
         return load_task(config)
     if d.source == "default":  # the model's offline corpus (formats.WINDOWS, formats.SENTENCE_PAIRS)

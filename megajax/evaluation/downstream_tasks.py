@@ -25,7 +25,6 @@ QQP's skipped rows, SQuAD's questions whose answer is not at its answer_start (a
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import sys
 from typing import Any
@@ -47,6 +46,7 @@ from megajax.evaluation.inputs import InputError, check_tokenizer
 from megajax.evaluation.squad_decode import answers_at, decode_squad, null_odds
 from megajax.evaluation.squad_metrics import squad1_scores, squad2_scores
 from megajax.models.objectives import PAIR_FIELDS
+from megajax.outputs import write_json
 
 DOWNSTREAM_TASKS = ("mnli", "qqp", "squad1", "squad2", "race")
 DEV_FILES = {"mnli": {"matched": "dev_matched.tsv", "mismatched": "dev_mismatched.tsv"}, "qqp": {"dev": "dev.tsv"},
@@ -222,5 +222,5 @@ def write_predictions(path: str | pathlib.Path, task: str, predictions: dict,
 
 
 def _write_json(path: str | pathlib.Path, value: Any) -> None:
-    pathlib.Path(path).write_text(json.dumps(value, indent=1) + "\n")
+    write_json(path, value)
     print(f"wrote {path}", file=sys.stderr)

@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 
 from megajax.data.indexed import META, IndexedTokens
-from megajax.data.sources import make_loader
+from megajax.data.sources import CONVERTED, make_loader
 from megajax.data.tokenizer import TextTokenizer, load_tokenizer
 from megajax.errors import ConfigError, UserError
 from megajax.evaluation.detokenize import original_token_count, wikitext_detokenize
@@ -31,7 +31,12 @@ def tokenizer_for(config: ml_collections.ConfigDict, explicit: str | None) -> Te
     if explicit:
         return load_tokenizer(explicit)
     d = config.data
+    if d.source == CONVERTED and not d.tokenizer:
+        raise InputError("this checkpoint was converted from a model directory that held no tokenizer megajax reads "
+                         "(tokenizer.json, vocab.json + merges.txt, or vocab.txt); pass --tokenizer=PATH")
     try:
+        if d.source == CONVERTED:  # the tokenizer that came with the converted weights
+            return load_tokenizer(d.tokenizer)
         if d.source == "default":  # the model's own offline corpus
             return load_tokenizer(model_spec(config.model.name).examples.default_corpus(config.model.vocab_size)[1])
         if d.source == "tfds" and d.tokenizer:

@@ -2,11 +2,13 @@
 the median of 5 seeds).
 
     for seed in 1 2 3 4 5; do
-      python train.py --config=configs/finetune_mnli_336m.py --config.init_from=runs/bert_336m \\
+      python train.py --config=finetune.py:mnli,336m --config.init_from=runs/bert_336m \\
           --config.train.seed=$seed --config.data.seed=$seed --workdir=runs/mnli_seed$seed
-      python eval.py --checkpoint=runs/mnli_seed$seed --task=mnli --output=runs/mnli_seed$seed/eval.json
+      python eval.py --checkpoint=runs/mnli_seed$seed --task=mnli --output=runs/mnli_seed$seed.eval.json
     done
-    python -m megajax.evaluation.median runs/mnli_seed*/eval.json [--output=runs/mnli_median.json]
+    python -m megajax.evaluation.median runs/mnli_seed*.eval.json [--output=runs/mnli_median.json]
+
+(Results go beside the workdirs: megajax writes nothing into a training workdir but training itself.)
 
 Every number of every split (``matched.accuracy``, ``dev.f1``, ...) gets its median and its values in file order.
 """
@@ -21,7 +23,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from megajax.cli import ArgumentParser, OutputPathError, check_output_file
+from megajax.cli import ArgumentParser
+from megajax.outputs import OutputPathError, claim_file, write_json
 
 
 class ResultsError(ValueError):
@@ -70,17 +73,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", help="eval.py --output files, one per seed")
     p.add_argument("--output", help="also write the medians here as JSON")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier results file at --output")
     args = p.parse_args(argv)
     try:
-        check_output_file(args.output, "output")
+        claim_file(args.output, inputs=args.results, overwrite=args.overwrite)
         summary = median_of(args.results)
     except (ResultsError, OutputPathError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    text = json.dumps(summary, indent=1)
-    print(text)
+    print(json.dumps(summary, indent=1))
     if args.output:
-        pathlib.Path(args.output).write_text(text + "\n")
+        write_json(args.output, summary)
     return 0
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import pathlib
 import sys
 from typing import Any
 
@@ -12,7 +11,6 @@ import ml_collections
 import numpy as np
 
 from megajax.checkpoint import read_config
-from megajax.cli import check_output_file
 from megajax.config.load import inference_config, restore_model
 from megajax.data.tokenizer import TextTokenizer
 from megajax.errors import ShardingConfigError
@@ -20,6 +18,7 @@ from megajax.evaluation import downstream_tasks, inputs, tasks
 from megajax.evaluation.generate import Sampling, check_generation, generate
 from megajax.evaluation.scoring import Scorer
 from megajax.models import eval_task_models
+from megajax.outputs import OutputPathError, claim_file, write_json
 
 TASKS = tuple(eval_task_models())  # every model's eval tasks (models/: each spec lists its own)
 
@@ -40,6 +39,8 @@ def read_inputs(task: str, config: ml_collections.ConfigDict, *, data: str | Non
         return downstream_tasks.read_splits(task, config, data, tokenizer), None, None
     if task not in ("generate", "mlm") and not data:
         raise inputs.InputError(f"--task={task} needs --data")
+    if task in ("mlm", "ppl") and tokenizer:  # their data is token ids already: a tokenizer given must be the model's
+        inputs.check_tokenizer(inputs.tokenizer_for(config, tokenizer), config)
     if task == "mlm":
         return inputs.bert_eval_batches(config, data, batch_size), None, None
     if task == "ppl":
@@ -69,7 +70,7 @@ def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | No
         tokenizer: str | None = None, mesh_data: int | None = None, mesh_model: int | None = None,
         batch_size: int = 8, stride: int | None = None, max_new_tokens: int = 64, sampling: Sampling | None = None,
         seed: int = 0, output: str | None = None, predictions: str | None = None,
-        null_score_diff_threshold: float | None = None) -> dict:
+        null_score_diff_threshold: float | None = None, overwrite: bool = False) -> dict:
     """Runs ``task`` on ``checkpoint``; prints and (with ``output``) writes the JSON results.
 
     ``stride`` (wikitext103 and ppl only): windows start every ``stride`` tokens and each window after the first
@@ -78,18 +79,20 @@ def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | No
     ``predictions`` (fine-tuning tasks only): also write each example's prediction there as JSON: SQuAD's official
     ``{question id: answer text}`` ("" = no answer; squad2 also writes its null odds beside it, named in the results'
     ``null_odds_file``), other tasks per split (id -> label or option letter). ``null_score_diff_threshold``
-    (squad2, default 0): answer "" where the null odds exceed it. Input mistakes raise ``InputError`` before the
-    model is loaded.
+    (squad2, default 0): answer "" where the null odds exceed it. The output files go where
+    ``megajax.outputs.claim_file`` allows (never on or in an input, a checkpoint or a dataset; an existing results
+    file only with ``overwrite``). Input mistakes raise ``InputError`` before the model is loaded.
     """
     sampling = sampling or Sampling()
     try:
-        check_output_file(output, "output")  # a directory or an unwritable place: refused before any work
-        check_output_file(predictions, "predictions")
         if predictions and task not in downstream_tasks.DOWNSTREAM_TASKS:
             raise inputs.InputError(f"--predictions applies to --task={'|'.join(downstream_tasks.DOWNSTREAM_TASKS)}")
         if null_score_diff_threshold is not None and task != "squad2":
             raise inputs.InputError("--null_score_diff_threshold applies to --task=squad2")
         config = read_config(checkpoint)
+        # what the task reads: the flags', and the data the checkpoint was trained on (a task's default data)
+        _claim_outputs(output, predictions, task, overwrite, read=[checkpoint, data, tokenizer, config.data.path,
+                                                                   config.data.task_dir, config.data.tokenizer])
         task_input, tok, stride = read_inputs(task, config, data=data, prompt=prompt, tokenizer=tokenizer,
                                               stride=stride, batch_size=batch_size, max_new_tokens=max_new_tokens,
                                               sampling=sampling)
@@ -130,10 +133,24 @@ def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | No
     if task != "generate":
         print(json.dumps(result, indent=1))
     if output:
-        _write_json(output, result)
+        write_json(output, result)
+        print(f"wrote {output}", file=sys.stderr)
     return result
 
 
-def _write_json(path: str, value: Any) -> None:
-    pathlib.Path(path).write_text(json.dumps(value, indent=1) + "\n")
-    print(f"wrote {path}", file=sys.stderr)
+def _claim_outputs(output: str | None, predictions: str | None, task: str, overwrite: bool,
+                   read: list[str | None]) -> None:
+    """Every file this evaluation will write, checked before any work (``megajax.outputs.claim_file``): the
+    results, the predictions and squad2's null odds beside them, each a different file."""
+    files = [("output", output, None), ("predictions", predictions, None)]
+    if predictions and task == "squad2":
+        odds = downstream_tasks.null_odds_path(predictions)
+        files.append(("predictions", odds, f"squad2's null odds file {odds} (beside --predictions)"))
+    claimed = {}
+    for flag, path, label in files:
+        where = claim_file(path, flag=flag, inputs=read, overwrite=overwrite, label=label)
+        if where in claimed:
+            raise OutputPathError(f"{label or f'--{flag}={path}'} is also where {claimed[where]} goes; give each "
+                                  "output its own file")
+        if where:
+            claimed[where] = label or f"--{flag}"

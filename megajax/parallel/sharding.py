@@ -78,19 +78,25 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> P:
     return P(*axes)
 
 
-def resolve_mesh_shape(data: int, model: int, num_devices: int) -> tuple[int, int]:
-    """(data, model) with ``data=-1`` resolved to all devices left after ``model``; checked against the devices."""
+def resolve_mesh_shape(data: int, model: int, num_devices: int, pipe: int = 1) -> tuple[int, int]:
+    """(data, model) with ``data=-1`` resolved to all devices left after ``pipe`` x ``model``; checked against the
+    devices, the messages naming the whole mesh as ``--mesh`` spells it (PIPExDATAxMODEL when ``pipe`` > 1)."""
     if model < 1:
         raise ShardingConfigError(f"mesh.model must be >= 1, got {model}")
+    if pipe < 1:
+        raise ShardingConfigError(f"mesh.pipe must be >= 1 (1: no pipeline), got {pipe}")
     if data == -1:
-        if num_devices % model:
-            raise ShardingConfigError(f"mesh.model={model} does not divide the {num_devices} devices present")
-        data = num_devices // model
+        if num_devices % (pipe * model):
+            axes = f"mesh.pipe={pipe} x mesh.model={model}" if pipe > 1 else f"mesh.model={model}"
+            raise ShardingConfigError(f"{axes} does not divide the {num_devices} devices present; set mesh.data, "
+                                      "or pick sizes whose product divides them")
+        data = num_devices // (pipe * model)
     if data < 1:
         raise ShardingConfigError(f"mesh.data must be >= 1 or -1, got {data}")
-    if data * model > num_devices:
-        raise ShardingConfigError(f"mesh {data}x{model} needs {data * model} devices but {num_devices} are present; "
-                                  "lower mesh.data or mesh.model (on a CPU host, --cpu_devices simulates more)")
+    if pipe * data * model > num_devices:
+        shape, axes = (f"{pipe}x{data}x{model}", " (pipe x data x model)") if pipe > 1 else (f"{data}x{model}", "")
+        raise ShardingConfigError(f"mesh {shape}{axes} needs {pipe * data * model} devices but {num_devices} are "
+                                  "present; lower a mesh size (on a CPU host, --cpu_devices simulates more)")
     return data, model
 
 
@@ -103,9 +109,7 @@ def make_mesh(data: int, model: int, devices: Sequence[jax.Device] | None = None
     pin, which is how Megatron's f/g all-reduces appear without hand-written collectives.
     """
     devices = list(jax.devices() if devices is None else devices)
-    if pipe < 1 or len(devices) < pipe:
-        raise ShardingConfigError(f"mesh.pipe={pipe} needs 1 <= pipe <= the {len(devices)} devices present")
-    data, model = resolve_mesh_shape(data, model, len(devices) // pipe)
+    data, model = resolve_mesh_shape(data, model, len(devices), pipe)
     if pipe == 1:
         grid = np.asarray(devices[: data * model]).reshape(data, model)
         return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 2)

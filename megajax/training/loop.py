@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import pathlib
+import shutil
+import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax
 import ml_collections
@@ -17,7 +20,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from megajax.checkpoint import Checkpointer, CheckpointError
+from megajax.checkpoint import Checkpointer, CheckpointError, saved_steps
+from megajax.cli import input_paths
 from megajax.config import RunSpec, abstract_model, model_differences, model_factory, resolve
 from megajax.config.load import in_layout
 from megajax.data.blend import BlendedBatches
@@ -28,6 +32,7 @@ from megajax.data.tasks.task_data import TaskData
 from megajax.evaluation.evaluator import Evaluator, objective_metrics
 from megajax.models.objectives import Field
 from megajax.models.transformer import reorder_layers
+from megajax.outputs import CHECKPOINTS_NAME, METRICS_NAME, claim_workdir
 from megajax.parallel import pipeline
 from megajax.parallel.partition import over_data, shardings
 from megajax.parallel.sharding import activate, logical_to_spec, make_mesh
@@ -36,9 +41,15 @@ from megajax.training.data import load_dataset, make_loader
 from megajax.training.finetune import check_init_from, load_trunk
 from megajax.training.health import NonFiniteGuard
 from megajax.training.loss_scale import LossScale
-from megajax.training.metrics import MetricsWriter, model_flops_per_step, peak_flops, sequences_per_step
+from megajax.training.metrics import (
+    MetricsWriter,
+    check_writable,
+    model_flops_per_step,
+    peak_flops,
+    sequences_per_step,
+)
 from megajax.training.optimizer import learning_rate_schedule, make_optimizer
-from megajax.training.preemption import StopRequest
+from megajax.training.preemption import StopRequest, TrainingStopped
 from megajax.training.step import TrainState, make_train_step
 from megajax.training.workdir_lock import hold_workdir
 
@@ -150,7 +161,10 @@ def _start_record(run: Run, data, resumed_from: int | None) -> dict:
         entropy = unigram_entropy(data.tokens[:min(train_end, ENTROPY_SAMPLE_TOKENS)])
     return {"step": resumed_from or 0, "event": "resume" if resumed_from is not None else "start",
             "model": spec.model_name, "mesh": f"{spec.data}x{spec.tensor}",
-            **({"pipe": spec.pipe, "pipeline_repeats": spec.pipeline_repeats} if spec.pipe > 1 else {}),
+            **({"pipe": spec.pipe, "pipeline_repeats": spec.pipeline_repeats,  # the microbatch count used:
+                "pipeline_microbatches": pipeline.microbatches_for(spec.micro_batch, spec.pipeline_microbatches,
+                                                                    spec.pipe)}
+               if spec.pipe > 1 else {}),
             "devices": jax.device_count(),
             "processes": jax.process_count(), "device_kind": dev.device_kind, "num_params": run.num_params,
             "precision": spec.precision, "param_bytes_per_device": param_bytes,
@@ -165,15 +179,46 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> lis
     """Trains to ``config.train.steps``, resuming from the latest checkpoint in ``workdir`` if there is one
     (or from ``config.checkpoint.restore_step``). A workdir another live run holds is refused (WorkdirInUseError).
 
-    Returns the records logged by this call (also appended to workdir/metrics.jsonl). On SIGTERM/SIGINT it
-    finishes the current step, saves a checkpoint and returns. A non-finite loss raises ``TrainingDiverged``
-    before anything is saved from that state.
+    Every check that needs no workdir runs first (the config, the model, where the workdir lies, the data and its
+    tokenizer, ``init_from``); a run that then fails before its first step removes what it created. Returns the
+    records logged by this call (also appended to workdir/metrics.jsonl) and prints a one-line summary. On
+    SIGTERM/SIGINT it finishes the current step, saves a checkpoint and raises ``TrainingStopped``. A non-finite
+    loss raises ``TrainingDiverged`` before anything is saved from that state.
     """
     distributed.maybe_initialize()
     resolve(config, jax.device_count())  # config errors first, in milliseconds
     abstract_model(config)  # then the module's own (options its family does not have), before the workdir exists
-    with hold_workdir(workdir):  # one run per workdir, taken before anything is written; freed on return or error
-        return _train(config, workdir)
+    workdir = claim_workdir(workdir, inputs=input_paths(config))  # never on, in or above its data, or a checkpoint
+    config = config.copy_and_resolve_references()  # the copy records the data's tokenizer (not the caller's)
+    data = load_dataset(config)  # data errors next, still before the workdir is touched
+    config.data.tokenizer_fingerprint = tokenizer_fingerprint(data)  # stored with every checkpoint
+    if config.init_from and not saved_steps(workdir):
+        check_init_from(config)  # a wrong path or model (a resume ignores init_from)
+    with hold_workdir(workdir) as created, _undone_on_failure(workdir, created) as started:  # one run per workdir
+        return _train(config, workdir, data, started)
+
+
+@contextlib.contextmanager
+def _undone_on_failure(workdir: pathlib.Path, created: list[pathlib.Path]) -> Iterator[Callable[[], None]]:
+    """Yields ``started()``, to call once the run's first record is written; an error before that removes what
+    this run created in ``workdir`` (``created``: the workdir itself if taking it made it, or its lock file), so a
+    failed start leaves nothing behind. Entered with the workdir held, so what is new here is this run's."""
+    if jax.process_index():  # process 0 owns the files
+        created = []
+    elif workdir not in created:
+        created = created + [workdir / name for name in (METRICS_NAME, CHECKPOINTS_NAME)
+                             if not (workdir / name).exists()]
+    started = []
+    try:
+        yield lambda: started.append(True)
+    except BaseException:
+        if not started:
+            for path in created:
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+        raise
 
 
 def _check_same_model(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict,
@@ -196,19 +241,18 @@ def _check_same_tokenizer(saved: ml_collections.ConfigDict, fingerprint: str, st
             "pass a different --workdir; nothing was changed")
 
 
-def _train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dict]:
-    config = config.copy_and_resolve_references()  # the copy records the data's tokenizer (not the caller's)
+def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path, data, started: Callable[[], None]) -> list[dict]:
     # a checkpoint directory that cannot be written fails here, not minutes into the first save
     checkpointer = Checkpointer(workdir, config.checkpoint) if config.checkpoint.enabled else None
     try:
-        return _train_with(config, workdir, checkpointer)
+        return _train_with(config, workdir, data, checkpointer, started)
     finally:  # also on a bad input found below: an unclosed manager's thread fails noisily at exit
         if checkpointer:
             checkpointer.close()
 
 
-def _train_with(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
-                checkpointer: Checkpointer | None) -> list[dict]:
+def _train_with(config: ml_collections.ConfigDict, workdir: pathlib.Path, data, checkpointer: Checkpointer | None,
+                started: Callable[[], None]) -> list[dict]:
     restore_step = config.checkpoint.restore_step
     latest = checkpointer.latest_step() if checkpointer else None
     # the step a resume reads (a restore_step that is not there is refused by resume, naming the steps there are)
@@ -217,9 +261,6 @@ def _train_with(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     if resume_dir is not None and resume_dir.is_dir():
         saved_config, saved_position = checkpointer.stored(int(resume_dir.name))
         _check_same_model(saved_config, config, resume_dir)
-    data = load_dataset(config)  # data errors next, still before compiling
-    config.data.tokenizer_fingerprint = tokenizer_fingerprint(data)  # stored with every checkpoint
-    if saved_config is not None:
         _check_same_tokenizer(saved_config, config.data.tokenizer_fingerprint, resume_dir)
     loader = make_loader(config, "train", data)
     valid = make_loader(config, "valid", data) if config.train.eval_batches else None
@@ -230,38 +271,74 @@ def _train_with(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
         return []
     if saved_position is not None:  # the same data and batch, checked before compiling
         loader.set_state(saved_position, config.train.allow_batch_size_change, config.data.allow_blend_change)
-    init_from = config.init_from
-    if init_from and latest is None:
-        check_init_from(config)  # a wrong path or model fails before compiling
+    is_main = jax.process_index() == 0
+    if is_main:
+        check_writable(workdir)  # metrics.jsonl: before compiling, not after
     run = setup(config)
     if checkpointer:
         checkpointer.check_space(run.abstract_state)  # a disk too small for one checkpoint: before the first step
     restored = checkpointer.resume(run.abstract_state, restore_step) if checkpointer else None
+    init_from = config.init_from
     if restored:
         state, _ = restored  # the loader already stands at the position saved with it
         state = in_layout(state, saved_config, run.spec.layer_layout)
-        if init_from and jax.process_index() == 0:
+        if init_from and is_main:
             print(f"resuming from {checkpointer.directory}: init_from={init_from!r} is ignored (resume wins)",
                   file=sys.stderr)
     else:
         state = run.init_state()
         if init_from:  # fine-tuning: the pretrained trunk replaces the fresh one, the heads stay fresh
             state = state.replace(params={**state.params, **load_trunk(config, run.abstract_state.params)})
-    is_main = jax.process_index() == 0
     writer = MetricsWriter(workdir, enabled=is_main)
     start = _start_record(run, data, resumed_from=int(state.step) if restored else None)
     writer.write(start)
+    started()
     if is_main:
         print(" ".join(f"{k}={v}" for k, v in start.items() if k not in ("step", "event")), file=sys.stderr)
+        if (used := run.mesh.devices.size) < jax.device_count():
+            print(f"note: mesh {_mesh_text(run.spec)} uses {used} of the {jax.device_count()} devices present; the "
+                  f"other {jax.device_count() - used} stay idle (mesh.data=-1 takes every device left)",
+                  file=sys.stderr)
     stop = StopRequest()
     try:
-        state, records = _loop(run, state, loader, valid, checkpointer, writer, stop, is_main)
+        state, records, seconds = _loop(run, state, loader, valid, checkpointer, writer, stop, is_main)
     finally:
         stop.restore_handlers()
         if checkpointer:
             checkpointer.wait()
         writer.close()
+    done = int(state.step)
+    saved = checkpointer.directory / str(checkpointer.latest_step()) if checkpointer and checkpointer.latest_step() \
+        else None
+    summary = _summary(start, records, done, config.train.steps, int(start["step"]), seconds, run.spec, saved)
+    if done < config.train.steps:  # a stop signal ended the run early
+        signal_name = signal.Signals(stop.signum).name
+        raise TrainingStopped(f"stopped by {signal_name}: {summary}; run the same command to resume", stop.signum)
+    if is_main:
+        print(f"done: {summary}", file=sys.stderr)
     return records
+
+
+def _mesh_text(spec: RunSpec) -> str:
+    return f"{spec.pipe}x{spec.data}x{spec.tensor}" if spec.pipe > 1 else f"{spec.data}x{spec.tensor}"
+
+
+def _summary(start: dict, records: list[dict], done: int, steps: int, first: int, seconds: float, spec: RunSpec,
+             checkpoint: pathlib.Path | None) -> str:
+    """One line: the steps, the last train and validation loss beside the unigram entropy, the mean tokens/s of
+    this run's steps and the checkpoint to read."""
+    last = next((r for r in reversed(records) if "loss" in r), {})
+    valid = next((r for r in reversed(records) if "valid_loss" in r), {})
+    parts = [f"step {done}/{steps}"]
+    if done > first and seconds > 0:
+        tokens = (done - first) * sequences_per_step(spec) * spec.model.max_seq_len
+        parts.append(f"{tokens / seconds:,.0f} tokens/s over {done - first} steps")
+    losses = [f"{k}={r[k]:.4f}" for k, r in (("loss", last), ("valid_loss", valid)) if k in r]
+    if start.get("unigram_entropy") is not None:
+        losses.append(f"unigram entropy {start['unigram_entropy']:.4f}")
+    parts += [", ".join(losses)] if losses else []
+    parts.append(f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (checkpoint.enabled=False)")
+    return "; ".join(parts)
 
 
 def validation_metrics(run: Run, params, valid: Loader, num_batches: int) -> dict[str, float]:
@@ -278,7 +355,8 @@ def _save_due(checkpointer: Checkpointer | None, step: int, force: bool) -> bool
 
 def _loop(run: Run, state: TrainState, loader: Loader, valid: Loader | None,
           checkpointer: Checkpointer | None, writer: MetricsWriter, stop: StopRequest,
-          is_main: bool) -> tuple[TrainState, list[dict]]:
+          is_main: bool) -> tuple[TrainState, list[dict], float]:
+    """Runs the steps; returns the state, the records and the seconds spent in training steps (evaluation out)."""
     config, spec = run.config, run.spec
     seq = spec.model.max_seq_len
     flops = model_flops_per_step(spec, seq)
@@ -287,6 +365,7 @@ def _loop(run: Run, state: TrainState, loader: Loader, valid: Loader | None,
     guard = NonFiniteGuard(config.train.max_nonfinite_steps, checkpointer)
     progress = _progress(first_step, config.train.steps, is_main)
     last_time, last_step = time.perf_counter(), first_step
+    began, evaluating = last_time, 0.0
     for step in range(first_step, config.train.steps):
         state, metrics = run.step_fn(state, loader.next_global(run.batch_shardings))
         done = step + 1
@@ -318,6 +397,8 @@ def _loop(run: Run, state: TrainState, loader: Loader, valid: Loader | None,
             progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
         every = config.train.eval_every
         if valid and (last or (every and done % every == 0)):
+            jax.block_until_ready(state.step)  # the step's time is not evaluation's
+            eval_start = time.perf_counter()
             v = validation_metrics(run, state.params, valid, config.train.eval_batches)
             record = {"step": done, **{f"valid_{k}": x for k, x in v.items()}}
             if spec.model_spec.perplexity_of:  # a language model's perplexity (BERT's: of the MLM loss alone)
@@ -325,13 +406,12 @@ def _loop(run: Run, state: TrainState, loader: Loader, valid: Loader | None,
             writer.write(record)
             records.append(record)
             last_time = time.perf_counter()  # keep evaluation out of the training step time
-        if stopping:
-            if is_main:
-                saved = f"saved a checkpoint at step {done}" if checkpointer else "checkpointing is disabled"
-                print(f"stop signal: {saved}; exiting", file=sys.stderr)
+            evaluating += last_time - eval_start
+        if stopping:  # the checkpoint of this step is saved above; the caller says so
             break
     progress.close()
-    return state, records
+    jax.block_until_ready(state.step)
+    return state, records, time.perf_counter() - began - evaluating
 
 
 def _progress(initial: int, total: int, enabled: bool):

@@ -8,6 +8,8 @@ import pathlib
 import jax
 
 from megajax.config import RunSpec
+from megajax.errors import UserError
+from megajax.outputs import METRICS_NAME
 
 # Dense peak FLOP/s per device from vendor datasheets: (substring of jax's device_kind, precision). The first
 # matching kind wins, so the specific ones (H100 PCIe) come before the general (H100, the SXM part). fp32 runs
@@ -47,12 +49,24 @@ def peak_flops(device: jax.Device, precision: str, override: float | None = None
     return next((v for (name, p), v in PEAK_FLOPS.items() if p in listed and name.lower() in kind), None)
 
 
+def check_writable(workdir: str | pathlib.Path) -> None:
+    """Raises UserError unless ``workdir/metrics.jsonl`` can be appended to (checked before compiling; a file this
+    creates stays empty, and a failed start removes it)."""
+    path = pathlib.Path(workdir) / METRICS_NAME
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        open(path, "a").close()  # appending nothing changes neither its bytes nor its time
+    except OSError as e:
+        raise UserError(f"cannot write {path} ({e.strerror or e}): make it writable, or pass a different "
+                        "--workdir") from None
+
+
 class MetricsWriter:
     """Appends one JSON object per line to ``workdir/metrics.jsonl`` and mirrors scalars to TensorBoard."""
 
     def __init__(self, workdir: str | pathlib.Path, enabled: bool = True):
         self.enabled = enabled
-        self.path = pathlib.Path(workdir) / "metrics.jsonl"
+        self.path = pathlib.Path(workdir) / METRICS_NAME
         self._tb = None
         if enabled:
             from tensorboardX import SummaryWriter  # a core dependency

@@ -26,8 +26,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from megajax.errors import UserError
+from megajax.outputs import LOCK_NAME
 
-LOCK_NAME = "train.lock"
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
 _MESSAGE_BYTES = 2048  # room for the refusal message when it is broadcast to the other processes
 
@@ -51,6 +51,7 @@ class WorkdirLock:
 
     def __init__(self, workdir: str | pathlib.Path):
         self.path = pathlib.Path(workdir).expanduser().absolute() / LOCK_NAME
+        self.created: list[pathlib.Path] = []  # what acquiring made: the workdir if it was new, else the lock file
         self._file = None
         self._kernel_lock = False
 
@@ -87,6 +88,7 @@ class WorkdirLock:
 
     def acquire(self) -> str | None:
         """Takes the lock or raises WorkdirInUseError; returns a note when it recovered one left by a dead run."""
+        created = [p for p in (self.path.parent, self.path) if not p.exists()][:1]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         f = open(self.path, "a+")  # never truncate here: a refused run must not erase the holder's record
         self._kernel_lock = self._lock(f)
@@ -102,6 +104,7 @@ class WorkdirLock:
                             "command": " ".join(sys.argv)[:300]}))
         f.flush()
         self._file = f
+        self.created = created
         return self._notes(previous)
 
     def _notes(self, previous: dict | None) -> str | None:
@@ -145,8 +148,9 @@ def _agree(message: str | None) -> str | None:
 
 
 @contextlib.contextmanager
-def hold_workdir(workdir: str | pathlib.Path) -> Iterator[None]:
-    """Holds the workdir for the ``with`` body (process 0 locks; every process refuses together)."""
+def hold_workdir(workdir: str | pathlib.Path) -> Iterator[list[pathlib.Path]]:
+    """Holds the workdir for the ``with`` body (process 0 locks; every process refuses together); yields what
+    taking it created (the workdir, or the lock file; nothing on other processes)."""
     import jax
 
     lock = WorkdirLock(workdir) if jax.process_index() == 0 else None
@@ -163,7 +167,7 @@ def hold_workdir(workdir: str | pathlib.Path) -> Iterator[None]:
         refusal = _agree(refusal)
         if refusal:
             raise WorkdirInUseError(refusal)
-        yield
+        yield lock.created if lock else []
     finally:
         if lock:
             lock.release()
