@@ -207,7 +207,8 @@ def claim_folder(path: str | pathlib.Path, *, flag: str, inputs: Iterable[str | 
     _check_inputs(output, label, inputs)
     found = kind_of(output)
     if found not in (None, accept):
-        raise OutputPathError(f"{label} is {found.value}; give a new directory")
+        raise OutputPathError(f"{label} is {found.value}{f', not {accept.value}' if accept else ''}; give a new "
+                              "directory")
     if output.exists() and not output.is_dir():
         raise OutputPathError(f"{label} is a file, not a directory; give a directory")
     _check_not_inside_recognised(output, label)

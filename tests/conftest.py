@@ -50,7 +50,7 @@ SLOWEST_FIRST = {"test_train_end_to_end.py": 135, "test_sharded_optimizer.py": 1
                  "test_checkpoint.py": 108, "test_communication_audit.py": 108, "test_bert_training.py": 94,
                  "test_llama.py": 75, "test_training_step.py": 67, "test_pipeline.py": 150,
                  "test_sequence_parallel.py": 60, "test_faults.py": 51, "test_convert_llama.py": 41,
-                 "test_bert_model.py": 40,
+                 "test_bert_model.py": 40, "test_user_faults.py": 70,
                  "test_tensor_parallel_equivalence.py": 30, "test_evaluation.py": 29, "test_memory_planner.py": 29,
                  "test_run_guards.py": 26, "test_downstream_eval.py": 22, "test_lm_eval_adapter.py": 18,
                  "test_convert_bert.py": 17, "test_bert_data.py": 13, "test_convert.py": 9, "test_convert_inputs.py": 9}

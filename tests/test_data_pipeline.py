@@ -246,9 +246,11 @@ def test_cli_refuses_a_language_the_splitter_has_no_rules_for(tmp_path, corpus_t
     assert not list(tmp_path.glob("o.*"))
 
 
-def test_a_stopped_preprocess_leaves_no_temporary_files(tmp_path, corpus_texts, tokenizer):
-    """SIGTERM mid-run removes the run's temporaries; files a SIGKILLed run left are removed by the next run on the
-    same prefix (their process is gone), a live writer's are not."""
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_preprocess_leaves_no_temporary_files(tmp_path, corpus_texts, tokenizer, stop):
+    """SIGTERM (a scheduler) or SIGINT (Ctrl-C) mid-run: exit 128 + the signal, one line, nothing written and the
+    run's temporaries removed; files a SIGKILLed run left are removed by the next run on the same prefix (their
+    process is gone), a live writer's are not."""
     tokenizer.save(tmp_path / "tok.json")
     fifo = tmp_path / "in.jsonl"
     os.mkfifo(fifo)  # the run blocks reading it, mid-run, with its temporary files open
@@ -269,11 +271,13 @@ def test_a_stopped_preprocess_leaves_no_temporary_files(tmp_path, corpus_texts, 
         while not list(tmp_path.glob("o.tmp-*.bin")) and time.monotonic() < deadline:
             time.sleep(0.05)  # polling for the run to start writing
         assert list(tmp_path.glob("o.tmp-*.bin")), "the run never started writing"
-        run.send_signal(signal.SIGTERM)
-    # the feed closed: if the kernel gave the signal to another of the run's threads (the tokenizer's), the main
-    # thread's read of the fifo was not interrupted; it returns now and the handler runs before anything is written
-    assert run.wait(timeout=60) != 0
-    assert "stopped by SIGTERM; nothing was written to" in run.stderr.read()
+        run.send_signal(stop)
+    # the feed closed: the run's read of the fifo returns and the next batch sees the signal the handler recorded
+    assert run.wait(timeout=60) == 128 + stop
+    stderr = run.stderr.read()
+    assert stderr.strip().splitlines()[-1] == (f"error: preprocess stopped by {stop.name}; nothing was written to "
+                                               f"{tmp_path / 'o'}"), stderr
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr
     assert not list(tmp_path.glob("o.*"))
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -241,8 +241,12 @@ def _drop_reason(example: SquadExample, context_ids: Sequence[int], span: tuple[
     return None
 
 
+MAX_QUERY_LENGTH = 64  # question tokens kept (BERT's run_squad.py)
+MIN_SEQ_LEN = MAX_QUERY_LENGTH + SPECIALS_PER_PAIR + 1  # the shortest window that holds a context token
+
+
 def featurize_squad(examples: Sequence[SquadExample], tokenizer: TextTokenizer | Tokenizer, max_seq_len: int = 384,
-                    *, doc_stride: int = 128, max_query_length: int = 64, training: bool,
+                    *, doc_stride: int = 128, max_query_length: int = MAX_QUERY_LENGTH, training: bool,
                     name: str = "squad", source: str = "") -> SquadFeatures:
     """Windows of every question (module docstring). With ``training``, a question whose context has no token,
     whose first answer's text is not at its ``answer_start``, or whose first answer no window holds whole, is

@@ -58,6 +58,11 @@ def check_task(config: ml_collections.ConfigDict) -> None:
     if d.task.startswith("synthetic") and (m.vocab_size < SYNTHETIC_SPECIALS.vocab_size or m.max_seq_len < 24):
         raise ConfigError(f"synthetic tasks need model.vocab_size >= {SYNTHETIC_SPECIALS.vocab_size} and "
                           f"model.max_seq_len >= 24; got {m.vocab_size} and {m.max_seq_len}")
+    if d.task in ("squad1", "squad2") and m.max_seq_len < squad.MIN_SEQ_LEN:  # no room for a context token
+        raise ConfigError(f"model.max_seq_len={m.max_seq_len} leaves no room for a SQuAD context: a window holds up "
+                          f"to {squad.MAX_QUERY_LENGTH} question tokens and {SPECIALS_PER_PAIR} special tokens "
+                          f"besides; set --config.model.max_seq_len to at least {squad.MIN_SEQ_LEN} (BERT's SQuAD "
+                          "runs use 384)")
     if not 0.0 <= d.max_dropped_fraction <= 1.0:
         raise ConfigError(f"data.max_dropped_fraction={d.max_dropped_fraction}: must be in [0, 1] (1 allows any)")
 
