@@ -182,6 +182,8 @@ def claim_directory(path: str | pathlib.Path, kind: Kind, *, flag: str = "output
                     inputs: Iterable[str | pathlib.Path | None] = (), overwrite: bool = False) -> pathlib.Path:
     """Checks that a command may write ``kind`` (a directory) at ``path``; returns it absolute. An empty or absent
     directory is free; one holding ``kind`` needs ``overwrite``; anything else is refused. Writes nothing."""
+    if not str(path).strip():
+        raise OutputPathError(f"--{flag} is empty; give a new directory")
     output = pathlib.Path(path).expanduser().absolute()
     label = f"--{flag}={path}"
     _check_inputs(output, label, inputs)
@@ -202,6 +204,8 @@ def claim_folder(path: str | pathlib.Path, *, flag: str, inputs: Iterable[str | 
     empty, of kind ``accept``, or holding other files beside which it adds its own; never an input, inside or
     above one, or anything else megajax recognises, nor inside a workdir, checkpoint or model directory. Returns it
     absolute. Writes nothing."""
+    if not str(path).strip():
+        raise OutputPathError(f"--{flag} is empty; give a directory, e.g. --{flag}=runs/first")
     output = pathlib.Path(path).expanduser().absolute()
     label = f"--{flag}={path}"
     _check_inputs(output, label, inputs)
@@ -258,7 +262,7 @@ def claim_dataset(prefix: str | pathlib.Path, *, flag: str = "output_prefix",
     text = str(prefix)
     output = pathlib.Path(text).expanduser().absolute()
     label = f"--{flag}={prefix}"
-    if text.endswith(os.sep) or output.is_dir():
+    if not text.strip() or text.endswith(os.sep) or output.is_dir():
         raise OutputPathError(f"{label} is a directory; give a file prefix inside it, e.g. --{flag}="
                               f"{output / 'corpus'} (which writes corpus{TOKENS}, corpus{INDEX}, corpus{META} there)")
     files = [pathlib.Path(f"{output}{suffix}") for suffix in DATASET_SUFFIXES]

@@ -166,6 +166,10 @@ def test_a_workdir_is_new_empty_a_workdir_or_beside_other_files(disk):
         assert message in str(error.value), (workdir, str(error.value))
     with pytest.raises(OutputPathError, match="holds the input"):
         claim_folder(disk / "lm", flag="output_path", inputs=[disk / "lm" / "run"])
+    with pytest.raises(OutputPathError, match="--workdir is empty"):  # not the current directory, silently
+        claim_workdir("")
+    with pytest.raises(OutputPathError, match="give a file prefix"):
+        claim_dataset("")
 
 
 def test_symbolic_links_are_followed(disk):
