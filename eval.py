@@ -59,8 +59,8 @@ def main(argv=None):
     p.add_argument("--config.mesh.model", dest="mesh_model", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--cpu_devices", type=int, default=0)
     args = p.parse_args(argv)
-    use_cpu_devices(args.cpu_devices)
     try:
+        use_cpu_devices(args.cpu_devices)
         start_backend()
     except USER_ERRORS as e:
         fail(e)

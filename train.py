@@ -9,22 +9,38 @@
 pipeline stages); ``--cpu_devices=N`` simulates N devices on a CPU host.
 """
 
+import signal
 import sys
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+# First, before any import: from here a stop signal (Ctrl-C during start-up or compilation) is recorded and ends the
+# run with its exit status and one line, not a KeyboardInterrupt traceback (megajax.training.preemption).
+_EARLY_SIGNALS: list[int] = []
+if __name__ == "__main__":
+    for _sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(_sig, lambda signum, _: _EARLY_SIGNALS.append(signum))
 
-from megajax.cli import (
+# isort: split
+from megajax.training.preemption import StopRequest, TrainingStopped  # noqa: E402
+
+if __name__ == "__main__":
+    StopRequest.watch(_EARLY_SIGNALS)
+
+# isort: split
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from megajax.cli import (  # noqa: E402
     absolute_paths,
     apply_mesh,
     check_config_overrides,
+    cpu_devices_flag,
     fail,
     resolve_config_path,
     rewrite_config_flag,
     start_backend,
     use_cpu_devices,
 )
-from megajax.errors import USER_ERRORS
+from megajax.errors import USER_ERRORS  # noqa: E402
 
 DEFAULT_CONFIG = "gpt_tiny"
 
@@ -47,7 +63,6 @@ def main(argv):
     # after the flags: importing the trainer takes a few seconds
     from megajax.training import distributed
     from megajax.training.loop import train
-    from megajax.training.preemption import TrainingStopped
 
     config = flags.FLAGS.config
     try:
@@ -67,6 +82,7 @@ if __name__ == "__main__":
     try:
         sys.argv = rewrite_config_flag(sys.argv)  # bare config names, before absl reads the flag
         check_config_overrides(sys.argv, DEFAULT_CONFIG)
+        cpu_devices_flag(sys.argv)  # absl would answer a bad value with its FATAL
     except USER_ERRORS as e:  # a misspelled config name, :ARG or field
         fail(e)
     define_flags()

@@ -7,7 +7,10 @@ use, so ``import megajax`` (and the command-line tools' argument parsing) does n
 
 import importlib
 
+from megajax.platform import cpu_without_a_gpu
+
 __version__ = "0.1.0"
+cpu_without_a_gpu()  # before anything imports jax (a no-op but where the CUDA plugin is installed without a GPU)
 
 _API = ("LoadedModel", "ModelSpec", "RunSpec", "base_config", "bert_base_config", "create_model", "evaluate",
         "load_config", "load_model", "model_spec", "resolve", "train")

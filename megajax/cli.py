@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib.util
+import logging
 import os
 import pathlib
 import shlex
@@ -19,6 +20,7 @@ import ml_collections
 from absl import flags
 
 from megajax.errors import USER_ERRORS, ConfigError, UserError
+from megajax.platform import quiet_cuda_notices
 
 _PACKAGE = pathlib.Path(__file__).resolve().parent
 # The shipped configs: megajax/configs/ in an installed package (pyproject.toml maps the repository's configs/ there),
@@ -224,7 +226,7 @@ def _flag_value(argv: list[str], name: str) -> str | None:
             value = arg.split("=", 1)[1]
         elif arg == f"--{name}":
             if i + 1 >= len(argv):
-                raise SystemExit(f"--{name} needs a value, e.g. --{name}=8")
+                raise ConfigError(f"--{name} needs a value, e.g. --{name}=8")
             value = argv[i + 1]
     return value
 
@@ -233,7 +235,7 @@ def use_cpu_devices(n: int) -> None:
     """Simulates ``n`` CPU devices (0: the devices there are). Must run before jax starts its backends (any
     computation, ``jax.devices()``); importing jax first is fine."""
     if n < 0:
-        raise SystemExit(f"--cpu_devices={n}: give 0 (the real devices) or more")
+        raise ConfigError(f"--cpu_devices={n}: give 0 (the real devices) or more")
     if not n:
         return
     try:
@@ -243,14 +245,23 @@ def use_cpu_devices(n: int) -> None:
         raise RuntimeError(f"--cpu_devices must be applied before jax starts its backends: {e}") from e
 
 
+def cpu_devices_flag(argv: list[str]) -> int | None:
+    """``--cpu_devices=N`` (or ``--cpu_devices N``) in ``argv``, checked (ConfigError for anything but N >= 0)."""
+    value = _flag_value(argv, "cpu_devices")
+    if value is None:
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise ConfigError(f"--cpu_devices={value!r}: give a whole number of devices, e.g. --cpu_devices=8") from None
+    if n < 0:
+        raise ConfigError(f"--cpu_devices={n}: give 0 (the real devices) or more")
+    return n
+
+
 def simulate_cpu_devices(argv: list[str]) -> None:
     """Honours ``--cpu_devices=N`` (or ``--cpu_devices N``) in ``argv`` (``use_cpu_devices``)."""
-    value = _flag_value(argv, "cpu_devices")
-    if value is not None:
-        try:
-            n = int(value)
-        except ValueError:
-            raise SystemExit(f"--cpu_devices={value!r}: give a whole number of devices, e.g. --cpu_devices=8")
+    if (n := cpu_devices_flag(argv)) is not None:
         use_cpu_devices(n)
 
 
@@ -258,29 +269,43 @@ class BackendError(UserError):
     """The platform asked for (``JAX_PLATFORMS``) cannot start here: its plugin is missing or it has no device."""
 
 
-def backend_error(error: BaseException) -> BackendError | None:
+def backend_error(error: BaseException, cause: str | None = None) -> BackendError | None:
     """The BackendError to report for ``error`` if jax raised it while starting its backends (a bare
-    AssertionError for ``JAX_PLATFORMS=cuda`` without the CUDA plugin, a RuntimeError without a device), else None."""
+    AssertionError for ``JAX_PLATFORMS=cuda`` without the CUDA plugin, a RuntimeError without a device), else None;
+    ``cause``: what a plugin said when it failed to start (its logged exception), if it did."""
     frames = traceback.extract_tb(error.__traceback__)
     if not isinstance(error, (AssertionError, RuntimeError)) or not frames or \
             not frames[-1].filename.endswith(os.path.join("jax", "_src", "xla_bridge.py")):
         return None
     asked = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
-    cause = str(error).split(" (set JAX_PLATFORMS")[0] or "no backend for it is installed"
+    cause = cause or str(error).split(" (set JAX_PLATFORMS")[0] or "no backend for it is installed"
     return BackendError(f"JAX_PLATFORMS={asked} cannot start here ({cause}). For NVIDIA GPUs install the gpu extra "
                         "(pip install 'megajax[gpu]') on a machine with a GPU and its driver; to run on the CPU, "
                         "unset JAX_PLATFORMS or set it to cpu")
 
 
 def start_backend() -> None:
-    """Starts jax's backends now (after ``--cpu_devices`` and a multi-host start), so that a platform which cannot
-    start is one ``error:`` line naming the fix (``backend_error``)."""
+    """Starts jax's backends now (after ``--cpu_devices`` and a multi-host start), quietly (``quiet_cuda_notices``),
+    so that a platform which cannot start is one ``error:`` line naming the fix (``backend_error``)."""
+    logger = logging.getLogger("jax._src.xla_bridge")  # a plugin that fails logs its traceback here
+    held: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = held.append
+    logger.addHandler(handler)
+    propagate, logger.propagate = logger.propagate, False
     try:
-        jax.devices()
+        with quiet_cuda_notices():
+            jax.devices()
     except (AssertionError, RuntimeError) as e:
-        if (failure := backend_error(e)) is None:
+        causes = [str(r.exc_info[1]) for r in held if r.exc_info and r.exc_info[1] is not None]
+        if (failure := backend_error(e, causes[0] if causes else None)) is None:
             raise
         raise failure from None
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+    for record in held:  # the backend started: whatever the plugins said, as they said it
+        logger.handle(record)
 
 
 DEBUG_VARIABLE = "MEGAJAX_DEBUG"  # set to 1: a user error shows its traceback instead of the one error: line

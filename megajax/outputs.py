@@ -20,6 +20,7 @@ import enum
 import json
 import os
 import pathlib
+import re
 import tempfile
 from collections.abc import Iterable
 
@@ -55,6 +56,7 @@ class Kind(enum.Enum):
     MEGATRON = "a Megatron-LM checkpoint"
     DATASET = "part of a preprocessed dataset"
     RESULTS = "a JSON results file"
+    PREDICTIONS = "a JSON predictions file"
 
 
 # Never replaced nor written into, whatever the flags: what training made and what it reads.
@@ -92,7 +94,7 @@ def is_dataset(prefix: str | pathlib.Path) -> bool:
 
 def kind_of(path: str | pathlib.Path) -> Kind | None:
     """What megajax recognises at ``path`` (None: nothing it knows, or nothing there). Results files are not
-    recognised here (``is_results``): any JSON could be one."""
+    recognised here (``json_kind``): any JSON could be one."""
     p = pathlib.Path(path)
     if p.is_file():
         return Kind.DATASET if dataset_prefix(p) else None
@@ -114,14 +116,42 @@ def kind_of(path: str | pathlib.Path) -> Kind | None:
     return None
 
 
-def is_results(path: pathlib.Path) -> bool:
-    """Whether a file holds what a megajax command writes as results or predictions: one JSON object of numbers,
-    strings and objects or lists of them (not a dataset's sidecar, which ``kind_of`` recognises first)."""
+def json_kind(path: pathlib.Path) -> Kind | None:
+    """What a megajax command wrote at ``path``, judged by its content: results (one JSON object with a "task": eval.py,
+    the seeds' median), predictions (one JSON object of answers or scores, flat (SQuAD's official files) or per
+    split), or None."""
     try:
         value = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(value, dict)
+        return None
+    if not isinstance(value, dict):
+        return None
+    if "task" in value:
+        return Kind.RESULTS
+    scalar = (str, int, float, bool, type(None))
+    flat = lambda d: all(isinstance(v, scalar) for v in d.values())  # noqa: E731
+    if flat(value) or all(isinstance(v, dict) and flat(v) for v in value.values()):
+        return Kind.PREDICTIONS
+    return None
+
+
+# What a command writes into each kind of directory: ``--overwrite`` never deletes anything else that is in one.
+WRITTEN = {Kind.MODEL: re.compile(r"\d+"), Kind.HF_MODEL: re.compile(r"config\.json|model\.safetensors"),
+           Kind.MEGATRON: re.compile(rf"{re.escape(MEGATRON_TRACKER)}|iter_\d+|release")}
+
+
+def absolute(path: str | pathlib.Path) -> pathlib.Path:
+    """``path`` with ``~`` expanded, absolute and normalised (``a/../b`` -> ``b``), symbolic links kept."""
+    return pathlib.Path(os.path.abspath(os.path.expanduser(str(path))))
+
+
+def checked_name(path: str | pathlib.Path, flag: str, what: str) -> str:
+    """``path`` as given, refused when empty or blank (it would name the current directory, or a file ' ')."""
+    text = str(path)
+    if not text.strip() or text != text.strip():
+        problem = "has leading or trailing spaces" if text.strip() else "is empty"
+        raise OutputPathError(f"--{flag}={text!r} {problem}; give {what}")
+    return text
 
 
 def _real(path: pathlib.Path) -> pathlib.Path:
@@ -147,14 +177,16 @@ def _check_inputs(output: pathlib.Path, label: str, inputs: Iterable[str | pathl
 
 
 def _check_not_inside_recognised(output: pathlib.Path, label: str) -> None:
-    """Refuses an output inside a workdir, a checkpoint or a model directory (the nearest one is named)."""
+    """Refuses an output inside a workdir, a checkpoint or a model directory: the nearest one is named, and the
+    suggestion lies beside the outermost one."""
     real = _real(output)
-    for parent in real.parents:
-        kind = kind_of(parent)
-        if kind in DIRECTORY_KINDS:
-            raise OutputPathError(f"{label} is inside {parent}, which is {kind.value}: megajax writes nothing into "
-                                  f"it, even with --overwrite; write it outside, e.g. at "
-                                  f"{parent.parent / f'{parent.name}-{real.name}'}")
+    found = [(parent, kind_of(parent)) for parent in real.parents]
+    found = [(parent, kind) for parent, kind in found if kind in DIRECTORY_KINDS]
+    if found:
+        (parent, kind), outer = found[0], found[-1][0]
+        raise OutputPathError(f"{label} is inside {parent}, which is {kind.value}: megajax writes nothing into "
+                              f"it, even with --overwrite; write it outside, e.g. at "
+                              f"{outer.parent / f'{outer.name}-{real.name}'}")
 
 
 def _refuse_existing(label: str, found: Kind | str, want: Kind, overwrite: bool) -> None:
@@ -181,10 +213,9 @@ def _listing(directory: pathlib.Path, limit: int = 4) -> str:
 def claim_directory(path: str | pathlib.Path, kind: Kind, *, flag: str = "output",
                     inputs: Iterable[str | pathlib.Path | None] = (), overwrite: bool = False) -> pathlib.Path:
     """Checks that a command may write ``kind`` (a directory) at ``path``; returns it absolute. An empty or absent
-    directory is free; one holding ``kind`` needs ``overwrite``; anything else is refused. Writes nothing."""
-    if not str(path).strip():
-        raise OutputPathError(f"--{flag} is empty; give a new directory")
-    output = pathlib.Path(path).expanduser().absolute()
+    directory is free; one holding ``kind`` (and nothing else) needs ``overwrite``; anything else is refused.
+    Writes nothing."""
+    output = absolute(checked_name(path, flag, "a new directory"))
     label = f"--{flag}={path}"
     _check_inputs(output, label, inputs)
     found = kind_of(output)
@@ -195,6 +226,11 @@ def claim_directory(path: str | pathlib.Path, kind: Kind, *, flag: str = "output
         raise OutputPathError(f"{label} is a file, not a directory; give a new directory")
     if output.is_dir() and any(output.iterdir()):
         _refuse_existing(label, found or f"other files ({_listing(output)})", kind, overwrite)
+        foreign = sorted(p.name for p in output.iterdir() if not WRITTEN[kind].fullmatch(p.name))
+        if foreign:
+            raise OutputPathError(f"{label} also holds {', '.join(foreign[:4])}{' ...' if len(foreign) > 4 else ''}, "
+                                  f"which {kind.value} megajax writes does not: replacing it would delete them; move "
+                                  "them out, or write the output elsewhere")
     return output
 
 
@@ -204,10 +240,11 @@ def claim_folder(path: str | pathlib.Path, *, flag: str, inputs: Iterable[str | 
     empty, of kind ``accept``, or holding other files beside which it adds its own; never an input, inside or
     above one, or anything else megajax recognises, nor inside a workdir, checkpoint or model directory. Returns it
     absolute. Writes nothing."""
-    if not str(path).strip():
-        raise OutputPathError(f"--{flag} is empty; give a directory, e.g. --{flag}=runs/first")
-    output = pathlib.Path(path).expanduser().absolute()
+    output = absolute(checked_name(path, flag, f"a directory, e.g. --{flag}=runs/first"))
     label = f"--{flag}={path}"
+    if output.is_symlink() and not output.exists():
+        raise OutputPathError(f"{label} is a symbolic link to {os.readlink(output)}, which does not exist; give a "
+                              "directory, or make the link's target first")
     _check_inputs(output, label, inputs)
     found = kind_of(output)
     if found not in (None, accept):
@@ -226,22 +263,24 @@ def claim_workdir(path: str | pathlib.Path, inputs: Iterable[str | pathlib.Path 
 
 def claim_file(path: str | pathlib.Path | None, *, flag: str = "output",
                inputs: Iterable[str | pathlib.Path | None] = (), overwrite: bool = False,
-               label: str | None = None) -> pathlib.Path | None:
+               label: str | None = None, kind: Kind = Kind.RESULTS) -> pathlib.Path | None:
     """Checks that a command may write a JSON results file at ``path`` (given as ``--flag``; None: not asked for)
     before the work starts: not a directory, in an existing writable directory, not an input, not inside a
-    workdir, checkpoint or model directory, not a dataset's file; an existing results file needs ``overwrite``.
-    ``label`` names the file in messages (default ``--flag=path``). Returns it absolute. Writes nothing."""
-    if not path:
+    workdir, checkpoint or model directory, not a dataset's file; an existing file of ``kind`` (results or
+    predictions, ``json_kind``) needs ``overwrite``, any other is refused. ``label`` names the file in messages
+    (default ``--flag=path``). Returns it absolute and normalised. Writes nothing."""
+    if path is None:
         return None
-    output = pathlib.Path(path).expanduser().absolute()
+    text = checked_name(path, flag, f"a file name, e.g. --{flag}=results.json")
+    output = absolute(text)
     label = label or f"--{flag}={path}"
-    if output.is_dir():
+    if text.endswith(os.sep) or output.is_dir():
         raise OutputPathError(f"{label} is a directory; give a file name, e.g. --{flag}={output / 'results.json'}")
     _check_inputs(output, label, inputs)
     _check_not_inside_recognised(output, label)
     if output.is_file():
-        found = kind_of(output) or (Kind.RESULTS if is_results(output) else "a file megajax did not write")
-        _refuse_existing(label, found, Kind.RESULTS, overwrite)
+        found = kind_of(output) or json_kind(output) or "a file megajax did not write"
+        _refuse_existing(label, found, kind, overwrite)
     if not output.parent.is_dir():
         raise OutputPathError(f"{label}: the directory {output.parent} does not exist; create it first")
     try:
@@ -259,10 +298,10 @@ def claim_dataset(prefix: str | pathlib.Path, *, flag: str = "output_prefix",
     """Checks that preprocessing may write a dataset at ``prefix`` (``PREFIX.bin``, ``PREFIX.json``, ...): a file
     prefix, not a directory; none of its files an input, inside or above one; an existing dataset there needs
     ``overwrite``, any other file at one of its names is refused. Returns the prefix, absolute. Writes nothing."""
-    text = str(prefix)
-    output = pathlib.Path(text).expanduser().absolute()
+    text = checked_name(prefix, flag, f"a file prefix, e.g. --{flag}=data/corpus")
+    output = absolute(text)
     label = f"--{flag}={prefix}"
-    if not text.strip() or text.endswith(os.sep) or output.is_dir():
+    if text.endswith(os.sep) or output.is_dir():
         raise OutputPathError(f"{label} is a directory; give a file prefix inside it, e.g. --{flag}="
                               f"{output / 'corpus'} (which writes corpus{TOKENS}, corpus{INDEX}, corpus{META} there)")
     files = [pathlib.Path(f"{output}{suffix}") for suffix in DATASET_SUFFIXES]

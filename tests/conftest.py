@@ -31,11 +31,19 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="megajax-test-jax-cache-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
+import megajax  # noqa: E402, F401, I001 - first: it imports jax without the CUDA plugin's notices (megajax.platform)
+
+# isort: split
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
+
+from megajax.platform import quiet_cuda_notices  # noqa: E402
+
+with quiet_cuda_notices():  # the backends start here, once per test process
+    jax.devices()
 
 from megajax.config import base_config, bert_base_config, build_mesh, create_model, rules_of  # noqa: E402  # noqa: E402
 from megajax.models import llama  # noqa: E402
@@ -50,7 +58,7 @@ SLOWEST_FIRST = {"test_train_end_to_end.py": 135, "test_sharded_optimizer.py": 1
                  "test_checkpoint.py": 108, "test_communication_audit.py": 108, "test_bert_training.py": 94,
                  "test_llama.py": 75, "test_training_step.py": 67, "test_pipeline.py": 150,
                  "test_sequence_parallel.py": 60, "test_faults.py": 51, "test_convert_llama.py": 41,
-                 "test_bert_model.py": 40, "test_user_faults.py": 70,
+                 "test_bert_model.py": 40, "test_user_faults.py": 70, "test_gpu_target.py": 40,
                  "test_tensor_parallel_equivalence.py": 30, "test_evaluation.py": 29, "test_memory_planner.py": 29,
                  "test_run_guards.py": 26, "test_downstream_eval.py": 22, "test_lm_eval_adapter.py": 18,
                  "test_convert_bert.py": 17, "test_bert_data.py": 13, "test_convert.py": 9, "test_convert_inputs.py": 9}

@@ -7,8 +7,8 @@ import megajax
 
 PACKAGE = pathlib.Path(megajax.__file__).parent
 # rank by the first name under megajax.: a module may import only ranks below its own, or its own package
-RANKS = {"errors": 0, "cli": 1, "outputs": 1, "parallel": 2, "data": 2, "checkpoint": 2, "models": 3, "config": 4,
-         "training": 5, "evaluation": 5, "tools": 6, "convert": 6, "configs": 7,
+RANKS = {"errors": 0, "platform": 0, "cli": 1, "outputs": 1, "parallel": 2, "data": 2, "checkpoint": 2, "models": 3,
+         "config": 4, "training": 5, "evaluation": 5, "tools": 6, "convert": 6, "configs": 7,
          "api": 7, "info": 7, "comm_report": 7, "scaling": 7, "lm_eval": 7, "__init__": 7}
 # the named exceptions (docs/architecture.md): the deprecated alias megajax.checkpoint.load_model imports
 # config/load.py when first used; within training/evaluation only the loop's validation reaches evaluation

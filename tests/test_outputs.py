@@ -166,10 +166,13 @@ def test_a_workdir_is_new_empty_a_workdir_or_beside_other_files(disk):
         assert message in str(error.value), (workdir, str(error.value))
     with pytest.raises(OutputPathError, match="holds the input"):
         claim_folder(disk / "lm", flag="output_path", inputs=[disk / "lm" / "run"])
-    with pytest.raises(OutputPathError, match="--workdir is empty"):  # not the current directory, silently
+    with pytest.raises(OutputPathError, match="--workdir='' is empty"):  # not the current directory, silently
         claim_workdir("")
-    with pytest.raises(OutputPathError, match="give a file prefix"):
-        claim_dataset("")
+    for blank in ("", " "):
+        with pytest.raises(OutputPathError, match="is empty; give a file prefix"):
+            claim_dataset(blank)
+    with pytest.raises(OutputPathError, match="has leading or trailing spaces"):
+        claim_file(" x.json")
 
 
 def test_symbolic_links_are_followed(disk):
@@ -178,3 +181,35 @@ def test_symbolic_links_are_followed(disk):
         claim_file(disk / "link" / "x.json", inputs=[disk / "run"])
     with pytest.raises(OutputPathError, match="is a training workdir"):
         claim_directory(disk / "link", Kind.MODEL, overwrite=True)
+
+
+def test_overwrite_never_deletes_what_megajax_did_not_write(disk):
+    """A Hugging Face directory with a README beside the weights, an export with a user's notes: replacing either
+    would delete them, so --overwrite refuses; a results file is replaced only by results, predictions only by
+    predictions, and a JSON file of another shape (a tokenizer) by neither."""
+    (disk / "hf" / "README.md").write_text("mine")
+    (disk / "export" / "notes.txt").write_text("mine")
+    for name, kind in (("hf", Kind.HF_MODEL), ("export", Kind.MODEL)):
+        with pytest.raises(OutputPathError, match="also holds .*replacing it would delete them"):
+            claim_directory(disk / name, kind, overwrite=True)
+    (disk / "odds.json").write_text('{"q1": 0.5, "q2": -1.0}')
+    (disk / "tokenizer.json").write_text('{"version": "1.0", "model": {"vocab": {"a": 0}, "merges": ["a b"]}}')
+    assert claim_file(disk / "odds.json", overwrite=True, kind=Kind.PREDICTIONS) == disk / "odds.json"
+    with pytest.raises(OutputPathError, match="already holds a JSON predictions file, not a JSON results file"):
+        claim_file(disk / "odds.json", overwrite=True)
+    with pytest.raises(OutputPathError, match="already holds a file megajax did not write"):
+        claim_file(disk / "tokenizer.json", overwrite=True, kind=Kind.PREDICTIONS)
+
+
+def test_paths_are_normalised_and_suggestions_lie_outside(disk):
+    """``a/../b`` is ``b`` (nothing made on the way); a file name ending in a separator is a directory; the path
+    suggested for an output inside a checkpoint lies beside the outermost recognised directory."""
+    assert claim_directory(disk / "new" / ".." / "e3", Kind.MODEL) == disk / "e3"
+    assert not (disk / "new").exists()
+    with pytest.raises(OutputPathError, match="is a directory"):
+        claim_file(f"{disk / 'results'}{os.sep}")
+    with pytest.raises(OutputPathError, match=f"e.g. at {disk / 'run-params'}$"):
+        claim_directory(disk / "run" / "checkpoints" / "4" / "params", Kind.MODEL)
+    (disk / "dangling").symlink_to(disk / "nowhere")
+    with pytest.raises(OutputPathError, match="is a symbolic link to .*nowhere, which does not exist"):
+        claim_workdir(disk / "dangling")

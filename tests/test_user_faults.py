@@ -7,6 +7,7 @@ few at a time): each fails before compiling, so a case costs an interpreter star
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -168,6 +169,7 @@ def test_inputs_once_handled_poorly_or_found_after_the_workdir(world, tmp_path):
     for suffix in (".idx.npy", ".json"):
         (tmp_path / f"odd{suffix}").write_bytes((w / "d" / f"small{suffix}").read_bytes())
     (tmp_path / "syntax.py").write_text("def get_config(:\n    pass\n")
+    (tmp_path / "damaged.json").write_text((w / "tokenizer.json").read_text()[:200])  # cut mid-file
     (tmp_path / "qqp").mkdir()  # QQP files with no usable row
     for name in ("train.tsv", "dev.tsv"):
         (tmp_path / "qqp" / name).write_text("not\tthe\tQQP header\nnor a row\n")
@@ -198,8 +200,7 @@ def test_inputs_once_handled_poorly_or_found_after_the_workdir(world, tmp_path):
         "sidecar without keys, train": ([*train_py, "--workdir=run1", "--config.data.source=indexed",
                                          "--config.data.path=bare/small"], {}, "lacks what a dataset's sidecar holds"),
         "no GPU backend": ([*train_py, "--workdir=run2"], {"JAX_PLATFORMS": "cuda"},
-                           "JAX_PLATFORMS=cuda cannot start here (no backend for it is installed). For NVIDIA GPUs "
-                           "install the gpu extra (pip install 'megajax[gpu]')"),
+                           "). For NVIDIA GPUs install the gpu extra (pip install 'megajax[gpu]')"),
         "config syntax": ([str(ROOT / "train.py"), f"--config={tmp_path / 'syntax.py'}", "--workdir=run3"], {},
                           f"config file {tmp_path / 'syntax.py'}, line 1:"),
         "override not a number": ([*train_py, "--config.train.steps=ten", "--workdir=run4"], {},
@@ -231,9 +232,48 @@ def test_inputs_once_handled_poorly_or_found_after_the_workdir(world, tmp_path):
                                         {}, "QQP file"),
         "generate without a tokenizer": ([str(ROOT / "eval.py"), "--checkpoint=converted", "--task=generate",
                                           "--prompt=w1"], {}, "held no tokenizer megajax reads"),
+        "a damaged tokenizer file": ([str(ROOT / "eval.py"), f"--checkpoint={w / 'run'}", "--task=ppl",
+                                      f"--data={w / 'd' / 'small'}", "--tokenizer=damaged.json"], {},
+                                     "tokenizer damaged.json cannot be read"),
+        "tp of zero": (["-m", "megajax.convert", "megajax-to-megatron", f"--checkpoint={w / 'export'}", "--tp=0",
+                        "--output=mt0"], {}, "argument --tp: '0': give a whole number >= 1"),
+        "a seed's result twice": (["-m", "megajax.evaluation.median", f"{w / 'results.json'}",
+                                   f"{w / 'results.json'}"], {}, "is given twice"),
+        "predictions onto the results": ([str(ROOT / "eval.py"), f"--checkpoint={w / 'run'}", "--task=mnli",
+                                          "--output=r.json", "--predictions=qqp/../r.json"], {},
+                                         "is also where --output goes"),
+        "an empty output": ([str(ROOT / "eval.py"), f"--checkpoint={w / 'run'}", "--task=ppl",
+                             f"--data={w / 'd' / 'small'}", "--output="], {}, "--output='' is empty"),
+        "cpu devices not a number": ([*train_py, "--cpu_devices=abc", "--workdir=run14"], {},
+                                     "--cpu_devices='abc': give a whole number of devices"),
+        "a tokenizer indexed data ignores": ([*train_py, "--workdir=run15", "--config.data.source=indexed",
+                                              f"--config.data.path={w / 'd' / 'small'}",
+                                              f"--config.data.tokenizer={w / 'tokenizer.json'}"], {},
+                                             "is read with data.source=tfds or task"),
+        "a directory as preprocess input": (["-m", "megajax.data.preprocess", "--input=qqp",
+                                             f"--tokenizer={w / 'tokenizer.json'}", "--output_prefix=p"], {},
+                                            "input qqp is a directory: give its files"),
+        "no workers": (["-m", "megajax.data.preprocess", f"--input={w / 'corpus.jsonl'}",
+                        f"--tokenizer={w / 'tokenizer.json'}", "--output_prefix=p", "--workers=0"], {},
+                       "--workers=0: give a whole number >= 1"),
+        "overwrite an HF directory with a README": (["-m", "megajax.convert", "megajax-to-hf",
+                                                     f"--checkpoint={w / 'export'}", "--output=hf-readme",
+                                                     "--overwrite"], {}, "replacing it would delete them"),
+        "lm-eval's folder for the checkpoint is a workdir": (["-m", "megajax.lm_eval", "--model", "megajax",
+                                                              "--model_args", "pretrained=run", "--tasks",
+                                                              "lambada_openai", "--output_path", "lm"], {},
+                                                             "--output_path=lm/run is a training workdir"),
     }
     convert_main(["megatron-to-megajax", f"--megatron={w / 'mt'}", f"--output={tmp_path / 'converted'}",
                   "--vocab_size=1000"])  # Megatron-LM saves no tokenizer
+    (tmp_path / "hf-readme").mkdir()  # an HF directory a user annotated
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / "hf-readme" / name).write_bytes((w / "hf" / name).read_bytes())
+    (tmp_path / "hf-readme" / "README.md").write_text("my notes")
+    (tmp_path / "lm").mkdir()  # lm-eval names its results folder after pretrained=: here, a training workdir
+    (tmp_path / "lm" / "run").mkdir()
+    (tmp_path / "lm" / "run" / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "run").symlink_to(w / "run")
     before, world_before = _tree(tmp_path), _tree(w)
     try:
         results = _run_all({name: (argv, env) for name, (argv, env, _) in cases.items()}, cwd=tmp_path)
@@ -270,3 +310,19 @@ def test_a_mesh_smaller_than_the_devices_says_so(tmp_path, capfd):
     assert "note: mesh 2x2 uses 4 of the 8 devices present; the other 4 stay idle" in err
     assert "done: step 1/1; " in err and "no checkpoint (checkpoint.enabled=False)" in err
     assert os.path.isfile(tmp_path / "run" / "metrics.jsonl")
+
+
+def test_ctrl_c_during_start_up_is_one_line_and_leaves_nothing(tmp_path):
+    """SIGINT half a second in (imports, config checks or compiling, as the machine goes): exit 130, one line
+    saying nothing was saved, no traceback, no workdir left."""
+    env = {**child_env(), "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    run = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--config=gpt_tiny", "--workdir=run",
+                            "--config.data.source=random", "--config.train.steps=50"], cwd=tmp_path, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    run.send_signal(signal.SIGINT)
+    assert run.wait(timeout=120) == 128 + signal.SIGINT
+    stderr = run.stderr.read()
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("stopped by SIGINT ") and "nothing was saved" in last, stderr[-2000:]
+    assert "Traceback" not in stderr and not (tmp_path / "run").exists()

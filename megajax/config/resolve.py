@@ -292,6 +292,10 @@ def check_data_source(config: ml_collections.ConfigDict) -> None:
     """Raises ConfigError when the model and ``config.data`` do not fit: pretraining models read corpora (their
     spec's example format), fine-tuning models ``data.source=task`` with one of the tasks their spec lists."""
     spec, d = model_spec(config.model.name), config.data
+    if d.tokenizer and d.source not in ("tfds", "task"):  # it would be silently unused
+        raise ConfigError(f"data.tokenizer={d.tokenizer!r} is read with data.source=tfds or task; data.source="
+                          f"{d.source} brings its own (a preprocessed dataset's PREFIX.tokenizer.json, the default "
+                          "corpus's): leave data.tokenizer empty")
     if d.blend:
         if spec.examples is None:
             raise ConfigError(f"data.blend mixes pretraining corpora, but model.name={spec.name} fine-tunes on "

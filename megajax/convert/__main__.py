@@ -33,10 +33,10 @@ from megajax.checkpoint import save_params
 from megajax.cli import ArgumentParser, fail, load_config, start_backend
 from megajax.config.load import inference_config, restore_model
 from megajax.convert import hf_io, megatron_bert, megatron_gpt
-from megajax.convert.paths import absolute, existing_input, staged_output
+from megajax.convert.paths import existing_input, staged_output
 from megajax.data.sources import CONVERTED
 from megajax.data.tokenizer import load_tokenizer
-from megajax.outputs import Kind
+from megajax.outputs import Kind, absolute, checked_name
 
 INPUT_FLAGS = {"hf-to-megajax": "hf", "megatron-to-megajax": "megatron", "megajax-to-hf": "checkpoint",
                "megajax-to-megatron": "checkpoint", "export": "checkpoint"}
@@ -50,6 +50,17 @@ def host_params(checkpoint: str | pathlib.Path):
     config = inference_config(checkpoint, data=1, model=1)
     model = restore_model(checkpoint, config).model
     return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model))), config
+
+
+def _positive(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number >= 1")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
                         "GPT-2's BPE, 30522 for BERT's uncased WordPiece; overrides --config's")
     c.add_argument("--config", default=None, help="megajax config, if the checkpoint stores no args")
     d = verbs["megajax-to-megatron"]
-    d.add_argument("--tp", type=int, required=True)
+    d.add_argument("--tp", type=_positive, required=True, help="tensor-parallel ranks to write (>= 1)")
     d.add_argument("--names", choices=["legacy", "core"], default="legacy")
     d.add_argument("--iteration", type=int, default=0)
     d.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
@@ -152,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     flag = INPUT_FLAGS[args.command]
     # Paths are made absolute here, once, so every verb and library below sees the same file whatever the cwd.
     source = existing_input(getattr(args, flag), flag)
-    output = absolute(args.output)
+    output = absolute(checked_name(args.output, "output", "a new directory"))
     with staged_output(output, OUTPUT_KINDS[args.command], overwrite=args.overwrite, reads=[source]) as staging:
         written = pathlib.Path(VERBS[args.command](args, source, staging)).absolute()
     print(f"wrote {output / written.relative_to(staging)}", file=sys.stderr)

@@ -9,12 +9,7 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 
-from megajax.outputs import Kind, OutputPathError, claim_directory, make_directory, remove_created
-
-
-def absolute(path: str | pathlib.Path) -> pathlib.Path:
-    """``path`` with ``~`` expanded, made absolute against the current directory (no symlinks resolved)."""
-    return pathlib.Path(path).expanduser().absolute()
+from megajax.outputs import Kind, OutputPathError, absolute, claim_directory, make_directory, remove_created
 
 
 def existing_input(path: str, flag: str) -> pathlib.Path:

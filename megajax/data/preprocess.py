@@ -57,6 +57,8 @@ def _expand(inputs: Sequence[str]) -> list[pathlib.Path]:
             raise FileNotFoundError(f"no input files match {pattern!r}")
         for m in matches:
             p = pathlib.Path(m)
+            if p.is_dir():
+                raise ValueError(f"input {p} is a directory: give its files, e.g. --input='{p / '*.jsonl'}'")
             if not (p.is_file() or p.is_fifo()):  # a named pipe streams a corpus without a copy on disk
                 raise FileNotFoundError(f"input file {p} does not exist")
             if p.suffix not in (".jsonl", ".txt"):
@@ -228,14 +230,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--language", default="en", choices=LANGUAGES, metavar="LANG",
                    help=f"the sentence splitter's language, one of {', '.join(LANGUAGES)}")
     args = p.parse_args(argv)
+    for flag, value, low in (("workers", args.workers, 1), ("min_tokens", args.min_tokens, 0)):
+        if value < low:
+            p.error(f"--{flag}={value}: give a whole number >= {low}")
+    if not 0.0 < args.dedup_threshold <= 1.0:
+        p.error(f"--dedup_threshold={args.dedup_threshold}: give a Jaccard similarity in (0, 1]")
     # A stop signal only records itself; the loop checks it between batches. (A handler that raised could land in
     # a garbage-collection callback, where Python prints the exception and carries on writing.)
     received = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: received.append(signum))
     try:
-        claim_dataset(args.output_prefix, inputs=[*_expand(args.input), args.tokenizer], overwrite=args.overwrite)
-        counts = preprocess(args.input, load_tokenizer(args.tokenizer), args.output_prefix, json_key=args.json_key,
+        prefix = claim_dataset(args.output_prefix, inputs=[*_expand(args.input), args.tokenizer],
+                               overwrite=args.overwrite)  # absolute and normalised: `a/../b` makes no `a`
+        counts = preprocess(args.input, load_tokenizer(args.tokenizer), prefix, json_key=args.json_key,
                             min_tokens=args.min_tokens, dedup=args.dedup, dedup_threshold=args.dedup_threshold,
                             dtype=args.dtype, workers=args.workers, progress=sys.stderr.isatty(),
                             split_sentences=args.split_sentences, language=args.language,
@@ -245,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(128 + e.signum)
     except (OSError, ValueError) as e:  # missing files, a bad tokenizer, nothing left, a full disk: no traceback
         fail(e, f"{e} (nothing was written to {args.output_prefix})")
+    if received:  # after the last check: the dataset was complete, and stays
+        print(f"note: {signal.Signals(received[0]).name} arrived after the dataset was complete; it is kept at "
+              f"{args.output_prefix}", file=sys.stderr)
     print(json.dumps(dataclasses.asdict(counts), indent=1))
 
 

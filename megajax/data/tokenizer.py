@@ -85,10 +85,21 @@ def _wordpiece(vocab: pathlib.Path, lowercase: bool) -> Tokenizer:
 
 
 def load_tokenizer(path: str | pathlib.Path, *, lowercase: bool = True) -> TextTokenizer:
-    """Loads a tokenizer from any of the layouts in the module docstring."""
+    """Loads a tokenizer from any of the layouts in the module docstring; ValueError naming the file when it cannot
+    be read (the tokenizers library raises a bare Exception)."""
     p = pathlib.Path(path)
     if not p.exists():
         raise FileNotFoundError(f"tokenizer path {p} does not exist")
+    try:
+        return _load(p, lowercase)
+    except (ValueError, OSError):
+        raise
+    except Exception as e:  # noqa: BLE001 - tokenizers' own errors: a damaged or foreign file
+        raise ValueError(f"tokenizer {p} cannot be read ({e}): give a tokenizer.json, vocab.json + merges.txt or "
+                         "vocab.txt that the tokenizers library wrote") from None
+
+
+def _load(p: pathlib.Path, lowercase: bool) -> TextTokenizer:
     folder = p if p.is_dir() else p.parent
     if p.is_file() and p.suffix == ".json" and p.name not in ("vocab.json", "encoder.json"):
         return _with_eod(Tokenizer.from_file(str(p)), str(p))

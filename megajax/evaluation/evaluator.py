@@ -17,6 +17,7 @@ from flax import nnx
 
 from megajax.models.objectives import Batch, Metrics, Objective
 from megajax.parallel.sharding import Rules, activate
+from megajax.parallel.xla_options import compiler_options
 
 
 @dataclasses.dataclass
@@ -39,7 +40,8 @@ class Evaluator:
         fn, graphdef = self.fn, self.graphdef
         shardings = {k: v for k, v in (("in_shardings", self.in_shardings), ("out_shardings", self.out_shardings))
                      if v is not None}
-        self._step = jax.jit(lambda state, batch: fn(nnx.merge(graphdef, state), batch), **shardings)
+        self._step = jax.jit(lambda state, batch: fn(nnx.merge(graphdef, state), batch), **shardings,
+                             compiler_options=compiler_options(self.mesh.devices.flat))
 
     @classmethod
     def of(cls, model: nnx.Module, fn: Callable[[nnx.Module, Batch], Any], mesh: jax.sharding.Mesh,

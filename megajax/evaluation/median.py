@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 from collections.abc import Sequence
@@ -47,6 +48,12 @@ def median_of(paths: Sequence[str | pathlib.Path]) -> dict:
     files of one task; raises ResultsError when a file is unreadable, of another task or lacks a metric."""
     if not paths:
         raise ResultsError("no result files given")
+    seen: dict[str, str | pathlib.Path] = {}
+    for path in paths:  # a seed counted twice would move the median
+        real = os.path.realpath(path)
+        if real in seen:
+            raise ResultsError(f"{path} is given twice (as {seen[real]} too): give each seed's result file once")
+        seen[real] = path
     results = []
     for path in paths:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -18,7 +19,7 @@ from megajax.evaluation import downstream_tasks, inputs, tasks
 from megajax.evaluation.generate import Sampling, check_generation, generate
 from megajax.evaluation.scoring import Scorer
 from megajax.models import eval_task_models
-from megajax.outputs import OutputPathError, claim_file, write_json
+from megajax.outputs import Kind, OutputPathError, claim_file, write_json
 
 TASKS = tuple(eval_task_models())  # every model's eval tasks (models/: each spec lists its own)
 
@@ -148,9 +149,11 @@ def _claim_outputs(output: str | None, predictions: str | None, task: str, overw
         files.append(("predictions", odds, f"squad2's null odds file {odds} (beside --predictions)"))
     claimed = {}
     for flag, path, label in files:
-        where = claim_file(path, flag=flag, inputs=read, overwrite=overwrite, label=label)
-        if where in claimed:
-            raise OutputPathError(f"{label or f'--{flag}={path}'} is also where {claimed[where]} goes; give each "
+        kind = Kind.RESULTS if flag == "output" else Kind.PREDICTIONS
+        where = claim_file(path, flag=flag, inputs=read, overwrite=overwrite, label=label, kind=kind)
+        real = where and os.path.realpath(where)
+        if real in claimed:
+            raise OutputPathError(f"{label or f'--{flag}={path}'} is also where {claimed[real]} goes; give each "
                                   "output its own file")
-        if where:
-            claimed[where] = label or f"--{flag}"
+        if real:
+            claimed[real] = label or f"--{flag}"

@@ -36,6 +36,7 @@ from megajax.parallel.sharding import (
     rules_remapped,
     spec_of,
 )
+from megajax.parallel.xla_options import is_nvidia_gpu
 
 REMAT_POLICIES = ("none", "full", "save_dots", "selective")
 ROPE_SCALINGS = ("none", "llama3")
@@ -201,12 +202,32 @@ def attention_implementation(dtype: jnp.dtype, head_dim: int, dropout: bool, len
     most 128 dimensions, a multiple of 8, even query and key lengths (its masked backward needs them), when no
     attention dropout is drawn (it has none); else 'xla': megajax's own softmax(q k^T / sqrt(d)) v, the ops jax's
     XLA implementation emits too, with Megatron's dropout. The mask reaches cuDNN as a dense bias (the mask is an
-    input, so its causal shortcut is not used); unmeasured, as no GPU has been available."""
-    if dropout or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) or head_dim > 128 or head_dim % 8 or \
-            any(n % 2 for n in lengths):
+    input, so its causal shortcut is not used); unmeasured, as no GPU has been available. The device is the mesh's
+    being traced for (a compile-only H100's too, ``megajax.tools.gpu_target``), else this host's first."""
+    if _cudnn_refusal(dtype, head_dim, dropout, lengths):
         return "xla"
-    device = jax.devices()[0]
-    return "cudnn" if device.platform == "gpu" and "cuda" in device.client.platform_version.lower() else "xla"
+    mesh = jax.sharding.get_abstract_mesh()
+    device = (None if mesh.empty else getattr(mesh, "abstract_device", None)) or jax.devices()[0]
+    return "cudnn" if is_nvidia_gpu(device) else "xla"
+
+
+def _cudnn_refusal(dtype: jnp.dtype, head_dim: int, dropout: bool, lengths: tuple[int, int]) -> str | None:
+    """Why cuDNN's flash attention cannot run these heads (None: it can)."""
+    if dropout:
+        return "attention dropout: cuDNN's flash attention (jax.nn.dot_product_attention) draws none"
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"{jnp.dtype(dtype).name} compute: cuDNN's flash attention runs bf16 / fp16"
+    if head_dim > 128 or head_dim % 8:
+        return f"head_dim={head_dim}: cuDNN's flash attention takes multiples of 8 up to 128"
+    if any(n % 2 for n in lengths):
+        return f"odd sequence length {lengths}: cuDNN's masked backward pass needs even ones"
+    return None
+
+
+def attention_reason(cfg: TransformerConfig) -> str:
+    """Why a model's training step uses megajax's XLA attention rather than cuDNN's ('' where it can use cuDNN)."""
+    return _cudnn_refusal(cfg.compute_dtype, cfg.head_dim, cfg.dropout > 0,
+                          (cfg.max_seq_len, cfg.max_seq_len)) or ""
 
 
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, key: jax.Array | None,

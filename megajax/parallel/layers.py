@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from megajax.parallel.sharding import (
     RESIDUAL,
     SEQUENCE_DIM,
+    axis_of,
     constrain,
     on_shards,
     param_at_use,
@@ -195,21 +196,26 @@ class VocabParallelEmbedding(nnx.Module):
 
     def __call__(self, ids: jax.Array, rows: jax.Array | None = None) -> jax.Array:  # (B, S) -> (B, S, H)
         """The ids' rows; ``rows``: the step's ``replica_rows`` (read here when not given)."""
-        axis, rows = sequence_axis(), self.replica_rows(ids.shape[0]) if rows is None else rows
-        if axis is None:
+        axis, vocab, rows = sequence_axis(), axis_of("vocab"), self.replica_rows(ids.shape[0]) if rows is None else rows
+        if vocab is None:  # one device, or the vocabulary not split
             found = jax.vmap(lambda r, i: jnp.take(r, i, axis=0))(rows, self.by_replica(ids, rows, ("seq",)))
             return found.reshape(*ids.shape, -1).astype(self.dtype)  # (D, B/D, S, H) -> (B, S, H)
 
-        def scattered(ids, rows):  # per device: ids (B/D, S), this shard's rows (1, V/t, H) -> (B/D, S/t, H)
+        def looked_up(ids, rows):  # per device: ids (B/D, S), this shard's rows (1, V/t, H) -> (B/D, S[/t], H)
             rows = rows[0]
-            local = ids - jax.lax.axis_index(axis) * rows.shape[0]
+            local = ids - jax.lax.axis_index(vocab) * rows.shape[0]
             owned = (local >= 0) & (local < rows.shape[0])
             found = jnp.where(owned[..., None], jnp.take(rows, jnp.where(owned, local, 0), axis=0), 0.0)
-            # one shard owns each row, the others add zeros: summing in the compute dtype is exact
-            return jax.lax.psum_scatter(found.astype(self.dtype), axis, scatter_dimension=SEQUENCE_DIM, tiled=True)
+            # One shard owns each row, the others add zeros: summing in the compute dtype is exact, and moves half
+            # the bytes of an fp32 sum in 16-bit runs (the partitioner, left to itself, reduces the fp32 rows). The
+            # gradient is cast back before the rows' scatter-add, which stays fp32.
+            found = found.astype(self.dtype)
+            if axis is None:
+                return jax.lax.psum(found, vocab)
+            return jax.lax.psum_scatter(found, axis, scatter_dimension=SEQUENCE_DIM, tiled=True)
 
         names = (("batch", "seq"), (self.replica_name(rows.shape[0]), *self.NAMES))
-        return on_shards(scattered, (ids, rows), names, RESIDUAL)
+        return on_shards(looked_up, (ids, rows), names, RESIDUAL)
 
     def attend(self, x: jax.Array, rows: jax.Array | None = None) -> jax.Array:  # (B, S, H) -> (B, S, V)
         """Vocab-sharded logits ``x @ E^T``; ``rows``: the step's ``replica_rows`` (read here when not given)."""

@@ -305,6 +305,14 @@ def sequence_axis() -> str | None:
     return dict(rules).get(SEQUENCE_PARALLEL_NAME)
 
 
+def axis_of(name: str) -> str | None:
+    """The mesh axis the active rules put logical ``name`` on (None: unsplit, or outside ``activate``)."""
+    rules = _ACTIVE_RULES.get()
+    if rules is None or jax.sharding.get_abstract_mesh().empty:
+        return None
+    return dict(rules).get(name)
+
+
 def on_shards(fn: Callable[..., jax.Array], args: Sequence[jax.Array], names: Sequence[Sequence[str | None]],
               out_names: Sequence[str | None]) -> jax.Array:
     """``fn`` run on each device's blocks of ``args`` (laid out by their logical ``names`` under the active rules),

@@ -25,6 +25,7 @@ from megajax.cli import (
     apply_mesh,
     apply_parallel_flags,
     load_config,
+    start_backend,
     use_cpu_devices,
 )
 from megajax.config import resolve
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> str:
     add_parallel_flags(p)
     args = p.parse_args(argv)
     use_cpu_devices(args.cpu_devices)
+    start_backend()
     config = load_config(args.config)
     apply_mesh(config, args.mesh)
     for name in ("pipeline_microbatches", "pipeline_repeats"):

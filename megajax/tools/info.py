@@ -16,6 +16,9 @@ split over ``model`` too.
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import jax
 
 from megajax.cli import (
@@ -24,8 +27,13 @@ from megajax.cli import (
     apply_mesh,
     apply_parallel_flags,
     load_config,
+    start_backend,
     use_cpu_devices,
 )
+from megajax.models.transformer import attention_reason
+from megajax.outputs import claim_file
+from megajax.tools.gpu_target import EXTRA, TARGETS, GpuStep, compile_step
+from megajax.tools.gpu_target import overlap as gpu_overlap
 from megajax.tools.memory_planner import (
     CompiledMemory,
     GiB,
@@ -34,6 +42,7 @@ from megajax.tools.memory_planner import (
     largest_micro_batch,
     memory_report,
 )
+from megajax.training.metrics import model_flops_per_step
 
 
 def _g(x: float) -> str:
@@ -81,6 +90,46 @@ def format_comparison(r: MemoryReport, c: CompiledMemory) -> str:
     return "\n".join(lines)
 
 
+def format_gpu_step(step: GpuStep, model_flops: float) -> str:
+    """What ``--target --compiled`` reads from the step compiled for the GPU: its memory beside the planner's, the
+    attention implementation, FLOPs, and every collective with its bytes and whether it overlaps compute."""
+    gpu, c, r = step.target, step.compiled, step.planned
+    room = gpu.memory_bytes - c.peak
+    lines = [f"\nthe step compiled for {gpu.kind} (mesh {_mesh(step)}, XLA options: "
+             f"{'megajax' + chr(39) + 's' if step.options else 'none'}; compiled, not measured):",
+             format_comparison(r, c),
+             f"fits one {gpu.kind} ({gpu.memory_bytes / GiB:.1f} GiB): {'yes' if room >= 0 else 'NO'}, "
+             f"{abs(room) / GiB:.2f} GiB {'to spare' if room >= 0 else 'over'} (compiled peak; the cuDNN workspace "
+             "is not sized without the device)",
+             f"attention            {step.attention}" + ("" if step.attention == "cudnn" else
+                                                         "  (" + attention_reason(step.run.spec.model) + ")")]
+    if step.flops:
+        lines.append(f"FLOPs per device     {step.flops / 1e12:.3f} TFLOP per step compiled (cuDNN calls count 0); the "
+                     f"model's {model_flops / 1e12 / step.run.mesh.devices.size:.3f}")
+    overlapped = gpu_overlap(step.hlo)
+    rows: dict = {}
+    for coll in step.collectives:
+        key = (coll.op, ",".join(sorted(coll.axes)) or "-", coll.phase, coll.dtype, coll.elements)
+        runs, names = rows.get(key, (0, set()))
+        rows[key] = (runs + coll.executions, names | {coll.instruction})
+    lines.append(f"collectives          {'op':<20}{'axes':<12}{'phase':<10}{'bytes':>14}{'runs':>6}  schedule")
+    for (op, axes, phase, dtype, elements), (runs, names) in sorted(rows.items(), key=lambda kv: -kv[0][4] * kv[1][0]):
+        nbytes = elements * jax.numpy.dtype(_DTYPES.get(dtype, dtype)).itemsize
+        between = [overlapped[n][1] for n in names if n in overlapped]
+        how = ("synchronous" if not between else
+               f"async, {min(between)}-{max(between)} compute ops overlap" if max(between) else "async, exposed")
+        lines.append(f"{'':21s}{op:<20}{axes:<12}{phase:<10}{nbytes:>14,}{runs:>6}  {how}")
+    return "\n".join(lines)
+
+
+_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "s32": "int32", "u32": "uint32", "pred": "bool"}
+
+
+def _mesh(step: GpuStep) -> str:
+    shape = step.run.mesh.shape
+    return "x".join(str(shape[a]) for a in step.run.mesh.axis_names)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="config file, path or bare name (gpt_8p3b)")
@@ -94,22 +143,44 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compiled", action="store_true", help="also compile the step (abstract inputs, nothing "
                                                            "allocated) and print XLA's memory plan beside the formula")
     p.add_argument("--cpu_devices", type=int, default=0, help="simulate N CPU devices (applied before jax starts)")
+    p.add_argument("--target", choices=sorted(TARGETS), default=None,
+                   help="an NVIDIA GPU: its memory (and with --compiled, the step compiled for it on this host, "
+                        f"no GPU needed; needs pip install 'megajax[{EXTRA}]')")
+    p.add_argument("--hosts", type=int, default=1, help="--target: hosts of 8 GPUs (mesh.data=-1 takes them all)")
+    p.add_argument("--hlo", default=None, help="--target --compiled: write the optimized GPU HLO to this file")
     add_parallel_flags(p)
     args = p.parse_args(argv)
+    if args.hlo and not (args.target and args.compiled):
+        p.error("--hlo writes the step compiled for a GPU: give it with --target=... --compiled")
+    claim_file(args.hlo, flag="hlo", overwrite=True)
     use_cpu_devices(args.cpu_devices)
+    start_backend()
     config = load_config(args.config)
     apply_parallel_flags(args, config)
     if args.mesh:
         apply_mesh(config, args.mesh)
+    gpus = 8 * args.hosts if args.target else None
+    if gpus and config.mesh.data == -1:  # every GPU of the hosts left after pipe x model
+        config.mesh.data = max(gpus // (config.mesh.pipe * config.mesh.model), 1)
     data, model, pipe = max(config.mesh.data, 1), config.mesh.model, config.mesh.pipe
     if args.precision:
         config.train.precision = args.precision
+    elif args.target and config.train.precision == "auto":  # what auto resolves to on the GPU
+        config.train.precision = "bf16"
+    if args.target and args.device_memory_gb is None:
+        args.device_memory_gb = TARGETS[args.target].memory_bytes / GiB
     # the config's micro-batch; with no accumulation (0) each data shard runs its share of the global batch
     micro = args.micro_batch or config.train.micro_batch_size or max(config.train.global_batch_size // data, 1)
     report = memory_report(config, data, model, micro, num_micro=1 if args.compiled else None)
     largest = largest_micro_batch(config, data, model, args.device_memory_gb * GiB) if args.device_memory_gb else None
     print(format_report(report, args.device_memory_gb, largest))
-    if args.compiled:
+    if args.compiled and args.target:
+        step = compile_step(config, args.target, args.hosts, micro_batch=micro)
+        print(format_gpu_step(step, model_flops_per_step(step.run.spec, step.run.spec.model.max_seq_len)))
+        if args.hlo:
+            pathlib.Path(args.hlo).write_text(step.hlo)
+            print(f"wrote {args.hlo}", file=sys.stderr)
+    elif args.compiled:
         if pipe * data * model > jax.device_count():
             raise SystemExit(f"--compiled needs {pipe * data * model} devices, this host has {jax.device_count()}; "
                              f"add --cpu_devices={pipe * data * model}")

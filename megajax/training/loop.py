@@ -36,6 +36,7 @@ from megajax.outputs import CHECKPOINTS_NAME, METRICS_NAME, claim_workdir
 from megajax.parallel import pipeline
 from megajax.parallel.partition import over_data, shardings
 from megajax.parallel.sharding import activate, logical_to_spec, make_mesh
+from megajax.parallel.xla_options import compiler_options
 from megajax.training import distributed
 from megajax.training.data import load_dataset, make_loader
 from megajax.training.finetune import check_init_from, load_trunk
@@ -93,10 +94,15 @@ def batch_layout(spec: RunSpec, mesh: Mesh) -> tuple[dict[str, Field], dict[str,
     return fields, {k: NamedSharding(mesh, logical_to_spec(f.names, spec.rules)) for k, f in fields.items()}
 
 
-def setup(config: ml_collections.ConfigDict) -> Run:
-    """Validates the config, builds the mesh, derives every sharding and compiles the step (nothing allocated)."""
-    spec = resolve(config, jax.device_count())
-    mesh = make_mesh(spec.data, spec.tensor, pipe=spec.pipe)
+def setup(config: ml_collections.ConfigDict, devices: list[jax.Device] | None = None,
+          options: dict | None = None) -> Run:
+    """Validates the config, builds the mesh, derives every sharding and compiles the step (nothing allocated).
+    ``devices``: the mesh's (default: this host's); compile-only devices of another platform compile its step for
+    that platform (``megajax.tools.gpu_target``). ``options``: XLA's compiler options (default: megajax's for the
+    devices' platform, ``parallel.xla_options``)."""
+    devices = list(jax.devices() if devices is None else devices)
+    spec = resolve(config, len(devices))
+    mesh = make_mesh(spec.data, spec.tensor, devices, pipe=spec.pipe)
     graphdef, abstract_params = nnx.split(abstract_model(config))
     # FSDP (ZeRO-3): stored split over data; each layer gathers its parameters at use (sharding.param_at_use)
     param_shardings = nnx.to_pure_dict(shardings(abstract_params, mesh, spec.rules, split_over_data=spec.fsdp))
@@ -124,10 +130,11 @@ def setup(config: ml_collections.ConfigDict) -> Run:
                                               sharding=batch_shardings[k]) for k, f in fields.items()}
     with activate(mesh, spec.rules, params_split=spec.fsdp, pipeline_microbatches=spec.pipeline_microbatches,
                   pipeline_repeats=spec.pipeline_repeats):
-        init_state = jax.jit(init, out_shardings=state_shardings)
+        init_state = jax.jit(init, out_shardings=state_shardings, compiler_options=compiler_options(devices))
         compiled = jax.jit(step, in_shardings=(state_shardings, batch_shardings),
                            out_shardings=(state_shardings, replicated), donate_argnums=0
-                           ).lower(abstract_state, abstract_batch).compile()
+                           ).lower(abstract_state, abstract_batch).compile(
+                               compiler_options=compiler_options(devices) if options is None else options)
     evaluate = Evaluator(objective_metrics(objective), graphdef, mesh, spec.rules, params_split=spec.fsdp,
                          pipeline_microbatches=spec.pipeline_microbatches, pipeline_repeats=spec.pipeline_repeats,
                          in_shardings=(state_shardings.params, batch_shardings), out_shardings=replicated)
@@ -185,6 +192,14 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> lis
     SIGTERM/SIGINT it finishes the current step, saves a checkpoint and raises ``TrainingStopped``. A non-finite
     loss raises ``TrainingDiverged`` before anything is saved from that state.
     """
+    stop = StopRequest.watch()  # train.py started watching already: a signal during start-up is caught too
+    try:
+        return _checked_train(config, workdir, stop)
+    finally:
+        stop.restore_handlers()
+
+
+def _checked_train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, stop: StopRequest) -> list[dict]:
     distributed.maybe_initialize()
     resolve(config, jax.device_count())  # config errors first, in milliseconds
     abstract_model(config)  # then the module's own (options its family does not have), before the workdir exists
@@ -194,8 +209,9 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> lis
     config.data.tokenizer_fingerprint = tokenizer_fingerprint(data)  # stored with every checkpoint
     if config.init_from and not saved_steps(workdir):
         check_init_from(config)  # a wrong path or model (a resume ignores init_from)
+    stop.check("before the run started")
     with hold_workdir(workdir) as created, _undone_on_failure(workdir, created) as started:  # one run per workdir
-        return _train(config, workdir, data, started)
+        return _train(config, workdir, data, started, stop)
 
 
 @contextlib.contextmanager
@@ -241,18 +257,19 @@ def _check_same_tokenizer(saved: ml_collections.ConfigDict, fingerprint: str, st
             "pass a different --workdir; nothing was changed")
 
 
-def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path, data, started: Callable[[], None]) -> list[dict]:
+def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path, data, started: Callable[[], None],
+           stop: StopRequest) -> list[dict]:
     # a checkpoint directory that cannot be written fails here, not minutes into the first save
     checkpointer = Checkpointer(workdir, config.checkpoint) if config.checkpoint.enabled else None
     try:
-        return _train_with(config, workdir, data, checkpointer, started)
+        return _train_with(config, workdir, data, checkpointer, started, stop)
     finally:  # also on a bad input found below: an unclosed manager's thread fails noisily at exit
         if checkpointer:
             checkpointer.close()
 
 
 def _train_with(config: ml_collections.ConfigDict, workdir: pathlib.Path, data, checkpointer: Checkpointer | None,
-                started: Callable[[], None]) -> list[dict]:
+                started: Callable[[], None], stop: StopRequest) -> list[dict]:
     restore_step = config.checkpoint.restore_step
     latest = checkpointer.latest_step() if checkpointer else None
     # the step a resume reads (a restore_step that is not there is refused by resume, naming the steps there are)
@@ -265,9 +282,10 @@ def _train_with(config: ml_collections.ConfigDict, workdir: pathlib.Path, data, 
     loader = make_loader(config, "train", data)
     valid = make_loader(config, "valid", data) if config.train.eval_batches else None
     if latest is not None and (restore_step or latest) >= config.train.steps:
-        print(f"{workdir} already holds a checkpoint of step {restore_step or latest} >= train.steps="
-              f"{config.train.steps}: nothing to train. Raise --config.train.steps to continue training it.",
-              file=sys.stderr)
+        if jax.process_index() == 0:
+            print(f"done: nothing to train, {workdir} already holds step {restore_step or latest} >= train.steps="
+                  f"{config.train.steps}; checkpoint {resume_dir}. Raise --config.train.steps to train it further.",
+                  file=sys.stderr)
         return []
     if saved_position is not None:  # the same data and batch, checked before compiling
         loader.set_state(saved_position, config.train.allow_batch_size_change, config.data.allow_blend_change)
@@ -275,6 +293,7 @@ def _train_with(config: ml_collections.ConfigDict, workdir: pathlib.Path, data, 
     if is_main:
         check_writable(workdir)  # metrics.jsonl: before compiling, not after
     run = setup(config)
+    stop.check("while the step compiled")  # a run that never started leaves nothing (_undone_on_failure)
     if checkpointer:
         checkpointer.check_space(run.abstract_state)  # a disk too small for one checkpoint: before the first step
     restored = checkpointer.resume(run.abstract_state, restore_step) if checkpointer else None
@@ -299,11 +318,9 @@ def _train_with(config: ml_collections.ConfigDict, workdir: pathlib.Path, data, 
             print(f"note: mesh {_mesh_text(run.spec)} uses {used} of the {jax.device_count()} devices present; the "
                   f"other {jax.device_count() - used} stay idle (mesh.data=-1 takes every device left)",
                   file=sys.stderr)
-    stop = StopRequest()
     try:
         state, records, seconds = _loop(run, state, loader, valid, checkpointer, writer, stop, is_main)
     finally:
-        stop.restore_handlers()
         if checkpointer:
             checkpointer.wait()
         writer.close()

@@ -9,8 +9,6 @@ from __future__ import annotations
 import signal
 import threading
 
-import jax
-
 from megajax.errors import UserError
 
 
@@ -26,7 +24,13 @@ class TrainingStopped(UserError):
 
 
 class StopRequest:
-    """``should_stop(step)`` turns True once a stop signal arrived (on every process at the same step)."""
+    """``should_stop(step)`` turns True once a stop signal arrived (on every process at the same step).
+
+    One per process at a time (``watch``): ``train.py`` starts watching before anything heavy is imported, so a
+    signal during start-up or compilation is recorded too (Python's default SIGINT would raise KeyboardInterrupt
+    wherever it lands, inside jax's C++ callbacks included), and ``train`` reads it at its next check."""
+
+    _current: StopRequest | None = None
 
     def __init__(self):
         self._flag = threading.Event()
@@ -36,11 +40,34 @@ class StopRequest:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
 
+    @classmethod
+    def watch(cls, received: list[int] | tuple[int, ...] = ()) -> StopRequest:
+        """The process's watcher, started if none is; ``received``: signals a caller's own earlier handler recorded
+        (train.py's, installed before even this module is imported)."""
+        if cls._current is None:
+            cls._current = cls()
+        for signum in received:
+            cls._current._handle(signum, None)
+        return cls._current
+
     def _handle(self, signum, frame) -> None:
         self.signum = signum
         self._flag.set()
 
+    # jax is imported where it is used: train.py imports this module first, before anything heavy
+    def check(self, when: str) -> None:
+        """Raises TrainingStopped if a stop signal arrived (``when``: what did not happen, e.g. "before the first
+        step"); with one process only (several agree at a step, in ``should_stop``)."""
+        import jax
+
+        if self._flag.is_set() and jax.process_count() == 1:
+            name = signal.Signals(self.signum).name
+            raise TrainingStopped(f"stopped by {name} {when}: nothing was saved; run the same command to start "
+                                  "again", self.signum)
+
     def should_stop(self, step: int) -> bool:
+        import jax
+
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -49,5 +76,8 @@ class StopRequest:
         return self._flag.is_set()
 
     def restore_handlers(self) -> None:
+        """Stops watching: the handlers there were before (for a library caller of ``train``)."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if StopRequest._current is self:
+            StopRequest._current = None

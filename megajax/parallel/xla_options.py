@@ -1,0 +1,53 @@
+"""The XLA options megajax compiles its steps with, per platform.
+
+On NVIDIA GPUs these are the options MaxText and NVIDIA's JAX-Toolbox recommend for H100 training, applied to
+every program megajax compiles (``compile(compiler_options=...)``, so they hold whatever ``XLA_FLAGS`` says and can
+be compared with and without in one process, as ``bench/gpu_benchmark.py`` does). What each does in the compiled
+step, read from its HLO (tests/test_gpu_target.py, bench/README.md):
+
+* the latency-hiding scheduler orders the step so the collectives' start and done have compute between them
+  (the tensor-parallel all-reduces of one layer overlap the next GEMMs; the data-parallel gradient reduction
+  overlaps the backward pass);
+* combine thresholds of 128 MiB let XLA fuse the many small gradient reductions into few large ones;
+* pipelined all-gather / reduce-scatter / all-reduce and while-loop double buffering move a scanned layer's
+  collectives into the previous iteration, so the layer loop (``nnx.scan``) overlaps them too;
+* cuBLAS, not Triton, for the GEMMs (Triton's autotuning needs the device; without it cuBLAS's heuristics are
+  the better default).
+
+Other platforms get no options (XLA's defaults).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+
+COMBINE_BYTES = 128 * 2**20
+
+NVIDIA_GPU: dict[str, bool | int] = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_enable_triton_gemm": False,
+    "xla_gpu_all_reduce_combine_threshold_bytes": COMBINE_BYTES,
+    "xla_gpu_all_gather_combine_threshold_bytes": COMBINE_BYTES,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": COMBINE_BYTES,
+    "xla_gpu_enable_pipelined_all_gather": True,
+    "xla_gpu_enable_pipelined_reduce_scatter": True,
+    "xla_gpu_enable_pipelined_all_reduce": True,
+    "xla_gpu_enable_while_loop_double_buffering": True,
+    "xla_gpu_enable_highest_priority_async_stream": True,
+}
+
+
+def is_nvidia_gpu(device) -> bool:
+    """A CUDA device (a ``jax.Device`` or an abstract mesh's ``AbstractDevice``), real or compile-only
+    (``jax.experimental.topologies``: its client reports no CUDA version, its kind names the vendor)."""
+    if device.platform != "gpu":
+        return False
+    version = str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
+    return "cuda" in version or "nvidia" in str(getattr(device, "device_kind", "")).lower()
+
+
+def compiler_options(devices: Sequence[jax.Device]) -> dict[str, bool | int]:
+    """The options for a program that runs on ``devices`` (the mesh's)."""
+    return dict(NVIDIA_GPU) if devices and is_nvidia_gpu(devices[0]) else {}

@@ -1,0 +1,121 @@
+"""The training step compiled for H100s on this CPU host (megajax.tools.gpu_target): cuDNN's flash attention in
+bf16, the tensor-parallel all-reduces at Megatron's count in the compute dtype, every gradient element reduced over
+`data` once, the collectives asynchronous under megajax's XLA options, and `megajax.info --target` as a user runs it.
+Skipped where JAX's CUDA plugin (the gpu-compile extra, part of the test extra) or ptxas is missing."""
+
+import importlib.util
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import child_env
+
+from megajax.cli import load_config
+from megajax.config import model_config
+from megajax.models.transformer import attention_reason
+from megajax.tools import gpu_target
+from megajax.tools.comm_budget import step_shape
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("jax_plugins.xla_cuda12") is None or shutil.which("ptxas") is None,
+    reason="compiling for GPUs needs JAX's CUDA plugin (pip install 'megajax[gpu-compile]') and ptxas on the PATH")
+MODELS, MESHES, ROWS = ("gpt_tiny", "bert_tiny", "llama_tiny"), ((1, 8), (2, 4)), 2
+
+
+def _config(name: str, mesh: tuple[int, int]):
+    """The tiny config in bf16 without dropout (cuDNN's attention has none), 8 heads so that 8 model shards hold
+    whole ones."""
+    config = load_config(name)
+    config.mesh.data, config.mesh.model = mesh
+    config.model.update(dropout=0.0, num_heads=8)
+    config.train.precision = "bf16"
+    return config
+
+
+@pytest.fixture(scope="module")
+def steps():
+    return {(name, mesh): gpu_target.compile_step(_config(name, mesh), "h100", micro_batch=ROWS)
+            for name in MODELS for mesh in MESHES}
+
+
+def test_cudnn_flash_attention_in_bf16_where_the_model_allows(steps):
+    for key, step in steps.items():
+        assert step.attention == "cudnn", key
+        kernels = set(re.findall(r'custom_call_target="(__cudnn\$fmha\w*)"', step.hlo))
+        assert any(k.endswith("Backward") for k in kernels) and any(not k.endswith("Backward") for k in kernels), key
+    gpt = load_config("gpt_tiny")  # Megatron's attention dropout keeps GPT-2 and BERT on XLA's attention
+    gpt.train.precision = "bf16"
+    assert "attention dropout" in attention_reason(model_config(gpt))
+    assert attention_reason(model_config(_config("gpt_tiny", (1, 8)))) == ""
+
+
+def test_tensor_parallel_all_reduces_are_megatrons_in_the_compute_dtype(steps):
+    """2L + 1 all-reduces of b x s x h each way over `model` (each block's f and g, the embedding lookup; the tied
+    output layer's input gradient), every one in bf16: the lookup's partial rows are summed in the compute dtype."""
+    for (name, mesh), step in steps.items():
+        spec = step.run.spec
+        bsh = ROWS * spec.model.max_seq_len * spec.model.hidden_size
+        found = {}
+        for c in step.collectives:
+            if c.op == "all-reduce" and c.axes == {"model"} and c.elements == bsh:
+                found[c.phase, c.dtype] = found.get((c.phase, c.dtype), 0) + c.executions
+        want = 2 * spec.model.num_layers + 1
+        assert found == {("forward", "bf16"): want, ("backward", "bf16"): want}, (name, mesh, found)
+
+
+def test_every_gradient_element_is_reduced_over_data_once(steps):
+    for (name, mesh), step in steps.items():
+        if mesh[0] == 1:
+            continue
+        reduced = sum(c.elements * c.executions for c in step.collectives
+                      if c.axes == {"data"} and c.op == "all-reduce" and c.elements > 1)
+        # every local gradient element once; XLA concatenates the step's scalar metrics (GPT: the loss; BERT: its
+        # two losses and accuracies) into the buffers
+        assert 0 <= reduced - step_shape(step.run).local_grad_elements <= 4, name
+
+
+def test_collectives_overlap_compute_under_megajaxs_options(steps):
+    """Under the latency-hiding scheduler every collective of the step is asynchronous, and the data-parallel
+    gradient reduction has compute scheduled between its start and its done."""
+    for (name, mesh), step in steps.items():
+        overlap = gpu_target.overlap(step.hlo)
+        assert step.options["xla_gpu_enable_latency_hiding_scheduler"]
+        assert all(c.instruction in overlap for c in step.collectives), name
+        if mesh[0] > 1:
+            data = [overlap[c.instruction][1] for c in step.collectives if c.axes == {"data"}]
+            assert data and max(data) > 0, name
+
+
+def test_info_compiles_for_an_h100_as_a_user_runs_it(tmp_path):
+    hlo = tmp_path / "step.hlo"
+    env = {**child_env(), "PYTHONPATH": str(ROOT)}
+    env.pop("JAX_PLATFORMS", None)  # megajax picks the CPU itself where there is no GPU
+    run = subprocess.run([sys.executable, "-m", "megajax.info", "--config=llama_tiny", "--target=h100", "--compiled",
+                          "--mesh=2x4", f"--hlo={hlo}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "the step compiled for NVIDIA H100 80GB HBM3 (mesh 2x4" in run.stdout
+    assert "attention            cudnn" in run.stdout and "fits one NVIDIA H100 80GB HBM3" in run.stdout
+    assert "all-reduce" in run.stdout and "overlap" in run.stdout
+    assert "__cudnn$fmha" in hlo.read_text()
+    assert "Traceback" not in run.stderr and "cudart_stub" not in run.stderr  # quiet on a host without a GPU
+
+
+def test_bad_targets_are_one_error_line(tmp_path, monkeypatch):
+    env = {**child_env(), "PYTHONPATH": str(ROOT)}
+    cases = {("--target=h900",): "argument --target: invalid choice: 'h900'",
+             ("--target=h100", "--compiled", "--mesh=4x4"): "mesh 1x4x4 needs 16 GPUs; --hosts=1 x 8 has 8",
+             ("--hlo=x.hlo",): "--hlo writes the step compiled for a GPU: give it with --target=... --compiled"}
+    for flags, message in cases.items():
+        run = subprocess.run([sys.executable, "-m", "megajax.info", "--config=gpt_tiny", *flags], cwd=tmp_path,
+                             env=env, capture_output=True, text=True, timeout=600)
+        last = run.stderr.strip().splitlines()[-1]
+        assert run.returncode != 0 and last.startswith("error: ") and message in last, (flags, run.stderr[-2000:])
+        assert "Traceback" not in run.stderr
+    monkeypatch.setattr(gpu_target.importlib.util, "find_spec", lambda name: None)  # as without the extra
+    with pytest.raises(gpu_target.GpuTargetError, match=r"pip install 'megajax\[gpu-compile\]'"):
+        gpu_target.gpu_devices("h100")
