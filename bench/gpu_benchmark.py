@@ -1,6 +1,7 @@
-"""The GPU figures in one command: the paper's 1.2B and 2.5B GPT configs trained on every local GPU.
+"""The GPU figures in one command, the first thing to run on a new GPU (under 8 minutes on one H100): gpt_1p2b and
+llama3p2_1b trained on every local GPU, each with megajax's XLA options and without (``parallel.xla_options``).
 
-    python bench/gpu_benchmark.py                              # gpt_1p2b and gpt_2p5b on all local GPUs
+    python bench/gpu_benchmark.py                              # gpt_1p2b and llama3p2_1b on all local GPUs
     python bench/gpu_benchmark.py --configs=gpt_8p3b --mesh=1x8 --micro_batch=4 --steps=20
     python bench/gpu_benchmark.py --allow_cpu --configs=gpt_tiny --seq=128 --steps=2   # checks the script only
 
@@ -14,7 +15,11 @@ plan counts attention's (B, N, S, S) softmax arrays, which cuDNN never makes, so
 The step is compiled ahead of time, 2 warm-up steps are untimed, then ``--steps`` steps are timed. Printed per
 config: tokens/s, model TFLOP/s per GPU (Megatron's formula, no recomputation counted) and MFU against the
 datasheet peak (``megajax.training.metrics.PEAK_FLOPS``; an unlisted GPU gets no MFU rather than a guess).
-Everything goes to ``--output`` as JSON. Without a GPU it refuses, unless ``--allow_cpu``.
+Each config is compiled and timed twice, with megajax's XLA options and with none (``--options=both``; ``on`` or
+``off`` for one), and the device's peak memory is printed beside the compiled plan and the planner's prediction
+(``memory_planner.memory_report``), which ``bench/gpu_compiled.py`` made without a GPU: the first check of those
+predictions. Every figure goes to ``--output`` as JSON as soon as it is measured. Without a GPU it refuses, unless
+``--allow_cpu``.
 """
 
 import argparse
@@ -71,7 +76,9 @@ def mesh_for(mesh: str | None, config_model: int, count: int, name: str) -> tupl
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", default="gpt_1p2b,gpt_2p5b", help="comma-separated config names or paths")
+    p.add_argument("--configs", default="gpt_1p2b,llama3p2_1b", help="comma-separated config names or paths")
+    p.add_argument("--options", choices=("both", "on", "off"), default="both",
+                   help="megajax's XLA options for the GPU: compare both, or only with (on) or without (off)")
     p.add_argument("--mesh", default=None, help="DATAxMODEL; default: all GPUs, the config's mesh.model")
     p.add_argument("--micro_batch", type=int, default=8, help="sequences per data replica per step")
     p.add_argument("--seq", type=int, default=1024)
@@ -82,12 +89,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.micro_batch < 1 or args.seq < 1 or args.steps < 1:
         sys.exit("error: --micro_batch, --seq and --steps must be >= 1")
 
+    import megajax  # noqa: F401 - first: it starts jax quietly where the CUDA plugin has no GPU (megajax.platform)
+
+    # isort: split
     import jax
     from train_throughput import measure
 
-    from megajax.cli import load_config
+    from megajax.cli import load_config, start_backend
+    from megajax.tools.memory_planner import memory_report
     from megajax.training.metrics import peak_flops
 
+    start_backend()
     device, count = jax.devices()[0], jax.device_count()
     if device.platform != "gpu" and not args.allow_cpu:
         sys.exit(f"error: no GPU here (jax sees {device.platform} devices); this benchmark measures GPUs. "
@@ -103,14 +115,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         config.model.update(max_seq_len=args.seq, dropout=0.0)
         config.train.update(global_batch_size=args.micro_batch * data, precision=precision, steps=1000)
         config.model.remat = lightest_remat(config, data, model, args.micro_batch, device_bytes)
-        row = {"config": name, **measure(config, args.steps, warmup=2)}
-        peak = peak_flops(device, precision)
-        row["mfu"] = round(row["model_tflops_per_device"] * 1e12 / peak, 4) if peak else None
-        results.append(row)
-        mfu = f"{row['mfu']:.1%}" if peak else "n/a (device not in PEAK_FLOPS)"
-        print(f"{name:>10} {row['mesh']:>5} {row['remat']:>9} {row['tokens_per_s']:>10,.0f} tokens/s "
-              f"{row['model_tflops_per_device']:>8.1f} TFLOP/s per GPU  MFU {mfu}", flush=True)
-        pathlib.Path(args.output).write_text(json.dumps(results, indent=1) + "\n")  # kept if a later config fails
+        planned = memory_report(config, data, model, args.micro_batch, num_micro=1).peak_bytes
+        for options in {"both": ("on", "off"), "on": ("on",), "off": ("off",)}[args.options]:
+            row = {"config": name, "xla_options": options,
+                   **measure(config, args.steps, warmup=2, options=None if options == "on" else {})}
+            peak = peak_flops(device, precision)
+            row["mfu"] = round(row["model_tflops_per_device"] * 1e12 / peak, 4) if peak else None
+            row["planned_peak_bytes"] = planned
+            results.append(row)
+            mfu = f"{row['mfu']:.1%}" if peak else "n/a (device not in PEAK_FLOPS)"
+            used = row["device_peak_bytes"]
+            memory = f"peak {used / 2**30:.1f} GiB (planned {planned / 2**30:.1f})" if used else ""
+            print(f"{name:>12} options {options:>3} {row['mesh']:>5} {row['remat']:>9} {row['tokens_per_s']:>10,.0f} "
+                  f"tokens/s {row['model_tflops_per_device']:>8.1f} TFLOP/s per GPU  MFU {mfu}  {memory}", flush=True)
+            pathlib.Path(args.output).write_text(json.dumps(results, indent=1) + "\n")  # kept if a later one fails
     return results
 
 

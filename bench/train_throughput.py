@@ -17,9 +17,10 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 
-def measure(config, steps: int, warmup: int = 1) -> dict:
-    """Compiles ``config``'s step ahead of time, runs ``warmup`` untimed steps and times ``steps`` more on one real
-    batch (reused). Returns the figures as a dict (seconds, tokens/s, model TFLOP/s per device)."""
+def measure(config, steps: int, warmup: int = 1, options: dict | None = None) -> dict:
+    """Compiles ``config``'s step ahead of time (XLA ``options``: default megajax's for the platform), runs
+    ``warmup`` untimed steps and times ``steps`` more on one real batch (reused). Returns the figures as a dict
+    (seconds, tokens/s, model TFLOP/s per device, the compiled step's memory plan and the device's peak use)."""
     import jax
 
     from megajax.training.data import make_loader
@@ -27,7 +28,7 @@ def measure(config, steps: int, warmup: int = 1) -> dict:
     from megajax.training.metrics import model_flops_per_step, sequences_per_step
 
     t0 = time.perf_counter()
-    run = setup(config)
+    run = setup(config, options=options)
     state = run.init_state()
     compile_s = time.perf_counter() - t0
     batch = make_loader(config).next_global(run.batch_shardings)  # one real batch (GPT or BERT), reused
@@ -48,6 +49,8 @@ def measure(config, steps: int, warmup: int = 1) -> dict:
             "setup_and_compile_s": round(compile_s, 1), "step_s": round(step_s, 4),
             "tokens_per_s": round(sequences_per_step(run.spec) * seq / step_s, 1),
             "model_tflops_per_device": round(flops / step_s / devices / 1e12, 4),
+            "compiled_temp_bytes": run.step_fn.memory_analysis().temp_size_in_bytes,
+            "device_peak_bytes": (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use"),
             "loss": float(m["loss"])}
 
 

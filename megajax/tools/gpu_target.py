@@ -7,8 +7,9 @@ and compiles ``training.loop.setup``'s step for a mesh of them: the optimized GP
 collectives as the GPU would run them.
 
 What is not known without the device: autotuning (cuBLAS / Triton picks may differ on the real GPU), the cuDNN
-workspace (its temp is a little low), and ``cost_analysis()`` of the GPU executable, which XLA does not implement:
-``flops`` counts the module with the CPU client's HLO cost analysis (custom calls, e.g. cuDNN attention, count 0).
+workspace (its temp is a little low), and ``cost_analysis()`` of the GPU executable, which XLA does not implement
+(the CPU client's HLO cost analysis of the module counts one pass of each layer loop and no custom call, so it is
+not used: the model's FLOPs come from its spec).
 
 ``jax.nn.dot_product_attention(implementation="cudnn")`` probes the local GPU's cuDNN version and compute capability
 while it traces; ``compile_step`` answers those probes for the target, only while it compiles.
@@ -163,7 +164,6 @@ class GpuStep:
     planned: MemoryReport  # megajax's memory planner for the same step
     collectives: list[hlo_audit.Collective]
     options: dict  # the XLA compiler options it was compiled with
-    flops: float | None  # per device and step, from the CPU client's HLO cost analysis (custom calls 0)
 
     @property
     def attention(self) -> str:
@@ -193,19 +193,7 @@ def compile_step(config: ml_collections.ConfigDict, target: str = "h100", hosts:
         run = setup(config, devices[: pipe * data * model], options)
     text = run.step_fn.as_text()
     return GpuStep(gpu, run, text, run_memory(run, micro_batch), memory_report(config, data, model, micro_batch, 1),
-                   hlo_audit.collectives(text, run.mesh), options, _flops(run.step_fn))
-
-
-def _flops(compiled: jax.stages.Compiled) -> float | None:
-    """The module's FLOPs by the CPU client's HLO cost analysis (the GPU executable implements none)."""
-    try:
-        from jax._src import xla_bridge
-        from jax._src.lib import _jax
-
-        module = compiled.runtime_executable().hlo_modules()[0]
-        return float(_jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)["flops"])
-    except Exception:  # noqa: BLE001 - a private interface: no figure rather than no report
-        return None
+                   hlo_audit.collectives(text, run.mesh), options)
 
 
 _ASYNC_START = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?\s([a-z\-]+)-start\(")

@@ -70,7 +70,7 @@ def format_report(r: MemoryReport, device_memory_gb: float | None,
         f"step peak (est.)     {_g(r.peak_bytes)}  (+ gradients as held {r.step_grad_bytes / GiB:.3f}, batch)",
     ]
     if device_memory_gb:
-        lines.append(f"fits a {device_memory_gb:g} GiB device: {'yes' if r.fits(device_memory_gb * GiB) else 'NO'}")
+        lines.append(f"fits a {device_memory_gb:.4g} GiB device: {'yes' if r.fits(device_memory_gb * GiB) else 'NO'}")
         if largest is not None:
             lines.append(f"largest micro-batch that fits: {largest}" + ("" if largest else " (not even 1)"))
     return "\n".join(lines)
@@ -103,9 +103,8 @@ def format_gpu_step(step: GpuStep, model_flops: float) -> str:
              "is not sized without the device)",
              f"attention            {step.attention}" + ("" if step.attention == "cudnn" else
                                                          "  (" + attention_reason(step.run.spec.model) + ")")]
-    if step.flops:
-        lines.append(f"FLOPs per device     {step.flops / 1e12:.3f} TFLOP per step compiled (cuDNN calls count 0); the "
-                     f"model's {model_flops / 1e12 / step.run.mesh.devices.size:.3f}")
+    lines.append(f"model FLOPs          {model_flops / step.run.mesh.devices.size / 1e12:.4g} TFLOP per GPU per step "
+                 "(the model's spec; no recomputation counted)")
     overlapped = gpu_overlap(step.hlo)
     rows: dict = {}
     for coll in step.collectives:
