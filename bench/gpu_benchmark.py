@@ -42,7 +42,7 @@ def lightest_remat(config, data: int, model: int, micro_batch: int, device_bytes
         return "none"
     for remat in REMAT_ORDER:
         config.model.remat = remat
-        if memory_report(config, data, model, micro_batch, num_micro=1).fits(device_bytes):
+        if memory_report(config, data, model, micro_batch, num_micro=1, gpu=True).fits(device_bytes):
             return remat
     return "full"
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         config.model.update(max_seq_len=args.seq, dropout=0.0)
         config.train.update(global_batch_size=args.micro_batch * data, precision=precision, steps=1000)
         config.model.remat = lightest_remat(config, data, model, args.micro_batch, device_bytes)
-        planned = memory_report(config, data, model, args.micro_batch, num_micro=1).peak_bytes
+        planned = memory_report(config, data, model, args.micro_batch, num_micro=1, gpu=True).peak_bytes
         for options in {"both": ("on", "off"), "on": ("on",), "off": ("off",)}[args.options]:
             row = {"config": name, "xla_options": options,
                    **measure(config, args.steps, warmup=2, options=None if options == "on" else {})}

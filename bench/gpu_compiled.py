@@ -33,7 +33,7 @@ def row(name: str, hosts: int, mesh: tuple[int, int]) -> dict:
     config.mesh.data, config.mesh.model = mesh
     config.train.precision = "bf16"
     gpu = TARGETS["h100"]
-    largest = largest_micro_batch(config, *mesh, gpu.memory_bytes)
+    largest = largest_micro_batch(config, *mesh, gpu.memory_bytes, gpu=True)
     micro = max(min(largest, config.train.global_batch_size // mesh[0]), 1)
     start = time.perf_counter()
     step = compile_step(config, "h100", hosts, micro_batch=micro)

@@ -10,6 +10,9 @@ import os
 # flag moves). Tests that run many steps are marked `many_steps` and compile at COMPILE_FLAG's -O1 instead (at -O0
 # their steps run ~2x slower).
 COMPILE_FLAG = "--xla_backend_optimization_level=1"
+# a compiled step's state beyond parameters and moments: the step, the optimizer's two counts, the loss scale's
+# three fields, the dropout key (u32[2])
+SCALAR_STATE_BYTES = 32
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_backend_optimization_level" not in _flags:

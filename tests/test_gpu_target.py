@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import child_env
+from conftest import SCALAR_STATE_BYTES, child_env
 
 from megajax.cli import load_config
 from megajax.config import model_config
@@ -51,6 +51,17 @@ def test_cudnn_flash_attention_in_bf16_where_the_model_allows(steps):
     gpt.train.precision = "bf16"
     assert "attention dropout" in attention_reason(model_config(gpt))
     assert attention_reason(model_config(_config("gpt_tiny", (1, 8)))) == ""
+
+
+def test_compiled_memory_is_the_planners_within_10_percent(steps):
+    """The planner as the step compiles for a GPU (``memory_report(..., gpu=True)``: cuDNN's attention keeps its
+    log-sum-exp, not the probabilities; the head its logits and their gradient; cuBLAS's workspace) against XLA's
+    memory plan of the compiled H100 step: the same state to the byte, the peak within 10%."""
+    for key, step in steps.items():
+        compiled, planned = step.compiled, step.planned
+        assert compiled.state - planned.state_bytes == SCALAR_STATE_BYTES, key
+        assert abs(compiled.peak / planned.peak_bytes - 1) <= 0.10, (key, compiled.peak, planned.peak_bytes)
+        assert abs(compiled.temp / planned.temp_bytes - 1) <= 0.10, (key, compiled.temp, planned.temp_bytes)
 
 
 def test_tensor_parallel_all_reduces_are_megatrons_in_the_compute_dtype(steps):

@@ -26,6 +26,7 @@ the 2 cores; their estimate rests on the same per-layer inventory and head terms
 import math
 
 import pytest
+from conftest import SCALAR_STATE_BYTES
 
 from megajax.cli import load_config
 from megajax.tools.info import main
@@ -38,7 +39,6 @@ from megajax.tools.memory_planner import (
     traced_layer_residual_bytes,
 )
 
-SCALAR_STATE_BYTES = 32  # step, the optimizer's two counts, the loss scale's three fields, the dropout key (u32[2])
 MICRO_BATCH = 4
 CASES = {  # name -> (config, data, model, remat, parallel flags ('+'-joined: shard_optimizer (ZeRO-1), fsdp,
     #          sequence) or None, micro-batches per step)

@@ -14,7 +14,7 @@ import functools
 import jax
 import numpy as np
 import pytest
-from conftest import assert_same_step, choice_config, one_step_run
+from conftest import SCALAR_STATE_BYTES, assert_same_step, choice_config, one_step_run
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -59,7 +59,6 @@ def _bert_batches(rng: np.random.Generator):
 # different meshes compare at 1e-5 (three ordinary steps would compare Adam-amplified rounding noise on the
 # parameters whose gradient is ~0). Every run of a model starts from one initial state, laid out per run.
 _INITIAL: dict = {}
-SCALAR_STATE_BYTES = 32  # step, the optimizer's two counts, the loss scale's three fields, the dropout key
 
 
 @functools.cache

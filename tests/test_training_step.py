@@ -10,6 +10,7 @@ from flax import nnx
 from megajax.config import model_config
 from megajax.models.gpt import GPT
 from megajax.parallel.losses import lm_loss
+from megajax.training import step as step_module
 from megajax.training.data import make_loader
 from megajax.training.loop import setup, train
 
@@ -58,9 +59,12 @@ def test_gradient_accumulation_equals_full_batch(data, model, micro):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_fp16_overflow_skips_then_backs_off_then_grows():
+@pytest.mark.parametrize("gpu_skip", [False, True], ids=["cond", "select"])
+def test_fp16_overflow_skips_then_backs_off_then_grows(gpu_skip, monkeypatch):
     """Initial scale 2^32 overflows fp16 gradients: the first step is skipped with parameters unchanged; the
-    second overflow (hysteresis 2) halves the scale; after `growth_interval` clean steps the scale doubles."""
+    second overflow (hysteresis 2) halves the scale; after `growth_interval` clean steps the scale doubles. Both
+    ways the step skips an update: cond (the CPU's) and select (an NVIDIA GPU's, traced here on the CPU)."""
+    monkeypatch.setattr(step_module, "traced_for_nvidia_gpu", lambda: gpu_skip)
     config = train_config(steps=40, precision="fp16")
     config.loss_scale.update(initial=2.0**32, growth_interval=3, hysteresis=2)
     run = setup(config)

@@ -32,6 +32,7 @@ from megajax.models.transformer import (
     LayerCache,
     TransformerConfig,
     attention_core,
+    attention_core_residual_bytes,
     causal_mask,
     make_blocks,
     refuse_options,
@@ -287,18 +288,19 @@ def flops(cfg: TransformerConfig, rows: int, seq: int) -> float:
                          3 * cfg.ffn_size, cfg.padded_vocab_size)
 
 
-def layer_residual_bytes(cfg: TransformerConfig, rows: int, tp: int, split: int, remat: str, cd: int) -> int:
+def layer_residual_bytes(cfg: TransformerConfig, rows: int, tp: int, split: int, remat: str, cd: int,
+                         attention: str = "xla") -> int:
     """Bytes one Llama layer keeps for its backward pass on one device (``rows`` sequences, ``tp`` model shards,
-    the residual stream split ``split`` ways, ``cd`` bytes per compute-dtype value); the same as the traced jaxpr
-    (tests/test_llama.py). ``none`` keeps: per RMSNorm its fp32 input and normalised values, the compute-dtype
-    normalised and scaled values and its fp32 statistic; dropout's 1-byte masks of both residual branches; q and the
-    attention context, k and v (one head per shard where they are replicated); the SwiGLU's 6 (b, s, ffn) tensors;
-    the softmax probabilities in fp32 and the compute dtype with their two statistics (and their dropout mask);
-    the norms' scales broadcast in the compute dtype; in 16-bit the compute-dtype copies of attention-out and down
-    (the fused query / key-value and gate / up kernels are reassembled in the backward pass, not kept).
-    ``selective`` drops the a*s*s*b tensors, ``full`` keeps the layer's input, ``save_dots`` the input, one
-    projection and the two fused GEMMs' outputs."""
-    s, b, h, a, d, f = cfg.max_seq_len, rows, cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.ffn_size
+    the residual stream split ``split`` ways, ``cd`` bytes per compute-dtype value, ``attention`` the attention
+    core's implementation); the same as the traced jaxpr (tests/test_llama.py). ``none`` keeps: per RMSNorm its
+    fp32 input and normalised values, the compute-dtype normalised and scaled values and its fp32 statistic;
+    dropout's 1-byte masks of both residual branches; q and the attention context, k and v (one head per shard
+    where they are replicated); the SwiGLU's 6 (b, s, ffn) tensors; the attention core's residuals
+    (``transformer.attention_core_residual_bytes``); the norms' scales broadcast in the compute dtype; in 16-bit
+    the compute-dtype copies of attention-out and down (the fused query / key-value and gate / up kernels are
+    reassembled in the backward pass, not kept). ``selective`` drops the attention core's, ``full`` keeps the
+    layer's input, ``save_dots`` the input, one projection and the two fused GEMMs' outputs."""
+    s, b, h, d, f = cfg.max_seq_len, rows, cfg.hidden_size, cfg.head_dim, cfg.ffn_size
     sbh, dropout = s * b * h, cfg.dropout > 0
     kv_local = 1 if cfg.kv_replicated(tp) else cfg.kv_heads // tp  # key/value heads on one shard
     if remat == "full":
@@ -309,7 +311,7 @@ def layer_residual_bytes(cfg: TransformerConfig, rows: int, tp: int, split: int,
     kept += 2 * h * cd  # the scales broadcast to (1, 1, h)
     kept += (2 * sbh + 6 * s * b * f) * cd // tp + 2 * s * b * kv_local * d * cd  # q, context; SwiGLU; k, v
     if remat != "selective":
-        kept += a * s * s * b * (4 + cd + (1 if dropout else 0)) // tp + 2 * a * s * b * 4 // tp
+        kept += attention_core_residual_bytes(cfg, b, tp, attention)
     if cd < 4:
         kept += (h * h + f * h) * cd // tp  # compute-dtype copies of attention-out and down
     return kept

@@ -62,9 +62,10 @@ class ModelSpec:
     pretrained_trunk: type[nnx.Module] | None = None  # init_from: a checkpoint whose module subclasses this
     gated_mlp: bool = False  # the MLP's first GEMM is two (gate and up: SwiGLU), so 3 GEMMs of h x ffn
     biases: bool = True  # the linear layers and norms have biases (LayerNorm; Llama's RMSNorm and GEMMs have none)
-    # (cfg, sequences, tp, sequence split, remat, compute-dtype bytes) -> bytes one layer keeps for its backward pass
-    # on a device; None: the GPT / BERT block's inventory (tools.memory_planner.layer_residual_bytes)
-    layer_residuals: Callable[[TransformerConfig, int, int, int, str, int], int] | None = None
+    # (cfg, sequences, tp, sequence split, remat, compute-dtype bytes, attention implementation) -> bytes one layer
+    # keeps for its backward pass on a device; None: the GPT / BERT block's inventory
+    # (tools.memory_planner.layer_residual_bytes)
+    layer_residuals: Callable[[TransformerConfig, int, int, int, str, int, str], int] | None = None
 
     @property
     def vocab_output(self) -> bool:

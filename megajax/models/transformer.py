@@ -36,7 +36,7 @@ from megajax.parallel.sharding import (
     rules_remapped,
     spec_of,
 )
-from megajax.parallel.xla_options import is_nvidia_gpu
+from megajax.parallel.xla_options import traced_for_nvidia_gpu
 
 REMAT_POLICIES = ("none", "full", "save_dots", "selective")
 ROPE_SCALINGS = ("none", "llama3")
@@ -206,9 +206,7 @@ def attention_implementation(dtype: jnp.dtype, head_dim: int, dropout: bool, len
     being traced for (a compile-only H100's too, ``megajax.tools.gpu_target``), else this host's first."""
     if _cudnn_refusal(dtype, head_dim, dropout, lengths):
         return "xla"
-    mesh = jax.sharding.get_abstract_mesh()
-    device = (None if mesh.empty else getattr(mesh, "abstract_device", None)) or jax.devices()[0]
-    return "cudnn" if is_nvidia_gpu(device) else "xla"
+    return "cudnn" if traced_for_nvidia_gpu() else "xla"
 
 
 def _cudnn_refusal(dtype: jnp.dtype, head_dim: int, dropout: bool, lengths: tuple[int, int]) -> str | None:
@@ -228,6 +226,20 @@ def attention_reason(cfg: TransformerConfig) -> str:
     """Why a model's training step uses megajax's XLA attention rather than cuDNN's ('' where it can use cuDNN)."""
     return _cudnn_refusal(cfg.compute_dtype, cfg.head_dim, cfg.dropout > 0,
                           (cfg.max_seq_len, cfg.max_seq_len)) or ""
+
+
+def attention_core_residual_bytes(cfg: TransformerConfig, rows: int, tp: int, implementation: str) -> int:
+    """Bytes one layer's attention core keeps for its backward pass on one device (``rows`` sequences, ``tp`` model
+    shards holding a/tp query heads each), without recomputation. ``xla``: the softmax probabilities in fp32 and in
+    the compute dtype (a*s*s*b each), their 1-byte dropout mask, and the softmax's two fp32 statistics (a*s*b each).
+    ``cudnn``: flash attention recomputes the probabilities from q, k and v and keeps only its fp32 log-sum-exp
+    (a*s*b). q, k, v and the context are the block's, counted by its inventory."""
+    a, s = cfg.num_heads, cfg.max_seq_len
+    if implementation == "cudnn":
+        return a * s * rows * 4 // tp
+    cd = jnp.dtype(cfg.compute_dtype).itemsize
+    dropout = 1 if cfg.dropout > 0 else 0
+    return a * s * s * rows * (4 + cd + dropout) // tp + 2 * a * s * rows * 4 // tp
 
 
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, key: jax.Array | None,

@@ -48,6 +48,15 @@ def is_nvidia_gpu(device) -> bool:
     return "cuda" in version or "nvidia" in str(getattr(device, "device_kind", "")).lower()
 
 
+def traced_for_nvidia_gpu() -> bool:
+    """Whether the program being traced will run on an NVIDIA GPU: the device of the mesh it is traced under (a
+    compile-only one too, ``megajax.tools.gpu_target``), else this host's first. For the choices whose best
+    lowering differs by platform (the attention kernel, how a bad update is skipped)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = (None if mesh.empty else getattr(mesh, "abstract_device", None)) or jax.devices()[0]
+    return is_nvidia_gpu(device)
+
+
 def compiler_options(devices: Sequence[jax.Device]) -> dict[str, bool | int]:
     """The options for a program that runs on ``devices`` (the mesh's)."""
     return dict(NVIDIA_GPU) if devices and is_nvidia_gpu(devices[0]) else {}

@@ -130,7 +130,11 @@ def gpu_devices(name: str, hosts: int = 1, gpus_per_host: int = 8) -> list[jax.D
             topology = topologies.get_topology_desc(platform="cuda", topology=f"1x{hosts}x{gpus_per_host}",
                                                 target_config=target_config(target))
     except Exception as e:  # noqa: BLE001 - the plugin's own error, as one line
-        raise GpuTargetError(f"JAX's CUDA plugin cannot describe {hosts} x {gpus_per_host} {target.kind}: {e}") \
+        hint = ""
+        if "not implemented for cuda" in str(e):  # the plugin failed to start: jax began without megajax's platform
+            hint = ("; JAX's CUDA plugin did not start (jax was imported before megajax on a host without a GPU): "
+                    "import megajax before jax, or set JAX_PLATFORMS=cpu")
+        raise GpuTargetError(f"JAX's CUDA plugin cannot describe {hosts} x {gpus_per_host} {target.kind}: {e}{hint}") \
             from None
     return list(topology.devices)
 
@@ -192,7 +196,8 @@ def compile_step(config: ml_collections.ConfigDict, target: str = "h100", hosts:
     with cudnn_probes_answered(gpu), quiet_cuda_notices():
         run = setup(config, devices[: pipe * data * model], options)
     text = run.step_fn.as_text()
-    return GpuStep(gpu, run, text, run_memory(run, micro_batch), memory_report(config, data, model, micro_batch, 1),
+    planned = memory_report(config, data, model, micro_batch, 1, gpu=True)
+    return GpuStep(gpu, run, text, run_memory(run, micro_batch), planned,
                    hlo_audit.collectives(text, run.mesh), options)
 
 

@@ -170,8 +170,10 @@ def main(argv: list[str] | None = None) -> None:
         args.device_memory_gb = TARGETS[args.target].memory_bytes / GiB
     # the config's micro-batch; with no accumulation (0) each data shard runs its share of the global batch
     micro = args.micro_batch or config.train.micro_batch_size or max(config.train.global_batch_size // data, 1)
-    report = memory_report(config, data, model, micro, num_micro=1 if args.compiled else None)
-    largest = largest_micro_batch(config, data, model, args.device_memory_gb * GiB) if args.device_memory_gb else None
+    gpu = bool(args.target)  # planned as the step compiles for that GPU
+    report = memory_report(config, data, model, micro, num_micro=1 if args.compiled else None, gpu=gpu)
+    largest = largest_micro_batch(config, data, model, args.device_memory_gb * GiB, gpu=gpu) \
+        if args.device_memory_gb else None
     print(format_report(report, args.device_memory_gb, largest))
     if args.compiled and args.target:
         step = compile_step(config, args.target, args.hosts, micro_batch=micro)

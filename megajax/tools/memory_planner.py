@@ -22,6 +22,12 @@ batch; outputs alias the donated state (only the metrics are new); temp = everyt
 reuses buffers (the donated moments' too) and packs them in one heap. So only state, temp and peak compare; XLA
 reports no gradients or activations apart. How close the formula comes, case by case, is measured by
 ``bench/memory_planner.py`` and recorded in bench/README.md; the tests hold the compiled cases within 10%.
+
+``gpu=True`` plans the step as it compiles for an NVIDIA GPU (``tools.gpu_target``): cuDNN's flash attention
+where the model allows it keeps its log-sum-exp instead of the softmax probabilities, XLA:GPU fuses the head's
+exponentials and LayerNorms away (the head holds its logits and their fp32 gradient), and one cuBLAS workspace
+is live (``GPU_GEMM_WORKSPACE``). tests/test_gpu_target.py holds the tiny configs within 10% of the compiled H100
+step; bench/README.md has the paper's and Llama's configs.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from megajax.config import (
     validate,
 )
 from megajax.models import model_spec
+from megajax.models.transformer import attention_core_residual_bytes, attention_reason
 from megajax.parallel import pipeline
 from megajax.parallel.sharding import fsdp_spec, logical_to_spec, spec_axes
 from megajax.training.loop import batch_layout, setup
@@ -51,11 +58,20 @@ FP32 = 4
 GiB = 1024**3
 MAX_MICRO_BATCH = 1 << 16  # the search for the largest micro-batch stops here
 MLP_GELU_RESIDUALS = {"gelu_tanh": 6, "gelu": 4}  # (b, s, 4h) tensors autodiff keeps: input, intermediates, output
+# XLA:GPU's cuBLAS workspace, one GEMM's live at a time: 4 MiB per GEMM custom call as compiled for an H100 without
+# the device (no autotuning; the real device may pick larger ones)
+GPU_GEMM_WORKSPACE = 4 * 2**20
 
 
 def compute_bytes(config: ml_collections.ConfigDict) -> int:
     """Bytes of one activation value in the compute dtype: 4 (fp32) or 2 (bf16 / fp16)."""
     return FP32 if resolve_precision(config.train.precision) == "fp32" else 2
+
+
+def attention_for(config: ml_collections.ConfigDict, gpu: bool) -> str:
+    """The attention core's implementation in the compiled step: 'cudnn' on an NVIDIA GPU where the model allows
+    it (``transformer.attention_reason``), else 'xla'."""
+    return "cudnn" if gpu and not attention_reason(model_config(config)) else "xla"
 
 
 def _rows(config: ml_collections.ConfigDict, micro_batch: int) -> int:
@@ -64,16 +80,18 @@ def _rows(config: ml_collections.ConfigDict, micro_batch: int) -> int:
 
 
 def layer_residual_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: int,
-                         remat: str | None = None) -> int:
-    """Bytes one transformer layer keeps for its backward pass on one device (``remat`` defaults to the config's).
+                         remat: str | None = None, gpu: bool = False) -> int:
+    """Bytes one transformer layer keeps for its backward pass on one device (``remat`` defaults to the config's;
+    ``gpu``: as compiled for an NVIDIA GPU, where cuDNN's attention keeps less, ``attention_for``).
 
     Per layer, with b*s*h-sized tensors replicated over ``model`` and head / MLP ones split by it (``tp``):
     ``none`` keeps 8 (b, s, h) tensors (LayerNorm inputs, centred and normalised values, outputs: 6 in fp32,
     2 in the compute dtype), q, k, v and the attention context, 6 (b, s, 4h) tensors for tanh-GeLU (4 for erf),
-    the softmax probabilities in fp32 and in the compute dtype (a*s*s*b each), with dropout a 1-byte mask of the
-    probabilities and of both residual branches, the LayerNorm and softmax statistics (and the LayerNorm scales
+    the attention core's residuals (``transformer.attention_core_residual_bytes``: with XLA's attention the softmax
+    probabilities in fp32 and in the compute dtype, a*s*s*b each), with dropout a 1-byte mask of both residual
+    branches, the LayerNorm and softmax statistics (and the LayerNorm scales
     broadcast to (1, 1, h)), and in 16-bit the compute-dtype copies of the four weight matrices. ``selective``
-    drops the a*s*s*b tensors (the attention core is recomputed); ``full`` keeps only the layer's input;
+    drops the attention core's (it is recomputed); ``full`` keeps only the layer's input;
     ``save_dots`` two (b, s, h) tensors (the input and a projection's output) and the QKV and MLP-up outputs (the
     matmuls with no batch dimensions).
 
@@ -87,10 +105,11 @@ def layer_residual_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp
     m = config.model
     remat = remat or m.remat
     split = tp if sequence_parallel(config) else 1  # the residual stream's share on one device
-    own = model_spec(m.name).layer_residuals
+    own, attention = model_spec(m.name).layer_residuals, attention_for(config, gpu)
     if own is not None:  # a block of another shape counts its own
-        return own(model_config(config), _rows(config, micro_batch), tp, split, remat, compute_bytes(config))
-    cd, s, b, h, a = compute_bytes(config), m.max_seq_len, _rows(config, micro_batch), m.hidden_size, m.num_heads
+        return own(model_config(config), _rows(config, micro_batch), tp, split, remat, compute_bytes(config),
+                   attention)
+    cd, s, b, h = compute_bytes(config), m.max_seq_len, _rows(config, micro_batch), m.hidden_size
     sbh, dropout = s * b * h, m.dropout > 0
     f = m.mlp_ratio * h
     if remat == "full":
@@ -101,13 +120,13 @@ def layer_residual_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp
     kept += 2 * h * FP32  # the LayerNorm scales broadcast to (1, 1, h)
     kept += (4 * sbh + MLP_GELU_RESIDUALS[m.activation] * s * b * f) * cd // tp  # q, k, v, context; the MLP
     if remat != "selective":
-        kept += a * s * s * b * (FP32 + cd + (1 if dropout else 0)) // tp + 2 * a * s * b * FP32 // tp
+        kept += attention_core_residual_bytes(model_config(config), b, tp, attention)
     if cd < FP32:
         kept += (4 * h * h + 2 * h * f) * cd // tp  # compute-dtype copies of QKV, out, MLP-up and MLP-down
     return kept
 
 
-def head_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: int) -> int:
+def head_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: int, gpu: bool = False) -> int:
     """Bytes of the output head live when the backward pass starts, on one device.
 
     The fp32 logits (b*s*V/t), their exponentials and their gradient (3 copies; BERT's MLM head 4, its biased
@@ -115,12 +134,19 @@ def head_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: int) -> 
     final LayerNorm (16 for BERT: the MLM transform's dense, GeLU and LayerNorm). Task models have no vocabulary
     logits. With ``parallel.sequence`` those run on the split sequence (1/t of them) and the output layer keeps its
     all-gathered input, one whole (b, s, h) tensor in the compute dtype.
+
+    ``gpu``: XLA:GPU fuses the exponentials, the normalisation and the LayerNorms into the reductions and GEMMs
+    that read them; what the head holds at the peak is the logits as the output GEMM writes them (compute dtype)
+    and their fp32 gradient (compared with steps compiled for an H100 in tests/test_gpu_target.py and
+    bench/README.md).
     """
     m = config.model
     cd, s, b, h = compute_bytes(config), m.max_seq_len, _rows(config, micro_batch), m.hidden_size
     head = model_spec(m.name).head_memory
     vocab = head.vocab_logit_copies  # fp32 (b, s, V/t) copies
     logits = s * b * model_config(config).padded_vocab_size // tp
+    if gpu:
+        return logits * (FP32 + cd) if vocab else 0
     extra_cd = cd if vocab and cd < FP32 else 0
     hidden = head.hidden_tensors * s * b * h * FP32
     if sequence_parallel(config):
@@ -155,8 +181,9 @@ class Activations:
         return self.layers + max(self.head, self.recompute)  # the head is gone before the first layer's backward
 
 
-def activations(config: ml_collections.ConfigDict, micro_batch: int, tp: int) -> Activations:
-    """The activation estimate for ``config.model.remat`` on a ``tp``-way model-parallel mesh.
+def activations(config: ml_collections.ConfigDict, micro_batch: int, tp: int, gpu: bool = False) -> Activations:
+    """The activation estimate for ``config.model.remat`` on a ``tp``-way model-parallel mesh (``gpu``: as compiled
+    for an NVIDIA GPU).
 
     With pipeline stages (``mesh.pipe`` = p > 1, M microbatches of the micro-batch's rows, v =
     ``parallel.pipeline_repeats`` chunks per stage): each of the schedule's ticks (``pipeline.ticks``: M + p - 1
@@ -171,18 +198,20 @@ def activations(config: ml_collections.ConfigDict, micro_batch: int, tp: int) ->
     if p > 1:
         micro = pipeline.microbatches_for(micro_batch, config.parallel.pipeline_microbatches, p)
         rows, remat = micro_batch // micro, "full" if m.remat == "save_dots" else m.remat
-        recompute = layer_residual_bytes(config, rows, tp, "none") if m.remat in ("full", "save_dots") else 0
+        recompute = layer_residual_bytes(config, rows, tp, "none", gpu=gpu) if m.remat in ("full", "save_dots") else 0
         v, ticks = config.parallel.pipeline_repeats, pipeline.ticks(micro, p, config.parallel.pipeline_repeats)
         if v > 1:
             inner = "selective" if m.remat == "selective" else "none"
-            recompute = m.num_layers // (p * v) * layer_residual_bytes(config, rows, tp, inner)
-            return Activations(ticks * layer_residual_bytes(config, rows, tp, "full"),
-                               head_bytes(config, micro_batch, tp), recompute)
-        layers = ticks * m.num_layers // p * layer_residual_bytes(config, rows, tp, remat)
-        return Activations(layers, head_bytes(config, micro_batch, tp), recompute)
-    recompute = layer_residual_bytes(config, micro_batch, tp, "none") if m.remat in ("full", "save_dots") else 0
-    layers = m.num_layers * layer_residual_bytes(config, micro_batch, tp)
-    return Activations(layers, head_bytes(config, micro_batch, tp), recompute)
+            recompute = m.num_layers // (p * v) * layer_residual_bytes(config, rows, tp, inner, gpu=gpu)
+            return Activations(ticks * layer_residual_bytes(config, rows, tp, "full", gpu=gpu),
+                               head_bytes(config, micro_batch, tp, gpu), recompute)
+        layers = ticks * m.num_layers // p * layer_residual_bytes(config, rows, tp, remat, gpu=gpu)
+        return Activations(layers, head_bytes(config, micro_batch, tp, gpu), recompute)
+    recompute = 0
+    if m.remat in ("full", "save_dots"):
+        recompute = layer_residual_bytes(config, micro_batch, tp, "none", gpu=gpu)
+    layers = m.num_layers * layer_residual_bytes(config, micro_batch, tp, gpu=gpu)
+    return Activations(layers, head_bytes(config, micro_batch, tp, gpu), recompute)
 
 
 def traced_layer_residual_bytes(config: ml_collections.ConfigDict, micro_batch: int) -> int:
@@ -282,6 +311,7 @@ class MemoryReport:
     # pipeline stages: the backward loop over ticks sums its stage's layer gradients beside the gradients themselves
     stage_grad_bytes: int = 0
     pipe: int = 1  # pipeline stages: the parameters and activations above are one stage's
+    workspace_bytes: int = 0  # the GPU's GEMM workspace (GPU_GEMM_WORKSPACE); 0 on the CPU
 
     @property
     def total_bytes(self) -> int:
@@ -302,7 +332,7 @@ class MemoryReport:
         a = self.activations
         head = a.head - self.late_grad_bytes + self.gathered_head_bytes
         recompute = a.recompute + self.gathered_layer_bytes if a.recompute else 0
-        return self.step_grad_bytes + self.stage_grad_bytes + a.layers + max(head, recompute)
+        return self.step_grad_bytes + self.stage_grad_bytes + a.layers + max(head, recompute) + self.workspace_bytes
 
     @property
     def peak_bytes(self) -> int:
@@ -363,9 +393,11 @@ def _num_micro(config: ml_collections.ConfigDict, data: int, micro_batch: int) -
 
 
 def memory_report(config: ml_collections.ConfigDict, data: int, model: int, micro_batch: int = 1,
-                  num_micro: int | None = None) -> MemoryReport:
+                  num_micro: int | None = None, gpu: bool = False) -> MemoryReport:
     """Per-device memory of training ``config`` on a ``data x model`` mesh, ``micro_batch`` sequences per device
-    per accumulation step (``num_micro`` steps; default: what the config's global batch implies)."""
+    per accumulation step (``num_micro`` steps; default: what the config's global batch implies); ``gpu``: as the
+    step compiles for an NVIDIA GPU (cuDNN's attention where the model allows it, XLA:GPU's fusions, the GEMM
+    workspace), else as on the CPU."""
     config = ml_collections.ConfigDict(config)
     config.mesh.data, config.mesh.model = data, model
     pipe = config.mesh.pipe
@@ -381,22 +413,24 @@ def memory_report(config: ml_collections.ConfigDict, data: int, model: int, micr
     stage = copies * FP32 * params_per_device(config, mesh_shape, only="blocks")[1]
     num_micro = num_micro or _num_micro(config, data, micro_batch)
     optimizer = 8 * local // (data if zero else 1)
-    act = activations(config, micro_batch, model)
+    act = activations(config, micro_batch, model, gpu)
     fields = model_spec(config.model.name).objective.fields(config.model.max_seq_len).values()
     batch = micro_batch * num_micro * sum(math.prod(f.row_shape) * f.dtype.itemsize for f in fields)
     late = word_embedding_grad_bytes(config, data, model, split_over_data=moments_split)
     head, layer = gathered_bytes(config, model) if fsdp else (0, 0)
     return MemoryReport(total, local, FP32 * local, FP32 * local, optimizer, act.total, data, model, act,
                         gradient_bytes(local, data, zero, num_micro), batch, sequence_parallel(config), fsdp, late,
-                        head, layer, stage, pipe)
+                        head, layer, stage, pipe, GPU_GEMM_WORKSPACE if gpu else 0)
 
 
-def largest_micro_batch(config: ml_collections.ConfigDict, data: int, model: int, device_bytes: float) -> int:
-    """The largest micro-batch whose step peak (by formula, no accumulation) fits ``device_bytes``; 0 if none."""
-    one = memory_report(config, data, model, 1, num_micro=1)  # only the activations and the batch grow with it
+def largest_micro_batch(config: ml_collections.ConfigDict, data: int, model: int, device_bytes: float,
+                        gpu: bool = False) -> int:
+    """The largest micro-batch whose step peak (by formula, no accumulation; ``gpu``: as compiled for an NVIDIA
+    GPU) fits ``device_bytes``; 0 if none."""
+    one = memory_report(config, data, model, 1, num_micro=1, gpu=gpu)  # only the activations and the batch grow
 
     def fits(micro_batch: int) -> bool:
-        act = activations(config, micro_batch, model)
+        act = activations(config, micro_batch, model, gpu)
         return dataclasses.replace(one, activation_bytes=act.total, activations=act,
                                    batch_bytes=one.batch_bytes * micro_batch).fits(device_bytes)
 

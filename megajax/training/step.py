@@ -17,6 +17,7 @@ from flax import nnx, struct
 
 from megajax.models.objectives import Batch, Field, Metrics, Objective
 from megajax.parallel.sharding import constrain
+from megajax.parallel.xla_options import traced_for_nvidia_gpu
 from megajax.training.loss_scale import LossScale
 from megajax.training.optimizer import applied_updates
 
@@ -84,9 +85,16 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
             updates, opt_state = optimizer.update(grads, opt_state, params, grad_norm=grad_norm)
             return optax.apply_updates(params, updates), opt_state
 
-        # Skip a bad update with cond, not where(finite, new, old): reading the old moments after the update wrote
-        # the new ones into the donated buffers made XLA copy every moment each step (8 bytes per parameter).
-        params, opt_state = jax.lax.cond(finite, apply, lambda p, o: (p, o), state.params, state.opt_state)
+        # Skip a bad update the way the platform's XLA updates the donated parameters and moments in place. On an
+        # NVIDIA GPU, where(finite, new, old): under cond it wrote the new ones to temporaries and copied them back
+        # (12 bytes of temp per parameter; gpt_8p3b's 4-layer step on 1x8 H100s: 1.18 -> 0.41 GiB). Elsewhere cond:
+        # on the CPU, where made XLA copy every moment each step (8 bytes per parameter).
+        if traced_for_nvidia_gpu():
+            new = apply(state.params, state.opt_state)
+            old = (state.params, state.opt_state)
+            params, opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        else:
+            params, opt_state = jax.lax.cond(finite, apply, lambda p, o: (p, o), state.params, state.opt_state)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                                   loss_scale=state.loss_scale.adjust(finite))
         scale = state.loss_scale
