@@ -10,8 +10,8 @@ Per config: half precision (bf16; fp16 before Ampere, e.g. V100, which has no bf
 ``megajax.models.transformer.attention_implementation``; so the figures are not those of a run with Megatron's
 dropout), sequence 1024, the mesh ``--mesh`` or all GPUs as data
 parallel over the config's model-parallel degree, ``--micro_batch`` sequences per data replica, and the lightest
-recomputation (none, selective, full) whose planned peak fits the GPU's memory (``memory_planner.memory_report``; the
-plan counts attention's (B, N, S, S) softmax arrays, which cuDNN never makes, so it errs towards recomputing).
+recomputation (none, selective, full) whose planned peak fits the GPU's memory (``memory_planner.memory_report`` with
+``gpu=True``, within 0.92-1.15 of the compiled H100 plans in bench/README.md).
 The step is compiled ahead of time, 2 warm-up steps are untimed, then ``--steps`` steps are timed. Printed per
 config: tokens/s, model TFLOP/s per GPU (Megatron's formula, no recomputation counted) and MFU against the
 datasheet peak (``megajax.training.metrics.PEAK_FLOPS``; an unlisted GPU gets no MFU rather than a guess).
@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             results.append(row)
             mfu = f"{row['mfu']:.1%}" if peak else "n/a (device not in PEAK_FLOPS)"
             used = row["device_peak_bytes"]
-            memory = f"peak {used / 2**30:.1f} GiB (planned {planned / 2**30:.1f})" if used else ""
+            memory = (f"peak {used / 2**30:.1f} GiB (planned {planned / 2**30:.1f}; compiled temp "
+                      f"{row['compiled_temp_bytes'] / 2**30:.1f})") if used else ""
             print(f"{name:>12} options {options:>3} {row['mesh']:>5} {row['remat']:>9} {row['tokens_per_s']:>10,.0f} "
                   f"tokens/s {row['model_tflops_per_device']:>8.1f} TFLOP/s per GPU  MFU {mfu}  {memory}", flush=True)
             pathlib.Path(args.output).write_text(json.dumps(results, indent=1) + "\n")  # kept if a later one fails
