@@ -36,8 +36,10 @@ from megajax.tools.memory_planner import (
     largest_micro_batch,
     layer_residual_bytes,
     memory_report,
+    params_per_device,
     traced_layer_residual_bytes,
 )
+from megajax.tools.scaling import Decoder
 
 MICRO_BATCH = 4
 CASES = {  # name -> (config, data, model, remat, parallel flags ('+'-joined: shard_optimizer (ZeRO-1), fsdp,
@@ -120,6 +122,17 @@ def test_layer_residuals_are_what_autodiff_keeps(name, remat, dropout, precision
     config.model.update(remat=remat, dropout=dropout)
     config.train.precision = precision
     assert layer_residual_bytes(config, 2, tp=1) == traced_layer_residual_bytes(config, 2)
+
+
+def test_a_gpt_mlp_of_another_width_is_planned_as_built():
+    """``model.ffn_hidden_size`` (GPT honours it): the planner's layer inventory and the scaling model's parameter
+    count read the model's width, not 4h (issue 34: they used mlp_ratio * h and 4 * hidden)."""
+    config = load_config("gpt_tiny")
+    config.model.ffn_hidden_size = 3 * config.model.hidden_size
+    for remat in ("none", "save_dots"):
+        config.model.remat = remat
+        assert layer_residual_bytes(config, 2, tp=1) == traced_layer_residual_bytes(config, 2), remat
+    assert Decoder.from_config(config).params(2) == params_per_device(config, {"data": 1, "model": 2})
 
 
 @pytest.mark.parametrize("name,mesh,precision,device_gib", [

@@ -1,8 +1,9 @@
 """The checks that run before anything is allocated, and the resolved run.
 
-Layers never see the ConfigDict: ``resolve`` turns it into a frozen ``RunSpec`` (the model's spec and
-``TransformerConfig``, the rules, the mesh shape, the precision, the micro-batching) that the step, the loop and
-the tools read.
+The model's layers never see the ConfigDict: ``resolve`` turns it into a frozen ``RunSpec`` (the model's spec and
+``TransformerConfig``, the rules, the mesh shape, the precision, the micro-batching) that the model and the step
+are built from. The RunSpec is not yet the whole run: the loop, the optimizer, loss scaling, fine-tuning, the data
+pipeline and the tools still read their sections of the ConfigDict (issue 34).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from megajax.data import formats
 from megajax.models import objectives
 from megajax.models.spec import HeadMemory, ModelSpec, decoder_flops, register
 from megajax.models.transformer import (
+    Block,
     CausalDecoder,
     LayerCache,
     TransformerConfig,
@@ -220,24 +221,11 @@ class SwiGLU(nnx.Module):
         return self.down(y)
 
 
-class LlamaBlock(nnx.Module):
-    """``x + attn(norm(x))`` then ``x + mlp(norm(x))`` (the trunk's pre-norm order, RMSNorm)."""
+class LlamaBlock(Block):
+    """``x + attn(norm(x))`` then ``x + mlp(norm(x))``: the trunk's pre-norm block with RMSNorm, rotary
+    grouped-query attention and SwiGLU."""
 
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
-        dt = cfg.compute_dtype
-        self.rate = cfg.dropout
-        self.ln_1 = RMSNorm(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
-        self.ln_2 = RMSNorm(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
-        self.mlp = SwiGLU(cfg, rngs=rngs)
-
-    def __call__(self, x: jax.Array, mask: jax.Array, key: jax.Array | None, cache: LayerCache | None = None,
-                 index: jax.Array | int = 0) -> tuple[jax.Array, LayerCache | None]:
-        k_attn, k_res1, k_res2 = jax.random.split(key, 3) if key is not None else (None, None, None)
-        attn, cache = self.attn(self.ln_1(x), mask, k_attn, cache, index)
-        x = constrain(x + dropout(attn, self.rate, k_res1), RESIDUAL)
-        x = x + dropout(self.mlp(self.ln_2(x)), self.rate, k_res2)
-        return constrain(x, RESIDUAL), cache
+    norm_class, attention_class, mlp_class = RMSNorm, Attention, SwiGLU
 
 
 class Llama(CausalDecoder):

@@ -285,15 +285,21 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """One transformer layer: attention then MLP, each with dropout and a residual add, in either LN order."""
+    """One transformer layer: attention then MLP, each with dropout and a residual add, in either LN order. A
+    family with other sublayers subclasses it and names their classes (``norm_class``, ``attention_class``,
+    ``mlp_class``, built as ``LayerNorm``, ``SelfAttention`` and ``MLP`` are)."""
+
+    norm_class: type[nnx.Module] = LayerNorm
+    attention_class: type[nnx.Module] = SelfAttention
+    mlp_class: type[nnx.Module] = MLP
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         dt = cfg.compute_dtype
         self.rate, self.post_ln = cfg.dropout, cfg.post_layernorm
-        self.ln_1 = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
-        self.attn = SelfAttention(cfg, rngs=rngs)
-        self.ln_2 = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.ln_1 = self.norm_class(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
+        self.attn = self.attention_class(cfg, rngs=rngs)
+        self.ln_2 = self.norm_class(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
+        self.mlp = self.mlp_class(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array, mask: jax.Array, key: jax.Array | None, cache: LayerCache | None = None,
                  index: jax.Array | int = 0) -> tuple[jax.Array, LayerCache | None]:  # (B, S, H) -> (B, S, H)

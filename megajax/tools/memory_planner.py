@@ -49,7 +49,7 @@ from megajax.config import (
     validate,
 )
 from megajax.models import model_spec
-from megajax.models.transformer import attention_core_residual_bytes, attention_reason
+from megajax.models.transformer import STACK, attention_core_residual_bytes, attention_reason
 from megajax.parallel import pipeline
 from megajax.parallel.sharding import fsdp_spec, logical_to_spec, spec_axes
 from megajax.training.loop import batch_layout, setup
@@ -111,7 +111,7 @@ def layer_residual_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp
                    attention)
     cd, s, b, h = compute_bytes(config), m.max_seq_len, _rows(config, micro_batch), m.hidden_size
     sbh, dropout = s * b * h, m.dropout > 0
-    f = m.mlp_ratio * h
+    f = model_config(config).ffn_size  # the MLP's width: ffn_hidden_size, else mlp_ratio * h
     if remat == "full":
         return sbh * cd // split
     if remat == "save_dots":
@@ -229,7 +229,7 @@ def traced_layer_residual_bytes(config: ml_collections.ConfigDict, micro_batch: 
     key = jax.random.key(0) if config.model.dropout > 0 else None
     jaxpr = jax.make_jaxpr(jax.grad(lambda p, x: objective.loss(nnx.merge(graphdef, p), x, key)[0]))(params, batch)
     forward = next(e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan")  # the layer stack's forward pass
-    layer_weights = {v.shape[1:] for v in jax.tree.leaves(params["blocks"])}
+    layer_weights = {v.shape[1:] for v in jax.tree.leaves(params[STACK])}
     total = 0
     for v in forward.outvars[forward.params["num_carry"]:]:
         shape, dtype = v.aval.shape[1:], v.aval.dtype
@@ -410,7 +410,7 @@ def memory_report(config: ml_collections.ConfigDict, data: int, model: int, micr
     # contribution (the circular schedule's is a chunk's, computed while its chunk is recomputed: measured within
     # the tolerance of tests/test_pipeline.py without it)
     copies = 0 if pipe == 1 else 2 if config.parallel.pipeline_repeats == 1 else 1
-    stage = copies * FP32 * params_per_device(config, mesh_shape, only="blocks")[1]
+    stage = copies * FP32 * params_per_device(config, mesh_shape, only=STACK)[1]
     num_micro = num_micro or _num_micro(config, data, micro_batch)
     optimizer = 8 * local // (data if zero else 1)
     act = activations(config, micro_batch, model, gpu)

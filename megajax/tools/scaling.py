@@ -140,7 +140,7 @@ class Decoder:
         """The decoder of a megajax config (``load_config``), its block's shape from the model's spec."""
         m, cfg, spec = config.model, model_config(config), model_spec(config.model.name)
         return cls(m.hidden_size, m.num_layers, m.num_heads, m.max_seq_len, cfg.padded_vocab_size, m.remat,
-                   sequence_parallel(config), *state_split(config), kv_heads=cfg.num_kv_heads, ffn=cfg.ffn_hidden_size,
+                   sequence_parallel(config), *state_split(config), kv_heads=cfg.num_kv_heads, ffn=cfg.ffn_size,
                    gated=spec.gated_mlp, biases=spec.biases, positions=bool(spec.sequence_rows),
                    tied=cfg.tie_embeddings, name=spec.name, dropout=m.dropout)
 

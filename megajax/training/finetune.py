@@ -73,7 +73,8 @@ def check_init_from(config: ml_collections.ConfigDict) -> pathlib.Path:
         raise CheckpointError(f"init_from={config.init_from!r} was pretrained with another vocabulary than "
                               f"data.tokenizer={config.data.tokenizer!r} (tokenizer fingerprints {theirs} there, "
                               f"{ours} here): fine-tune with the tokenizer of its pretraining data")
-    if config.model.max_seq_len > saved.max_seq_len and "wpe" in trunk_keys(config):  # rotary: no table
+    positional = set(model_spec(config.model.name).sequence_rows) & set(trunk_keys(config))  # rotary: none
+    if config.model.max_seq_len > saved.max_seq_len and positional:
         raise CheckpointError(f"init_from={config.init_from!r} has position embeddings for model.max_seq_len="
                               f"{saved.max_seq_len}, fewer than this config's {config.model.max_seq_len}; set "
                               f"--config.model.max_seq_len to at most {saved.max_seq_len}")
@@ -84,15 +85,16 @@ def load_trunk(config: ml_collections.ConfigDict, params_target: dict[str, Any])
     """The trunk parameters of ``config.init_from``, read into the shardings and dtypes of ``params_target``'s
     matching entries (a pure dict of ShapeDtypeStructs or arrays); the shapes are checked by name. A shorter
     ``model.max_seq_len`` than pretraining's keeps the first rows of the position embeddings (fine-tuning at 128
-    tokens from a 512-token BERT, as BERT's GLUE runs)."""
+    tokens from a 512-token BERT, as BERT's GLUE runs): the spec's ``sequence_rows``, whose rows follow the
+    sequence."""
     path = check_init_from(config)
     target, saved = {k: params_target[k] for k in trunk_keys(config)}, read_config(path)
-    if "wpe" not in target:  # no learned positions (rotary): nothing to cut
-        return in_layout(restore_params(path, target), saved, layer_layout(config))
-    wpe, positions = target["wpe"], saved.model.max_seq_len
-    if positions != wpe.shape[0]:
-        target["wpe"] = jax.ShapeDtypeStruct((positions, *wpe.shape[1:]), wpe.dtype, sharding=wpe.sharding)
+    positions = saved.model.max_seq_len
+    cut = {k: target[k] for k in model_spec(config.model.name).sequence_rows
+           if k in target and target[k].shape[0] != positions}  # none with rotary positions
+    for k, want in cut.items():  # read as saved, then keep the first rows
+        target[k] = jax.ShapeDtypeStruct((positions, *want.shape[1:]), want.dtype, sharding=want.sharding)
     trunk = in_layout(restore_params(path, target), saved, layer_layout(config))
-    if positions != wpe.shape[0]:
-        trunk["wpe"] = jax.device_put(trunk["wpe"][:wpe.shape[0]], wpe.sharding)
+    for k, want in cut.items():
+        trunk[k] = jax.device_put(trunk[k][:want.shape[0]], want.sharding)
     return trunk
