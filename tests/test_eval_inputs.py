@@ -16,8 +16,8 @@ from megajax.data.indexed import IndexedWriter
 from megajax.data.preprocess import write_documents
 from megajax.data.tokenizer import TextTokenizer, load_tokenizer, train_tokenizer
 from megajax.evaluation.generate import Sampling
-from megajax.evaluation.inputs import InputError, resolve_stride, tokenizer_for
-from megajax.evaluation.runner import run
+from megajax.evaluation.inputs import InputError, tokenizer_for
+from megajax.evaluation.runner import resolve_stride, run
 from megajax.evaluation.tasks import perplexity
 
 VOCAB, SEQ_LEN = 1000, 32  # small_config's model
@@ -132,6 +132,17 @@ def test_tasks_refuse_streams_without_targets():
     for tokens in [np.zeros(0, np.int32), np.array([3], np.int32)]:  # stream_log_likelihood gives (0.0, 0) here
         with pytest.raises(ValueError, match=f"ppl: {len(tokens)} token.*at least 2"):
             perplexity(None, tokens, 4, "x")
+
+
+def test_every_models_eval_task_is_registered_once():
+    """eval.py's --task choices come from the model specs; each names a registered task (evaluation/registry.py),
+    and a second registration of a name is refused."""
+    from megajax.evaluation.registry import EVAL_TASKS, register
+    from megajax.evaluation.runner import TASKS
+
+    assert TASKS and set(TASKS) <= set(EVAL_TASKS), sorted(set(TASKS) - set(EVAL_TASKS))
+    with pytest.raises(ValueError, match="'ppl' is registered twice"):
+        register(EVAL_TASKS["ppl"])
 
 
 def test_stride_is_explicit():

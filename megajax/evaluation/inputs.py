@@ -15,11 +15,9 @@ from megajax.data.sources import CONVERTED, make_loader
 from megajax.data.tokenizer import TextTokenizer, load_tokenizer
 from megajax.errors import ConfigError, UserError
 from megajax.evaluation.detokenize import original_token_count, wikitext_detokenize
-from megajax.evaluation.scoring import check_stride
 from megajax.models import model_spec
 
 PAPER_STRIDE = 32  # the paper's WikiText-103 overlap (Megatron-LM's --overlapping-eval default)
-WINDOWED_TASKS = ("wikitext103", "ppl")
 
 
 class InputError(UserError, ValueError):
@@ -70,22 +68,6 @@ def check_tokenizer(tokenizer: TextTokenizer, config: ml_collections.ConfigDict)
                          f"has model.vocab_size={vocab_size}; pass --tokenizer=PATH with the tokenizer the model "
                          "was trained with")
     check_vocabulary(tokenizer.fingerprint, config, f"tokenizer {tokenizer.source}")
-
-
-def resolve_stride(task: str, stride: int | None, seq_len: int) -> int | None:
-    """The sliding-window stride a task uses: as given, else the paper's 32 (at most ``seq_len``) for
-    wikitext103 and ``seq_len`` (non-overlapping windows) for ppl; None for tasks without windows."""
-    if task not in WINDOWED_TASKS:
-        if stride is not None:
-            raise InputError(f"--stride applies to --task={' or '.join(WINDOWED_TASKS)}, not --task={task}")
-        return None
-    if stride is None:
-        stride = min(PAPER_STRIDE, seq_len) if task == "wikitext103" else seq_len
-    try:
-        check_stride(stride, seq_len)
-    except ValueError as e:
-        raise InputError(str(e)) from None
-    return stride
 
 
 def read_text(path: str | pathlib.Path) -> str:

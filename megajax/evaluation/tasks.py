@@ -1,5 +1,6 @@
-"""The evaluation tasks behind eval.py, on inputs already read and checked (``inputs.py``): each returns a
-JSON-ready dict of results."""
+"""eval.py's language-model tasks (wikitext103, lambada, ppl, generate) and BERT's mlm, registered with
+``registry``: each reads and checks its inputs (``inputs.py``) before the model is loaded, then returns a JSON-ready
+dict of results."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ import math
 from collections.abc import Sequence
 
 import jax
+import ml_collections
 import numpy as np
 
+from megajax.evaluation import inputs
 from megajax.evaluation.evaluator import Evaluator, objective_metrics
-from megajax.evaluation.inputs import WikiText
+from megajax.evaluation.generate import check_generation, generate
+from megajax.evaluation.inputs import PAPER_STRIDE, InputError, WikiText
+from megajax.evaluation.registry import EvalTask, Loaded, Request, register
 from megajax.evaluation.scoring import Scorer, cloze_rows, sliding_windows, stream_log_likelihood
 
 
@@ -78,3 +83,91 @@ def mlm(model, mesh, rules, objective, batches, num_batches: int) -> dict:
     return {"task": "mlm", "sequences": sums["sequences"], "masked_tokens": int(sums["masked"]),
             "mlm_loss": loss, "mlm_ppl": math.exp(loss), "mlm_accuracy": sums["mlm_hits"] / sums["masked"],
             "sop_accuracy": sums["sop_hits"] / sums["sequences"]}
+
+
+def _data(task: str, request: Request) -> str:
+    if not request.data:
+        raise InputError(f"--task={task} needs --data")
+    return request.data
+
+
+def _checked_tokenizer(config: ml_collections.ConfigDict, request: Request):
+    """The tokenizer given, else the checkpoint's training data's, checked against the model."""
+    tok = inputs.tokenizer_for(config, request.tokenizer)
+    inputs.check_tokenizer(tok, config)
+    return tok
+
+
+def _given_tokenizer_is_the_models(config: ml_collections.ConfigDict, request: Request) -> None:
+    """mlm and ppl read token ids already: a tokenizer given is only checked to be the model's."""
+    if request.tokenizer:
+        inputs.check_tokenizer(inputs.tokenizer_for(config, request.tokenizer), config)
+
+
+def _scorer(loaded: Loaded, request: Request) -> Scorer:
+    return Scorer(loaded.model, loaded.mesh, loaded.rules, request.batch_size, loaded.seq_len)
+
+
+def _read_wikitext(config: ml_collections.ConfigDict, request: Request) -> WikiText:
+    data = _data("wikitext103", request)
+    return inputs.read_wikitext(data, _checked_tokenizer(config, request))
+
+
+def _read_lambada(config: ml_collections.ConfigDict, request: Request):
+    data = _data("lambada", request)
+    return inputs.read_lambada(data, _checked_tokenizer(config, request), config.model.max_seq_len)
+
+
+def _read_ppl(config: ml_collections.ConfigDict, request: Request) -> np.ndarray:
+    data = _data("ppl", request)
+    _given_tokenizer_is_the_models(config, request)
+    return inputs.read_token_file(data, config)
+
+
+def _read_mlm(config: ml_collections.ConfigDict, request: Request):
+    _given_tokenizer_is_the_models(config, request)
+    return inputs.bert_eval_batches(config, request.data, request.batch_size)
+
+
+def _run_mlm(loaded: Loaded, task_input, request: Request) -> dict:
+    """One pass over the evaluation sentence pairs (masking fixed by the data seed), at least one batch."""
+    batches, where = task_input
+    if batches.global_batch % loaded.mesh.shape["data"]:
+        raise InputError(f"--batch_size={batches.global_batch} is not a multiple of the mesh's data axis "
+                         f"({loaded.mesh.shape['data']})")
+    result = mlm(loaded.model, loaded.mesh, loaded.rules, loaded.objective, batches,
+                 max(len(batches) // batches.global_batch, 1))
+    result["data"] = where
+    return result
+
+
+def _read_prompt(config: ml_collections.ConfigDict, request: Request):
+    tok = _checked_tokenizer(config, request)
+    ids = np.asarray([tok.encode_batch([request.prompt or ""])[0] or [tok.eod_id]], np.int32)
+    check_generation(request.sampling, ids.shape[1], request.max_new_tokens, config.model.max_seq_len,
+                     config.model.vocab_size)
+    return ids, tok
+
+
+def _run_generate(loaded: Loaded, task_input, request: Request) -> dict:
+    """Prints the prompt and each new token as it comes; the results hold the continuation."""
+    ids, tok = task_input
+    print(request.prompt or "", end="", flush=True)
+    stream = lambda col: print(tok.decode([int(col[0])]), end="", flush=True)  # noqa: E731
+    out = generate(loaded.model, loaded.mesh, loaded.rules, ids, request.max_new_tokens, request.sampling,
+                   seed=request.seed, on_token=stream)
+    print()
+    return {"task": "generate", "prompt": request.prompt, "text": tok.decode(out[0, ids.shape[1]:].tolist())}
+
+
+register(EvalTask("wikitext103", _read_wikitext,
+                  lambda loaded, text, request: wikitext103(_scorer(loaded, request), text, request.stride),
+                  default_stride=lambda seq_len: min(PAPER_STRIDE, seq_len)))
+register(EvalTask("lambada", _read_lambada,
+                  lambda loaded, examples, request: lambada(_scorer(loaded, request), examples)))
+register(EvalTask("ppl", _read_ppl,
+                  lambda loaded, tokens, request: perplexity(_scorer(loaded, request), tokens, request.stride,
+                                                             request.data),
+                  default_stride=lambda seq_len: seq_len))  # non-overlapping windows
+register(EvalTask("mlm", _read_mlm, _run_mlm))
+register(EvalTask("generate", _read_prompt, _run_generate, streams=True))
