@@ -12,6 +12,7 @@ from flax import nnx
 
 from megajax.data.formats import ExampleFormat
 from megajax.errors import ConfigError
+from megajax.models.block_memory import block_residual_bytes
 from megajax.models.objectives import Objective
 from megajax.models.transformer import TransformerConfig
 
@@ -63,9 +64,8 @@ class ModelSpec:
     gated_mlp: bool = False  # the MLP's first GEMM is two (gate and up: SwiGLU), so 3 GEMMs of h x ffn
     biases: bool = True  # the linear layers and norms have biases (LayerNorm; Llama's RMSNorm and GEMMs have none)
     # (cfg, sequences, tp, sequence split, remat, compute-dtype bytes, attention implementation) -> bytes one layer
-    # keeps for its backward pass on a device; None: the GPT / BERT block's inventory
-    # (tools.memory_planner.layer_residual_bytes)
-    layer_residuals: Callable[[TransformerConfig, int, int, int, str, int, str], int] | None = None
+    # keeps for its backward pass on a device (tools.memory_planner); the trunk's Block's by default
+    layer_residuals: Callable[[TransformerConfig, int, int, int, str, int, str], int] = block_residual_bytes
 
     @property
     def vocab_output(self) -> bool:

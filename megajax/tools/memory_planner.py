@@ -49,7 +49,7 @@ from megajax.config import (
     validate,
 )
 from megajax.models import model_spec
-from megajax.models.transformer import STACK, attention_core_residual_bytes, attention_reason
+from megajax.models.transformer import STACK, attention_reason
 from megajax.parallel import pipeline
 from megajax.parallel.sharding import fsdp_spec, logical_to_spec, spec_axes
 from megajax.training.loop import batch_layout, setup
@@ -57,7 +57,6 @@ from megajax.training.loop import batch_layout, setup
 FP32 = 4
 GiB = 1024**3
 MAX_MICRO_BATCH = 1 << 16  # the search for the largest micro-batch stops here
-MLP_GELU_RESIDUALS = {"gelu_tanh": 6, "gelu": 4}  # (b, s, 4h) tensors autodiff keeps: input, intermediates, output
 # XLA:GPU's cuBLAS workspace, one GEMM's live at a time: 4 MiB per GEMM custom call as compiled for an H100 without
 # the device (no autotuning; the real device may pick larger ones)
 GPU_GEMM_WORKSPACE = 4 * 2**20
@@ -82,48 +81,12 @@ def _rows(config: ml_collections.ConfigDict, micro_batch: int) -> int:
 def layer_residual_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: int,
                          remat: str | None = None, gpu: bool = False) -> int:
     """Bytes one transformer layer keeps for its backward pass on one device (``remat`` defaults to the config's;
-    ``gpu``: as compiled for an NVIDIA GPU, where cuDNN's attention keeps less, ``attention_for``).
-
-    Per layer, with b*s*h-sized tensors replicated over ``model`` and head / MLP ones split by it (``tp``):
-    ``none`` keeps 8 (b, s, h) tensors (LayerNorm inputs, centred and normalised values, outputs: 6 in fp32,
-    2 in the compute dtype), q, k, v and the attention context, 6 (b, s, 4h) tensors for tanh-GeLU (4 for erf),
-    the attention core's residuals (``transformer.attention_core_residual_bytes``: with XLA's attention the softmax
-    probabilities in fp32 and in the compute dtype, a*s*s*b each), with dropout a 1-byte mask of both residual
-    branches, the LayerNorm and softmax statistics (and the LayerNorm scales
-    broadcast to (1, 1, h)), and in 16-bit the compute-dtype copies of the four weight matrices. ``selective``
-    drops the attention core's (it is recomputed); ``full`` keeps only the layer's input;
-    ``save_dots`` two (b, s, h) tensors (the input and a projection's output) and the QKV and MLP-up outputs (the
-    matmuls with no batch dimensions).
-
-    Korthikanti et al. 2022 (Eq. 2) count 34*s*b*h + 5*a*s*s*b bytes at 16 bits: JAX keeps more (the GeLU's and
-    the LayerNorms' intermediates, the softmax in fp32), 146*s*b*h + 9*a*s*s*b bytes in fp32.
-
-    With ``parallel.sequence`` the residual stream's tensors (the LayerNorms', the dropout masks, the layer's input
-    under ``full``) are split over ``model`` too; the two LayerNorm outputs are kept as the all-gathered inputs of
-    QKV and MLP-up, whole (the paper gathers them again in the backward pass instead, for 2L more all-gathers).
-    """
+    ``gpu``: as compiled for an NVIDIA GPU, where cuDNN's attention keeps less, ``attention_for``): the model's
+    own inventory (``ModelSpec.layer_residuals``; the trunk's block: ``models.block_memory``)."""
     m = config.model
-    remat = remat or m.remat
     split = tp if sequence_parallel(config) else 1  # the residual stream's share on one device
-    own, attention = model_spec(m.name).layer_residuals, attention_for(config, gpu)
-    if own is not None:  # a block of another shape counts its own
-        return own(model_config(config), _rows(config, micro_batch), tp, split, remat, compute_bytes(config),
-                   attention)
-    cd, s, b, h = compute_bytes(config), m.max_seq_len, _rows(config, micro_batch), m.hidden_size
-    sbh, dropout = s * b * h, m.dropout > 0
-    f = model_config(config).ffn_size  # the MLP's width: ffn_hidden_size, else mlp_ratio * h
-    if remat == "full":
-        return sbh * cd // split
-    if remat == "save_dots":
-        return 2 * sbh * cd + (3 * sbh + s * b * f) * cd // tp
-    kept = sbh * 2 * cd + (sbh * (6 * FP32 + (2 if dropout else 0)) + 4 * s * b * FP32) // split  # LayerNorms, masks
-    kept += 2 * h * FP32  # the LayerNorm scales broadcast to (1, 1, h)
-    kept += (4 * sbh + MLP_GELU_RESIDUALS[m.activation] * s * b * f) * cd // tp  # q, k, v, context; the MLP
-    if remat != "selective":
-        kept += attention_core_residual_bytes(model_config(config), b, tp, attention)
-    if cd < FP32:
-        kept += (4 * h * h + 2 * h * f) * cd // tp  # compute-dtype copies of QKV, out, MLP-up and MLP-down
-    return kept
+    return model_spec(m.name).layer_residuals(model_config(config), _rows(config, micro_batch), tp, split,
+                                              remat or m.remat, compute_bytes(config), attention_for(config, gpu))
 
 
 def head_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: int, gpu: bool = False) -> int:
@@ -349,11 +312,9 @@ def gathered_bytes(config: ml_collections.ConfigDict, model: int) -> tuple[int, 
     its gradient before the reduce-scatter to the shards (gpt_125m on 8x1, remat=full: the formula's temp was
     0.81 of the compiled without them); in a recomputed layer's backward, its parameters and gradients alike. The
     task models' heads read no vocabulary: their head part is 0."""
-    _, whole = params_per_device(config, {"data": 1, "model": model})
     m = config.model
     embedding = model_config(config).padded_vocab_size // model * m.hidden_size
-    positions = m.max_seq_len * m.hidden_size  # replicated over model
-    layer = (whole - embedding - positions) // m.num_layers  # the trunk's blocks; the rest is small (norms, heads)
+    layer = params_per_device(config, {"data": 1, "model": model}, only=STACK)[1] // m.num_layers
     head = 2 * FP32 * embedding if model_spec(m.name).vocab_output else 0
     return head, 2 * FP32 * layer
 
