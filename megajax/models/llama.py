@@ -40,7 +40,6 @@ from megajax.models.transformer import (
     run_blocks,
 )
 from megajax.parallel.layers import (
-    SEQUENCE_GATHERED,
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -50,6 +49,7 @@ from megajax.parallel.layers import (
     scaled_init_std,
 )
 from megajax.parallel.losses import mask_padded_vocab
+from megajax.parallel.remat import assembled_at_use, selective
 from megajax.parallel.sharding import RESIDUAL, constrain, mesh_size, param_at_use
 
 NAME = "llama"  # config.model.name
@@ -112,11 +112,7 @@ def fused_columns(x: jax.Array, params: tuple[jax.Array, ...], prepare: Callable
         y = column_parallel(x, fused, None, names, dtype)  # (B, S, t, sum of widths / t)
         return jnp.split(y, np.cumsum([blk.shape[-1] for blk in blocks])[:-1], axis=-1)
 
-    # the backward pass has x and the stored weights and reassembles the kernel from them; it keeps only x's
-    # all-gathered sequence under sequence parallelism (as GPT's column-parallel GEMMs do), and under FSDP gathers
-    # the weights again
-    policy = jax.checkpoint_policies.save_only_these_names(SEQUENCE_GATHERED)
-    outs = jax.checkpoint(product, policy=policy)(x, *params)
+    outs = assembled_at_use(product)(x, *params)
     return [o.reshape(*o.shape[:2], -1) for o in outs]
 
 
@@ -169,7 +165,6 @@ class Attention(nnx.Module):
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         dt, h = cfg.compute_dtype, cfg.hidden_size
         self.cfg, self.rate = cfg, cfg.dropout
-        self.selective = cfg.remat == "selective"  # recompute the attention core in the backward pass
         self.q = ColumnParallelLinear(h, (cfg.num_heads, cfg.head_dim), ("embed", "heads", "head_dim"),
                                       std=cfg.init_std, dtype=dt, rngs=rngs, bias=False)
         self.kv = KeyValue(cfg, rngs=rngs)
@@ -196,10 +191,7 @@ class Attention(nnx.Module):
             k, v = (constrain(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), index, axis=1), names)
                     for c, new in zip(cache, (k, v)))
             cache = (k, v)
-        # a fresh closure per trace: jax.checkpoint caches traces by function, and a pipeline stage's dropout
-        # reads its microbatch from the context (parallel.layers.microbatch_of), which the cache key omits
-        core = jax.checkpoint(lambda *a: attention_core(*a), static_argnums=5) if self.selective else attention_core
-        return self.out(core(q, k, v, mask, key, self.rate)), cache
+        return self.out(selective(attention_core, self.cfg.remat)(q, k, v, mask, key, self.rate)), cache
 
 
 class SwiGLU(nnx.Module):

@@ -25,10 +25,10 @@ from megajax.parallel.layers import (
     microbatch_of,
     scaled_init_std,
 )
+from megajax.parallel.remat import REMAT_POLICIES, layer_step, selective
 from megajax.parallel.sharding import (
     RESIDUAL,
     constrain,
-    keep_all_but_gathered,
     param_at_use,
     params_split,
     params_whole,
@@ -38,7 +38,6 @@ from megajax.parallel.sharding import (
 )
 from megajax.parallel.xla_options import traced_for_nvidia_gpu
 
-REMAT_POLICIES = ("none", "full", "save_dots", "selective")
 ROPE_SCALINGS = ("none", "llama3")
 LayerCache = tuple[jax.Array, jax.Array]  # one layer's (keys, values), (B, S_max, N_kv, D) each
 KVCache = tuple[jax.Array, jax.Array]  # all layers' (keys, values), (L, B, S_max, N_kv, D) each
@@ -170,8 +169,7 @@ class SelfAttention(nnx.Module):
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         dt, h = cfg.compute_dtype, cfg.hidden_size
-        self.rate = cfg.dropout
-        self.selective = cfg.remat == "selective"  # recompute the attention core in the backward pass
+        self.rate, self.remat = cfg.dropout, cfg.remat
         # (H, heads, 3, head_dim): a shard of `heads` holds whole heads with their own q, k and v.
         self.qkv = ColumnParallelLinear(h, (cfg.num_heads, 3, cfg.head_dim), ("embed", "heads", "qkv", "head_dim"),
                                         std=cfg.init_std, dtype=dt, rngs=rngs)
@@ -191,9 +189,7 @@ class SelfAttention(nnx.Module):
             k, v = (constrain(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), index, axis=1),
                               ("batch", "seq", "heads", "head_dim")) for c, new in zip(cache, (k, v)))
             cache = (k, v)
-        # a fresh closure per trace: jax.checkpoint caches traces by function, and a pipeline stage's dropout
-        # reads its microbatch from the context (parallel.layers.microbatch_of), which the cache key omits
-        core = jax.checkpoint(lambda *a: attention_core(*a), static_argnums=5) if self.selective else attention_core
+        core = selective(attention_core, self.remat)
         return self.out(core(q, k, v, mask, key, self.rate)), cache
 
 
@@ -352,14 +348,9 @@ def reorder_layers(tree: Any, saved: tuple[int, int], wanted: tuple[int, int]) -
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _remat_policy(name: str):
-    return {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-            "none": keep_all_but_gathered}[name]  # FSDP without remat: re-gather, keep the rest
-
-
 def run_blocks(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask: jax.Array, dropout_key: jax.Array | None,
                cache: KVCache | None = None, index: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
-    """Runs the stacked blocks over ``x`` (B, S, H) with ``nnx.scan`` (and ``nnx.remat`` per ``cfg.remat``); on a
+    """Runs the stacked blocks over ``x`` (B, S, H) with ``nnx.scan`` (each step under ``remat.layer_step``); on a
     mesh with pipeline stages, as a pipeline of them (``megajax.parallel.pipeline``; not for incremental decoding)."""
     if pipeline.stages() > 1 and cache is None:
         return _run_pipelined(blocks, cfg, x, mask, dropout_key), None
@@ -378,11 +369,7 @@ def _scan_blocks(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask:
     def step(block: nnx.Module, h: jax.Array, key: jax.Array | None, layer_cache: LayerCache | None):
         return block(h, mask, key, layer_cache, index)
 
-    if cfg.remat in ("full", "save_dots") and remat_layers:  # selective: inside SelfAttention
-        step = nnx.remat(step, policy=_remat_policy(cfg.remat))
-    elif params_split():  # FSDP: re-gather each layer's parameters in the backward pass rather than keep them all
-        step = nnx.remat(step, policy=_remat_policy("none"))
-    scan = nnx.scan(step, in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+    scan = nnx.scan(layer_step(step, cfg.remat, remat_layers), in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
     return scan(blocks, x, layer_keys, cache)
 
 

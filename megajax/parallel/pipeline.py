@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from megajax.parallel.remat import pipeline_chunk
 from megajax.parallel.sharding import PIPE_AXIS, pipeline_microbatches, pipeline_repeats
 
 
@@ -139,9 +140,8 @@ def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any,
     def chunk(params, x, r, args):  # one stage's chunk r (its own: r differs between stages)
         return stage_fn(jax.tree.map(lambda a: a[r] if v > 1 else a[0], params), x, args)
 
-    if v > 1:  # each tick's chunk is a slice that depends on the tick: the backward pass recomputes the chunk from
-        # its input rather than keep, per tick, the slice of the parameters its matmuls need (T copies of a chunk)
-        chunk = jax.checkpoint(chunk)
+    if v > 1:  # each tick's chunk is a slice of the parameters that depends on the tick
+        chunk = pipeline_chunk(chunk)
 
     def tick(carry, t):
         current, held = carry

@@ -215,7 +215,8 @@ def param_at_use(value: jax.Array, names: Sequence[str]) -> jax.Array:
     With ``parallel.fsdp`` the parameter is stored split over ``data`` too (``fsdp_spec``) and this is where it is
     all-gathered, one layer at a time inside the scan. Its gradient is laid out split again right here, so the
     per-layer gradients never exist whole outside the layer; the gathered copy is named ``FSDP_GATHERED`` so the
-    blocks' remat policy recomputes (re-gathers) it in the backward pass instead of keeping every layer's.
+    blocks' remat policy (``megajax.parallel.remat``) recomputes (re-gathers) it in the backward pass instead of
+    keeping every layer's.
     Otherwise the value is already in that layout: unchanged.
     """
     if not params_split():
@@ -225,12 +226,15 @@ def param_at_use(value: jax.Array, names: Sequence[str]) -> jax.Array:
     split = fsdp_spec(names, value.shape, rules, dict(jax.sharding.get_abstract_mesh().shape))
     if split == whole:  # nothing divisible by the data degree: stored whole
         return value
-    return checkpoint_name(_gather_parameter(value, whole, split), FSDP_GATHERED)
+    return _gather_parameter(value, whole, split)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _gather_parameter(value: jax.Array, whole: P, split: P) -> jax.Array:
-    return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(value, split), whole)
+    # named inside the custom_vjp, so that the call carries the name: a remat policy must refuse the call that makes
+    # the whole parameter, not only a name on its result (megajax.parallel.remat)
+    gathered = jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(value, split), whole)
+    return checkpoint_name(gathered, FSDP_GATHERED)
 
 
 def _gather_fwd(value: jax.Array, whole: P, split: P) -> tuple[jax.Array, None]:
@@ -244,14 +248,6 @@ def _gather_bwd(whole: P, split: P, _: None, cotangent: jax.Array) -> tuple[jax.
 
 
 _gather_parameter.defvjp(_gather_fwd, _gather_bwd)
-
-
-def keep_all_but_gathered(prim: jax.extend.core.Primitive, *_, **params) -> bool:
-    """A remat policy: keep every value for the backward pass except the parameters ``param_at_use`` gathered (the
-    name and the gather that makes the named value: keeping either would keep the whole parameter)."""
-    if prim.name == "name":
-        return params["name"] != FSDP_GATHERED
-    return not (prim.name == "custom_vjp_call" and getattr(params.get("bwd"), "f", None) is _gather_bwd)
 
 
 @contextlib.contextmanager
