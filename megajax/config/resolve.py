@@ -14,7 +14,14 @@ import ml_collections
 
 from megajax.errors import ConfigError, ShardingConfigError
 from megajax.models import MODELS, ModelSpec, TransformerConfig, model_spec, task_models
-from megajax.parallel.sharding import MESH_AXES, PIPE_AXIS, SEQUENCE_PARALLEL_NAME, Rules, resolve_mesh_shape
+from megajax.parallel.sharding import (
+    MESH_AXES,
+    PIPE_AXIS,
+    SEQUENCE_PARALLEL_NAME,
+    ParallelContext,
+    Rules,
+    resolve_mesh_shape,
+)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
@@ -265,6 +272,13 @@ class RunSpec:
     def micro_batch(self) -> int:
         """Sequences per data shard per accumulation step."""
         return self.global_batch // (self.data * self.num_micro)
+
+    @property
+    def parallel_context(self) -> ParallelContext:
+        """What a traced model reads under ``sharding.activate``: the rules, FSDP's split parameters and the
+        pipeline's schedule; training and its validation both trace under this one object."""
+        return ParallelContext(self.rules, params_split=self.fsdp, pipeline_microbatches=self.pipeline_microbatches,
+                               pipeline_repeats=self.pipeline_repeats)
 
 
 def resolve(config: ml_collections.ConfigDict, num_devices: int, training: bool = True) -> RunSpec:

@@ -16,23 +16,20 @@ import numpy as np
 from flax import nnx
 
 from megajax.models.objectives import Batch, Metrics, Objective
-from megajax.parallel.sharding import Rules, activate
+from megajax.parallel.sharding import ParallelContext, Rules, activate
 from megajax.parallel.xla_options import compiler_options
 
 
 @dataclasses.dataclass
 class Evaluator:
     """``fn(model, batch)`` as ``evaluator(state, batch)``: jitted on first use (with ``in_shardings`` /
-    ``out_shardings`` where given) and run under ``activate(mesh, rules)``. ``state`` is the model's
+    ``out_shardings`` where given) and run under ``activate(mesh, context)``. ``state`` is the model's
     ``nnx.split`` state (or training's params), so one compiled function serves every parameter update."""
 
     fn: Callable[[nnx.Module, Batch], Any]
     graphdef: nnx.GraphDef
     mesh: jax.sharding.Mesh
-    rules: Rules
-    params_split: bool = False  # FSDP: parameters are also split over `data` (see sharding.activate)
-    pipeline_microbatches: int = 0  # with pipeline stages: microbatches per batch (0: one per stage)
-    pipeline_repeats: int = 1  # with pipeline stages: chunks of layers per stage (1: GPipe)
+    context: ParallelContext  # training's RunSpec.parallel_context, or the rules alone (Evaluator.of)
     in_shardings: Any = None
     out_shardings: Any = None
 
@@ -48,7 +45,7 @@ class Evaluator:
            rules: Rules) -> tuple[Evaluator, nnx.State]:
         """(evaluator, state) for a fixed ``model``."""
         graphdef, state = nnx.split(model)
-        return cls(fn, graphdef, mesh, rules), state
+        return cls(fn, graphdef, mesh, ParallelContext(rules)), state
 
     @property
     def batch_multiple(self) -> int:
@@ -56,8 +53,7 @@ class Evaluator:
         return self.mesh.shape["data"]
 
     def __call__(self, state: Any, batch: Batch) -> Any:
-        with activate(self.mesh, self.rules, params_split=self.params_split,
-                      pipeline_microbatches=self.pipeline_microbatches, pipeline_repeats=self.pipeline_repeats):
+        with activate(self.mesh, self.context):
             return self._step(state, batch)
 
     def map_rows(self, state: Any, rows: Mapping[str, np.ndarray], batch_size: int) -> Any:

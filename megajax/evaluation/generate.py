@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from megajax.parallel.sharding import Rules, activate
+from megajax.parallel.sharding import ParallelContext, Rules, activate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,24 +70,24 @@ def sample_logits(logits: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
     return jax.random.categorical(key, logits, axis=-1)
 
 
-# Module-level jitted steps (graphdef, rules and shapes static) so that repeated calls, one per lm-eval batch,
-# reuse the compiled programs instead of tracing new closures each time. The rules are static only to key the
-# cache: the traced model reads them from ``activate``.
+# Module-level jitted steps (graphdef, parallel context and shapes static) so that repeated calls, one per lm-eval
+# batch, reuse the compiled programs instead of tracing new closures each time. The context is static only to key
+# the cache: the traced model reads it from ``activate``.
 @functools.partial(jax.jit, static_argnums=(0, 1, 4))
-def _prefill(graphdef, rules, state, tokens, total):
+def _prefill(graphdef, context, state, tokens, total):
     m = nnx.merge(graphdef, state)
     logits, cache = m.decode(tokens, m.init_cache(tokens.shape[0], total), 0)
     return logits[:, -1], cache
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _step(graphdef, rules, state, token, cache, index):
+def _step(graphdef, context, state, token, cache, index):
     logits, cache = nnx.merge(graphdef, state).decode(token[:, None], cache, index)
     return logits[:, -1], cache
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _full(graphdef, rules, state, tokens, length):  # no cache: recompute everything, read the logits at length - 1
+def _full(graphdef, context, state, tokens, length):  # no cache: recompute everything, read the logits at length - 1
     logits = nnx.merge(graphdef, state)(tokens)
     return jax.lax.dynamic_index_in_dim(logits, length - 1, axis=1, keepdims=False)
 
@@ -113,12 +113,13 @@ def generate(model: nnx.Module, mesh: jax.sharding.Mesh, rules: Rules, prompt: n
     key = jax.random.key(seed)
     out = np.zeros((b, total), np.int32)
     out[:, :p] = prompt
-    with activate(mesh, rules):
+    context = ParallelContext(rules)  # the rules alone: no FSDP gather, no pipeline settings
+    with activate(mesh, context):
         if use_cache:
-            logits, cache = _prefill(graphdef, rules, state, jnp.asarray(prompt), total)
+            logits, cache = _prefill(graphdef, context, state, jnp.asarray(prompt), total)
         for i in range(p, total):
             if not use_cache:
-                logits = _full(graphdef, rules, state, jnp.asarray(out), i)
+                logits = _full(graphdef, context, state, jnp.asarray(out), i)
             token = _pick(logits, jax.random.fold_in(key, i), sampling)
             out[:, i] = np.asarray(token)
             if on_token:
@@ -126,5 +127,5 @@ def generate(model: nnx.Module, mesh: jax.sharding.Mesh, rules: Rules, prompt: n
             if stop and stop(out[:, :i + 1]):
                 return out[:, :i + 1]
             if use_cache and i + 1 < total:
-                logits, cache = _step(graphdef, rules, state, token, cache, i)
+                logits, cache = _step(graphdef, context, state, token, cache, i)
     return out

@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from megajax.parallel.remat import pipeline_chunk
-from megajax.parallel.sharding import PIPE_AXIS, pipeline_microbatches, pipeline_repeats
+from megajax.parallel.sharding import PIPE_AXIS, parallel_context
 
 
 def stages() -> int:
@@ -46,9 +46,9 @@ def stages() -> int:
 
 def microbatches(rows: int, replicas: int) -> int:
     """How many microbatches a batch of ``rows`` (split over ``replicas`` data shards, ``sharding.replicas``) is cut
-    into: ``activate``'s ``pipeline_microbatches`` (0: one per stage), or the largest smaller count that divides
-    each shard's rows evenly."""
-    return microbatches_for(rows // replicas, pipeline_microbatches(), stages())
+    into: the active ``ParallelContext``'s ``pipeline_microbatches`` (0: one per stage), or the largest smaller
+    count that divides each shard's rows evenly."""
+    return microbatches_for(rows // replicas, parallel_context().pipeline_microbatches, stages())
 
 
 def microbatches_for(rows_per_replica: int, configured: int, num_stages: int) -> int:
@@ -60,7 +60,7 @@ def microbatches_for(rows_per_replica: int, configured: int, num_stages: int) ->
 
 def repeats() -> int:
     """Chunks of layers per stage under the active schedule (1: GPipe)."""
-    return pipeline_repeats()
+    return parallel_context().pipeline_repeats
 
 
 def slots(num_micro: int, num_stages: int) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -146,54 +147,65 @@ def spec_over_data(spec: P, shape: tuple[int, ...], mesh_shape: Mapping[str, int
     return spec
 
 
-_ACTIVE_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("megajax_rules", default=None)
-_PARAMS_SPLIT: contextvars.ContextVar[bool] = contextvars.ContextVar("megajax_params_split", default=False)
-_PIPELINE_MICRO: contextvars.ContextVar[int] = contextvars.ContextVar("megajax_pipeline_micro", default=0)
-_PIPELINE_REPEATS: contextvars.ContextVar[int] = contextvars.ContextVar("megajax_pipeline_repeats", default=1)
+@dataclasses.dataclass(frozen=True)
+class ParallelContext:
+    """The run's settings that a traced model reads while ``activate`` holds them (built by
+    ``config.resolve.RunSpec.parallel_context``). Frozen and hashable, so it can also key a jit cache.
+
+    ``rules``: logical name -> mesh axis (None: outside ``activate``, nothing pinned); ``params_split``: the
+    parameters are stored split over ``data`` as well (``parallel.fsdp``), so ``param_at_use`` gathers them;
+    ``pipeline_microbatches``: how many microbatches a pipelined layer stack cuts a batch into (0: one per stage);
+    ``pipeline_repeats``: how many chunks of layers each pipeline stage holds (1: GPipe; more: the circular
+    schedule, ``megajax.parallel.pipeline``).
+    """
+
+    rules: Rules | None
+    params_split: bool = False
+    pipeline_microbatches: int = 0
+    pipeline_repeats: int = 1
+
+
+_CONTEXT: contextvars.ContextVar[ParallelContext] = contextvars.ContextVar(
+    "megajax_parallel_context", default=ParallelContext(None))
+
+
+def parallel_context() -> ParallelContext:
+    """The settings ``activate`` holds for the model being traced; outside it ``ParallelContext(None)`` (no rules:
+    single-device use, nothing pinned)."""
+    return _CONTEXT.get()
 
 
 @contextlib.contextmanager
-def activate(mesh: Mesh, rules: Rules, params_split: bool = False, pipeline_microbatches: int = 0,
-             pipeline_repeats: int = 1) -> Iterator[None]:
-    """Sets the mesh and rules that ``constrain`` uses while a model is traced; ``params_split``: the parameters
-    are stored split over ``data`` as well (``parallel.fsdp``), so ``param_at_use`` gathers them;
-    ``pipeline_microbatches``: how many microbatches a pipelined layer stack cuts a batch into (0: one per stage);
-    ``pipeline_repeats``: how many chunks of layers each pipeline stage holds (1: GPipe; more: the circular
-    schedule, ``megajax.parallel.pipeline``)."""
-    tokens = (_ACTIVE_RULES.set(rules), _PARAMS_SPLIT.set(params_split), _PIPELINE_MICRO.set(pipeline_microbatches),
-              _PIPELINE_REPEATS.set(pipeline_repeats))
+def _holding(context: ParallelContext) -> Iterator[None]:
+    token = _CONTEXT.set(context)
     try:
-        with jax.set_mesh(mesh):
-            yield
+        yield
     finally:
-        for var, token in zip((_ACTIVE_RULES, _PARAMS_SPLIT, _PIPELINE_MICRO, _PIPELINE_REPEATS), tokens):
-            var.reset(token)
+        _CONTEXT.reset(token)
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, context: ParallelContext | Rules) -> Iterator[None]:
+    """Sets the mesh and the settings (``ParallelContext``) that ``constrain`` and the layers read while a model is
+    traced. A bare rules table stands for ``ParallelContext(rules)``: no FSDP, no pipeline settings."""
+    if not isinstance(context, ParallelContext):
+        context = ParallelContext(context)
+    with _holding(context), jax.set_mesh(mesh):
+        yield
 
 
 @contextlib.contextmanager
 def rules_remapped(**names: str | None) -> Iterator[None]:
     """The active rules with the given logical names mapped elsewhere (e.g. ``batch=None`` inside a vmap that owns
     the `data` axis through its ``spmd_axis_name``: a constraint inside it may not name that axis)."""
-    token = _ACTIVE_RULES.set(tuple((k, names.get(k, v)) for k, v in _ACTIVE_RULES.get()))
-    try:
+    context = parallel_context()
+    with _holding(dataclasses.replace(context, rules=tuple((k, names.get(k, v)) for k, v in context.rules))):
         yield
-    finally:
-        _ACTIVE_RULES.reset(token)
-
-
-def pipeline_microbatches() -> int:
-    """``activate``'s ``pipeline_microbatches`` (0: one per pipeline stage)."""
-    return _PIPELINE_MICRO.get()
-
-
-def pipeline_repeats() -> int:
-    """``activate``'s ``pipeline_repeats`` (1: GPipe, each stage one chunk of contiguous layers)."""
-    return _PIPELINE_REPEATS.get()
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Pins an activation's layout by logical names; a no-op outside ``activate`` (single-device use)."""
-    rules = _ACTIVE_RULES.get()
+    rules = parallel_context().rules
     if rules is None or jax.sharding.get_abstract_mesh().empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))
@@ -221,7 +233,7 @@ def param_at_use(value: jax.Array, names: Sequence[str]) -> jax.Array:
     """
     if not params_split():
         return value
-    rules = _ACTIVE_RULES.get()
+    rules = parallel_context().rules
     whole = logical_to_spec(names, rules)
     split = fsdp_spec(names, value.shape, rules, dict(jax.sharding.get_abstract_mesh().shape))
     if split == whole:  # nothing divisible by the data degree: stored whole
@@ -254,22 +266,20 @@ _gather_parameter.defvjp(_gather_fwd, _gather_bwd)
 def params_whole() -> Iterator[None]:
     """Traces as though the parameters were stored whole over ``data`` (``param_at_use`` a no-op): inside a region
     whose parameters were gathered already (a pipeline stage's, once per step)."""
-    token = _PARAMS_SPLIT.set(False)
-    try:
+    with _holding(dataclasses.replace(parallel_context(), params_split=False)):
         yield
-    finally:
-        _PARAMS_SPLIT.reset(token)
 
 
 def params_split() -> bool:
     """Whether the model being traced reads ``parallel.fsdp``'s split parameters (``param_at_use`` gathers them)."""
-    return _PARAMS_SPLIT.get() and _ACTIVE_RULES.get() is not None
+    context = parallel_context()
+    return context.params_split and context.rules is not None
 
 
 def replicas(batch: int) -> int:
     """How many data-parallel replicas a batch of ``batch`` rows is split over under the active rules (the size of
     the mesh axes ``batch`` maps to); 1 outside ``activate`` or where that does not divide ``batch``."""
-    rules = _ACTIVE_RULES.get()
+    rules = parallel_context().rules
     mesh = jax.sharding.get_abstract_mesh()
     if rules is None or mesh.empty:
         return 1
@@ -279,13 +289,13 @@ def replicas(batch: int) -> int:
 
 def spec_of(names: Sequence[str | None]) -> P:
     """The PartitionSpec of logical ``names`` under the active rules (replicated outside ``activate``)."""
-    rules = _ACTIVE_RULES.get()
+    rules = parallel_context().rules
     return P() if rules is None else logical_to_spec(names, rules)
 
 
 def mesh_size(name: str) -> int:
     """The size of the mesh axes the logical ``name`` maps to under the active rules; 1 outside ``activate``."""
-    rules = _ACTIVE_RULES.get()
+    rules = parallel_context().rules
     mesh = jax.sharding.get_abstract_mesh()
     if rules is None or mesh.empty:
         return 1
@@ -295,7 +305,7 @@ def mesh_size(name: str) -> int:
 def sequence_axis() -> str | None:
     """The mesh axis the active rules split the residual stream's sequence over (``parallel.sequence``: 'model'),
     or None: Megatron's layout, or outside ``activate``."""
-    rules = _ACTIVE_RULES.get()
+    rules = parallel_context().rules
     if rules is None or jax.sharding.get_abstract_mesh().empty:
         return None
     return dict(rules).get(SEQUENCE_PARALLEL_NAME)
@@ -303,7 +313,7 @@ def sequence_axis() -> str | None:
 
 def axis_of(name: str) -> str | None:
     """The mesh axis the active rules put logical ``name`` on (None: unsplit, or outside ``activate``)."""
-    rules = _ACTIVE_RULES.get()
+    rules = parallel_context().rules
     if rules is None or jax.sharding.get_abstract_mesh().empty:
         return None
     return dict(rules).get(name)
@@ -319,6 +329,6 @@ def on_shards(fn: Callable[..., jax.Array], args: Sequence[jax.Array], names: Se
     reduce-scatter (its ReduceScatterCreator pass), the CPU pipeline does not. Inside ``fn`` the partial sums are
     visible, so ``jax.lax.psum_scatter`` says it, and autodiff transposes it to an all-gather.
     """
-    rules = _ACTIVE_RULES.get()
+    rules = parallel_context().rules
     return jax.shard_map(fn, in_specs=tuple(logical_to_spec(n, rules) for n in names),
                          out_specs=logical_to_spec(out_names, rules))(*args)

@@ -128,15 +128,14 @@ def setup(config: ml_collections.ConfigDict, devices: list[jax.Device] | None = 
                            dropout=spec.model.dropout > 0)
     abstract_batch = {k: jax.ShapeDtypeStruct((spec.global_batch, *f.row_shape), f.dtype,
                                               sharding=batch_shardings[k]) for k, f in fields.items()}
-    with activate(mesh, spec.rules, params_split=spec.fsdp, pipeline_microbatches=spec.pipeline_microbatches,
-                  pipeline_repeats=spec.pipeline_repeats):
+    context = spec.parallel_context  # one set of settings: the step and validation trace alike
+    with activate(mesh, context):
         init_state = jax.jit(init, out_shardings=state_shardings, compiler_options=compiler_options(devices))
         compiled = jax.jit(step, in_shardings=(state_shardings, batch_shardings),
                            out_shardings=(state_shardings, replicated), donate_argnums=0
                            ).lower(abstract_state, abstract_batch).compile(
                                compiler_options=compiler_options(devices) if options is None else options)
-    evaluate = Evaluator(objective_metrics(objective), graphdef, mesh, spec.rules, params_split=spec.fsdp,
-                         pipeline_microbatches=spec.pipeline_microbatches, pipeline_repeats=spec.pipeline_repeats,
+    evaluate = Evaluator(objective_metrics(objective), graphdef, mesh, context,
                          in_shardings=(state_shardings.params, batch_shardings), out_shardings=replicated)
     num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
     return Run(config, spec, mesh, abstract_state, batch_shardings, compiled, num_params, init_state, evaluate)
