@@ -116,15 +116,8 @@ class TransformerConfig:
         return self.ffn_hidden_size or self.mlp_ratio * self.hidden_size
 
     def kv_replicated(self, tp: int) -> bool:
-        """Whether ``tp`` model shards replicate the key/value heads (more shards than heads, Megatron's rule for
-        grouped-query attention) rather than split them; ValueError where neither divides the other."""
-        if self.kv_heads % tp == 0:
-            return False
-        if tp % self.kv_heads == 0:
-            return True
-        raise ValueError(f"mesh.model={tp} neither divides model.num_kv_heads={self.kv_heads} (each shard holds "
-                         f"whole key/value heads) nor is a multiple of it (each head replicated on the shards "
-                         f"that share it): pick mesh.model from the divisors or multiples of {self.kv_heads}")
+        """Whether ``tp`` model shards replicate the key/value heads rather than split them (``kv_replicated``)."""
+        return kv_replicated(self.kv_heads, tp)
 
     def rule_overrides(self, tp: int) -> dict[str, str | None]:
         """Logical names the rules must leave unsplit on ``tp`` model shards: ``kv_heads`` where they are replicated
@@ -138,6 +131,19 @@ class TransformerConfig:
     @property
     def compute_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.dtype)
+
+
+def kv_replicated(kv_heads: int, tp: int) -> bool:
+    """Whether ``tp`` model shards replicate ``kv_heads`` key/value heads (more shards than heads, Megatron's rule
+    for grouped-query attention: each head copied on the shards that share it) rather than split them; ValueError
+    where neither divides the other. The one rule the model, the memory planner and the scaling model follow."""
+    if kv_heads % tp == 0:
+        return False
+    if tp % kv_heads == 0:
+        return True
+    raise ValueError(f"mesh.model={tp} neither divides model.num_kv_heads={kv_heads} (each shard holds whole "
+                     f"key/value heads) nor is a multiple of it (each head replicated on the shards that share it): "
+                     f"pick mesh.model from the divisors or multiples of {kv_heads}")
 
 
 def refuse_options(cfg: TransformerConfig, model: str, fields: tuple[str, ...], hint: str = "") -> None:

@@ -85,6 +85,7 @@ import ml_collections
 from megajax.config import base_config, model_config, sequence_parallel, state_split
 from megajax.models import gpt, model_spec
 from megajax.models.spec import decoder_flops
+from megajax.models.transformer import kv_replicated
 from megajax.tools.comm_budget import Shape, minimum
 from megajax.tools.memory_planner import activation_bytes
 from megajax.tools.scaling_clusters import (  # noqa: F401 (the clusters are this module's API too)
@@ -155,8 +156,9 @@ class Decoder:
         return self.ffn or 4 * self.hidden
 
     def kv_replicated(self, tensor: int) -> bool:
-        """Whether ``tensor`` model shards each hold a copy of one key/value head (more shards than heads)."""
-        return (self.kv_heads or self.heads) % tensor != 0
+        """Whether ``tensor`` model shards each hold a copy of one key/value head: the model's rule
+        (``transformer.kv_replicated``; ValueError where neither divides the other, see ``divisible_by``)."""
+        return kv_replicated(self.kv_heads or self.heads, tensor)
 
     def flops(self, batch: int) -> float:
         """Model FLOPs of ``batch`` sequences forward + backward (``models.spec.decoder_flops``; GPT-2's shape:
@@ -187,9 +189,11 @@ class Decoder:
     def divisible_by(self, tensor: int) -> bool:
         """Whether each of ``tensor`` shards holds whole heads and equal slices of hidden, MLP and vocabulary, and
         whole key/value heads or a copy of one."""
-        kv = self.kv_heads or self.heads
-        return all(n % tensor == 0 for n in (self.heads, self.hidden, self.mlp, self.vocab)) and \
-            (kv % tensor == 0 or tensor % kv == 0)
+        try:
+            self.kv_replicated(tensor)
+        except ValueError:
+            return False
+        return all(n % tensor == 0 for n in (self.heads, self.hidden, self.mlp, self.vocab))
 
 
 @dataclasses.dataclass(frozen=True)
