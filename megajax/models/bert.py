@@ -21,6 +21,7 @@ from megajax.models.spec import HeadMemory, ModelSpec, register, transformer_flo
 from megajax.models.transformer import (
     LLAMA_HINT,
     LLAMA_OPTIONS,
+    Block,
     TransformerConfig,
     make_blocks,
     padding_mask,
@@ -37,7 +38,9 @@ NUM_SOP_CLASSES = 2  # 0: A then B as in the document, 1: swapped
 class BERTEncoder(nnx.Module):
     """The part every BERT model shares: embeddings, the trunk under a padding mask, the final or embedding LN, and
     the pooler. Pretraining (``BERT``) and the task models (``megajax.models.heads``) add their heads to it, so a
-    pretrained encoder's parameter paths are the same in every one of them."""
+    pretrained encoder's parameter paths are the same in every one of them. ``block_class``: its layer."""
+
+    block_class: type[nnx.Module] = Block
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         if cfg.num_token_types < 1:
@@ -49,7 +52,7 @@ class BERTEncoder(nnx.Module):
         self.wpe = make_param(rngs, nnx.initializers.normal(std), (cfg.max_seq_len, h), ("position", "embed"))
         self.tte = make_param(rngs, nnx.initializers.normal(std), (cfg.num_token_types, h), ("token_type", "embed"))
         self.ln_emb = LayerNorm(h, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs) if cfg.post_layernorm else None
-        self.blocks = make_blocks(cfg, rngs)
+        self.blocks = make_blocks(cfg, rngs, self.block_class)
         self.ln_f = None if cfg.post_layernorm else LayerNorm(h, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
         self.pooler = Dense(h, (h,), ("embed", "embed_out"), std=std, dtype=dt, rngs=rngs)
 

@@ -16,6 +16,7 @@ from megajax.models.spec import HeadMemory, ModelSpec, register, transformer_flo
 from megajax.models.transformer import (
     LLAMA_HINT,
     LLAMA_OPTIONS,
+    Block,
     CausalDecoder,
     TransformerConfig,
     causal_mask,
@@ -29,7 +30,10 @@ from megajax.parallel.sharding import RESIDUAL, constrain, param_at_use
 
 
 class GPT(CausalDecoder):
-    """GPT-2 language model: ``tokens (B, S) -> logits (B, S, padded_vocab)`` with padded ids masked."""
+    """GPT-2 language model: ``tokens (B, S) -> logits (B, S, padded_vocab)`` with padded ids masked. A variant
+    with another layer subclasses it and names the layer's class (``block_class``)."""
+
+    block_class: type[nnx.Module] = Block
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         if cfg.post_layernorm or cfg.num_token_types:
@@ -42,7 +46,7 @@ class GPT(CausalDecoder):
                                           rngs=rngs)
         self.wpe = make_param(rngs, nnx.initializers.normal(cfg.init_std), (cfg.max_seq_len, cfg.hidden_size),
                               ("position", "embed"))
-        self.blocks = make_blocks(cfg, rngs)
+        self.blocks = make_blocks(cfg, rngs, self.block_class)
         self.ln_f = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
 
     def _forward(self, tokens, dropout_key, cache, index):

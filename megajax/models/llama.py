@@ -223,6 +223,8 @@ class LlamaBlock(Block):
 class Llama(CausalDecoder):
     """Llama decoder: ``tokens (B, S) -> logits (B, S, padded_vocab)`` with padded ids masked."""
 
+    block_class: type[nnx.Module] = LlamaBlock
+
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         if cfg.post_layernorm or cfg.num_token_types:
             raise ValueError("Llama is pre-norm with no token types: set model.post_layernorm=False and "
@@ -236,7 +238,7 @@ class Llama(CausalDecoder):
         dt = cfg.compute_dtype
         self.wte = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, std=cfg.init_std, dtype=dt,
                                           rngs=rngs)
-        self.blocks = make_blocks(cfg, rngs, LlamaBlock)
+        self.blocks = make_blocks(cfg, rngs, self.block_class)
         self.ln_f = RMSNorm(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
         self.lm_head = None if cfg.tie_embeddings else VocabParallelEmbedding(
             cfg.padded_vocab_size, cfg.hidden_size, std=cfg.init_std, dtype=dt, rngs=rngs)
