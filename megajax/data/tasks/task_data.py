@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
+from collections.abc import Callable
 
 import ml_collections
 import numpy as np
@@ -22,15 +23,11 @@ from megajax.data.tasks import glue, race, squad
 from megajax.data.tasks.encoding import SPECIALS_PER_PAIR, EncodedTask, PackedPairs, Specials
 from megajax.data.tasks.files import TaskDataError
 from megajax.data.tasks.race import NUM_OPTIONS
-from megajax.data.tokenizer import load_tokenizer
+from megajax.data.tokenizer import TextTokenizer, load_tokenizer
 from megajax.errors import ConfigError
 
 # The classification tasks' classes (the model that fine-tunes on each task is named by its spec in models/)
 TASK_CLASSES = {"mnli": 3, "qqp": 2, "synthetic_pair": 2}
-# (train, validation) files or folders under data.task_dir, as the tasks are distributed
-TASK_FILES = {"mnli": ("train.tsv", "dev_matched.tsv"), "qqp": ("train.tsv", "dev.tsv"),
-              "squad1": ("train-v1.1.json", "dev-v1.1.json"), "squad2": ("train-v2.0.json", "dev-v2.0.json"),
-              "race": ("train", "dev")}
 SYNTHETIC_ROWS = {"train": 8192, "valid": 1024}
 FIRST_WORD, NUM_WORDS = 5, 11  # synthetic words are ids 5..15 (few: a tiny model learns the tasks in seconds)
 HALF = FIRST_WORD + NUM_WORDS // 2  # synthetic_pair: words below it are the first half
@@ -55,10 +52,10 @@ def check_task(config: ml_collections.ConfigDict) -> None:
     classes = TASK_CLASSES.get(d.task, 0)
     if classes and m.num_classes != classes:
         raise ConfigError(f"data.task={d.task} has {classes} classes; set --config.model.num_classes={classes}")
-    if d.task.startswith("synthetic") and (m.vocab_size < SYNTHETIC_SPECIALS.vocab_size or m.max_seq_len < 24):
+    if d.task in _SYNTHETIC and (m.vocab_size < SYNTHETIC_SPECIALS.vocab_size or m.max_seq_len < 24):
         raise ConfigError(f"synthetic tasks need model.vocab_size >= {SYNTHETIC_SPECIALS.vocab_size} and "
                           f"model.max_seq_len >= 24; got {m.vocab_size} and {m.max_seq_len}")
-    if d.task in ("squad1", "squad2") and m.max_seq_len < squad.MIN_SEQ_LEN:  # no room for a context token
+    if d.task in REAL_TASKS and m.max_seq_len < REAL_TASKS[d.task].min_seq_len:  # SQuAD: no room for a context
         raise ConfigError(f"model.max_seq_len={m.max_seq_len} leaves no room for a SQuAD context: a window holds up "
                           f"to {squad.MAX_QUERY_LENGTH} question tokens and {SPECIALS_PER_PAIR} special tokens "
                           f"besides; set --config.model.max_seq_len to at least {squad.MIN_SEQ_LEN} (BERT's SQuAD "
@@ -71,7 +68,7 @@ def load_task(config: ml_collections.ConfigDict) -> TaskData:
     """Both splits of ``config.data.task``, encoded to ``model.max_seq_len`` (checked first: ``check_task``)."""
     check_task(config)
     d, seq = config.data, config.model.max_seq_len
-    if d.task.startswith("synthetic"):
+    if d.task in _SYNTHETIC:
         make = _SYNTHETIC[d.task]
         return TaskData(*(make(np.random.default_rng([d.seed, i]), SYNTHETIC_ROWS[s], seq, f"{d.task}/{s}")
                           for i, s in enumerate(("train", "valid"))))
@@ -80,39 +77,74 @@ def load_task(config: ml_collections.ConfigDict) -> TaskData:
 
 def _read_task(config: ml_collections.ConfigDict) -> TaskData:
     d, seq = config.data, config.model.max_seq_len
+    task = REAL_TASKS[d.task]
     if not d.task_dir or not d.tokenizer:
         raise ConfigError(f"data.task={d.task} needs --config.data.task_dir (the task's files: "
-                          f"{', '.join(TASK_FILES[d.task])}) and --config.data.tokenizer (the model's vocab.txt)")
+                          f"{', '.join(task.files)}) and --config.data.tokenizer (the model's vocab.txt)")
     tokenizer = load_tokenizer(d.tokenizer)
     if tokenizer.vocab_size > config.model.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size="
                           f"{config.model.vocab_size}")
-    paths = [pathlib.Path(d.task_dir).expanduser() / f for f in TASK_FILES[d.task]]
-    if d.task in ("mnli", "qqp"):
-        read = glue.read_mnli if d.task == "mnli" else glue.read_qqp
+    paths = [pathlib.Path(d.task_dir).expanduser() / f for f in task.files]
+    return task.read(d.task, paths, tokenizer, seq, d.max_dropped_fraction)
+
+
+def _read_pairs(read: Callable) -> Callable[..., TaskData]:
+    """MNLI / QQP (GLUE's tab-separated files): a training file losing too many rows is refused."""
+
+    def read_task(name: str, paths: list[pathlib.Path], tokenizer: TextTokenizer, seq: int,
+                  max_dropped: float) -> TaskData:
         pairs = [read(p) for p in paths]
         train = pairs[0]
         skipped = sum(train.skipped.values())
-        _refuse_above(d.max_dropped_fraction, skipped, len(train.examples) + skipped, "rows",
-                      f"{d.task.upper()} file {paths[0]}", train.skipped_summary(),
-                      "check that it is GLUE's tab-separated file with its header line")
-        return TaskData(*(glue.featurize_pairs(data.examples, tokenizer, seq, f"{d.task}/{p.name}")
+        _refuse_above(max_dropped, skipped, len(train.examples) + skipped, "rows", f"{name.upper()} file {paths[0]}",
+                      train.skipped_summary(), "check that it is GLUE's tab-separated file with its header line")
+        return TaskData(*(glue.featurize_pairs(data.examples, tokenizer, seq, f"{name}/{p.name}")
                           for data, p in zip(pairs, paths)),
                         _report(paths, [data.report() for data in pairs]), tokenizer.fingerprint)
-    if d.task == "race":
-        splits = [race.read_race(p) for p in paths]
-        return TaskData(*(race.featurize_race(examples, tokenizer, seq, f"race/{p.name}")
-                          for examples, p in zip(splits, paths)),
-                        _report(paths, [{"questions": len(examples)} for examples in splits]), tokenizer.fingerprint)
+
+    return read_task
+
+
+def _read_race(name: str, paths: list[pathlib.Path], tokenizer: TextTokenizer, seq: int,
+               max_dropped: float) -> TaskData:
+    splits = [race.read_race(p) for p in paths]
+    return TaskData(*(race.featurize_race(examples, tokenizer, seq, f"{name}/{p.name}")
+                      for examples, p in zip(splits, paths)),
+                    _report(paths, [{"questions": len(examples)} for examples in splits]), tokenizer.fingerprint)
+
+
+def _read_squad(name: str, paths: list[pathlib.Path], tokenizer: TextTokenizer, seq: int,
+                max_dropped: float) -> TaskData:
     features = [squad.featurize_squad(squad.read_squad(p).examples, tokenizer, seq, training=training,
-                                      name=f"{d.task}/{p.name}", source=f"SQuAD file {p}")
+                                      name=f"{name}/{p.name}", source=f"SQuAD file {p}")
                 for p, training in zip(paths, (True, False))]
     train = features[0]
-    _refuse_above(d.max_dropped_fraction, train.dropped, train.questions, "questions", f"SQuAD file {paths[0]}",
+    _refuse_above(max_dropped, train.dropped, train.questions, "questions", f"SQuAD file {paths[0]}",
                   train.drop_summary(), "answer_start must be the 0-based character offset of the answer's text "
                   "in its context (a question no window holds needs a longer model.max_seq_len)")
     return TaskData(features[0].task, features[1].task, _report(paths, [f.report() for f in features]),
                     tokenizer.fingerprint)
+
+
+@dataclasses.dataclass(frozen=True)
+class RealTask:
+    """A downloaded task's training data: its (train, validation) files or folders under ``data.task_dir``, as
+    the task is distributed, how both are read and encoded (``read(name, paths, tokenizer, seq_len,
+    max_dropped_fraction)``), and the shortest ``model.max_seq_len`` its rows fit."""
+
+    files: tuple[str, str]
+    read: Callable[[str, list[pathlib.Path], TextTokenizer, int, float], TaskData]
+    min_seq_len: int = 0
+
+
+REAL_TASKS: dict[str, RealTask] = {
+    "mnli": RealTask(("train.tsv", "dev_matched.tsv"), _read_pairs(glue.read_mnli)),
+    "qqp": RealTask(("train.tsv", "dev.tsv"), _read_pairs(glue.read_qqp)),
+    "squad1": RealTask(("train-v1.1.json", "dev-v1.1.json"), _read_squad, squad.MIN_SEQ_LEN),
+    "squad2": RealTask(("train-v2.0.json", "dev-v2.0.json"), _read_squad, squad.MIN_SEQ_LEN),
+    "race": RealTask(("train", "dev"), _read_race),
+}
 
 
 def _report(paths: list[pathlib.Path], counts: list[dict]) -> dict:
