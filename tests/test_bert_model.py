@@ -16,7 +16,7 @@ from megajax.config import bert_base_config, build_mesh, create_model, rules_of
 from megajax.models import model_spec
 from megajax.parallel.hlo_audit import collectives, summary
 from megajax.parallel.partition import spec_table
-from megajax.parallel.sharding import activate
+from megajax.parallel.sharding import ParallelContext, activate
 
 RTOL = 1e-5  # fp32; sharded sums reorder additions
 B, S, H, L = 8, 16, 64, 2
@@ -59,7 +59,7 @@ def _run(model, config, batch, data, model_axis):
         loss, metrics = loss_fn(m, batch, None)
         return loss, (metrics, m(batch["tokens"], batch["token_types"], batch["padding_mask"]))
 
-    with activate(mesh, rules_of(config)):
+    with activate(mesh, ParallelContext(rules_of(config))):
         (loss, (metrics, (mlm, sop))), grads = jax.jit(jax.value_and_grad(loss_and_outputs, has_aux=True))(state)
     return (float(loss), jax.tree.map(float, metrics), np.asarray(mlm), np.asarray(sop),
             jax.tree.map(np.asarray, nnx.to_pure_dict(grads)))
@@ -159,7 +159,7 @@ def _audit(data, model_axis):
     def loss(state, batch):
         return loss_fn(nnx.merge(graphdef, state), batch, None)[0]
 
-    with activate(mesh, rules_of(config)):
+    with activate(mesh, ParallelContext(rules_of(config))):
         text = jax.jit(jax.value_and_grad(loss)).lower(state, batch).compile().as_text()
     return collectives(text, mesh)
 

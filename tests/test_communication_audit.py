@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from megajax.config import build_mesh, create_model, rules_of
 from megajax.parallel.hlo_audit import _parse_groups, collectives, summary
 from megajax.parallel.losses import lm_loss
-from megajax.parallel.sharding import activate, make_mesh
+from megajax.parallel.sharding import ParallelContext, activate, make_mesh
 from megajax.tools.comm_budget import step_budget
 
 L, B, S, H = 3, 4, 16, 64
@@ -27,7 +27,7 @@ def _compiled_step(data, model_axis):
     def loss(state, tokens):
         return lm_loss(nnx.merge(graphdef, state), tokens, tokens)
 
-    with activate(mesh, rules_of(config)):
+    with activate(mesh, ParallelContext(rules_of(config))):
         text = jax.jit(jax.value_and_grad(loss)).lower(state, tokens).compile().as_text()
     local_params = sum(int(np.prod(x.addressable_shards[0].data.shape)) for x in jax.tree.leaves(state))
     return mesh, collectives(text, mesh), local_params

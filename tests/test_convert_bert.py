@@ -13,7 +13,7 @@ from megajax.checkpoint import load_model, save_params
 from megajax.config import base_config, build_mesh, rules_of
 from megajax.convert import hf_bert, hf_io, megatron_bert
 from megajax.convert.__main__ import main as convert_main
-from megajax.parallel.sharding import activate
+from megajax.parallel.sharding import ParallelContext, activate
 
 torch = pytest.importorskip("torch")  # the `test` extra installs it (CPU build)
 transformers = pytest.importorskip("transformers")
@@ -56,7 +56,7 @@ def megajax_logits(path, data: int, model_axis: int, batch):
     """MLM and SOP logits of the checkpoint at ``path`` loaded onto a data x model mesh."""
     model, config = load_model(path, data=data, model=model_axis)
     graphdef, state = nnx.split(model)
-    with activate(build_mesh(config), rules_of(config)):
+    with activate(build_mesh(config), ParallelContext(rules_of(config))):
         mlm, sop = jax.jit(lambda s, *b: nnx.merge(graphdef, s)(*b))(state, *batch)
     return np.asarray(mlm), np.asarray(sop), config
 

@@ -19,7 +19,7 @@ from megajax.convert import hf_io, hf_llama
 from megajax.convert.__main__ import main as convert_main
 from megajax.evaluation.generate import Sampling, generate
 from megajax.models.llama import kv_copies
-from megajax.parallel.sharding import activate
+from megajax.parallel.sharding import ParallelContext, activate
 
 torch = pytest.importorskip("torch")  # the `test` extra installs it (CPU build)
 transformers = pytest.importorskip("transformers")
@@ -56,7 +56,7 @@ def megajax_logits(loaded: megajax.LoadedModel, tokens: np.ndarray) -> tuple[np.
     """(logits, key/value heads each step computes) of a loaded model, traced under its mesh and rules as
     training and evaluation trace it (outside ``activate`` no layout decision, the replicated heads included, runs)."""
     graphdef, state = nnx.split(loaded.model)
-    with activate(loaded.mesh, loaded.spec.rules):
+    with activate(loaded.mesh, ParallelContext(loaded.spec.rules)):
         logits = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, jnp.asarray(tokens))
         return np.asarray(logits), kv_copies(loaded.spec.model)
 

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from megajax.parallel.losses import mask_padded_vocab, vocab_parallel_cross_entropy
-from megajax.parallel.sharding import MEGATRON_RULES, activate, make_mesh
+from megajax.parallel.sharding import MEGATRON_RULES, ParallelContext, activate, make_mesh
 
 V_TRUE, V_PAD = 1000, 1024
 
@@ -25,7 +25,7 @@ def test_matches_optax(data, model_axis):
     def ours(x):
         return vocab_parallel_cross_entropy(mask_padded_vocab(x, V_TRUE), labels)
 
-    with activate(mesh, MEGATRON_RULES):
+    with activate(mesh, ParallelContext(MEGATRON_RULES)):
         loss, grad = jax.jit(jax.value_and_grad(lambda x: ours(x).mean()))(sharded)
         per_token = jax.jit(ours)(sharded)
     reference = optax.softmax_cross_entropy_with_integer_labels(logits[..., :V_TRUE], labels)

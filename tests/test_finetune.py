@@ -14,7 +14,7 @@ from megajax.checkpoint import CheckpointError, read_config, restore_params, sav
 from megajax.config import bert_base_config, build_mesh, create_model, rules_of
 from megajax.data.tokenizer import BERT_SPECIALS, load_tokenizer
 from megajax.models import model_spec
-from megajax.parallel.sharding import activate
+from megajax.parallel.sharding import ParallelContext, activate
 from megajax.training.data import load_dataset
 from megajax.training.finetune import check_init_from, trunk_keys
 from megajax.training.loop import train
@@ -57,7 +57,7 @@ def loss_and_grads(name: str, model: nnx.Module, batch: dict, config, data: int,
     def fn(state, batch):
         return jax.value_and_grad(lambda s: loss(nnx.merge(graphdef, s), batch, None)[0])(state)
 
-    with activate(mesh, rules_of(config)):
+    with activate(mesh, ParallelContext(rules_of(config))):
         value, grads = fn(state, batch)
     return float(value), jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
 
@@ -227,7 +227,7 @@ def test_finetune_from_a_converted_hugging_face_bert(tmp_path):
     params = nnx.to_pure_dict(state)
     nnx.replace_by_pure_dict(state, {**params, **load_trunk(c, params)})
     batch = load_dataset(c).train.rows(np.arange(8))
-    with activate(mesh, rules_of(c)):
+    with activate(mesh, ParallelContext(rules_of(c))):
         pooled = jax.jit(lambda s, *x: (m := nnx.merge(graphdef, s)).pool(m.encode(*x)))(
             state, *(jnp.asarray(batch[k]) for k in ("tokens", "token_types", "padding_mask")))
     with torch.no_grad():

@@ -23,7 +23,7 @@ from megajax.errors import ConfigError
 from megajax.models import llama, model_spec
 from megajax.parallel.losses import lm_loss
 from megajax.parallel.partition import spec_table
-from megajax.parallel.sharding import activate
+from megajax.parallel.sharding import ParallelContext, activate
 from megajax.training.loop import train
 
 RTOL = 1e-5  # fp32; the sharded sums reorder additions
@@ -50,7 +50,8 @@ def _run(model, config, batch, data, model_axis):
         m = nnx.merge(graphdef, state)
         return lm_loss(m, tokens, labels), m(tokens)
 
-    with activate(mesh, rules_of(config.copy_and_resolve_references(dict(mesh=dict(data=data, model=model_axis))))):
+    rules = rules_of(config.copy_and_resolve_references(dict(mesh=dict(data=data, model=model_axis))))
+    with activate(mesh, ParallelContext(rules)):
         (loss, logits), grads = jax.jit(jax.value_and_grad(loss_and_logits, has_aux=True))(state)
     return float(loss), np.asarray(logits), jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
 

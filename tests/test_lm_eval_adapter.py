@@ -29,7 +29,7 @@ from megajax.data.tokenizer import train_tokenizer  # noqa: E402
 from megajax.evaluation.generate import Sampling, generate  # noqa: E402
 from megajax.evaluation.lm_eval_adapter import MegajaxLM  # noqa: E402
 from megajax.evaluation.scoring import Scorer, cloze_rows  # noqa: E402
-from megajax.parallel.sharding import activate, make_mesh  # noqa: E402
+from megajax.parallel.sharding import ParallelContext, activate, make_mesh  # noqa: E402
 
 SEQ_LEN = 16
 CORPUS = [f"the cat {w} on the mat . a dog ran {w} far away ; blue sky {i}" for i, w in
@@ -101,7 +101,7 @@ def _forward(model):
 
 def full_logits(model, ids) -> np.ndarray:
     """float64 logits over the real vocabulary for one row of up to SEQ_LEN tokens (1x1 mesh)."""
-    with activate(make_mesh(1, 1), rules_of(small_config())):
+    with activate(make_mesh(1, 1), ParallelContext(rules_of(small_config()))):
         logits = _forward(model)(np.asarray([list(ids) + [0] * (SEQ_LEN - len(ids))], np.int32))
     return np.asarray(logits[0, :len(ids), :model.cfg.vocab_size], np.float64)
 

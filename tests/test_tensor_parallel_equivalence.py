@@ -8,7 +8,7 @@ from flax import nnx
 
 from megajax.config import rules_of
 from megajax.parallel.losses import lm_loss
-from megajax.parallel.sharding import activate
+from megajax.parallel.sharding import ParallelContext, activate
 
 # fp32 on CPU; the sharded sums reorder additions, so bit equality is not expected.
 RTOL = 1e-5
@@ -22,7 +22,7 @@ def _run(model, config, batch, data, model_axis):
         m = nnx.merge(graphdef, state)
         return lm_loss(m, tokens, labels), m(tokens)
 
-    with activate(mesh, rules_of(config)):
+    with activate(mesh, ParallelContext(rules_of(config))):
         (loss, logits), grads = jax.jit(jax.value_and_grad(loss_and_logits, has_aux=True))(state)
     return float(loss), np.asarray(logits), jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
 

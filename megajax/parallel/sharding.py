@@ -185,11 +185,9 @@ def _holding(context: ParallelContext) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def activate(mesh: Mesh, context: ParallelContext | Rules) -> Iterator[None]:
+def activate(mesh: Mesh, context: ParallelContext) -> Iterator[None]:
     """Sets the mesh and the settings (``ParallelContext``) that ``constrain`` and the layers read while a model is
-    traced. A bare rules table stands for ``ParallelContext(rules)``: no FSDP, no pipeline settings."""
-    if not isinstance(context, ParallelContext):
-        context = ParallelContext(context)
+    traced."""
     with _holding(context), jax.set_mesh(mesh):
         yield
 
