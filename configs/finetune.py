@@ -17,6 +17,7 @@ Expect:   the trainer logs validation loss and accuracy on the dev split (exact 
 """
 
 from megajax.cli import load_config
+from megajax.config import model_section
 from megajax.data.tasks.task_data import TASK_CLASSES
 from megajax.models import task_models
 
@@ -42,7 +43,9 @@ def get_config(arg: str = "mnli,336m"):
     batch, lr, epochs = TABLE6[task][size]
     steps = -(-epochs * TRAIN_EXAMPLES[task] // batch)
     c = load_config(f"bert_{size}")  # the pretraining model's sizes and mesh.model
-    c.model.update(name=task_models()[task].name, num_classes=TASK_CLASSES.get(task, 2))
+    trunk = {k: v for k, v in c.model.items() if k != "name"}  # the task model's trunk is the pretrained BERT's
+    classes = {"num_classes": TASK_CLASSES[task]} if task in TASK_CLASSES else {}
+    c.model = model_section(task_models()[task].name, **trunk, **classes)
     c.data.update(source="task", task=task)
     c.train.update(steps=steps, global_batch_size=batch, log_every=50, eval_every=1000, eval_batches=32)
     c.optimizer.update(lr=lr, min_lr=0.0, warmup_steps=int(WARMUP_FRACTION * steps), decay="linear")

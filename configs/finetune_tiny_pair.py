@@ -12,8 +12,8 @@ from megajax.config import bert_base_config
 
 
 def get_config():
-    c = bert_base_config()
-    c.model.update(name="bert_classifier", num_classes=2, vocab_size=8192, make_vocab_size_divisible_by=128,
+    c = bert_base_config("bert_classifier")
+    c.model.update(num_classes=2, vocab_size=8192, make_vocab_size_divisible_by=128,
                    num_layers=2, hidden_size=128, num_heads=4, max_seq_len=64, remat="none")
     c.data.update(source="task", task="synthetic_pair")
     c.train.update(steps=400, global_batch_size=32, log_every=50, eval_every=100, eval_batches=8)

@@ -12,8 +12,7 @@ from megajax.models import llama
 
 
 def get_config():
-    c = base_config()
-    c.model.update(llama.model_fields())
+    c = base_config(llama.NAME)
     c.mesh.model = 8
     c.train.update(steps=500_000, global_batch_size=1024, precision="bf16")  # 4M tokens per step
     c.optimizer.update(lr=3e-4, min_lr=3e-5, warmup_steps=2000, b2=0.95, eps=1e-5, weight_decay=0.1)

@@ -10,9 +10,9 @@ from megajax.models import llama
 
 
 def get_config():
-    c = base_config()
-    c.model.update(llama.model_fields(vocab_size=128256, num_kv_heads=8, ffn_hidden_size=14336, rope_theta=500000.0,
-                                      max_seq_len=8192))
+    c = base_config(llama.NAME)
+    c.model.update(vocab_size=128256, num_kv_heads=8, ffn_hidden_size=14336, rope_theta=500000.0,
+                   max_seq_len=8192)
     c.mesh.model = 8
     c.train.update(steps=500_000, global_batch_size=512, precision="bf16")  # 4M tokens per step
     c.optimizer.update(lr=3e-4, min_lr=3e-5, warmup_steps=2000, b2=0.95, eps=1e-5, weight_decay=0.1)

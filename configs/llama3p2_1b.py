@@ -11,12 +11,12 @@ from megajax.models import llama
 
 
 def get_config():
-    c = base_config()
-    c.model.update(llama.model_fields(vocab_size=128256, num_layers=16, hidden_size=2048, num_heads=32,
-                                      num_kv_heads=8, ffn_hidden_size=8192, max_seq_len=8192, tie_embeddings=True,
-                                      rope_theta=500000.0, rope_scaling="llama3", rope_factor=32.0,
-                                      rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-                                      rope_original_max_len=8192))
+    c = base_config(llama.NAME)
+    c.model.update(vocab_size=128256, num_layers=16, hidden_size=2048, num_heads=32,
+                   num_kv_heads=8, ffn_hidden_size=8192, max_seq_len=8192, tie_embeddings=True,
+                   rope_theta=500000.0, rope_scaling="llama3", rope_factor=32.0,
+                   rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                   rope_original_max_len=8192)
     c.mesh.model = 8
     c.train.update(steps=500_000, global_batch_size=512, precision="bf16")
     c.optimizer.update(lr=3e-4, min_lr=3e-5, warmup_steps=2000, b2=0.95, eps=1e-5, weight_decay=0.1)

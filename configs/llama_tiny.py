@@ -12,9 +12,9 @@ from megajax.models import llama
 
 
 def get_config():
-    c = base_config()
-    c.model.update(llama.model_fields(vocab_size=4096, num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
-                                      ffn_hidden_size=344, max_seq_len=128, tie_embeddings=True, remat="none"))
+    c = base_config(llama.NAME)
+    c.model.update(vocab_size=4096, num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
+                   ffn_hidden_size=344, max_seq_len=128, tie_embeddings=True, remat="none")
     c.train.update(steps=300, global_batch_size=16, log_every=20)
     c.optimizer.update(lr=3e-3, min_lr=3e-4, warmup_steps=30)
     return c

@@ -155,11 +155,11 @@ def choice_config(choice: str | None, data: int, model: int, steps: int = 3, nam
         b.mesh = c.mesh
         c = b
     elif name == "llama":  # 2 key/value heads: split on mesh.model=2, replicated on 4 and 8; untied; Llama 3 rope
-        b = base_config()
-        b.model.update(llama.model_fields(
+        b = base_config(llama.NAME)
+        b.model.update(
             vocab_size=1000, make_vocab_size_divisible_by=128, num_layers=2, hidden_size=64, num_heads=8,
             num_kv_heads=2, ffn_hidden_size=96, max_seq_len=32, remat="none", rope_scaling="llama3",
-            rope_original_max_len=8))
+            rope_original_max_len=8)
         b.mesh = c.mesh
         c = b
     for flag in choice.split("+") if choice else ():

@@ -87,8 +87,8 @@ def files(tmp_path_factory):
 def _task_config(task, files):
     root, tokenizer = files
     model, classes = task_models()[task].name, TASK_CLASSES.get(task, 0)
-    c = bert_base_config()
-    c.model.update(name=model, num_classes=classes or 2, vocab_size=128, make_vocab_size_divisible_by=64,
+    c = bert_base_config(model)
+    c.model.update(**({"num_classes": classes} if classes else {}), vocab_size=128, make_vocab_size_divisible_by=64,
                    num_layers=1, hidden_size=32, num_heads=4, max_seq_len=SEQ[task], dropout=0.0, remat="none")
     c.mesh.data = c.mesh.model = 1
     folder = {"squad1": "squad", "squad2": "squad"}.get(task, task)

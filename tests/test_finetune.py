@@ -25,8 +25,8 @@ TASK_OF = {"bert_classifier": "synthetic_pair", "bert_span": "synthetic_span",
 
 def task_config(name: str, data: int = 1, model: int = 1, hidden: int = 64, heads: int = 8):
     """A 2-layer BERT task model on its synthetic task (vocab 64, sequences of 24), no dropout, fp32."""
-    c = bert_base_config()
-    c.model.update(name=name, vocab_size=64, make_vocab_size_divisible_by=64, num_layers=2, hidden_size=hidden,
+    c = bert_base_config(name)
+    c.model.update(vocab_size=64, make_vocab_size_divisible_by=64, num_layers=2, hidden_size=hidden,
                    num_heads=heads, max_seq_len=24, dropout=0.0, remat="none")
     c.mesh.data, c.mesh.model = data, model
     c.data.update(source="task", task=TASK_OF[name])
@@ -97,6 +97,7 @@ def test_tiny_bert_learns_synthetic_task(tmp_path, name):
 
 def _bert_config(**model):
     c = task_config("bert_classifier")
+    del c.model["num_classes"]  # the pretraining model's section: BERT's fields
     c.model.update({"name": "bert", **model})
     c.data.update(source="default", task="")
     return c

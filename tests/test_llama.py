@@ -31,10 +31,10 @@ RTOL = 1e-5  # fp32; the sharded sums reorder additions
 
 def llama_config(data: int = 1, model: int = 1, **fields):
     """2 layers, hidden 64, 8 query heads, ffn 96, vocab 1000 (padded to 1024), untied; ``fields`` override."""
-    c = base_config()
-    c.model.update(llama.model_fields(**{**dict(
+    c = base_config(llama.NAME)
+    c.model.update(**{**dict(
         vocab_size=1000, num_layers=2, hidden_size=64, num_heads=8, ffn_hidden_size=96, max_seq_len=32,
-        remat="none", make_vocab_size_divisible_by=128), **fields}))
+        remat="none", make_vocab_size_divisible_by=128), **fields})
     c.mesh.data, c.mesh.model = data, model
     return c
 
@@ -162,17 +162,16 @@ def test_bad_shapes_are_refused_before_building(fields, mesh_model, message):
 
 
 @pytest.mark.parametrize("fields,message", [
-    (dict(activation="gelu"), r"Llama has no model.activation='gelu': leave it at the default \(set "
-                              r"model.ffn_hidden_size"),
-    (dict(mlp_ratio=8), "Llama has no model.mlp_ratio=8"),
+    (dict(activation="gelu"), r"model.name=llama has no field model.activation; its fields \(LlamaConfig\) are "),
+    (dict(num_token_types=2), "model.name=llama has no field model.num_token_types"),
     (dict(hidden_size=120, num_kv_heads=2), "model.hidden_size / model.num_heads = 15: rotary embeddings .* even"),
-    (dict(post_layernorm=True), "Llama is pre-norm with no token types"),
+    (dict(post_layernorm=True), "model.name=llama has no field model.post_layernorm"),
 ])
 def test_what_llama_does_not_compute_is_a_config_error(fields, message):
     """Checked on the abstract model (``abstract_model``: before anything is allocated or compiled), so train.py
     prints it as one ``error:`` line."""
     config = llama_config()
-    config.model.update(fields)  # GPT's fields too, which llama.model_fields does not offer
+    config.model.update(fields)  # fields of GPT's and BERT's configs too, which Llama's does not have
     with pytest.raises(ConfigError, match=message):
         abstract_model(config)
 
@@ -180,7 +179,7 @@ def test_what_llama_does_not_compute_is_a_config_error(fields, message):
 def test_gpt_refuses_llama_options():
     c = base_config()
     c.model.num_kv_heads = 4
-    with pytest.raises(ValueError, match="GPT has no model.num_kv_heads=4"):
+    with pytest.raises(ConfigError, match="model.name=gpt has no field model.num_kv_heads"):
         abstract_model(c)
 
 

@@ -4,12 +4,13 @@ that reproduces what those checkpoints did."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import ml_collections
 
 # (section or None for the top level, field) -> the value an older checkpoint implied
 ADDED_FIELDS = {
     ("model", "name"): "gpt",  # before BERT, every checkpoint was a GPT
-    ("model", "num_classes"): 2,
     (None, "init_from"): "",
     ("parallel", "sequence"): False,
     ("parallel", "shard_optimizer"): False,
@@ -24,6 +25,9 @@ ADDED_FIELDS = {
     ("data", "max_dropped_fraction"): 1.0,  # training used whatever rows its readers kept
     ("data", "tokenizer_fingerprint"): "",  # not recorded: nothing to compare
 }
+# config.model fields every family's section held before each family had its own config type, with the value they
+# held in a family that does not have them (GPT's num_token_types, Llama's unused activation)
+SHARED_MODEL_FIELDS = {"post_layernorm": False, "num_token_types": 0, "num_classes": 2, "activation": "gelu_tanh"}
 SEQUENCE_PARALLEL_RULE = ("seq_sp", None)  # the residual stream's sequence name, replicated unless parallel.sequence
 
 
@@ -40,4 +44,16 @@ def migrate_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
     rules = [tuple(r) for r in config.sharding.rules]
     if SEQUENCE_PARALLEL_RULE[0] not in dict(rules):
         config.sharding.rules = tuple(rules) + (SEQUENCE_PARALLEL_RULE,)
+    return config
+
+
+def drop_shared_model_fields(config: ml_collections.ConfigDict,
+                             family_fields: Collection[str]) -> ml_collections.ConfigDict:
+    """``config`` (as ``migrate_config`` returns it) without the ``SHARED_MODEL_FIELDS`` that its model's family
+    (``family_fields``: its config type's fields) does not have and that hold the value meaning "not this family's".
+    Any other value is kept, so that reading it as this family's config fails on the unknown field."""
+    config = ml_collections.ConfigDict(config.to_dict())
+    for field, value in SHARED_MODEL_FIELDS.items():
+        if field in config.model and field not in family_fields and config.model[field] == value:
+            del config.model[field]
     return config

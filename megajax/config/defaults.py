@@ -1,35 +1,46 @@
-"""The default experiment config. Each file in ``configs/`` starts from ``base_config()`` (GPT) or
-``bert_base_config()`` and sets the model; ``megajax.config.resolve`` checks and resolves it."""
+"""The default experiment config. Each file in ``configs/`` starts from ``base_config(family)`` (GPT by default;
+``bert_base_config()`` adds BERT's training defaults) and sets the model; ``megajax.config.resolve`` checks and
+resolves it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_collections
 
-from megajax.models import bert, gpt
+from megajax.models import model_spec
+from megajax.models.bert import NAME as BERT
+from megajax.models.gpt import NAME as GPT
 from megajax.parallel.sharding import MEGATRON_RULES
 
 
-def base_config() -> ml_collections.ConfigDict:
-    """Defaults shared by every GPT config (the paper's Section 4.2 where it says)."""
+def model_section(name: str, **fields) -> ml_collections.ConfigDict:
+    """``config.model`` for the family registered as ``name``: every field of its config type (but the compute
+    dtype, which ``train.precision`` sets) with the type's defaults, updated by ``fields``."""
+    config_type = model_spec(name).config
+    defaults = {f.name: f.default for f in dataclasses.fields(config_type) if f.name != "dtype"}
+    if unknown := set(fields) - set(defaults):
+        raise ValueError(f"model.name={name} has no field {', '.join(sorted(unknown))}")
+    return ml_collections.ConfigDict({"name": name, **defaults, **fields})
+
+
+def with_model_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A copy of ``config`` whose ``config.model`` holds every field of its family, the ones it leaves out at the
+    family's defaults (a section switched to a task model by its name alone, one stored before a field existed), so
+    the code below reads any field of the family. A field the family does not have stays, for
+    ``resolve.model_config`` to name."""
+    config = config.copy_and_resolve_references()
+    section = model_section(config.model.name)
+    section.update(config.model)
+    config.model = section
+    return config
+
+
+def base_config(model: str = GPT) -> ml_collections.ConfigDict:
+    """Defaults shared by every config (the paper's Section 4.2 where it says), with the ``model`` family's
+    ``config.model`` section (``model_section``)."""
     c = ml_collections.ConfigDict()
-    c.model = ml_collections.ConfigDict(dict(
-        name=gpt.NAME,
-        vocab_size=50257,
-        make_vocab_size_divisible_by=1024,  # 128 x 8 (paper Section 5.1): 50257 -> 51200
-        num_layers=12,
-        hidden_size=768,
-        num_heads=12,
-        max_seq_len=1024,
-        mlp_ratio=4,
-        dropout=0.1,
-        init_std=0.02,
-        layernorm_eps=1e-5,
-        remat="full",  # activation checkpointing after every layer (paper Section 4.2)
-        post_layernorm=False,  # False: pre-LN blocks + final LN (paper Fig. 7b); True: original BERT (Fig. 7a)
-        activation="gelu_tanh",  # gelu_tanh (GPT-2) | gelu (exact erf, BERT)
-        num_token_types=0,  # BERT: 2 (sentence A / B)
-        num_classes=2,  # bert_classifier's outputs (MNLI 3, QQP 2)
-    ))
+    c.model = model_section(model)
     # Fine-tuning: a megajax checkpoint (workdir or step directory) whose BERT trunk initialises the task model
     # when the workdir has no checkpoint yet ('' = train from scratch; a resume ignores it).
     c.init_from = ""
@@ -113,11 +124,10 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
-def bert_base_config() -> ml_collections.ConfigDict:
-    """``base_config()`` with BERT's defaults (paper Section 4.2, following Lan et al. 2019 and Devlin et al.)."""
-    c = base_config()
-    c.model.update(name=bert.NAME, vocab_size=30522, num_token_types=2, max_seq_len=512, activation="gelu",
-                   layernorm_eps=1e-12, post_layernorm=False)  # the paper's rearranged pre-LN (Figure 7b)
+def bert_base_config(model: str = BERT) -> ml_collections.ConfigDict:
+    """``base_config(model)`` (BERT or one of its task models) with BERT's training defaults (paper Section 4.2,
+    following Lan et al. 2019 and Devlin et al.)."""
+    c = base_config(model)
     c.train.update(steps=2_000_000, global_batch_size=1024)
     c.optimizer.update(lr=1e-4, min_lr=1e-5, warmup_steps=10_000, decay="linear")
     return c

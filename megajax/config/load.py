@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from megajax.checkpoint.manager import read_config, restore_params
 from megajax.config.build import abstract_model
-from megajax.config.resolve import RunSpec, layer_layout, resolve
+from megajax.config.resolve import RunSpec, layer_layout, resolve, stored_config
 from megajax.models.transformer import reorder_layers
 from megajax.parallel.partition import shardings
 from megajax.parallel.sharding import make_mesh
@@ -27,6 +27,12 @@ class LoadedModel(NamedTuple):
     mesh: Mesh
 
 
+def read_run_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
+    """The config stored with the checkpoint at ``path`` as today's code reads it (``checkpoint.read_config``, then
+    ``stored_config``)."""
+    return stored_config(read_config(path))
+
+
 def inference_config(path: str | pathlib.Path, data: int | None = None,
                      model: int | None = None) -> ml_collections.ConfigDict:
     """The config stored with a checkpoint, set up for inference on the current devices: ``mesh.model`` as saved,
@@ -34,7 +40,7 @@ def inference_config(path: str | pathlib.Path, data: int | None = None,
     ``model``; every remaining device on ``data`` (or ``data``); no pipeline stages; sequence parallelism off (it
     saves training memory, and a decoding step of one token has no sequence to split; the parameters are laid out
     the same)."""
-    config = read_config(path)
+    config = read_run_config(path)
     config.parallel.sequence = False
     config.mesh.pipe = 1  # inference runs on data x model (a pipelined run's stages are one resharding away)
     config.parallel.pipeline_repeats = 1
@@ -54,7 +60,7 @@ def restore_model(path: str | pathlib.Path, config: ml_collections.ConfigDict) -
     target_shardings = nnx.to_pure_dict(shardings(abstract, mesh, spec.rules))
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           nnx.to_pure_dict(abstract), target_shardings)
-    params = in_layout(restore_params(path, target), read_config(path), spec.layer_layout)
+    params = in_layout(restore_params(path, target), read_run_config(path), spec.layer_layout)
     return LoadedModel(nnx.merge(graphdef, params), spec, mesh)
 
 

@@ -9,9 +9,12 @@ pipeline and the tools still read their sections of the ConfigDict (issue 34).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import ml_collections
 
+from megajax.checkpoint.migrate import drop_shared_model_fields
+from megajax.config.defaults import with_model_defaults
 from megajax.errors import ConfigError, ShardingConfigError
 from megajax.models import MODELS, ModelSpec, TransformerConfig, model_spec, task_models
 from megajax.parallel.sharding import (
@@ -22,14 +25,6 @@ from megajax.parallel.sharding import (
     Rules,
     resolve_mesh_shape,
 )
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
-    """Rounds the vocabulary up to a multiple of ``divisible_by``; fixed by the config, not by the mesh."""
-    if divisible_by < 1:
-        raise ConfigError(f"model.make_vocab_size_divisible_by must be >= 1, got {divisible_by}")
-    return -(-vocab_size // divisible_by) * divisible_by
-
 
 _PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -44,25 +39,31 @@ def resolve_precision(precision: str) -> str:
 
 
 def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
-    """The model's own frozen config, from ``config.model`` (and the compute dtype from ``train.precision``)."""
+    """The model family's own frozen config (its spec's ``config`` type) from ``config.model``, the compute dtype
+    from ``train.precision``. A field the family's type lacks is unknown: ConfigError naming the family's fields."""
     m = config.model
-    model_spec(m.name)  # an unknown name fails first, naming the choices
+    spec = model_spec(m.name)  # an unknown name fails first, naming the choices
     precision = resolve_precision(config.train.precision)
     if precision not in _PRECISION_DTYPES:
         raise ConfigError(f"train.precision={precision!r}; choose one of {sorted(_PRECISION_DTYPES)}")
-    # every TransformerConfig field config.model sets (a new family's options need no list here)
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)} - {"padded_vocab_size", "dtype"}
-    unknown = set(m) - fields - {"name", "make_vocab_size_divisible_by"}
-    if unknown:
-        raise ConfigError(f"config.model has no field {', '.join(sorted(unknown))}; the model's fields are "
-                          f"{', '.join(sorted(fields | {'name', 'make_vocab_size_divisible_by'}))}")
+    fields = spec.config.fields()
+    if unknown := set(m) - set(fields) - {"name"}:
+        raise ConfigError(f"model.name={m.name} has no field {', '.join(f'model.{f}' for f in sorted(unknown))}; "
+                          f"its fields ({spec.config.__name__}) are name, {', '.join(fields)}")
     try:
-        return TransformerConfig(
-            **{f: m[f] for f in fields if f in m},
-            padded_vocab_size=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by),
-            dtype=_PRECISION_DTYPES[precision])
+        return spec.config(**{f: m[f] for f in fields if f in m}, dtype=_PRECISION_DTYPES[precision])
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e)) from e
+
+
+def stored_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A config read from a checkpoint (``checkpoint.read_config``) as its family reads it today: without the
+    fields every model's section held before each family had its own config type (``migrate.SHARED_MODEL_FIELDS``)
+    where its family has none, and with the family's defaults for what it leaves out (``with_model_defaults``). An
+    unknown family is left for ``model_config`` to name."""
+    if config.model.get("name") not in MODELS:
+        return config
+    return with_model_defaults(drop_shared_model_fields(config, model_spec(config.model.name).config.fields()))
 
 
 # config.model fields that say how a model trains, not what function its parameters compute; every other field
@@ -70,15 +71,28 @@ def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
 TRAINING_ONLY_FIELDS = ("dropout", "init_std", "remat")
 
 
+def _values(section: ml_collections.ConfigDict) -> dict:
+    """Each field of ``section``'s family (its spec's config type): as the section sets it, else the default."""
+    if section.get("name") not in MODELS:
+        return dict(section)
+    defaults = model_spec(section.name).config()
+    return {"name": section.name, **{f: section.get(f, getattr(defaults, f)) for f in defaults.fields()}}
+
+
 def model_differences(saved: ml_collections.ConfigDict, requested: ml_collections.ConfigDict,
-                      fields: tuple[str, ...] | None = None) -> list[str]:
-    """``"model.F: A saved, B here"`` for each field where two ``config.model`` sections differ: ``fields``, or
-    every field of either but ``TRAINING_ONLY_FIELDS`` (the name first). A field one lacks reads as None."""
-    if fields is None:
-        names = (set(saved) | set(requested)) - set(TRAINING_ONLY_FIELDS)
-        fields = tuple(sorted(names, key=lambda f: (f != "name", f)))
-    return [f"model.{f}: {saved.get(f)!r} saved, {requested.get(f)!r} here" for f in fields
-            if saved.get(f) != requested.get(f)]
+                      ignore: tuple[str, ...] = ()) -> dict[str, tuple[Any, Any]]:
+    """field -> (saved, requested) for each field where two ``config.model`` sections differ, over every field of
+    either family but ``TRAINING_ONLY_FIELDS`` and ``ignore``, the name first. A field a section leaves out reads as
+    its family's default; one its family does not have, as None."""
+    ours, theirs = _values(saved), _values(requested)
+    names = (set(ours) | set(theirs)) - set(TRAINING_ONLY_FIELDS) - set(ignore)
+    return {f: (ours.get(f), theirs.get(f)) for f in sorted(names, key=lambda f: (f != "name", f))
+            if ours.get(f) != theirs.get(f)}
+
+
+def describe_differences(differences: dict[str, tuple[Any, Any]]) -> str:
+    """``"model.F: A saved, B here; ..."`` for ``model_differences``."""
+    return "; ".join(f"model.{f}: {a!r} saved, {b!r} here" for f, (a, b) in differences.items())
 
 
 def rules_of(config: ml_collections.ConfigDict) -> Rules:
@@ -121,16 +135,16 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
 
     Runs before any allocation, so a bad config fails in milliseconds with a message that says what to change.
     """
-    m, tp, dp = config.model, config.mesh.model, config.mesh.data
+    tp, dp = config.mesh.model, config.mesh.data
     if tp < 1:
         raise ConfigError(f"mesh.model must be >= 1, got {tp}")  # before the divisibility checks below
     # name, sizes >= 1, hidden % heads, dropout, precision, remat, activation: before anything divides by them
     cfg = model_config(config)
-    if m.num_heads % tp:
-        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by mesh.model={tp}: each model shard "
-                          f"must hold whole heads; pick mesh.model from the divisors of {m.num_heads}")
-    if m.hidden_size % tp:
-        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by mesh.model={tp}")
+    if cfg.num_heads % tp:
+        raise ConfigError(f"model.num_heads={cfg.num_heads} is not divisible by mesh.model={tp}: each model shard "
+                          f"must hold whole heads; pick mesh.model from the divisors of {cfg.num_heads}")
+    if cfg.hidden_size % tp:
+        raise ConfigError(f"model.hidden_size={cfg.hidden_size} is not divisible by mesh.model={tp}")
     if cfg.ffn_size % tp:
         raise ConfigError(f"the MLP width {cfg.ffn_size} is not divisible by mesh.model={tp}")
     try:
@@ -140,11 +154,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     padded = cfg.padded_vocab_size
     if padded % tp:
         raise ConfigError(f"the padded vocabulary {padded} (model.make_vocab_size_divisible_by="
-                          f"{m.make_vocab_size_divisible_by}) is not divisible by mesh.model={tp}; make "
+                          f"{cfg.make_vocab_size_divisible_by}) is not divisible by mesh.model={tp}; make "
                           f"make_vocab_size_divisible_by a multiple of {tp}")
-    if sequence_parallel(config) and m.max_seq_len % tp:
+    if sequence_parallel(config) and cfg.max_seq_len % tp:
         raise ConfigError(f"parallel.sequence splits the sequence over mesh.model={tp}, but model.max_seq_len="
-                          f"{m.max_seq_len} is not divisible by it: make max_seq_len a multiple of {tp}, pick "
+                          f"{cfg.max_seq_len} is not divisible by it: make max_seq_len a multiple of {tp}, pick "
                           f"mesh.model from its divisors, or set parallel.sequence=False")
     _check_pipeline(config)
     dp, tp = resolve_mesh_shape(dp, tp, num_devices, config.mesh.pipe)

@@ -56,8 +56,8 @@ def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 1024) -> ml_col
     _refuse(inner % h == 0, f"config.json intermediate_size={inner} is not a multiple of hidden_size={h}")
     types = hf.get("type_vocab_size", 2)
     _refuse(types >= 1, f"config.json type_vocab_size={types}: megajax's BERT needs at least one token type")
-    c = base_config()
-    c.model.update(name="bert", vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+    c = base_config("bert")
+    c.model.update(vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                    num_layers=hf["num_hidden_layers"], hidden_size=h, num_heads=hf["num_attention_heads"],
                    max_seq_len=hf["max_position_embeddings"], mlp_ratio=inner // h, num_token_types=types,
                    dropout=hf.get("hidden_dropout_prob", 0.1), init_std=hf.get("initializer_range", 0.02),

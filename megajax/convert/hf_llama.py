@@ -101,13 +101,13 @@ def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 1) -> ml_collec
                                    f"num_attention_heads={heads}")
     tied = hf["tie_word_embeddings"]
     _refuse(isinstance(tied, bool), f"config.json tie_word_embeddings={tied!r} is not true or false")
-    c = base_config()
-    c.model.update(llama.model_fields(
+    c = base_config(llama.NAME)
+    c.model.update(
         vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         num_layers=hf["num_hidden_layers"], hidden_size=h, num_heads=heads,
         num_kv_heads=kv_heads, ffn_hidden_size=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
         dropout=0.0, init_std=hf.get("initializer_range") or 0.02, layernorm_eps=float(hf["rms_norm_eps"]),
-        tie_embeddings=tied, **_rope(hf)))
+        tie_embeddings=tied, **_rope(hf))
     return c
 
 

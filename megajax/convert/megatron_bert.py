@@ -89,7 +89,8 @@ def config_from_args(args: dict, num_token_types: int) -> ml_collections.ConfigD
 def _check_config(config: ml_collections.ConfigDict | None) -> None:
     if config is not None and (config.model.name != "bert" or config.model.post_layernorm):
         raise ValueError(f"--config has model.name={config.model.name!r}, post_layernorm="
-                         f"{config.model.post_layernorm}; a Megatron-LM BERT needs name='bert', post_layernorm=False")
+                         f"{config.model.get('post_layernorm')}; a Megatron-LM BERT needs name='bert', "
+                         "post_layernorm=False")
 
 
 def _token_type_claims(merged: dict[str, np.ndarray], names: dict[str, str],

@@ -34,8 +34,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from megajax import cli
-from megajax.checkpoint import read_config
-from megajax.config.load import inference_config, restore_model
+from megajax.config.load import inference_config, read_run_config, restore_model
 from megajax.evaluation.generate import Sampling, generate
 from megajax.evaluation.inputs import check_tokenizer, tokenizer_for
 from megajax.evaluation.scoring import Scorer, cloze_rows
@@ -81,7 +80,7 @@ class MegajaxLM(TemplateLM):
             raise ValueError(f"stride={stride}: loglikelihood_rolling uses lm-eval's own rolling windows (as its "
                              "Hugging Face model) and takes no stride; Megatron-LM's strided windows are "
                              "eval.py --task=ppl --stride=N")
-        config = read_config(checkpoint)  # checks before loading anything
+        config = read_run_config(checkpoint)  # checks before loading anything
         if not model_spec(config.model.name).causal_lm:
             raise ValueError(f"{checkpoint} holds a {config.model.name} model; lm-eval needs a causal language "
                              "model (a GPT)")

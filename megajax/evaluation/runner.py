@@ -11,8 +11,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from megajax.checkpoint import read_config
-from megajax.config.load import inference_config, restore_model
+from megajax.config.load import inference_config, read_run_config, restore_model
 from megajax.errors import ShardingConfigError
 from megajax.evaluation import downstream_tasks, inputs, tasks  # noqa: F401 - they register eval.py's tasks
 from megajax.evaluation.generate import Sampling
@@ -81,7 +80,7 @@ def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | No
         if null_score_diff_threshold is not None and not chosen.null_threshold:
             takes = " or ".join(names_where(lambda t: t.null_threshold))
             raise inputs.InputError(f"--null_score_diff_threshold applies to --task={takes}")
-        config = read_config(checkpoint)
+        config = read_run_config(checkpoint)
         # what the task reads: the flags', and the data the checkpoint was trained on (a task's default data)
         _claim_outputs(output, predictions, chosen, overwrite, read=[checkpoint, data, tokenizer, config.data.path,
                                                                      config.data.task_dir, config.data.tokenizer])

@@ -11,6 +11,8 @@ small replicated layers on the first token, as in Megatron.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -19,13 +21,11 @@ from megajax.data import formats
 from megajax.models import objectives
 from megajax.models.spec import HeadMemory, ModelSpec, register, transformer_flops
 from megajax.models.transformer import (
-    LLAMA_HINT,
-    LLAMA_OPTIONS,
     Block,
     TransformerConfig,
+    check_activation,
     make_blocks,
     padding_mask,
-    refuse_options,
     run_blocks,
 )
 from megajax.parallel.layers import ACTIVATIONS, Dense, LayerNorm, VocabParallelEmbedding, dropout, make_param
@@ -35,6 +35,27 @@ from megajax.parallel.sharding import RESIDUAL, constrain, param_at_use
 NUM_SOP_CLASSES = 2  # 0: A then B as in the document, 1: swapped
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BertConfig(TransformerConfig):
+    """BERT's config: the trunk's fields with BERT-base's defaults (paper Section 4.2, following Devlin et al.),
+    its LayerNorm order and its segment embeddings."""
+
+    vocab_size: int = 30522
+    max_seq_len: int = 512
+    activation: str = "gelu"  # the exact erf (BERT, Hugging Face's gelu)
+    layernorm_eps: float = 1e-12
+    post_layernorm: bool = False  # False: the paper's rearranged pre-LN (Fig. 7b); True: the original BERT (Fig. 7a)
+    num_token_types: int = 2  # sentence A / B
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_activation(self.activation)
+        if isinstance(self.num_token_types, bool) or not isinstance(self.num_token_types, int) or \
+                self.num_token_types < 1:
+            raise ValueError(f"model.num_token_types={self.num_token_types!r}: BERT needs >= 1 (2 for sentence "
+                             "pairs)")
+
+
 class BERTEncoder(nnx.Module):
     """The part every BERT model shares: embeddings, the trunk under a padding mask, the final or embedding LN, and
     the pooler. Pretraining (``BERT``) and the task models (``megajax.models.heads``) add their heads to it, so a
@@ -42,10 +63,7 @@ class BERTEncoder(nnx.Module):
 
     block_class: type[nnx.Module] = Block
 
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
-        if cfg.num_token_types < 1:
-            raise ValueError("BERT needs model.num_token_types >= 1 (2 for sentence pairs)")
-        refuse_options(cfg, "BERT", LLAMA_OPTIONS, LLAMA_HINT)
+    def __init__(self, cfg: BertConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         dt, h, std = cfg.compute_dtype, cfg.hidden_size, cfg.init_std
         self.wte = VocabParallelEmbedding(cfg.padded_vocab_size, h, std=std, dtype=dt, rngs=rngs)
@@ -87,7 +105,7 @@ class BERTEncoder(nnx.Module):
 class BERT(BERTEncoder):
     """``(tokens, token_types, padding_mask) (B, S) -> (MLM logits (B, S, padded_vocab), SOP logits (B, 2))``."""
 
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: BertConfig, *, rngs: nnx.Rngs):
         super().__init__(cfg, rngs=rngs)
         dt, h, std = cfg.compute_dtype, cfg.hidden_size, cfg.init_std
         self.act = ACTIVATIONS[cfg.activation]
@@ -110,7 +128,7 @@ class BERT(BERTEncoder):
         return mask_padded_vocab(constrain(logits, ("batch", "seq", "vocab")), self.cfg.vocab_size)
 
 
-def _bert_flops(cfg: TransformerConfig, rows: int, seq: int) -> float:
+def _bert_flops(cfg: BertConfig, rows: int, seq: int) -> float:
     """GPT's formula plus the MLM transform (an h x h dense at every position, 6 B s h^2 forward + backward; the
     pooler is negligible)."""
     return transformer_flops(rows, seq, cfg.num_layers, cfg.hidden_size, cfg.padded_vocab_size) + \
@@ -120,7 +138,8 @@ def _bert_flops(cfg: TransformerConfig, rows: int, seq: int) -> float:
 NAME = "bert"  # config.model.name
 
 register(ModelSpec(
-    name=NAME, module=BERT, objective=objectives.MLM_SOP, examples=formats.SENTENCE_PAIRS, flops=_bert_flops,
+    name=NAME, config=BertConfig, module=BERT, objective=objectives.MLM_SOP, examples=formats.SENTENCE_PAIRS,
+    flops=_bert_flops,
     # the MLM logits, their exponentials, their gradient and the biased logits; the MLM transform's dense, GeLU
     # and LayerNorm double the hidden tensors
     head_memory=HeadMemory(vocab_logit_copies=4, hidden_tensors=16),

@@ -6,6 +6,8 @@ Parameter paths (``wte``, ``wpe``, ``blocks``, ``ln_f``) are those of every mega
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -14,19 +16,28 @@ from megajax.data import formats
 from megajax.models import objectives
 from megajax.models.spec import HeadMemory, ModelSpec, register, transformer_flops
 from megajax.models.transformer import (
-    LLAMA_HINT,
-    LLAMA_OPTIONS,
     Block,
     CausalDecoder,
     TransformerConfig,
     causal_mask,
+    check_activation,
     make_blocks,
-    refuse_options,
     run_blocks,
 )
 from megajax.parallel.layers import LayerNorm, VocabParallelEmbedding, dropout, make_param
 from megajax.parallel.losses import mask_padded_vocab
 from megajax.parallel.sharding import RESIDUAL, constrain, param_at_use
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GPTConfig(TransformerConfig):
+    """GPT's config: the trunk's fields (GPT-2 small's defaults) and its MLP's activation."""
+
+    activation: str = "gelu_tanh"  # gelu_tanh (GPT-2, Megatron's fused bias-GeLU) | gelu (erf)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_activation(self.activation)
 
 
 class GPT(CausalDecoder):
@@ -35,11 +46,7 @@ class GPT(CausalDecoder):
 
     block_class: type[nnx.Module] = Block
 
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
-        if cfg.post_layernorm or cfg.num_token_types:
-            raise ValueError("GPT is pre-LN with no token types: set model.post_layernorm=False and "
-                             "model.num_token_types=0")
-        refuse_options(cfg, "GPT", LLAMA_OPTIONS, LLAMA_HINT)
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         dt = cfg.compute_dtype
         self.wte = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, std=cfg.init_std, dtype=dt,
@@ -72,7 +79,7 @@ class GPT(CausalDecoder):
 NAME = "gpt"  # config.model.name
 
 register(ModelSpec(
-    name=NAME, module=GPT, objective=objectives.LM, examples=formats.WINDOWS,
+    name=NAME, config=GPTConfig, module=GPT, objective=objectives.LM, examples=formats.WINDOWS,
     # the output layer over the padded vocabulary at every position
     flops=lambda cfg, rows, seq: transformer_flops(rows, seq, cfg.num_layers, cfg.hidden_size,
                                                    cfg.padded_vocab_size),

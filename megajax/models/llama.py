@@ -16,6 +16,7 @@ slice is summed over exactly the shards sharing the head (XLA's partitioner all-
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -36,7 +37,6 @@ from megajax.models.transformer import (
     attention_core_residual_bytes,
     causal_mask,
     make_blocks,
-    refuse_options,
     run_blocks,
 )
 from megajax.parallel.layers import (
@@ -55,21 +55,58 @@ from megajax.parallel.sharding import RESIDUAL, constrain, mesh_size, param_at_u
 NAME = "llama"  # config.model.name
 
 
-def model_fields(**overrides) -> dict:
-    """Every ``config.model`` field of a Llama model with Llama 2's defaults (7B's shape), updated by ``overrides``:
-    ``config.model.update(llama.model_fields(...))`` on a ``base_config()``."""
-    fields = dict(
-        name=NAME, vocab_size=32000, make_vocab_size_divisible_by=128, num_layers=32, hidden_size=4096,
-        num_heads=32, num_kv_heads=0, ffn_hidden_size=11008, max_seq_len=4096, dropout=0.0, init_std=0.02,
-        layernorm_eps=1e-5, remat="full", rope_theta=10000.0, rope_scaling="none", rope_factor=8.0,
-        rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192, tie_embeddings=False)
-    unknown = set(overrides) - set(fields)
-    if unknown:
-        raise ValueError(f"Llama has no model field {', '.join(sorted(unknown))}")
-    return {**fields, **overrides}
+ROPE_SCALINGS = ("none", "llama3")
 
 
-def rope_frequencies(cfg: TransformerConfig) -> jax.Array:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig(TransformerConfig):
+    """Llama's config: the trunk's fields with Llama 2 7B's defaults (no dropout), grouped-query
+    heads, rotary positions and an untied output layer."""
+
+    vocab_size: int = 32000
+    make_vocab_size_divisible_by: int = 128
+    num_layers: int = 32
+    hidden_size: int = 4096
+    num_heads: int = 32
+    max_seq_len: int = 4096
+    ffn_hidden_size: int = 11008
+    dropout: float = 0.0
+    num_kv_heads: int = 0  # grouped-query attention's key/value heads; 0: num_heads (multi-head attention)
+    rope_theta: float = 10000.0  # rotary embeddings' base
+    rope_scaling: str = "none"  # none | llama3 (Llama 3.1's frequency scaling, the four rope_* fields below)
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    tie_embeddings: bool = False  # True: the output layer is the word embedding; False: its own vocab-parallel rows
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_kv_heads < 0:
+            raise ValueError("model.num_kv_heads must be >= 0 (0: num_heads)")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(f"model.num_kv_heads={self.num_kv_heads} does not divide model.num_heads="
+                             f"{self.num_heads}: each key/value head serves a whole group of query heads")
+        if self.head_dim % 2:
+            raise ValueError(f"model.hidden_size / model.num_heads = {self.head_dim}: rotary embeddings turn pairs "
+                             "of a head's dimensions, so the head size must be even")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"model.rope_scaling={self.rope_scaling!r}; choose one of {ROPE_SCALINGS}")
+        for field in ("rope_theta", "rope_factor", "rope_original_max_len", "rope_low_freq_factor"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"model.{field}={getattr(self, field)!r} must be > 0")
+        if not self.rope_high_freq_factor > self.rope_low_freq_factor:
+            raise ValueError(f"model.rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
+                             f"model.rope_low_freq_factor={self.rope_low_freq_factor} (the band between them is "
+                             "interpolated)")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (grouped-query attention; ``num_heads`` for multi-head attention)."""
+        return self.num_kv_heads or self.num_heads
+
+
+def rope_frequencies(cfg: LlamaConfig) -> jax.Array:
     """The (head_dim / 2,) fp32 inverse frequencies theta^(-2i/d), with Llama 3's scaling where configured: wavelengths
     longer than original_max_len / low_freq_factor slowed by ``rope_factor``, shorter than original_max_len /
     high_freq_factor kept, the band between interpolated smoothly."""
@@ -129,7 +166,7 @@ class RMSNorm(nnx.Module):
         return normed * param_at_use(self.scale[...], ("embed",)).astype(self.dtype)
 
 
-def kv_copies(cfg: TransformerConfig) -> int:
+def kv_copies(cfg: LlamaConfig) -> int:
     """The key/value heads one step computes, under the active rules: ``num_kv_heads`` where the model shards split
     them (or outside a mesh), else one copy per shard (each holds the head its query heads share)."""
     tp = mesh_size("heads")
@@ -141,7 +178,7 @@ class KeyValue(ColumnParallelLinear):
     query heads: where the heads are replicated each shard's copy is a slice of the whole weight, no communication
     (its gradient, the transpose, sums the copies: the grouped all-reduce)."""
 
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         super().__init__(cfg.hidden_size, (cfg.kv_heads, 2, cfg.head_dim), ("embed", "kv_heads", "qkv", "head_dim"),
                          std=cfg.init_std, dtype=cfg.compute_dtype, rngs=rngs, bias=False)
@@ -162,7 +199,7 @@ class KeyValue(ColumnParallelLinear):
 class Attention(nnx.Module):
     """Grouped-query self-attention with rotary positions; query heads are the model-parallel dimension."""
 
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         dt, h = cfg.compute_dtype, cfg.hidden_size
         self.cfg, self.rate = cfg, cfg.dropout
         self.q = ColumnParallelLinear(h, (cfg.num_heads, cfg.head_dim), ("embed", "heads", "head_dim"),
@@ -198,7 +235,7 @@ class SwiGLU(nnx.Module):
     """``down(silu(gate(x)) * up(x))``: gate and up column-parallel on the same ``mlp`` split (a shard holds both
     halves of its hidden units), down row-parallel; no biases."""
 
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         dt, h, f = cfg.compute_dtype, cfg.hidden_size, cfg.ffn_size
         self.dtype = dt
         self.gate, self.up = (ColumnParallelLinear(h, (f,), ("embed", "mlp"), std=cfg.init_std, dtype=dt,
@@ -225,15 +262,7 @@ class Llama(CausalDecoder):
 
     block_class: type[nnx.Module] = LlamaBlock
 
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
-        if cfg.post_layernorm or cfg.num_token_types:
-            raise ValueError("Llama is pre-norm with no token types: set model.post_layernorm=False and "
-                             "model.num_token_types=0")
-        # its MLP is SwiGLU of width ffn_hidden_size: GPT's activation and width ratio would be silently unused
-        refuse_options(cfg, "Llama", ("activation", "mlp_ratio"), " (set model.ffn_hidden_size for the MLP's width)")
-        if cfg.head_dim % 2:
-            raise ValueError(f"model.hidden_size / model.num_heads = {cfg.head_dim}: rotary embeddings turn pairs of "
-                             "a head's dimensions, so the head size must be even")
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         dt = cfg.compute_dtype
         self.wte = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, std=cfg.init_std, dtype=dt,
@@ -263,14 +292,14 @@ class Llama(CausalDecoder):
         return mask_padded_vocab(logits, cfg.vocab_size), cache
 
 
-def flops(cfg: TransformerConfig, rows: int, seq: int) -> float:
+def flops(cfg: LlamaConfig, rows: int, seq: int) -> float:
     """Model FLOPs of a step: the query and output projections h x h, key/value h x 2 kv_heads d, SwiGLU's three
     h x ffn GEMMs, the attention scores and context, the output layer over the padded vocabulary."""
     return decoder_flops(rows, seq, cfg.num_layers, cfg.hidden_size, 2 * cfg.kv_heads * cfg.head_dim,
                          3 * cfg.ffn_size, cfg.padded_vocab_size)
 
 
-def layer_residual_bytes(cfg: TransformerConfig, rows: int, tp: int, split: int, remat: str, cd: int,
+def layer_residual_bytes(cfg: LlamaConfig, rows: int, tp: int, split: int, remat: str, cd: int,
                          attention: str = "xla") -> int:
     """Bytes one Llama layer keeps for its backward pass on one device (``rows`` sequences, ``tp`` model shards,
     the residual stream split ``split`` ways, ``cd`` bytes per compute-dtype value, ``attention`` the attention
@@ -300,7 +329,7 @@ def layer_residual_bytes(cfg: TransformerConfig, rows: int, tp: int, split: int,
 
 
 register(ModelSpec(
-    name=NAME, module=Llama, objective=objectives.LM, examples=formats.WINDOWS, flops=flops,
+    name=NAME, config=LlamaConfig, module=Llama, objective=objectives.LM, examples=formats.WINDOWS, flops=flops,
     head_memory=HeadMemory(vocab_logit_copies=3, hidden_tensors=8),
     eval_tasks=("wikitext103", "lambada", "ppl", "generate"), perplexity_of="loss", causal_lm=True,
     layer_residuals=layer_residual_bytes, gated_mlp=True, biases=False,

@@ -1,6 +1,6 @@
-"""What a model is, in one place: each model file registers a ``ModelSpec``, and everything outside ``models/``
-(data, the step, the loop, evaluation, the planners) asks the spec of ``config.model.name`` instead of comparing
-names. A new model arrives by adding its file and one import in ``megajax/models/__init__.py``.
+"""What a model is, in one place: each model file registers a ``ModelSpec`` (its config type, module, objective
+and costs), and everything outside ``models/`` (data, the step, the loop, evaluation, the planners) asks the spec of
+``config.model.name`` instead of comparing names.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class ModelSpec:
     """A model family's facts: its module, how it trains, what it costs, what it is evaluated on."""
 
     name: str  # config.model.name
-    module: type[nnx.Module]  # built as module(TransformerConfig, rngs=...)
+    config: type[TransformerConfig]  # the family's frozen config: config.model's fields are its fields
+    module: type[nnx.Module]  # built as module(config, rngs=...)
     objective: Objective  # the loss and the batch fields it reads
     flops: Callable[[TransformerConfig, int, int], float]  # (cfg, sequences, seq_len) -> model FLOPs fwd + bwd
     head_memory: HeadMemory

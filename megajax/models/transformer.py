@@ -38,44 +38,35 @@ from megajax.parallel.sharding import (
 )
 from megajax.parallel.xla_options import traced_for_nvidia_gpu
 
-ROPE_SCALINGS = ("none", "llama3")
 LayerCache = tuple[jax.Array, jax.Array]  # one layer's (keys, values), (B, S_max, N_kv, D) each
 KVCache = tuple[jax.Array, jax.Array]  # all layers' (keys, values), (L, B, S_max, N_kv, D) each
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TransformerConfig:
-    """Shape and numerics of a transformer model; nothing about the mesh."""
+    """What every family's config holds: the trunk's shape and numerics, with GPT-2 small's defaults. A family
+    subclasses it in its model file and registers the subclass in its spec
+    (``ModelSpec.config``); a ``config.model`` field its class lacks is unknown (``config.resolve.model_config``).
+    Nothing about the mesh but which rules a model leaves unsplit on a number of model shards (``rule_overrides``)."""
 
-    vocab_size: int  # true vocabulary (e.g. 50257)
-    padded_vocab_size: int  # embedding rows (e.g. 51200); ids >= vocab_size are masked out of the softmax
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    max_seq_len: int
+    vocab_size: int = 50257  # true vocabulary; ids >= vocab_size are masked out of the softmax
+    make_vocab_size_divisible_by: int = 1024  # 128 x 8 (paper Section 5.1): 50257 -> 51200 embedding rows
+    num_layers: int = 12
+    hidden_size: int = 768
+    num_heads: int = 12
+    max_seq_len: int = 1024
     mlp_ratio: int = 4
+    ffn_hidden_size: int = 0  # the MLP's width; 0: mlp_ratio * hidden_size
     dropout: float = 0.1
     init_std: float = 0.02
     layernorm_eps: float = 1e-5
-    dtype: str = "float32"  # compute dtype; parameters stay fp32
-    remat: str = "none"  # none | full | save_dots | selective (the attention core only, Korthikanti et al. 2022)
-    post_layernorm: bool = False  # False: pre-LN + final LN (paper Fig. 7b); True: original BERT (Fig. 7a)
-    activation: str = "gelu_tanh"  # gelu_tanh (GPT-2, Megatron's fused bias-GeLU) | gelu (erf, BERT)
-    num_token_types: int = 0  # BERT's segment embeddings (2); 0 = none
-    num_classes: int = 2  # BERT classifier outputs (MNLI 3, QQP 2); other models ignore it
-    # Llama's options (models/llama.py; GPT and BERT refuse values other than these defaults)
-    num_kv_heads: int = 0  # grouped-query attention's key/value heads; 0: num_heads (multi-head attention)
-    ffn_hidden_size: int = 0  # the MLP's width; 0: mlp_ratio * hidden_size
-    rope_theta: float = 10000.0  # rotary embeddings' base
-    rope_scaling: str = "none"  # none | llama3 (Llama 3.1's frequency scaling, the four rope_* fields below)
-    rope_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_len: int = 8192
-    tie_embeddings: bool = True  # the output layer is the word embedding (False: its own vocab-parallel rows)
+    remat: str = "full"  # full (after every layer, paper Section 4.2) | none | save_dots | selective (the attention
+    # core only, Korthikanti et al. 2022)
+    dtype: str = "float32"  # compute dtype, from train.precision (not a config.model field); parameters stay fp32
 
     def __post_init__(self):
-        for field in ("vocab_size", "num_layers", "hidden_size", "num_heads", "max_seq_len", "mlp_ratio"):
+        for field in ("vocab_size", "num_layers", "hidden_size", "num_heads", "max_seq_len", "mlp_ratio",
+                      "make_vocab_size_divisible_by"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"model.{field}={value!r} makes no model: it must be a whole number >= 1")
@@ -84,31 +75,32 @@ class TransformerConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by "
                              f"model.num_heads={self.num_heads}")
-        if self.padded_vocab_size < self.vocab_size:
-            raise ValueError("padded_vocab_size must be >= vocab_size")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"model.remat={self.remat!r}; choose one of {REMAT_POLICIES}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"model.activation={self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
-        if self.num_kv_heads < 0 or self.ffn_hidden_size < 0:
-            raise ValueError("model.num_kv_heads and model.ffn_hidden_size must be >= 0 (0: the default)")
-        if self.num_heads % self.kv_heads:
-            raise ValueError(f"model.num_kv_heads={self.num_kv_heads} does not divide model.num_heads="
-                             f"{self.num_heads}: each key/value head serves a whole group of query heads")
-        if self.rope_scaling not in ROPE_SCALINGS:
-            raise ValueError(f"model.rope_scaling={self.rope_scaling!r}; choose one of {ROPE_SCALINGS}")
-        for field in ("rope_theta", "rope_factor", "rope_original_max_len", "rope_low_freq_factor"):
-            if not getattr(self, field) > 0:
-                raise ValueError(f"model.{field}={getattr(self, field)!r} must be > 0")
-        if not self.rope_high_freq_factor > self.rope_low_freq_factor:
-            raise ValueError(f"model.rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
-                             f"model.rope_low_freq_factor={self.rope_low_freq_factor} (the band between them is "
-                             "interpolated)")
+        if self.ffn_hidden_size < 0:
+            raise ValueError("model.ffn_hidden_size must be >= 0 (0: mlp_ratio * hidden_size)")
+
+    @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        """The ``config.model`` fields of the family (every dataclass field but the compute dtype)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "dtype")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Embedding rows: the vocabulary rounded up to ``make_vocab_size_divisible_by`` (the config fixes it, not
+        the mesh)."""
+        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by)
+
+    @property
+    def post_layernorm(self) -> bool:
+        """The trunk's LayerNorm order: False, pre-LN with a final LN (paper Fig. 7b); BERT's config makes it a
+        field (True: the original BERT, Fig. 7a)."""
+        return False
 
     @property
     def kv_heads(self) -> int:
-        """Key/value heads (grouped-query attention; ``num_heads`` for multi-head attention)."""
-        return self.num_kv_heads or self.num_heads
+        """Key/value heads: every query head's own (multi-head attention); Llama's config has grouped-query heads."""
+        return self.num_heads
 
     @property
     def ffn_size(self) -> int:
@@ -133,6 +125,19 @@ class TransformerConfig:
         return jnp.dtype(self.dtype)
 
 
+def check_activation(activation: str) -> None:
+    """ValueError unless ``activation`` names one of ``ACTIVATIONS`` (a config with the trunk's ``MLP`` has one)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"model.activation={activation!r}; choose one of {sorted(ACTIVATIONS)}")
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
+    """Rounds the vocabulary up to a multiple of ``divisible_by``."""
+    if divisible_by < 1:
+        raise ValueError(f"model.make_vocab_size_divisible_by must be >= 1, got {divisible_by}")
+    return -(-vocab_size // divisible_by) * divisible_by
+
+
 def kv_replicated(kv_heads: int, tp: int) -> bool:
     """Whether ``tp`` model shards replicate ``kv_heads`` key/value heads (more shards than heads, Megatron's rule
     for grouped-query attention: each head copied on the shards that share it) rather than split them; ValueError
@@ -144,20 +149,6 @@ def kv_replicated(kv_heads: int, tp: int) -> bool:
     raise ValueError(f"mesh.model={tp} neither divides model.num_kv_heads={kv_heads} (each shard holds whole "
                      f"key/value heads) nor is a multiple of it (each head replicated on the shards that share it): "
                      f"pick mesh.model from the divisors or multiples of {kv_heads}")
-
-
-def refuse_options(cfg: TransformerConfig, model: str, fields: tuple[str, ...], hint: str = "") -> None:
-    """ValueError naming the ``fields`` of ``cfg`` set away from their defaults: options ``model`` does not have."""
-    defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
-    changed = [f"model.{f}={getattr(cfg, f)!r}" for f in fields if getattr(cfg, f) != defaults[f]]
-    if changed:
-        raise ValueError(f"{model} has no {', '.join(changed)}: leave {'them' if len(changed) > 1 else 'it'} at "
-                         f"the default{hint}")
-
-
-# the options of Llama's decoder the GPT-2 and BERT blocks do not implement (rotary positions, grouped-query heads)
-LLAMA_OPTIONS = ("num_kv_heads", "rope_theta", "rope_scaling", "tie_embeddings")
-LLAMA_HINT = ", or pick a model that has the option (model.name=llama)"
 
 
 def causal_mask(q_positions: jax.Array, kv_len: int) -> jax.Array:
@@ -272,7 +263,8 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, ke
 
 
 class MLP(nnx.Module):
-    """H -> 4H (column-parallel) -> GeLU -> H (row-parallel)."""
+    """H -> 4H (column-parallel) -> GeLU -> H (row-parallel); its config has an ``activation`` field (GPT's,
+    BERT's)."""
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         dt, h, f = cfg.compute_dtype, cfg.hidden_size, cfg.ffn_size

@@ -141,9 +141,9 @@ class Decoder:
         """The decoder of a megajax config (``load_config``), its block's shape from the model's spec."""
         m, cfg, spec = config.model, model_config(config), model_spec(config.model.name)
         return cls(m.hidden_size, m.num_layers, m.num_heads, m.max_seq_len, cfg.padded_vocab_size, m.remat,
-                   sequence_parallel(config), *state_split(config), kv_heads=cfg.num_kv_heads, ffn=cfg.ffn_size,
+                   sequence_parallel(config), *state_split(config), kv_heads=cfg.kv_heads, ffn=cfg.ffn_size,
                    gated=spec.gated_mlp, biases=spec.biases, positions=bool(spec.sequence_rows),
-                   tied=cfg.tie_embeddings, name=spec.name, dropout=m.dropout)
+                   tied=getattr(cfg, "tie_embeddings", True), name=spec.name, dropout=m.dropout)
 
     @property
     def kv_width(self) -> int:
@@ -344,11 +344,12 @@ def state_bytes(model: Decoder, tensor: int, data: int = 1) -> int:
 
 def planner_config(model: Decoder):
     """A megajax config of ``model``'s sizes and choices, for the memory planner."""
-    config = base_config()
-    config.model.update(name=model.name, hidden_size=model.hidden, num_layers=model.layers, num_heads=model.heads,
+    config = base_config(model.name)
+    config.model.update(hidden_size=model.hidden, num_layers=model.layers, num_heads=model.heads,
                         max_seq_len=model.seq, vocab_size=model.vocab, make_vocab_size_divisible_by=1,
-                        remat=model.remat, num_kv_heads=model.kv_heads, ffn_hidden_size=model.ffn,
-                        dropout=model.dropout)
+                        remat=model.remat, ffn_hidden_size=model.ffn, dropout=model.dropout)
+    if model.kv_heads and model.kv_heads != model.heads:
+        config.model.num_kv_heads = model.kv_heads
     config.parallel.sequence = model.sequence
     return config
 

@@ -17,9 +17,9 @@ import jax
 import ml_collections
 from flax import nnx
 
-from megajax.checkpoint import CheckpointError, read_config, restore_params
-from megajax.config import TRAINING_ONLY_FIELDS, layer_layout, model_config, model_differences, padded_vocab_size
-from megajax.config.load import in_layout
+from megajax.checkpoint import CheckpointError, restore_params
+from megajax.config import describe_differences, layer_layout, model_config, model_differences, padded_vocab_size
+from megajax.config.load import in_layout, read_run_config
 from megajax.errors import ConfigError
 from megajax.models import MODELS, model_spec
 
@@ -52,16 +52,15 @@ def check_init_from(config: ml_collections.ConfigDict) -> pathlib.Path:
     if not path.exists():
         raise FileNotFoundError(f"init_from={config.init_from!r}: {path} does not exist; pass a pretraining run's "
                                 "workdir or one of its step directories")
-    trunk, stored = _trunk(config), read_config(path)
+    trunk, stored = _trunk(config), read_run_config(path)
     saved = stored.model
     if saved.name not in MODELS or not issubclass(MODELS[saved.name].module, trunk):
         raise CheckpointError(f"init_from={config.init_from!r} holds a model.name={saved.name!r} checkpoint: "
                               f"fine-tuning {config.model.name} needs one whose model is a {trunk.__name__}")
-    fields = tuple(sorted((set(saved) | set(config.model)) - set(FREE_FIELDS) - set(TRAINING_ONLY_FIELDS)))
-    if differences := model_differences(saved, config.model, fields):
-        flags = " ".join(f"--config.model.{f}={saved.get(f)}" for f in fields if saved.get(f) != config.model.get(f))
+    if differences := model_differences(saved, config.model, ignore=FREE_FIELDS):
+        flags = " ".join(f"--config.model.{f}={ours}" for f, (ours, _) in differences.items())
         raise CheckpointError(f"init_from={config.init_from!r} holds a trunk unlike this config's "
-                              f"({'; '.join(differences)}); set {flags}")
+                              f"({describe_differences(differences)}); set {flags}")
     rows = [padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by) for m in (saved, config.model)]
     if rows[0] != rows[1]:
         raise CheckpointError(f"init_from={config.init_from!r} has {rows[0]} embedding rows (vocab_size "
@@ -88,7 +87,7 @@ def load_trunk(config: ml_collections.ConfigDict, params_target: dict[str, Any])
     tokens from a 512-token BERT, as BERT's GLUE runs): the spec's ``sequence_rows``, whose rows follow the
     sequence."""
     path = check_init_from(config)
-    target, saved = {k: params_target[k] for k in trunk_keys(config)}, read_config(path)
+    target, saved = {k: params_target[k] for k in trunk_keys(config)}, read_run_config(path)
     positions = saved.model.max_seq_len
     cut = {k: target[k] for k in model_spec(config.model.name).sequence_rows
            if k in target and target[k].shape[0] != positions}  # none with rotary positions

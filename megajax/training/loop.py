@@ -22,7 +22,16 @@ from jax.sharding import PartitionSpec as P
 
 from megajax.checkpoint import Checkpointer, CheckpointError, saved_steps
 from megajax.cli import input_paths
-from megajax.config import RunSpec, abstract_model, model_differences, model_factory, resolve
+from megajax.config import (
+    RunSpec,
+    abstract_model,
+    describe_differences,
+    model_differences,
+    model_factory,
+    resolve,
+    stored_config,
+    with_model_defaults,
+)
 from megajax.config.load import in_layout
 from megajax.data.blend import BlendedBatches
 from megajax.data.gpt_dataset import split_by_documents, unigram_entropy
@@ -203,7 +212,7 @@ def _checked_train(config: ml_collections.ConfigDict, workdir: str | pathlib.Pat
     resolve(config, jax.device_count())  # config errors first, in milliseconds
     abstract_model(config)  # then the module's own (options its family does not have), before the workdir exists
     workdir = claim_workdir(workdir, inputs=input_paths(config))  # never on, in or above its data, or a checkpoint
-    config = config.copy_and_resolve_references()  # the copy records the data's tokenizer (not the caller's)
+    config = with_model_defaults(config)  # a copy with every field of its family: it records the data's tokenizer
     data = load_dataset(config)  # data errors next, still before the workdir is touched
     config.data.tokenizer_fingerprint = tokenizer_fingerprint(data)  # stored with every checkpoint
     if config.init_from and not saved_steps(workdir):
@@ -241,8 +250,8 @@ def _check_same_model(saved: ml_collections.ConfigDict, config: ml_collections.C
     """Refuses to resume a checkpoint of another model (another family, other sizes) before anything is built."""
     if differences := model_differences(saved.model, config.model):
         raise CheckpointError(
-            f"{step_dir} holds another model than this config's ({'; '.join(differences)}): resume it with the "
-            "config it was trained with (its config is stored beside it), or pass a different --workdir to start "
+            f"{step_dir} holds another model than this config's ({describe_differences(differences)}): resume it with "
+            "the config it was trained with (its config is stored beside it), or pass a different --workdir to start "
             "a new run; nothing was changed")
 
 
@@ -276,6 +285,7 @@ def _train_with(config: ml_collections.ConfigDict, workdir: pathlib.Path, data, 
     saved_config = saved_position = None
     if resume_dir is not None and resume_dir.is_dir():
         saved_config, saved_position = checkpointer.stored(int(resume_dir.name))
+        saved_config = stored_config(saved_config)
         _check_same_model(saved_config, config, resume_dir)
         _check_same_tokenizer(saved_config, config.data.tokenizer_fingerprint, resume_dir)
     loader = make_loader(config, "train", data)
