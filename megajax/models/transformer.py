@@ -22,20 +22,10 @@ from megajax.parallel.layers import (
     LayerNorm,
     RowParallelLinear,
     dropout,
-    microbatch_of,
     scaled_init_std,
 )
 from megajax.parallel.remat import REMAT_POLICIES, layer_step, selective
-from megajax.parallel.sharding import (
-    RESIDUAL,
-    constrain,
-    param_at_use,
-    params_split,
-    params_whole,
-    replicas,
-    rules_remapped,
-    spec_of,
-)
+from megajax.parallel.sharding import RESIDUAL, constrain
 from megajax.parallel.xla_options import traced_for_nvidia_gpu
 
 LayerCache = tuple[jax.Array, jax.Array]  # one layer's (keys, values), (B, S_max, N_kv, D) each
@@ -349,75 +339,32 @@ def reorder_layers(tree: Any, saved: tuple[int, int], wanted: tuple[int, int]) -
 def run_blocks(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask: jax.Array, dropout_key: jax.Array | None,
                cache: KVCache | None = None, index: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
     """Runs the stacked blocks over ``x`` (B, S, H) with ``nnx.scan`` (each step under ``remat.layer_step``); on a
-    mesh with pipeline stages, as a pipeline of them (``megajax.parallel.pipeline``; not for incremental decoding)."""
+    mesh with pipeline stages, the same scan as a pipeline's stages (``pipeline.run_stack``; not for incremental
+    decoding). Layer ``i`` draws its dropout from the ``i``-th of ``cfg.num_layers`` splits of ``dropout_key``."""
+    layer_keys = None if dropout_key is None else jax.random.split(dropout_key, cfg.num_layers)
     if pipeline.stages() > 1 and cache is None:
-        return _run_pipelined(blocks, cfg, x, mask, dropout_key), None
+        def scan_layers(blocks: nnx.Module, h: jax.Array, mask: jax.Array, keys: jax.Array | None,
+                        remat_layers: bool) -> jax.Array:
+            return _scan_blocks(blocks, cfg, h, mask, keys, remat_layers=remat_layers)[0]
+
+        return pipeline.run_stack(blocks, scan_layers, x, mask, layer_keys), None
     if pipeline.stages() > 1 and pipeline.repeats() > 1:
         raise ValueError("incremental decoding reads the layers in model order; a circular pipeline's stack is not "
                          "(decode on a mesh without pipeline stages: megajax.config.load_model does)")
-    return _scan_blocks(blocks, cfg, x, mask, dropout_key, cache, index)
+    return _scan_blocks(blocks, cfg, x, mask, layer_keys, cache, index)
 
 
 def _scan_blocks(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask: jax.Array,
-                 dropout_key: jax.Array | None, cache: KVCache | None = None, index: jax.Array | int = 0,
-                 layer_keys: jax.Array | None = None, remat_layers: bool = True) -> tuple[jax.Array, KVCache | None]:
-    if dropout_key is not None:
-        layer_keys = jax.random.split(dropout_key, cfg.num_layers)
+                 layer_keys: jax.Array | None, cache: KVCache | None = None, index: jax.Array | int = 0,
+                 remat_layers: bool = True) -> tuple[jax.Array, KVCache | None]:
+    """The blocks in order over ``x``, layer ``i`` with ``layer_keys[i]`` (or no dropout); each step under
+    ``remat.layer_step`` (``remat_layers`` False: under the caller's recomputation)."""
 
     def step(block: nnx.Module, h: jax.Array, key: jax.Array | None, layer_cache: LayerCache | None):
         return block(h, mask, key, layer_cache, index)
 
     scan = nnx.scan(layer_step(step, cfg.remat, remat_layers), in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
     return scan(blocks, x, layer_keys, cache)
-
-
-def _run_pipelined(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask: jax.Array,
-                   dropout_key: jax.Array | None) -> jax.Array:
-    """The blocks as ``pipeline.stages()`` stages of ``pipeline.repeats()`` chunks of layers (the stack held in
-    ``pipeline.layer_order``) over microbatches of ``x``'s rows (row ``k * M + i`` in microbatch ``i``, so each
-    spans every data shard and nothing moves to form them)."""
-    p, v, (rows, *rest) = pipeline.stages(), pipeline.repeats(), x.shape
-    d = replicas(rows)
-    m = pipeline.microbatches(rows, d)
-    graphdef, state = nnx.split(blocks)
-    if params_split():  # FSDP: the stage's layers gathered over `data` once per step, outside the tick loop (a
-        # gather per tick would repeat it T times); their gradients are split again here
-        state = jax.tree.map(lambda var: var.replace(param_at_use(var.get_value(), var.get_metadata()["out_sharding"])),
-                             state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    per_chunk = cfg.num_layers // (p * v)
-    # each stage's chunks of layers, one copy per data replica (each device holds its own: nothing moves), so the
-    # tick loop sums each replica's gradient locally and the copies' gradients are reduced over `data` once, after
-    # the loop, not on every tick (as the tied embedding's copies are: VocabParallelEmbedding.replica_rows)
-    layers = jax.tree.map(lambda a: jnp.broadcast_to(a.reshape(p, v, 1, per_chunk, *a.shape[1:]),
-                                                     (p, v, d, per_chunk, *a.shape[1:])), state)
-    keys = None  # the plain step's dropout keys, one per layer, in the stack's order
-    if dropout_key is not None:
-        keys = jax.random.split(dropout_key, cfg.num_layers)[pipeline.layer_order(cfg.num_layers, p, v)]
-        keys = keys.reshape(p, v, per_chunk)
-
-    def micro(a: jax.Array) -> jax.Array:  # (B, ...) -> (M, B/M, ...)
-        return jnp.swapaxes(a.reshape(rows // m, m, *a.shape[1:]), 0, 1)
-
-    per_row = mask is not None and mask.shape[0] == rows and rows > 1  # BERT's padding mask, not a shared one
-    xs = constrain(micro(x), (None, *RESIDUAL))
-
-    def stage(params, h, args):
-        (copies, layer_keys), (index, row_mask) = params, args
-
-        def replica(own, r, h, row_mask):  # one data replica's rows of the microbatch, with its copy of the layers
-            with rules_remapped(batch=None), microbatch_of(m, index, d, r), params_whole():
-                # the circular schedule recomputes each chunk from its input (pipeline.run): no second recomputation
-                return _scan_blocks(nnx.merge(graphdef, own), cfg, h, row_mask if per_row else mask, None,
-                                    layer_keys=layer_keys, remat_layers=v == 1)[0]
-
-        by_replica = lambda a: a.reshape(d, a.shape[0] // d, *a.shape[1:])  # noqa: E731
-        h = jax.vmap(replica, spmd_axis_name="data")(copies, jnp.arange(d), by_replica(h),
-                                                     by_replica(row_mask) if per_row else None)
-        return h.reshape(-1, *h.shape[2:])
-
-    per_micro = (jnp.arange(m), micro(mask) if per_row else None)
-    ys = pipeline.run(stage, (layers, keys), xs, per_micro, spec_of(RESIDUAL))
-    return constrain(jnp.swapaxes(ys, 0, 1).reshape(rows, *rest), RESIDUAL)
 
 
 class CausalDecoder(nnx.Module):

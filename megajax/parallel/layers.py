@@ -14,10 +14,8 @@ all-reduces.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +28,7 @@ from megajax.parallel.sharding import (
     axis_of,
     constrain,
     on_shards,
+    parallel_context,
     param_at_use,
     replicas,
     sequence_axis,
@@ -253,33 +252,18 @@ class LayerNorm(nnx.Module):
         return y.astype(self.dtype)
 
 
-_MICROBATCH: contextvars.ContextVar[tuple[int, jax.Array, int, jax.Array | int] | None] = contextvars.ContextVar(
-    "megajax_microbatch", default=None)
-
-
-@contextlib.contextmanager
-def microbatch_of(count: int, index: jax.Array, replicas: int = 1, replica: jax.Array | int = 0) -> Iterator[None]:
-    """Within it, activations are microbatch ``index`` of ``count`` (rows ``k * count + index`` of the batch), or
-    the ``replica``-th of ``replicas`` equal blocks of those rows: the pipeline's stages, per data replica.
-    ``dropout`` then draws the whole batch's mask and keeps those rows."""
-    token = _MICROBATCH.set((count, index, replicas, replica))
-    try:
-        yield
-    finally:
-        _MICROBATCH.reset(token)
-
-
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     """Inverted dropout; identity when ``key`` is None or rate is 0.
 
     The mask is drawn for the global array (partitionable threefry), so it is the same for every mesh shape:
-    replicated activations get identical masks on all model shards, sharded ones get distinct slices. Inside
-    ``microbatch_of`` (a pipeline stage) it is the whole batch's mask, cut to the microbatch's rows, so a pipelined
-    step drops what the plain step drops (at the cost of drawing the whole mask on every stage's tick).
+    replicated activations get identical masks on all model shards, sharded ones get distinct slices. In a pipeline
+    stage (the active ``ParallelContext``'s ``microbatch``, ``sharding.microbatch_of``) it is the whole batch's mask,
+    cut to the microbatch's rows, so a pipelined step drops what the plain step drops (at the cost of drawing the
+    whole mask on every stage's tick).
     """
     if key is None or rate == 0.0:
         return x
-    micro = _MICROBATCH.get()
+    micro = parallel_context().microbatch
     if micro is None:
         keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
     else:

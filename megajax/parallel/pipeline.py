@@ -22,6 +22,10 @@ Two schedules, by ``repeats`` = v (``parallel.pipeline_repeats``):
 The circular schedule needs each stage's chunks on its devices, so a pipelined run keeps its stacked layers in
 ``layer_order``'s order (a permutation, applied when the state is created and when a checkpoint of another layout
 is read; checkpoints record their layout in their config).
+
+``run_stack`` runs a model's layer stack through the schedule (``run``) with what the stages need around it: FSDP's
+gather once per step, one copy of each stage's layers per data replica, the dropout keys in the stack's order, the
+microbatches and each stage's narrowed ``ParallelContext``; the model passes only its own scan of the layers.
 """
 
 from __future__ import annotations
@@ -32,10 +36,28 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from megajax.parallel.remat import pipeline_chunk
-from megajax.parallel.sharding import PIPE_AXIS, parallel_context
+from megajax.parallel.sharding import (
+    PIPE_AXIS,
+    RESIDUAL,
+    constrain,
+    microbatch_of,
+    parallel_context,
+    param_at_use,
+    params_split,
+    params_whole,
+    replicas,
+    rules_remapped,
+    spec_of,
+)
+
+# A model's scan of its stacked layers, ``scan_layers(blocks, h, mask, layer_keys, remat_layers) -> h``: ``blocks``
+# (a stack of layers), ``h`` (B, S, H), ``layer_keys`` one dropout key per layer or None, ``remat_layers`` False where
+# the caller recomputes the layers already (a circular pipeline's chunk).
+ScanLayers = Callable[[nnx.Module, jax.Array, Any, jax.Array | None, bool], jax.Array]
 
 
 def stages() -> int:
@@ -160,3 +182,55 @@ def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any,
     start = jax.lax.with_sharding_constraint(jnp.zeros((p, *xs.shape[1:]), xs.dtype), on_stages)
     (_, held), _ = jax.lax.scan(tick, (start, held), jnp.arange(ticks(num_micro, p, v)))
     return held[0, :num_micro]
+
+
+def run_stack(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: Any,
+              layer_keys: jax.Array | None) -> jax.Array:
+    """``scan_layers``' result on ``x`` (B, S, H), the stacked ``blocks`` run as ``stages()`` stages of ``repeats()``
+    chunks of layers (the stack held in ``layer_order``) over microbatches of ``x``'s rows (row ``k * M + i`` in
+    microbatch ``i``, so each spans every data shard and nothing moves to form them). ``mask``: one for every row, or
+    one row per row of ``x`` (BERT's padding mask); ``layer_keys``: the plain step's dropout keys, one per layer in
+    model order, or None. Each stage's scan runs on one data replica's rows (``jax.vmap`` with ``spmd_axis_name``
+    'data', so the rules map ``batch`` nowhere inside), with its parameters whole (``params_whole``) and its
+    microbatch set (``microbatch_of``: dropout keeps the plain step's masks)."""
+    p, v, (rows, *rest) = stages(), repeats(), x.shape
+    d = replicas(rows)
+    m = microbatches(rows, d)
+    graphdef, state = nnx.split(blocks)
+    if params_split():  # FSDP: the stage's layers gathered over `data` once per step, outside the tick loop (a
+        # gather per tick would repeat it T times); their gradients are split again here
+        state = jax.tree.map(lambda var: var.replace(param_at_use(var.get_value(), var.get_metadata()["out_sharding"])),
+                             state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    num_layers = jax.tree.leaves(state)[0].shape[0]
+    per_chunk = num_layers // (p * v)
+    # each stage's chunks of layers, one copy per data replica (each device holds its own: nothing moves), so the
+    # tick loop sums each replica's gradient locally and the copies' gradients are reduced over `data` once, after
+    # the loop, not on every tick (as the tied embedding's copies are: VocabParallelEmbedding.replica_rows)
+    layers = jax.tree.map(lambda a: jnp.broadcast_to(a.reshape(p, v, 1, per_chunk, *a.shape[1:]),
+                                                     (p, v, d, per_chunk, *a.shape[1:])), state)
+    keys = None  # the plain step's dropout keys, one per layer, in the stack's order
+    if layer_keys is not None:
+        keys = layer_keys[layer_order(num_layers, p, v)].reshape(p, v, per_chunk)
+
+    def micro(a: jax.Array) -> jax.Array:  # (B, ...) -> (M, B/M, ...)
+        return jnp.swapaxes(a.reshape(rows // m, m, *a.shape[1:]), 0, 1)
+
+    per_row = mask is not None and mask.shape[0] == rows and rows > 1  # BERT's padding mask, not a shared one
+    xs = constrain(micro(x), (None, *RESIDUAL))
+
+    def stage(params, h, args):
+        (copies, chunk_keys), (index, row_mask) = params, args
+
+        def replica(own, r, h, row_mask):  # one data replica's rows of the microbatch, with its copy of the layers
+            with rules_remapped(batch=None), microbatch_of(m, index, d, r), params_whole():
+                # the circular schedule recomputes each chunk from its input (run): no second recomputation
+                return scan_layers(nnx.merge(graphdef, own), h, row_mask if per_row else mask, chunk_keys, v == 1)
+
+        by_replica = lambda a: a.reshape(d, a.shape[0] // d, *a.shape[1:])  # noqa: E731
+        h = jax.vmap(replica, spmd_axis_name="data")(copies, jnp.arange(d), by_replica(h),
+                                                     by_replica(row_mask) if per_row else None)
+        return h.reshape(-1, *h.shape[2:])
+
+    per_micro = (jnp.arange(m), micro(mask) if per_row else None)
+    ys = run(stage, (layers, keys), xs, per_micro, spec_of(RESIDUAL))
+    return constrain(jnp.swapaxes(ys, 0, 1).reshape(rows, *rest), RESIDUAL)

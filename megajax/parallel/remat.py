@@ -17,10 +17,12 @@ What a name alone cannot say, and why:
   ``remat=none``): a policy on the name equation alone compiles the temp bytes of keeping everything (30.5 MB:
   every layer's gathered parameters), this one 29.7 MB.
 * Policies do not nest: jax partially evaluates a ``jax.checkpoint`` inside another with the outer one's policy,
-  so a layer step's policy (``layer_step``) overrides ``selective``'s and ``assembled_at_use``'s inside it. So
-  ``remat=selective`` under ``parallel.fsdp`` keeps the attention core's intermediates (tests/conftest.py's small
-  GPT on 4x2: 1,511,896 temp bytes, ``remat=none`` 1,513,176; without FSDP selective saves 10%); recomputing them
-  there would take names on them and a layer policy that refuses those names too.
+  so a layer step's policy (``layer_step``: FSDP's) or a circular pipeline's chunk (``pipeline_chunk``) overrides
+  an inner checkpoint's. ``selective`` is therefore no checkpoint but a ``custom_vjp`` call that keeps only its
+  inputs and reruns the core in the backward pass (``_recomputed``): what a call keeps is its own ``fwd``'s choice,
+  which no policy around it changes. (With a ``jax.checkpoint`` there, ``remat=selective`` under ``parallel.fsdp``
+  kept the attention core's intermediates: tests/test_training_step.py.) ``assembled_at_use`` is still a
+  checkpoint, so under FSDP the layer policy decides inside it too.
 """
 
 from __future__ import annotations
@@ -74,9 +76,39 @@ def selective(core: F, remat: str) -> F:
     in the backward pass, its (B, N, S, S_kv) intermediates not kept (Korthikanti et al. 2022); else ``core``."""
     if remat != "selective":
         return core
-    # a fresh closure per call: jax.checkpoint caches traces by function, and a pipeline stage's dropout reads its
-    # microbatch from the context (parallel.layers.microbatch_of), which the cache key omits
-    return jax.checkpoint(lambda *a: core(*a), static_argnums=5)  # rate: a Python float
+
+    def recomputed_core(q, k, v, mask, key, rate):  # rate: a Python float, not an input
+        return _recomputed(lambda *a: core(*a, rate), q, k, v, mask, key)
+
+    return recomputed_core
+
+
+def _recomputed(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, keeping for the backward pass only ``args`` and the traced values ``fn`` reads from outside
+    them (a pipeline stage's microbatch index, from its ``ParallelContext``): the backward pass runs the forward
+    again. One ``custom_vjp`` call, so a policy around it (a layer step's, a pipeline chunk's) cannot keep more.
+    ``fn`` is traced once, here, under the active context, with a fresh closure (jax caches traces by function, and
+    the context is not in the key); the backward pass reruns that trace, never ``fn``, so it reads no context."""
+    flat, tree = jax.tree.flatten(args)
+    traced, out = jax.make_jaxpr(lambda *a: fn(*tree.unflatten(a)), return_shape=True)(*flat)
+
+    def run(consts: list[Any], flat: list[Any]) -> list[jax.Array]:
+        return jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(traced.jaxpr, consts))(*flat)
+
+    @jax.custom_vjp
+    def call(consts: list[Any], flat: list[Any]) -> list[jax.Array]:
+        return run(consts, flat)
+
+    def forward(consts: list[Any], flat: list[Any]) -> tuple[list[jax.Array], tuple[list[Any], list[Any]]]:
+        return run(consts, flat), (consts, flat)
+
+    def backward(inputs: tuple[list[Any], list[Any]], cotangent: list[jax.Array]) -> tuple[list[Any], list[Any]]:
+        # the barrier keeps XLA from merging the rerun with the forward pass's (whose values would then be kept),
+        # as jax.checkpoint's recomputation does
+        return jax.vjp(run, *jax.lax.optimization_barrier(inputs))[1](cotangent)
+
+    call.defvjp(forward, backward)
+    return jax.tree.unflatten(jax.tree.structure(out), call(list(traced.consts), flat))
 
 
 def pipeline_chunk(chunk: F) -> F:

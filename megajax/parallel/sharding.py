@@ -156,13 +156,16 @@ class ParallelContext:
     parameters are stored split over ``data`` as well (``parallel.fsdp``), so ``param_at_use`` gathers them;
     ``pipeline_microbatches``: how many microbatches a pipelined layer stack cuts a batch into (0: one per stage);
     ``pipeline_repeats``: how many chunks of layers each pipeline stage holds (1: GPipe; more: the circular
-    schedule, ``megajax.parallel.pipeline``).
+    schedule, ``megajax.parallel.pipeline``); ``microbatch``: inside a pipeline stage only (``microbatch_of``), which
+    rows of the batch the traced activations are, ``(count, index, replicas, replica)``, for ``layers.dropout``
+    (None: the whole batch). Its index and replica are traced values, so a context holding one keys no cache.
     """
 
     rules: Rules | None
     params_split: bool = False
     pipeline_microbatches: int = 0
     pipeline_repeats: int = 1
+    microbatch: tuple[int, jax.Array, int, jax.Array | int] | None = None
 
 
 _CONTEXT: contextvars.ContextVar[ParallelContext] = contextvars.ContextVar(
@@ -265,6 +268,15 @@ def params_whole() -> Iterator[None]:
     """Traces as though the parameters were stored whole over ``data`` (``param_at_use`` a no-op): inside a region
     whose parameters were gathered already (a pipeline stage's, once per step)."""
     with _holding(dataclasses.replace(parallel_context(), params_split=False)):
+        yield
+
+
+@contextlib.contextmanager
+def microbatch_of(count: int, index: jax.Array, replicas: int = 1, replica: jax.Array | int = 0) -> Iterator[None]:
+    """Traces as microbatch ``index`` of ``count`` (rows ``k * count + index`` of the batch), or the ``replica``-th of
+    ``replicas`` equal blocks of those rows: a pipeline stage's rows, per data replica (``ParallelContext.microbatch``,
+    read by ``layers.dropout``)."""
+    with _holding(dataclasses.replace(parallel_context(), microbatch=(count, index, replicas, replica))):
         yield
 
 
