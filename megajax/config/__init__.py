@@ -26,4 +26,5 @@ from megajax.models.transformer import padded_vocab_size
 __all__ = ["TRAINING_ONLY_FIELDS", "ConfigError", "RunSpec", "abstract_model", "base_config", "bert_base_config",
            "build_mesh", "check_data_source", "create_model", "describe_differences", "layer_layout", "model_config",
            "model_differences", "model_factory", "model_section", "padded_vocab_size", "resolve", "resolve_precision",
-           "rules_of", "sequence_parallel", "state_split", "stored_config", "validate", "validate_training", "with_model_defaults"]
+           "rules_of", "sequence_parallel", "state_split", "stored_config", "validate", "validate_training",
+           "with_model_defaults"]
