@@ -8,7 +8,7 @@ output layer tied to the word embedding or its own vocab-parallel rows. Register
 Tensor parallelism is Megatron's: query heads, and the gate / up columns, split over ``model`` (the same slice of
 both on a shard), attention-out and down rows split. The key/value heads are split like the query heads where
 ``mesh.model`` divides them; where the shards outnumber them each shard uses a copy of the one head its query
-heads read (``TransformerConfig.kv_replicated``): the stored weights stay whole on every shard (the ``kv_heads``
+heads read (``LlamaConfig.kv_replicated``): the stored weights stay whole on every shard (the ``kv_heads``
 rule maps to no axis, so checkpoints keep one layout) and each shard slices its head at use. The gradient of that
 slice is summed over exactly the shards sharing the head (XLA's partitioner all-reduces it in groups of
 ``mesh.model / num_kv_heads`` and all-gathers the heads back into the whole weight).
@@ -36,6 +36,7 @@ from megajax.models.transformer import (
     attention_core,
     attention_core_residual_bytes,
     causal_mask,
+    kv_replicated,
     make_blocks,
     run_blocks,
 )
@@ -104,6 +105,16 @@ class LlamaConfig(TransformerConfig):
     def kv_heads(self) -> int:
         """Key/value heads (grouped-query attention; ``num_heads`` for multi-head attention)."""
         return self.num_kv_heads or self.num_heads
+
+    def kv_replicated(self, tp: int) -> bool:
+        """Whether ``tp`` model shards replicate the key/value heads rather than split them
+        (``transformer.kv_replicated``; ValueError where neither divides the other)."""
+        return kv_replicated(self.kv_heads, tp)
+
+    def rule_overrides(self, tp: int) -> dict[str, str | None]:
+        """``kv_heads`` unsplit where the shards replicate the key/value heads: each shard then uses its copy of its
+        group's head."""
+        return {"kv_heads": None} if self.kv_replicated(tp) else {}
 
 
 def rope_frequencies(cfg: LlamaConfig) -> jax.Array:
@@ -332,5 +343,5 @@ register(ModelSpec(
     name=NAME, config=LlamaConfig, module=Llama, objective=objectives.LM, examples=formats.WINDOWS, flops=flops,
     head_memory=HeadMemory(vocab_logit_copies=3, hidden_tensors=8),
     eval_tasks=("wikitext103", "lambada", "ppl", "generate"), perplexity_of="loss", causal_lm=True,
-    layer_residuals=layer_residual_bytes, gated_mlp=True, biases=False,
+    layer_residuals=layer_residual_bytes,
     pretrained_trunk=Llama))  # init_from: a converted (or another run's) Llama continues training

@@ -98,13 +98,14 @@ class TransformerConfig:
         return self.ffn_hidden_size or self.mlp_ratio * self.hidden_size
 
     def kv_replicated(self, tp: int) -> bool:
-        """Whether ``tp`` model shards replicate the key/value heads rather than split them (``kv_replicated``)."""
-        return kv_replicated(self.kv_heads, tp)
+        """Whether ``tp`` model shards replicate the key/value heads rather than split them: never with a head of
+        each kind per query head (the shards hold whole heads); Llama's grouped heads can be fewer than shards."""
+        return False
 
     def rule_overrides(self, tp: int) -> dict[str, str | None]:
-        """Logical names the rules must leave unsplit on ``tp`` model shards: ``kv_heads`` where they are replicated
-        (``kv_replicated``); each shard then uses its copy of its group's head."""
-        return {"kv_heads": None} if self.kv_replicated(tp) else {}
+        """Logical names the rules must leave unsplit on ``tp`` model shards (none here; Llama's replicated
+        key/value heads)."""
+        return {}
 
     @property
     def head_dim(self) -> int:

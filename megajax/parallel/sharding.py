@@ -41,7 +41,7 @@ MEGATRON_RULES: Rules = (
     ("token_type", None),  # BERT's segment embeddings: replicated
     ("heads", "model"),  # QKV columns / attention-out rows: whole heads per shard
     # grouped-query attention's key/value heads (Llama): split like the query heads where mesh.model divides
-    # them; a model whose KV heads are fewer replicates them (TransformerConfig.rule_overrides)
+    # them; a model whose KV heads are fewer replicates them (LlamaConfig.rule_overrides)
     ("kv_heads", "model"),
     ("qkv", None),
     ("head_dim", None),
