@@ -26,7 +26,7 @@ def row(name: str, hosts: int, mesh: tuple[int, int]) -> dict:
     from megajax.cli import load_config
     from megajax.tools.gpu_target import TARGETS, compile_step
     from megajax.tools.memory_planner import largest_micro_batch
-    from megajax.tools.scaling import DGX_H100, Decoder, predict
+    from megajax.tools.scaling import DGX_H100, predict
     from megajax.training.metrics import model_flops_per_step
 
     config = load_config(name)
@@ -41,7 +41,7 @@ def row(name: str, hosts: int, mesh: tuple[int, int]) -> dict:
     spec = step.run.spec
     devices = step.run.mesh.devices.size
     flops = model_flops_per_step(spec, spec.model.max_seq_len) / devices
-    prediction = predict(Decoder.from_config(step.run.config), mesh, micro * mesh[0], DGX_H100, micro) \
+    prediction = predict(step.run.config, mesh, micro * mesh[0], DGX_H100, micro) \
         if spec.model_spec.causal_lm else None
     return {"config": name, "hosts": hosts, "mesh": f"{mesh[0]}x{mesh[1]}", "remat": spec.model.remat,
             "micro_batch": micro, "largest_micro_batch_planned": largest, "attention": step.attention,

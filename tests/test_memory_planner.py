@@ -39,7 +39,7 @@ from megajax.tools.memory_planner import (
     params_per_device,
     traced_layer_residual_bytes,
 )
-from megajax.tools.scaling import Decoder
+from megajax.tools.scaling import parameters_per_gpu
 
 MICRO_BATCH = 4
 CASES = {  # name -> (config, data, model, remat, parallel flags ('+'-joined: shard_optimizer (ZeRO-1), fsdp,
@@ -132,7 +132,7 @@ def test_a_gpt_mlp_of_another_width_is_planned_as_built():
     for remat in ("none", "save_dots"):
         config.model.remat = remat
         assert layer_residual_bytes(config, 2, tp=1) == traced_layer_residual_bytes(config, 2), remat
-    assert Decoder.from_config(config).params(2) == params_per_device(config, {"data": 1, "model": 2})
+    assert parameters_per_gpu(config, 2) == params_per_device(config, {"data": 1, "model": 2})
 
 
 @pytest.mark.parametrize("name,mesh,precision,device_gib", [

@@ -41,10 +41,30 @@ class HeadMemory:
     vocab_logit_copies: int  # fp32 (b, s, V/t) tensors: logits, exponentials, gradient (+ biased logits); 0: none
     hidden_tensors: int  # fp32 (b, s, h) tensors of the embeddings, the final LayerNorm and the head
 
+    @property
+    def vocab_output(self) -> bool:
+        """Whether the model ends in an output layer over the vocabulary (vocab-parallel logits): the memory
+        planner's word-embedding gradient and FSDP's gathered output layer."""
+        return self.vocab_logit_copies > 0
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """A model family's facts: its module, how it trains, what it costs, what it is evaluated on."""
+    """A model family's facts: its module, how it trains, what it costs, what it is evaluated on.
+
+    The costs the tools read (``tools.memory_planner``, ``tools.comm_budget``, ``tools.scaling``) are here or in the
+    abstract model, never in a tool: parameters (per device, per layer, the layer's GEMM shapes) come from
+    ``nnx.eval_shape`` of ``module`` and the sharding rules; the rest a family states below, or inherits the
+    defaults, which are the trunk's ``transformer.Block``'s (GPT-2's, BERT's, Llama's communication):
+
+    * ``flops``: model FLOPs of a step, the metrics' MFU numerator and the scaling model's TFLOP/s;
+    * ``layer_residuals``: the bytes one layer keeps for its backward pass on one device (the memory planner's
+      per-layer activations; tests hold each family's against its traced jaxpr);
+    * ``head_memory``: what the output head holds when the backward pass starts;
+    * ``tensor_all_reduces``, ``recomputed_all_reduces``: the layer's tensor-parallel communication (the
+      communication budget's minimum, which the compiled step is audited against, and the scaling model's
+      tensor-parallel time).
+    """
 
     name: str  # config.model.name
     config: type[TransformerConfig]  # the family's frozen config: config.model's fields are its fields
@@ -62,16 +82,19 @@ class ModelSpec:
     perplexity_of: str | None = None  # the validation metric whose exp is the perplexity (None: no perplexity)
     causal_lm: bool = False  # generates text left to right: lm-eval, generation, the scaling model
     pretrained_trunk: type[nnx.Module] | None = None  # init_from: a checkpoint whose module subclasses this
-    gated_mlp: bool = False  # the MLP's first GEMM is two (gate and up: SwiGLU), so 3 GEMMs of h x ffn
-    biases: bool = True  # the linear layers and norms have biases (LayerNorm; Llama's RMSNorm and GEMMs have none)
     # (cfg, sequences, tp, sequence split, remat, compute-dtype bytes, attention implementation) -> bytes one layer
     # keeps for its backward pass on a device (tools.memory_planner); the trunk's Block's by default
     layer_residuals: Callable[[TransformerConfig, int, int, int, str, int, str], int] = block_residual_bytes
-
-    @property
-    def vocab_output(self) -> bool:
-        """Whether the model ends in the (tied, vocab-parallel) output layer over the vocabulary."""
-        return self.head_memory.vocab_logit_copies > 0
+    # Per layer and micro-batch, each way: the b x s x h all-reduces over ``model`` of its forward pass (Megatron's
+    # g, one per row-parallel output) and as many of its backward pass (f, one per column-parallel input's
+    # gradient). GPT's block: 2 (attention, MLP); a parallel attention/MLP block whose two input GEMMs and two
+    # output GEMMs are each one GEMM: 1. Under sequence parallelism each is a reduce-scatter + all-gather pair.
+    tensor_all_reduces: int = 2
+    # Per layer under ``remat=full``: the forward all-reduces whose results the recomputed forward pass needs again
+    # (the layer's output is the saved scan carry, so its last all-reduce is not redone). GPT's block: 1 (the
+    # attention output, the MLP's input); a parallel block: 0. Under sequence parallelism the recomputation redoes
+    # the ``tensor_all_reduces`` all-gathers of the GEMMs' inputs besides these reduce-scatters.
+    recomputed_all_reduces: int = 1
 
 
 MODELS: dict[str, ModelSpec] = {}

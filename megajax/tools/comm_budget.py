@@ -1,19 +1,24 @@
 """A compiled training step's communication beside Megatron's analytic minimum, by category, in bytes.
 
 Megatron's minimum for one step, per device, with b sequences per data shard (all micro-batches), s tokens, h
-hidden, L layers, tensor-parallel degree > 1 and data-parallel degree > 1 where they apply:
+hidden, L layers, tensor-parallel degree > 1 and data-parallel degree > 1 where they apply. What a layer
+communicates is its model's (``ModelSpec``): a = ``tensor_all_reduces`` all-reduces each way per layer (the g of
+each row-parallel output forward, the f of each column-parallel input backward; GPT's block 2, a parallel
+attention/MLP block with fused GEMMs 1) and r = ``recomputed_all_reduces`` of them redone under ``remat=full``
+(GPT's 1, a parallel block's 0). The embedding's lookup, its loss and the gradients are every model's:
 
 | category | minimum |
 | --- | --- |
-| tensor-parallel forward | 2L + 1 all-reduces of b x s x h (f and g of every block, + the vocab-parallel lookup) |
-| tensor-parallel backward | 2L + 1 all-reduces of b x s x h (+ L with ``remat=full``: see below) |
+| tensor-parallel forward | aL + 1 all-reduces of b x s x h (the layers' g, + the vocab-parallel lookup) |
+| tensor-parallel backward | aL + 1 all-reduces of b x s x h (the layers' f, + the lookup's; + rL with ``remat=full``) |
 | loss | 3 all-reduces of b x s (the vocab-parallel cross-entropy: max, sum of exponentials, target logit) |
 | data-parallel gradients | one all-reduce of every local gradient element |
 | data-parallel parameter gathers | ZeRO-1: one all-gather of each updated shard; FSDP: two (forward, backward) |
 
-With ``remat=full`` each block's forward runs again in the backward pass, but only its attention output needs
-the all-reduce again (the block's output is the saved scan carry): L more, where Megatron's checkpointing redoes
-both (2L). ``save_dots`` keeps the all-reduced outputs and redoes none.
+With ``remat=full`` each layer's forward runs again in the backward pass, but only the all-reduces whose results
+the recomputation reads again are redone (the layer's output is the saved scan carry): GPT's attention output, L
+more, where Megatron's checkpointing redoes both (2L). ``save_dots`` keeps the all-reduced outputs and redoes
+none.
 
 Sizes are the collective's message (elements x dtype bytes, per execution; an all-gather's is its input shard),
 not the wire traffic of an algorithm (a ring all-reduce moves 2 (n-1)/n of it). Scalar collectives (the gradient
@@ -24,11 +29,12 @@ With sequence parallelism (``parallel.sequence``, Korthikanti et al. 2022) every
 b x s x h becomes a reduce-scatter and an all-gather, whose message is one device's shard, b x s x h / t (the
 reduce-scatter's result, the all-gather's input):
 
-* tensor-parallel forward: 2L + 1 reduce-scatters and 2L + 1 all-gathers of b x s x h / t; for BERT also its
+* tensor-parallel forward: aL + 1 reduce-scatters and aL + 1 all-gathers of b x s x h / t; for BERT also its
   pooled first token, an all-reduce of b x h (the token lives on one model shard).
-* tensor-parallel backward: the same pairs; with ``remat=full`` or ``save_dots`` 3L shards more (the recomputed
-  forward all-gathers the inputs of QKV and MLP-up and reduce-scatters the attention output again: ``save_dots``
-  keeps the GEMMs' local outputs, not the collectives' results).
+* tensor-parallel backward: the same pairs; with ``remat=full`` or ``save_dots`` (a + r) L shards more (the
+  recomputed forward all-gathers the inputs of its column-parallel GEMMs and reduce-scatters the outputs it reads
+  again: GPT's QKV and MLP-up inputs and attention output, 3L; ``save_dots`` keeps the GEMMs' local outputs, not
+  the collectives' results).
 * sequence-parallel extra: the gradients of the replicated parameters that see the split sequence, all-reduced over
   ``model`` once per micro-batch (LayerNorms, row-parallel biases, BERT's MLM transform and segment embeddings),
   and the position embeddings' b-summed gradient, whose rows follow the sequence: an all-gather of s x h / t.
@@ -45,11 +51,12 @@ With pipeline stages (``mesh.pipe`` = p > 1; ``megajax.parallel.pipeline``) the 
 (``pipeline.ticks``), each of a chunk of L/(p v) layers on one microbatch of m rows per device (v =
 ``parallel.pipeline_repeats``; GPipe: v = 1, T = M + p - 1):
 
-* tensor-parallel: per tick and layer the block's 2 all-reduces of m x s x h, forward and backward (idle ticks
+* tensor-parallel: per tick and layer the layer's a all-reduces of m x s x h, forward and backward (idle ticks
   included: every stage runs every tick), plus the embedding's lookup once each way on the whole batch; recomputed:
-  GPipe as without stages (``save_dots`` as ``full``: inside the stages' vmap every matmul has a batch dimension),
-  the circular schedule's whole chunks, 2 L/(p v) - 1 per tick (the chunk's last output is not needed again; XLA's
-  layer scan cannot drop the last iteration's, so chunks of more than one layer compile one more per tick).
+  GPipe as without stages, r per layer (``save_dots`` as ``full``: inside the stages' vmap every matmul has a batch
+  dimension), the circular schedule's whole chunks, a L/(p v) - 1 per tick (the chunk's last output is not needed
+  again; XLA's layer scan cannot drop the last iteration's, so chunks of more than one layer compile one more per
+  tick).
   Sequence parallelism, FSDP and replicated key/value heads under stages are not counted yet
   (``check_countable``).
 * pipeline point-to-point: per tick one collective permute of m x s x h forward (each stage's output to the next)
@@ -71,7 +78,7 @@ import jax
 import numpy as np
 
 from megajax.errors import ConfigError
-from megajax.models import ModelSpec
+from megajax.models import ModelSpec, TransformerConfig
 from megajax.parallel import pipeline
 from megajax.parallel.hlo_audit import Collective, collectives
 from megajax.parallel.partition import over_data
@@ -86,9 +93,10 @@ CATEGORIES = ("tensor-parallel forward", "tensor-parallel backward", "loss", "da
 @dataclasses.dataclass(frozen=True)
 class Shape:
     """What the minimum depends on: per-data-shard sequences per micro-batch, micro-batches, sequence length,
-    hidden size, layers, mesh degrees, the activations' dtype bytes, local gradient elements and remat; with
-    sequence parallelism the replicated parameters' elements that see the split sequence (the position embeddings
-    counted as one shard) and the rows whose first token is pooled."""
+    hidden size, layers, mesh degrees, the activations' dtype bytes, local gradient elements, the model's
+    all-reduces per layer (``ModelSpec.tensor_all_reduces``, ``recomputed_all_reduces``) and remat; with sequence
+    parallelism the replicated parameters' elements that see the split sequence (the position embeddings counted as
+    one shard) and the rows whose first token is pooled."""
 
     micro_batch: int
     num_micro: int
@@ -99,6 +107,8 @@ class Shape:
     data: int
     activation_bytes: int
     local_grad_elements: int
+    tensor_all_reduces: int  # per layer, each way (ModelSpec.tensor_all_reduces)
+    recomputed_all_reduces: int  # per layer, redone under remat=full (ModelSpec.recomputed_all_reduces)
     remat: str = "none"
     sequence: bool = False
     sequence_grad_elements: int = 0
@@ -116,6 +126,7 @@ class Shape:
 def minimum(shape: Shape) -> dict[str, int]:
     """Megatron's analytic bytes per category (module docstring)."""
     b, s, h, n = shape.micro_batch, shape.seq, shape.hidden, shape.num_micro
+    a, r = shape.tensor_all_reduces, shape.recomputed_all_reduces
     out = dict.fromkeys(CATEGORIES, 0)
     if shape.pipe > 1:
         tick = shape.pipe_rows * s * h * shape.activation_bytes * n  # one microbatch, every micro-batch
@@ -124,24 +135,24 @@ def minimum(shape: Shape) -> dict[str, int]:
     if shape.tensor > 1 and shape.pipe > 1:
         act, runs = b * s * h * shape.activation_bytes * n, shape.pipe_ticks * shape.pipe_layers
         if shape.pipe_circular:  # per tick: the chunk's all-reduces but its last
-            recompute = shape.pipe_ticks * (2 * shape.pipe_layers - 1)
+            recompute = shape.pipe_ticks * (a * shape.pipe_layers - 1)
         else:
-            recompute = runs if shape.remat in ("full", "save_dots") else 0
-        out["tensor-parallel forward"] = 2 * runs * tick + act
-        out["tensor-parallel backward"] = (2 * runs + recompute) * tick + act
+            recompute = r * runs if shape.remat in ("full", "save_dots") else 0
+        out["tensor-parallel forward"] = a * runs * tick + act
+        out["tensor-parallel backward"] = (a * runs + recompute) * tick + act
         out["loss"] = 3 * b * s * 4 * n
     elif shape.tensor > 1:
         act = b * s * h * shape.activation_bytes * n
         if shape.sequence:  # each all-reduce -> a reduce-scatter + an all-gather of one shard
-            pairs = 2 * (2 * shape.layers + 1) * act // shape.tensor
-            recompute = 3 * shape.layers if shape.remat in ("full", "save_dots") else 0
+            pairs = 2 * (a * shape.layers + 1) * act // shape.tensor
+            recompute = (a + r) * shape.layers if shape.remat in ("full", "save_dots") else 0
             out["tensor-parallel forward"] = pairs + shape.pooled_rows * h * shape.activation_bytes * n
             out["tensor-parallel backward"] = pairs + recompute * act // shape.tensor
             out["sequence-parallel extra"] = shape.sequence_grad_elements * 4 * n
         else:
-            recompute = shape.layers if shape.remat == "full" else 0
-            out["tensor-parallel forward"] = (2 * shape.layers + 1) * act
-            out["tensor-parallel backward"] = (2 * shape.layers + 1 + recompute) * act
+            recompute = r * shape.layers if shape.remat == "full" else 0
+            out["tensor-parallel forward"] = (a * shape.layers + 1) * act
+            out["tensor-parallel backward"] = (a * shape.layers + 1 + recompute) * act
         out["loss"] = 3 * b * s * 4 * n  # the cross-entropy runs in fp32
         # per layer: the grouped all-reduce of the shard's head, the all-gather of one head per group (fp32)
         out["replicated key/value heads"] = 2 * shape.layers * shape.kv_head_elements * 4 * n
@@ -260,23 +271,38 @@ def check_countable(spec) -> None:
 
 
 def step_shape(run) -> Shape:
-    """What the minimum of a compiled training run depends on: its RunSpec and its parameters' layout."""
-    spec = run.spec
+    """What the minimum of a compiled training run depends on: its RunSpec (the model's spec for its layers'
+    all-reduces) and its parameters' layout."""
+    spec, model = run.spec, run.spec.model_spec
     params = run.abstract_state.params
-    local = sum(model_shard_elements(a) for a in jax.tree.leaves(params))
-    cfg, kv_head, kv_weight = spec.model, 0, 0
-    if spec.tensor > 1 and cfg.kv_replicated(spec.tensor):
-        kv_head = cfg.hidden_size * 2 * cfg.head_dim
-        kv_weight = cfg.num_layers * kv_head * cfg.kv_heads  # replicated over model, reduced in its own category
-        local -= cfg.num_layers * kv_head * (cfg.kv_heads - 1)  # each shard reduces its own head over data
-    return Shape(micro_batch=spec.micro_batch, num_micro=spec.num_micro, seq=spec.model.max_seq_len,
-                 hidden=spec.model.hidden_size, layers=spec.model.num_layers, tensor=spec.tensor, data=spec.data,
-                 activation_bytes=np.dtype(spec.model.compute_dtype).itemsize, local_grad_elements=local,
-                 remat=spec.model.remat, sequence=spec.sequence,
-                 sequence_grad_elements=sequence_grad_elements(params, spec.tensor, spec.model_spec) - kv_weight
-                 if spec.sequence else 0, pooled_rows=spec.model_spec.pooled_rows * spec.micro_batch,
+    cfg = spec.model
+    kv_head = kv_head_elements(cfg, spec.tensor)
+    kv_weight = cfg.num_layers * kv_head * cfg.kv_heads  # replicated over model, reduced in its own category
+    local = data_gradient_elements(cfg, sum(model_shard_elements(a) for a in jax.tree.leaves(params)),
+                                   cfg.num_layers, kv_head)
+    return Shape(micro_batch=spec.micro_batch, num_micro=spec.num_micro, seq=cfg.max_seq_len,
+                 hidden=cfg.hidden_size, layers=cfg.num_layers, tensor=spec.tensor, data=spec.data,
+                 activation_bytes=np.dtype(cfg.compute_dtype).itemsize, local_grad_elements=local,
+                 tensor_all_reduces=model.tensor_all_reduces, recomputed_all_reduces=model.recomputed_all_reduces,
+                 remat=cfg.remat, sequence=spec.sequence,
+                 sequence_grad_elements=sequence_grad_elements(params, spec.tensor, model) - kv_weight
+                 if spec.sequence else 0, pooled_rows=model.pooled_rows * spec.micro_batch,
                  gathered_shard_elements=gathered_shard_elements(run), kv_head_elements=kv_head,
                  **_pipeline_shape(spec))
+
+
+def kv_head_elements(cfg: TransformerConfig, tensor: int) -> int:
+    """One key/value head's weight per layer, h x 2 x head_dim, where ``tensor`` > 1 model shards replicate the
+    heads (``TransformerConfig.kv_replicated``: each reduces the gradient of its group's head in its own
+    category); 0 otherwise."""
+    return cfg.hidden_size * 2 * cfg.head_dim if tensor > 1 and cfg.kv_replicated(tensor) else 0
+
+
+def data_gradient_elements(cfg: TransformerConfig, local: int, layers: int, kv_head: int) -> int:
+    """The gradient elements one device all-reduces over ``data``: its ``local`` parameters (as the model axis
+    splits them) of a model (or stage) of ``layers`` layers, less, where the key/value heads are replicated
+    (``kv_head`` > 0, ``kv_head_elements``), the heads other than its own: each shard reduces one head."""
+    return local - layers * kv_head * (cfg.kv_heads - 1) if kv_head else local
 
 
 def _pipeline_shape(spec) -> dict[str, int | bool]:

@@ -183,7 +183,7 @@ def compile_step(config: ml_collections.ConfigDict, target: str = "h100", hosts:
     Nothing is allocated."""
     gpu = target_of(target)
     devices = gpu_devices(target, hosts, gpus_per_host)
-    config = ml_collections.ConfigDict(config)
+    config = config.copy_and_resolve_references()  # a deep copy: the sections are not the caller's
     pipe, model = config.mesh.pipe, config.mesh.model
     data = config.mesh.data if config.mesh.data > 0 else len(devices) // (pipe * model)
     if pipe * data * model > len(devices):

@@ -1,5 +1,10 @@
 """What one training step holds on a device besides its arguments, by formula and as XLA plans it.
 
+Nothing here knows a model family's block: parameters come from the abstract model (``parameters``,
+``params_per_device``: ``nnx.eval_shape`` of the spec's module, laid out by the sharding rules; the scaling model
+reads them too), a layer's activations and the head's from the model's spec (``ModelSpec.layer_residuals``,
+``ModelSpec.head_memory``).
+
 The formula (``MemoryReport.temp_bytes``) counts the step's temporaries term by term:
 
 * gradients: fp32, 4 bytes per parameter held: the accumulator the micro-batch scan carries (zeros first), and with
@@ -9,12 +14,13 @@ The formula (``MemoryReport.temp_bytes``) counts the step's temporaries term by 
   three are counted per shard (``params_per_device(..., split_over_data=True)``), and what is gathered at use is
   added where it is live (``gathered_bytes``): at the head's backward, the whole word embedding (as the model axis
   splits it) and its gradient before the reduce-scatter; in a recomputed layer, that layer's parameters and gradients.
-* activations (``activations``): what JAX's autodiff keeps for the backward pass. ``layer_residual_bytes`` counts
-  one layer's residuals by kind (the same bytes as the traced jaxpr, ``traced_layer_residual_bytes``, which the
-  tests compare); the scanned stack keeps L of them. On top of those, the larger of the output head at the start
-  of the backward pass (``head_bytes``: the fp32 logits, their exponentials and their gradient; the tied word
-  embedding's gradient is not written yet then, ``word_embedding_grad_bytes``) and, with full / save_dots
-  recomputation, one layer's recomputed residuals.
+* activations (``activations``): what JAX's autodiff keeps for the backward pass. ``layer_residual_bytes`` asks
+  the model's spec for one layer's residuals by kind (``ModelSpec.layer_residuals``; the same bytes as the traced
+  jaxpr, ``traced_layer_residual_bytes``, which the tests compare); the scanned stack keeps L of them. On top of
+  those, the larger of the output head at the start of the backward pass (``head_bytes``, the spec's
+  ``head_memory``: the fp32 logits, their exponentials and their gradient; the tied word embedding's gradient is
+  not written yet then, ``word_embedding_grad_bytes``) and, with full / save_dots recomputation, one layer's
+  recomputed residuals.
 
 ``compiled_memory`` compiles the real step ahead of time (``training.loop.setup``, abstract inputs, nothing
 allocated) and reads ``memory_analysis()``: arguments = state (parameters, moments, 32 bytes of scalars) + the
@@ -90,13 +96,15 @@ def layer_residual_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp
 
 
 def head_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: int, gpu: bool = False) -> int:
-    """Bytes of the output head live when the backward pass starts, on one device.
+    """Bytes of the output head live when the backward pass starts, on one device: what the model's spec says its
+    head holds (``ModelSpec.head_memory``).
 
-    The fp32 logits (b*s*V/t), their exponentials and their gradient (3 copies; BERT's MLM head 4, its biased
-    logits too; 16-bit adds the compute-dtype logits), plus 8 (b, s, h) fp32 tensors of the embedding and the
-    final LayerNorm (16 for BERT: the MLM transform's dense, GeLU and LayerNorm). Task models have no vocabulary
-    logits. With ``parallel.sequence`` those run on the split sequence (1/t of them) and the output layer keeps its
-    all-gathered input, one whole (b, s, h) tensor in the compute dtype.
+    ``vocab_logit_copies`` fp32 (b, s, V/t) tensors (GPT's and Llama's 3: the logits, their exponentials and their
+    gradient; BERT's MLM head 4, its biased logits too; 0 for a head without vocabulary logits, the task models'),
+    with 16-bit compute the compute-dtype logits too, plus ``hidden_tensors`` (b, s, h) fp32 tensors of the
+    embeddings, the final norm and the head (GPT's 8; BERT's 16, with the MLM transform's dense, GeLU and
+    LayerNorm). With ``parallel.sequence`` those run on the split sequence (1/t of them) and the output layer keeps
+    its all-gathered input, one whole (b, s, h) tensor in the compute dtype.
 
     ``gpu``: XLA:GPU fuses the exponentials, the normalisation and the LayerNorms into the reductions and GEMMs
     that read them; what the head holds at the peak is the logits as the output GEMM writes them (compute dtype)
@@ -125,7 +133,7 @@ def word_embedding_grad_bytes(config: ml_collections.ConfigDict, data: int, mode
     micro-batch 1: temp 0.87 -> 0.99 of the compiled). With ``full`` / ``save_dots`` the compiled peak comes later,
     in the layers' backward, after it is written (leaving it out there undercounts by 8-12%). 0 for the task models,
     which have no output layer over the vocabulary."""
-    if not model_spec(config.model.name).vocab_output or config.model.remat in ("full", "save_dots"):
+    if not model_spec(config.model.name).head_memory.vocab_output or config.model.remat in ("full", "save_dots"):
         return 0
     rows = model_config(config).padded_vocab_size // model
     return FP32 * rows * config.model.hidden_size // (data if split_over_data else 1)
@@ -232,7 +240,7 @@ def compiled_memory(config: ml_collections.ConfigDict, data: int, model: int, mi
     """Compiles ``config``'s training step for a ``data x model`` mesh (global batch micro_batch * data *
     num_micro) ahead of time and reads XLA's memory plan; allocates nothing. Needs data * model devices (times
     ``mesh.pipe``)."""
-    config = ml_collections.ConfigDict(config)
+    config = config.copy_and_resolve_references()  # a deep copy: the sections are not the caller's
     config.mesh.data, config.mesh.model = data, model
     config.train.global_batch_size = micro_batch * data * num_micro
     config.train.micro_batch_size = micro_batch if num_micro > 1 else 0
@@ -308,41 +316,61 @@ class MemoryReport:
 
 def gathered_bytes(config: ml_collections.ConfigDict, model: int) -> tuple[int, int]:
     """(head, layer): what ``parallel.fsdp`` holds whole over ``data`` at its peaks, fp32 on one device of a
-    ``model``-way split. At the head's backward the gathered word embedding (needed for the input's gradient) and
-    its gradient before the reduce-scatter to the shards (gpt_125m on 8x1, remat=full: the formula's temp was
-    0.81 of the compiled without them); in a recomputed layer's backward, its parameters and gradients alike. The
-    task models' heads read no vocabulary: their head part is 0."""
+    ``model``-way split. At the head's backward the gathered output layer over the vocabulary (the tied word
+    embedding or its own, vocab-parallel: padded vocabulary / ``model`` x hidden; needed for the input's gradient)
+    and its gradient before the reduce-scatter to the shards (gpt_125m on 8x1, remat=full: the formula's temp was
+    0.81 of the compiled without them); in a recomputed layer's backward, its parameters and gradients alike (one
+    layer of the abstract model's stacked layers, as the rules split it). A model whose head reads no vocabulary
+    (``HeadMemory.vocab_output``: the task models) has no head part."""
     m = config.model
     embedding = model_config(config).padded_vocab_size // model * m.hidden_size
     layer = params_per_device(config, {"data": 1, "model": model}, only=STACK)[1] // m.num_layers
-    head = 2 * FP32 * embedding if model_spec(m.name).vocab_output else 0
+    head = 2 * FP32 * embedding if model_spec(m.name).head_memory.vocab_output else 0
     return head, 2 * FP32 * layer
+
+
+@dataclasses.dataclass(frozen=True)
+class Parameter:
+    """One parameter of the abstract model as a mesh holds it."""
+
+    module: str  # its top-level module (``transformer.STACK``: the stacked layers)
+    names: tuple[str | None, ...]  # its logical axis names (the stacked layers' lead with ``layers``)
+    shape: tuple[int, ...]
+    per_device: int  # elements one device holds
+
+
+def parameters(config: ml_collections.ConfigDict, mesh_shape: dict[str, int],
+               split_over_data: bool = False) -> list[Parameter]:
+    """Every parameter of ``config``'s abstract model (``nnx.eval_shape``: no memory) for a mesh given as
+    ``{'data': D, 'model': M}`` (and ``'pipe': P`` with pipeline stages), as the rules lay it out, or with
+    ``split_over_data`` as ``parallel.fsdp`` stores it (``sharding.fsdp_spec``)."""
+    config = config.copy_and_resolve_references()
+    config.mesh.model = mesh_shape.get("model", 1)  # the rules depend on it (replicated key/value heads)
+    config.mesh.pipe = mesh_shape.get("pipe", 1)  # and on this (layers over pipe)
+    rules = rules_of(config)
+    out = []
+    for path, var in jax.tree_util.tree_leaves_with_path(nnx.state(abstract_model(config)),
+                                                        is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        names = tuple(var.get_metadata()["out_sharding"])
+        spec = fsdp_spec(names, var.shape, rules, mesh_shape) if split_over_data else logical_to_spec(names, rules)
+        local = math.prod(var.shape) // math.prod(mesh_shape[a] for a in spec_axes(spec))
+        out.append(Parameter(jax.tree_util.keystr(path[:1], simple=True), names, tuple(var.shape), local))
+    return out
 
 
 def params_per_device(config: ml_collections.ConfigDict, mesh_shape: dict[str, int],
                       split_over_data: bool = False, only: str | None = None) -> tuple[int, int]:
     """(total parameters, parameters held by one device) for a mesh given as ``{'data': D, 'model': M}`` (and
     ``'pipe': P`` with pipeline stages), as the rules lay them out, or with ``split_over_data`` as
-    ``parallel.fsdp`` stores them (``sharding.fsdp_spec``); ``only``: those of one top-level module (``blocks``)."""
-    config = config.copy_and_resolve_references()
-    config.mesh.model = mesh_shape.get("model", 1)  # the rules depend on it (replicated key/value heads)
-    config.mesh.pipe = mesh_shape.get("pipe", 1)  # and on this (layers over pipe)
-    rules = rules_of(config)
-    state = nnx.state(abstract_model(config))
-    state = state[only] if only else state
-    total = per_device = 0
-    for var in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
-        names = var.get_metadata()["out_sharding"]
-        spec = fsdp_spec(names, var.shape, rules, mesh_shape) if split_over_data else logical_to_spec(names, rules)
-        total += math.prod(var.shape)
-        per_device += math.prod(var.shape) // math.prod(mesh_shape[a] for a in spec_axes(spec))
-    return total, per_device
+    ``parallel.fsdp`` stores them (``parameters``); ``only``: those of one top-level module (``blocks``)."""
+    held = [p for p in parameters(config, mesh_shape, split_over_data) if only is None or p.module == only]
+    return sum(math.prod(p.shape) for p in held), sum(p.per_device for p in held)
 
 
 def activation_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: int, bytes_per_value: int) -> int:
     """Activation bytes per device for one micro-batch with ``bytes_per_value``-byte (4: fp32, 2: 16-bit) compute
     (``activations``: the residuals JAX keeps per layer, the head or one recomputed layer)."""
-    config = ml_collections.ConfigDict(config)
+    config = config.copy_and_resolve_references()  # a copy (ConfigDict(config) would share its sections)
     config.train.precision = "fp32" if bytes_per_value == FP32 else "bf16"
     return activations(config, micro_batch, tp).total
 
@@ -359,7 +387,7 @@ def memory_report(config: ml_collections.ConfigDict, data: int, model: int, micr
     per accumulation step (``num_micro`` steps; default: what the config's global batch implies); ``gpu``: as the
     step compiles for an NVIDIA GPU (cuDNN's attention where the model allows it, XLA:GPU's fusions, the GEMM
     workspace), else as on the CPU."""
-    config = ml_collections.ConfigDict(config)
+    config = config.copy_and_resolve_references()  # a deep copy: the sections are not the caller's
     config.mesh.data, config.mesh.model = data, model
     pipe = config.mesh.pipe
     validate(config, pipe * data * model)

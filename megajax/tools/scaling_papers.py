@@ -48,14 +48,37 @@ passes, narrow attention GEMMs and tensor-parallel all-reduces shrink against th
 from __future__ import annotations
 
 import dataclasses
+import functools
 
-from megajax.tools.scaling import DGX2H_V100, DGX_A100, Cluster, Decoder, Prediction, predict
+import ml_collections
+
+from megajax.config import base_config, model_config
+from megajax.tools.scaling import DGX2H_V100, DGX_A100, Cluster, Prediction, predict
 from megajax.tools.scaling_pipeline import Pipeline
 
+
+def gpt_config(hidden: int, layers: int, heads: int, seq: int = 1024, remat: str = "full") -> ml_collections.ConfigDict:
+    """A GPT-2 config of the papers' models (``base_config``): ``hidden``, ``layers``, ``heads``, sequence ``seq``,
+    the vocabulary padded to 51,200 (Megatron-LM's GPT-2 vocabulary), ``remat`` (both papers checkpoint every
+    layer). The scaling model reads its parameters, FLOPs and activations from the model this config builds."""
+    config = base_config()
+    config.model.update(hidden_size=hidden, num_layers=layers, num_heads=heads, max_seq_len=seq, vocab_size=51200,
+                        remat=remat)
+    return config
+
+
+def with_heads(config: ml_collections.ConfigDict, heads: int) -> ml_collections.ConfigDict:
+    """A copy of ``config`` with ``heads`` attention heads (Table 7's 8.3B variants)."""
+    config = config.copy_and_resolve_references()
+    config.model.num_heads = heads
+    return config
+
+
 # The paper's scaling experiments (Section 5.1 and Appendix D): Table 1's models (96 per head), seq 1024, the
-# vocabulary padded to 51,200, checkpointing every layer, and fp16 gradients all-reduced (Megatron-LM 2019).
-PAPER_MODELS = {"1.2B": Decoder(1536, 40, 16), "2.5B": Decoder(1920, 54, 20), "4.2B": Decoder(2304, 64, 24),
-                "8.3B": Decoder(3072, 72, 32)}
+# vocabulary padded to 51,200, checkpointing every layer, and fp16 gradients all-reduced (Megatron-LM 2019). Read,
+# never changed: ``scaling.with_choices`` and ``with_heads`` copy.
+PAPER_MODELS = {"1.2B": gpt_config(1536, 40, 16), "2.5B": gpt_config(1920, 54, 20), "4.2B": gpt_config(2304, 64, 24),
+                "8.3B": gpt_config(3072, 72, 32)}
 PAPER_PUBLISHED = {
     "baseline TFLOP/s": {1: 39.0},  # Section 5.1.1: 1.2B on one GPU, 30% of peak
     "figure 5 model": {1: 100, 2: 95, 4: 82, 8: 77},  # weak scaling %, batch 8, Table 1's model per GPU count
@@ -68,8 +91,8 @@ PAPER_PUBLISHED = {
 
 def paper_predictions(cluster: Cluster = DGX2H_V100) -> dict[str, dict[int, float]]:
     """The model's values for ``PAPER_PUBLISHED``'s keys (efficiencies in %, relative to the 1.2B 1-GPU run)."""
-    def run(model: Decoder, mesh: tuple[int, int], batch: int) -> Prediction:
-        return predict(model, mesh, batch, cluster, grad_bytes=2, baseline_tflops=1.0, memory=False)
+    def run(config: ml_collections.ConfigDict, mesh: tuple[int, int], batch: int) -> Prediction:
+        return predict(config, mesh, batch, cluster, grad_bytes=2, baseline_tflops=1.0, memory=False)
 
     base = run(PAPER_MODELS["1.2B"], (1, 1), 8)
     weak = lambda p: 100 * p.tflops_per_gpu / base.tflops_per_gpu  # noqa: E731
@@ -78,9 +101,9 @@ def paper_predictions(cluster: Cluster = DGX2H_V100) -> dict[str, dict[int, floa
         "baseline TFLOP/s": {1: base.tflops_per_gpu},
         "figure 5 model": {t: weak(run(m, (1, t), 8)) for t, m in sizes.items()},
         "figure 5 model+data": {64 * t: weak(run(m, (64, t), 512)) for t, m in sizes.items()},
-        "table 7": {a: weak(run(dataclasses.replace(PAPER_MODELS["8.3B"], heads=a), (1, 8), 8)) for a in (16, 24, 32)},
+        "table 7": {a: weak(run(with_heads(PAPER_MODELS["8.3B"], a), (1, 8), 8)) for a in (16, 24, 32)},
         "table 8": {t: base.step_s / run(PAPER_MODELS["1.2B"], (1, t), 8).step_s for t in (1, 2, 4, 8)},
-        "abstract": {512: weak(run(dataclasses.replace(PAPER_MODELS["8.3B"], heads=24), (64, 8), 512))},
+        "abstract": {512: weak(run(with_heads(PAPER_MODELS["8.3B"], 24), (64, 8), 512))},
     }
 
 
@@ -126,15 +149,18 @@ PTDP_FITTED = ("1.7B", "7.5B", "39.1B", "145.6B", "529.6B")  # DGX_A100's consta
 PTDP_GRAD_BYTES = 2
 
 
-def ptdp_flops(model: Decoder, batch: int) -> float:
+def ptdp_flops(config: ml_collections.ConfigDict, batch: int) -> float:
     """The paper's eq. (3): FLOPs of one step with activation recomputation (the forward pass counted twice)."""
-    b, s, L, h, V = batch, model.seq, model.layers, model.hidden, model.vocab
+    m = config.model
+    b, s, L, h, V = batch, m.max_seq_len, m.num_layers, m.hidden_size, model_config(config).padded_vocab_size
     return 96 * b * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
 
 
-def ptdp_model(row: PtdpRow) -> Decoder:
-    """A row's GPT model: sequence 2048, vocabulary 51,200, full recomputation."""
-    return Decoder(row.hidden, row.layers, row.heads, seq=2048, vocab=51200, remat="full")
+@functools.lru_cache(maxsize=None)
+def ptdp_model(row: PtdpRow) -> ml_collections.ConfigDict:
+    """A row's GPT config: sequence 2048, vocabulary 51,200, full recomputation (one per row, read and never
+    changed, as ``PAPER_MODELS``: the fit predicts each row thousands of times)."""
+    return gpt_config(row.hidden, row.layers, row.heads, seq=2048, remat="full")
 
 
 def ptdp_prediction(row: PtdpRow, cluster: Cluster = DGX_A100, repeats: int | None = None) -> Prediction:
@@ -152,7 +178,7 @@ def ptdp_prediction(row: PtdpRow, cluster: Cluster = DGX_A100, repeats: int | No
 
 def ptdp_tflops(row: PtdpRow, prediction: Prediction) -> float:
     """Predicted TFLOP/s per GPU in the paper's count (eq. 3)."""
-    return ptdp_flops(prediction.model, row.batch) / prediction.step_s / row.gpus / 1e12
+    return ptdp_flops(prediction.config, row.batch) / prediction.step_s / row.gpus / 1e12
 
 
 def ptdp_predictions(cluster: Cluster = DGX_A100, repeats: int | None = None) -> dict[str, float]:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import ml_collections
-
 from megajax.parallel.pipeline import ticks as schedule_ticks
 from megajax.tools.memory_planner import head_bytes, layer_residual_bytes
 
@@ -96,7 +94,7 @@ def megatron_activation_bytes(config, rows: int, tensor: int, pipeline: Pipeline
     residuals of L/(p v) layers for each chunk-microbatch in flight (``Pipeline.in_flight``), plus the larger of the
     last stage's head on one microbatch and one recomputed layer, counted with the memory planner's terms (JAX's
     residuals, half precision: an estimate of PyTorch's)."""
-    config = ml_collections.ConfigDict(config)
+    config = config.copy_and_resolve_references()  # a copy (ConfigDict(config) would share its sections)
     config.train.precision = "bf16"
     p, v, m = pipeline.stages, pipeline.repeats, config.model
     micro = rows // pipeline.microbatches

@@ -22,24 +22,40 @@ from __future__ import annotations
 
 import dataclasses
 
+import ml_collections
+
 from megajax.cli import ArgumentParser, load_config
 from megajax.models import model_spec
-from megajax.tools.scaling import CLUSTERS, Cluster, Decoder, GiB, Prediction, memory_bytes, predict
+from megajax.tools.scaling import (
+    CLUSTERS,
+    Cluster,
+    GiB,
+    Prediction,
+    choice_flags,
+    choices,
+    memory_bytes,
+    parameters_per_gpu,
+    predict,
+    splits_evenly,
+    with_choices,
+)
 from megajax.tools.scaling_pipeline import Pipeline
 
 
-def candidate_meshes(model: Decoder, num_gpus: int, cluster: Cluster, global_batch: int,
+def candidate_meshes(config: ml_collections.ConfigDict, num_gpus: int, cluster: Cluster, global_batch: int,
                      micro_batch: int | None = None, pipe: int | None = None) -> list[tuple[int, int, int]]:
-    """(pipe, data, model) factorizations of ``num_gpus`` with model parallelism within a node, whole heads and equal
-    hidden / MLP / vocabulary slices per shard, equal stages of whole layers, and the batch split evenly over
-    ``data`` (and micro-batches). ``pipe``: only that many stages (None: every count that divides the layers)."""
-    out = []
+    """(pipe, data, model) factorizations of ``num_gpus`` with model parallelism within a node that the model allows
+    (``scaling.splits_evenly``: whole heads and equal hidden / MLP / vocabulary slices per shard), equal stages of
+    whole layers, and the batch split evenly over ``data`` (and micro-batches). ``pipe``: only that many stages
+    (None: every count that divides the layers)."""
+    out, layers = [], config.model.num_layers
+    fits = {t: splits_evenly(config, t) for t in range(1, min(num_gpus, cluster.gpus_per_node) + 1)}
     for stages in range(1, num_gpus + 1):
-        if num_gpus % stages or model.layers % stages or (pipe is not None and stages != pipe):
+        if num_gpus % stages or layers % stages or (pipe is not None and stages != pipe):
             continue
         for tensor in range(1, min(num_gpus // stages, cluster.gpus_per_node) + 1):
             data = num_gpus // stages // tensor
-            if (num_gpus // stages) % tensor or not model.divisible_by(tensor) or global_batch % data:
+            if (num_gpus // stages) % tensor or not fits[tensor] or global_batch % data:
                 continue
             if micro_batch and (global_batch // data) % micro_batch:
                 continue
@@ -54,26 +70,29 @@ SPLIT_CHOICES = ((False, False), (True, False), (True, True))  # (shard_optimize
 MAX_REPEATS = 8  # the circular schedule's chunks per stage the planner tries (every divisor of L/p up to this)
 
 
-def variants(model: Decoder, mesh: tuple[int, int], choose: bool, pipe: int = 1) -> list[Decoder]:
-    """The model as given, or (``choose``) every remat policy x sequence parallelism (model-parallel meshes whose
-    t divides the sequence) x the state split over data (none, ZeRO-1, FSDP: data-parallel meshes) that could run
-    on ``mesh``. With ``pipe`` > 1 stages the step model does not cover sequence parallelism or FSDP (megajax runs
-    both under stages, FSDP gathering each stage's layers once per step: not modelled yet), so a model that asks for
-    them has no pipelined variant; ``save_dots`` keeps and recomputes what ``full`` does (so it is not tried)."""
+def variants(config: ml_collections.ConfigDict, mesh: tuple[int, int], choose: bool,
+             pipe: int = 1) -> list[ml_collections.ConfigDict]:
+    """The config as given, or (``choose``) copies with every remat policy x sequence parallelism (model-parallel
+    meshes whose t divides the sequence) x the state split over data (none, ZeRO-1, FSDP: data-parallel meshes)
+    that could run on ``mesh``. With ``pipe`` > 1 stages the step model does not cover sequence parallelism or FSDP
+    (megajax runs both under stages, FSDP gathering each stage's layers once per step: not modelled yet), so a
+    config that asks for them has no pipelined variant; ``save_dots`` keeps and recomputes what ``full`` does (so it
+    is not tried)."""
     if pipe > 1:
         if not choose:
-            return [] if model.sequence or model.fsdp else [model]
-        return [dataclasses.replace(model, remat=r, sequence=False, shard_optimizer=z, fsdp=False)
+            _, sequence, _, fsdp = choices(config)
+            return [] if sequence or fsdp else [config]
+        return [with_choices(config, remat=r, sequence=False, shard_optimizer=z, fsdp=False)
                 for r in REMAT_CHOICES if r != "save_dots" for z in ((False, True) if mesh[0] > 1 else (False,))]
     if not choose:
-        return [model]
+        return [config]
     data, tensor = mesh
-    return [dataclasses.replace(model, remat=r, sequence=sp, shard_optimizer=z, fsdp=f) for r in REMAT_CHOICES
-            for sp in ((False, True) if tensor > 1 and model.seq % tensor == 0 else (False,))
+    return [with_choices(config, remat=r, sequence=sp, shard_optimizer=z, fsdp=f) for r in REMAT_CHOICES
+            for sp in ((False, True) if tensor > 1 and config.model.max_seq_len % tensor == 0 else (False,))
             for z, f in (SPLIT_CHOICES if data > 1 else SPLIT_CHOICES[:1])]
 
 
-def pipelines(model: Decoder, stages: int, rows: int) -> list[Pipeline]:
+def pipelines(config: ml_collections.ConfigDict, stages: int, rows: int) -> list[Pipeline]:
     """The schedules the planner tries on ``stages`` stages for a layer-stack batch of ``rows`` sequences: GPipe and
     the circular schedule with every v up to ``MAX_REPEATS`` that splits the layers evenly, each at M = the smallest
     divisor of ``rows`` from p, 2p, 4p, ... up, and all ``rows`` (one sequence per microbatch); fewer than p only
@@ -86,12 +105,12 @@ def pipelines(model: Decoder, stages: int, rows: int) -> list[Pipeline]:
         counts.add(next(m for m in divisors if m >= want))
         want *= 2
     counts.add(rows)
-    repeats = [v for v in range(1, MAX_REPEATS + 1) if model.layers % (stages * v) == 0]
+    repeats = [v for v in range(1, MAX_REPEATS + 1) if config.model.num_layers % (stages * v) == 0]
     return [Pipeline(stages, m, v) for v in repeats for m in sorted(counts)]
 
 
-def recommend_mesh(model: Decoder, num_gpus: int, cluster: Cluster, global_batch: int, micro_batch: int | None = None,
-                   grad_bytes: int = 4, choose: bool = False,
+def recommend_mesh(config: ml_collections.ConfigDict, num_gpus: int, cluster: Cluster, global_batch: int,
+                   micro_batch: int | None = None, grad_bytes: int = 4, choose: bool = False,
                    pipe: int | None = None) -> tuple[Prediction | None, list[Prediction]]:
     """(the fastest mesh that fits in HBM or None, one prediction per candidate mesh, fastest first).
 
@@ -99,17 +118,17 @@ def recommend_mesh(model: Decoder, num_gpus: int, cluster: Cluster, global_batch
     the model or the batch are not candidates; those over HBM are listed, never recommended. With stages, every
     schedule and microbatch count of ``pipelines`` is tried. ``choose``: besides the mesh, pick the remat policy,
     sequence parallelism and ZeRO-1 / FSDP (each mesh's row is its fastest choice that fits, else its least memory);
-    otherwise the model's own are kept."""
+    otherwise the config's own are kept."""
     table = []
-    for stages, data, tensor in candidate_meshes(model, num_gpus, cluster, global_batch, micro_batch, pipe):
+    for stages, data, tensor in candidate_meshes(config, num_gpus, cluster, global_batch, micro_batch, pipe):
         mesh = (data, tensor)
         rows = micro_batch or global_batch // data
-        options = sorted((predict(m, mesh, global_batch, cluster, micro_batch, grad_bytes, memory=False, pipeline=pl)
-                          for pl in pipelines(model, stages, rows) for m in variants(model, mesh, choose, stages)),
+        options = sorted((predict(c, mesh, global_batch, cluster, micro_batch, grad_bytes, memory=False, pipeline=pl)
+                          for pl in pipelines(config, stages, rows) for c in variants(config, mesh, choose, stages)),
                          key=lambda p: p.step_s)
         row = None
         for option in options:  # fastest first: the first that fits is the row; else the one needing least memory
-            need = memory_bytes(option.model, tensor, option.micro_batch, data, option.pipeline)
+            need = memory_bytes(option.config, tensor, option.micro_batch, data, option.pipeline)
             option = dataclasses.replace(option, memory_bytes=need, fits=need <= cluster.hbm_bytes)
             if option.fits:
                 row = option
@@ -127,12 +146,12 @@ def format_table(table: list[Prediction], best: Prediction | None) -> str:
              f"{'step s':>8} {'compute':>8} {'TP comm':>8} {'PP comm':>8} {'DP comm':>8} {'bubble':>6} "
              f"{'TFLOP/s':>8} {'MFU':>6} {'vs 1GPU':>7} {'GiB/GPU':>8} fits"]
     yes = lambda b: "yes" if b else "-"  # noqa: E731
-    zero = lambda m: "3" if m.fsdp else "1" if m.shard_optimizer else "-"  # noqa: E731
     for p in table:
-        m, pl = p.model, p.pipeline
+        (remat, sequence, shard_optimizer, fsdp), pl = choices(p.config), p.pipeline
+        zero = "3" if fsdp else "1" if shard_optimizer else "-"
         lines.append(f"{pl.stages:>4} {p.mesh[0]:>4}x{p.mesh[1]:<3} {_schedule(pl):>7} "
-                     f"{pl.microbatches if pl.stages > 1 else '-':>4} {p.micro_batch:>5} {m.remat:>9} "
-                     f"{yes(m.sequence):>3} {zero(m):>4} {p.step_s:8.3f} {p.compute_s:8.3f} {p.tensor_comm_s:8.3f} "
+                     f"{pl.microbatches if pl.stages > 1 else '-':>4} {p.micro_batch:>5} {remat:>9} "
+                     f"{yes(sequence):>3} {zero:>4} {p.step_s:8.3f} {p.compute_s:8.3f} {p.tensor_comm_s:8.3f} "
                      f"{p.pipe_comm_s:8.3f} {p.data_comm_s:8.3f} {p.bubble:6.1%} {p.tflops_per_gpu:8.1f} "
                      f"{p.mfu:6.1%} {p.efficiency:7.1%} {p.memory_bytes / GiB:8.1f} {'yes' if p.fits else 'NO'}")
     if best is None:
@@ -142,9 +161,10 @@ def format_table(table: list[Prediction], best: Prediction | None) -> str:
         pl = best.pipeline
         schedule = (f" ({pl.schedule}{f' v={pl.repeats}' if pl.repeats > 1 else ''}, {pl.microbatches} "
                     f"microbatches, bubble {pl.bubble():.1%})" if pl.stages > 1 else "")
+        remat, sequence, _, _ = choices(best.config)
         lines.append(f"recommendation: pipe={pl.stages} x data={best.mesh[0]} x model={best.mesh[1]}{schedule}, "
-                     f"remat={best.model.remat}, sequence parallelism {'on' if best.model.sequence else 'off'}, "
-                     f"state split over data: {_split_name(best.model)}: {best.step_s:.3f} s/step, "
+                     f"remat={remat}, sequence parallelism {'on' if sequence else 'off'}, "
+                     f"state split over data: {_split_name(best.config)}: {best.step_s:.3f} s/step, "
                      f"{best.tflops_per_gpu:.1f} TFLOP/s per GPU\n  {flags(best)}")
     return "\n".join(lines)
 
@@ -153,15 +173,16 @@ def flags(prediction: Prediction) -> str:
     """The train.py flags of a prediction's mesh, schedule and choices."""
     pl, (data, tensor) = prediction.pipeline, prediction.mesh
     mesh = f"--config.mesh.pipe={pl.stages} --config.mesh.data={data} --config.mesh.model={tensor}"
-    return " ".join(f for f in (mesh, pl.flags(), prediction.model.flags()) if f)
+    return " ".join(f for f in (mesh, pl.flags(), choice_flags(prediction.config)) if f)
 
 
 def _schedule(pipeline: Pipeline) -> str:
     return pipeline.schedule if pipeline.repeats == 1 else f"circ{pipeline.repeats}"
 
 
-def _split_name(model: Decoder) -> str:
-    return "FSDP" if model.fsdp else "ZeRO-1" if model.shard_optimizer else "none"
+def _split_name(config: ml_collections.ConfigDict) -> str:
+    _, _, shard_optimizer, fsdp = choices(config)
+    return "FSDP" if fsdp else "ZeRO-1" if shard_optimizer else "none"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -181,13 +202,14 @@ def main(argv: list[str] | None = None) -> None:
     if not model_spec(config.model.name).causal_lm:
         raise SystemExit(f"error: the scaling model covers causal language models (GPT configs); {args.config} is "
                          f"{config.model.name}")
-    model, cluster = Decoder.from_config(config), CLUSTERS[args.cluster]
+    cluster = CLUSTERS[args.cluster]
     batch = args.global_batch or config.train.global_batch_size
     micro = args.micro_batch if args.micro_batch is not None else config.train.micro_batch_size
-    best, table = recommend_mesh(model, args.gpus, cluster, batch, micro or None, args.grad_bytes,
+    best, table = recommend_mesh(config, args.gpus, cluster, batch, micro or None, args.grad_bytes,
                                  choose=not args.keep_choices, pipe=args.pipe or None)
     if not table:
         raise SystemExit(f"error: no (pipe, data, model) mesh of {args.gpus} GPUs divides the layers, the heads and "
                          "the batch")
-    print(f"{args.config}: {model.params()[0]:,} parameters, {args.gpus} GPUs on {cluster.name}, global batch {batch}")
+    print(f"{args.config}: {parameters_per_gpu(config)[0]:,} parameters, {args.gpus} GPUs on {cluster.name}, "
+          f"global batch {batch}")
     print(format_table(table, best))
