@@ -39,7 +39,7 @@ from megajax.tools.memory_planner import (
     params_per_device,
     traced_layer_residual_bytes,
 )
-from megajax.tools.scaling import parameters_per_gpu
+from megajax.tools.scaling_layout import parameters_per_gpu
 
 MICRO_BATCH = 4
 CASES = {  # name -> (config, data, model, remat, parallel flags ('+'-joined: shard_optimizer (ZeRO-1), fsdp,

@@ -13,8 +13,9 @@ from megajax.config import model_config, sequence_parallel, state_split, validat
 from megajax.models import model_spec
 from megajax.models.spec import transformer_flops
 from megajax.parallel import pipeline as megajax_pipeline
-from megajax.tools import scaling, scaling_papers, scaling_plan
-from megajax.tools.scaling import DGX2H_V100, DGX_A100, predict, with_choices
+from megajax.tools import scaling, scaling_layout, scaling_papers, scaling_plan
+from megajax.tools.scaling import DGX2H_V100, DGX_A100, predict
+from megajax.tools.scaling_layout import with_choices
 from megajax.tools.scaling_papers import PAPER_MODELS, PTDP_FITTED, PTDP_TABLE1, gpt_config
 from megajax.tools.scaling_pipeline import Pipeline
 from megajax.tools.scaling_plan import recommend_mesh
@@ -84,7 +85,7 @@ def test_tensor_parallel_time_is_megatrons_all_reduces():
 def test_data_parallel_time_by_hand():
     model, c = PAPER_MODELS["8.3B"], DGX2H_V100
     # fp16; 64 x 8 on 16-GPU nodes: 2 of each data group per node, 32 nodes
-    grads = scaling.parameters_per_gpu(model, 8)[1] * 2
+    grads = scaling_layout.parameters_per_gpu(model, 8)[1] * 2
     hand = scaling.ring_allreduce_s(grads, 2, c.intra_bandwidth, c.intra_latency)
     hand += scaling.ring_allreduce_s(grads / 2, 32, c.inter_bandwidth, c.inter_latency)
     assert scaling.data_comm_s(model, (64, 8), c, grad_bytes=2) == pytest.approx(hand, rel=1e-12)
@@ -123,7 +124,7 @@ def test_parameters_and_memory_match_info(name, tensor):
     from megajax.tools.memory_planner import memory_report, params_per_device
 
     config = load_config(name)
-    assert scaling.parameters_per_gpu(config, tensor) == params_per_device(config, {"data": 1, "model": tensor})
+    assert scaling_layout.parameters_per_gpu(config, tensor) == params_per_device(config, {"data": 1, "model": tensor})
     # The state from the scaling model's parameters (the abstract model's, cached per tensor degree) against the
     # planner's report, which counts them through the sharding rules (the activations are the planner's own
     # formula in both, held against XLA's compiled plan by tests/test_memory_planner.py).
@@ -131,7 +132,7 @@ def test_parameters_and_memory_match_info(name, tensor):
     assert scaling.state_bytes(config, tensor, data=2) == report.param_bytes + report.grad_bytes + \
         report.optimizer_bytes
     config.parallel.update(sequence=True, shard_optimizer=True)  # the planner's choices, counted as info does
-    assert scaling.choices(config)[1:3] == (True, True)
+    assert scaling_layout.choices(config)[1:3] == (True, True)
     report = memory_report(config, 2, tensor, micro_batch=2)
     assert scaling.state_bytes(config, tensor, data=2) == report.param_bytes + report.grad_bytes + \
         report.optimizer_bytes
@@ -232,7 +233,7 @@ def test_zero1_and_sequence_parallel_costs_by_hand():
     parameter; sequence parallelism takes the replicated element-wise passes down by t and changes nothing at t=1."""
     model = PAPER_MODELS["1.2B"]
     zero = with_choices(model, shard_optimizer=True)
-    local = scaling.parameters_per_gpu(model, 2)[1]
+    local = scaling_layout.parameters_per_gpu(model, 2)[1]
     gather = scaling.gather_params_s(zero, (4, 2), DGX2H_V100)  # 4 x 2 fits in one 16-GPU node
     assert gather == pytest.approx(scaling.ring_allreduce_s(4 * local, 4, DGX2H_V100.intra_bandwidth,
                                                             DGX2H_V100.intra_latency) / 2)
@@ -256,21 +257,21 @@ def test_fsdp_costs_by_hand():
     (forward and backward, not overlapped) and keeps 16/d bytes per local parameter."""
     model = PAPER_MODELS["1.2B"]
     fsdp = with_choices(model, shard_optimizer=True, fsdp=True)
-    local, mesh = scaling.parameters_per_gpu(model, 2)[1], (4, 2)
+    local, mesh = scaling_layout.parameters_per_gpu(model, 2)[1], (4, 2)
     ring = scaling.ring_allreduce_s(4 * local, 4, DGX2H_V100.intra_bandwidth, DGX2H_V100.intra_latency)
     assert scaling.gather_params_s(fsdp, mesh, DGX2H_V100) == pytest.approx(ring)  # two halves
     grads = (1 - DGX2H_V100.dp_overlap) * scaling.data_comm_s(model, mesh, DGX2H_V100)
     assert predict(fsdp, mesh, 8, DGX2H_V100).data_comm_s == pytest.approx(grads / 2 + ring)
     assert scaling.memory_bytes(model, 2, 1, data=4) - scaling.memory_bytes(fsdp, 2, 1, data=4) == \
         16 * local - 16 * (local // 4)
-    assert "--config.parallel.fsdp=True" in scaling.choice_flags(fsdp)
+    assert "--config.parallel.fsdp=True" in scaling_layout.choice_flags(fsdp)
 
 
 def test_larger_model_parallel_means_less_memory():
     model = PAPER_MODELS["8.3B"]
     mem = [scaling.memory_bytes(model, t, 8) for t in (1, 2, 4, 8)]
     assert mem == sorted(mem, reverse=True)
-    assert math.isclose(scaling.parameters_per_gpu(model, 8)[0], 8.3e9, rel_tol=0.01)
+    assert math.isclose(scaling_layout.parameters_per_gpu(model, 8)[0], 8.3e9, rel_tol=0.01)
 
 
 # --- pipeline parallelism -------------------------------------------------------------------------------------------
@@ -369,7 +370,7 @@ def test_stage_parameters_are_the_planners(name, pipe, tensor):
     from megajax.tools.memory_planner import params_per_device
 
     config = load_config(name)
-    part = scaling.parameters_per_gpu(config, tensor, Pipeline(pipe, pipe).stages)
+    part = scaling_layout.parameters_per_gpu(config, tensor, Pipeline(pipe, pipe).stages)
     assert part[1] == params_per_device(config, {"pipe": pipe, "data": 1, "model": tensor})[1]
 
 
@@ -403,11 +404,11 @@ def test_pipeline_step_counts_ticks_and_stage_terms():
     micro, chunk, ticks = 2, 4, pipeline.ticks()
     layer = scaling.layer_s(model, 4, micro, c)
     compute = 2 * (ticks * chunk * layer + scaling.head_s(model, 4, 16, c))
-    part = scaling.parameters_per_gpu(model, 4, pipeline.stages)
+    part = scaling_layout.parameters_per_gpu(model, 4, pipeline.stages)
     compute += scaling.OPTIMIZER_BYTES_PER_PARAM * part[1] / c.hbm_bandwidth
     assert p.compute_s == pytest.approx(compute, rel=1e-12)
     assert p.data_comm_s == pytest.approx(scaling.data_comm_s(model, (2, 4), c, stages=pipeline.stages), rel=1e-12)
-    assert part[1] < scaling.parameters_per_gpu(model, 4)[1] / 3  # a quarter of the layers, the ends whole
+    assert part[1] < scaling_layout.parameters_per_gpu(model, 4)[1] / 3  # a quarter of the layers, the ends whole
     assert p.step_s == pytest.approx(p.compute_s + p.tensor_comm_s + p.data_comm_s + p.pipe_comm_s)
     assert p.bubble == pytest.approx(3 / (16 + 3)) and p.gpus == 32
     with pytest.raises(ValueError, match="do not divide the 32 layers"):

@@ -76,7 +76,7 @@ def with_heads(config: ml_collections.ConfigDict, heads: int) -> ml_collections.
 
 # The paper's scaling experiments (Section 5.1 and Appendix D): Table 1's models (96 per head), seq 1024, the
 # vocabulary padded to 51,200, checkpointing every layer, and fp16 gradients all-reduced (Megatron-LM 2019). Read,
-# never changed: ``scaling.with_choices`` and ``with_heads`` copy.
+# never changed: ``scaling_layout.with_choices`` and ``with_heads`` copy.
 PAPER_MODELS = {"1.2B": gpt_config(1536, 40, 16), "2.5B": gpt_config(1920, 54, 20), "4.2B": gpt_config(2304, 64, 24),
                 "8.3B": gpt_config(3072, 72, 32)}
 PAPER_PUBLISHED = {

@@ -26,16 +26,11 @@ import ml_collections
 
 from megajax.cli import ArgumentParser, load_config
 from megajax.models import model_spec
-from megajax.tools.scaling import (
-    CLUSTERS,
-    Cluster,
-    GiB,
-    Prediction,
+from megajax.tools.scaling import CLUSTERS, Cluster, GiB, Prediction, memory_bytes, predict
+from megajax.tools.scaling_layout import (
     choice_flags,
     choices,
-    memory_bytes,
     parameters_per_gpu,
-    predict,
     splits_evenly,
     with_choices,
 )
@@ -45,9 +40,9 @@ from megajax.tools.scaling_pipeline import Pipeline
 def candidate_meshes(config: ml_collections.ConfigDict, num_gpus: int, cluster: Cluster, global_batch: int,
                      micro_batch: int | None = None, pipe: int | None = None) -> list[tuple[int, int, int]]:
     """(pipe, data, model) factorizations of ``num_gpus`` with model parallelism within a node that the model allows
-    (``scaling.splits_evenly``: whole heads and equal hidden / MLP / vocabulary slices per shard), equal stages of
-    whole layers, and the batch split evenly over ``data`` (and micro-batches). ``pipe``: only that many stages
-    (None: every count that divides the layers)."""
+    (``scaling_layout.splits_evenly``: whole heads and equal hidden / MLP / vocabulary slices per shard), equal
+    stages of whole layers, and the batch split evenly over ``data`` (and micro-batches). ``pipe``: only that many
+    stages (None: every count that divides the layers)."""
     out, layers = [], config.model.num_layers
     fits = {t: splits_evenly(config, t) for t in range(1, min(num_gpus, cluster.gpus_per_node) + 1)}
     for stages in range(1, num_gpus + 1):
