@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     host = rng.integers(0, m.vocab_size, (args.steps, args.batch, args.seq + 1), dtype=np.int32)
     mj_batches = [jax.device_put({"tokens": b}, run.batch_shardings) for b in host]  # on device before timing
     pt_batches = [torch.from_numpy(b.astype(np.int64)) for b in host]
-    schedule = learning_rate_schedule(config.optimizer, total)
+    schedule = learning_rate_schedule(run.spec.optimizer, total)
     lrs = [float(schedule(i)) for i in range(total)]  # optax uses schedule(count) for update `count`
     counters = {"megajax": 0, "torch": 0}
     last_loss: dict[str, Any] = {}  # a jax or torch scalar, read once at the end

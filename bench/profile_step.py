@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     ms["head"] = median_seconds(lambda: head_grad(params, x), args.reps)
 
-    optimizer = make_optimizer(config.optimizer, config.train.steps)
+    optimizer = make_optimizer(run.spec.optimizer, run.spec.train.steps)
     grads = jax.tree.map(jnp.ones_like, state.params)
     opt_state = optimizer.init(state.params)
     update = jax.jit(lambda g, o, p: optimizer.update(g, o, p))

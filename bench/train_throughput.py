@@ -31,7 +31,7 @@ def measure(config, steps: int, warmup: int = 1, options: dict | None = None) ->
     run = setup(config, options=options)
     state = run.init_state()
     compile_s = time.perf_counter() - t0
-    batch = make_loader(config).next_global(run.batch_shardings)  # one real batch (GPT or BERT), reused
+    batch = make_loader(run.spec).next_global(run.batch_shardings)  # one real batch (GPT or BERT), reused
     for _ in range(warmup):
         state, m = run.step_fn(state, batch)
     jax.block_until_ready(m)

@@ -16,7 +16,7 @@ from conftest import child_env
 
 from megajax.checkpoint import Checkpointer, CheckpointError
 from megajax.cli import load_config
-from megajax.config import bert_base_config
+from megajax.config import bert_base_config, checkpoint_settings
 from megajax.data.preprocess import main as preprocess_main
 from megajax.data.tokenizer import train_tokenizer
 
@@ -65,8 +65,8 @@ def _stand_in_checkpoint(workdir: pathlib.Path, config) -> None:
     """A checkpoint that stores ``config`` (its arrays are a stand-in: the refusal must come before they are read,
     or the run would fail on them instead)."""
     config.checkpoint.async_save = False
-    checkpointer = Checkpointer(workdir, config.checkpoint)
-    checkpointer.save(1, {"params": {"w": np.zeros(2, np.float32)}}, {"step": 1}, config, force=True)
+    checkpointer = Checkpointer(workdir, checkpoint_settings(config))
+    checkpointer.save(1, {"params": {"w": np.zeros(2, np.float32)}}, {"step": 1}, config.to_json(), force=True)
     checkpointer.close()
 
 
@@ -141,12 +141,12 @@ def test_a_save_that_fails_mid_write_removes_its_partial_directory(tmp_path):
     with _small_disk(tmp_path / "disk", "1028k") as disk:
         config = bert_base_config()
         config.checkpoint.async_save = False
-        checkpointer = Checkpointer(disk / "run", config.checkpoint)
+        checkpointer = Checkpointer(disk / "run", checkpoint_settings(config))
         state = {"params": {"w": np.random.default_rng(0).integers(0, 2**32, 2**18, dtype=np.uint32)}}  # random bits
         with pytest.raises(CheckpointError, match=r"saving a checkpoint to .* failed: the disk is full\. The "
                                                   r"checkpoints saved before are intact and the partial one was "
                                                   r"removed; free space and run the same command again"):
-            checkpointer.save(1, state, {"step": 1}, config, force=True)
+            checkpointer.save(1, state, {"step": 1}, config.to_json(), force=True)
         assert list((disk / "run" / "checkpoints").iterdir()) == []
 
 

@@ -17,7 +17,7 @@ from conftest import child_env, train_config
 
 from megajax.checkpoint import Checkpointer, CheckpointError, load_model, read_config, save_params
 from megajax.checkpoint.manager import _arrays, _to_tree
-from megajax.config import ConfigError
+from megajax.config import ConfigError, checkpoint_settings
 from megajax.training.loop import setup, train
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -110,7 +110,7 @@ def test_sigterm_saves_exits_143_and_resumes_exactly(tmp_path, reference):
     assert stderr.strip().splitlines()[-1].startswith(f"stopped by SIGTERM: step {last}/24; "), stderr[-2000:]
     assert f"checkpoint {workdir / 'checkpoints' / str(last)}; run the same command to resume" in stderr
     assert "Traceback" not in stderr
-    assert Checkpointer(workdir, train_config().checkpoint).latest_step() == last
+    assert Checkpointer(workdir, checkpoint_settings(train_config())).latest_step() == last
     resumed = _launch(workdir, *ARGS)
     assert resumed.wait(timeout=300) == 0
     assert "done: step 24/24; " in resumed.stderr.read()
@@ -139,7 +139,7 @@ def test_interrupted_save_leaves_previous_checkpoint(saved_1x8, run_1x8, tmp_pat
     for f in partial.rglob("*"):
         if f.is_file() and f.stat().st_size > 100:
             f.write_bytes(f.read_bytes()[:50])  # a save killed half-way
-    ck = Checkpointer(workdir, train_config().checkpoint)
+    ck = Checkpointer(workdir, checkpoint_settings(train_config()))
     assert ck.latest_step() == 2
     state, loader = ck.restore(run_1x8.abstract_state)
     assert int(state.step) == 2 and loader["step"] == 2
@@ -172,7 +172,7 @@ def test_shape_mismatch_names_the_parameter(saved_1x8):
     config.model.hidden_size = 128
     run = setup(config)
     with pytest.raises(CheckpointError, match=r"parameter params/\S+ has shape"):
-        Checkpointer(saved_1x8, config.checkpoint).restore(run.abstract_state)
+        Checkpointer(saved_1x8, checkpoint_settings(config)).restore(run.abstract_state)
     assert _snapshot(saved_1x8) == before
 
 
@@ -188,7 +188,7 @@ def test_damaged_checkpoint_is_a_clear_error(saved_1x8, run_1x8, tmp_path):
     names = "|".join(re.escape(n) for n in _arrays(_to_tree(run_1x8.abstract_state)))
     with pytest.raises(CheckpointError, match=rf"damaged or incomplete: array ({names}) cannot be read .*"
                                               r"--config\.checkpoint\.restore_step=N \(steps available in .*: 1\)"):
-        Checkpointer(workdir, train_config().checkpoint).restore(run_1x8.abstract_state)
+        Checkpointer(workdir, checkpoint_settings(train_config())).restore(run_1x8.abstract_state)
     with pytest.raises(CheckpointError, match=r"damaged or incomplete: array [\w/]+ cannot be read .*"
                                               r"Load an earlier step by passing its directory, e\.g\. \S+/1 "):
         load_model(workdir)
@@ -213,7 +213,7 @@ def test_relative_paths(saved_1x8, run_1x8, tmp_path, monkeypatch):
         model, _ = load_model(path)
         for a, b in zip(jax.tree.leaves(nnx_state(reference)), jax.tree.leaves(nnx_state(model))):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    state, _ = Checkpointer(name, train_config().checkpoint).restore(run_1x8.abstract_state)
+    state, _ = Checkpointer(name, checkpoint_settings(train_config())).restore(run_1x8.abstract_state)
     assert int(state.step) == 2
     monkeypatch.chdir(tmp_path)
     out = save_params("export", nnx_state_dict(reference), read_config(saved_1x8))
@@ -248,7 +248,7 @@ def test_changed_bytes_name_the_array(saved_1x8, run_1x8, tmp_path):
     _flip_bytes(workdir / "checkpoints" / "2")
     before = _snapshot(workdir)
     with pytest.raises(CheckpointError) as error:
-        Checkpointer(workdir, train_config().checkpoint).restore(run_1x8.abstract_state)
+        Checkpointer(workdir, checkpoint_settings(train_config())).restore(run_1x8.abstract_state)
     message = str(error.value)
     assert re.search(r"checkpoints/2 is damaged: array \S+ does not match the digest", message), message
     assert "pass --config.checkpoint.restore_step=N (steps available in " in message and message.endswith(": 1).")
@@ -256,8 +256,8 @@ def test_changed_bytes_name_the_array(saved_1x8, run_1x8, tmp_path):
     # Without its digests (as written before they existed) the same checkpoint loads unverified: the arrays that
     # really differ from the intact copy are exactly the one the error named.
     shutil.rmtree(workdir / "checkpoints" / "2" / "digests")
-    damaged, _ = Checkpointer(workdir, train_config().checkpoint).restore(run_1x8.abstract_state)
-    intact, _ = Checkpointer(saved_1x8, train_config().checkpoint).restore(run_1x8.abstract_state)
+    damaged, _ = Checkpointer(workdir, checkpoint_settings(train_config())).restore(run_1x8.abstract_state)
+    intact, _ = Checkpointer(saved_1x8, checkpoint_settings(train_config())).restore(run_1x8.abstract_state)
     named = re.search(r"array (\S+) does not match", message).group(1)
     assert _differing(damaged, intact) == {named}
 
@@ -281,7 +281,7 @@ def test_load_model_checks_digests_of_exports(saved_1x8, tmp_path):
 def test_resume_from_an_earlier_step(saved_1x8, run_1x8, tmp_path):
     workdir = tmp_path / "w"
     shutil.copytree(saved_1x8, workdir)
-    ck = Checkpointer(workdir, train_config().checkpoint)
+    ck = Checkpointer(workdir, checkpoint_settings(train_config()))
     with pytest.raises(CheckpointError, match=r"checkpoint\.restore_step=5, but \S+ holds no step 5 \(steps "
                                               r"available: 1, 2\); pass one of them, or 0 for the latest"):
         ck.resume(run_1x8.abstract_state, 5)

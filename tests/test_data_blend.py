@@ -2,11 +2,12 @@
 dataset read in order once per epoch, batches a pure function of the step, the single-dataset case equal to the
 unblended loader, resume checks, and bad input."""
 
+import jax
 import numpy as np
 import pytest
 from conftest import host_batch
 
-from megajax.config import base_config, bert_base_config
+from megajax.config import base_config, bert_base_config, resolve
 from megajax.data.blend import PERIOD, BlendedBatches, interleave, parse_blend, slot_counts
 from megajax.data.loader import LoaderStateError
 from megajax.data.preprocess import write_documents
@@ -83,46 +84,46 @@ def _corpus(tmp_path, name, n_docs, split_sentences=False, tokenizer=None):
     return str(tmp_path / name)
 
 
-def _config(bert=False, **data):
+def _spec(bert=False, **data):
     c = bert_base_config() if bert else base_config()
     c.model.update(vocab_size=768, make_vocab_size_divisible_by=128, max_seq_len=32)
     c.train.global_batch_size = 8
     c.data.update({"source": "indexed", **data})
-    return c
+    return resolve(c, jax.device_count())
 
 
 def test_one_dataset_at_full_weight_is_the_unblended_loader(tmp_path):
     path = _corpus(tmp_path, "a", 60)
-    plain, blended = make_loader(_config(path=path)), make_loader(_config(blend=f"1 {path}"))
+    plain, blended = make_loader(_spec(path=path)), make_loader(_spec(blend=f"1 {path}"))
     for step in (0, 1, 7, 40):
         np.testing.assert_array_equal(plain.batches.batch(step)["tokens"], blended.batches.batch(step)["tokens"])
 
 
 def test_blend_of_gpt_and_bert_datasets_and_resume_checks(tmp_path):
     a, b = _corpus(tmp_path, "a", 40), _corpus(tmp_path, "b", 80)
-    loader = make_loader(_config(blend=f"0.25 {a} 0.75 {b}"))
-    data = load_dataset(_config(blend=f"0.25 {a} 0.75 {b}"))
+    loader = make_loader(_spec(blend=f"0.25 {a} 0.75 {b}"))
+    data = load_dataset(_spec(blend=f"0.25 {a} 0.75 {b}"))
     for step in range(3):
         tokens = host_batch(loader)["tokens"]
         assert tokens.shape == (8, 33) and tokens.dtype == np.int32
-    valid = make_loader(_config(blend=f"0.25 {a} 0.75 {b}"), "valid", data)
+    valid = make_loader(_spec(blend=f"0.25 {a} 0.75 {b}"), "valid", data)
     assert valid.batches.batch(0)["tokens"].shape == (8, 33)
     state = loader.get_state()
-    resumed = make_loader(_config(blend=f"0.25 {a} 0.75 {b}"))
+    resumed = make_loader(_spec(blend=f"0.25 {a} 0.75 {b}"))
     resumed.set_state(state)
     # the same batch after resume
     np.testing.assert_array_equal(host_batch(resumed)["tokens"], host_batch(loader)["tokens"])
-    changed = make_loader(_config(blend=f"0.5 {a} 0.5 {b}"))
+    changed = make_loader(_spec(blend=f"0.5 {a} 0.5 {b}"))
     with pytest.raises(LoaderStateError, match="allow_blend_change=True"):
         changed.set_state(state)
     changed.set_state(state, allow_blend_change=True)
     assert changed.step == 3
-    other = make_loader(_config(blend=f"0.25 {b} 0.75 {a}"))
+    other = make_loader(_spec(blend=f"0.25 {b} 0.75 {a}"))
     with pytest.raises(LoaderStateError, match="another dataset"):
         other.set_state(state)
 
     x, y = _corpus(tmp_path, "x", 40, split_sentences=True), _corpus(tmp_path, "y", 40, split_sentences=True)
-    bert = make_loader(_config(bert=True, blend=f"1 {x} 3 {y}"))
+    bert = make_loader(_spec(bert=True, blend=f"1 {x} 3 {y}"))
     batch = host_batch(bert)
     assert batch["tokens"].shape == (8, 32) and set(batch) >= {"mlm_labels", "sop_labels", "token_types"}
 
@@ -134,11 +135,11 @@ def test_blend_of_gpt_and_bert_datasets_and_resume_checks(tmp_path):
 ])
 def test_blend_config_errors(tmp_path, data, message):
     with pytest.raises(ConfigError, match=message):
-        load_dataset(_config(**data))
+        load_dataset(_spec(**data))
 
 
 def test_blend_of_two_tokenizers_is_refused(tmp_path):
     a = _corpus(tmp_path, "a", 20)
     b = _corpus(tmp_path, "b", 20, tokenizer=train_tokenizer(TEXTS[:50], "bpe", 600))
     with pytest.raises(ConfigError, match=f"{b} was preprocessed with another tokenizer than {a}"):
-        load_dataset(_config(blend=f"1 {a} 1 {b}"))
+        load_dataset(_spec(blend=f"1 {a} 1 {b}"))

@@ -79,7 +79,7 @@ def test_glue_repeated_ids(tmp_path):
 
 
 def test_qqp_skipped_rows_in_the_training_report(tmp_path):
-    from megajax.config import bert_base_config
+    from megajax.config import bert_base_config, data_settings
     from megajax.data.tasks.task_data import load_task
     from megajax.evaluation.downstream_tasks import read_splits
 
@@ -91,7 +91,7 @@ def test_qqp_skipped_rows_in_the_training_report(tmp_path):
     c = bert_base_config()
     c.model.update(name="bert_classifier", num_classes=2, vocab_size=128, max_seq_len=24)
     c.data.update(source="task", task="qqp", task_dir=str(tmp_path), tokenizer=str(tokenizer))
-    report = load_task(c).report
+    report = load_task(data_settings(c)).report
     assert report["train"] == {"file": str(tmp_path / "train.tsv"), "examples": 300, "skipped_rows": 2, "skipped": {
         "rows with the wrong number of fields": {"rows": 1, "first_line": 302},
         "with label '2'": {"rows": 1, "first_line": 303}}}
@@ -103,7 +103,7 @@ def test_qqp_skipped_rows_in_the_training_report(tmp_path):
     with pytest.raises(TaskDataError, match=r"QQP file .*train.tsv: 5 of its 15 training rows \(33.3%\) cannot be "
                                             r"used, .*skipped 5 rows \(5 rows with the wrong number of fields \(first "
                                             r"on line 12\)\).*max_dropped_fraction=0.34 "):
-        load_task(c)
+        load_task(data_settings(c))
 
 
 def test_read_qqp_skips_empty_questions(tmp_path):

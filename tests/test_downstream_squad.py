@@ -541,12 +541,13 @@ def _squad_files(tmp_path, starts):
 
 
 def test_training_refuses_a_file_with_most_offsets_wrong_naming_ids(tmp_path):
+    from megajax.config import data_settings
     from megajax.data.tasks.task_data import load_task
 
     _squad_files(tmp_path, [0] * 15 + [3] * 345)  # 345 of 360 wrong: the run used to train on the other 15
     config = _task_config(tmp_path)
     with pytest.raises(TaskDataError) as e:
-        load_task(config)
+        load_task(data_settings(config))
     message = str(e.value)
     assert message.startswith(f"SQuAD file {tmp_path / 'train-v1.1.json'}: 345 of its 360 training questions "
                               "(95.8%) cannot be used, more than data.max_dropped_fraction=0.01: 345 answer text not "
@@ -554,7 +555,7 @@ def test_training_refuses_a_file_with_most_offsets_wrong_naming_ids(tmp_path):
     assert "--config.data.max_dropped_fraction=0.96 to train on the rest" in message
 
     config.data.max_dropped_fraction = 0.96  # the flag lets it through; the report counts what was left out
-    data = load_task(config)
+    data = load_task(data_settings(config))
     train, valid = data.report["train"], data.report["valid"]
     assert train["questions"] == 360 and train["dropped_questions"] == 345 and len(data.train) == train["features"]
     assert train["dropped"]["answer text not at its answer_start"]["first_ids"] == ["t15", "t16", "t17", "t18", "t19"]
@@ -563,6 +564,7 @@ def test_training_refuses_a_file_with_most_offsets_wrong_naming_ids(tmp_path):
 
 
 def test_training_with_every_offset_off_by_one_names_the_cause(tmp_path):
+    from megajax.config import data_settings
     from megajax.data.tasks.task_data import load_task
 
     _squad_files(tmp_path, [1] * 20)  # used to end in a traceback saying the split "has no examples"
@@ -570,15 +572,16 @@ def test_training_with_every_offset_off_by_one_names_the_cause(tmp_path):
         with pytest.raises(TaskDataError, match=re.escape(
                 f"SQuAD file {tmp_path / 'train-v1.1.json'}: none of its 20 questions can train: 20 answer text not "
                 "at its answer_start (ids t0, t1, t2, t3, t4, ...). answer_start must be the 0-based")):
-            load_task(_task_config(tmp_path, max_dropped_fraction=fraction))
+            load_task(data_settings(_task_config(tmp_path, max_dropped_fraction=fraction)))
 
 
 def test_training_accepts_a_few_drops_and_checks_the_fraction(tmp_path):
+    from megajax.config import data_settings
     from megajax.data.tasks.task_data import load_task
     from megajax.errors import ConfigError, UserError
 
     _squad_files(tmp_path, [0] * 199 + [2])  # 0.5% <= 1%
-    assert load_task(_task_config(tmp_path)).report["train"]["dropped_questions"] == 1
+    assert load_task(data_settings(_task_config(tmp_path))).report["train"]["dropped_questions"] == 1
     with pytest.raises(ConfigError, match="data.max_dropped_fraction=1.5: must be in"):
-        load_task(_task_config(tmp_path, max_dropped_fraction=1.5))
+        load_task(data_settings(_task_config(tmp_path, max_dropped_fraction=1.5)))
     assert issubclass(TaskDataError, UserError)  # train.py prints it as one error: line

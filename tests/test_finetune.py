@@ -11,7 +11,7 @@ from conftest import place
 from flax import nnx
 
 from megajax.checkpoint import CheckpointError, read_config, restore_params, save_params
-from megajax.config import bert_base_config, build_mesh, create_model, rules_of
+from megajax.config import bert_base_config, build_mesh, create_model, resolve, rules_of
 from megajax.data.tokenizer import BERT_SPECIALS, load_tokenizer
 from megajax.models import model_spec
 from megajax.parallel.sharding import ParallelContext, activate
@@ -43,7 +43,8 @@ def reference():
         config = task_config(name)
         config.model.num_layers = 1  # the heads are under test; one block keeps the compiles short
         model = create_model(config, build_mesh(config), seed=0)
-        batch = {k: jnp.asarray(v) for k, v in load_dataset(config).train.rows(np.arange(8)).items()}
+        rows = load_dataset(resolve(config, jax.device_count())).train.rows(np.arange(8))
+        batch = {k: jnp.asarray(v) for k, v in rows.items()}
         out[name] = (config, model, batch, loss_and_grads(name, model, batch, config, 1, 1))
     return out
 
@@ -134,7 +135,7 @@ def test_init_from_loads_the_trunk_bitwise_on_another_mesh_and_resume_ignores_it
     c.checkpoint.update(enabled=True, every_steps=1)
     train(c, tmp_path / "ft")
     got = _params_of(tmp_path / "ft", c)
-    trunk = trunk_keys(c)
+    trunk = trunk_keys(resolve(c, jax.device_count()))
     assert set(trunk) == {"wte", "wpe", "tte", "blocks", "ln_f", "pooler"}
     want_trunk = {**{k: bert[k] for k in trunk}, "wpe": bert["wpe"][:c.model.max_seq_len]}  # the first positions
     for path, want in jax.tree_util.tree_leaves_with_path(want_trunk):
@@ -185,9 +186,9 @@ def test_init_from_pretrained_with_another_vocabulary_is_refused(tmp_path):
     c.data.update(tokenizer="other/vocab.txt", tokenizer_fingerprint="1" * 16)
     with pytest.raises(CheckpointError, match=r"pretrained with another vocabulary than data.tokenizer='other/vocab"
                                               r".txt' \(tokenizer fingerprints 0{16} there, 1{16} here\)"):
-        check_init_from(c)
+        check_init_from(resolve(c, jax.device_count()))
     c.data.tokenizer_fingerprint = "0" * 16
-    assert check_init_from(c) == tmp_path / "source"
+    assert check_init_from(resolve(c, jax.device_count())) == tmp_path / "source"
 
 
 def test_finetune_from_a_converted_hugging_face_bert(tmp_path):
@@ -219,15 +220,15 @@ def test_finetune_from_a_converted_hugging_face_bert(tmp_path):
     c.data.update(tokenizer=str(tmp_path / "other.txt"),
                   tokenizer_fingerprint=load_tokenizer(tmp_path / "other.txt").fingerprint)
     with pytest.raises(CheckpointError, match="pretrained with another vocabulary than data.tokenizer="):
-        check_init_from(c)
+        check_init_from(resolve(c, jax.device_count()))
     c.data.update(tokenizer="", tokenizer_fingerprint=recorded)
-    assert check_init_from(c) == tmp_path / "mj"
+    assert check_init_from(resolve(c, jax.device_count())) == tmp_path / "mj"
 
     mesh = build_mesh(c)
     graphdef, state = nnx.split(create_model(c, mesh, seed=0))
     params = nnx.to_pure_dict(state)
-    nnx.replace_by_pure_dict(state, {**params, **load_trunk(c, params)})
-    batch = load_dataset(c).train.rows(np.arange(8))
+    nnx.replace_by_pure_dict(state, {**params, **load_trunk(resolve(c, jax.device_count()), params)})
+    batch = load_dataset(resolve(c, jax.device_count())).train.rows(np.arange(8))
     with activate(mesh, ParallelContext(rules_of(c))):
         pooled = jax.jit(lambda s, *x: (m := nnx.merge(graphdef, s)).pool(m.encode(*x)))(
             state, *(jnp.asarray(batch[k]) for k in ("tokens", "token_types", "padding_mask")))

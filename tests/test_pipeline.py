@@ -85,7 +85,8 @@ def _step(name: str, pipe: int, data: int, model: int, micro: int = 0, accumulat
 
         batch = _bert_batches(np.random.default_rng(0))(run.batch_shardings)
     else:
-        batch = make_loader(_config(name, pipe, data, model)).next_global(run.batch_shardings)
+        batch = make_loader(resolve(_config(name, pipe, data, model), jax.device_count())).next_global(
+            run.batch_shardings)
     new, metrics = run.step_fn(state, batch)
     params = _natural(jax.tree.map(np.asarray, new.params), run.spec.layer_layout)
     return float(metrics["loss"]), jax.tree.map(lambda a, b: a - b, params, _INITIAL[name].params)
@@ -210,7 +211,8 @@ def test_fp16_loss_scaling_decides_once_for_every_stage(initial, finite):
         initial_state = reorder_layers(_INITIAL["fp16"], (1, 1), run.spec.layer_layout)
         state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), initial_state, run.abstract_state)
         state = state.replace(loss_scale=state.loss_scale.replace(scale=jax.numpy.float32(initial)))
-        new, metrics = run.step_fn(state, make_loader(_config("gpt", *layout[:3])).next_global(run.batch_shardings))
+        batch = make_loader(resolve(_config("gpt", *layout[:3]), jax.device_count())).next_global(run.batch_shardings)
+        new, metrics = run.step_fn(state, batch)
         params = _natural(jax.tree.map(np.asarray, new.params), run.spec.layer_layout)
         change = jax.tree.map(lambda a, b: a - b, params, _INITIAL["fp16"].params)
         results.append((float(metrics["loss"]), change, jax.tree.map(np.asarray, new.loss_scale)))

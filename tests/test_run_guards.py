@@ -12,7 +12,7 @@ from conftest import child_env, train_config
 
 from megajax.checkpoint import Checkpointer
 from megajax.cli import _flag_value
-from megajax.config import ConfigError, resolve
+from megajax.config import ConfigError, checkpoint_settings, resolve
 from megajax.data.indexed import IndexedWriter
 from megajax.training.health import TrainingDiverged
 from megajax.training.loop import train
@@ -33,7 +33,7 @@ def test_nonfinite_loss_stops_before_any_bad_save(tmp_path):
     message = str(e.value)
     assert "not been finite since step 3" in message and "last good checkpoint is step 2" in message
     assert "optimizer.lr" in message and "max_nonfinite_steps" in message
-    ck = Checkpointer(tmp_path, train_config().checkpoint)
+    ck = Checkpointer(tmp_path, checkpoint_settings(train_config()))
     assert ck.latest_step() == 2  # nothing saved from the bad steps; the good one survives
     ck.close()
     logged = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -18,6 +18,7 @@ from conftest import SCALAR_STATE_BYTES, assert_same_step, choice_config, one_st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from megajax.config import resolve
 from megajax.parallel.hlo_audit import collectives
 from megajax.parallel.partition import over_data, shardings
 from megajax.parallel.sharding import MEGATRON_RULES, entry_axes, make_mesh, spec_axes
@@ -69,8 +70,9 @@ def _gradient_step(choice: str | None, data: int, model: int, name: str = "gpt",
     if name not in _INITIAL:
         _INITIAL[name] = jax.tree.map(np.array, run.init_state())
     state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), _INITIAL[name], run.abstract_state)
-    batch = (make_loader(c).next_global if name != "bert" else _bert_batches(np.random.default_rng(0)))(
-        run.batch_shardings)
+    batches = make_loader(resolve(c, jax.device_count())).next_global if name != "bert" else \
+        _bert_batches(np.random.default_rng(0))
+    batch = batches(run.batch_shardings)
     new, metrics = run.step_fn(state, batch)
     return run, float(metrics["loss"]), jax.tree.map(lambda a, b: np.asarray(a) - b, new.params,
                                                      _INITIAL[name].params)

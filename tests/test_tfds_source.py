@@ -1,9 +1,11 @@
 """The TFDS source on a tiny dataset built here (array_record, no TensorFlow, no network)."""
 
+import jax
 import numpy as np
 import pytest
 from conftest import host_batch, train_config
 
+from megajax.config import resolve
 from megajax.data.tokenizer import train_tokenizer
 from megajax.training.data import make_loader
 
@@ -36,7 +38,7 @@ def test_tfds_text_feature_trains(tmp_path, monkeypatch):
     config.model.vocab_size = 400
     config.data.update(source="tfds", tfds_name="tiny_text", tfds_feature="content",
                        tfds_data_dir=str(tmp_path / "tfds"), tokenizer=str(tmp_path / "tok.json"), valid_fraction=0.0)
-    loader = make_loader(config)
+    loader = make_loader(resolve(config, jax.device_count()))
     source = loader.batches.source
     stream = tokenizer.decode(np.asarray(source.tokens))
     for text in TEXTS:
@@ -45,4 +47,4 @@ def test_tfds_text_feature_trains(tmp_path, monkeypatch):
     assert host_batch(loader)["tokens"].shape == (8, 33)
     config.data.tfds_feature = "body"
     with pytest.raises(KeyError, match="no feature 'body'"):
-        make_loader(config)
+        make_loader(resolve(config, jax.device_count()))

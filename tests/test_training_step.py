@@ -47,7 +47,7 @@ def test_dropout_changes_the_gradients(dropout_runs, tmp_path):
 def _one_step(config):
     run = setup(config)
     state = run.init_state()
-    state, metrics = run.step_fn(state, make_loader(config).next_global(run.batch_shardings))
+    state, metrics = run.step_fn(state, make_loader(run.spec).next_global(run.batch_shardings))
     return float(metrics["loss"]), jax.tree.map(np.asarray, state.params)
 
 
@@ -70,7 +70,7 @@ def test_fp16_overflow_skips_then_backs_off_then_grows(gpu_skip, monkeypatch):
     config.loss_scale.update(initial=2.0**32, growth_interval=3, hysteresis=2)
     run = setup(config)
     state = run.init_state()
-    loader = make_loader(config)
+    loader = make_loader(run.spec)
     before = jax.tree.map(np.asarray, state.params)
     state, m = run.step_fn(state, loader.next_global(run.batch_shardings))
     assert int(m["skipped"]) == 1 and float(state.loss_scale.scale) == 2.0**32

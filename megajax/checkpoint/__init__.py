@@ -5,6 +5,7 @@ Nothing here builds a mesh or a model: callers pass the target layout."""
 from megajax.checkpoint.manager import (
     Checkpointer,
     CheckpointError,
+    CheckpointSettings,
     check_shapes,
     read_config,
     restore_params,
@@ -13,8 +14,8 @@ from megajax.checkpoint.manager import (
     verify,
 )
 
-__all__ = ["CheckpointError", "Checkpointer", "check_shapes", "read_config", "restore_params", "save_params",
-           "saved_steps", "verify"]
+__all__ = ["CheckpointError", "CheckpointSettings", "Checkpointer", "check_shapes", "read_config", "restore_params",
+           "save_params", "saved_steps", "verify"]
 
 
 def __getattr__(name: str):

@@ -14,6 +14,7 @@ Paths may be relative (orbax needs absolute ones): every public function resolve
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import errno
 import json
@@ -204,10 +205,22 @@ def _check_writable(directory: pathlib.Path) -> None:
                               "pass a different --workdir; nothing in it was changed") from None
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointSettings:
+    """When a run saves and which step it resumes (``config.checkpoint``, resolved by ``megajax.config.resolve``)."""
+
+    enabled: bool
+    every_steps: int
+    keep: int  # the newest K checkpoints (0: all)
+    keep_period: int  # also keep every M-th step forever (0: off)
+    async_save: bool  # write in the background while training continues
+    restore_step: int  # resume from this step (0: the latest)
+
+
 class Checkpointer:
     """Periodic asynchronous saves of the training state, the loader position, the config and the digests."""
 
-    def __init__(self, workdir: str | pathlib.Path, cfg: ml_collections.ConfigDict):
+    def __init__(self, workdir: str | pathlib.Path, cfg: CheckpointSettings):
         self.directory = _resolve(workdir) / CHECKPOINTS_NAME
         _check_writable(self.directory)
         self._remove_partial_saves()
@@ -228,9 +241,9 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state: Any, loader_state: dict, config: ml_collections.ConfigDict,
-             force: bool = False) -> bool:
-        """Starts a save if ``step`` is due (or ``force``); returns whether one started."""
+    def save(self, step: int, state: Any, loader_state: dict, config: str, force: bool = False) -> bool:
+        """Starts a save if ``step`` is due (or ``force``); returns whether one started. ``config``: the run's
+        config as JSON text (``RunSpec.config_json``), stored beside the state."""
         if not (force or self.manager.should_save(step)):
             return False  # the common case: no host work on the step's hot path
         tree = _to_tree(state)
@@ -238,8 +251,7 @@ class Checkpointer:
         try:
             return self.manager.save(step, force=force, args=ocp.args.Composite(
                 state=ocp.args.PyTreeSave(tree), data=ocp.args.JsonSave(loader_state),
-                config=ocp.args.JsonSave(json.loads(config.to_json())),
-                digests=ocp.args.JsonSave(_digest_record(tree))))
+                config=ocp.args.JsonSave(json.loads(config)), digests=ocp.args.JsonSave(_digest_record(tree))))
         except Exception as e:  # this save, or the previous asynchronous one, failed
             raise self._failed_save(e) from e
 

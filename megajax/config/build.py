@@ -1,7 +1,8 @@
 """From a config to a mesh and a sharded model: validate first, then allocate each shard where it lives.
 
-Every path that makes a model (training, evaluation, conversion, tools, tests) goes through ``model_factory``: the
-module comes from the spec registered as ``config.model.name``.
+Every path that makes a model (training, evaluation, conversion, tools, tests) goes through ``model_factory`` (a
+config) or ``run_model_factory`` (a resolved ``RunSpec``): the module comes from the spec registered as
+``config.model.name``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
-from megajax.config.resolve import model_config, rules_of, validate
+from megajax.config.resolve import RunSpec, model_config, rules_of, validate
 from megajax.errors import ConfigError
 from megajax.models import model_spec
 from megajax.parallel.partition import init_sharded, partition_specs
@@ -33,14 +34,28 @@ def model_factory(config: ml_collections.ConfigDict) -> Callable[[int], nnx.Modu
     return lambda seed: cls(cfg, rngs=nnx.Rngs(seed))
 
 
+def run_model_factory(spec: RunSpec) -> Callable[[int], nnx.Module]:
+    """``seed -> model`` of a resolved run."""
+    cls, cfg = spec.model_spec.module, spec.model
+    return lambda seed: cls(cfg, rngs=nnx.Rngs(seed))
+
+
 def abstract_model(config: ml_collections.ConfigDict) -> nnx.Module:
     """The model with ShapeDtypeStructs for parameters: shapes and names, no memory."""
-    make = model_factory(config)
+    return _abstract(model_factory(config), rules_of(config))
+
+
+def abstract_model_of(spec: RunSpec) -> nnx.Module:
+    """``abstract_model`` of a resolved run."""
+    return _abstract(run_model_factory(spec), spec.rules)
+
+
+def _abstract(make: Callable[[int], nnx.Module], rules) -> nnx.Module:
     try:
         model = nnx.eval_shape(lambda: make(0))
     except ValueError as e:  # the module's own checks of its config (options it does not have)
         raise ConfigError(str(e)) from e
-    partition_specs(nnx.state(model), rules_of(config))  # unknown names fail here, before allocation
+    partition_specs(nnx.state(model), rules)  # unknown names fail here, before allocation
     return model
 
 

@@ -1,20 +1,25 @@
 """The checks that run before anything is allocated, and the resolved run.
 
-The model's layers never see the ConfigDict: ``resolve`` turns it into a frozen ``RunSpec`` (the model's spec and
-``TransformerConfig``, the rules, the mesh shape, the precision, the micro-batching) that the model and the step
-are built from. The RunSpec is not yet the whole run: the loop, the optimizer, loss scaling, fine-tuning, the data
-pipeline and the tools still read their sections of the ConfigDict (issue 34).
+Nothing below this layer reads the ConfigDict: ``resolve`` turns it into a frozen ``RunSpec``, the whole run (the
+model's spec and config, the rules, the mesh shape, the parallelism, the precision, the micro-batching, and the
+typed sections of training: ``train``, ``optimizer``, ``loss_scale``, ``checkpoint``, ``dataset`` (``config.data``),
+``init_from``), which the model, the step, the loop, the optimizer, the data pipeline and the checkpointer are built
+from. The config itself travels only as JSON text (``RunSpec.config_json``), stored with each checkpoint. The
+tools still read the ConfigDict (issue 34).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import ml_collections
 
+from megajax.checkpoint.manager import CheckpointSettings
 from megajax.checkpoint.migrate import drop_shared_model_fields
 from megajax.config.defaults import with_model_defaults
+from megajax.data.settings import DataSettings
 from megajax.errors import ConfigError, ShardingConfigError
 from megajax.models import MODELS, ModelSpec, TransformerConfig, model_spec, task_models
 from megajax.parallel.sharding import (
@@ -71,19 +76,22 @@ def stored_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDic
 TRAINING_ONLY_FIELDS = ("dropout", "init_std", "remat")
 
 
-def _values(section: ml_collections.ConfigDict) -> dict:
-    """Each field of ``section``'s family (its spec's config type): as the section sets it, else the default."""
+def _values(section: ml_collections.ConfigDict | RunSpec) -> dict:
+    """Each field of ``section``'s family (its spec's config type): as the section sets it, else the default (a
+    resolved run: its model's)."""
+    if isinstance(section, RunSpec):
+        return {"name": section.model_name, **{f: getattr(section.model, f) for f in section.model.fields()}}
     if section.get("name") not in MODELS:
         return dict(section)
     defaults = model_spec(section.name).config()
     return {"name": section.name, **{f: section.get(f, getattr(defaults, f)) for f in defaults.fields()}}
 
 
-def model_differences(saved: ml_collections.ConfigDict, requested: ml_collections.ConfigDict,
+def model_differences(saved: ml_collections.ConfigDict, requested: ml_collections.ConfigDict | RunSpec,
                       ignore: tuple[str, ...] = ()) -> dict[str, tuple[Any, Any]]:
-    """field -> (saved, requested) for each field where two ``config.model`` sections differ, over every field of
-    either family but ``TRAINING_ONLY_FIELDS`` and ``ignore``, the name first. A field a section leaves out reads as
-    its family's default; one its family does not have, as None."""
+    """field -> (saved, requested) for each field where two ``config.model`` sections (``requested``: or a resolved
+    run's model) differ, over every field of either family but ``TRAINING_ONLY_FIELDS`` and ``ignore``, the name
+    first. A field a section leaves out reads as its family's default; one its family does not have, as None."""
     ours, theirs = _values(saved), _values(requested)
     names = (set(ours) | set(theirs)) - set(TRAINING_ONLY_FIELDS) - set(ignore)
     return {f: (ours.get(f), theirs.get(f)) for f in sorted(names, key=lambda f: (f != "name", f))
@@ -254,8 +262,86 @@ def _validate_optimizer(o: ml_collections.ConfigDict, s: ml_collections.ConfigDi
 
 
 @dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """``config.train`` resolved (the compute precision aside: ``RunSpec.precision``)."""
+
+    steps: int  # optimizer steps to train to
+    global_batch_size: int  # sequences per step
+    micro_batch_size: int  # sequences per data shard per accumulation step (0: no accumulation)
+    seed: int
+    log_every: int
+    eval_every: int  # validation every N steps (0: only at the end)
+    eval_batches: int  # validation batches per evaluation (0: never)
+    max_nonfinite_steps: int  # consecutive non-finite steps tolerated (fp16's routine overflows aside)
+    allow_batch_size_change: bool  # resume with another global_batch_size
+    peak_flops_per_device: float  # the MFU denominator (0: looked up by device kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSettings:
+    """``config.optimizer``: AdamW, global-norm clipping and the learning-rate schedule
+    (``megajax.training.optimizer``)."""
+
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    decay: str  # cosine | linear
+    decay_steps: int  # 0: until train.steps
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    clip_norm: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaleSettings:
+    """``config.loss_scale``: fp16's dynamic loss scale (``megajax.training.loss_scale``)."""
+
+    initial: float
+    growth_interval: int
+    hysteresis: int
+    min_scale: float
+
+
+def _settings(cls: type, section: ml_collections.ConfigDict, **given: Any) -> Any:
+    """``cls`` (a frozen settings type) from the fields of ``section`` it declares, but those ``given``."""
+    return cls(**{f.name: section[f.name] for f in dataclasses.fields(cls) if f.name not in given}, **given)
+
+
+def train_settings(config: ml_collections.ConfigDict) -> TrainSettings:
+    """``config.train`` as the frozen settings the RunSpec carries."""
+    return _settings(TrainSettings, config.train)
+
+
+def optimizer_settings(config: ml_collections.ConfigDict) -> OptimizerSettings:
+    """``config.optimizer`` as the frozen settings the RunSpec carries."""
+    return _settings(OptimizerSettings, config.optimizer)
+
+
+def loss_scale_settings(config: ml_collections.ConfigDict) -> LossScaleSettings:
+    """``config.loss_scale`` as the frozen settings the RunSpec carries."""
+    return _settings(LossScaleSettings, config.loss_scale)
+
+
+def checkpoint_settings(config: ml_collections.ConfigDict) -> CheckpointSettings:
+    """``config.checkpoint`` as the frozen settings the RunSpec carries."""
+    return _settings(CheckpointSettings, config.checkpoint)
+
+
+def data_settings(config: ml_collections.ConfigDict) -> DataSettings:
+    """``config.data`` with what its data is cut for: the model's vocabulary, sequence length and classes, and the
+    global batch."""
+    cfg = model_config(config)
+    return _settings(DataSettings, config.data, vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len,
+                     num_classes=getattr(cfg, "num_classes", 0), global_batch_size=config.train.global_batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
 class RunSpec:
-    """A config resolved once: what the model, the mesh and the step are; read everywhere downstream."""
+    """A config resolved once, the whole run: what the model, the mesh and the step are, and how it trains; read
+    everywhere downstream. A model resolved for inference (``resolve(..., training=False)``) has no training
+    sections (None) and no ``init_from``."""
 
     model_name: str
     model: TransformerConfig
@@ -271,6 +357,21 @@ class RunSpec:
     pipe: int = 1  # pipeline stages (mesh.pipe)
     pipeline_microbatches: int = 0  # microbatches per pipelined batch (0: pipe of them)
     pipeline_repeats: int = 1  # chunks of layers per stage (1: GPipe; more: the circular schedule)
+    train: TrainSettings | None = None
+    optimizer: OptimizerSettings | None = None
+    loss_scale: LossScaleSettings | None = None
+    checkpoint: CheckpointSettings | None = None
+    dataset: DataSettings | None = None  # config.data (``data`` is the mesh's data-parallel size)
+    init_from: str = ""  # a checkpoint whose trunk starts the run ("": none)
+    # the config (with every field of its model's family) as JSON text: stored with each checkpoint, read by nothing
+    config_json: str = ""
+
+    def with_tokenizer_fingerprint(self, fingerprint: str) -> RunSpec:
+        """This run with its data's tokenizer fingerprint recorded (``dataset`` and the stored config alike)."""
+        stored = json.loads(self.config_json)
+        stored["data"]["tokenizer_fingerprint"] = fingerprint
+        return dataclasses.replace(self, dataset=dataclasses.replace(self.dataset, tokenizer_fingerprint=fingerprint),
+                                   config_json=json.dumps(stored))
 
     @property
     def layer_layout(self) -> tuple[int, int]:
@@ -303,12 +404,16 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, training: bool 
     if training:
         _check_pipeline_microbatches(config, config.train.global_batch_size // (dp * num_micro))
     shard_optimizer, fsdp = state_split(config)
+    run = {} if not training else dict(
+        train=train_settings(config), optimizer=optimizer_settings(config), loss_scale=loss_scale_settings(config),
+        checkpoint=checkpoint_settings(config), dataset=data_settings(config), init_from=config.init_from,
+        config_json=with_model_defaults(config).to_json())
     return RunSpec(model_name=config.model.name, model=model_config(config), rules=rules_of(config), data=dp,
                    tensor=tp, precision=resolve_precision(config.train.precision),
                    global_batch=config.train.global_batch_size, num_micro=num_micro,
                    shard_optimizer=shard_optimizer, sequence=sequence_parallel(config), fsdp=fsdp,
                    pipe=config.mesh.pipe, pipeline_microbatches=config.parallel.pipeline_microbatches,
-                   pipeline_repeats=config.parallel.pipeline_repeats)
+                   pipeline_repeats=config.parallel.pipeline_repeats, **run)
 
 
 def layer_layout(config: ml_collections.ConfigDict) -> tuple[int, int]:
@@ -320,7 +425,15 @@ def layer_layout(config: ml_collections.ConfigDict) -> tuple[int, int]:
 def check_data_source(config: ml_collections.ConfigDict) -> None:
     """Raises ConfigError when the model and ``config.data`` do not fit: pretraining models read corpora (their
     spec's example format), fine-tuning models ``data.source=task`` with one of the tasks their spec lists."""
-    spec, d = model_spec(config.model.name), config.data
+    _check_data(model_spec(config.model.name), config.data)
+
+
+def check_run_data(run: RunSpec) -> None:
+    """``check_data_source`` of a resolved run."""
+    _check_data(run.model_spec, run.dataset)
+
+
+def _check_data(spec: ModelSpec, d: DataSettings | ml_collections.ConfigDict) -> None:
     if d.tokenizer and d.source not in ("tfds", "task"):  # it would be silently unused
         raise ConfigError(f"data.tokenizer={d.tokenizer!r} is read with data.source=tfds or task; data.source="
                           f"{d.source} brings its own (a preprocessed dataset's PREFIX.tokenizer.json, the default "

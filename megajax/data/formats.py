@@ -14,14 +14,13 @@ import dataclasses
 import pathlib
 from collections.abc import Callable
 
-import ml_collections
-
 from megajax.data.bert_dataset import BERTBatches, documents_in
 from megajax.data.bert_vocab import BertVocab
 from megajax.data.default_corpus import default_bert_corpus, default_corpus
 from megajax.data.gpt_dataset import GPTBatches
 from megajax.data.indexed import IndexedTokens
 from megajax.data.loader import Batches
+from megajax.data.settings import DataSettings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,23 +30,21 @@ class ExampleFormat:
     name: str
     # vocab_size -> (the offline corpus, its tokenizer file): built on first use and cached
     default_corpus: Callable[[int], tuple[IndexedTokens, pathlib.Path]]
-    # (config, corpus, token range of the split) -> batches; ValueError when the range cannot make any
-    batches: Callable[[ml_collections.ConfigDict, IndexedTokens, tuple[int, int]], Batches]
+    # (the run's data settings, corpus, token range of the split) -> batches; ValueError when the range cannot
+    # make any
+    batches: Callable[[DataSettings, IndexedTokens, tuple[int, int]], Batches]
     count: Callable[[Batches], int]  # examples per epoch
     unit: Callable[[int], str]  # max_seq_len -> what one example is, for messages
     needs_sentences: bool  # a corpus without sentence boundaries (data.source=random) cannot make it
 
 
-def _windows(config: ml_collections.ConfigDict, data: IndexedTokens, token_range: tuple[int, int]) -> GPTBatches:
-    return GPTBatches(data.tokens, config.model.max_seq_len, config.train.global_batch_size, config.data.seed,
-                      token_range)
+def _windows(d: DataSettings, data: IndexedTokens, token_range: tuple[int, int]) -> GPTBatches:
+    return GPTBatches(data.tokens, d.max_seq_len, d.global_batch_size, d.seed, token_range)
 
 
-def _sentence_pairs(config: ml_collections.ConfigDict, data: IndexedTokens,
-                    token_range: tuple[int, int]) -> BERTBatches:
-    d = config.data
-    return BERTBatches(data, BertVocab.from_dataset(data), config.model.max_seq_len, config.train.global_batch_size,
-                       d.seed, documents=documents_in(data.offsets, token_range), mask_prob=d.mask_prob,
+def _sentence_pairs(d: DataSettings, data: IndexedTokens, token_range: tuple[int, int]) -> BERTBatches:
+    return BERTBatches(data, BertVocab.from_dataset(data), d.max_seq_len, d.global_batch_size, d.seed,
+                       documents=documents_in(data.offsets, token_range), mask_prob=d.mask_prob,
                        max_ngram=d.max_ngram, short_seq_prob=d.short_seq_prob)
 
 

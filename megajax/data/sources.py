@@ -1,16 +1,17 @@
-"""Where training data comes from: ``config.data.source`` -> tokens + document offsets -> the model's batches.
+"""Where training data comes from: ``data.source`` -> tokens + document offsets -> the model's batches.
 
 The model's spec says how its examples are cut (an ``ExampleFormat``, or ``None`` for a fine-tuning model's task
 rows); this module never asks which model it is. Every problem with the data (ids the model cannot embed, a split
-too small for one batch) is raised here, before anything compiles, with the field to change. Whether the model
-and the source fit each other is checked with the config (``megajax.config.resolve.check_data_source``).
+too small for one batch) is raised here, before anything compiles, with the field to change. The functions read
+the run's ``DataSettings`` (``config.data`` resolved, with the model's vocabulary and sequence length and the global
+batch). Whether the model and the source fit each other is checked with the config
+(``megajax.config.resolve.check_data_source``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import ml_collections
 import numpy as np
 
 from megajax.data.blend import BlendedBatches, BlendSpec, parse_blend
@@ -19,6 +20,7 @@ from megajax.data.formats import ExampleFormat
 from megajax.data.gpt_dataset import split_by_documents
 from megajax.data.indexed import IndexedTokens
 from megajax.data.loader import Batches, Loader
+from megajax.data.settings import DataSettings
 from megajax.data.tasks.batches import TrainBatches
 from megajax.data.tasks.task_data import TaskData, load_task
 from megajax.data.tfds_source import tfds_corpus
@@ -58,12 +60,11 @@ def check_ids_fit(tokens: np.ndarray, meta: dict, vocab_size: int, what: str) ->
 CONVERTED = "converted"
 
 
-def load_dataset(config: ml_collections.ConfigDict,
-                 examples: ExampleFormat | None) -> IndexedTokens | TaskData | BlendedData:
-    """The corpus named by ``config.data``, checked against the model's vocabulary (a fine-tuning task's rows for
+def load_dataset(d: DataSettings, examples: ExampleFormat | None) -> IndexedTokens | TaskData | BlendedData:
+    """The corpus named by ``d``, checked against the model's vocabulary (a fine-tuning task's rows for
     ``data.source='task'``, several weighted corpora for ``data.blend``); ``examples``: the model's format (its
     default corpus), None for a fine-tuning model."""
-    d, vocab = config.data, config.model.vocab_size
+    vocab = d.vocab_size
     if d.blend:
         if d.source != "indexed" or d.path:
             raise ConfigError(f"data.blend lists preprocessed datasets: set --config.data.source=indexed (not "
@@ -86,7 +87,7 @@ def load_dataset(config: ml_collections.ConfigDict,
         raise ConfigError(f"data.source={CONVERTED} marks a converted model's config, which names no training data; "
                           "train with a config file (and --config.init_from=THE_CONVERTED_MODEL to start from it)")
     if d.source == "task":
-        return load_task(config)
+        return load_task(d)
     if d.source == "default":  # the model's offline corpus (formats.WINDOWS, formats.SENTENCE_PAIRS)
         data = examples.default_corpus(vocab)[0]
     elif d.source == "indexed":
@@ -121,43 +122,42 @@ def _tokenizer_text(data: IndexedTokens) -> str | None:
     return path.read_text(encoding="utf-8") if path is not None and path.is_file() else None
 
 
-def _split_hint(split: str, config: ml_collections.ConfigDict) -> str:
+def _split_hint(split: str, d: DataSettings) -> str:
     if split == "valid":
         return (f"the validation split (the documents after the boundary nearest the last data.valid_fraction="
-                f"{config.data.valid_fraction:.4g} of the tokens) is too small: raise --config.data.valid_fraction, or "
+                f"{d.valid_fraction:.4g} of the tokens) is too small: raise --config.data.valid_fraction, or "
                 "set --config.train.eval_batches=0 to train without validation")
     return "the training split is too small: use more data, a smaller train.global_batch_size or model.max_seq_len"
 
 
-def make_loader(config: ml_collections.ConfigDict, examples: ExampleFormat | None, split: str = "train",
+def make_loader(d: DataSettings, examples: ExampleFormat | None, split: str = "train",
                 data: IndexedTokens | TaskData | BlendedData | None = None) -> Loader:
     """The loader of ``split`` ('train' or 'valid') of the model's ``examples`` (None: task rows), positioned at
     step 0."""
-    data = load_dataset(config, examples) if data is None else data
+    data = load_dataset(d, examples) if data is None else data
     if isinstance(data, TaskData):  # fine-tuning: shuffled rows of the split (validation reads its first batches)
-        return Loader(TrainBatches(data.train if split == "train" else data.valid, config.train.global_batch_size,
-                                   config.data.seed))
+        return Loader(TrainBatches(data.train if split == "train" else data.valid, d.global_batch_size, d.seed))
     if isinstance(data, BlendedData):  # each dataset split alike, then mixed by weight
-        parts = [_corpus_batches(config, examples, part, split, f"data.blend's dataset {path}")
+        parts = [_corpus_batches(d, examples, part, split, f"data.blend's dataset {path}")
                  for path, part in zip(data.spec.paths, data.datasets)]
-        return Loader(BlendedBatches(parts, data.spec.weights, config.train.global_batch_size, data.spec.paths))
-    return Loader(_corpus_batches(config, examples, data, split, ""))
+        return Loader(BlendedBatches(parts, data.spec.weights, d.global_batch_size, data.spec.paths))
+    return Loader(_corpus_batches(d, examples, data, split, ""))
 
 
-def _corpus_batches(config: ml_collections.ConfigDict, examples: ExampleFormat, data: IndexedTokens, split: str,
+def _corpus_batches(d: DataSettings, examples: ExampleFormat, data: IndexedTokens, split: str,
                     which: str) -> Batches:
     """The model's examples of one corpus's ``split``; ConfigError when it cannot fill a batch."""
-    train_range, valid_range = split_by_documents(data.offsets, config.data.valid_fraction)
+    train_range, valid_range = split_by_documents(data.offsets, d.valid_fraction)
     token_range = train_range if split == "train" else valid_range
-    b, seq = config.train.global_batch_size, config.model.max_seq_len
+    b, seq = d.global_batch_size, d.max_seq_len
     try:
-        batches = examples.batches(config, data, token_range)
+        batches = examples.batches(d, data, token_range)
     except ValueError as e:
-        hint = _split_hint(split, config) + "; " if "two sentences" in str(e) else ""
+        hint = _split_hint(split, d) + "; " if "two sentences" in str(e) else ""
         raise ConfigError(f"{hint}{e}") from e
     n = examples.count(batches)
     if n == 0 or (split == "train" and n < b and not which):
         tokens = token_range[1] - token_range[0]
-        raise ConfigError(f"{which + ': ' if which else ''}{_split_hint(split, config)} ({tokens} tokens make {n} "
+        raise ConfigError(f"{which + ': ' if which else ''}{_split_hint(split, d)} ({tokens} tokens make {n} "
                           f"{examples.unit(seq)}; one step needs train.global_batch_size={b})")
     return batches

@@ -10,6 +10,7 @@ import pathlib
 import ml_collections
 import numpy as np
 
+from megajax.config import data_settings
 from megajax.data.indexed import META, IndexedTokens
 from megajax.data.sources import CONVERTED, make_loader
 from megajax.data.tokenizer import TextTokenizer, load_tokenizer
@@ -174,6 +175,6 @@ def bert_eval_batches(config: ml_collections.ConfigDict, prefix: str | None, bat
     where = f"--data={prefix}" if prefix else f"the validation split of the checkpoint's data ({config.data.source})"
     try:
         examples = model_spec(config.model.name).examples
-        return make_loader(config, examples, "train" if prefix else "valid").batches, where
+        return make_loader(data_settings(config), examples, "train" if prefix else "valid").batches, where
     except (ConfigError, OSError, ValueError) as e:
         raise InputError(f"{where}: {e}" + ("" if prefix else "; pass --data=PREFIX")) from e

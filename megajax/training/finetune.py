@@ -1,4 +1,4 @@
-"""``config.init_from``: a run's trunk read from a megajax checkpoint: a fine-tuning run's pretrained BERT, or a
+"""``init_from``: a run's trunk read from a megajax checkpoint: a fine-tuning run's pretrained BERT, or a
 converted Llama (``hf-to-megajax``) whose training continues.
 
 A task model's spec names its pretrained trunk (``ModelSpec.pretrained_trunk``: ``BERTEncoder`` for the BERT task
@@ -14,14 +14,13 @@ import pathlib
 from typing import Any
 
 import jax
-import ml_collections
 from flax import nnx
 
 from megajax.checkpoint import CheckpointError, restore_params
-from megajax.config import describe_differences, layer_layout, model_config, model_differences, padded_vocab_size
+from megajax.config import RunSpec, describe_differences, model_differences, padded_vocab_size
 from megajax.config.load import in_layout, read_run_config
 from megajax.errors import ConfigError
-from megajax.models import MODELS, model_spec
+from megajax.models import MODELS
 
 # config.model fields a run may set apart from its init_from checkpoint's: the family (a task model reads its
 # pretraining model's trunk), the task heads' outputs, the sequence length (BERT's GLUE runs read the first 128 of
@@ -29,71 +28,71 @@ from megajax.models import MODELS, model_spec
 FREE_FIELDS = ("name", "num_classes", "max_seq_len", "make_vocab_size_divisible_by")  # the last: as padded rows
 
 
-def _trunk(config: ml_collections.ConfigDict) -> type[nnx.Module]:
-    trunk = model_spec(config.model.name).pretrained_trunk
+def _trunk(spec: RunSpec) -> type[nnx.Module]:
+    trunk = spec.model_spec.pretrained_trunk
     if trunk is None:
-        raise ConfigError(f"init_from: model.name={config.model.name} has no pretrained trunk to load; leave "
+        raise ConfigError(f"init_from: model.name={spec.model_name} has no pretrained trunk to load; leave "
                           "init_from empty")
     return trunk
 
 
-def trunk_keys(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+def trunk_keys(spec: RunSpec) -> tuple[str, ...]:
     """The top-level parameter names the task model shares with its pretrained trunk (wte, wpe, tte, blocks, ...)."""
-    trunk = _trunk(config)
-    encoder = nnx.eval_shape(lambda: trunk(model_config(config), rngs=nnx.Rngs(0)))
+    trunk = _trunk(spec)
+    encoder = nnx.eval_shape(lambda: trunk(spec.model, rngs=nnx.Rngs(0)))
     return tuple(nnx.to_pure_dict(nnx.state(encoder)))
 
 
-def check_init_from(config: ml_collections.ConfigDict) -> pathlib.Path:
-    """The resolved ``config.init_from`` after checking that it holds a checkpoint of this model's pretrained trunk
+def check_init_from(spec: RunSpec) -> pathlib.Path:
+    """The resolved ``spec.init_from`` after checking that it holds a checkpoint of this model's pretrained trunk
     (a BERT for the BERT task models) of this config's sizes; raises FileNotFoundError or CheckpointError naming
     what differs."""
-    path = pathlib.Path(config.init_from).expanduser().resolve()
+    path = pathlib.Path(spec.init_from).expanduser().resolve()
     if not path.exists():
-        raise FileNotFoundError(f"init_from={config.init_from!r}: {path} does not exist; pass a pretraining run's "
+        raise FileNotFoundError(f"init_from={spec.init_from!r}: {path} does not exist; pass a pretraining run's "
                                 "workdir or one of its step directories")
-    trunk, stored = _trunk(config), read_run_config(path)
+    trunk, stored = _trunk(spec), read_run_config(path)
     saved = stored.model
     if saved.name not in MODELS or not issubclass(MODELS[saved.name].module, trunk):
-        raise CheckpointError(f"init_from={config.init_from!r} holds a model.name={saved.name!r} checkpoint: "
-                              f"fine-tuning {config.model.name} needs one whose model is a {trunk.__name__}")
-    if differences := model_differences(saved, config.model, ignore=FREE_FIELDS):
+        raise CheckpointError(f"init_from={spec.init_from!r} holds a model.name={saved.name!r} checkpoint: "
+                              f"fine-tuning {spec.model_name} needs one whose model is a {trunk.__name__}")
+    if differences := model_differences(saved, spec, ignore=FREE_FIELDS):
         flags = " ".join(f"--config.model.{f}={ours}" for f, (ours, _) in differences.items())
-        raise CheckpointError(f"init_from={config.init_from!r} holds a trunk unlike this config's "
+        raise CheckpointError(f"init_from={spec.init_from!r} holds a trunk unlike this config's "
                               f"({describe_differences(differences)}); set {flags}")
-    rows = [padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by) for m in (saved, config.model)]
+    rows = [padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by) for m in (saved, spec.model)]
     if rows[0] != rows[1]:
-        raise CheckpointError(f"init_from={config.init_from!r} has {rows[0]} embedding rows (vocab_size "
+        raise CheckpointError(f"init_from={spec.init_from!r} has {rows[0]} embedding rows (vocab_size "
                               f"{saved.vocab_size} padded to a multiple of {saved.make_vocab_size_divisible_by}), "
                               f"this config {rows[1]}; set --config.model.make_vocab_size_divisible_by="
                               f"{saved.make_vocab_size_divisible_by}")
-    theirs, ours = stored.data.tokenizer_fingerprint, config.data.tokenizer_fingerprint
+    theirs, ours = stored.data.tokenizer_fingerprint, spec.dataset.tokenizer_fingerprint
     if theirs and ours and theirs != ours:  # same size, other words: every id would mean another token
-        raise CheckpointError(f"init_from={config.init_from!r} was pretrained with another vocabulary than "
-                              f"data.tokenizer={config.data.tokenizer!r} (tokenizer fingerprints {theirs} there, "
+        raise CheckpointError(f"init_from={spec.init_from!r} was pretrained with another vocabulary than "
+                              f"data.tokenizer={spec.dataset.tokenizer!r} (tokenizer fingerprints {theirs} there, "
                               f"{ours} here): fine-tune with the tokenizer of its pretraining data")
-    positional = set(model_spec(config.model.name).sequence_rows) & set(trunk_keys(config))  # rotary: none
-    if config.model.max_seq_len > saved.max_seq_len and positional:
-        raise CheckpointError(f"init_from={config.init_from!r} has position embeddings for model.max_seq_len="
-                              f"{saved.max_seq_len}, fewer than this config's {config.model.max_seq_len}; set "
+    positional = set(spec.model_spec.sequence_rows) & set(trunk_keys(spec))  # rotary: none
+    if spec.model.max_seq_len > saved.max_seq_len and positional:
+        raise CheckpointError(f"init_from={spec.init_from!r} has position embeddings for model.max_seq_len="
+                              f"{saved.max_seq_len}, fewer than this config's {spec.model.max_seq_len}; set "
                               f"--config.model.max_seq_len to at most {saved.max_seq_len}")
     return path
 
 
-def load_trunk(config: ml_collections.ConfigDict, params_target: dict[str, Any]) -> dict[str, Any]:
-    """The trunk parameters of ``config.init_from``, read into the shardings and dtypes of ``params_target``'s
+def load_trunk(spec: RunSpec, params_target: dict[str, Any]) -> dict[str, Any]:
+    """The trunk parameters of ``spec.init_from``, read into the shardings and dtypes of ``params_target``'s
     matching entries (a pure dict of ShapeDtypeStructs or arrays); the shapes are checked by name. A shorter
     ``model.max_seq_len`` than pretraining's keeps the first rows of the position embeddings (fine-tuning at 128
     tokens from a 512-token BERT, as BERT's GLUE runs): the spec's ``sequence_rows``, whose rows follow the
     sequence."""
-    path = check_init_from(config)
-    target, saved = {k: params_target[k] for k in trunk_keys(config)}, read_run_config(path)
+    path = check_init_from(spec)
+    target, saved = {k: params_target[k] for k in trunk_keys(spec)}, read_run_config(path)
     positions = saved.model.max_seq_len
-    cut = {k: target[k] for k in model_spec(config.model.name).sequence_rows
+    cut = {k: target[k] for k in spec.model_spec.sequence_rows
            if k in target and target[k].shape[0] != positions}  # none with rotary positions
     for k, want in cut.items():  # read as saved, then keep the first rows
         target[k] = jax.ShapeDtypeStruct((positions, *want.shape[1:]), want.dtype, sharding=want.sharding)
-    trunk = in_layout(restore_params(path, target), saved, layer_layout(config))
+    trunk = in_layout(restore_params(path, target), saved, spec.layer_layout)
     for k, want in cut.items():
         trunk[k] = jax.device_put(trunk[k][:want.shape[0]], want.sharding)
     return trunk

@@ -1,4 +1,5 @@
-"""The training loop: config -> run description -> mesh -> sharded state -> compiled step -> logged steps."""
+"""The training loop: config -> run description (``RunSpec``, resolved once at the top) -> mesh -> sharded state ->
+compiled step -> logged steps. Below ``train`` and ``setup`` every function reads the RunSpec or its parts."""
 
 from __future__ import annotations
 
@@ -24,13 +25,12 @@ from megajax.checkpoint import Checkpointer, CheckpointError, saved_steps
 from megajax.cli import input_paths
 from megajax.config import (
     RunSpec,
-    abstract_model,
+    abstract_model_of,
     describe_differences,
     model_differences,
-    model_factory,
     resolve,
+    run_model_factory,
     stored_config,
-    with_model_defaults,
 )
 from megajax.config.load import in_layout
 from megajax.data.blend import BlendedBatches
@@ -70,7 +70,7 @@ ENTROPY_SAMPLE_TOKENS = 1 << 24  # tokens read for the logged unigram entropy
 class Run:
     """Everything a training run holds besides its state."""
 
-    config: ml_collections.ConfigDict
+    config: ml_collections.ConfigDict | None  # the config ``setup`` was given, for the tools; None in ``train``
     spec: RunSpec
     mesh: Mesh
     abstract_state: TrainState  # ShapeDtypeStructs carrying the target shardings
@@ -81,9 +81,8 @@ class Run:
     evaluate: Evaluator  # (params, batch) -> {'loss', ...} on the validation split, compiled on first use
 
 
-def _init_fn(config: ml_collections.ConfigDict, spec: RunSpec, optimizer: optax.GradientTransformation,
-             param_shardings: dict):
-    make, seed = model_factory(config), config.train.seed
+def _init_fn(spec: RunSpec, optimizer: optax.GradientTransformation, param_shardings: dict):
+    make, seed = run_model_factory(spec), spec.train.seed
     circular = not pipeline.same_order((1, 1), spec.layer_layout, spec.model.num_layers)
 
     def init() -> TrainState:  # the stacked layers in the run's order (the model's, but for a circular pipeline)
@@ -92,7 +91,7 @@ def _init_fn(config: ml_collections.ConfigDict, spec: RunSpec, optimizer: optax.
             params = reorder_layers(jax.lax.with_sharding_constraint(params, param_shardings), (1, 1),
                                     spec.layer_layout)
         return TrainState(step=jax.numpy.int32(0), params=params, opt_state=optimizer.init(params),
-                          loss_scale=LossScale.create(config.loss_scale, spec.precision == "fp16"),
+                          loss_scale=LossScale.create(spec.loss_scale, spec.precision == "fp16"),
                           rng=jax.random.key_data(jax.random.key(seed + 1)))
     return init
 
@@ -110,14 +109,20 @@ def setup(config: ml_collections.ConfigDict, devices: list[jax.Device] | None = 
     that platform (``megajax.tools.gpu_target``). ``options``: XLA's compiler options (default: megajax's for the
     devices' platform, ``parallel.xla_options``)."""
     devices = list(jax.devices() if devices is None else devices)
-    spec = resolve(config, len(devices))
+    return dataclasses.replace(setup_run(resolve(config, len(devices)), devices, options), config=config)
+
+
+def setup_run(spec: RunSpec, devices: list[jax.Device] | None = None, options: dict | None = None,
+              model: nnx.Module | None = None) -> Run:
+    """``setup`` of a resolved run; ``model``: its abstract model (``abstract_model_of(spec)``) if already built."""
+    devices = list(jax.devices() if devices is None else devices)
     mesh = make_mesh(spec.data, spec.tensor, devices, pipe=spec.pipe)
-    graphdef, abstract_params = nnx.split(abstract_model(config))
+    graphdef, abstract_params = nnx.split(abstract_model_of(spec) if model is None else model)
     # FSDP (ZeRO-3): stored split over data; each layer gathers its parameters at use (sharding.param_at_use)
     param_shardings = nnx.to_pure_dict(shardings(abstract_params, mesh, spec.rules, split_over_data=spec.fsdp))
-    schedule = learning_rate_schedule(config.optimizer, config.train.steps)
-    optimizer = make_optimizer(config.optimizer, config.train.steps)
-    init = _init_fn(config, spec, optimizer, param_shardings)
+    schedule = learning_rate_schedule(spec.optimizer, spec.train.steps)
+    optimizer = make_optimizer(spec.optimizer, spec.train.steps)
+    init = _init_fn(spec, optimizer, param_shardings)
     abstract_state = jax.eval_shape(init)
     replicated = NamedSharding(mesh, P())
     moment_shardings = param_shardings
@@ -147,7 +152,7 @@ def setup(config: ml_collections.ConfigDict, devices: list[jax.Device] | None = 
     evaluate = Evaluator(objective_metrics(objective), graphdef, mesh, context,
                          in_shardings=(state_shardings.params, batch_shardings), out_shardings=replicated)
     num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
-    return Run(config, spec, mesh, abstract_state, batch_shardings, compiled, num_params, init_state, evaluate)
+    return Run(None, spec, mesh, abstract_state, batch_shardings, compiled, num_params, init_state, evaluate)
 
 
 def _bytes_per_device(tree) -> int:
@@ -172,7 +177,7 @@ def _start_record(run: Run, data, resumed_from: int | None) -> dict:
         blend = [{"path": p, "weight": w, "tokens": int(len(d.tokens))}
                  for p, w, d in zip(data.spec.paths, data.spec.weights, data.datasets)]
     else:  # a bounded prefix of the training split: reading a whole multi-GB corpus at every start would stall it
-        train_end = split_by_documents(data.offsets, run.config.data.valid_fraction)[0][1]
+        train_end = split_by_documents(data.offsets, spec.dataset.valid_fraction)[0][1]
         entropy = unigram_entropy(data.tokens[:min(train_end, ENTROPY_SAMPLE_TOKENS)])
     return {"step": resumed_from or 0, "event": "resume" if resumed_from is not None else "start",
             "model": spec.model_name, "mesh": f"{spec.data}x{spec.tensor}",
@@ -209,17 +214,16 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> lis
 
 def _checked_train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, stop: StopRequest) -> list[dict]:
     distributed.maybe_initialize()
-    resolve(config, jax.device_count())  # config errors first, in milliseconds
-    abstract_model(config)  # then the module's own (options its family does not have), before the workdir exists
+    spec = resolve(config, jax.device_count())  # config errors first, in milliseconds; the one resolve of the run
+    model = abstract_model_of(spec)  # then the module's own (options its family does not have), before the workdir
     workdir = claim_workdir(workdir, inputs=input_paths(config))  # never on, in or above its data, or a checkpoint
-    config = with_model_defaults(config)  # a copy with every field of its family: it records the data's tokenizer
-    data = load_dataset(config)  # data errors next, still before the workdir is touched
-    config.data.tokenizer_fingerprint = tokenizer_fingerprint(data)  # stored with every checkpoint
-    if config.init_from and not saved_steps(workdir):
-        check_init_from(config)  # a wrong path or model (a resume ignores init_from)
+    data = load_dataset(spec)  # data errors next, still before the workdir is touched
+    spec = spec.with_tokenizer_fingerprint(tokenizer_fingerprint(data))  # stored with every checkpoint
+    if spec.init_from and not saved_steps(workdir):
+        check_init_from(spec)  # a wrong path or model (a resume ignores init_from)
     stop.check("before the run started")
     with hold_workdir(workdir) as created, _undone_on_failure(workdir, created) as started:  # one run per workdir
-        return _train(config, workdir, data, started, stop)
+        return _train(spec, model, workdir, data, started, stop)
 
 
 @contextlib.contextmanager
@@ -245,10 +249,9 @@ def _undone_on_failure(workdir: pathlib.Path, created: list[pathlib.Path]) -> It
         raise
 
 
-def _check_same_model(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict,
-                      step_dir: pathlib.Path) -> None:
+def _check_same_model(saved: ml_collections.ConfigDict, spec: RunSpec, step_dir: pathlib.Path) -> None:
     """Refuses to resume a checkpoint of another model (another family, other sizes) before anything is built."""
-    if differences := model_differences(saved.model, config.model):
+    if differences := model_differences(saved.model, spec):
         raise CheckpointError(
             f"{step_dir} holds another model than this config's ({describe_differences(differences)}): resume it with "
             "the config it was trained with (its config is stored beside it), or pass a different --workdir to start "
@@ -265,20 +268,20 @@ def _check_same_tokenizer(saved: ml_collections.ConfigDict, fingerprint: str, st
             "pass a different --workdir; nothing was changed")
 
 
-def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path, data, started: Callable[[], None],
+def _train(spec: RunSpec, model: nnx.Module, workdir: pathlib.Path, data, started: Callable[[], None],
            stop: StopRequest) -> list[dict]:
     # a checkpoint directory that cannot be written fails here, not minutes into the first save
-    checkpointer = Checkpointer(workdir, config.checkpoint) if config.checkpoint.enabled else None
+    checkpointer = Checkpointer(workdir, spec.checkpoint) if spec.checkpoint.enabled else None
     try:
-        return _train_with(config, workdir, data, checkpointer, started, stop)
+        return _train_with(spec, model, workdir, data, checkpointer, started, stop)
     finally:  # also on a bad input found below: an unclosed manager's thread fails noisily at exit
         if checkpointer:
             checkpointer.close()
 
 
-def _train_with(config: ml_collections.ConfigDict, workdir: pathlib.Path, data, checkpointer: Checkpointer | None,
+def _train_with(spec: RunSpec, model: nnx.Module, workdir: pathlib.Path, data, checkpointer: Checkpointer | None,
                 started: Callable[[], None], stop: StopRequest) -> list[dict]:
-    restore_step = config.checkpoint.restore_step
+    restore_step, steps = spec.checkpoint.restore_step, spec.train.steps
     latest = checkpointer.latest_step() if checkpointer else None
     # the step a resume reads (a restore_step that is not there is refused by resume, naming the steps there are)
     resume_dir = checkpointer.directory / str(restore_step or latest) if latest is not None else None
@@ -286,27 +289,27 @@ def _train_with(config: ml_collections.ConfigDict, workdir: pathlib.Path, data, 
     if resume_dir is not None and resume_dir.is_dir():
         saved_config, saved_position = checkpointer.stored(int(resume_dir.name))
         saved_config = stored_config(saved_config)
-        _check_same_model(saved_config, config, resume_dir)
-        _check_same_tokenizer(saved_config, config.data.tokenizer_fingerprint, resume_dir)
-    loader = make_loader(config, "train", data)
-    valid = make_loader(config, "valid", data) if config.train.eval_batches else None
-    if latest is not None and (restore_step or latest) >= config.train.steps:
+        _check_same_model(saved_config, spec, resume_dir)
+        _check_same_tokenizer(saved_config, spec.dataset.tokenizer_fingerprint, resume_dir)
+    loader = make_loader(spec, "train", data)
+    valid = make_loader(spec, "valid", data) if spec.train.eval_batches else None
+    if latest is not None and (restore_step or latest) >= steps:
         if jax.process_index() == 0:
             print(f"done: nothing to train, {workdir} already holds step {restore_step or latest} >= train.steps="
-                  f"{config.train.steps}; checkpoint {resume_dir}. Raise --config.train.steps to train it further.",
+                  f"{steps}; checkpoint {resume_dir}. Raise --config.train.steps to train it further.",
                   file=sys.stderr)
         return []
     if saved_position is not None:  # the same data and batch, checked before compiling
-        loader.set_state(saved_position, config.train.allow_batch_size_change, config.data.allow_blend_change)
+        loader.set_state(saved_position, spec.train.allow_batch_size_change, spec.dataset.allow_blend_change)
     is_main = jax.process_index() == 0
     if is_main:
         check_writable(workdir)  # metrics.jsonl: before compiling, not after
-    run = setup(config)
+    run = setup_run(spec, model=model)
     stop.check("while the step compiled")  # a run that never started leaves nothing (_undone_on_failure)
     if checkpointer:
         checkpointer.check_space(run.abstract_state)  # a disk too small for one checkpoint: before the first step
     restored = checkpointer.resume(run.abstract_state, restore_step) if checkpointer else None
-    init_from = config.init_from
+    init_from = spec.init_from
     if restored:
         state, _ = restored  # the loader already stands at the position saved with it
         state = in_layout(state, saved_config, run.spec.layer_layout)
@@ -316,7 +319,7 @@ def _train_with(config: ml_collections.ConfigDict, workdir: pathlib.Path, data, 
     else:
         state = run.init_state()
         if init_from:  # fine-tuning: the pretrained trunk replaces the fresh one, the heads stay fresh
-            state = state.replace(params={**state.params, **load_trunk(config, run.abstract_state.params)})
+            state = state.replace(params={**state.params, **load_trunk(spec, run.abstract_state.params)})
     writer = MetricsWriter(workdir, enabled=is_main)
     start = _start_record(run, data, resumed_from=int(state.step) if restored else None)
     writer.write(start)
@@ -336,8 +339,8 @@ def _train_with(config: ml_collections.ConfigDict, workdir: pathlib.Path, data, 
     done = int(state.step)
     saved = checkpointer.directory / str(checkpointer.latest_step()) if checkpointer and checkpointer.latest_step() \
         else None
-    summary = _summary(start, records, done, config.train.steps, int(start["step"]), seconds, run.spec, saved)
-    if done < config.train.steps:  # a stop signal ended the run early
+    summary = _summary(start, records, done, steps, int(start["step"]), seconds, run.spec, saved)
+    if done < steps:  # a stop signal ended the run early
         signal_name = signal.Signals(stop.signum).name
         raise TrainingStopped(f"stopped by {signal_name}: {summary}; run the same command to resume", stop.signum)
     if is_main:
@@ -383,26 +386,26 @@ def _loop(run: Run, state: TrainState, loader: Loader, valid: Loader | None,
           checkpointer: Checkpointer | None, writer: MetricsWriter, stop: StopRequest,
           is_main: bool) -> tuple[TrainState, list[dict], float]:
     """Runs the steps; returns the state, the records and the seconds spent in training steps (evaluation out)."""
-    config, spec = run.config, run.spec
+    spec, train = run.spec, run.spec.train
     seq = spec.model.max_seq_len
     flops = model_flops_per_step(spec, seq)
-    peak = peak_flops(jax.devices()[0], spec.precision, config.train.peak_flops_per_device)
+    peak = peak_flops(jax.devices()[0], spec.precision, train.peak_flops_per_device)
     records, first_step = [], int(state.step)
-    guard = NonFiniteGuard(config.train.max_nonfinite_steps, checkpointer)
-    progress = _progress(first_step, config.train.steps, is_main)
+    guard = NonFiniteGuard(train.max_nonfinite_steps, checkpointer)
+    progress = _progress(first_step, train.steps, is_main)
     last_time, last_step = time.perf_counter(), first_step
     began, evaluating = last_time, 0.0
-    for step in range(first_step, config.train.steps):
+    for step in range(first_step, train.steps):
         state, metrics = run.step_fn(state, loader.next_global(run.batch_shardings))
         done = step + 1
         guard.add(done, metrics)
         stopping = stop.should_stop(done)
-        last = done == config.train.steps
-        log_due = done % config.train.log_every == 0 or last or stopping
+        last = done == train.steps
+        log_due = done % train.log_every == 0 or last or stopping
         if _save_due(checkpointer, done, stopping or last) or log_due:
             guard.check()  # raises before a non-finite state is saved or logged as progress
         if checkpointer:
-            checkpointer.save(done, state, loader.get_state(), config, force=stopping or last)
+            checkpointer.save(done, state, loader.get_state(), spec.config_json, force=stopping or last)
         if log_due:
             metrics = {k: v.item() for k, v in jax.device_get(metrics).items()}
             now = time.perf_counter()
@@ -421,11 +424,11 @@ def _loop(run: Run, state: TrainState, loader: Loader, valid: Loader | None,
             records.append(record)
             progress.update(done - progress.n)
             progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
-        every = config.train.eval_every
+        every = train.eval_every
         if valid and (last or (every and done % every == 0)):
             jax.block_until_ready(state.step)  # the step's time is not evaluation's
             eval_start = time.perf_counter()
-            v = validation_metrics(run, state.params, valid, config.train.eval_batches)
+            v = validation_metrics(run, state.params, valid, train.eval_batches)
             record = {"step": done, **{f"valid_{k}": x for k, x in v.items()}}
             if spec.model_spec.perplexity_of:  # a language model's perplexity (BERT's: of the MLM loss alone)
                 record["valid_ppl"] = float(np.exp(v[spec.model_spec.perplexity_of]))

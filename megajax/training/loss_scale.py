@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import struct
+
+from megajax.config import LossScaleSettings
 
 
 @struct.dataclass
@@ -24,7 +25,7 @@ class LossScale:
     min_scale: float = struct.field(pytree_node=False, default=1.0)
 
     @classmethod
-    def create(cls, cfg: ml_collections.ConfigDict | None, dynamic: bool) -> "LossScale":
+    def create(cls, cfg: LossScaleSettings | None, dynamic: bool) -> "LossScale":
         if not dynamic:
             return cls(jnp.float32(1.0), jnp.int32(0), jnp.int32(0))
         return cls(jnp.float32(cfg.initial), jnp.int32(0), jnp.int32(cfg.hysteresis), True,

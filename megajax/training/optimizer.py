@@ -9,15 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import ml_collections
 import optax
+
+from megajax.config import OptimizerSettings
 
 Params = dict[str, Any]
 
 NO_DECAY_LEAVES = ("bias", "scale")  # biases (any leaf named *bias, e.g. BERT's mlm_bias) and LayerNorm scales
 
 
-def learning_rate_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
+def learning_rate_schedule(opt: OptimizerSettings, total_steps: int) -> optax.Schedule:
     """Linear warmup from 0 to ``opt.lr`` over ``opt.warmup_steps``, then cosine or linear decay to ``opt.min_lr``
     over ``opt.decay_steps`` (default: the rest of training), flat at ``min_lr`` afterwards."""
     warmup = int(opt.warmup_steps)
@@ -50,7 +51,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
-def make_optimizer(opt: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformationExtraArgs:
+def make_optimizer(opt: OptimizerSettings, total_steps: int) -> optax.GradientTransformationExtraArgs:
     """Clip by global norm, then AdamW. Gradients must already be unscaled (fp16) when they reach it; pass their
     norm as ``update(grads, state, params, grad_norm=norm)`` if it is already computed."""
     return optax.chain(

@@ -1,4 +1,4 @@
-"""Fine-tuning data (``config.data.source='task'``): a task's train and validation rows as ``EncodedTask``s.
+"""Fine-tuning data (``data.source='task'``): a task's train and validation rows as ``EncodedTask``s.
 
 Real tasks read the files users download (``megajax.data.tasks`` readers) with the model's WordPiece tokenizer;
 synthetic tasks are generated from ``data.seed`` over a small vocabulary, learnable from scratch by a tiny BERT, so
@@ -16,9 +16,9 @@ import math
 import pathlib
 from collections.abc import Callable
 
-import ml_collections
 import numpy as np
 
+from megajax.data.settings import DataSettings
 from megajax.data.tasks import glue, race, squad
 from megajax.data.tasks.encoding import SPECIALS_PER_PAIR, EncodedTask, PackedPairs, Specials
 from megajax.data.tasks.files import TaskDataError
@@ -45,18 +45,17 @@ class TaskData:
     tokenizer_fingerprint: str = ""  # the real tasks' tokenizer (tokenizer.vocabulary_fingerprint); "" synthetic
 
 
-def check_task(config: ml_collections.ConfigDict) -> None:
-    """Raises ConfigError when data.task does not fit config.model (classes, sizes); which model trains on which
+def check_task(d: DataSettings) -> None:
+    """Raises ConfigError when data.task does not fit the model (classes, sizes); which model trains on which
     task is checked with the config (``megajax.config.resolve.check_data_source``)."""
-    d, m = config.data, config.model
     classes = TASK_CLASSES.get(d.task, 0)
-    if classes and m.num_classes != classes:
+    if classes and d.num_classes != classes:
         raise ConfigError(f"data.task={d.task} has {classes} classes; set --config.model.num_classes={classes}")
-    if d.task in _SYNTHETIC and (m.vocab_size < SYNTHETIC_SPECIALS.vocab_size or m.max_seq_len < 24):
+    if d.task in _SYNTHETIC and (d.vocab_size < SYNTHETIC_SPECIALS.vocab_size or d.max_seq_len < 24):
         raise ConfigError(f"synthetic tasks need model.vocab_size >= {SYNTHETIC_SPECIALS.vocab_size} and "
-                          f"model.max_seq_len >= 24; got {m.vocab_size} and {m.max_seq_len}")
-    if d.task in REAL_TASKS and m.max_seq_len < REAL_TASKS[d.task].min_seq_len:  # SQuAD: no room for a context
-        raise ConfigError(f"model.max_seq_len={m.max_seq_len} leaves no room for a SQuAD context: a window holds up "
+                          f"model.max_seq_len >= 24; got {d.vocab_size} and {d.max_seq_len}")
+    if d.task in REAL_TASKS and d.max_seq_len < REAL_TASKS[d.task].min_seq_len:  # SQuAD: no room for a context
+        raise ConfigError(f"model.max_seq_len={d.max_seq_len} leaves no room for a SQuAD context: a window holds up "
                           f"to {squad.MAX_QUERY_LENGTH} question tokens and {SPECIALS_PER_PAIR} special tokens "
                           f"besides; set --config.model.max_seq_len to at least {squad.MIN_SEQ_LEN} (BERT's SQuAD "
                           "runs use 384)")
@@ -64,27 +63,26 @@ def check_task(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"data.max_dropped_fraction={d.max_dropped_fraction}: must be in [0, 1] (1 allows any)")
 
 
-def load_task(config: ml_collections.ConfigDict) -> TaskData:
-    """Both splits of ``config.data.task``, encoded to ``model.max_seq_len`` (checked first: ``check_task``)."""
-    check_task(config)
-    d, seq = config.data, config.model.max_seq_len
+def load_task(d: DataSettings) -> TaskData:
+    """Both splits of ``data.task``, encoded to ``model.max_seq_len`` (checked first: ``check_task``)."""
+    check_task(d)
+    seq = d.max_seq_len
     if d.task in _SYNTHETIC:
         make = _SYNTHETIC[d.task]
         return TaskData(*(make(np.random.default_rng([d.seed, i]), SYNTHETIC_ROWS[s], seq, f"{d.task}/{s}")
                           for i, s in enumerate(("train", "valid"))))
-    return _read_task(config)
+    return _read_task(d)
 
 
-def _read_task(config: ml_collections.ConfigDict) -> TaskData:
-    d, seq = config.data, config.model.max_seq_len
+def _read_task(d: DataSettings) -> TaskData:
+    seq = d.max_seq_len
     task = REAL_TASKS[d.task]
     if not d.task_dir or not d.tokenizer:
         raise ConfigError(f"data.task={d.task} needs --config.data.task_dir (the task's files: "
                           f"{', '.join(task.files)}) and --config.data.tokenizer (the model's vocab.txt)")
     tokenizer = load_tokenizer(d.tokenizer)
-    if tokenizer.vocab_size > config.model.vocab_size:
-        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size="
-                          f"{config.model.vocab_size}")
+    if tokenizer.vocab_size > d.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size={d.vocab_size}")
     paths = [pathlib.Path(d.task_dir).expanduser() / f for f in task.files]
     return task.read(d.task, paths, tokenizer, seq, d.max_dropped_fraction)
 
