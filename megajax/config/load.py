@@ -23,7 +23,7 @@ class LoadedModel(NamedTuple):
     """What ``load_model`` returns: ``model, spec, mesh = megajax.load_model(path)``."""
 
     model: nnx.Module  # ready for model(tokens); its parameters sharded on ``mesh``
-    spec: RunSpec  # the resolved run (spec.model: the TransformerConfig, spec.model_spec: the family's spec)
+    spec: RunSpec  # the resolved run (spec.model: the family's frozen config, spec.model_spec: its spec)
     mesh: Mesh
 
 

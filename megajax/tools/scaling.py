@@ -16,8 +16,9 @@ megajax already describes it, never from a second description of the block:
 * which model-parallel degrees fit the model: ``config.validate``'s checks of ``mesh.model``; whether key/value
   heads are replicated: ``TransformerConfig.kv_replicated``.
 
-Every function takes the config or its ``Resolved`` view (the model's frozen config and spec and the memory choices,
-read once per prediction so that the mesh search's inner loops read no ConfigDict); the choices a prediction is for
+The formulas take the config or its ``Resolved`` view (the model's frozen config and spec and the memory choices,
+read once per prediction so that the mesh search's inner loops read no ConfigDict; ``predict`` and the memory
+functions, which place the config on a mesh, take the config); the choices a prediction is for
 are the config's (``choices``; ``with_choices`` copies it with others, ``choice_flags`` prints them as flags).
 
 Per GPU, with t-way model, d-way data parallelism and p pipeline stages:
