@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from megajax.config.resolve import RunSpec, model_config, rules_of, validate
 from megajax.errors import ConfigError
-from megajax.models import model_spec
+from megajax.models import TransformerConfig, model_spec
 from megajax.parallel.partition import init_sharded, partition_specs
 from megajax.parallel.sharding import make_mesh
 
@@ -30,13 +30,15 @@ def build_mesh(config: ml_collections.ConfigDict, devices: list[jax.Device] | No
 
 def model_factory(config: ml_collections.ConfigDict) -> Callable[[int], nnx.Module]:
     """``seed -> model`` for ``config.model.name`` (its ``megajax.models`` spec's module)."""
-    cls, cfg = model_spec(config.model.name).module, model_config(config)
-    return lambda seed: cls(cfg, rngs=nnx.Rngs(seed))
+    return _factory(model_spec(config.model.name).module, model_config(config))
 
 
 def run_model_factory(spec: RunSpec) -> Callable[[int], nnx.Module]:
     """``seed -> model`` of a resolved run."""
-    cls, cfg = spec.model_spec.module, spec.model
+    return _factory(spec.model_spec.module, spec.model)
+
+
+def _factory(cls: type[nnx.Module], cfg: TransformerConfig) -> Callable[[int], nnx.Module]:
     return lambda seed: cls(cfg, rngs=nnx.Rngs(seed))
 
 
