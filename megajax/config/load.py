@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from megajax.checkpoint.manager import read_config, restore_params
 from megajax.config.build import abstract_model
-from megajax.config.resolve import RunSpec, layer_layout, resolve, stored_config
+from megajax.config.resolve import RunSpec, StoredRun, layer_layout, resolve, stored_config, stored_run
 from megajax.models.transformer import reorder_layers
 from megajax.parallel.partition import shardings
 from megajax.parallel.sharding import make_mesh
@@ -31,6 +31,11 @@ def read_run_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
     """The config stored with the checkpoint at ``path`` as today's code reads it (``checkpoint.read_config``, then
     ``stored_config``)."""
     return stored_config(read_config(path))
+
+
+def read_stored_run(path: str | pathlib.Path) -> StoredRun:
+    """The run stored with the checkpoint at ``path``, typed (``stored_run`` of ``read_run_config``)."""
+    return stored_run(read_run_config(path))
 
 
 def inference_config(path: str | pathlib.Path, data: int | None = None,

@@ -4,8 +4,9 @@ Nothing below this layer reads the ConfigDict: ``resolve`` turns it into a froze
 model's spec and config, the rules, the mesh shape, the parallelism, the precision, the micro-batching, and the
 typed sections of training: ``train``, ``optimizer``, ``loss_scale``, ``checkpoint``, ``dataset`` (``config.data``),
 ``init_from``), which the model, the step, the loop, the optimizer, the data pipeline and the checkpointer are built
-from. The config itself travels only as JSON text (``RunSpec.config_json``), stored with each checkpoint. The
-tools still read the ConfigDict (issue 34).
+from. The config itself travels only as JSON text (``RunSpec.config_json``), stored with each checkpoint. A
+checkpoint's stored config is read as a ``StoredRun`` (its model, data and layer order, typed), and a tool that
+weighs another mesh or batch for a run asks ``replanned`` for that choice's RunSpec.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ TRAINING_ONLY_FIELDS = ("dropout", "init_std", "remat")
 def _values(section: ml_collections.ConfigDict | RunSpec) -> dict:
     """Each field of ``section``'s family (its spec's config type): as the section sets it, else the default (a
     resolved run: its model's)."""
-    if isinstance(section, RunSpec):
+    if isinstance(section, (RunSpec, StoredRun)):
         return {"name": section.model_name, **{f: getattr(section.model, f) for f in section.model.fields()}}
     if section.get("name") not in MODELS:
         return dict(section)
@@ -87,9 +88,10 @@ def _values(section: ml_collections.ConfigDict | RunSpec) -> dict:
     return {"name": section.name, **{f: section.get(f, getattr(defaults, f)) for f in defaults.fields()}}
 
 
-def model_differences(saved: ml_collections.ConfigDict, requested: ml_collections.ConfigDict | RunSpec,
+def model_differences(saved: ml_collections.ConfigDict | StoredRun,
+                      requested: ml_collections.ConfigDict | RunSpec | StoredRun,
                       ignore: tuple[str, ...] = ()) -> dict[str, tuple[Any, Any]]:
-    """field -> (saved, requested) for each field where two ``config.model`` sections (``requested``: or a resolved
+    """field -> (saved, requested) for each field where two ``config.model`` sections (or a resolved or stored
     run's model) differ, over every field of either family but ``TRAINING_ONLY_FIELDS`` and ``ignore``, the name
     first. A field a section leaves out reads as its family's default; one its family does not have, as None."""
     ours, theirs = _values(saved), _values(requested)
@@ -341,7 +343,7 @@ def data_settings(config: ml_collections.ConfigDict) -> DataSettings:
 class RunSpec:
     """A config resolved once, the whole run: what the model, the mesh and the step are, and how it trains; read
     everywhere downstream. A model resolved for inference (``resolve(..., training=False)``) has no training
-    sections (None) and no ``init_from``."""
+    sections (None) and no ``init_from``; its ``dataset`` says what its training data was (the tokenizer)."""
 
     model_name: str
     model: TransformerConfig
@@ -363,7 +365,8 @@ class RunSpec:
     checkpoint: CheckpointSettings | None = None
     dataset: DataSettings | None = None  # config.data (``data`` is the mesh's data-parallel size)
     init_from: str = ""  # a checkpoint whose trunk starts the run ("": none)
-    # the config (with every field of its model's family) as JSON text: stored with each checkpoint, read by nothing
+    # the config (with every field of its model's family) as JSON text: stored with each checkpoint, and read back
+    # only by ``replanned``
     config_json: str = ""
 
     def with_tokenizer_fingerprint(self, fingerprint: str) -> RunSpec:
@@ -396,6 +399,29 @@ class RunSpec:
                                pipeline_repeats=self.pipeline_repeats)
 
 
+@dataclasses.dataclass(frozen=True)
+class StoredRun:
+    """A checkpoint's stored config (``stored_config``) as the code that compares against it reads it: its model,
+    the data it was trained on, and the order its stacked layers were saved in; resolved without the current
+    devices (a checkpoint of a larger mesh still reads)."""
+
+    model_name: str
+    model: TransformerConfig
+    dataset: DataSettings
+    layer_layout: tuple[int, int]  # (stages, repeats): ``pipeline.layer_order``
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        """The model family's spec."""
+        return model_spec(self.model_name)
+
+
+def stored_run(config: ml_collections.ConfigDict) -> StoredRun:
+    """A stored config (as ``stored_config`` returns it) typed: ConfigError where its model is not one today's
+    code reads."""
+    return StoredRun(config.model.name, model_config(config), data_settings(config), layer_layout(config))
+
+
 def resolve(config: ml_collections.ConfigDict, num_devices: int, training: bool = True) -> RunSpec:
     """Validates a config against ``num_devices`` and resolves every derived fact once. ``training=False`` (a model
     loaded for inference) skips the fields only training reads; the batch is then the config's, in one step."""
@@ -406,14 +432,35 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, training: bool 
     shard_optimizer, fsdp = state_split(config)
     run = {} if not training else dict(
         train=train_settings(config), optimizer=optimizer_settings(config), loss_scale=loss_scale_settings(config),
-        checkpoint=checkpoint_settings(config), dataset=data_settings(config), init_from=config.init_from,
-        config_json=with_model_defaults(config).to_json())
+        checkpoint=checkpoint_settings(config), init_from=config.init_from)
     return RunSpec(model_name=config.model.name, model=model_config(config), rules=rules_of(config), data=dp,
                    tensor=tp, precision=resolve_precision(config.train.precision),
                    global_batch=config.train.global_batch_size, num_micro=num_micro,
                    shard_optimizer=shard_optimizer, sequence=sequence_parallel(config), fsdp=fsdp,
                    pipe=config.mesh.pipe, pipeline_microbatches=config.parallel.pipeline_microbatches,
-                   pipeline_repeats=config.parallel.pipeline_repeats, **run)
+                   pipeline_repeats=config.parallel.pipeline_repeats, dataset=data_settings(config),
+                   config_json=with_model_defaults(config).to_json(), **run)
+
+
+def replanned(run: RunSpec, changes: dict[str, Any], num_devices: int | None = None,
+              training: bool = True) -> RunSpec:
+    """``run`` resolved again with some of its config's fields changed, for a tool weighing another choice:
+    ``changes`` maps dotted fields to values (``{"mesh.model": 4, "train.micro_batch_size": 2}``). The run's mesh is
+    kept where not changed; ``num_devices``: the devices the new mesh is checked against (default: as many as it
+    takes; ``mesh.data=-1`` then keeps the run's device count). ConfigError as ``resolve`` raises it."""
+    config = ml_collections.ConfigDict(json.loads(run.config_json))
+    config.mesh.data, config.mesh.model, config.mesh.pipe = run.data, run.tensor, run.pipe
+    for dotted, value in changes.items():
+        *sections, field = dotted.split(".")
+        parent = config
+        for name in sections:
+            parent = parent[name]
+        if field not in parent:
+            raise ConfigError(f"{dotted} is not a config field")
+        parent[field] = value
+    m = config.mesh
+    devices = run.data * run.tensor * run.pipe if m.data == -1 else m.pipe * m.data * m.model
+    return resolve(config, devices if num_devices is None else num_devices, training)
 
 
 def layer_layout(config: ml_collections.ConfigDict) -> tuple[int, int]:
