@@ -73,10 +73,12 @@ def build_config(args: argparse.Namespace, total_steps: int):
 
 def build_torch(torch, transformers, config, params: dict) -> tuple[Any, Callable]:
     """The HF GPT-2 of ``config`` holding megajax's ``params``, and ``step(tokens, lr) -> loss`` (AdamW + clip)."""
+    from megajax.config import model_config
     from megajax.convert.hf_gpt2 import hf_config, params_to_hf
 
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config.from_dict(hf_config(config)))
-    state = {k: torch.from_numpy(v) for k, v in params_to_hf(params, config).items()}
+    cfg = model_config(config)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config.from_dict(hf_config(cfg)))
+    state = {k: torch.from_numpy(v) for k, v in params_to_hf(params, cfg).items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr(), "lm_head must stay tied"

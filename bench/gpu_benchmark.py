@@ -33,16 +33,17 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 REMAT_ORDER = ("none", "selective", "full")  # cheapest recomputation first
 
 
-def lightest_remat(config, data: int, model: int, micro_batch: int, device_bytes: float | None) -> str:
-    """The first of ``REMAT_ORDER`` whose planned per-device peak fits ``device_bytes`` (None: unknown, 'none');
-    'full' if none fits (the compile then says by how much)."""
+def lightest_remat(run, micro_batch: int, device_bytes: float | None) -> str:
+    """The first of ``REMAT_ORDER`` whose planned per-device peak of ``run`` (a ``RunSpec``) with that policy fits
+    ``device_bytes`` (None: unknown, 'none'); 'full' if none fits (the compile then says by how much)."""
+    from megajax.config import replanned
     from megajax.tools.memory_planner import memory_report
 
     if device_bytes is None:
         return "none"
     for remat in REMAT_ORDER:
-        config.model.remat = remat
-        if memory_report(config, data, model, micro_batch, num_micro=1, gpu=True).fits(device_bytes):
+        planned = replanned(run, {"model.remat": remat}, training=False)
+        if memory_report(planned, micro_batch, num_micro=1, gpu=True).fits(device_bytes):
             return remat
     return "full"
 
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from train_throughput import measure
 
     from megajax.cli import load_config, start_backend
+    from megajax.config import resolve
     from megajax.tools.memory_planner import memory_report
     from megajax.training.metrics import peak_flops
 
@@ -114,8 +116,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         config.mesh.update(data=data, model=model)
         config.model.update(max_seq_len=args.seq, dropout=0.0)
         config.train.update(global_batch_size=args.micro_batch * data, precision=precision, steps=1000)
-        config.model.remat = lightest_remat(config, data, model, args.micro_batch, device_bytes)
-        planned = memory_report(config, data, model, args.micro_batch, num_micro=1, gpu=True).peak_bytes
+        config.model.remat = lightest_remat(resolve(config, count), args.micro_batch, device_bytes)
+        planned = memory_report(resolve(config, count), args.micro_batch, num_micro=1, gpu=True).peak_bytes
         for options in {"both": ("on", "off"), "on": ("on",), "off": ("off",)}[args.options]:
             row = {"config": name, "xla_options": options,
                    **measure(config, args.steps, warmup=2, options=None if options == "on" else {})}

@@ -24,6 +24,7 @@ CASES = {"gpt_1p2b": (1, (8, 1)), "gpt_2p5b": (1, (4, 2)), "gpt_8p3b": (64, (64,
 
 def row(name: str, hosts: int, mesh: tuple[int, int]) -> dict:
     from megajax.cli import load_config
+    from megajax.config import resolve
     from megajax.tools.gpu_target import TARGETS, compile_step
     from megajax.tools.memory_planner import largest_micro_batch
     from megajax.tools.scaling import DGX_H100, predict
@@ -32,17 +33,17 @@ def row(name: str, hosts: int, mesh: tuple[int, int]) -> dict:
     config = load_config(name)
     config.mesh.data, config.mesh.model = mesh
     config.train.precision = "bf16"
+    run = resolve(config, mesh[0] * mesh[1], training=False)  # the micro-batch is chosen below
     gpu = TARGETS["h100"]
-    largest = largest_micro_batch(config, *mesh, gpu.memory_bytes, gpu=True)
-    micro = max(min(largest, config.train.global_batch_size // mesh[0]), 1)
+    largest = largest_micro_batch(run, gpu.memory_bytes, gpu=True)
+    micro = max(min(largest, run.global_batch // mesh[0]), 1)
     start = time.perf_counter()
-    step = compile_step(config, "h100", hosts, micro_batch=micro)
+    step = compile_step(run, "h100", hosts, micro_batch=micro)
     seconds = time.perf_counter() - start
     spec = step.run.spec
     devices = step.run.mesh.devices.size
     flops = model_flops_per_step(spec, spec.model.max_seq_len) / devices
-    prediction = predict(step.run.config, mesh, micro * mesh[0], DGX_H100, micro) \
-        if spec.model_spec.causal_lm else None
+    prediction = predict(run, mesh, micro * mesh[0], DGX_H100, micro) if spec.model_spec.causal_lm else None
     return {"config": name, "hosts": hosts, "mesh": f"{mesh[0]}x{mesh[1]}", "remat": spec.model.remat,
             "micro_batch": micro, "largest_micro_batch_planned": largest, "attention": step.attention,
             "compiled_peak_gib": step.compiled.peak / 2**30, "planned_peak_gib": step.planned.peak_bytes / 2**30,

@@ -17,6 +17,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from megajax.cli import load_config, parse_mesh, use_cpu_devices  # noqa: E402
+from megajax.config import resolve  # noqa: E402
 from megajax.tools.memory_planner import compiled_memory, memory_report  # noqa: E402
 
 use_cpu_devices(8)  # before jax starts its backends
@@ -41,10 +42,12 @@ def run_case(case: str) -> str:
     config.parallel.shard_optimizer = "zero" in flags
     config.parallel.fsdp = "fsdp" in flags
     config.parallel.sequence = "sp" in flags
+    config.mesh.update(data=data, model=model)
+    run = resolve(config, data * model, training=False)  # the batch is the case's: compiled_memory sets it
     num_micro = next((int(f[3:]) for f in flags if f.startswith("acc")), 1)
-    report = memory_report(config, data, model, int(micro), num_micro=num_micro)
+    report = memory_report(run, int(micro), num_micro=num_micro)
     start = time.perf_counter()
-    compiled = compiled_memory(config, data, model, int(micro), num_micro)
+    compiled = compiled_memory(run, int(micro), num_micro)
     seconds = time.perf_counter() - start
     cells = [f"{f / MiB:9.1f} {c / MiB:9.1f} {c / f:6.3f}" for f, c in (
         (report.state_bytes, compiled.state), (report.temp_bytes, compiled.temp), (report.peak_bytes, compiled.peak))]

@@ -48,7 +48,15 @@ from megajax.platform import quiet_cuda_notices  # noqa: E402
 with quiet_cuda_notices():  # the backends start here, once per test process
     jax.devices()
 
-from megajax.config import base_config, bert_base_config, build_mesh, create_model, rules_of  # noqa: E402  # noqa: E402
+from megajax.config import (  # noqa: E402
+    RunSpec,
+    base_config,
+    bert_base_config,
+    build_mesh,
+    create_model,
+    resolve,
+    rules_of,
+)
 from megajax.models import llama  # noqa: E402
 from megajax.parallel.partition import shardings  # noqa: E402
 
@@ -181,6 +189,14 @@ def one_step_run(choice: str | None, data: int, model: int, name: str = "gpt", r
     from megajax.training.loop import setup
 
     return setup(choice_config(choice, data, model, name=name, remat=remat, gradient_step=True))
+
+
+def run_on(config, data: int = 1, model: int = 1, pipe: int = 1) -> RunSpec:
+    """``config`` resolved on a ``pipe x data x model`` mesh, as the tools take a run (``megajax.info``'s way: without
+    the training checks, the planners reading the model, its mesh and its choices)."""
+    config = config.copy_and_resolve_references()
+    config.mesh.update(data=data, model=model, pipe=pipe)
+    return resolve(config, pipe * data * model, training=False)
 
 
 def assert_same_step(loss: float, change, want_loss: float, want_change) -> None:

@@ -1,7 +1,7 @@
 """A checkpoint written before each family had its own config type (issue 34) still resumes and loads: every
 family's stored ``config.model`` then held BERT's ``post_layernorm`` and ``num_token_types``, the classifier's
 ``num_classes`` and GPT's ``activation`` (Llama's unused), and GPT's and BERT's had no ``ffn_hidden_size``. They are
-read as today's sections (``checkpoint/migrate.py``, ``config.resolve.stored_config``)."""
+read as today's sections (``config/migrate.py``, ``config.resolve.stored_config``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from conftest import choice_config
 from test_bert_training import bert_run_config
 
 from megajax.api import load_model
-from megajax.checkpoint import read_config
 from megajax.config import model_config, stored_config
+from megajax.config.load import read_run_config
 from megajax.training.loop import train
 
 # what the shared defaults added to each family's section before issue 34, and the fields they lacked
@@ -45,7 +45,7 @@ def test_a_checkpoint_from_before_family_configs_resumes_and_loads(tmp_path, nam
     old = _as_stored_before(step_dir, name)
     assert "num_token_types" in old and "activation" in old  # the test edits what it means to
 
-    read = stored_config(read_config(step_dir))
+    read = read_run_config(step_dir)  # the stored JSON, migrated, then stored_config
     assert model_config(read) == model_config(config)  # the same model, field for field
     config.train.steps = 2
     records = train(config, workdir)  # resumes: the stored and requested models compare equal

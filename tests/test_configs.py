@@ -4,7 +4,7 @@ import pathlib
 
 import jax
 import pytest
-from conftest import small_config
+from conftest import run_on, small_config
 from flax import nnx
 
 from megajax.cli import CONFIGS_DIR, check_config_overrides, load_config, resolve_config_path
@@ -38,7 +38,7 @@ def test_config_builds_and_has_a_docstring(name):
 
 @pytest.mark.parametrize("name,billions", sorted(PAPER_SIZES.items()))
 def test_parameter_count_matches_paper(name, billions):
-    total, _ = params_per_device(load_config(name), {"data": 1, "model": 1})
+    total, _ = params_per_device(run_on(load_config(name)))
     assert abs(total / 1e9 / billions - 1) < 0.03, total
 
 

@@ -87,7 +87,7 @@ def megajax_params():
 @pytest.mark.parametrize("names", ["legacy", "core"])
 def test_megatron_round_trip_is_exact(megajax_params, tmp_path, tp, names):
     params, config = megajax_params
-    megatron_gpt.write_megatron(tmp_path, params, config, tp, iteration=100, names=names)
+    megatron_gpt.write_megatron(tmp_path, params, model_config(config), tp, iteration=100, names=names)
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "100"
     assert sorted(p.name for p in (tmp_path / "iter_0000100").iterdir()) == [f"mp_rank_{r:02d}" for r in range(tp)]
     back, back_config = megatron_gpt.read_megatron(tmp_path, vocab_size=1000)
@@ -103,7 +103,7 @@ def test_megatron_qkv_layout_per_head(megajax_params, tmp_path):
     weight[row, :] = W_{q|k|v} of that head (torch Linear: out x in). Built here head by head."""
     params, config = megajax_params
     tp, nh, d, h = 2, 8, 8, 64
-    megatron_gpt.write_megatron(tmp_path, params, config, tp, iteration=1)
+    megatron_gpt.write_megatron(tmp_path, params, model_config(config), tp, iteration=1)
     kernel = params["blocks"]["attn"]["qkv"]["kernel"][1]  # layer 1: (H, heads, 3, head_dim)
     bias = params["blocks"]["attn"]["qkv"]["bias"][1]
     for r in range(tp):
@@ -130,8 +130,8 @@ def test_megatron_qkv_layout_per_head(megajax_params, tmp_path):
 
 def test_tp4_and_tp1_checkpoints_convert_to_the_same_model(megajax_params, tmp_path):
     params, config = megajax_params
-    megatron_gpt.write_megatron(tmp_path / "tp1", params, config, 1)
-    megatron_gpt.write_megatron(tmp_path / "tp4", params, config, 4)
+    megatron_gpt.write_megatron(tmp_path / "tp1", params, model_config(config), 1)
+    megatron_gpt.write_megatron(tmp_path / "tp4", params, model_config(config), 4)
     convert_main(["megatron-to-megajax", f"--megatron={tmp_path / 'tp1'}", f"--output={tmp_path / 'a'}",
                   "--vocab_size=1000"])
     convert_main(["megatron-to-megajax", f"--megatron={tmp_path / 'tp4'}", f"--output={tmp_path / 'b'}",
@@ -145,7 +145,7 @@ def test_tp4_and_tp1_checkpoints_convert_to_the_same_model(megajax_params, tmp_p
 
 def test_megatron_dtype_and_bf16_params_export(megajax_params, tmp_path):
     params, config = megajax_params
-    save_params(tmp_path / "mj", params, config, step=7)
+    save_params(tmp_path / "mj", params, config.to_json(), step=7)
     convert_main(["megajax-to-megatron", f"--checkpoint={tmp_path / 'mj'}", f"--output={tmp_path / 'mt'}",
                   "--tp=2", "--dtype=float16"])
     ck = torch.load(tmp_path / "mt" / "iter_0000000" / "mp_rank_01" / "model_optim_rng.pt", weights_only=False)

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from megajax.checkpoint import load_model, save_params
-from megajax.config import base_config, build_mesh, rules_of
+from megajax.config import base_config, build_mesh, model_config, rules_of
 from megajax.convert import hf_bert, hf_io, megatron_bert
 from megajax.convert.__main__ import main as convert_main
 from megajax.parallel.sharding import ParallelContext, activate
@@ -110,13 +110,13 @@ def test_hf_unsupported_configs_are_refused(change, match):
 def test_hf_weights_that_do_not_fit_are_refused(hf_dir):
     src, _ = hf_dir
     hf, sd = hf_io.read_config(src), hf_io.read_weights(src)
-    config = hf_bert.config_from_hf(hf, 128)
+    model = model_config(hf_bert.config_from_hf(hf, 128))
     with pytest.raises(KeyError, match="cls.seq_relationship.weight"):
-        hf_bert.params_from_hf({k: v for k, v in sd.items() if not k.startswith("cls.seq")}, config)
+        hf_bert.params_from_hf({k: v for k, v in sd.items() if not k.startswith("cls.seq")}, model)
     with pytest.raises(ValueError, match="no place for.*classifier"):
-        hf_bert.params_from_hf({**sd, "classifier.weight": sd["cls.seq_relationship.weight"]}, config)
+        hf_bert.params_from_hf({**sd, "classifier.weight": sd["cls.seq_relationship.weight"]}, model)
     with pytest.raises(ValueError, match="implies"):
-        hf_bert.params_from_hf(sd, hf_bert.config_from_hf({**hf, "max_position_embeddings": 64}, 128))
+        hf_bert.params_from_hf(sd, model_config(hf_bert.config_from_hf({**hf, "max_position_embeddings": 64}, 128)))
 
 
 def bert_config(post_layernorm: bool = False):
@@ -147,7 +147,7 @@ def assert_same_tree(a, b):
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_megatron_round_trip_is_exact(megajax_params, tmp_path, tp):
     params, config = megajax_params
-    megatron_bert.write_megatron(tmp_path, params, config, tp, iteration=100)
+    megatron_bert.write_megatron(tmp_path, params, model_config(config), tp, iteration=100)
     assert sorted(p.name for p in (tmp_path / "iter_0000100").iterdir()) == [f"mp_rank_{r:02d}" for r in range(tp)]
     assert megatron_bert.holds_bert(tmp_path)
     back, back_config = megatron_bert.read_megatron(tmp_path, vocab_size=VOCAB)
@@ -163,7 +163,7 @@ def test_megatron_bert_layout(megajax_params, tmp_path):
     pooler, tokentype embedding, lm_head dense/LayerNorm and binary head are whole on every rank, as torch Linear
     (out, in) weights nested where Megatron's BertModel keeps them."""
     params, config = megajax_params
-    megatron_bert.write_megatron(tmp_path, params, config, 2, iteration=1)
+    megatron_bert.write_megatron(tmp_path, params, model_config(config), 2, iteration=1)
     for r in range(2):
         ck = torch.load(tmp_path / "iter_0000001" / f"mp_rank_{r:02d}" / "model_optim_rng.pt", weights_only=False)
         m, rows = ck["model"], slice(512 * r, 512 * (r + 1))
@@ -184,7 +184,7 @@ def test_megatron_bert_layout(megajax_params, tmp_path):
 
 def test_tp4_and_tp1_checkpoints_convert_to_the_same_model(megajax_params, batch, tmp_path):
     params, config = megajax_params
-    save_params(tmp_path / "mj", params, config)
+    save_params(tmp_path / "mj", params, config.to_json())
     for tp in (1, 4):
         convert_main(["megajax-to-megatron", f"--checkpoint={tmp_path / 'mj'}", f"--output={tmp_path / f'tp{tp}'}",
                       f"--tp={tp}"])
@@ -199,14 +199,14 @@ def test_tp4_and_tp1_checkpoints_convert_to_the_same_model(megajax_params, batch
 
 def test_megatron_needs_the_true_vocabulary(megajax_params, tmp_path):
     params, config = megajax_params
-    megatron_bert.write_megatron(tmp_path, params, config, 2)
+    megatron_bert.write_megatron(tmp_path, params, model_config(config), 2)
     with pytest.raises(ValueError, match=r"only the padded vocabulary \(1024 embedding rows\).*e.g. "
                                          r"--vocab_size=30522 for BERT's uncased WordPiece"):
         megatron_bert.read_megatron(tmp_path)
     with pytest.raises(ValueError, match="padding rows"):
         megatron_bert.read_megatron(tmp_path, vocab_size=800)  # Megatron would have padded 800 to 896, not 1024
     with pytest.raises(ValueError, match="pre-LN"):
-        megatron_bert.write_megatron(tmp_path / "post", params, bert_config(post_layernorm=True), 1)
+        megatron_bert.write_megatron(tmp_path / "post", params, model_config(bert_config(post_layernorm=True)), 1)
 
 
 def edit_ranks(iter_dir, edit):
@@ -232,7 +232,7 @@ def edit_ranks(iter_dir, edit):
 def test_megatron_bert_inputs_are_checked_like_gpt(megajax_params, tmp_path, edit, want):
     """The BERT reader shares the GPT reader's checks: args against tensors, ranks against each other, variants."""
     params, config = megajax_params
-    it_dir = megatron_bert.write_megatron(tmp_path, params, config, 2)
+    it_dir = megatron_bert.write_megatron(tmp_path, params, model_config(config), 2)
     edit_ranks(it_dir, edit)
     with pytest.raises(ValueError, match=want):
         megatron_bert.read_megatron(tmp_path, vocab_size=VOCAB)
@@ -240,12 +240,12 @@ def test_megatron_bert_inputs_are_checked_like_gpt(megajax_params, tmp_path, edi
 
 def test_megatron_bert_missing_rank_and_token_types_are_named(megajax_params, tmp_path):
     params, config = megajax_params
-    it_dir = megatron_bert.write_megatron(tmp_path, params, config, 4)
+    it_dir = megatron_bert.write_megatron(tmp_path, params, model_config(config), 4)
     wrong = bert_config()
     wrong.model.num_token_types = 3
     with pytest.raises(ValueError, match=r"num_token_types: 2 in the tensors \(embedding.tokentype_embeddings.weight "
                                          r"is \(2, 64\)\), 3 in --config model.num_token_types"):
-        megatron_bert.read_megatron(tmp_path, wrong)
+        megatron_bert.read_megatron(tmp_path, model_config(wrong))
     shutil.rmtree(it_dir / "mp_rank_02")
     with pytest.raises(ValueError, match=r"lacks mp_rank_02 \(it holds mp_rank_00, mp_rank_01, mp_rank_03\)"):
         convert_main(["megatron-to-megajax", f"--megatron={tmp_path}", f"--output={tmp_path.parent / 'out'}",

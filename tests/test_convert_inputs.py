@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from megajax.checkpoint import load_model, read_config, save_params
-from megajax.config import abstract_model, base_config
+from megajax.checkpoint import load_model, save_params
+from megajax.config import abstract_model, base_config, model_config
+from megajax.config.load import read_run_config
 from megajax.convert import hf_gpt2, hf_io, megatron_gpt
 from megajax.convert.__main__ import host_params
 from megajax.convert.__main__ import main as convert_main
@@ -48,7 +49,7 @@ def tiny():
 
 def megatron_checkpoint(path, tiny, tp: int = 1, iteration: int = 0):
     params, config = tiny
-    megatron_gpt.write_megatron(path, params, config, tp, iteration=iteration)
+    megatron_gpt.write_megatron(path, params, model_config(config), tp, iteration=iteration)
     return path
 
 
@@ -86,7 +87,7 @@ def test_padded_only_vocabulary_asks_for_the_flag(tiny, tmp_path):
     assert result.returncode == 1 and result.stderr.startswith("error: ") and "Traceback" not in result.stderr
     assert "--vocab_size=50257" in result.stderr, result.stderr
     convert("megatron-to-megajax", f"--megatron={src}", f"--output={tmp_path / 'out'}", "--vocab_size=1000")
-    config = read_config(tmp_path / "out")
+    config = read_run_config(tmp_path / "out")
     assert (config.model.vocab_size, config.model.make_vocab_size_divisible_by) == (1000, 128)
     model, _ = load_model(tmp_path / "out", data=1, model=1)
     np.testing.assert_array_equal(np.asarray(model.wte.embedding[...]), tiny[0]["wte"]["embedding"])
@@ -98,7 +99,7 @@ def test_padded_only_vocabulary_asks_for_the_flag(tiny, tmp_path):
 ])
 def test_vocabulary_hint_names_the_tokenizer(tmp_path, tokenizer, want):
     config = tiny_config(vocab_size=50257)
-    megatron_gpt.write_megatron(tmp_path, tiny_params(config), config, 1)
+    megatron_gpt.write_megatron(tmp_path, tiny_params(config), model_config(config), 1)
     edit_ranks(tmp_path, lambda ck, _: setattr(ck["args"], "tokenizer_type", tokenizer))
     with pytest.raises(ValueError, match=want):
         megatron_gpt.read_megatron(tmp_path)
@@ -130,7 +131,7 @@ def test_config_that_contradicts_the_args_is_refused(tiny, tmp_path):
     other.model.num_heads = 8
     with pytest.raises(ValueError, match=r"num_attention_heads: 4 in args.num_attention_heads, 8 in --config "
                                          r"model.num_heads.*pass a --config that matches"):
-        megatron_gpt.read_megatron(tmp_path, other, vocab_size=1000)
+        megatron_gpt.read_megatron(tmp_path, model_config(other), vocab_size=1000)
 
 
 def test_checkpoint_without_args_needs_a_config(tiny, tmp_path):
@@ -147,12 +148,12 @@ def test_checkpoint_without_args_needs_a_config(tiny, tmp_path):
     assert config.model.make_vocab_size_divisible_by == 1024  # the config's own padding, which gives 1024 rows
     np.testing.assert_array_equal(np.asarray(back.wpe[...]), tiny[0]["wpe"])
     with pytest.raises(ValueError, match=r"--config model.vocab_size=50257 does not fit the checkpoint's 1024 "):
-        megatron_gpt.read_megatron(src, tiny_config(vocab_size=50257))
+        megatron_gpt.read_megatron(src, model_config(tiny_config(vocab_size=50257)))
     wrong = tiny_config()
     wrong.model.max_seq_len = 16
     with pytest.raises(ValueError, match=r"max_position_embeddings: 16 in --config model.max_seq_len, 8 in the "
                                          r"tensors \(embedding.position_embeddings.weight is \(8, 16\)\)"):
-        megatron_gpt.read_megatron(src, wrong)
+        megatron_gpt.read_megatron(src, model_config(wrong))
 
 
 @pytest.mark.parametrize("edit, want", [
@@ -204,7 +205,7 @@ def test_ranks_of_two_tp_degrees_are_named(tiny, tmp_path, with_args):
     else:
         edit_ranks(tmp_path / "two", lambda ck, _: ck.pop("args"))
         want = r"is \(512, 16\) in mp_rank_00 but \(256, 16\) in mp_rank_02: the ranks come from different"
-        config = tiny_config()
+        config = model_config(tiny_config())
     with pytest.raises(ValueError, match=want):
         megatron_gpt.read_megatron(tmp_path / "two", config, vocab_size=1000)
 
@@ -258,22 +259,22 @@ def test_other_hf_architectures_name_the_supported_ones(tmp_path):
 @pytest.fixture(scope="module")
 def hf_state(tiny):
     params, config = tiny
-    return hf_gpt2.params_to_hf(params, config), hf_gpt2.hf_config(config)
+    return hf_gpt2.params_to_hf(params, model_config(config)), hf_gpt2.hf_config(model_config(config))
 
 
 def test_hf_weights_that_contradict_config_json_are_refused(hf_state):
     sd, hf = hf_state
-    config = hf_gpt2.config_from_hf(hf, 128)
+    model = model_config(hf_gpt2.config_from_hf(hf, 128))
     wider = dict(sd, **{"transformer.h.1.mlp.c_fc.weight": np.zeros((16, 32), np.float32)})
     with pytest.raises(ValueError, match=r"h.1.mlp.c_fc.weight is \(16, 32\), but config.json .*n_inner=64\) "
                                          r"implies \(16, 64\)"):
-        hf_gpt2.params_from_hf(wider, config)
+        hf_gpt2.params_from_hf(wider, model)
     deeper = dict(sd, **{k.replace("h.1.", "h.2."): v for k, v in sd.items() if ".h.1." in k})
     with pytest.raises(ValueError, match=r"hold layers \[2\] but config.json says n_layer=2"):
-        hf_gpt2.params_from_hf(deeper, config)
+        hf_gpt2.params_from_hf(deeper, model)
     untied = dict(sd, **{"lm_head.weight": sd["transformer.wte.weight"] + 1})
     with pytest.raises(ValueError, match="untied output layer"):
-        hf_gpt2.params_from_hf(untied, config)
+        hf_gpt2.params_from_hf(untied, model)
     with pytest.raises(ValueError, match="tie_word_embeddings=False is not supported"):
         hf_gpt2.config_from_hf(dict(hf, tie_word_embeddings=False))
 
@@ -310,7 +311,7 @@ def test_missing_input_names_its_flag(tmp_path, verb, flag):
 def megajax_ck(tiny, tmp_path_factory):
     params, config = tiny
     path = tmp_path_factory.mktemp("mj") / "ck"
-    save_params(path, params, config)
+    save_params(path, params, config.to_json())
     return path
 
 
@@ -327,7 +328,8 @@ def test_megatron_output_with_other_iterations_is_refused_then_replaced(megajax_
         convert("megajax-to-megatron", f"--checkpoint={megajax_ck}", f"--output={out}", "--tp=4", "--iteration=7")
     assert tree_bytes(out) == before
     with pytest.raises(FileExistsError, match="already holds iter_0000100/"):  # the library refuses too
-        megatron_gpt.write_megatron(out, *host_params(megajax_ck), 1)
+        params, _, run = host_params(megajax_ck)
+        megatron_gpt.write_megatron(out, params, run.model, 1)
     convert("megajax-to-megatron", f"--checkpoint={megajax_ck}", f"--output={out}", "--tp=4", "--iteration=7",
             "--overwrite")
     assert sorted(p.name for p in out.iterdir()) == ["iter_0000007", "latest_checkpointed_iteration.txt"]
@@ -370,7 +372,7 @@ def test_other_verbs_refuse_a_used_output(megajax_ck, tmp_path, verb):
 
 def test_relative_paths_work_for_every_verb(tiny, tmp_path, monkeypatch):
     params, config = tiny
-    save_params(tmp_path / "mj", params, config)
+    save_params(tmp_path / "mj", params, config.to_json())
     monkeypatch.chdir(tmp_path)
     convert("megajax-to-hf", "--checkpoint=mj", "--output=hf")
     convert("hf-to-megajax", "--hf=hf", "--output=mj2", "--make_vocab_size_divisible_by=128")
@@ -390,7 +392,7 @@ def test_args_namespace_round_trips_megatron_padding(tiny, tmp_path):
     """Written args let Megatron recompute the padded size: multiple of make_vocab_size_divisible_by x tp."""
     params, config = tiny
     for tp in (1, 2, 4):
-        megatron_gpt.write_megatron(tmp_path / str(tp), params, config, tp)
+        megatron_gpt.write_megatron(tmp_path / str(tp), params, model_config(config), tp)
         args: argparse.Namespace = torch.load(rank_files(tmp_path / str(tp))[0], weights_only=False)["args"]
         multiple = args.make_vocab_size_divisible_by * tp
         assert -(-1000 // multiple) * multiple == args.padded_vocab_size == 1024

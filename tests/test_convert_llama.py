@@ -12,9 +12,9 @@ import pytest
 from flax import nnx
 
 import megajax
-from megajax.checkpoint import CheckpointError, read_config
+from megajax.checkpoint import CheckpointError
 from megajax.config import model_config
-from megajax.config.load import inference_config
+from megajax.config.load import inference_config, read_run_config
 from megajax.convert import hf_io, hf_llama
 from megajax.convert.__main__ import main as convert_main
 from megajax.evaluation.generate import Sampling, generate
@@ -213,17 +213,17 @@ def test_cli_refuses_before_writing(converted, tmp_path):
 def test_weights_that_do_not_fit_are_refused(converted):
     src, _, _ = converted("gqa")  # untied: its lm_head can be missing
     hf, sd = hf_io.read_config(src), hf_io.read_weights(src)
-    config = hf_llama.config_from_hf(hf)
+    model = model_config(hf_llama.config_from_hf(hf))
     with pytest.raises(KeyError, match="lm_head.weight"):
-        hf_llama.params_from_hf({k: v for k, v in sd.items() if k != "lm_head.weight"}, config)
+        hf_llama.params_from_hf({k: v for k, v in sd.items() if k != "lm_head.weight"}, model)
     with pytest.raises(ValueError, match="no place for.*q_proj.bias"):
-        hf_llama.params_from_hf({**sd, "model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)}, config)
+        hf_llama.params_from_hf({**sd, "model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)}, model)
     with pytest.raises(ValueError, match="no place for.*layers.2"):
-        hf_llama.params_from_hf({**sd, "model.layers.2.input_layernorm.weight": np.ones(64, np.float32)}, config)
+        hf_llama.params_from_hf({**sd, "model.layers.2.input_layernorm.weight": np.ones(64, np.float32)}, model)
     with pytest.raises(ValueError, match="k_proj.weight is \\(16, 64\\).*implies \\(32, 64\\)"):
-        hf_llama.params_from_hf(sd, hf_llama.config_from_hf({**hf, "num_key_value_heads": 4}))
+        hf_llama.params_from_hf(sd, model_config(hf_llama.config_from_hf({**hf, "num_key_value_heads": 4})))
     buffers = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32) for i in range(2)}
-    hf_llama.params_from_hf({**sd, **buffers}, config)  # older transformers saved these; they are recomputed
+    hf_llama.params_from_hf({**sd, **buffers}, model)  # older transformers saved these; they are recomputed
 
 
 # Llama 3's pre-tokenizer regex (tiktoken's cl100k split: numbers in groups of at most 3 digits).
@@ -300,7 +300,7 @@ def test_training_continues_from_a_converted_checkpoint(converted, tmp_path):
     key/value heads replicated) leave the weights bit-equal to the conversion; a config of another shape is refused
     before compiling, naming the flag that fixes it."""
     _, _, mj = converted("gqa")
-    config = read_config(mj)
+    config = read_run_config(mj)
     config.init_from = str(mj)
     config.data.source = "random"
     config.mesh.update(data=2, model=4)
@@ -347,7 +347,7 @@ def test_eval_and_lm_eval_score_a_converted_llama_as_transformers(converted, tmp
     from megajax.evaluation.runner import run
 
     _, model, mj = converted("gqa")
-    seq = read_config(mj).model.max_seq_len
+    seq = read_run_config(mj).model.max_seq_len
     ids = np.random.default_rng(1).integers(0, 250, size=3 * seq + 1)
     writer = IndexedWriter(tmp_path / "data", np.uint16)
     writer.add(ids)

@@ -79,7 +79,7 @@ def test_glue_repeated_ids(tmp_path):
 
 
 def test_qqp_skipped_rows_in_the_training_report(tmp_path):
-    from megajax.config import bert_base_config, data_settings
+    from megajax.config import bert_base_config, data_settings, stored_run
     from megajax.data.tasks.task_data import load_task
     from megajax.evaluation.downstream_tasks import read_splits
 
@@ -96,7 +96,7 @@ def test_qqp_skipped_rows_in_the_training_report(tmp_path):
         "rows with the wrong number of fields": {"rows": 1, "first_line": 302},
         "with label '2'": {"rows": 1, "first_line": 303}}}
     assert report["valid"]["skipped_rows"] == 1
-    (split,) = read_splits("qqp", c, None, None)  # eval.py's dev split: the counts go into its results
+    (split,) = read_splits("qqp", stored_run(c), None, None)  # eval.py's dev split: the counts go into its results
     assert split.counts == {"skipped_rows": 1, "skipped": {"rows with the wrong number of fields": {
         "rows": 1, "first_line": 7}}}
     _tsv(tmp_path / "train.tsv", QQP_HEADER, good[:10] + [["x", "y"]] * 5)  # 5 of 15: a damaged file

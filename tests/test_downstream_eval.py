@@ -104,7 +104,7 @@ def checkpoints(files, tmp_path_factory):
     for i, task in enumerate(SEQ):
         config = _task_config(task, files)
         model = create_model(config, build_mesh(config), seed=i)
-        save_params(root / task, nnx.to_pure_dict(nnx.state(model)), config)
+        save_params(root / task, nnx.to_pure_dict(nnx.state(model)), config.to_json())
         out[task] = (root / task, model)
     return out
 

@@ -11,7 +11,7 @@ from conftest import small_config
 from tokenizers import Tokenizer
 
 from megajax.checkpoint import save_params
-from megajax.config import bert_base_config
+from megajax.config import bert_base_config, stored_run
 from megajax.data.indexed import IndexedWriter
 from megajax.data.preprocess import write_documents
 from megajax.data.tokenizer import TextTokenizer, load_tokenizer, train_tokenizer
@@ -45,10 +45,10 @@ def _token_file(prefix, ids, vocab_size):
 def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("evalinputs")
     # Only a checkpoint's config is read before loading, and loading is refused here: no real parameters needed.
-    save_params(root / "ck", {"unused": np.zeros(1, np.float32)}, small_config())
+    save_params(root / "ck", {"unused": np.zeros(1, np.float32)}, small_config().to_json())
     moved = small_config()
     moved.data.source, moved.data.path = "indexed", str(root / "moved" / "corpus")
-    save_params(root / "ck_moved", {"unused": np.zeros(1, np.float32)}, moved)
+    save_params(root / "ck_moved", {"unused": np.zeros(1, np.float32)}, moved.to_json())
     text = " ".join(f"w{i % 37} x{i % 11}" for i in range(200))
     tok = train_tokenizer([text], "bpe", 300)
     tok.save(root / "tok.json")
@@ -187,10 +187,10 @@ def test_moved_training_data_asks_for_tokenizer(root, tmp_path):
     config = small_config()
     config.data.source, config.data.path = "indexed", _token_file(tmp_path / "corpus", [1, 2], 300)
     with pytest.raises(InputError, match="tokenizer path unused does not exist.*pass --tokenizer=PATH"):
-        tokenizer_for(config, None)  # the sidecar is there, the tokenizer it names is not
+        tokenizer_for(stored_run(config), None)  # the sidecar is there, the tokenizer it names is not
     config.data.source = "random"
     with pytest.raises(InputError, match="pass --tokenizer=PATH"):
-        tokenizer_for(config, None)
+        tokenizer_for(stored_run(config), None)
 
 
 def test_output_paths_are_checked_before_any_work(root, tmp_path):
@@ -234,7 +234,7 @@ def test_a_tokenizer_or_dataset_of_another_vocabulary_is_refused(root, tmp_path)
     assert other.vocab_size == tok.vocab_size and other.fingerprint != tok.fingerprint
     recorded = small_config()
     recorded.data.tokenizer_fingerprint = tok.fingerprint
-    save_params(tmp_path / "ck", {"unused": np.zeros(1, np.float32)}, recorded)
+    save_params(tmp_path / "ck", {"unused": np.zeros(1, np.float32)}, recorded.to_json())
     text = (root / "wiki.tokens").read_text()
     write_documents([text], tok, tmp_path / "same", min_tokens=0)
     write_documents([text], other, tmp_path / "other", min_tokens=0)
@@ -259,7 +259,7 @@ def test_mlm_data_of_another_vocabulary_is_refused(tmp_path):
     bert = bert_base_config()
     bert.model.max_seq_len = 32
     bert.data.tokenizer_fingerprint = tok.fingerprint
-    save_params(tmp_path / "ck", {"unused": np.zeros(1, np.float32)}, bert)
+    save_params(tmp_path / "ck", {"unused": np.zeros(1, np.float32)}, bert.to_json())
     write_documents(texts, tok, tmp_path / "same", min_tokens=0, split_sentences=True)
     write_documents(texts, _swapped(tok), tmp_path / "other", min_tokens=0, split_sentences=True)
     with pytest.raises(ModelLoaded):

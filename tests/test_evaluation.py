@@ -256,7 +256,7 @@ def eval_checkpoint(tmp_path_factory, tiny_model):
     writer = IndexedWriter(root / "ppl", np.uint16)
     writer.add(np.random.default_rng(5).integers(0, 1000, 60))
     writer.commit({"tokenizer": str(root / "tok.json"), "vocab_size": 1000})
-    save_params(root / "ck", jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model))), config)
+    save_params(root / "ck", jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model))), config.to_json())
     return root
 
 
@@ -317,7 +317,7 @@ def test_a_checkpoint_of_a_wider_split_evaluates_on_the_devices_there_are(eval_c
     model, config = tiny_model
     wide = config.copy_and_resolve_references()
     wide.mesh.model = 8
-    save_params(root / "ck_1x8", jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model))), wide)
+    save_params(root / "ck_1x8", jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model))), wide.to_json())
     common = dict(data=str(root / "wiki.tokens"), tokenizer=str(root / "tok.json"), stride=4, batch_size=8)
     reference = run(str(root / "ck"), "wikitext103", mesh_data=1, mesh_model=1, **common)
     for mesh_data, mesh in [(None, "1x8"), (2, "2x4"), (8, "8x1")]:

@@ -111,7 +111,7 @@ def pretrained(tmp_path_factory):
     config = _bert_config(max_seq_len=32)
     params = nnx.to_pure_dict(nnx.state(create_model(config, build_mesh(config), seed=7)))
     root = tmp_path_factory.mktemp("pretrained")
-    save_params(root / "bert", params, config)
+    save_params(root / "bert", params, config.to_json())
     return root, jax.tree.map(np.asarray, params)
 
 
@@ -170,7 +170,7 @@ def test_init_from_errors_before_compiling(tmp_path, make, message):
     c.init_from = str(tmp_path / "source")
     if make is not None:
         config = make()
-        save_params(tmp_path / "source", {"w": np.zeros(2, np.float32)}, config)  # only its config is read
+        save_params(tmp_path / "source", {"w": np.zeros(2, np.float32)}, config.to_json())  # only its config is read
     with pytest.raises((FileNotFoundError, CheckpointError), match=message):
         train(c, tmp_path / "ft")
 
@@ -180,7 +180,7 @@ def test_init_from_pretrained_with_another_vocabulary_is_refused(tmp_path):
     pretraining run recorded (and the fine-tuning run records from its task data's tokenizer) tells them apart."""
     source = _bert_config()
     source.data.tokenizer_fingerprint = "0" * 16
-    save_params(tmp_path / "source", {"w": np.zeros(2, np.float32)}, source)  # only its config is read
+    save_params(tmp_path / "source", {"w": np.zeros(2, np.float32)}, source.to_json())  # only its config is read
     c = task_config("bert_classifier")
     c.init_from = str(tmp_path / "source")
     c.data.update(tokenizer="other/vocab.txt", tokenizer_fingerprint="1" * 16)
@@ -211,7 +211,7 @@ def test_finetune_from_a_converted_hugging_face_bert(tmp_path):
     (tmp_path / "other.txt").write_text("\n".join(words[:5] + words[5:][::-1]) + "\n")  # same size, ids moved
     convert_main(["hf-to-megajax", f"--hf={tmp_path / 'hf'}", f"--output={tmp_path / 'mj'}",
                   "--make_vocab_size_divisible_by=64"])
-    recorded = read_config(tmp_path / "mj").data.tokenizer_fingerprint
+    recorded = read_config(tmp_path / "mj")["data"]["tokenizer_fingerprint"]
     assert recorded == load_tokenizer(tmp_path / "hf" / "vocab.txt").fingerprint
     c = task_config("bert_classifier", data=1, model=4, heads=4)
     c.model.post_layernorm = True  # BertForPreTraining is post-LN; a mismatch is refused by init_from's checks

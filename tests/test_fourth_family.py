@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from megajax.config import base_config, model_config
+from megajax.config import base_config, model_config, resolve
 from megajax.data import formats
 from megajax.errors import ConfigError
 from megajax.models import objectives
@@ -173,13 +173,13 @@ def test_layer_residuals_are_what_autodiff_keeps(remat, precision, dropout, acti
     config = small(remat=remat, dropout=dropout, activation=activation)
     config.train.precision = precision
     assert layer_residual_bytes(model_config(config), 2, 1, 1, remat, 4 if precision == "fp32" else 2) == \
-        traced_layer_residual_bytes(config, 2)
+        traced_layer_residual_bytes(resolve(config, 1, training=False), 2)
 
 
 @pytest.mark.parametrize("mesh,remat", [((4, 2), "none"), ((2, 4), "selective")])
 def test_memory_planner_within_10_percent_of_the_compiled_step(mesh, remat):
-    config = small(remat=remat)
-    report, compiled = memory_report(config, *mesh, micro_batch=4), compiled_memory(config, *mesh, micro_batch=4)
+    run = resolve(small(*mesh, remat=remat), math.prod(mesh), training=False)
+    report, compiled = memory_report(run, micro_batch=4), compiled_memory(run, micro_batch=4)
     assert compiled.temp == pytest.approx(report.temp_bytes, rel=0.10)
     assert compiled.peak == pytest.approx(report.peak_bytes, rel=0.10)
 
@@ -202,11 +202,12 @@ def test_communicates_the_minimum_its_spec_states(mesh, remat):
 def test_scaling_model_within_10_percent_of_the_compiled_step(remat):
     """The scaling model's GEMMs (read from the abstract model) add up to the spec's FLOPs, and its memory per GPU
     (bf16, as it plans GPUs) is the compiled step's peak within 10%, on 4x2."""
-    config = small(remat=remat)
+    config = small(4, 2, remat=remat)
     config.train.precision = "bf16"
     cfg = model_config(config)
-    dense, attention, logits = scaling.gemms(config, 2, 8)  # one GPU's forward GEMMs, (batch, m, k, n) each
+    run = resolve(config, 8, training=False)
+    dense, attention, logits = scaling.gemms(run, 2, 8)  # one GPU's forward GEMMs, (batch, m, k, n) each
     gemm_flops = 3 * (sum(2 * math.prod(g) for g in dense + attention) * cfg.num_layers + 2 * math.prod(logits))
     assert gemm_flops * 2 == pytest.approx(SPEC.flops(cfg, 8, cfg.max_seq_len), rel=1e-12)
-    compiled = compiled_memory(config, 4, 2, micro_batch=4)
-    assert scaling.memory_bytes(config, tensor=2, micro_batch=4, data=4) == pytest.approx(compiled.peak, rel=0.10)
+    compiled = compiled_memory(run, micro_batch=4)
+    assert scaling.memory_bytes(run, tensor=2, micro_batch=4, data=4) == pytest.approx(compiled.peak, rel=0.10)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import SCALAR_STATE_BYTES, child_env
+from conftest import SCALAR_STATE_BYTES, child_env, run_on
 
 from megajax.cli import load_config
 from megajax.config import model_config
@@ -38,7 +38,7 @@ def _config(name: str, mesh: tuple[int, int]):
 
 @pytest.fixture(scope="module")
 def steps():
-    return {(name, mesh): gpu_target.compile_step(_config(name, mesh), "h100", micro_batch=ROWS)
+    return {(name, mesh): gpu_target.compile_step(run_on(_config(name, mesh), *mesh), "h100", micro_batch=ROWS)
             for name in MODELS for mesh in MESHES}
 
 

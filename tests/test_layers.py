@@ -63,3 +63,32 @@ def test_the_check_catches_an_upward_import():
     assert _against_layers("megajax.parallel.layers", targets) == ["megajax.parallel.layers -> megajax.models",
                                                                    "megajax.parallel.layers -> megajax.training"]
     assert _against_layers("megajax.evaluation.runner", {"megajax.training.step"}) != []
+
+
+# Where a config.model ConfigDict may be a parameter: the assembly layer that resolves it, the command-line
+# plumbing, the entry points, and the library's two ways in (``megajax.train`` / ``training.loop.setup``)
+CONFIG_READERS = {"config", "cli", "api", "info", "comm_report", "scaling", "lm_eval", "configs"}
+CONFIG_ENTRIES = {("training.loop", "train"), ("training.loop", "setup"), ("convert.__main__", "*")}
+
+
+def _config_parameters(text: str) -> list[str]:
+    """The functions in ``text`` with a parameter annotated as a ConfigDict."""
+    return [node.name for node in ast.walk(ast.parse(text))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and any("ConfigDict" in ast.unparse(a.annotation) for a in (*node.args.args, *node.args.kwonlyargs)
+                    if a.annotation is not None)]
+
+
+def test_below_the_entry_points_nothing_takes_the_config():
+    """Issue 34: the config is resolved once at the top (``config.resolve`` -> ``RunSpec``, a checkpoint's as a
+    ``StoredRun``); every function below takes the run or its parts, never the ConfigDict."""
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        if _layer(f"megajax.{module}") in CONFIG_READERS:
+            continue
+        for name in _config_parameters(path.read_text()):
+            if (module, name) not in CONFIG_ENTRIES and (module, "*") not in CONFIG_ENTRIES:
+                bad.append(f"megajax.{module}.{name}")
+    assert not bad, bad
+    assert _config_parameters("def f(c: ml_collections.ConfigDict): pass") == ["f"]  # the check can fail

@@ -65,7 +65,7 @@ def checkpoint(tmp_path_factory):
             return np.ones(a.shape, a.dtype)
         return np.zeros(a.shape, a.dtype) if name == "bias" else (rng.standard_normal(a.shape) * 0.2).astype(a.dtype)
     params = jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(abstract))
-    path = save_params(root / "ck", params, config)
+    path = save_params(root / "ck", params, config.to_json())
     return path, nnx.merge(graphdef, params), tok
 
 

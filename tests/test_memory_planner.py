@@ -26,7 +26,7 @@ the 2 cores; their estimate rests on the same per-layer inventory and head terms
 import math
 
 import pytest
-from conftest import SCALAR_STATE_BYTES
+from conftest import SCALAR_STATE_BYTES, run_on
 
 from megajax.cli import load_config
 from megajax.tools.info import main
@@ -73,9 +73,9 @@ def measured():
     def get(case: str):
         if case not in cache:
             name, data, model, remat, split, num_micro = CASES[case]
-            config = _config(name, remat, split)
-            cache[case] = (memory_report(config, data, model, MICRO_BATCH, num_micro=num_micro),
-                           compiled_memory(config, data, model, MICRO_BATCH, num_micro))
+            run = run_on(_config(name, remat, split), data, model)
+            cache[case] = (memory_report(run, MICRO_BATCH, num_micro=num_micro),
+                           compiled_memory(run, MICRO_BATCH, num_micro))
         return cache[case]
 
     return get
@@ -121,7 +121,8 @@ def test_layer_residuals_are_what_autodiff_keeps(name, remat, dropout, precision
     config = load_config(name)
     config.model.update(remat=remat, dropout=dropout)
     config.train.precision = precision
-    assert layer_residual_bytes(config, 2, tp=1) == traced_layer_residual_bytes(config, 2)
+    run = run_on(config)
+    assert layer_residual_bytes(run, 2) == traced_layer_residual_bytes(run, 2)
 
 
 def test_a_gpt_mlp_of_another_width_is_planned_as_built():
@@ -131,8 +132,9 @@ def test_a_gpt_mlp_of_another_width_is_planned_as_built():
     config.model.ffn_hidden_size = 3 * config.model.hidden_size
     for remat in ("none", "save_dots"):
         config.model.remat = remat
-        assert layer_residual_bytes(config, 2, tp=1) == traced_layer_residual_bytes(config, 2), remat
-    assert parameters_per_gpu(config, 2) == params_per_device(config, {"data": 1, "model": 2})
+        run = run_on(config)
+        assert layer_residual_bytes(run, 2) == traced_layer_residual_bytes(run, 2), remat
+    assert parameters_per_gpu(run_on(config), 2) == params_per_device(run_on(config, 1, 2))
 
 
 @pytest.mark.parametrize("name,mesh,precision,device_gib", [
@@ -140,14 +142,15 @@ def test_a_gpt_mlp_of_another_width_is_planned_as_built():
 def test_largest_micro_batch_fits_and_the_next_does_not(name, mesh, precision, device_gib):
     config = load_config(name)
     config.train.precision = precision
-    largest = largest_micro_batch(config, *mesh, device_gib * GiB)
+    run = run_on(config, *mesh)
+    largest = largest_micro_batch(run, device_gib * GiB)
     assert largest >= 1
-    assert memory_report(config, *mesh, largest, num_micro=1).fits(device_gib * GiB)
-    assert not memory_report(config, *mesh, largest + 1, num_micro=1).fits(device_gib * GiB)
+    assert memory_report(run, largest, num_micro=1).fits(device_gib * GiB)
+    assert not memory_report(run, largest + 1, num_micro=1).fits(device_gib * GiB)
 
 
 def test_nothing_fits_a_tiny_device():
-    assert largest_micro_batch(load_config("gpt_8p3b"), 64, 8, 1 * GiB) == 0  # the state alone is larger
+    assert largest_micro_batch(run_on(load_config("gpt_8p3b"), 64, 8), 1 * GiB) == 0  # the state alone is larger
 
 
 def test_cli_prints_formula_and_compiler_side_by_side(measured, capsys):

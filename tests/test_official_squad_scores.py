@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from downstream_fixtures import wordpiece_tokenizer
 
-from megajax.config import bert_base_config
+from megajax.config import bert_base_config, stored_run
 from megajax.evaluation import downstream_tasks
 from megajax.evaluation.squad_metrics import squad1_scores, squad2_scores
 
@@ -214,7 +214,7 @@ def _logits(features, questions):
 
 def _evaluate(task, data, tokenizer, questions, monkeypatch, tmp_path, threshold=0.0):
     """eval.py's path from files to results and written files, the model's logits replaced by ``_logits``."""
-    splits = downstream_tasks.read_splits(task, _config(tokenizer), str(data), None)
+    splits = downstream_tasks.read_splits(task, stored_run(_config(tokenizer)), str(data), None)
     logits = _logits(splits[0].extra, questions)
     monkeypatch.setattr(downstream_tasks, "predict", lambda *args: logits)
     results, predictions, odds = downstream_tasks.evaluate(None, None, None, task, splits, 8, threshold)

@@ -17,9 +17,9 @@ from conftest import assert_same_step, choice_config
 from flax import nnx
 
 import megajax
-from megajax.checkpoint import read_config, restore_params
-from megajax.config import ConfigError, abstract_model, layer_layout, resolve, rules_of
-from megajax.config.load import in_layout
+from megajax.checkpoint import restore_params
+from megajax.config import ConfigError, abstract_model, resolve, rules_of
+from megajax.config.load import in_layout, read_stored_run
 from megajax.models.transformer import reorder_layers
 from megajax.parallel import pipeline
 from megajax.parallel.hlo_audit import collectives
@@ -241,7 +241,7 @@ def test_stages_exchange_exactly_the_schedules_activations(name, pipe, data, mod
     every = collectives(run.step_fn.as_text(), run.mesh)
     assert not [c for c in every if "data" in c.axes and c.phase == "forward" and c.elements > 1]
     reduced = sum(4 * c.elements * c.executions for c in every if "data" in c.axes and c.elements > 1)
-    local = params_per_device(_config(name, pipe, data, model, micro), {"pipe": pipe, "data": data, "model": model})
+    local = params_per_device(run.spec)
     assert reduced == (4 * local[1] if data > 1 else 0)
     colls = [c for c in every if "pipe" in c.axes]
     ticks = pipeline.ticks(micro, pipe, repeats)
@@ -312,9 +312,8 @@ def test_memory_planner_counts_the_stages(name, pipe, data, model, micro, repeat
     six circular ones, FSDP under both): state exact (but the step's scalars), temp and peak within 10%."""
     run = _run(name, pipe, data, model, micro, choice=choice, repeats=repeats)
     rows = 8 // data
-    report = memory_report(_config(name, pipe, data, model, micro, choice, repeats=repeats), data, model, rows,
-                           num_micro=1)
-    compiled = run_memory(run, rows)
+    report = memory_report(run.spec, rows, num_micro=1)
+    compiled = run_memory(run)
     assert compiled.state - report.state_bytes == 32  # step, the optimizer's counts, the loss scale, the key
     assert compiled.temp == pytest.approx(report.temp_bytes, rel=0.10)
     assert compiled.peak == pytest.approx(report.peak_bytes, rel=0.10)
@@ -343,8 +342,8 @@ def test_a_circular_pipe_2_run_resumes_exactly_and_on_pipe_4_and_restores_on_pip
     mesh = make_mesh(1, 1, pipe=4)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nnx.to_pure_dict(abstract),
                           nnx.to_pure_dict(shardings(abstract, mesh, rules_of(c))))
-    saved = read_config(tmp_path / "piped" / "checkpoints" / "2")
-    assert layer_layout(saved) == (2, 2)
+    saved = read_stored_run(tmp_path / "piped" / "checkpoints" / "2")
+    assert saved.layer_layout == (2, 2)
     on_4 = in_layout(restore_params(tmp_path / "piped" / "checkpoints" / "2", target), saved, (4, 2))
     on_1 = nnx.to_pure_dict(nnx.state(megajax.load_model(tmp_path / "piped" / "checkpoints" / "2").model))
     assert all(a.sharding.spec[0] == "pipe" for a in jax.tree.leaves(on_4["blocks"]))  # the stages' layers

@@ -7,16 +7,16 @@ import inspect
 import math
 
 import pytest
+from conftest import run_on
 
 from megajax.cli import check_config_overrides, load_config
-from megajax.config import model_config, sequence_parallel, state_split, validate
-from megajax.models import model_spec
+from megajax.config import validate
 from megajax.models.spec import transformer_flops
 from megajax.parallel import pipeline as megajax_pipeline
 from megajax.tools import scaling, scaling_layout, scaling_papers, scaling_plan
 from megajax.tools.scaling import DGX2H_V100, DGX_A100, predict
 from megajax.tools.scaling_layout import with_choices
-from megajax.tools.scaling_papers import PAPER_MODELS, PTDP_FITTED, PTDP_TABLE1, gpt_config
+from megajax.tools.scaling_papers import PAPER_MODELS, PTDP_FITTED, PTDP_TABLE1, gpt_model
 from megajax.tools.scaling_pipeline import Pipeline
 from megajax.tools.scaling_plan import recommend_mesh
 
@@ -94,7 +94,7 @@ def test_data_parallel_time_by_hand():
 @pytest.mark.parametrize("name,tensor", [("1.2B", 1), ("2.5B", 2), ("8.3B", 8)])
 def test_flops_are_transformer_flops(name, tensor):
     model = PAPER_MODELS[name]
-    m = model_config(model)
+    m = model.model
     want = transformer_flops(8, m.max_seq_len, m.num_layers, m.hidden_size, m.padded_vocab_size)
     dense, attention, logits = scaling.gemms(model, tensor, 8)  # one GPU's forward GEMMs, (batch, m, k, n) each
     gemm_flops = 3 * (sum(2 * math.prod(g) for g in dense + attention) * m.num_layers + 2 * math.prod(logits))
@@ -108,8 +108,8 @@ def test_flops_are_transformer_flops(name, tensor):
 def test_llama_flops_are_its_specs(name, tensor):
     """Llama's GEMMs (query and key/value with 8 key/value heads, SwiGLU's gate, up and down, the untied or tied
     output layer) add up to the spec's model FLOPs, the metrics' MFU numerator."""
-    model = load_config(name)
-    want = model_spec(model.model.name).flops(model_config(model), 8, model.model.max_seq_len)
+    model = run_on(load_config(name))
+    want = model.model_spec.flops(model.model, 8, model.model.max_seq_len)
     assert scaling.flops(model, 8) == pytest.approx(want, rel=1e-12)
     dense, attention, logits = scaling.gemms(model, tensor, 8)
     gemm_flops = 3 * (sum(2 * math.prod(g) for g in dense + attention) * model.model.num_layers +
@@ -124,17 +124,17 @@ def test_parameters_and_memory_match_info(name, tensor):
     from megajax.tools.memory_planner import memory_report, params_per_device
 
     config = load_config(name)
-    assert scaling_layout.parameters_per_gpu(config, tensor) == params_per_device(config, {"data": 1, "model": tensor})
+    assert scaling_layout.parameters_per_gpu(run_on(config), tensor) == params_per_device(run_on(config, 1, tensor))
     # The state from the scaling model's parameters (the abstract model's, cached per tensor degree) against the
     # planner's report, which counts them through the sharding rules (the activations are the planner's own
     # formula in both, held against XLA's compiled plan by tests/test_memory_planner.py).
-    report = memory_report(config, 2, tensor, micro_batch=2)
-    assert scaling.state_bytes(config, tensor, data=2) == report.param_bytes + report.grad_bytes + \
+    report = memory_report(run_on(config, 2, tensor), micro_batch=2)
+    assert scaling.state_bytes(run_on(config), tensor, data=2) == report.param_bytes + report.grad_bytes + \
         report.optimizer_bytes
     config.parallel.update(sequence=True, shard_optimizer=True)  # the planner's choices, counted as info does
-    assert scaling_layout.choices(config)[1:3] == (True, True)
-    report = memory_report(config, 2, tensor, micro_batch=2)
-    assert scaling.state_bytes(config, tensor, data=2) == report.param_bytes + report.grad_bytes + \
+    assert scaling_layout.choices(run_on(config))[1:3] == (True, True)
+    report = memory_report(run_on(config, 2, tensor), micro_batch=2)
+    assert scaling.state_bytes(run_on(config), tensor, data=2) == report.param_bytes + report.grad_bytes + \
         report.optimizer_bytes
 
 
@@ -195,14 +195,14 @@ def test_planner_turns_on_what_makes_a_model_fit_and_nothing_slower():
     model = PAPER_MODELS["8.3B"]
     kept, _ = recommend_mesh(model, 512, DGX2H_V100, global_batch=512)
     best, table = recommend_mesh(model, 512, DGX2H_V100, global_batch=512, choose=True)
-    assert best.fits and best.step_s < kept.step_s and best.config.model.remat != "full" and \
-        sequence_parallel(best.config)
+    assert best.fits and best.step_s < kept.step_s and best.run.model.remat != "full" and \
+        best.run.sequence
     for p in table:  # each row: the fastest of its mesh's choices that fits, else the one that needs least memory
         stages = p.pipeline.stages
         options = [predict(m, p.mesh, 512, DGX2H_V100, pipeline=pl)
-                   for pl in scaling_plan.pipelines(model, stages, 512 // p.mesh[0])
+                   for pl in scaling_plan.pipelines(model.model, stages, 512 // p.mesh[0])
                    for m in scaling_plan.variants(model, p.mesh, True, stages)]
-        choices = len(scaling_plan.pipelines(model, stages, 512 // p.mesh[0]))
+        choices = len(scaling_plan.pipelines(model.model, stages, 512 // p.mesh[0]))
         # with stages: remat none / selective / full (save_dots is full's there), no SP or FSDP
         assert len(options) == choices * (4 * (1 + (p.mesh[1] > 1)) * 3 if stages == 1 else 3 * (1 + (p.mesh[0] > 1)))
         fitting = [o for o in options if o.fits]
@@ -212,20 +212,20 @@ def test_planner_turns_on_what_makes_a_model_fit_and_nothing_slower():
             assert not p.fits and p.memory_bytes == min(o.memory_bytes for o in options)
     roomy = dataclasses.replace(DGX2H_V100, hbm_bytes=1024 * scaling.GiB)
     best, _ = recommend_mesh(model, 512, roomy, global_batch=512, choose=True)
-    assert (best.config.model.remat, *state_split(best.config)) == ("none", False, False)
+    assert (best.run.model.remat, best.run.shard_optimizer, best.run.fsdp) == ("none", False, False)
     small = PAPER_MODELS["1.2B"]
     tight = dataclasses.replace(DGX2H_V100, hbm_bytes=4 * scaling.GiB)
     assert recommend_mesh(small, 16, tight, global_batch=16, pipe=1)[0] is None  # no plain (data, model) mesh fits
     best, _ = recommend_mesh(small, 16, tight, global_batch=16, choose=True, pipe=1)
-    assert best is not None and state_split(best.config)[0]
+    assert best is not None and best.run.shard_optimizer
     staged, _ = recommend_mesh(small, 16, tight, global_batch=16)  # with stages, a plain one fits: each holds 1/p
-    assert staged.pipeline.stages > 1 and not state_split(staged.config)[0]
+    assert staged.pipeline.stages > 1 and not staged.run.shard_optimizer
     # In 2.5 GiB only 16-way model parallelism fits without FSDP (2.59 GiB at best on 2 x 8); FSDP fits every
     # data-parallel mesh in ~2 GiB and is faster than 1 x 16.
     tighter = dataclasses.replace(DGX2H_V100, hbm_bytes=int(2.5 * scaling.GiB))
     best, table = recommend_mesh(small, 16, tighter, global_batch=16, choose=True, pipe=1)
-    assert state_split(best.config)[1] and best.mesh[0] > 1
-    assert [p.mesh for p in table if p.fits and not state_split(p.config)[1]] == [(1, 16)]
+    assert best.run.fsdp and best.mesh[0] > 1
+    assert [p.mesh for p in table if p.fits and not p.run.fsdp] == [(1, 16)]
 
 
 def test_zero1_and_sequence_parallel_costs_by_hand():
@@ -356,7 +356,7 @@ def test_point_to_point_by_hand():
     megatron = scaling.p2p_s(nbytes, 8, Pipeline(2, 4, megatron=True), True, c)
     assert megatron == pytest.approx(nbytes / 8 / 25e9 + 5e-6 + 7 / 8 * nbytes / 300e9 + 7 * 2e-6)
     # in a step: two transfers (forward, backward) per tick, M v + p - 1 ticks
-    model = gpt_config(8192, 48, 64, seq=2048, remat="full")
+    model = gpt_model(8192, 48, 64, seq=2048, remat="full")
     pipeline = Pipeline(2, 8, 3, megatron=True)
     p = predict(model, (4, 8), 4 * 16, c, None, 2, memory=False, pipeline=pipeline)
     embedding = scaling.ring_allreduce_s(2 * model.model.vocab_size * model.model.hidden_size / 8, 2, 25e9, 5e-6)
@@ -370,8 +370,8 @@ def test_stage_parameters_are_the_planners(name, pipe, tensor):
     from megajax.tools.memory_planner import params_per_device
 
     config = load_config(name)
-    part = scaling_layout.parameters_per_gpu(config, tensor, Pipeline(pipe, pipe).stages)
-    assert part[1] == params_per_device(config, {"pipe": pipe, "data": 1, "model": tensor})[1]
+    part = scaling_layout.parameters_per_gpu(run_on(config), tensor, Pipeline(pipe, pipe).stages)
+    assert part[1] == params_per_device(run_on(config, 1, tensor, pipe))[1]
 
 
 @pytest.mark.parametrize("pipe,micro,repeats,remat", [
@@ -388,9 +388,10 @@ def test_stage_memory_is_the_planners(pipe, micro, repeats, remat):
     config.train.precision = "bf16"
     config.parallel.update(pipeline_microbatches=micro, pipeline_repeats=repeats)
     config.mesh.pipe = pipe
-    report = memory_report(config, 2, 2, micro_batch=4, num_micro=1)
+    run = run_on(config, 2, 2, pipe)
+    report = memory_report(run, micro_batch=4, num_micro=1)
     want = report.total_bytes + report.stage_grad_bytes
-    assert scaling.memory_bytes(config, 2, 4, data=2, pipeline=Pipeline(pipe, micro, repeats)) == want
+    assert scaling.memory_bytes(run, 2, 4, data=2, pipeline=Pipeline(pipe, micro, repeats)) == want
     assert Pipeline(4, 16, megatron=True).in_flight() == 4 and Pipeline(4, 2, megatron=True).in_flight() == 2
     assert Pipeline(4, 16, 2, megatron=True).in_flight() == 2 * 3 + 4 + 1
 
@@ -398,7 +399,7 @@ def test_stage_memory_is_the_planners(pipe, micro, repeats, remat):
 def test_pipeline_step_counts_ticks_and_stage_terms():
     """A pipelined step: ticks x (L/(p v) layers + their all-reduces + two transfers), the ends, AdamW and the
     data-parallel all-reduce of one stage's parameters."""
-    c, model = DGX_A100, gpt_config(4096, 32, 32, seq=2048, remat="full")
+    c, model = DGX_A100, gpt_model(4096, 32, 32, seq=2048, remat="full")
     pipeline = Pipeline(4, 8, 2)
     p = predict(model, (2, 4), 2 * 32, c, 16, pipeline=pipeline, memory=False)  # 2 accumulation steps of 16 rows
     micro, chunk, ticks = 2, 4, pipeline.ticks()
@@ -468,7 +469,7 @@ def test_ptdp_flops_and_rows():
     one_t = PTDP_TABLE1[-1]
     model = scaling_papers.ptdp_model(one_t)
     head = 6 * 8 * model.model.max_seq_len * model.model.hidden_size * model.model.vocab_size
-    assert scaling_papers.ptdp_flops(model, 8) == pytest.approx(4 / 3 * (scaling.flops(model, 8) - head) + head,
+    assert scaling_papers.ptdp_flops(model.model, 8) == pytest.approx(4 / 3 * (scaling.flops(model, 8) - head) + head,
                                                                 rel=2e-3)
     assert one_t.gpus * one_t.tflops / 1e3 == pytest.approx(500.7, abs=0.1)  # published: 502.0 (rounded TFLOP/s)
     assert [r.data for r in PTDP_TABLE1] == [32, 32, 32, 32, 32, 32, 24, 15, 9, 6]
@@ -476,7 +477,7 @@ def test_ptdp_flops_and_rows():
         assert row.microbatches % row.pipe == 0 and row.layers % row.pipe == 0
         p = scaling_papers.ptdp_prediction(row)
         assert p.pipeline.megatron == (row.pipe > 1) and p.gpus == row.gpus
-        need = scaling.memory_bytes(p.config, row.tensor, p.micro_batch, row.data, p.pipeline)
+        need = scaling.memory_bytes(p.run, row.tensor, p.micro_batch, row.data, p.pipeline)
         assert need <= DGX_A100.hbm_bytes, (row.name, need / scaling.GiB)
 
 

@@ -14,8 +14,8 @@ import pytest
 from conftest import assert_same_step, small_config
 from flax import nnx
 
-from megajax.checkpoint.migrate import migrate_config
 from megajax.config import abstract_model, bert_base_config, rules_of, validate
+from megajax.config.migrate import migrate_config
 from megajax.errors import ConfigError
 from megajax.parallel.hlo_audit import collectives, summary
 from megajax.parallel.partition import partition_specs
@@ -138,7 +138,7 @@ def test_activation_memory_falls(steps):
     for sequence in (False, True):
         run, _, _ = steps("bert", 1, 4, sequence)
         temp[sequence] = run.step_fn.memory_analysis().temp_size_in_bytes
-        report = memory_report(_config("bert", 1, 4, sequence), 1, 4, B, num_micro=1)
+        report = memory_report(run.spec, B, num_micro=1)
         assert temp[sequence] == pytest.approx(report.temp_bytes, rel=0.10)
     assert temp[True] < 0.8 * temp[False]
 
@@ -167,7 +167,7 @@ def test_rule_is_derived_from_the_config_and_checked_before_compiling():
     c.parallel.sequence = True
     assert dict(rules_of(c))["seq_sp"] == "model"
     c.sharding.rules = tuple(r for r in MEGATRON_RULES if r[0] != "seq_sp")  # a config stored before the name
-    c = migrate_config(c)  # as read_config reads it
+    c = migrate_config(c.to_dict())  # as a stored config is read
     assert dict(rules_of(c))["seq_sp"] == "model"
     c.model.max_seq_len = 30
     with pytest.raises(ConfigError, match=r"mesh\.model=4, but model\.max_seq_len=30 is not divisible"):

@@ -38,7 +38,7 @@ def test_tiny_trains_on_the_default_corpus(tmp_path):
     assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
     # the checkpoints record the vocabulary of the data's tokenizer, which resuming and evaluation compare
     tokenizer = load_tokenizer(default_corpus(config.model.vocab_size)[1])
-    assert read_config(tmp_path).data.tokenizer_fingerprint == tokenizer.fingerprint
+    assert read_config(tmp_path)["data"]["tokenizer_fingerprint"] == tokenizer.fingerprint
     assert config.data.tokenizer_fingerprint == ""  # recorded on the run's copy, not the caller's config
 
 

@@ -17,7 +17,7 @@ import pytest
 from conftest import child_env, train_config
 from downstream_fixtures import wordpiece_tokenizer
 
-from megajax.config import bert_base_config
+from megajax.config import bert_base_config, stored_run
 from megajax.convert.__main__ import main as convert_main
 from megajax.data.preprocess import write_documents
 from megajax.data.tokenizer import train_tokenizer
@@ -293,13 +293,14 @@ def test_mlm_and_ppl_check_a_tokenizer_given_against_the_checkpoint(world, tmp_p
     other.save(tmp_path / "other.json")
     config.data.tokenizer_fingerprint = "0" * 16  # the checkpoint's training vocabulary: not the one given
     with pytest.raises(InputError, match="has another vocabulary than the checkpoint was trained with"):
-        read_inputs("mlm", config, data=None, prompt=None, tokenizer=str(tmp_path / "other.json"), stride=None,
-                    batch_size=8, max_new_tokens=1, sampling=Sampling())
+        read_inputs("mlm", stored_run(config), data=None, prompt=None, tokenizer=str(tmp_path / "other.json"),
+                    stride=None, batch_size=8, max_new_tokens=1, sampling=Sampling())
     gpt = train_config()
     gpt.data.tokenizer_fingerprint = "0" * 16
     with pytest.raises(InputError, match="has another vocabulary"):
-        read_inputs("ppl", gpt, data=str(world / "d" / "small"), prompt=None, tokenizer=str(tmp_path / "other.json"),
-                    stride=None, batch_size=8, max_new_tokens=1, sampling=Sampling())
+        read_inputs("ppl", stored_run(gpt), data=str(world / "d" / "small"), prompt=None,
+                    tokenizer=str(tmp_path / "other.json"), stride=None, batch_size=8, max_new_tokens=1,
+                    sampling=Sampling())
 
 
 def test_a_mesh_smaller_than_the_devices_says_so(tmp_path, capfd):

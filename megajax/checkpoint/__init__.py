@@ -1,6 +1,7 @@
-"""Persistence: orbax checkpoints with exact resume and resharding on restore (``manager.py``), the per-array
-digests verified on every restore (``digest.py``), and older stored configs brought up to date (``migrate.py``).
-Nothing here builds a mesh or a model: callers pass the target layout."""
+"""Persistence: orbax checkpoints with exact resume and resharding on restore (``manager.py``) and the per-array
+digests verified on every restore (``digest.py``). The config travels as JSON: stored as given, returned as stored
+(``config.load`` reads it as today's config). Nothing here builds a mesh or a model: callers pass the target
+layout."""
 
 from megajax.checkpoint.manager import (
     Checkpointer,

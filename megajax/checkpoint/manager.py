@@ -28,12 +28,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import orbax.checkpoint as ocp
 from flax import serialization
 
 from megajax.checkpoint import digest as array_digest
-from megajax.checkpoint.migrate import migrate_config
 from megajax.errors import UserError
 from megajax.outputs import CHECKPOINTS_NAME, STEP_CONFIG, STEP_PARAMS, STEP_STATE
 
@@ -276,8 +274,9 @@ class Checkpointer:
         verify(restored["state"], restored.get("digests"), where, hint)
         return serialization.from_state_dict(state_template, restored["state"]), restored["data"]
 
-    def stored(self, step: int) -> tuple[ml_collections.ConfigDict, dict]:
-        """(the config, the loader position) saved with ``step``: what a resume can check before compiling."""
+    def stored(self, step: int) -> tuple[dict, dict]:
+        """(the config as stored, ``read_config``; the loader position) saved with ``step``: what a resume can check
+        before compiling."""
         step_dir = self.directory / str(step)
         where, hint = f"checkpoint {step_dir}", _train_hint(self.directory, step)
         return read_config(step_dir), _read(lambda: _read_json_item(step_dir / "data"), where, hint)
@@ -380,10 +379,10 @@ def _read_json_item(item: pathlib.Path) -> Any:
         handler.close()
 
 
-def read_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
-    """The config stored with a checkpoint (training checkpoint or export), with the fields added since it was
-    written (``migrate_config``)."""
-    return migrate_config(ml_collections.ConfigDict(_read_json_item(_step_dir(_resolve(path)) / STEP_CONFIG)))
+def read_config(path: str | pathlib.Path) -> dict:
+    """The config stored with a checkpoint (training checkpoint or export), as written: its JSON. Reading it as
+    today's config (the fields added since, the family's own) is the config layer's: ``config.load.run_config``."""
+    return _read_json_item(_step_dir(_resolve(path)) / STEP_CONFIG)
 
 
 def restore_params(path: str | pathlib.Path, target: Any) -> Any:
@@ -411,23 +410,24 @@ def restore_params(path: str | pathlib.Path, target: Any) -> Any:
     return restored["params"] if (step_dir / STEP_STATE).is_dir() else restored
 
 
-def save_params(path: str | pathlib.Path, params: Any, config: ml_collections.ConfigDict, step: int = 0,
+def save_params(path: str | pathlib.Path, params: Any, config: str, step: int = 0,
                 dtype: str | None = None) -> pathlib.Path:
     """Writes a params-only checkpoint (``path/<step>/{params,config,digests}``), optionally cast (e.g. bfloat16).
-    ``params`` hold the stacked layers in the model's order (converters and exports make them so), and the config
-    written says so: ``parallel.pipeline_repeats`` 1, whatever the given config's pipeline schedule (readers reorder
-    by the layout a config records: ``megajax.config.layer_layout``)."""
+    ``config``: the model's config as JSON text (``config.to_json()``, ``RunSpec.config_json``), as
+    ``Checkpointer.save`` takes it. ``params`` hold the stacked layers in the model's order (converters and exports
+    make them so), and the config written says so: ``parallel.pipeline_repeats`` 1, whatever the given config's
+    pipeline schedule (readers reorder by the layout a config records: ``megajax.config.layer_layout``)."""
     path = _resolve(path)
-    config = config.copy_and_resolve_references()
+    config = json.loads(config)
     if "parallel" in config:
-        config.parallel.pipeline_repeats = 1
+        config["parallel"]["pipeline_repeats"] = 1
     if dtype:
         params = jax.tree.map(lambda x: x.astype(dtype), params)
     manager = ocp.CheckpointManager(path, item_handlers={
         STEP_PARAMS: _array_tree_handler(), STEP_CONFIG: ocp.JsonCheckpointHandler(),
         "digests": ocp.JsonCheckpointHandler()})
     manager.save(step, force=True, args=ocp.args.Composite(params=ocp.args.PyTreeSave(params),
-                                                           config=ocp.args.JsonSave(json.loads(config.to_json())),
+                                                           config=ocp.args.JsonSave(config),
                                                            digests=ocp.args.JsonSave(_digest_record(params))))
     manager.wait_until_finished()
     manager.close()

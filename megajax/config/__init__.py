@@ -22,7 +22,6 @@ from megajax.config.resolve import (
     checkpoint_settings,
     data_settings,
     describe_differences,
-    layer_layout,
     loss_scale_settings,
     model_config,
     model_differences,
@@ -45,7 +44,7 @@ from megajax.models.transformer import padded_vocab_size
 __all__ = ["TRAINING_ONLY_FIELDS", "ConfigError", "LossScaleSettings", "OptimizerSettings", "RunSpec", "StoredRun",
            "TrainSettings", "abstract_model", "abstract_model_of", "base_config", "bert_base_config", "build_mesh",
            "check_data_source", "check_run_data", "checkpoint_settings", "create_model", "data_settings",
-           "describe_differences", "layer_layout", "loss_scale_settings", "model_config", "model_differences",
+           "describe_differences", "loss_scale_settings", "model_config", "model_differences",
            "model_factory", "model_section", "optimizer_settings", "padded_vocab_size", "replanned", "resolve",
            "resolve_precision", "rules_of", "run_model_factory", "sequence_parallel", "state_split", "stored_config",
            "stored_run", "train_settings", "validate", "validate_training", "with_model_defaults"]

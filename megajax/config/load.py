@@ -13,7 +13,8 @@ from jax.sharding import Mesh
 
 from megajax.checkpoint.manager import read_config, restore_params
 from megajax.config.build import abstract_model
-from megajax.config.resolve import RunSpec, StoredRun, layer_layout, resolve, stored_config, stored_run
+from megajax.config.migrate import migrate_config
+from megajax.config.resolve import RunSpec, StoredRun, resolve, stored_config, stored_run
 from megajax.models.transformer import reorder_layers
 from megajax.parallel.partition import shardings
 from megajax.parallel.sharding import make_mesh
@@ -27,10 +28,15 @@ class LoadedModel(NamedTuple):
     mesh: Mesh
 
 
+def run_config(stored: dict) -> ml_collections.ConfigDict:
+    """A checkpoint's config as stored (its JSON: ``checkpoint.read_config``, ``Checkpointer.stored``) as today's
+    code reads it: the fields added since it was written (``migrate_config``), then its family's (``stored_config``)."""
+    return stored_config(migrate_config(stored))
+
+
 def read_run_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
-    """The config stored with the checkpoint at ``path`` as today's code reads it (``checkpoint.read_config``, then
-    ``stored_config``)."""
-    return stored_config(read_config(path))
+    """The config stored with the checkpoint at ``path`` as today's code reads it (``run_config``)."""
+    return run_config(read_config(path))
 
 
 def read_stored_run(path: str | pathlib.Path) -> StoredRun:
@@ -65,15 +71,15 @@ def restore_model(path: str | pathlib.Path, config: ml_collections.ConfigDict) -
     target_shardings = nnx.to_pure_dict(shardings(abstract, mesh, spec.rules))
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           nnx.to_pure_dict(abstract), target_shardings)
-    params = in_layout(restore_params(path, target), read_run_config(path), spec.layer_layout)
+    params = in_layout(restore_params(path, target), read_stored_run(path), spec.layer_layout)
     return LoadedModel(nnx.merge(graphdef, params), spec, mesh)
 
 
-def in_layout(tree: Any, saved: ml_collections.ConfigDict, layout: tuple[int, int]) -> Any:
-    """``tree`` as read from a checkpoint whose config is ``saved``, its stacked layers put in the order of
-    ``layout`` = (stages, repeats) (``RunSpec.layer_layout``): a circular pipeline keeps them in another order
-    than the model's, and a checkpoint holds them as its run did."""
-    return reorder_layers(tree, layer_layout(saved), layout)
+def in_layout(tree: Any, saved: StoredRun, layout: tuple[int, int]) -> Any:
+    """``tree`` as read from the checkpoint of ``saved``, its stacked layers put in the order of ``layout`` =
+    (stages, repeats) (``RunSpec.layer_layout``): a circular pipeline keeps them in another order than the model's,
+    and a checkpoint holds them as its run did (``saved.layer_layout``)."""
+    return reorder_layers(tree, saved.layer_layout, layout)
 
 
 def load_model(path: str | pathlib.Path, *, data: int | None = None, model: int | None = None) -> LoadedModel:

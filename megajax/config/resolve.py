@@ -18,8 +18,8 @@ from typing import Any
 import ml_collections
 
 from megajax.checkpoint.manager import CheckpointSettings
-from megajax.checkpoint.migrate import drop_shared_model_fields
 from megajax.config.defaults import with_model_defaults
+from megajax.config.migrate import drop_shared_model_fields
 from megajax.data.settings import DataSettings
 from megajax.errors import ConfigError, ShardingConfigError
 from megajax.models import MODELS, ModelSpec, TransformerConfig, model_spec, task_models
@@ -63,10 +63,11 @@ def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
 
 
 def stored_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """A config read from a checkpoint (``checkpoint.read_config``) as its family reads it today: without the
-    fields every model's section held before each family had its own config type (``migrate.SHARED_MODEL_FIELDS``)
-    where its family has none, and with the family's defaults for what it leaves out (``with_model_defaults``). An
-    unknown family is left for ``model_config`` to name."""
+    """A config read from a checkpoint (its JSON brought up to today's fields by ``config.migrate.migrate_config``;
+    ``config.load.run_config``) as its family reads it today: without the fields every model's section held before
+    each family had its own config type (``migrate.SHARED_MODEL_FIELDS``) where its family has none, and with the
+    family's defaults for what it leaves out (``with_model_defaults``). An unknown family is left for
+    ``model_config`` to name."""
     if config.model.get("name") not in MODELS:
         return config
     return with_model_defaults(drop_shared_model_fields(config, model_spec(config.model.name).config.fields()))
@@ -419,7 +420,8 @@ class StoredRun:
 def stored_run(config: ml_collections.ConfigDict) -> StoredRun:
     """A stored config (as ``stored_config`` returns it) typed: ConfigError where its model is not one today's
     code reads."""
-    return StoredRun(config.model.name, model_config(config), data_settings(config), layer_layout(config))
+    return StoredRun(config.model.name, model_config(config), data_settings(config),
+                     (config.mesh.pipe, config.parallel.pipeline_repeats))
 
 
 def resolve(config: ml_collections.ConfigDict, num_devices: int, training: bool = True) -> RunSpec:
@@ -437,7 +439,8 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, training: bool 
                    tensor=tp, precision=resolve_precision(config.train.precision),
                    global_batch=config.train.global_batch_size, num_micro=num_micro,
                    shard_optimizer=shard_optimizer, sequence=sequence_parallel(config), fsdp=fsdp,
-                   pipe=config.mesh.pipe, pipeline_microbatches=config.parallel.pipeline_microbatches,
+                   pipe=config.mesh.pipe,
+                   pipeline_microbatches=config.parallel.pipeline_microbatches,
                    pipeline_repeats=config.parallel.pipeline_repeats, dataset=data_settings(config),
                    config_json=with_model_defaults(config).to_json(), **run)
 
@@ -449,7 +452,8 @@ def replanned(run: RunSpec, changes: dict[str, Any], num_devices: int | None = N
     kept where not changed; ``num_devices``: the devices the new mesh is checked against (default: as many as it
     takes; ``mesh.data=-1`` then keeps the run's device count). ConfigError as ``resolve`` raises it."""
     config = ml_collections.ConfigDict(json.loads(run.config_json))
-    config.mesh.data, config.mesh.model, config.mesh.pipe = run.data, run.tensor, run.pipe
+    m = config.mesh
+    m.data, m.model, m.pipe = run.data, run.tensor, run.pipe
     for dotted, value in changes.items():
         *sections, field = dotted.split(".")
         parent = config
@@ -458,15 +462,8 @@ def replanned(run: RunSpec, changes: dict[str, Any], num_devices: int | None = N
         if field not in parent:
             raise ConfigError(f"{dotted} is not a config field")
         parent[field] = value
-    m = config.mesh
     devices = run.data * run.tensor * run.pipe if m.data == -1 else m.pipe * m.data * m.model
     return resolve(config, devices if num_devices is None else num_devices, training)
-
-
-def layer_layout(config: ml_collections.ConfigDict) -> tuple[int, int]:
-    """(stages, repeats) of a config, e.g. one stored with a checkpoint: the order its stacked layers were saved in
-    (``pipeline.layer_order``)."""
-    return config.mesh.pipe, config.parallel.pipeline_repeats
 
 
 def check_data_source(config: ml_collections.ConfigDict) -> None:

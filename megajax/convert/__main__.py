@@ -26,11 +26,13 @@ import pathlib
 import sys
 
 import jax
+import ml_collections
 import numpy as np
 from flax import nnx
 
 from megajax.checkpoint import save_params
 from megajax.cli import ArgumentParser, fail, load_config, start_backend
+from megajax.config import RunSpec, model_config
 from megajax.config.load import inference_config, restore_model
 from megajax.convert import hf_io, megatron_bert, megatron_gpt
 from megajax.convert.paths import existing_input, staged_output
@@ -45,11 +47,12 @@ OUTPUT_KINDS = {"hf-to-megajax": Kind.MODEL, "megatron-to-megajax": Kind.MODEL, 
                 "megajax-to-megatron": Kind.MEGATRON, "export": Kind.MODEL}
 
 
-def host_params(checkpoint: str | pathlib.Path):
-    """(parameters as host numpy arrays, config) of any megajax checkpoint, read on one device."""
+def host_params(checkpoint: str | pathlib.Path) -> tuple[dict, ml_collections.ConfigDict, RunSpec]:
+    """(parameters as host numpy arrays, the config stored with them, its resolved run) of any megajax checkpoint,
+    read on one device: the config is what an export stores again, the run's model what the converters read."""
     config = inference_config(checkpoint, data=1, model=1)
-    model = restore_model(checkpoint, config).model
-    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model))), config
+    loaded = restore_model(checkpoint, config)
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(loaded.model))), config, loaded.spec
 
 
 def _positive(text: str) -> int:
@@ -99,12 +102,13 @@ def _hf_to_megajax(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Pat
     converter = hf_io.converter_for(hf, source)  # before reading weights, which may be large
     pad = args.make_vocab_size_divisible_by
     config = converter.config_from_hf(hf) if pad is None else converter.config_from_hf(hf, pad)
-    params = converter.params_from_hf(hf_io.read_weights(source, args.allow_pickle), config)
-    fingerprint = _tokenizer_fingerprint(source, config.model.vocab_size)
+    model = model_config(config)  # its checks, too, before the weights are read
+    params = converter.params_from_hf(hf_io.read_weights(source, args.allow_pickle), model)
+    fingerprint = _tokenizer_fingerprint(source, model.vocab_size)
     # no training data to name; the tokenizer that came with the weights (evaluation reads it)
     config.data.update(source=CONVERTED, tokenizer=str(source) if fingerprint else "",
                        tokenizer_fingerprint=fingerprint)
-    return save_params(out, params, config)
+    return save_params(out, params, config.to_json())
 
 
 def _tokenizer_fingerprint(source: pathlib.Path, vocab_size: int) -> str:
@@ -123,34 +127,38 @@ def _tokenizer_fingerprint(source: pathlib.Path, vocab_size: int) -> str:
 
 
 def _megajax_to_hf(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-    params, config = host_params(source)
-    converter = hf_io.writer_for(config)
-    hf_io.write(out, converter.params_to_hf(params, config), converter.hf_config(config))
+    params, _, run = host_params(source)
+    converter = hf_io.writer_for(run.model_name)
+    hf_io.write(out, converter.params_to_hf(params, run.model), converter.hf_config(run.model))
     return out
 
 
 def _megatron_to_megajax(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-    config = load_config(args.config) if args.config else None
+    given = load_config(args.config) if args.config else None
     reader = megatron_bert if megatron_bert.holds_bert(source, args.iteration, args.allow_pickle) else megatron_gpt
-    params, config = reader.read_megatron(source, config, iteration=args.iteration, vocab_size=args.vocab_size,
+    params, config = reader.read_megatron(source, None if given is None else model_config(given),
+                                          iteration=args.iteration, vocab_size=args.vocab_size,
                                           allow_pickle=args.allow_pickle)
+    if given is not None:  # stored with --config's other settings (its mesh, its precision), as it says
+        given.model = config.model
+        config = given
     config.data.update(source=CONVERTED, path="", tokenizer="")  # Megatron saves no tokenizer or data path
-    return save_params(out, params, config)
+    return save_params(out, params, config.to_json())
 
 
 def _megajax_to_megatron(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-    params, config = host_params(source)
-    if config.model.name not in ("gpt", "bert"):
-        raise ValueError(f"{source} holds a model.name={config.model.name!r} model: megajax-to-megatron writes GPT "
+    params, _, run = host_params(source)
+    if run.model_name not in ("gpt", "bert"):
+        raise ValueError(f"{source} holds a model.name={run.model_name!r} model: megajax-to-megatron writes GPT "
                          "and BERT only")
-    writer = megatron_bert if config.model.name == "bert" else megatron_gpt
-    return writer.write_megatron(out, params, config, args.tp, iteration=args.iteration, names=args.names,
+    writer = megatron_bert if run.model_name == "bert" else megatron_gpt
+    return writer.write_megatron(out, params, run.model, args.tp, iteration=args.iteration, names=args.names,
                                  dtype=args.dtype)
 
 
 def _export(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-    params, config = host_params(source)
-    return save_params(out, params, config, dtype=args.dtype)
+    params, config, _ = host_params(source)
+    return save_params(out, params, config.to_json(), dtype=args.dtype)
 
 
 VERBS = {"hf-to-megajax": _hf_to_megajax, "megajax-to-hf": _megajax_to_hf,

@@ -19,8 +19,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from megajax.config import base_config, padded_vocab_size
+from megajax.config import base_config
 from megajax.convert.hf_tensors import HFTensors
+from megajax.models.bert import BertConfig
 
 Params = dict
 HF_CLASSES = {"bert": "BertForPreTraining", "megatron-bert": "MegatronBertForPreTraining"}  # by model_type
@@ -66,30 +67,28 @@ def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 1024) -> ml_col
     return c
 
 
-def hf_config(config: ml_collections.ConfigDict) -> dict:
-    """The HF ``config.json`` for a megajax BERT config (true vocabulary size; the padding rows are dropped)."""
-    m = config.model
-    model_type = "bert" if m.post_layernorm else "megatron-bert"
+def hf_config(cfg: BertConfig) -> dict:
+    """The HF ``config.json`` for a megajax BERT (true vocabulary size; the padding rows are dropped)."""
+    model_type = "bert" if cfg.post_layernorm else "megatron-bert"
     return {"architectures": [HF_CLASSES[model_type]], "model_type": model_type,
-            "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
-            "num_attention_heads": m.num_heads, "intermediate_size": m.mlp_ratio * m.hidden_size,
-            "hidden_act": {"gelu": "gelu", "gelu_tanh": "gelu_new"}[m.activation],
-            "hidden_dropout_prob": m.dropout, "attention_probs_dropout_prob": m.dropout,
-            "max_position_embeddings": m.max_seq_len, "type_vocab_size": m.num_token_types,
-            "initializer_range": m.init_std, "layer_norm_eps": m.layernorm_eps, "tie_word_embeddings": True}
+            "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads, "intermediate_size": cfg.mlp_ratio * cfg.hidden_size,
+            "hidden_act": {"gelu": "gelu", "gelu_tanh": "gelu_new"}[cfg.activation],
+            "hidden_dropout_prob": cfg.dropout, "attention_probs_dropout_prob": cfg.dropout,
+            "max_position_embeddings": cfg.max_seq_len, "type_vocab_size": cfg.num_token_types,
+            "initializer_range": cfg.init_std, "layer_norm_eps": cfg.layernorm_eps, "tie_word_embeddings": True}
 
 
 class _Tensors(HFTensors):
     """The HF BERT state dict, its TF-era LayerNorm names (gamma/beta) read as weight/bias."""
 
-    def __init__(self, sd: dict[str, np.ndarray], config: ml_collections.ConfigDict):
-        m = config.model
+    def __init__(self, sd: dict[str, np.ndarray], cfg: BertConfig):
         renamed = (k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
                    for k in sd)
         super().__init__(dict(zip(renamed, sd.values())),
-                         f"vocab_size={m.vocab_size}, hidden_size={m.hidden_size}, intermediate_size="
-                         f"{m.mlp_ratio * m.hidden_size}, max_position_embeddings={m.max_seq_len}, "
-                         f"type_vocab_size={m.num_token_types}", " or ".join(HF_CLASSES.values()))
+                         f"vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}, intermediate_size="
+                         f"{cfg.mlp_ratio * cfg.hidden_size}, max_position_embeddings={cfg.max_seq_len}, "
+                         f"type_vocab_size={cfg.num_token_types}", " or ".join(HF_CLASSES.values()))
 
     def linear(self, name: str, n_in: int, n_out: int) -> dict[str, np.ndarray]:
         """A torch Linear (out, in) as a megajax dense layer: kernel (in, out)."""
@@ -105,13 +104,12 @@ class _Tensors(HFTensors):
                           "past num_hidden_layers, or another model's heads)")
 
 
-def _layer_from_hf(t: _Tensors, i: int, config: ml_collections.ConfigDict) -> Params:
-    m = config.model
-    h, nh, f = m.hidden_size, m.num_heads, m.mlp_ratio * m.hidden_size
+def _layer_from_hf(t: _Tensors, i: int, cfg: BertConfig) -> Params:
+    h, nh, f = cfg.hidden_size, cfg.num_heads, cfg.mlp_ratio * cfg.hidden_size
     pre = f"bert.encoder.layer.{i}."
     q, k, v = (t.linear(f"{pre}attention.self.{n}", h, h) for n in ("query", "key", "value"))
     out = t.linear(f"{pre}attention.output.dense", h, h)
-    ln_1, ln_2 = LAYER_NORMS[bool(m.post_layernorm)]
+    ln_1, ln_2 = LAYER_NORMS[bool(cfg.post_layernorm)]
     return {
         "ln_1": t.layernorm(pre + ln_1, h), "ln_2": t.layernorm(pre + ln_2, h),
         "attn": {"qkv": {"kernel": np.stack([p["kernel"].reshape(h, nh, h // nh) for p in (q, k, v)], axis=2),
@@ -121,17 +119,15 @@ def _layer_from_hf(t: _Tensors, i: int, config: ml_collections.ConfigDict) -> Pa
     }
 
 
-def params_from_hf(sd: dict[str, np.ndarray], config: ml_collections.ConfigDict) -> Params:
-    """megajax BERT parameters from an HF BertForPreTraining / MegatronBertForPreTraining state dict."""
-    m = config.model
-    h, vocab = m.hidden_size, m.vocab_size
-    rows = padded_vocab_size(vocab, m.make_vocab_size_divisible_by)
-    t = _Tensors(sd, config)
-    layers = [_layer_from_hf(t, i, config) for i in range(m.num_layers)]
+def params_from_hf(sd: dict[str, np.ndarray], cfg: BertConfig) -> Params:
+    """The BERT ``cfg``'s parameters from an HF BertForPreTraining / MegatronBertForPreTraining state dict."""
+    h, vocab, rows = cfg.hidden_size, cfg.vocab_size, cfg.padded_vocab_size
+    t = _Tensors(sd, cfg)
+    layers = [_layer_from_hf(t, i, cfg) for i in range(cfg.num_layers)]
     params = {
         "wte": {"embedding": _pad_rows(t.take("bert.embeddings.word_embeddings.weight", (vocab, h)), rows)},
-        "wpe": t.take("bert.embeddings.position_embeddings.weight", (m.max_seq_len, h)),
-        "tte": t.take("bert.embeddings.token_type_embeddings.weight", (m.num_token_types, h)),
+        "wpe": t.take("bert.embeddings.position_embeddings.weight", (cfg.max_seq_len, h)),
+        "tte": t.take("bert.embeddings.token_type_embeddings.weight", (cfg.num_token_types, h)),
         "blocks": jax.tree.map(lambda *xs: np.stack(xs), *layers),
         "pooler": t.linear("bert.pooler.dense", h, h),
         "mlm_dense": t.linear("cls.predictions.transform.dense", h, h),
@@ -139,7 +135,7 @@ def params_from_hf(sd: dict[str, np.ndarray], config: ml_collections.ConfigDict)
         "mlm_bias": _pad_rows(t.take("cls.predictions.bias", (vocab,)), rows),
         "sop": t.linear("cls.seq_relationship", h, 2),
     }
-    if m.post_layernorm:
+    if cfg.post_layernorm:
         params["ln_emb"] = t.layernorm("bert.embeddings.LayerNorm", h)
     else:
         params["ln_f"] = t.layernorm("bert.encoder.ln", h)
@@ -152,10 +148,10 @@ def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
     return np.concatenate([a, np.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
 
 
-def params_to_hf(p: Params, config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
-    """An HF state dict for ``hf_config(config)``'s class (tied decoder omitted, as ``save_pretrained`` does)."""
-    m = config.model
-    h, vocab = m.hidden_size, m.vocab_size
+def params_to_hf(p: Params, cfg: BertConfig) -> dict[str, np.ndarray]:
+    """An HF state dict of the BERT ``cfg``'s parameters for ``hf_config(cfg)``'s class (tied decoder omitted, as
+    ``save_pretrained`` does)."""
+    h, vocab = cfg.hidden_size, cfg.vocab_size
     sd = {"bert.embeddings.word_embeddings.weight": p["wte"]["embedding"][:vocab],
           "bert.embeddings.position_embeddings.weight": p["wpe"],
           "bert.embeddings.token_type_embeddings.weight": p["tte"],
@@ -171,12 +167,12 @@ def params_to_hf(p: Params, config: ml_collections.ConfigDict) -> dict[str, np.n
                       ("cls.seq_relationship", "sop")):
         linear(name, p[key]["kernel"], p[key]["bias"])
     layernorm("cls.predictions.transform.LayerNorm", p["mlm_ln"])
-    if m.post_layernorm:
+    if cfg.post_layernorm:
         layernorm("bert.embeddings.LayerNorm", p["ln_emb"])
     else:
         layernorm("bert.encoder.ln", p["ln_f"])
-    ln_1, ln_2 = LAYER_NORMS[bool(m.post_layernorm)]
-    for i in range(m.num_layers):
+    ln_1, ln_2 = LAYER_NORMS[bool(cfg.post_layernorm)]
+    for i in range(cfg.num_layers):
         b = jax.tree.map(lambda x: x[i], p["blocks"])
         pre = f"bert.encoder.layer.{i}."
         qkv = b["attn"]["qkv"]

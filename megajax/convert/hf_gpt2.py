@@ -11,7 +11,8 @@ import re
 import ml_collections
 import numpy as np
 
-from megajax.config import base_config, padded_vocab_size
+from megajax.config import base_config
+from megajax.models.gpt import GPTConfig
 
 Params = dict
 HF_CLASSES = {"gpt2": "GPT2LMHeadModel"}  # config.json model_type -> the transformers class the weights fit
@@ -37,25 +38,24 @@ def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 1024) -> ml_col
     return c
 
 
-def hf_config(config: ml_collections.ConfigDict) -> dict:
-    """The HF ``config.json`` for a megajax config (true vocabulary size; the padding rows are dropped)."""
-    m = config.model
-    return {"architectures": [HF_CLASSES["gpt2"]], "model_type": "gpt2", "vocab_size": m.vocab_size,
-            "n_positions": m.max_seq_len, "n_embd": m.hidden_size, "n_layer": m.num_layers, "n_head": m.num_heads,
-            "n_inner": m.mlp_ratio * m.hidden_size, "activation_function": "gelu_new", "resid_pdrop": m.dropout,
-            "embd_pdrop": m.dropout, "attn_pdrop": m.dropout, "layer_norm_epsilon": m.layernorm_eps,
-            "initializer_range": m.init_std, "tie_word_embeddings": True, "bos_token_id": m.vocab_size - 1,
-            "eos_token_id": m.vocab_size - 1}
+def hf_config(cfg: GPTConfig) -> dict:
+    """The HF ``config.json`` for a megajax GPT (true vocabulary size; the padding rows are dropped)."""
+    return {"architectures": [HF_CLASSES["gpt2"]], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+            "n_positions": cfg.max_seq_len, "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
+            "n_head": cfg.num_heads, "n_inner": cfg.mlp_ratio * cfg.hidden_size, "activation_function": "gelu_new",
+            "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+            "layer_norm_epsilon": cfg.layernorm_eps, "initializer_range": cfg.init_std, "tie_word_embeddings": True,
+            "bos_token_id": cfg.vocab_size - 1, "eos_token_id": cfg.vocab_size - 1}
 
 
-def _expected_shapes(m: ml_collections.ConfigDict) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name (``h.{}.`` for every layer) -> the shape a config.json of these sizes implies."""
-    h, f = m.hidden_size, m.mlp_ratio * m.hidden_size
+    h, f = cfg.hidden_size, cfg.mlp_ratio * cfg.hidden_size
     layer = {"ln_1.weight": (h,), "ln_1.bias": (h,), "ln_2.weight": (h,), "ln_2.bias": (h,),
              "attn.c_attn.weight": (h, 3 * h), "attn.c_attn.bias": (3 * h,), "attn.c_proj.weight": (h, h),
              "attn.c_proj.bias": (h,), "mlp.c_fc.weight": (h, f), "mlp.c_fc.bias": (f,), "mlp.c_proj.weight": (f, h),
              "mlp.c_proj.bias": (h,)}
-    return {"wte.weight": (m.vocab_size, h), "wpe.weight": (m.max_seq_len, h), "ln_f.weight": (h,),
+    return {"wte.weight": (cfg.vocab_size, h), "wpe.weight": (cfg.max_seq_len, h), "ln_f.weight": (h,),
             "ln_f.bias": (h,), **{f"h.{{}}.{k}": v for k, v in layer.items()}}
 
 
@@ -70,21 +70,22 @@ def _check_layers_and_head(sd: dict[str, np.ndarray], num_layers: int) -> None:
                          "megajax's GPT ties them")
 
 
-def params_from_hf(sd: dict[str, np.ndarray], config: ml_collections.ConfigDict) -> Params:
-    """megajax parameters from an HF GPT-2 state dict (with or without the ``transformer.`` prefix)."""
+def params_from_hf(sd: dict[str, np.ndarray], cfg: GPTConfig) -> Params:
+    """megajax parameters of the GPT ``cfg`` from an HF GPT-2 state dict (with or without the ``transformer.``
+    prefix)."""
     sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
-    m = config.model
-    h, nh, L = m.hidden_size, m.num_heads, m.num_layers
+    h, nh, L = cfg.hidden_size, cfg.num_heads, cfg.num_layers
     d = h // nh
-    shapes = _expected_shapes(m)
+    shapes = _expected_shapes(cfg)
 
     def get(name: str) -> np.ndarray:
         if name not in sd:
             raise KeyError(f"HF checkpoint has no tensor {name!r}")
         want = shapes[re.sub(r"^h\.\d+\.", "h.{}.", name)]
         if tuple(sd[name].shape) != want:
-            raise ValueError(f"HF tensor {name} is {tuple(sd[name].shape)}, but config.json (vocab_size={m.vocab_size}"
-                             f", n_positions={m.max_seq_len}, n_embd={h}, n_inner={m.mlp_ratio * h}) implies {want}")
+            raise ValueError(f"HF tensor {name} is {tuple(sd[name].shape)}, but config.json (vocab_size="
+                             f"{cfg.vocab_size}, n_positions={cfg.max_seq_len}, n_embd={h}, n_inner="
+                             f"{cfg.mlp_ratio * h}) implies {want}")
         return np.asarray(sd[name], np.float32)
 
     def stack(fmt: str, fn=lambda x: x) -> np.ndarray:
@@ -92,7 +93,7 @@ def params_from_hf(sd: dict[str, np.ndarray], config: ml_collections.ConfigDict)
 
     wte = get("wte.weight")
     _check_layers_and_head(sd, L)
-    padded = np.zeros((padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by), h), np.float32)
+    padded = np.zeros((cfg.padded_vocab_size, h), np.float32)
     padded[:wte.shape[0]] = wte
     return {
         "wte": {"embedding": padded},
@@ -114,14 +115,14 @@ def params_from_hf(sd: dict[str, np.ndarray], config: ml_collections.ConfigDict)
     }
 
 
-def params_to_hf(p: Params, config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
-    """An HF GPT2LMHeadModel state dict (tied ``lm_head`` omitted, as ``save_pretrained`` does)."""
-    m = config.model
-    h = m.hidden_size
+def params_to_hf(p: Params, cfg: GPTConfig) -> dict[str, np.ndarray]:
+    """An HF GPT2LMHeadModel state dict of the GPT ``cfg``'s parameters (tied ``lm_head`` omitted, as
+    ``save_pretrained`` does)."""
+    h = cfg.hidden_size
     b = p["blocks"]
-    sd = {"transformer.wte.weight": p["wte"]["embedding"][:m.vocab_size], "transformer.wpe.weight": p["wpe"],
+    sd = {"transformer.wte.weight": p["wte"]["embedding"][:cfg.vocab_size], "transformer.wpe.weight": p["wpe"],
           "transformer.ln_f.weight": p["ln_f"]["scale"], "transformer.ln_f.bias": p["ln_f"]["bias"]}
-    for i in range(m.num_layers):
+    for i in range(cfg.num_layers):
         pre = f"transformer.h.{i}."
         sd.update({
             pre + "ln_1.weight": b["ln_1"]["scale"][i], pre + "ln_1.bias": b["ln_1"]["bias"][i],

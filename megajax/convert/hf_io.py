@@ -6,7 +6,6 @@ import json
 import pathlib
 from types import ModuleType
 
-import ml_collections
 import numpy as np
 
 from megajax.convert import hf_bert, hf_gpt2, hf_llama, torch_io
@@ -46,9 +45,8 @@ def converter_for(hf: dict, directory: str | pathlib.Path) -> ModuleType:
                      f"megajax converts only: {supported}")
 
 
-def writer_for(config: ml_collections.ConfigDict) -> ModuleType:
-    """The converter module writing a megajax model as HF weights, by ``config.model.name``."""
-    name = config.model.name
+def writer_for(name: str) -> ModuleType:
+    """The converter module writing a megajax model of family ``name`` (``config.model.name``) as HF weights."""
     if name not in WRITERS:
         raise ValueError(f"model.name={name!r} has no Hugging Face conversion; megajax converts {sorted(WRITERS)}")
     return WRITERS[name]

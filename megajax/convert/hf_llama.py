@@ -14,12 +14,13 @@ config.json is read in both of transformers' spellings of the rotary settings: v
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import jax
 import ml_collections
 import numpy as np
 
-from megajax.config import base_config, padded_vocab_size
+from megajax.config import base_config
 from megajax.convert.hf_tensors import HFTensors
 from megajax.models import llama
 
@@ -39,11 +40,6 @@ BUFFER = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 def _refuse(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
-
-
-def _ffn(m: ml_collections.ConfigDict) -> int:
-    """The MLP width (a megajax config may leave ffn_hidden_size at 0: mlp_ratio x hidden_size)."""
-    return m.ffn_hidden_size or m.mlp_ratio * m.hidden_size
 
 
 def _rope(hf: dict) -> dict:
@@ -84,6 +80,15 @@ def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 1) -> ml_collec
     """
     _refuse(hf.get("model_type") == "llama", f"config.json model_type={hf.get('model_type')!r}: hf_llama converts "
                                              f"llama ({HF_CLASSES['llama']})")
+    c = base_config(llama.NAME)
+    c.model.update(decoder_fields(hf, make_vocab_size_divisible_by))
+    return c
+
+
+def decoder_fields(hf: dict, make_vocab_size_divisible_by: int, head_dim_free: bool = False) -> dict:
+    """The ``config.model`` fields of a Llama-trunk ``config.json`` (sizes, key/value heads, norms, rotary
+    positions, tying), its variants megajax does not implement refused (ValueError). ``head_dim_free``: the family
+    has a head size of its own (``kv_channels``) rather than hidden_size / num_attention_heads."""
     missing = [k for k in REQUIRED if k not in hf]
     _refuse(not missing, f"config.json has no {', '.join(missing)}: give the config.json save_pretrained wrote")
     hf = {**HF_DEFAULTS, **{k: v for k, v in hf.items() if v is not None or k not in HF_DEFAULTS}}
@@ -95,57 +100,59 @@ def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 1) -> ml_collec
     kv_heads = hf.get("num_key_value_heads") or heads
     _refuse(h % heads == 0, f"config.json hidden_size={h} is not a multiple of num_attention_heads={heads}")
     head_dim = hf.get("head_dim") or h // heads
-    _refuse(head_dim == h // heads, f"config.json head_dim={head_dim}: megajax's Llama heads are hidden_size / "
-                                    f"num_attention_heads = {h // heads} wide")
+    _refuse(head_dim_free or head_dim == h // heads, f"config.json head_dim={head_dim}: megajax's Llama heads are "
+                                                     f"hidden_size / num_attention_heads = {h // heads} wide")
     _refuse(heads % kv_heads == 0, f"config.json num_key_value_heads={kv_heads} does not divide "
                                    f"num_attention_heads={heads}")
     tied = hf["tie_word_embeddings"]
     _refuse(isinstance(tied, bool), f"config.json tie_word_embeddings={tied!r} is not true or false")
-    c = base_config(llama.NAME)
-    c.model.update(
+    return dict(
         vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         num_layers=hf["num_hidden_layers"], hidden_size=h, num_heads=heads,
         num_kv_heads=kv_heads, ffn_hidden_size=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
         dropout=0.0, init_std=hf.get("initializer_range") or 0.02, layernorm_eps=float(hf["rms_norm_eps"]),
-        tie_embeddings=tied, **_rope(hf))
-    return c
+        tie_embeddings=tied, **_rope(hf), **({"kv_channels": head_dim} if head_dim_free else {}))
 
 
-def hf_config(config: ml_collections.ConfigDict) -> dict:
-    """The HF ``config.json`` for a megajax Llama config (true vocabulary size; the padding rows are dropped)."""
-    m = config.model
+def hf_config(cfg: llama.LlamaConfig) -> dict:
+    """The HF ``config.json`` for a megajax Llama (true vocabulary size; the padding rows are dropped)."""
+    return {"architectures": [HF_CLASSES["llama"]], "model_type": "llama", **decoder_config(cfg)}
+
+
+def decoder_config(cfg: llama.LlamaConfig) -> dict:
+    """The ``config.json`` fields of a Llama-trunk model (``decoder_fields`` read back)."""
     rope_scaling = None
-    if m.rope_scaling == "llama3":
-        rope_scaling = {"rope_type": "llama3", "factor": m.rope_factor, "low_freq_factor": m.rope_low_freq_factor,
-                        "high_freq_factor": m.rope_high_freq_factor,
-                        "original_max_position_embeddings": m.rope_original_max_len}
-    return {"architectures": [HF_CLASSES["llama"]], "model_type": "llama", "vocab_size": m.vocab_size,
-            "hidden_size": m.hidden_size, "intermediate_size": _ffn(m), "num_hidden_layers": m.num_layers,
-            "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads or m.num_heads,
-            "head_dim": m.hidden_size // m.num_heads, "hidden_act": "silu",
-            "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.layernorm_eps, "rope_theta": m.rope_theta,
-            "rope_scaling": rope_scaling, "tie_word_embeddings": bool(m.tie_embeddings),
+    if cfg.rope_scaling == "llama3":
+        rope_scaling = {"rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
+                        "high_freq_factor": cfg.rope_high_freq_factor,
+                        "original_max_position_embeddings": cfg.rope_original_max_len}
+    return {"vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+            "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.layernorm_eps,
+            "rope_theta": cfg.rope_theta, "rope_scaling": rope_scaling,
+            "tie_word_embeddings": bool(cfg.tie_embeddings),
             # HF's Llama drops out only attention probabilities, megajax the residual branches: nothing to carry
             "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-            "initializer_range": m.init_std, "torch_dtype": "float32", "use_cache": True}
+            "initializer_range": cfg.init_std, "torch_dtype": "float32", "use_cache": True}
 
 
-class _Tensors(HFTensors):
-    """The HF Llama state dict; a bare LlamaModel's tensors lack the "model." prefix (the head never has one)."""
+class DecoderTensors(HFTensors):
+    """The HF state dict of a Llama-trunk model (``classes``: its transformers class); a bare model's tensors lack
+    the "model." prefix (the head never has one)."""
 
-    def __init__(self, sd: dict[str, np.ndarray], config: ml_collections.ConfigDict):
-        m = config.model
+    def __init__(self, sd: dict[str, np.ndarray], cfg: llama.LlamaConfig, classes: str = HF_CLASSES["llama"]):
         super().__init__({k if k.startswith(("model.", "lm_head.")) else f"model.{k}": v for k, v in sd.items()},
-                         f"vocab_size={m.vocab_size}, hidden_size={m.hidden_size}, intermediate_size={_ffn(m)}, "
-                         f"num_attention_heads={m.num_heads}, num_key_value_heads={m.num_kv_heads or m.num_heads}",
-                         HF_CLASSES["llama"])
+                         f"vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}, intermediate_size="
+                         f"{cfg.ffn_size}, num_attention_heads={cfg.num_heads}, num_key_value_heads={cfg.kv_heads}",
+                         classes)
 
     def check_rest(self, tied: bool) -> None:
         """Everything not taken must be a buffer or, tied, an lm_head equal to the embedding."""
         copies = {"lm_head.weight": "model.embed_tokens.weight"} if tied else {}
         rest = {k for k in self.rest(copies, "config.json says tie_word_embeddings=true")
                 if not BUFFER.fullmatch(k)}
-        _refuse(not rest, f"the HF weights hold tensors megajax's Llama has no place for: {sorted(rest)[:4]} "
+        _refuse(not rest, f"the HF weights hold tensors megajax's model has no place for: {sorted(rest)[:4]} "
                           "(layers past num_hidden_layers, biases, or another model's heads)")
 
 
@@ -154,65 +161,88 @@ def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
     return np.concatenate([a, np.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
 
 
-def _layer_from_hf(t: _Tensors, i: int, m: ml_collections.ConfigDict) -> Params:
-    h, n, f = m.hidden_size, m.num_heads, _ffn(m)
-    kv, d = m.num_kv_heads or n, h // n
-    pre = f"model.layers.{i}."
+def attention_from_hf(t: DecoderTensors, pre: str, cfg: llama.LlamaConfig) -> Params:
+    """A layer's attention parameters (q, the fused key/value, out) from its HF tensors (names from ``pre``)."""
+    h, n, kv, d = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.head_dim
 
     def proj(name: str, n_out: int) -> np.ndarray:  # torch (out, in) -> x @ kernel (in, out)
         return t.take(f"{pre}{name}.weight", (n_out, h)).T
 
     k, v = (proj(f"self_attn.{x}_proj", kv * d).reshape(h, kv, d) for x in "kv")
+    return {"q": {"kernel": proj("self_attn.q_proj", n * d).reshape(h, n, d)},
+            "kv": {"kernel": np.stack([k, v], axis=2)},
+            "out": {"kernel": t.take(pre + "self_attn.o_proj.weight", (h, n * d)).T.reshape(n, d, h)}}
+
+
+def attention_to_hf(attn: Params, pre: str, cfg: llama.LlamaConfig) -> dict[str, np.ndarray]:
+    """``attention_from_hf`` reversed."""
+    h, n, kv, d = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.head_dim
+    kv_kernel = attn["kv"]["kernel"]  # (h, kv, 2, d)
+    return {pre + "self_attn.q_proj.weight": attn["q"]["kernel"].reshape(h, n * d).T,
+            pre + "self_attn.k_proj.weight": kv_kernel[:, :, 0].reshape(h, kv * d).T,
+            pre + "self_attn.v_proj.weight": kv_kernel[:, :, 1].reshape(h, kv * d).T,
+            pre + "self_attn.o_proj.weight": attn["out"]["kernel"].reshape(n * d, h).T}
+
+
+def _layer_from_hf(t: DecoderTensors, i: int, cfg: llama.LlamaConfig) -> Params:
+    h, f = cfg.hidden_size, cfg.ffn_size
+    pre = f"model.layers.{i}."
     return {
         "ln_1": {"scale": t.take(pre + "input_layernorm.weight", (h,))},
         "ln_2": {"scale": t.take(pre + "post_attention_layernorm.weight", (h,))},
-        "attn": {"q": {"kernel": proj("self_attn.q_proj", n * d).reshape(h, n, d)},
-                 "kv": {"kernel": np.stack([k, v], axis=2)},
-                 "out": {"kernel": t.take(pre + "self_attn.o_proj.weight", (h, n * d)).T.reshape(n, d, h)}},
-        "mlp": {"gate": {"kernel": proj("mlp.gate_proj", f)}, "up": {"kernel": proj("mlp.up_proj", f)},
+        "attn": attention_from_hf(t, pre, cfg),
+        "mlp": {"gate": {"kernel": t.take(pre + "mlp.gate_proj.weight", (f, h)).T},
+                "up": {"kernel": t.take(pre + "mlp.up_proj.weight", (f, h)).T},
                 "down": {"kernel": t.take(pre + "mlp.down_proj.weight", (h, f)).T}},
     }
 
 
-def params_from_hf(sd: dict[str, np.ndarray], config: ml_collections.ConfigDict) -> Params:
-    """megajax Llama parameters from an HF LlamaForCausalLM state dict (fp32, whatever the checkpoint's dtype)."""
-    m = config.model
-    h, vocab = m.hidden_size, m.vocab_size
-    rows = padded_vocab_size(vocab, m.make_vocab_size_divisible_by)
-    t = _Tensors(sd, config)
-    layers = [_layer_from_hf(t, i, m) for i in range(m.num_layers)]
+def _layer_to_hf(b: Params, i: int, cfg: llama.LlamaConfig) -> dict[str, np.ndarray]:
+    pre = f"model.layers.{i}."
+    return {pre + "input_layernorm.weight": b["ln_1"]["scale"],
+            pre + "post_attention_layernorm.weight": b["ln_2"]["scale"],
+            **attention_to_hf(b["attn"], pre, cfg),
+            pre + "mlp.gate_proj.weight": b["mlp"]["gate"]["kernel"].T,
+            pre + "mlp.up_proj.weight": b["mlp"]["up"]["kernel"].T,
+            pre + "mlp.down_proj.weight": b["mlp"]["down"]["kernel"].T}
+
+
+def params_from_hf(sd: dict[str, np.ndarray], cfg: llama.LlamaConfig) -> Params:
+    """The Llama ``cfg``'s parameters from an HF LlamaForCausalLM state dict (fp32, whatever the checkpoint's
+    dtype)."""
+    return decoder_from_hf(DecoderTensors(sd, cfg), cfg, _layer_from_hf)
+
+
+def decoder_from_hf(t: DecoderTensors, cfg: llama.LlamaConfig,
+                    layer: Callable[[DecoderTensors, int, llama.LlamaConfig], Params]) -> Params:
+    """A Llama-trunk model's parameters: the embedding, ``layer(t, i, cfg)`` of each layer stacked, the final norm
+    and the untied head; every tensor of ``t`` accounted for."""
+    h, vocab, rows = cfg.hidden_size, cfg.vocab_size, cfg.padded_vocab_size
+    layers = [layer(t, i, cfg) for i in range(cfg.num_layers)]
     params = {
         "wte": {"embedding": _pad_rows(t.take("model.embed_tokens.weight", (vocab, h)), rows)},
         "blocks": jax.tree.map(lambda *xs: np.stack(xs), *layers),
         "ln_f": {"scale": t.take("model.norm.weight", (h,))},
     }
-    if not m.tie_embeddings:
+    if not cfg.tie_embeddings:
         params["lm_head"] = {"embedding": _pad_rows(t.take("lm_head.weight", (vocab, h)), rows)}
-    t.check_rest(bool(m.tie_embeddings))
+    t.check_rest(bool(cfg.tie_embeddings))
     return params
 
 
-def params_to_hf(p: Params, config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
-    """An HF LlamaForCausalLM state dict (a tied ``lm_head`` omitted, as ``save_pretrained`` does)."""
-    m = config.model
-    h, n, vocab = m.hidden_size, m.num_heads, m.vocab_size
-    kv, d = m.num_kv_heads or n, h // n
+def params_to_hf(p: Params, cfg: llama.LlamaConfig) -> dict[str, np.ndarray]:
+    """An HF LlamaForCausalLM state dict of the Llama ``cfg``'s parameters (a tied ``lm_head`` omitted, as
+    ``save_pretrained`` does)."""
+    return decoder_to_hf(p, cfg, _layer_to_hf)
+
+
+def decoder_to_hf(p: Params, cfg: llama.LlamaConfig,
+                  layer: Callable[[Params, int, llama.LlamaConfig], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """``decoder_from_hf`` reversed, each layer's tensors from ``layer(block, i, cfg)``; fp32."""
+    vocab = cfg.vocab_size
     sd = {"model.embed_tokens.weight": p["wte"]["embedding"][:vocab], "model.norm.weight": p["ln_f"]["scale"]}
-    if not m.tie_embeddings:
+    if not cfg.tie_embeddings:
         sd["lm_head.weight"] = p["lm_head"]["embedding"][:vocab]
-    for i in range(m.num_layers):
-        b = jax.tree.map(lambda x: x[i], p["blocks"])
-        pre = f"model.layers.{i}."
-        kv_kernel = b["attn"]["kv"]["kernel"]  # (h, kv, 2, d)
-        sd.update({
-            pre + "input_layernorm.weight": b["ln_1"]["scale"],
-            pre + "post_attention_layernorm.weight": b["ln_2"]["scale"],
-            pre + "self_attn.q_proj.weight": b["attn"]["q"]["kernel"].reshape(h, n * d).T,
-            pre + "self_attn.k_proj.weight": kv_kernel[:, :, 0].reshape(h, kv * d).T,
-            pre + "self_attn.v_proj.weight": kv_kernel[:, :, 1].reshape(h, kv * d).T,
-            pre + "self_attn.o_proj.weight": b["attn"]["out"]["kernel"].reshape(n * d, h).T,
-            pre + "mlp.gate_proj.weight": b["mlp"]["gate"]["kernel"].T,
-            pre + "mlp.up_proj.weight": b["mlp"]["up"]["kernel"].T,
-            pre + "mlp.down_proj.weight": b["mlp"]["down"]["kernel"].T,
-        })
+    for i in range(cfg.num_layers):
+        sd.update(layer(jax.tree.map(lambda x: x[i], p["blocks"]), i, cfg))
     return {k: np.ascontiguousarray(v, np.float32) for k, v in sd.items()}

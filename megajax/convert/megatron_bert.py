@@ -17,6 +17,7 @@ the MLP (at most 4.8e-4 from erf), which megajax's single ``model.activation`` d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 
 import ml_collections
@@ -24,6 +25,7 @@ import numpy as np
 
 from megajax.convert import megatron_checks as checks
 from megajax.convert import megatron_files, megatron_gpt, torch_io
+from megajax.models import bert
 
 Params = dict
 # Canonical name -> key in a rank's flattened model (after "language_model." is stripped), beyond GPT's.
@@ -61,76 +63,73 @@ def _dense(c: dict[str, np.ndarray], key: str) -> dict[str, np.ndarray]:
     return {"kernel": c[f"{key}_w"].T, "bias": c[f"{key}_b"]}
 
 
-def params_from_canonical(c: dict[str, np.ndarray], config: ml_collections.ConfigDict) -> Params:
-    """megajax BERT parameters from merged canonical tensors (the config pads the vocabulary to their rows)."""
-    return {**megatron_gpt.params_from_canonical(c, config), "tte": c["tte"], "pooler": _dense(c, "pooler"),
+def params_from_canonical(c: dict[str, np.ndarray], cfg: bert.BertConfig) -> Params:
+    """The BERT ``cfg``'s parameters from merged canonical tensors (``cfg`` pads the vocabulary to their rows)."""
+    return {**megatron_gpt.params_from_canonical(c, cfg), "tte": c["tte"], "pooler": _dense(c, "pooler"),
             "mlm_dense": _dense(c, "mlm_dense"), "mlm_ln": {"scale": c["mlm_ln_w"], "bias": c["mlm_ln_b"]},
             "mlm_bias": c["mlm_bias"], "sop": _dense(c, "sop")}
 
 
-def params_to_canonical(p: Params, config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
-    """Full (unsplit) canonical tensors of megajax BERT parameters, float32, Megatron's (out, in) weights."""
+def params_to_canonical(p: Params, cfg: bert.BertConfig) -> dict[str, np.ndarray]:
+    """Full (unsplit) canonical tensors of the BERT ``cfg``'s parameters, float32, Megatron's (out, in) weights."""
     extra = {"tte": p["tte"], "mlm_bias": p["mlm_bias"], "mlm_ln_w": p["mlm_ln"]["scale"],
              "mlm_ln_b": p["mlm_ln"]["bias"]}
     for key in ("pooler", "mlm_dense", "sop"):
         extra[f"{key}_w"], extra[f"{key}_b"] = p[key]["kernel"].T, p[key]["bias"]
-    return {**megatron_gpt.params_to_canonical(p, config),
+    return {**megatron_gpt.params_to_canonical(p, cfg),
             **{k: np.ascontiguousarray(v, np.float32) for k, v in extra.items()}}
 
 
-def config_from_args(args: dict, num_token_types: int) -> ml_collections.ConfigDict:
-    """A megajax BERT config with the model sizes of the Megatron ``args`` stored in a checkpoint."""
-    c = megatron_gpt.config_from_args(args)
-    c.model.update(name="bert", num_token_types=num_token_types, post_layernorm=False,
-                   activation="gelu_tanh" if args.get("openai_gelu") else "gelu")
-    return c
+def config_from_args(args: dict, num_token_types: int) -> bert.BertConfig:
+    """The BERT of the Megatron ``args`` stored in a checkpoint (its vocabulary: see ``read_megatron``)."""
+    return bert.BertConfig(**megatron_gpt.trunk_fields(args), num_token_types=num_token_types, post_layernorm=False,
+                           activation="gelu_tanh" if args.get("openai_gelu") else "gelu")
 
 
-def _check_config(config: ml_collections.ConfigDict | None) -> None:
-    if config is not None and (config.model.name != "bert" or config.model.post_layernorm):
-        raise ValueError(f"--config has model.name={config.model.name!r}, post_layernorm="
-                         f"{config.model.get('post_layernorm')}; a Megatron-LM BERT needs name='bert', "
+def _check_config(given: bert.BertConfig | None) -> None:
+    checks.check_given(given, bert.BertConfig, bert.NAME)
+    if given is not None and given.post_layernorm:
+        raise ValueError("--config has model.post_layernorm=True; a Megatron-LM BERT is pre-LN: it needs "
                          "post_layernorm=False")
 
 
 def _token_type_claims(merged: dict[str, np.ndarray], names: dict[str, str],
-                       config: ml_collections.ConfigDict | None) -> checks.Claims:
+                       given: bert.BertConfig | None) -> checks.Claims:
     """The token types the tensors hold, and --config's (Megatron's args do not store them)."""
     tte = merged["tte"].shape
     claims = [(tte[0], f"the tensors ({names['tte']} is {tte})")]
-    if config is not None:
-        claims.append((config.model.num_token_types, "--config model.num_token_types"))
+    if given is not None:
+        claims.append((given.num_token_types, "--config model.num_token_types"))
     return {"num_token_types": claims}
 
 
-def _head_shapes(config: ml_collections.ConfigDict, rows: int) -> dict[str, tuple[int, ...]]:
+def _head_shapes(cfg: bert.BertConfig, rows: int) -> dict[str, tuple[int, ...]]:
     """The shapes of BERT's own tensors (the rest, GPT's, ``megatron_checks.check_shapes`` knows)."""
-    h = config.model.hidden_size
-    return {"tte": (config.model.num_token_types, h), "pooler_w": (h, h), "mlm_dense_w": (h, h), "mlm_bias": (rows,),
+    h = cfg.hidden_size
+    return {"tte": (cfg.num_token_types, h), "pooler_w": (h, h), "mlm_dense_w": (h, h), "mlm_bias": (rows,),
             "sop_w": (2, h), "sop_b": (2,)}
 
 
-def read_megatron(directory: str | pathlib.Path, config: ml_collections.ConfigDict | None = None, *,
+def read_megatron(directory: str | pathlib.Path, given: bert.BertConfig | None = None, *,
                   iteration: int | None = None, vocab_size: int | None = None,
                   allow_pickle: bool = False) -> tuple[Params, ml_collections.ConfigDict]:
-    """(megajax parameters, config) from a Megatron-LM BERT checkpoint at any tensor-parallel degree.
+    """(megajax parameters, their megajax config) from a Megatron-LM BERT checkpoint at any tensor-parallel degree.
 
-    Sizes come from the checkpoint's args, or ``config`` for one saved without args; both must agree with each other
-    and the tensors. The true vocabulary is ``vocab_size`` (else ``config``'s); the embedding and lm_head bias keep
-    the checkpoint's padded rows exactly.
+    Sizes come from the checkpoint's args, or ``given`` (the user's --config's model) for one saved without args;
+    both must agree with each other and the tensors. The true vocabulary is ``vocab_size`` (else ``given``'s); the
+    embedding and lm_head bias keep the checkpoint's padded rows exactly.
     """
-    _check_config(config)
+    _check_config(given)
     it_dir = megatron_files.iteration_dir(pathlib.Path(directory), iteration)
-    args, merged, names, tp = megatron_gpt.load_merged(it_dir, config, allow_pickle, model="bert",
+    args, merged, names, tp = megatron_gpt.load_merged(it_dir, given, allow_pickle, model=bert.NAME,
                                                        canonical=_canonical, split_dim=SPLIT_DIM)
     rows = merged["wte"].shape[0]
-    out = config.copy_and_resolve_references() if config is not None else \
-        config_from_args(args, num_token_types=merged["tte"].shape[0])
-    checks.check_agreement(it_dir, checks.args_claims(args), checks.config_claims(config),
-                           checks.tensor_claims(merged, names, tp), _token_type_claims(merged, names, config))
-    checks.check_shapes(merged, names, out, tp, _head_shapes(out, rows))
-    out.model.update(checks.vocabulary_fields(rows, vocab_size, config, args, tp, it_dir, "bert"))
-    return params_from_canonical(merged, out), out
+    cfg = given if given is not None else config_from_args(args, num_token_types=merged["tte"].shape[0])
+    checks.check_agreement(it_dir, checks.args_claims(args), checks.config_claims(given),
+                           checks.tensor_claims(merged, names, tp), _token_type_claims(merged, names, given))
+    checks.check_shapes(merged, names, cfg, tp, _head_shapes(cfg, rows))
+    cfg = dataclasses.replace(cfg, **checks.vocabulary_fields(rows, vocab_size, given, args, tp, it_dir, bert.NAME))
+    return params_from_canonical(merged, cfg), megatron_gpt.megajax_config(bert.NAME, cfg)
 
 
 def _rank_model(rank: dict[str, np.ndarray], dtype: str) -> dict:
@@ -140,18 +139,18 @@ def _rank_model(rank: dict[str, np.ndarray], dtype: str) -> dict:
             **{head: nested[head] for head in HEADS}}
 
 
-def write_megatron(directory: str | pathlib.Path, params: Params, config: ml_collections.ConfigDict, tp: int, *,
+def write_megatron(directory: str | pathlib.Path, params: Params, cfg: bert.BertConfig, tp: int, *,
                    iteration: int = 0, names: str = "legacy", dtype: str = "float32") -> pathlib.Path:
-    """Writes a Megatron-LM BERT checkpoint (legacy layout) with ``tp`` ranks into a new or empty directory;
-    returns its iteration directory."""
+    """Writes the BERT ``cfg``'s parameters as a Megatron-LM BERT checkpoint (legacy layout) with ``tp`` ranks into
+    a new or empty directory; returns its iteration directory."""
     if names != "legacy":
         raise ValueError(f"--names={names}: megajax writes Megatron BERT checkpoints in the legacy layout only")
-    if config.model.post_layernorm:
+    if cfg.post_layernorm:
         raise ValueError("model.post_layernorm=True (the original BERT) has no Megatron-LM layout: Megatron's BERT is "
                          "pre-LN; convert this model to Hugging Face (megajax-to-hf) instead")
-    args = argparse.Namespace(**vars(megatron_gpt.megatron_args(config, params["wte"]["embedding"].shape[0], tp)),
-                              openai_gelu=config.model.activation == "gelu_tanh", bert_binary_head=True,
+    args = argparse.Namespace(**vars(megatron_gpt.megatron_args(cfg, params["wte"]["embedding"].shape[0], tp)),
+                              openai_gelu=cfg.activation == "gelu_tanh", bert_binary_head=True,
                               bias_gelu_fusion=False)  # unfused: Megatron's MLP then computes the erf GeLU too
-    models = (_rank_model(rank, dtype) for rank in megatron_gpt.split_ranks(params_to_canonical(params, config), tp,
+    models = (_rank_model(rank, dtype) for rank in megatron_gpt.split_ranks(params_to_canonical(params, cfg), tp,
                                                                             SPLIT_DIM))
     return megatron_files.write_ranks(pathlib.Path(directory), models, args, iteration)

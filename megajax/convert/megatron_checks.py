@@ -1,16 +1,17 @@
 """Consistency of a Megatron-LM checkpoint before conversion: its ranks against each other, its stored ``args``
 against its tensors and against the user's flags, and the vocabulary (Megatron stores only the padded size).
-The checks serve GPT and BERT alike; ``model`` arguments are ``config.model.name``."""
+The checks serve GPT and BERT alike; ``model`` arguments are ``config.model.name``, ``given`` ones the model of the
+user's ``--config`` (its family's config type), None without one."""
 
 from __future__ import annotations
 
 import argparse
 import pathlib
 
-import ml_collections
 import numpy as np
 
 from megajax.config import padded_vocab_size
+from megajax.models.transformer import TransformerConfig
 
 # args that every rank of one save stores alike (rank-local ones such as args.rank are left out); the
 # tensor-parallel size first, as the likeliest to tell two saves apart.
@@ -58,10 +59,16 @@ def common_args(checkpoints: list[dict], files: list[pathlib.Path]) -> dict | No
     return per_rank[0]
 
 
-def require_sizes(args: dict | None, config: ml_collections.ConfigDict | None, where: pathlib.Path,
-                  model: str) -> None:
+def check_given(given: TransformerConfig | None, family: type[TransformerConfig], model: str) -> None:
+    """A --config must describe a model of the checkpoint's family: ``model``, whose config type is ``family``."""
+    if given is not None and type(given) is not family:
+        raise ValueError(f"--config describes a {type(given).__name__} model; a Megatron-LM {model.upper()} "
+                         f"checkpoint needs a config with model.name={model!r}")
+
+
+def require_sizes(args: dict | None, given: TransformerConfig | None, where: pathlib.Path, model: str) -> None:
     """The model sizes must come from somewhere: the checkpoint's args or the user's --config."""
-    if args is None and config is None:
+    if args is None and given is None:
         raise ValueError(f"{where} stores no args (saved without them), so its model sizes are unknown: pass "
                          f"--config=NAME, a megajax {model.upper()} config describing the model (and --vocab_size=N)")
 
@@ -94,13 +101,13 @@ def args_claims(args: dict | None) -> Claims:
     return {k: [(args[k], f"args.{k}")] for k in claimed if args and args.get(k) is not None}
 
 
-def config_claims(config: ml_collections.ConfigDict | None) -> Claims:
+def config_claims(given: TransformerConfig | None) -> Claims:
     """The sizes a user's --config states, under Megatron's names."""
-    if config is None:
+    if given is None:
         return {}
-    m = config.model
-    values = {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_heads,
-              "max_position_embeddings": m.max_seq_len, "ffn_hidden_size": m.mlp_ratio * m.hidden_size}
+    values = {"num_layers": given.num_layers, "hidden_size": given.hidden_size,
+              "num_attention_heads": given.num_heads, "max_position_embeddings": given.max_seq_len,
+              "ffn_hidden_size": given.mlp_ratio * given.hidden_size}
     return {k: [(v, f"--config {CONFIG_FIELDS[k]}")] for k, v in values.items()}
 
 
@@ -132,16 +139,15 @@ def check_agreement(where: pathlib.Path, *sources: Claims) -> None:
         raise ValueError(f"{where} is inconsistent: {'; '.join(problems)}. {fix}")
 
 
-def check_shapes(merged: dict[str, np.ndarray], names: dict[str, str], config: ml_collections.ConfigDict,
-                 tp: int, more: dict[str, tuple[int, ...]] | None = None) -> None:
-    """Each merged tensor has the shape the sizes imply (``more``: shapes of a model's own tensors, by canonical
-    key), and the heads split evenly over the ranks."""
-    m = config.model
-    h, f = m.hidden_size, m.mlp_ratio * m.hidden_size
-    if h % m.num_heads or m.num_heads % tp:
-        raise ValueError(f"num_attention_heads={m.num_heads} must divide hidden_size={h} and be divisible by the "
+def check_shapes(merged: dict[str, np.ndarray], names: dict[str, str], cfg: TransformerConfig, tp: int,
+                 more: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Each merged tensor has the shape the sizes of ``cfg`` imply (``more``: shapes of a model's own tensors, by
+    canonical key), and the heads split evenly over the ranks."""
+    h, f = cfg.hidden_size, cfg.mlp_ratio * cfg.hidden_size
+    if h % cfg.num_heads or cfg.num_heads % tp:
+        raise ValueError(f"num_attention_heads={cfg.num_heads} must divide hidden_size={h} and be divisible by the "
                          f"{tp} tensor-parallel rank(s)")
-    want = {"wte": (merged["wte"].shape[0], h), "wpe": (m.max_seq_len, h), "qkv_w": (3 * h, h), "qkv_b": (3 * h,),
+    want = {"wte": (merged["wte"].shape[0], h), "wpe": (cfg.max_seq_len, h), "qkv_w": (3 * h, h), "qkv_b": (3 * h,),
             "proj_w": (h, h), "fc1_w": (f, h), "fc1_b": (f,), "fc2_w": (h, f),
             **(more or {})}  # the rest: (hidden_size,)
     for key, a in merged.items():
@@ -151,16 +157,16 @@ def check_shapes(merged: dict[str, np.ndarray], names: dict[str, str], config: m
                              f"ffn_hidden_size={f} need {shape}: the tensors do not fit {tp}-way tensor parallelism")
 
 
-def vocabulary_fields(rows: int, vocab_size: int | None, config: ml_collections.ConfigDict | None,
-                      args: dict | None, tp: int, where: pathlib.Path, model: str) -> dict[str, int]:
+def vocabulary_fields(rows: int, vocab_size: int | None, given: TransformerConfig | None, args: dict | None,
+                      tp: int, where: pathlib.Path, model: str) -> dict[str, int]:
     """``vocab_size`` (from the flag, else --config's; checked against the ``rows`` Megatron stored) and a
-    ``make_vocab_size_divisible_by`` that pads it to exactly those rows, for ``config.model.update``."""
-    if vocab_size is None and config is not None:
-        vocab = vocabulary(rows, config.model.vocab_size, args, tp, where, model, "--config model.vocab_size")
+    ``make_vocab_size_divisible_by`` that pads it to exactly those rows, for ``dataclasses.replace``."""
+    if vocab_size is None and given is not None:
+        vocab = vocabulary(rows, given.vocab_size, args, tp, where, model, "--config model.vocab_size")
     else:
         vocab = vocabulary(rows, vocab_size, args, tp, where, model)
     megatron_multiple = ((args or {}).get("make_vocab_size_divisible_by") or 0) * tp
-    preferred = [config.model.make_vocab_size_divisible_by if config is not None else None, megatron_multiple]
+    preferred = [given.make_vocab_size_divisible_by if given is not None else None, megatron_multiple]
     return {"vocab_size": vocab, "make_vocab_size_divisible_by": megajax_divisor(vocab, rows, preferred)}
 
 

@@ -24,6 +24,7 @@ The pieces of reading and writing (``take_canonical``, ``load_merged``, ``merge_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import re
 from collections.abc import Callable
@@ -31,9 +32,11 @@ from collections.abc import Callable
 import ml_collections
 import numpy as np
 
-from megajax.config import base_config, padded_vocab_size
+from megajax.config import base_config
 from megajax.convert import megatron_checks as checks
 from megajax.convert import megatron_files, torch_io
+from megajax.models import gpt
+from megajax.models.transformer import TransformerConfig
 
 Params = dict
 LAYER_KEYS = ("ln1_w", "ln1_b", "qkv_w", "qkv_b", "proj_w", "proj_b", "ln2_w", "ln2_b",
@@ -148,19 +151,18 @@ def split_ranks(full: dict[str, np.ndarray], tp: int,
                     if name.split(".")[0] in split_dim else a) for name, a in full.items()} for r in range(tp)]
 
 
-def params_from_canonical(c: dict[str, np.ndarray], config: ml_collections.ConfigDict) -> Params:
-    """megajax parameters from the merged canonical tensors; the config must pad the vocabulary to their rows."""
-    m = config.model
-    h, nh, L = m.hidden_size, m.num_heads, m.num_layers
-    d = h // nh
+def params_from_canonical(c: dict[str, np.ndarray], cfg: TransformerConfig) -> Params:
+    """The trunk's megajax parameters from the merged canonical tensors; ``cfg`` must pad the vocabulary to their
+    rows."""
+    h, nh, L, d = cfg.hidden_size, cfg.num_heads, cfg.num_layers, cfg.head_dim
 
     def stack(key, fn=lambda x: x):
         return np.stack([fn(c[f"{key}.{i}"]) for i in range(L)])
 
-    rows = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
-    if rows != c["wte"].shape[0]:
-        raise ValueError(f"model.vocab_size={m.vocab_size} padded to a multiple of {m.make_vocab_size_divisible_by} "
-                         f"is {rows} rows, but the word embedding has {c['wte'].shape[0]}")
+    if cfg.padded_vocab_size != c["wte"].shape[0]:
+        raise ValueError(f"model.vocab_size={cfg.vocab_size} padded to a multiple of "
+                         f"{cfg.make_vocab_size_divisible_by} is {cfg.padded_vocab_size} rows, but the word embedding "
+                         f"has {c['wte'].shape[0]}")
     return {
         "wte": {"embedding": c["wte"]}, "wpe": c["wpe"], "ln_f": {"scale": c["lnf_w"], "bias": c["lnf_b"]},
         "blocks": {
@@ -175,11 +177,11 @@ def params_from_canonical(c: dict[str, np.ndarray], config: ml_collections.Confi
     }
 
 
-def params_to_canonical(p: Params, config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
-    m = config.model
-    h, b = m.hidden_size, p["blocks"]
+def params_to_canonical(p: Params, cfg: TransformerConfig) -> dict[str, np.ndarray]:
+    """Full (unsplit) canonical tensors of the trunk's megajax parameters, float32, Megatron's (out, in) weights."""
+    h, b = cfg.hidden_size, p["blocks"]
     out = {"wte": p["wte"]["embedding"], "wpe": p["wpe"], "lnf_w": p["ln_f"]["scale"], "lnf_b": p["ln_f"]["bias"]}
-    for i in range(m.num_layers):
+    for i in range(cfg.num_layers):
         out.update({
             f"ln1_w.{i}": b["ln_1"]["scale"][i], f"ln1_b.{i}": b["ln_1"]["bias"][i],
             f"ln2_w.{i}": b["ln_2"]["scale"][i], f"ln2_b.{i}": b["ln_2"]["bias"][i],
@@ -192,32 +194,39 @@ def params_to_canonical(p: Params, config: ml_collections.ConfigDict) -> dict[st
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
 
-def config_from_args(args: argparse.Namespace | dict) -> ml_collections.ConfigDict:
-    """A megajax config with the model sizes of the Megatron ``args`` stored in a checkpoint (vocabulary: see
-    ``read_megatron``); a missing LayerNorm epsilon, dropout or init std is Megatron's default."""
+def trunk_fields(args: argparse.Namespace | dict) -> dict:
+    """The ``TransformerConfig`` fields that the Megatron ``args`` stored in a checkpoint give (not the vocabulary:
+    see ``read_megatron``); a missing LayerNorm epsilon, dropout or init std is Megatron's default."""
     a = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
-    c = base_config()
     h = a["hidden_size"]
     ffn = a.get("ffn_hidden_size") or 4 * h
     if ffn % h:
         raise ValueError(f"args.ffn_hidden_size={ffn} is not a multiple of args.hidden_size={h}: megajax's MLP is "
                          "model.mlp_ratio x hidden_size wide")
     eps = a.get("norm_epsilon", a.get("layernorm_epsilon", 1e-5))  # newer Megatron: --norm-epsilon
-    c.model.update(num_layers=a["num_layers"], hidden_size=h, num_heads=a["num_attention_heads"],
-                   max_seq_len=a["max_position_embeddings"], mlp_ratio=ffn // h, layernorm_eps=eps,
-                   dropout=a.get("hidden_dropout", 0.1), init_std=a.get("init_method_std", 0.02))
-    return c
+    return dict(num_layers=a["num_layers"], hidden_size=h, num_heads=a["num_attention_heads"],
+                max_seq_len=a["max_position_embeddings"], mlp_ratio=ffn // h, layernorm_eps=eps,
+                dropout=a.get("hidden_dropout", 0.1), init_std=a.get("init_method_std", 0.02))
+
+
+def megajax_config(name: str, cfg: TransformerConfig) -> ml_collections.ConfigDict:
+    """The megajax config of a converted model (what is stored with it): the defaults, with the fields of ``cfg``
+    as family ``name``'s ``config.model``."""
+    config = base_config(name)
+    config.model.update({field: getattr(cfg, field) for field in cfg.fields()})
+    return config
 
 
 Canonical = Callable[[dict, pathlib.Path], tuple[dict[str, np.ndarray], dict[str, str]]]  # like _canonical
 
 
-def load_merged(it_dir: pathlib.Path, config: ml_collections.ConfigDict | None, allow_pickle: bool, *, model: str,
+def load_merged(it_dir: pathlib.Path, given: TransformerConfig | None, allow_pickle: bool, *, model: str,
                 canonical: Canonical,
                 split_dim: dict[str, int]) -> tuple[dict | None, dict[str, np.ndarray], dict[str, str], int]:
     """(shared args or None, the merged canonical tensors, their Megatron names, the tensor-parallel size) of an
     iteration directory, once its rank files are named, agree with each other, and hold a variant the megajax
-    ``model`` computes. ``canonical(model_dict, file)`` names one rank's tensors; ``split_dim`` says how they join."""
+    ``model`` computes. ``canonical(model_dict, file)`` names one rank's tensors; ``split_dim`` says how they join;
+    ``given``: the --config's model, which must be there where the checkpoint stores no args."""
     files = megatron_files.rank_files(it_dir)
     checkpoints = [torch_io.load(f, allow_pickle) for f in files]
     args = checks.common_args(checkpoints, files)
@@ -230,45 +239,47 @@ def load_merged(it_dir: pathlib.Path, config: ml_collections.ConfigDict | None, 
     named = [canonical(ck["model"], f) for ck, f in zip(checkpoints, files)]
     ranks = [tensors for tensors, _ in named]
     checks.check_rank_shapes(ranks, files)
-    checks.require_sizes(args, config, it_dir, model)
+    checks.require_sizes(args, given, it_dir, model)
     return args, merge_ranks(ranks, files, split_dim), named[0][1], len(files)
 
 
-def read_megatron(directory: str | pathlib.Path, config: ml_collections.ConfigDict | None = None, *,
+def read_megatron(directory: str | pathlib.Path, given: gpt.GPTConfig | None = None, *,
                   iteration: int | None = None, vocab_size: int | None = None,
                   allow_pickle: bool = False) -> tuple[Params, ml_collections.ConfigDict]:
-    """(megajax parameters, config) from a Megatron-LM checkpoint at any tensor-parallel degree.
+    """(megajax parameters, their megajax config) from a Megatron-LM checkpoint at any tensor-parallel degree.
 
-    The model sizes come from the checkpoint's args, or from ``config`` for a checkpoint saved without args; when
-    both exist they must agree with each other and with the tensors. Megatron stores only the padded vocabulary,
-    so the true size is ``vocab_size`` (else ``config``'s); there is no silent default. The output keeps the
-    checkpoint's embedding rows exactly.
+    The model sizes come from the checkpoint's args, or from ``given`` (the user's --config's model) for a
+    checkpoint saved without args; when both exist they must agree with each other and with the tensors. Megatron
+    stores only the padded vocabulary, so the true size is ``vocab_size`` (else ``given``'s); there is no silent
+    default. The output keeps the checkpoint's embedding rows exactly.
     """
+    checks.check_given(given, gpt.GPTConfig, gpt.NAME)
     it_dir = megatron_files.iteration_dir(pathlib.Path(directory), iteration)
-    args, merged, names, tp = load_merged(it_dir, config, allow_pickle, model="gpt", canonical=_canonical,
+    args, merged, names, tp = load_merged(it_dir, given, allow_pickle, model=gpt.NAME, canonical=_canonical,
                                           split_dim=SPLIT_DIM)
-    out = config.copy_and_resolve_references() if config is not None else config_from_args(args)
-    checks.check_agreement(it_dir, checks.args_claims(args), checks.config_claims(config),
+    cfg = given if given is not None else gpt.GPTConfig(**trunk_fields(args))
+    checks.check_agreement(it_dir, checks.args_claims(args), checks.config_claims(given),
                            checks.tensor_claims(merged, names, tp))
-    checks.check_shapes(merged, names, out, tp)
-    out.model.update(checks.vocabulary_fields(merged["wte"].shape[0], vocab_size, config, args, tp, it_dir, "gpt"))
-    return params_from_canonical(merged, out), out
+    checks.check_shapes(merged, names, cfg, tp)
+    cfg = dataclasses.replace(cfg, **checks.vocabulary_fields(merged["wte"].shape[0], vocab_size, given, args, tp,
+                                                              it_dir, gpt.NAME))
+    return params_from_canonical(merged, cfg), megajax_config(gpt.NAME, cfg)
 
 
-def megatron_args(config: ml_collections.ConfigDict, rows: int, tp: int) -> argparse.Namespace:
-    """The args a ``tp``-way Megatron save of this model stores (``rows``: its padded vocabulary), such that Megatron
-    recomputes the same padded size; ValueError if ``tp`` does not divide the heads and the rows."""
-    m = config.model
-    if m.num_heads % tp or rows % tp:
-        raise ValueError(f"tensor-parallel size {tp} must divide the heads ({m.num_heads}) and the padded "
+def megatron_args(cfg: TransformerConfig, rows: int, tp: int) -> argparse.Namespace:
+    """The args a ``tp``-way Megatron save of the model ``cfg`` stores (``rows``: its padded vocabulary), such that
+    Megatron recomputes the same padded size; ValueError if ``tp`` does not divide the heads and the rows."""
+    if cfg.num_heads % tp or rows % tp:
+        raise ValueError(f"tensor-parallel size {tp} must divide the heads ({cfg.num_heads}) and the padded "
                          f"vocabulary ({rows})")
     return argparse.Namespace(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_heads,
-        ffn_hidden_size=m.mlp_ratio * m.hidden_size, max_position_embeddings=m.max_seq_len, padded_vocab_size=rows,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-        make_vocab_size_divisible_by=checks.megatron_divisor(m.vocab_size, rows, m.make_vocab_size_divisible_by, tp),
-        layernorm_epsilon=m.layernorm_eps, hidden_dropout=m.dropout, attention_dropout=m.dropout,
-        init_method_std=m.init_std)
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads,
+        ffn_hidden_size=cfg.mlp_ratio * cfg.hidden_size, max_position_embeddings=cfg.max_seq_len,
+        padded_vocab_size=rows, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        make_vocab_size_divisible_by=checks.megatron_divisor(cfg.vocab_size, rows, cfg.make_vocab_size_divisible_by,
+                                                             tp),
+        layernorm_epsilon=cfg.layernorm_eps, hidden_dropout=cfg.dropout, attention_dropout=cfg.dropout,
+        init_method_std=cfg.init_std)
 
 
 def named_tensors(rank: dict[str, np.ndarray], key_names: dict[str, str], dtype: str) -> dict:
@@ -294,12 +305,12 @@ def nest_legacy(sd: dict) -> dict:
     return out
 
 
-def write_megatron(directory: str | pathlib.Path, params: Params, config: ml_collections.ConfigDict, tp: int, *,
+def write_megatron(directory: str | pathlib.Path, params: Params, cfg: gpt.GPTConfig, tp: int, *,
                    iteration: int = 0, names: str = "legacy", dtype: str = "float32") -> pathlib.Path:
-    """Writes a Megatron-LM checkpoint with ``tp`` tensor-parallel ranks into a new or empty directory (so no
-    ranks or iterations of another save mix in); returns its iteration directory."""
-    args = megatron_args(config, params["wte"]["embedding"].shape[0], tp)
+    """Writes the GPT ``cfg``'s parameters as a Megatron-LM checkpoint with ``tp`` tensor-parallel ranks into a new
+    or empty directory (so no ranks or iterations of another save mix in); returns its iteration directory."""
+    args = megatron_args(cfg, params["wte"]["embedding"].shape[0], tp)
     key_names = {"legacy": LEGACY, "core": CORE}[names]
-    sds = (named_tensors(rank, key_names, dtype) for rank in split_ranks(params_to_canonical(params, config), tp))
+    sds = (named_tensors(rank, key_names, dtype) for rank in split_ranks(params_to_canonical(params, cfg), tp))
     models = ({"language_model": nest_legacy(sd)} if names == "legacy" else sd for sd in sds)
     return megatron_files.write_ranks(pathlib.Path(directory), models, args, iteration)

@@ -32,9 +32,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
+from megajax.config import StoredRun
 from megajax.data.tasks import glue, race, squad
 from megajax.data.tasks.encoding import EncodedTask
 from megajax.data.tasks.files import TaskDataError
@@ -86,12 +86,12 @@ class Downstream:
     split_folder: Callable[[pathlib.Path], bool] = lambda path: False
 
 
-def check_classes(task: str, config: ml_collections.ConfigDict) -> None:
+def check_classes(task: str, stored: StoredRun) -> None:
     """Raises InputError when a classification task's classes differ from the checkpoint's classifier's."""
     classes = TASK_CLASSES.get(task, 0)
-    if classes and config.model.num_classes != classes:
+    if classes and stored.model.num_classes != classes:
         raise InputError(f"--task={task} has {classes} classes but this checkpoint's classifier has "
-                         f"{config.model.num_classes} (it was fine-tuned on data.task={config.data.task!r})")
+                         f"{stored.model.num_classes} (it was fine-tuned on data.task={stored.dataset.task!r})")
 
 
 def _split_paths(task: Downstream, data: pathlib.Path) -> list[tuple[str, pathlib.Path]]:
@@ -109,18 +109,17 @@ def _split_paths(task: Downstream, data: pathlib.Path) -> list[tuple[str, pathli
     return found
 
 
-def read_splits(task: str, config: ml_collections.ConfigDict, data: str | None,
-                tokenizer: str | None) -> list[Split]:
+def read_splits(task: str, stored: StoredRun, data: str | None, tokenizer: str | None) -> list[Split]:
     """Every evaluation split of ``task`` (the checkpoint's model already checked to be the task's), encoded to
     the model's ``max_seq_len`` with its tokenizer (``--tokenizer``, else the run's ``data.tokenizer``). Raises
     InputError for a missing or unreadable input."""
-    check_classes(task, config)
+    check_classes(task, stored)
     spec = DOWNSTREAM[task]
-    where = data or config.data.task_dir
+    where = data or stored.dataset.task_dir
     if not where:
         raise InputError(f"--task={task} needs --data (the folder holding {', '.join(spec.dev_files.values())}); "
                          "this checkpoint does not name its task_dir")
-    vocab = tokenizer or config.data.tokenizer
+    vocab = tokenizer or stored.dataset.tokenizer
     if not vocab:
         raise InputError("this checkpoint does not name its tokenizer; pass --tokenizer=PATH (the model's vocab.txt "
                          "or tokenizer.json)")
@@ -129,8 +128,8 @@ def read_splits(task: str, config: ml_collections.ConfigDict, data: str | None,
     except (OSError, ValueError) as e:
         given = "--tokenizer" if tokenizer else "the run's data.tokenizer"
         raise InputError(f"{given}={vocab}: {e}; pass --tokenizer=PATH") from e
-    check_tokenizer(tok, config)
-    seq, out = config.model.max_seq_len, []
+    check_tokenizer(tok, stored)
+    seq, out = stored.model.max_seq_len, []
     try:
         for name, path in _split_paths(spec, pathlib.Path(where).expanduser()):
             out.append(spec.read(name, path, tok, seq, f"{task}/{name}"))
@@ -297,7 +296,7 @@ def _eval_task(spec: Downstream) -> EvalTask:
         odds = null_odds_path(predictions)
         return [(odds, f"{spec.name}'s null odds file {odds} (beside --predictions)")]
 
-    return EvalTask(spec.name, lambda config, request: read_splits(spec.name, config, request.data,
+    return EvalTask(spec.name, lambda stored, request: read_splits(spec.name, stored, request.data,
                                                                     request.tokenizer),
                     lambda loaded, splits, request: _run(loaded, splits, request, spec.name),
                     predictions=True, extra_files=extra_files, null_threshold=spec.null_odds)

@@ -1,5 +1,7 @@
 """eval.py's inputs, read and checked against the checkpoint's model before any model is loaded or compiled:
-the tokenizer, the data files, token ids against the model's vocabulary, and the sliding-window stride."""
+the tokenizer, the data files, token ids against the model's vocabulary, and the sliding-window stride. What a
+checkpoint says of its model and training data comes as its ``StoredRun`` (``config.load.read_stored_run``), read
+before the mesh is known."""
 
 from __future__ import annotations
 
@@ -7,16 +9,14 @@ import dataclasses
 import json
 import pathlib
 
-import ml_collections
 import numpy as np
 
-from megajax.config import data_settings
+from megajax.config import StoredRun
 from megajax.data.indexed import META, IndexedTokens
 from megajax.data.sources import CONVERTED, make_loader
 from megajax.data.tokenizer import TextTokenizer, load_tokenizer
 from megajax.errors import ConfigError, UserError
 from megajax.evaluation.detokenize import original_token_count, wikitext_detokenize
-from megajax.models import model_spec
 
 PAPER_STRIDE = 32  # the paper's WikiText-103 overlap (Megatron-LM's --overlapping-eval default)
 
@@ -25,11 +25,11 @@ class InputError(UserError, ValueError):
     """A bad eval.py input (flag, file or checkpoint/data mismatch); the message says what to change."""
 
 
-def tokenizer_for(config: ml_collections.ConfigDict, explicit: str | None) -> TextTokenizer:
+def tokenizer_for(stored: StoredRun, explicit: str | None) -> TextTokenizer:
     """The tokenizer given, else the one the checkpoint's training data used."""
     if explicit:
         return load_tokenizer(explicit)
-    d = config.data
+    d = stored.dataset
     if d.source == CONVERTED and not d.tokenizer:
         raise InputError("this checkpoint was converted from a model directory that held no tokenizer megajax reads "
                          "(tokenizer.json, vocab.json + merges.txt, or vocab.txt); pass --tokenizer=PATH")
@@ -37,7 +37,7 @@ def tokenizer_for(config: ml_collections.ConfigDict, explicit: str | None) -> Te
         if d.source == CONVERTED:  # the tokenizer that came with the converted weights
             return load_tokenizer(d.tokenizer)
         if d.source == "default":  # the model's own offline corpus
-            return load_tokenizer(model_spec(config.model.name).examples.default_corpus(config.model.vocab_size)[1])
+            return load_tokenizer(stored.model_spec.examples.default_corpus(stored.model.vocab_size)[1])
         if d.source == "tfds" and d.tokenizer:
             return load_tokenizer(d.tokenizer)
         if d.source == "indexed" and d.path:  # the sidecar names the tokenizer; the token files are not needed
@@ -49,26 +49,26 @@ def tokenizer_for(config: ml_collections.ConfigDict, explicit: str | None) -> Te
     raise InputError("this checkpoint does not say which tokenizer it was trained with; pass --tokenizer=PATH")
 
 
-def check_vocabulary(fingerprint: str, config: ml_collections.ConfigDict, what: str) -> None:
+def check_vocabulary(fingerprint: str, stored: StoredRun, what: str) -> None:
     """Raises InputError when ``what`` (a tokenizer or a dataset) has another vocabulary than the one the
     checkpoint's training data had (``data.tokenizer_fingerprint``; either unknown: no check): of the same size, it
     would pass every other check while the model reads every id as another token."""
-    recorded = config.data.tokenizer_fingerprint
+    recorded = stored.dataset.tokenizer_fingerprint
     if recorded and fingerprint and recorded != fingerprint:
         raise InputError(f"{what} has another vocabulary than the checkpoint was trained with (tokenizer "
                          f"fingerprints {fingerprint} and {recorded}): the model would read every id as another "
                          "token; use the tokenizer of its training data (--tokenizer=PATH), or data made with it")
 
 
-def check_tokenizer(tokenizer: TextTokenizer, config: ml_collections.ConfigDict) -> None:
+def check_tokenizer(tokenizer: TextTokenizer, stored: StoredRun) -> None:
     """Raises when the tokenizer can produce ids the model cannot embed (they would score NaN), or is not the
     vocabulary the checkpoint was trained with."""
-    vocab_size = config.model.vocab_size
+    vocab_size = stored.model.vocab_size
     if tokenizer.vocab_size > vocab_size:
         raise InputError(f"tokenizer {tokenizer.source} has {tokenizer.vocab_size} ids but the checkpoint's model "
                          f"has model.vocab_size={vocab_size}; pass --tokenizer=PATH with the tokenizer the model "
                          "was trained with")
-    check_vocabulary(tokenizer.fingerprint, config, f"tokenizer {tokenizer.source}")
+    check_vocabulary(tokenizer.fingerprint, stored, f"tokenizer {tokenizer.source}")
 
 
 def read_text(path: str | pathlib.Path) -> str:
@@ -127,15 +127,15 @@ def read_lambada(path: str | pathlib.Path, tokenizer: TextTokenizer, seq_len: in
     return examples
 
 
-def read_token_file(prefix: str | pathlib.Path, config: ml_collections.ConfigDict) -> np.ndarray:
+def read_token_file(prefix: str | pathlib.Path, stored: StoredRun) -> np.ndarray:
     """The (memory-mapped) tokens of a preprocessed dataset, checked to hold only ids the model embeds, made with
     the checkpoint's vocabulary."""
-    vocab_size = config.model.vocab_size
+    vocab_size = stored.model.vocab_size
     try:
         data = IndexedTokens.open(prefix)
     except (OSError, ValueError) as e:
         raise InputError(f"--data={prefix}: {e}") from e
-    check_vocabulary(data.tokenizer_fingerprint(), config, f"--data={prefix}")
+    check_vocabulary(data.tokenizer_fingerprint(), stored, f"--data={prefix}")
     made_for = data.meta.get("vocab_size")
     if made_for is not None and made_for > vocab_size:
         raise InputError(f"--data={prefix} was preprocessed with a tokenizer of {made_for} ids ({prefix}{META}) but "
@@ -151,30 +151,28 @@ def read_token_file(prefix: str | pathlib.Path, config: ml_collections.ConfigDic
     return data.tokens
 
 
-def check_model_kind(task: str, config: ml_collections.ConfigDict) -> None:
+def check_model_kind(task: str, stored: StoredRun) -> None:
     """Raises InputError unless the checkpoint's model is the one ``task`` evaluates (the model's spec lists its
     eval tasks), naming the tasks that apply to it instead."""
-    spec = model_spec(config.model.name)
+    spec = stored.model_spec
     if task not in spec.eval_tasks:
         hint = f"use --task={' or '.join(spec.eval_tasks)}" if spec.eval_tasks else "eval.py has no task for it"
         raise InputError(f"--task={task} does not apply to this checkpoint's model ({spec.name}); {hint}")
 
 
-def bert_eval_batches(config: ml_collections.ConfigDict, prefix: str | None, batch_size: int):
+def bert_eval_batches(stored: StoredRun, prefix: str | None, batch_size: int):
     """(BERT batches, what they are) for ``--task=mlm``: the whole of ``--data=PREFIX`` (sentence-split), else the
     validation split of the checkpoint's own training data; checked against the model's vocabulary."""
-    config = ml_collections.ConfigDict(config.to_dict())
-    config.train.global_batch_size = batch_size
+    dataset = dataclasses.replace(stored.dataset, global_batch_size=batch_size)
     if prefix:
-        config.data.update(source="indexed", path=str(prefix), valid_fraction=0.0)
+        dataset = dataclasses.replace(dataset, source="indexed", path=str(prefix), valid_fraction=0.0)
         try:
             fingerprint = IndexedTokens.open(prefix).tokenizer_fingerprint()
         except (OSError, ValueError):
             fingerprint = ""  # the loader below opens it again and says what is wrong
-        check_vocabulary(fingerprint, config, f"--data={prefix}")
-    where = f"--data={prefix}" if prefix else f"the validation split of the checkpoint's data ({config.data.source})"
+        check_vocabulary(fingerprint, stored, f"--data={prefix}")
+    where = f"--data={prefix}" if prefix else f"the validation split of the checkpoint's data ({dataset.source})"
     try:
-        examples = model_spec(config.model.name).examples
-        return make_loader(data_settings(config), examples, "train" if prefix else "valid").batches, where
+        return make_loader(dataset, stored.model_spec.examples, "train" if prefix else "valid").batches, where
     except (ConfigError, OSError, ValueError) as e:
         raise InputError(f"{where}: {e}" + ("" if prefix else "; pass --data=PREFIX")) from e

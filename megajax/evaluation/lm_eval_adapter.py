@@ -34,11 +34,10 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from megajax import cli
-from megajax.config.load import inference_config, read_run_config, restore_model
+from megajax.config.load import inference_config, read_stored_run, restore_model
 from megajax.evaluation.generate import Sampling, generate
 from megajax.evaluation.inputs import check_tokenizer, tokenizer_for
 from megajax.evaluation.scoring import Scorer, cloze_rows
-from megajax.models import model_spec
 
 GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
 
@@ -80,13 +79,13 @@ class MegajaxLM(TemplateLM):
             raise ValueError(f"stride={stride}: loglikelihood_rolling uses lm-eval's own rolling windows (as its "
                              "Hugging Face model) and takes no stride; Megatron-LM's strided windows are "
                              "eval.py --task=ppl --stride=N")
-        config = read_run_config(checkpoint)  # checks before loading anything
-        if not model_spec(config.model.name).causal_lm:
-            raise ValueError(f"{checkpoint} holds a {config.model.name} model; lm-eval needs a causal language "
+        stored = read_stored_run(checkpoint)  # checks before loading anything
+        if not stored.model_spec.causal_lm:
+            raise ValueError(f"{checkpoint} holds a {stored.model_name} model; lm-eval needs a causal language "
                              "model (a GPT)")
-        self.tok = tokenizer_for(config, tokenizer)
-        check_tokenizer(self.tok, config)
-        self.seq_len = config.model.max_seq_len
+        self.tok = tokenizer_for(stored, tokenizer)
+        check_tokenizer(self.tok, stored)
+        self.seq_len = stored.model.max_seq_len
         self.max_gen_toks, self.seed = int(max_gen_toks), int(seed)
         data, model = parse_mesh(mesh)
         self.model, spec, self.mesh = restore_model(checkpoint, inference_config(checkpoint, data, model))

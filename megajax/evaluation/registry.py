@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import ml_collections
 
+from megajax.config import StoredRun
 from megajax.evaluation.generate import Sampling
 from megajax.evaluation.inputs import InputError
 from megajax.evaluation.scoring import check_stride
@@ -49,17 +49,18 @@ class Loaded:
 class EvalTask:
     """One ``eval.py --task``.
 
-    ``read(config, request)`` reads and checks everything the task needs from disk against the checkpoint's
-    ``config`` and returns the task's input (raising ``inputs.InputError`` for a mistake); ``run(loaded, input,
-    request)`` returns the JSON-ready results (and writes ``request.predictions``). ``default_stride(seq_len)``:
-    the sliding windows' default stride, for tasks that score windows (None: the task takes no ``--stride``).
+    ``read(stored, request)`` reads and checks everything the task needs from disk against the checkpoint's
+    ``StoredRun`` (its model and training data) and returns the task's input (raising ``inputs.InputError`` for a
+    mistake); ``run(loaded, input, request)`` returns the JSON-ready results (and writes ``request.predictions``).
+    ``default_stride(seq_len)``: the sliding windows' default stride, for tasks that score windows (None: the task
+    takes no ``--stride``).
     ``predictions``: the task writes ``--predictions``, and ``extra_files(path)`` names (path, what it is) of the
     files it writes beside it. ``null_threshold``: it takes ``--null_score_diff_threshold``. ``streams``: it prints
     its own output as it goes, and its results are not printed as JSON.
     """
 
     name: str
-    read: Callable[[ml_collections.ConfigDict, Request], Any]
+    read: Callable[[StoredRun, Request], Any]
     run: Callable[[Loaded, Any, Request], dict]
     default_stride: Callable[[int], int] | None = None
     predictions: bool = False

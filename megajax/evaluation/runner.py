@@ -9,9 +9,9 @@ import sys
 from typing import Any
 
 import jax
-import ml_collections
 
-from megajax.config.load import inference_config, read_run_config, restore_model
+from megajax.config import StoredRun
+from megajax.config.load import inference_config, read_stored_run, restore_model
 from megajax.errors import ShardingConfigError
 from megajax.evaluation import downstream_tasks, inputs, tasks  # noqa: F401 - they register eval.py's tasks
 from megajax.evaluation.generate import Sampling
@@ -36,22 +36,21 @@ def resolve_stride(task: str, stride: int | None, seq_len: int) -> int | None:
     return task_named(task).stride(stride, seq_len)
 
 
-def read_inputs(task: str, config: ml_collections.ConfigDict, *, data: str | None, prompt: str | None,
-                tokenizer: str | None, stride: int | None, batch_size: int, max_new_tokens: int,
-                sampling: Sampling) -> tuple[Any, Request]:
+def read_inputs(task: str, stored: StoredRun, *, data: str | None, prompt: str | None, tokenizer: str | None,
+                stride: int | None, batch_size: int, max_new_tokens: int, sampling: Sampling) -> tuple[Any, Request]:
     """(task input, the request with its stride resolved): everything a task needs from disk, checked against the
-    checkpoint's model (``config``) so that mistakes fail here, before the model is loaded or anything is
-    compiled."""
-    return _read(task_named(task), config, Request(data, prompt, tokenizer, stride, batch_size, max_new_tokens,
+    checkpoint's model and training data (``stored``: ``config.load.read_stored_run``) so that mistakes fail here,
+    before the model is loaded or anything is compiled."""
+    return _read(task_named(task), stored, Request(data, prompt, tokenizer, stride, batch_size, max_new_tokens,
                                                    sampling))
 
 
-def _read(task: EvalTask, config: ml_collections.ConfigDict, request: Request) -> tuple[Any, Request]:
-    inputs.check_model_kind(task.name, config)
+def _read(task: EvalTask, stored: StoredRun, request: Request) -> tuple[Any, Request]:
+    inputs.check_model_kind(task.name, stored)
     if request.batch_size < 1:
         raise inputs.InputError(f"--batch_size={request.batch_size}: must be >= 1")
-    request = dataclasses.replace(request, stride=task.stride(request.stride, config.model.max_seq_len))
-    return task.read(config, request), request
+    request = dataclasses.replace(request, stride=task.stride(request.stride, stored.model.max_seq_len))
+    return task.read(stored, request), request
 
 
 def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | None = None,
@@ -80,11 +79,12 @@ def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | No
         if null_score_diff_threshold is not None and not chosen.null_threshold:
             takes = " or ".join(names_where(lambda t: t.null_threshold))
             raise inputs.InputError(f"--null_score_diff_threshold applies to --task={takes}")
-        config = read_run_config(checkpoint)
+        stored = read_stored_run(checkpoint)  # its model and training data, for every check below
         # what the task reads: the flags', and the data the checkpoint was trained on (a task's default data)
-        _claim_outputs(output, predictions, chosen, overwrite, read=[checkpoint, data, tokenizer, config.data.path,
-                                                                     config.data.task_dir, config.data.tokenizer])
-        task_input, request = _read(chosen, config, request)
+        trained_on = stored.dataset
+        _claim_outputs(output, predictions, chosen, overwrite, read=[checkpoint, data, tokenizer, trained_on.path,
+                                                                     trained_on.task_dir, trained_on.tokenizer])
+        task_input, request = _read(chosen, stored, request)
     except inputs.InputError:
         raise
     except (ValueError, FileNotFoundError) as e:  # from reading the checkpoint's config or a tokenizer

@@ -8,9 +8,9 @@ import math
 from collections.abc import Sequence
 
 import jax
-import ml_collections
 import numpy as np
 
+from megajax.config import StoredRun
 from megajax.evaluation import inputs
 from megajax.evaluation.evaluator import Evaluator, objective_metrics
 from megajax.evaluation.generate import check_generation, generate
@@ -91,42 +91,42 @@ def _data(task: str, request: Request) -> str:
     return request.data
 
 
-def _checked_tokenizer(config: ml_collections.ConfigDict, request: Request):
+def _checked_tokenizer(stored: StoredRun, request: Request):
     """The tokenizer given, else the checkpoint's training data's, checked against the model."""
-    tok = inputs.tokenizer_for(config, request.tokenizer)
-    inputs.check_tokenizer(tok, config)
+    tok = inputs.tokenizer_for(stored, request.tokenizer)
+    inputs.check_tokenizer(tok, stored)
     return tok
 
 
-def _given_tokenizer_is_the_models(config: ml_collections.ConfigDict, request: Request) -> None:
+def _given_tokenizer_is_the_models(stored: StoredRun, request: Request) -> None:
     """mlm and ppl read token ids already: a tokenizer given is only checked to be the model's."""
     if request.tokenizer:
-        inputs.check_tokenizer(inputs.tokenizer_for(config, request.tokenizer), config)
+        inputs.check_tokenizer(inputs.tokenizer_for(stored, request.tokenizer), stored)
 
 
 def _scorer(loaded: Loaded, request: Request) -> Scorer:
     return Scorer(loaded.model, loaded.mesh, loaded.rules, request.batch_size, loaded.seq_len)
 
 
-def _read_wikitext(config: ml_collections.ConfigDict, request: Request) -> WikiText:
+def _read_wikitext(stored: StoredRun, request: Request) -> WikiText:
     data = _data("wikitext103", request)
-    return inputs.read_wikitext(data, _checked_tokenizer(config, request))
+    return inputs.read_wikitext(data, _checked_tokenizer(stored, request))
 
 
-def _read_lambada(config: ml_collections.ConfigDict, request: Request):
+def _read_lambada(stored: StoredRun, request: Request):
     data = _data("lambada", request)
-    return inputs.read_lambada(data, _checked_tokenizer(config, request), config.model.max_seq_len)
+    return inputs.read_lambada(data, _checked_tokenizer(stored, request), stored.model.max_seq_len)
 
 
-def _read_ppl(config: ml_collections.ConfigDict, request: Request) -> np.ndarray:
+def _read_ppl(stored: StoredRun, request: Request) -> np.ndarray:
     data = _data("ppl", request)
-    _given_tokenizer_is_the_models(config, request)
-    return inputs.read_token_file(data, config)
+    _given_tokenizer_is_the_models(stored, request)
+    return inputs.read_token_file(data, stored)
 
 
-def _read_mlm(config: ml_collections.ConfigDict, request: Request):
-    _given_tokenizer_is_the_models(config, request)
-    return inputs.bert_eval_batches(config, request.data, request.batch_size)
+def _read_mlm(stored: StoredRun, request: Request):
+    _given_tokenizer_is_the_models(stored, request)
+    return inputs.bert_eval_batches(stored, request.data, request.batch_size)
 
 
 def _run_mlm(loaded: Loaded, task_input, request: Request) -> dict:
@@ -141,11 +141,11 @@ def _run_mlm(loaded: Loaded, task_input, request: Request) -> dict:
     return result
 
 
-def _read_prompt(config: ml_collections.ConfigDict, request: Request):
-    tok = _checked_tokenizer(config, request)
+def _read_prompt(stored: StoredRun, request: Request):
+    tok = _checked_tokenizer(stored, request)
     ids = np.asarray([tok.encode_batch([request.prompt or ""])[0] or [tok.eod_id]], np.int32)
-    check_generation(request.sampling, ids.shape[1], request.max_new_tokens, config.model.max_seq_len,
-                     config.model.vocab_size)
+    check_generation(request.sampling, ids.shape[1], request.max_new_tokens, stored.model.max_seq_len,
+                     stored.model.vocab_size)
     return ids, tok
 
 

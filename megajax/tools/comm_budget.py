@@ -246,7 +246,7 @@ class Budget:
 
 
 def step_budget(run) -> Budget:
-    """The budget of a compiled training run (``megajax.training.loop.setup``): its step's collectives read from
+    """The budget of a compiled training run (``megajax.training.loop.setup_run``): its step's collectives read from
     the optimized HLO beside the minimum for its model, mesh and batch."""
     check_countable(run.spec)
     shape = step_shape(run)

@@ -31,7 +31,7 @@ from megajax.cli import (
 from megajax.config import resolve
 from megajax.parallel.hlo_audit import collectives, format_table
 from megajax.tools.comm_budget import check_countable, step_budget
-from megajax.training.loop import setup
+from megajax.training.loop import setup_run
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -55,8 +55,10 @@ def main(argv: list[str] | None = None) -> str:
     if args.batch:
         config.train.global_batch_size = args.batch
     apply_parallel_flags(args, config)
-    check_countable(resolve(config, jax.device_count()))  # before compiling
-    run = setup(config)
-    table = format_table(collectives(run.step_fn.as_text(), run.mesh)) + "\n\n" + step_budget(run).table()
+    run = resolve(config, jax.device_count())
+    check_countable(run)  # before compiling
+    compiled = setup_run(run)
+    table = format_table(collectives(compiled.step_fn.as_text(), compiled.mesh))
+    table += "\n\n" + step_budget(compiled).table()
     print(table)
     return table

@@ -3,7 +3,7 @@
 JAX compiles for devices it only describes (``jax.experimental.topologies``): with the CUDA plugin installed
 (``pip install 'megajax[gpu-compile]'``: jax-cuda12-plugin and jax-cuda12-pjrt, no CUDA wheels) and ``ptxas`` on the
 PATH, a CPU process gets compile-only GPUs from a ``GpuTargetConfigProto`` (``target_config``: the device's facts)
-and compiles ``training.loop.setup``'s step for a mesh of them: the optimized GPU HLO, XLA's memory plan and the
+and compiles ``training.loop.setup_run``'s step for a mesh of them: the optimized GPU HLO, XLA's memory plan and the
 collectives as the GPU would run them.
 
 What is not known without the device: autotuning (cuBLAS / Triton picks may differ on the real GPU), the cuDNN
@@ -26,14 +26,14 @@ from collections.abc import Iterator
 from unittest import mock
 
 import jax
-import ml_collections
 
+from megajax.config import RunSpec
 from megajax.errors import UserError
 from megajax.parallel import hlo_audit
 from megajax.parallel.xla_options import compiler_options
 from megajax.platform import quiet_cuda_notices
-from megajax.tools.memory_planner import CompiledMemory, MemoryReport, memory_report, run_memory
-from megajax.training.loop import Run, setup
+from megajax.tools.memory_planner import CompiledMemory, MemoryReport, memory_report, run_memory, with_batch
+from megajax.training.loop import Run, setup_run
 
 EXTRA = "gpu-compile"  # pyproject.toml's extra with the CUDA plugin
 
@@ -175,30 +175,26 @@ class GpuStep:
         return "cudnn" if "__cudnn$fmha" in self.hlo else "xla"
 
 
-def compile_step(config: ml_collections.ConfigDict, target: str = "h100", hosts: int = 1, gpus_per_host: int = 8,
+def compile_step(run: RunSpec, target: str = "h100", hosts: int = 1, gpus_per_host: int = 8,
                  micro_batch: int | None = None, options: dict | None = None) -> GpuStep:
-    """``config``'s training step (its mesh, at most ``hosts`` x ``gpus_per_host`` devices) compiled for GPUs
-    ``target`` with ``micro_batch`` sequences per data shard and no accumulation (default: the config's global batch
-    over its data shards), under megajax's XLA options for the platform (``options``: others, ``{}`` for none).
-    Nothing is allocated."""
+    """``run``'s training step (its mesh, at most ``hosts`` x ``gpus_per_host`` devices) compiled for GPUs ``target``
+    with ``micro_batch`` sequences per data shard and no accumulation (default: the run's global batch over its data
+    shards), under megajax's XLA options for the platform (``options``: others, ``{}`` for none). Nothing is
+    allocated."""
     gpu = target_of(target)
     devices = gpu_devices(target, hosts, gpus_per_host)
-    config = config.copy_and_resolve_references()  # a deep copy: the sections are not the caller's
-    pipe, model = config.mesh.pipe, config.mesh.model
-    data = config.mesh.data if config.mesh.data > 0 else len(devices) // (pipe * model)
+    pipe, data, model = run.pipe, run.data, run.tensor
     if pipe * data * model > len(devices):
         raise GpuTargetError(f"mesh {pipe}x{data}x{model} needs {pipe * data * model} GPUs; --hosts={hosts} x "
                              f"{gpus_per_host} has {len(devices)}: raise --hosts or shrink the mesh")
-    micro_batch = micro_batch or max(config.train.global_batch_size // data, 1)
-    config.mesh.data = data
-    config.train.update(global_batch_size=micro_batch * data, micro_batch_size=0)
+    micro_batch = micro_batch or max(run.global_batch // data, 1)
+    planned = with_batch(run, micro_batch)
     options = compiler_options(devices) if options is None else options
     with cudnn_probes_answered(gpu), quiet_cuda_notices():
-        run = setup(config, devices[: pipe * data * model], options)
-    text = run.step_fn.as_text()
-    planned = memory_report(config, data, model, micro_batch, 1, gpu=True)
-    return GpuStep(gpu, run, text, run_memory(run, micro_batch), planned,
-                   hlo_audit.collectives(text, run.mesh), options)
+        compiled = setup_run(planned, devices[: pipe * data * model], options)
+    text = compiled.step_fn.as_text()
+    return GpuStep(gpu, compiled, text, run_memory(compiled), memory_report(planned, micro_batch, 1, gpu=True),
+                   hlo_audit.collectives(text, compiled.mesh), options)
 
 
 _ASYNC_START = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?\s([a-z\-]+)-start\(")

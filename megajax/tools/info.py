@@ -30,6 +30,7 @@ from megajax.cli import (
     start_backend,
     use_cpu_devices,
 )
+from megajax.config import resolve
 from megajax.models.transformer import attention_reason
 from megajax.outputs import claim_file
 from megajax.tools.gpu_target import EXTRA, TARGETS, GpuStep, compile_step
@@ -161,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     gpus = 8 * args.hosts if args.target else None
     if gpus and config.mesh.data == -1:  # every GPU of the hosts left after pipe x model
         config.mesh.data = max(gpus // (config.mesh.pipe * config.mesh.model), 1)
-    data, model, pipe = max(config.mesh.data, 1), config.mesh.model, config.mesh.pipe
+    config.mesh.data = max(config.mesh.data, 1)  # without a target, the config's mesh.data=-1 plans one shard
+    data, model, pipe = config.mesh.data, config.mesh.model, config.mesh.pipe
     if args.precision:
         config.train.precision = args.precision
     elif args.target and config.train.precision == "auto":  # what auto resolves to on the GPU
@@ -170,13 +172,15 @@ def main(argv: list[str] | None = None) -> None:
         args.device_memory_gb = TARGETS[args.target].memory_bytes / GiB
     # the config's micro-batch; with no accumulation (0) each data shard runs its share of the global batch
     micro = args.micro_batch or config.train.micro_batch_size or max(config.train.global_batch_size // data, 1)
+    # the planned mesh's devices, however many this host has; the micro-batch is planned as given, so the training
+    # checks of the config's own batch are not made
+    run = resolve(config, pipe * data * model, training=False)
     gpu = bool(args.target)  # planned as the step compiles for that GPU
-    report = memory_report(config, data, model, micro, num_micro=1 if args.compiled else None, gpu=gpu)
-    largest = largest_micro_batch(config, data, model, args.device_memory_gb * GiB, gpu=gpu) \
-        if args.device_memory_gb else None
+    report = memory_report(run, micro, num_micro=1 if args.compiled else None, gpu=gpu)
+    largest = largest_micro_batch(run, args.device_memory_gb * GiB, gpu=gpu) if args.device_memory_gb else None
     print(format_report(report, args.device_memory_gb, largest))
     if args.compiled and args.target:
-        step = compile_step(config, args.target, args.hosts, micro_batch=micro)
+        step = compile_step(run, args.target, args.hosts, micro_batch=micro)
         print(format_gpu_step(step, model_flops_per_step(step.run.spec, step.run.spec.model.max_seq_len)))
         if args.hlo:
             pathlib.Path(args.hlo).write_text(step.hlo)
@@ -186,4 +190,4 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--compiled needs {pipe * data * model} devices, this host has {jax.device_count()}; "
                              f"add --cpu_devices={pipe * data * model}")
         print(f"\nthe compiled step (micro-batch {micro}, no accumulation):")
-        print(format_comparison(report, compiled_memory(config, data, model, micro)))
+        print(format_comparison(report, compiled_memory(run, micro)))

@@ -3,7 +3,8 @@
 Nothing here knows a model family's block: parameters come from the abstract model (``parameters``,
 ``params_per_device``: ``nnx.eval_shape`` of the spec's module, laid out by the sharding rules; the scaling model
 reads them too), a layer's activations and the head's from the model's spec (``ModelSpec.layer_residuals``,
-``ModelSpec.head_memory``).
+``ModelSpec.head_memory``). Every function reads a resolved run (``config.RunSpec``: the model, its mesh and its
+choices); a plan for another mesh or batch is another run (``config.replanned``, ``with_batch``).
 
 The formula (``MemoryReport.temp_bytes``) counts the step's temporaries term by term:
 
@@ -22,7 +23,7 @@ The formula (``MemoryReport.temp_bytes``) counts the step's temporaries term by 
   not written yet then, ``word_embedding_grad_bytes``) and, with full / save_dots recomputation, one layer's
   recomputed residuals.
 
-``compiled_memory`` compiles the real step ahead of time (``training.loop.setup``, abstract inputs, nothing
+``compiled_memory`` compiles the real step ahead of time (``training.loop.setup_run``, abstract inputs, nothing
 allocated) and reads ``memory_analysis()``: arguments = state (parameters, moments, 32 bytes of scalars) + the
 batch; outputs alias the donated state (only the metrics are new); temp = everything else at the peak, after XLA
 reuses buffers (the donated moments' too) and packs them in one heap. So only state, temp and peak compare; XLA
@@ -42,23 +43,13 @@ import dataclasses
 import math
 
 import jax
-import ml_collections
 from flax import nnx
 
-from megajax.config import (
-    abstract_model,
-    model_config,
-    resolve_precision,
-    rules_of,
-    sequence_parallel,
-    state_split,
-    validate,
-)
-from megajax.models import model_spec
+from megajax.config import RunSpec, abstract_model_of, replanned
 from megajax.models.transformer import STACK, attention_reason
 from megajax.parallel import pipeline
 from megajax.parallel.sharding import fsdp_spec, logical_to_spec, spec_axes
-from megajax.training.loop import batch_layout, setup
+from megajax.training.loop import batch_layout, setup_run
 
 FP32 = 4
 GiB = 1024**3
@@ -68,34 +59,32 @@ MAX_MICRO_BATCH = 1 << 16  # the search for the largest micro-batch stops here
 GPU_GEMM_WORKSPACE = 4 * 2**20
 
 
-def compute_bytes(config: ml_collections.ConfigDict) -> int:
+def compute_bytes(run: RunSpec) -> int:
     """Bytes of one activation value in the compute dtype: 4 (fp32) or 2 (bf16 / fp16)."""
-    return FP32 if resolve_precision(config.train.precision) == "fp32" else 2
+    return FP32 if run.precision == "fp32" else 2
 
 
-def attention_for(config: ml_collections.ConfigDict, gpu: bool) -> str:
+def attention_for(run: RunSpec, gpu: bool) -> str:
     """The attention core's implementation in the compiled step: 'cudnn' on an NVIDIA GPU where the model allows
     it (``transformer.attention_reason``), else 'xla'."""
-    return "cudnn" if gpu and not attention_reason(model_config(config)) else "xla"
+    return "cudnn" if gpu and not attention_reason(run.model) else "xla"
 
 
-def _rows(config: ml_collections.ConfigDict, micro_batch: int) -> int:
+def _rows(run: RunSpec, micro_batch: int) -> int:
     """Sequences the trunk runs per micro-batch (the model's rows per example: multiple choice, one per option)."""
-    return micro_batch * model_spec(config.model.name).rows_per_example
+    return micro_batch * run.model_spec.rows_per_example
 
 
-def layer_residual_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: int,
-                         remat: str | None = None, gpu: bool = False) -> int:
-    """Bytes one transformer layer keeps for its backward pass on one device (``remat`` defaults to the config's;
-    ``gpu``: as compiled for an NVIDIA GPU, where cuDNN's attention keeps less, ``attention_for``): the model's
-    own inventory (``ModelSpec.layer_residuals``; the trunk's block: ``models.block_memory``)."""
-    m = config.model
-    split = tp if sequence_parallel(config) else 1  # the residual stream's share on one device
-    return model_spec(m.name).layer_residuals(model_config(config), _rows(config, micro_batch), tp, split,
-                                              remat or m.remat, compute_bytes(config), attention_for(config, gpu))
+def layer_residual_bytes(run: RunSpec, micro_batch: int, remat: str | None = None, gpu: bool = False) -> int:
+    """Bytes one transformer layer keeps for its backward pass on one device of ``run``'s mesh (``remat`` defaults
+    to the model's; ``gpu``: as compiled for an NVIDIA GPU, where cuDNN's attention keeps less, ``attention_for``):
+    the model's own inventory (``ModelSpec.layer_residuals``; the trunk's block: ``models.block_memory``)."""
+    split = run.tensor if run.sequence else 1  # the residual stream's share on one device
+    return run.model_spec.layer_residuals(run.model, _rows(run, micro_batch), run.tensor, split,
+                                          remat or run.model.remat, compute_bytes(run), attention_for(run, gpu))
 
 
-def head_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: int, gpu: bool = False) -> int:
+def head_bytes(run: RunSpec, micro_batch: int, gpu: bool = False) -> int:
     """Bytes of the output head live when the backward pass starts, on one device: what the model's spec says its
     head holds (``ModelSpec.head_memory``).
 
@@ -111,21 +100,21 @@ def head_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: int, gpu
     and their fp32 gradient (compared with steps compiled for an H100 in tests/test_gpu_target.py and
     bench/README.md).
     """
-    m = config.model
-    cd, s, b, h = compute_bytes(config), m.max_seq_len, _rows(config, micro_batch), m.hidden_size
-    head = model_spec(m.name).head_memory
+    m, tp = run.model, run.tensor
+    cd, s, b, h = compute_bytes(run), m.max_seq_len, _rows(run, micro_batch), m.hidden_size
+    head = run.model_spec.head_memory
     vocab = head.vocab_logit_copies  # fp32 (b, s, V/t) copies
-    logits = s * b * model_config(config).padded_vocab_size // tp
+    logits = s * b * m.padded_vocab_size // tp
     if gpu:
         return logits * (FP32 + cd) if vocab else 0
     extra_cd = cd if vocab and cd < FP32 else 0
     hidden = head.hidden_tensors * s * b * h * FP32
-    if sequence_parallel(config):
+    if run.sequence:
         hidden = hidden // tp + s * b * h * cd
     return logits * (vocab * FP32 + extra_cd) + hidden
 
 
-def word_embedding_grad_bytes(config: ml_collections.ConfigDict, data: int, model: int, split_over_data: bool) -> int:
+def word_embedding_grad_bytes(run: RunSpec) -> int:
     """The tied word embedding's fp32 gradient on one device as the step holds it (split over ``data`` with ZeRO-1
     or FSDP), when it is not live at the step's peak (``MemoryReport.temp_bytes``), else 0. The output layer's
     backward writes it first, after the head's logits, their exponentials and their gradient are freed: without
@@ -133,10 +122,10 @@ def word_embedding_grad_bytes(config: ml_collections.ConfigDict, data: int, mode
     micro-batch 1: temp 0.87 -> 0.99 of the compiled). With ``full`` / ``save_dots`` the compiled peak comes later,
     in the layers' backward, after it is written (leaving it out there undercounts by 8-12%). 0 for the task models,
     which have no output layer over the vocabulary."""
-    if not model_spec(config.model.name).head_memory.vocab_output or config.model.remat in ("full", "save_dots"):
+    if not run.model_spec.head_memory.vocab_output or run.model.remat in ("full", "save_dots"):
         return 0
-    rows = model_config(config).padded_vocab_size // model
-    return FP32 * rows * config.model.hidden_size // (data if split_over_data else 1)
+    rows = run.model.padded_vocab_size // run.tensor
+    return FP32 * rows * run.model.hidden_size // (run.data if run.shard_optimizer else 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +141,8 @@ class Activations:
         return self.layers + max(self.head, self.recompute)  # the head is gone before the first layer's backward
 
 
-def activations(config: ml_collections.ConfigDict, micro_batch: int, tp: int, gpu: bool = False) -> Activations:
-    """The activation estimate for ``config.model.remat`` on a ``tp``-way model-parallel mesh (``gpu``: as compiled
+def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activations:
+    """The activation estimate for the model's remat policy on one device of ``run``'s mesh (``gpu``: as compiled
     for an NVIDIA GPU).
 
     With pipeline stages (``mesh.pipe`` = p > 1, M microbatches of the micro-batch's rows, v =
@@ -165,39 +154,39 @@ def activations(config: ml_collections.ConfigDict, micro_batch: int, tp: int, gp
     Inside a stage every matmul carries the stages' vmapped dimension, so ``save_dots`` (dots without batch
     dimensions) keeps what ``full`` keeps.
     """
-    m, p = config.model, config.mesh.pipe
+    m, p = run.model, run.pipe
     if p > 1:
-        micro = pipeline.microbatches_for(micro_batch, config.parallel.pipeline_microbatches, p)
+        micro = pipeline.microbatches_for(micro_batch, run.pipeline_microbatches, p)
         rows, remat = micro_batch // micro, "full" if m.remat == "save_dots" else m.remat
-        recompute = layer_residual_bytes(config, rows, tp, "none", gpu=gpu) if m.remat in ("full", "save_dots") else 0
-        v, ticks = config.parallel.pipeline_repeats, pipeline.ticks(micro, p, config.parallel.pipeline_repeats)
+        recompute = layer_residual_bytes(run, rows, "none", gpu=gpu) if m.remat in ("full", "save_dots") else 0
+        v, ticks = run.pipeline_repeats, pipeline.ticks(micro, p, run.pipeline_repeats)
         if v > 1:
             inner = "selective" if m.remat == "selective" else "none"
-            recompute = m.num_layers // (p * v) * layer_residual_bytes(config, rows, tp, inner, gpu=gpu)
-            return Activations(ticks * layer_residual_bytes(config, rows, tp, "full", gpu=gpu),
-                               head_bytes(config, micro_batch, tp, gpu), recompute)
-        layers = ticks * m.num_layers // p * layer_residual_bytes(config, rows, tp, remat, gpu=gpu)
-        return Activations(layers, head_bytes(config, micro_batch, tp, gpu), recompute)
+            recompute = m.num_layers // (p * v) * layer_residual_bytes(run, rows, inner, gpu=gpu)
+            return Activations(ticks * layer_residual_bytes(run, rows, "full", gpu=gpu),
+                               head_bytes(run, micro_batch, gpu), recompute)
+        layers = ticks * m.num_layers // p * layer_residual_bytes(run, rows, remat, gpu=gpu)
+        return Activations(layers, head_bytes(run, micro_batch, gpu), recompute)
     recompute = 0
     if m.remat in ("full", "save_dots"):
-        recompute = layer_residual_bytes(config, micro_batch, tp, "none", gpu=gpu)
-    layers = m.num_layers * layer_residual_bytes(config, micro_batch, tp, gpu=gpu)
-    return Activations(layers, head_bytes(config, micro_batch, tp, gpu), recompute)
+        recompute = layer_residual_bytes(run, micro_batch, "none", gpu=gpu)
+    layers = m.num_layers * layer_residual_bytes(run, micro_batch, gpu=gpu)
+    return Activations(layers, head_bytes(run, micro_batch, gpu), recompute)
 
 
-def traced_layer_residual_bytes(config: ml_collections.ConfigDict, micro_batch: int) -> int:
+def traced_layer_residual_bytes(run: RunSpec, micro_batch: int) -> int:
     """One layer's residuals on a single device, read from the traced gradient (abstract values only).
 
     Sums the per-layer slices of the forward layer scan's stacked outputs in ``jax.make_jaxpr(jax.grad(loss))``,
     leaving out the stacked weights that full / save_dots recomputation passes through (those are the
     parameters, not activations). The check behind ``layer_residual_bytes``.
     """
-    graphdef, state = nnx.split(abstract_model(config))
+    graphdef, state = nnx.split(abstract_model_of(run))
     params = nnx.to_pure_dict(state)
-    objective = model_spec(config.model.name).objective
+    objective = run.model_spec.objective
     batch = {k: jax.ShapeDtypeStruct((micro_batch, *f.row_shape), f.dtype)
-             for k, f in objective.fields(config.model.max_seq_len).items()}
-    key = jax.random.key(0) if config.model.dropout > 0 else None
+             for k, f in objective.fields(run.model.max_seq_len).items()}
+    key = jax.random.key(0) if run.model.dropout > 0 else None
     jaxpr = jax.make_jaxpr(jax.grad(lambda p, x: objective.loss(nnx.merge(graphdef, p), x, key)[0]))(params, batch)
     forward = next(e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan")  # the layer stack's forward pass
     layer_weights = {v.shape[1:] for v in jax.tree.leaves(params[STACK])}
@@ -235,26 +224,28 @@ class CompiledMemory:
         return self.arguments + self.temp + self.outputs - self.aliased
 
 
-def compiled_memory(config: ml_collections.ConfigDict, data: int, model: int, micro_batch: int,
-                    num_micro: int = 1) -> CompiledMemory:
-    """Compiles ``config``'s training step for a ``data x model`` mesh (global batch micro_batch * data *
-    num_micro) ahead of time and reads XLA's memory plan; allocates nothing. Needs data * model devices (times
-    ``mesh.pipe``)."""
-    config = config.copy_and_resolve_references()  # a deep copy: the sections are not the caller's
-    config.mesh.data, config.mesh.model = data, model
-    config.train.global_batch_size = micro_batch * data * num_micro
-    config.train.micro_batch_size = micro_batch if num_micro > 1 else 0
-    return run_memory(setup(config), micro_batch, num_micro)
+def with_batch(run: RunSpec, micro_batch: int, num_micro: int = 1) -> RunSpec:
+    """``run`` training ``micro_batch`` sequences per data shard in each of ``num_micro`` accumulation steps (its
+    global batch micro_batch x data x num_micro), resolved again (``config.replanned``)."""
+    return replanned(run, {"train.global_batch_size": micro_batch * run.data * num_micro,
+                           "train.micro_batch_size": micro_batch if num_micro > 1 else 0})
 
 
-def run_memory(run, micro_batch: int, num_micro: int = 1) -> CompiledMemory:
-    """XLA's memory plan of a compiled training run (``training.loop.setup``) of ``micro_batch`` sequences per data
-    shard and ``num_micro`` accumulation steps."""
+def compiled_memory(run: RunSpec, micro_batch: int, num_micro: int = 1) -> CompiledMemory:
+    """Compiles ``run``'s training step on its mesh (``with_batch``: ``micro_batch`` sequences per data shard,
+    ``num_micro`` accumulation steps) ahead of time and reads XLA's memory plan; allocates nothing. Needs the mesh's
+    devices."""
+    return run_memory(setup_run(with_batch(run, micro_batch, num_micro)))
+
+
+def run_memory(run) -> CompiledMemory:
+    """XLA's memory plan of a compiled training run (``training.loop.setup_run``)."""
     analysis = run.step_fn.memory_analysis()
     if analysis is None:
         raise RuntimeError("this backend's compiled step reports no memory_analysis()")
     fields, _ = batch_layout(run.spec, run.mesh)
-    batch = micro_batch * num_micro * sum(math.prod(f.row_shape) * f.dtype.itemsize for f in fields.values())
+    rows = run.spec.micro_batch * run.spec.num_micro  # this data shard's sequences per step
+    batch = rows * sum(math.prod(f.row_shape) * f.dtype.itemsize for f in fields.values())
     return CompiledMemory(analysis.argument_size_in_bytes, analysis.output_size_in_bytes,
                           analysis.alias_size_in_bytes, analysis.temp_size_in_bytes, batch)
 
@@ -314,18 +305,18 @@ class MemoryReport:
         return self.peak_bytes <= device_bytes
 
 
-def gathered_bytes(config: ml_collections.ConfigDict, model: int) -> tuple[int, int]:
-    """(head, layer): what ``parallel.fsdp`` holds whole over ``data`` at its peaks, fp32 on one device of a
+def gathered_bytes(run: RunSpec) -> tuple[int, int]:
+    """(head, layer): what ``parallel.fsdp`` holds whole over ``data`` at its peaks, fp32 on one device of the run's
     ``model``-way split. At the head's backward the gathered output layer over the vocabulary (the tied word
     embedding or its own, vocab-parallel: padded vocabulary / ``model`` x hidden; needed for the input's gradient)
     and its gradient before the reduce-scatter to the shards (gpt_125m on 8x1, remat=full: the formula's temp was
     0.81 of the compiled without them); in a recomputed layer's backward, its parameters and gradients alike (one
     layer of the abstract model's stacked layers, as the rules split it). A model whose head reads no vocabulary
     (``HeadMemory.vocab_output``: the task models) has no head part."""
-    m = config.model
-    embedding = model_config(config).padded_vocab_size // model * m.hidden_size
-    layer = params_per_device(config, {"data": 1, "model": model}, only=STACK)[1] // m.num_layers
-    head = 2 * FP32 * embedding if model_spec(m.name).head_memory.vocab_output else 0
+    m = run.model
+    embedding = m.padded_vocab_size // run.tensor * m.hidden_size
+    layer = params_per_device(run, only=STACK)[1] // (m.num_layers // run.pipe)  # a stage holds L / pipe layers
+    head = 2 * FP32 * embedding if run.model_spec.head_memory.vocab_output else 0
     return head, 2 * FP32 * layer
 
 
@@ -339,87 +330,69 @@ class Parameter:
     per_device: int  # elements one device holds
 
 
-def parameters(config: ml_collections.ConfigDict, mesh_shape: dict[str, int],
-               split_over_data: bool = False) -> list[Parameter]:
-    """Every parameter of ``config``'s abstract model (``nnx.eval_shape``: no memory) for a mesh given as
-    ``{'data': D, 'model': M}`` (and ``'pipe': P`` with pipeline stages), as the rules lay it out, or with
-    ``split_over_data`` as ``parallel.fsdp`` stores it (``sharding.fsdp_spec``)."""
-    config = config.copy_and_resolve_references()
-    config.mesh.model = mesh_shape.get("model", 1)  # the rules depend on it (replicated key/value heads)
-    config.mesh.pipe = mesh_shape.get("pipe", 1)  # and on this (layers over pipe)
-    rules = rules_of(config)
+def parameters(run: RunSpec, split_over_data: bool = False) -> list[Parameter]:
+    """Every parameter of ``run``'s abstract model (``nnx.eval_shape``: no memory) as its rules lay it out on its
+    mesh (a stage's layers with pipeline stages), or with ``split_over_data`` as ``parallel.fsdp`` stores it
+    (``sharding.fsdp_spec``)."""
+    mesh_shape = {"data": run.data, "model": run.tensor, **({"pipe": run.pipe} if run.pipe > 1 else {})}
     out = []
-    for path, var in jax.tree_util.tree_leaves_with_path(nnx.state(abstract_model(config)),
+    for path, var in jax.tree_util.tree_leaves_with_path(nnx.state(abstract_model_of(run)),
                                                         is_leaf=lambda x: isinstance(x, nnx.Variable)):
         names = tuple(var.get_metadata()["out_sharding"])
-        spec = fsdp_spec(names, var.shape, rules, mesh_shape) if split_over_data else logical_to_spec(names, rules)
+        spec = (fsdp_spec(names, var.shape, run.rules, mesh_shape) if split_over_data
+                else logical_to_spec(names, run.rules))
         local = math.prod(var.shape) // math.prod(mesh_shape[a] for a in spec_axes(spec))
         out.append(Parameter(jax.tree_util.keystr(path[:1], simple=True), names, tuple(var.shape), local))
     return out
 
 
-def params_per_device(config: ml_collections.ConfigDict, mesh_shape: dict[str, int],
-                      split_over_data: bool = False, only: str | None = None) -> tuple[int, int]:
-    """(total parameters, parameters held by one device) for a mesh given as ``{'data': D, 'model': M}`` (and
-    ``'pipe': P`` with pipeline stages), as the rules lay them out, or with ``split_over_data`` as
-    ``parallel.fsdp`` stores them (``parameters``); ``only``: those of one top-level module (``blocks``)."""
-    held = [p for p in parameters(config, mesh_shape, split_over_data) if only is None or p.module == only]
+def params_per_device(run: RunSpec, split_over_data: bool = False, only: str | None = None) -> tuple[int, int]:
+    """(total parameters, parameters held by one device of ``run``'s mesh) as its rules lay them out, or with
+    ``split_over_data`` as ``parallel.fsdp`` stores them (``parameters``); ``only``: those of one top-level module
+    (``blocks``)."""
+    held = [p for p in parameters(run, split_over_data) if only is None or p.module == only]
     return sum(math.prod(p.shape) for p in held), sum(p.per_device for p in held)
 
 
-def activation_bytes(config: ml_collections.ConfigDict, micro_batch: int, tp: int, bytes_per_value: int) -> int:
-    """Activation bytes per device for one micro-batch with ``bytes_per_value``-byte (4: fp32, 2: 16-bit) compute
-    (``activations``: the residuals JAX keeps per layer, the head or one recomputed layer)."""
-    config = config.copy_and_resolve_references()  # a copy (ConfigDict(config) would share its sections)
-    config.train.precision = "fp32" if bytes_per_value == FP32 else "bf16"
-    return activations(config, micro_batch, tp).total
-
-
-def _num_micro(config: ml_collections.ConfigDict, data: int, micro_batch: int) -> int:
-    """Accumulation steps the config's global batch implies at this micro-batch (1 if it does not divide)."""
-    steps, rest = divmod(config.train.global_batch_size, micro_batch * data)
+def _num_micro(run: RunSpec, micro_batch: int) -> int:
+    """Accumulation steps the run's global batch implies at this micro-batch (1 if it does not divide)."""
+    steps, rest = divmod(run.global_batch, micro_batch * run.data)
     return max(steps, 1) if not rest else 1
 
 
-def memory_report(config: ml_collections.ConfigDict, data: int, model: int, micro_batch: int = 1,
-                  num_micro: int | None = None, gpu: bool = False) -> MemoryReport:
-    """Per-device memory of training ``config`` on a ``data x model`` mesh, ``micro_batch`` sequences per device
-    per accumulation step (``num_micro`` steps; default: what the config's global batch implies); ``gpu``: as the
-    step compiles for an NVIDIA GPU (cuDNN's attention where the model allows it, XLA:GPU's fusions, the GEMM
-    workspace), else as on the CPU."""
-    config = config.copy_and_resolve_references()  # a deep copy: the sections are not the caller's
-    config.mesh.data, config.mesh.model = data, model
-    pipe = config.mesh.pipe
-    validate(config, pipe * data * model)
-    moments_split, fsdp = state_split(config)  # FSDP: parameters, so gradients and moments, split over data
-    zero = moments_split and not fsdp  # ZeRO-1: the moments and gradients only
-    mesh_shape = {"data": data, "model": model, **({"pipe": pipe} if pipe > 1 else {})}  # a stage's layers
-    total, local = params_per_device(config, mesh_shape, split_over_data=fsdp)
+def memory_report(run: RunSpec, micro_batch: int | None = None, num_micro: int | None = None,
+                  gpu: bool = False) -> MemoryReport:
+    """Per-device memory of training ``run`` on its mesh, ``micro_batch`` sequences per data shard per
+    accumulation step (default: the run's), ``num_micro`` steps (default: what the run's global batch implies at
+    that micro-batch); ``gpu``: as the step compiles for an NVIDIA GPU (cuDNN's attention where the model allows it,
+    XLA:GPU's fusions, the GEMM workspace), else as on the CPU."""
+    data, model, pipe = run.data, run.tensor, run.pipe
+    micro_batch = micro_batch or run.micro_batch
+    zero = run.shard_optimizer and not run.fsdp  # ZeRO-1: the moments and gradients only
+    total, local = params_per_device(run, split_over_data=run.fsdp)  # FSDP: parameters split over data too
     # pipeline stages sum their layers' gradients over the ticks: an accumulator and, under GPipe, each tick's
     # contribution (the circular schedule's is a chunk's, computed while its chunk is recomputed: measured within
     # the tolerance of tests/test_pipeline.py without it)
-    copies = 0 if pipe == 1 else 2 if config.parallel.pipeline_repeats == 1 else 1
-    stage = copies * FP32 * params_per_device(config, mesh_shape, only=STACK)[1]
-    num_micro = num_micro or _num_micro(config, data, micro_batch)
+    copies = 0 if pipe == 1 else 2 if run.pipeline_repeats == 1 else 1
+    stage = copies * FP32 * params_per_device(run, only=STACK)[1]
+    num_micro = num_micro or _num_micro(run, micro_batch)
     optimizer = 8 * local // (data if zero else 1)
-    act = activations(config, micro_batch, model, gpu)
-    fields = model_spec(config.model.name).objective.fields(config.model.max_seq_len).values()
+    act = activations(run, micro_batch, gpu)
+    fields = run.model_spec.objective.fields(run.model.max_seq_len).values()
     batch = micro_batch * num_micro * sum(math.prod(f.row_shape) * f.dtype.itemsize for f in fields)
-    late = word_embedding_grad_bytes(config, data, model, split_over_data=moments_split)
-    head, layer = gathered_bytes(config, model) if fsdp else (0, 0)
+    head, layer = gathered_bytes(run) if run.fsdp else (0, 0)
     return MemoryReport(total, local, FP32 * local, FP32 * local, optimizer, act.total, data, model, act,
-                        gradient_bytes(local, data, zero, num_micro), batch, sequence_parallel(config), fsdp, late,
-                        head, layer, stage, pipe, GPU_GEMM_WORKSPACE if gpu else 0)
+                        gradient_bytes(local, data, zero, num_micro), batch, run.sequence, run.fsdp,
+                        word_embedding_grad_bytes(run), head, layer, stage, pipe, GPU_GEMM_WORKSPACE if gpu else 0)
 
 
-def largest_micro_batch(config: ml_collections.ConfigDict, data: int, model: int, device_bytes: float,
-                        gpu: bool = False) -> int:
-    """The largest micro-batch whose step peak (by formula, no accumulation; ``gpu``: as compiled for an NVIDIA
-    GPU) fits ``device_bytes``; 0 if none."""
-    one = memory_report(config, data, model, 1, num_micro=1, gpu=gpu)  # only the activations and the batch grow
+def largest_micro_batch(run: RunSpec, device_bytes: float, gpu: bool = False) -> int:
+    """The largest micro-batch whose step peak on ``run``'s mesh (by formula, no accumulation; ``gpu``: as compiled
+    for an NVIDIA GPU) fits ``device_bytes``; 0 if none."""
+    one = memory_report(run, 1, num_micro=1, gpu=gpu)  # only the activations and the batch grow
 
     def fits(micro_batch: int) -> bool:
-        act = activations(config, micro_batch, model, gpu)
+        act = activations(run, micro_batch, gpu)
         return dataclasses.replace(one, activation_bytes=act.total, activations=act,
                                    batch_bytes=one.batch_bytes * micro_batch).fits(device_bytes)
 

@@ -2,24 +2,25 @@
 communication.
 
 ``python -m megajax.scaling`` (``scaling_plan.py``) runs it over every (pipe, data, model) mesh of a cluster and
-recommends one; ``scaling_papers.py`` checks it against Megatron-LM's published measurements. The model is a megajax
-config (``load_config``'s ConfigDict; the papers' models are configs too), and what it costs comes from where
+recommends one; ``scaling_papers.py`` checks it against Megatron-LM's published measurements. The model is a
+resolved megajax run (``config.RunSpec``; the papers' models are runs too), and what it costs comes from where
 megajax already describes it, never from a second description of the block:
 
 * parameters per GPU and per layer, and the layer's GEMM shapes: the abstract model (``nnx.eval_shape`` of the
-  spec's module, the memory planner's ``parameters``) through the sharding rules (``layout``, cached per model,
-  rules and model-parallel degree, so the mesh search builds each once);
+  spec's module, the memory planner's ``parameters``) through the sharding rules (``layout``, built once per model
+  and model-parallel degree, so the mesh search builds each once);
 * model FLOPs: the spec's ``flops`` (the metrics' MFU numerator);
-* activations: the memory planner (``activation_bytes``: the spec's per-layer residuals and head);
+* activations: the memory planner (``activations``: the spec's per-layer residuals and head);
 * tensor- and data-parallel communication: ``comm_budget.minimum`` of the spec's all-reduces per layer
   (``ModelSpec.tensor_all_reduces``, ``recomputed_all_reduces``), the bytes the compiled step is audited against;
 * which model-parallel degrees fit the model: ``config.validate``'s checks of ``mesh.model``; whether key/value
   heads are replicated: ``TransformerConfig.kv_replicated``.
 
-The formulas take the config or its ``Resolved`` view (the model's frozen config and spec and the memory choices,
-read once per prediction so that the mesh search's inner loops read no ConfigDict; ``predict`` and the memory
-functions, which place the config on a mesh, take the config); the choices a prediction is for
-are the config's (``choices``; ``with_choices`` copies it with others, ``choice_flags`` prints them as flags).
+The formulas take the run (its model's frozen config and spec and its memory choices) and the mesh, batch and
+pipeline they are evaluated for as arguments; the run's own mesh, batch and pipeline are read only where a mesh's
+memory is planned, by the memory planner on the run placed on that mesh (``_on_mesh``: ``config.replanned``). The
+choices a prediction is for are the run's (``choices``; ``with_choices`` resolves it with others, ``choice_flags``
+prints them as flags).
 
 Per GPU, with t-way model, d-way data parallelism and p pipeline stages:
 
@@ -98,12 +99,12 @@ whole dropout mask on every stage-tick, stragglers, data loading and memory frag
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
-import ml_collections
-
+from megajax.config import RunSpec, replanned
 from megajax.tools.comm_budget import Shape, data_gradient_elements, kv_head_elements, minimum
-from megajax.tools.memory_planner import activation_bytes
+from megajax.tools.memory_planner import activations
 from megajax.tools.scaling_clusters import (  # noqa: F401 (the clusters are this module's API too)
     CLUSTERS,
     DGX2H_V100,
@@ -116,13 +117,7 @@ from megajax.tools.scaling_clusters import (  # noqa: F401 (the clusters are thi
     Cluster,
     GiB,
 )
-from megajax.tools.scaling_layout import (
-    Model,
-    Resolved,
-    layout,
-    parameters_per_gpu,
-    resolved,
-)
+from megajax.tools.scaling_layout import layout, parameters_per_gpu, with_choices
 from megajax.tools.scaling_pipeline import Pipeline, crosses_nodes, megatron_activation_bytes, p2p_s
 
 HALF = 2  # bytes per activation value: fp16 / bf16 training
@@ -131,18 +126,17 @@ LOGIT_BYTES = 40  # per local logit, fp32 cross-entropy forward + backward
 OPTIMIZER_BYTES_PER_PARAM = 32  # AdamW's step: fp32 master, m, v read and written, half grads and params
 
 
-def flops(model: Model, batch: int) -> float:
+def flops(run: RunSpec, batch: int) -> float:
     """Model FLOPs of ``batch`` sequences forward + backward: the model's spec's (``ModelSpec.flops``, the
     metrics' MFU numerator; recomputation not counted)."""
-    r = resolved(model)
-    return r.spec.flops(r.cfg, batch, r.cfg.max_seq_len)
+    return run.model_spec.flops(run.model, batch, run.model.max_seq_len)
 
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
     """One mesh's predicted step (seconds per step; memory per GPU)."""
 
-    config: ml_collections.ConfigDict  # the model with the remat / sequence / state-split choices it is for
+    run: RunSpec  # the model with the remat / sequence / state-split choices it is for
     mesh: tuple[int, int]  # (data, model); the pipe axis is ``pipeline.stages``
     global_batch: int
     micro_batch: int
@@ -184,14 +178,13 @@ def _gemm_s(batch: float, m: float, k: float, n: float, cluster: Cluster) -> flo
     return max(compute, memory)
 
 
-def gemms(model: Model, tensor: int, micro_batch: int) -> tuple[list[tuple], list[tuple], tuple]:
+def gemms(run: RunSpec, tensor: int, micro_batch: int) -> tuple[list[tuple], list[tuple], tuple]:
     """One GPU's forward GEMMs per micro-batch as (batch, m, k, n): the layer's dense ones (one per kernel of the
     abstract model's layer, ``layout``), its attention core's (QK^T and AV per local head), and the output
     layer's over the padded vocabulary."""
-    r = resolved(model)
-    cfg = r.cfg
+    cfg = run.model
     s, tokens, local_heads = cfg.max_seq_len, micro_batch * cfg.max_seq_len, micro_batch * cfg.num_heads / tensor
-    dense = [(1, tokens, k, n) for k, n in layout(r, tensor).gemms]
+    dense = [(1, tokens, k, n) for k, n in layout(run, tensor).gemms]
     attention = [(local_heads, s, cfg.head_dim, s), (local_heads, s, s, cfg.head_dim)]
     return dense, attention, (1, tokens, cfg.hidden_size, cfg.padded_vocab_size / tensor)
 
@@ -201,62 +194,59 @@ RECOMPUTED = {"none": (0, 0, 0), "full": (1, 1, 1), "save_dots": (0, 1, 1), "sel
 GEMMs and scores). save_dots keeps the dense GEMMs' outputs but not the batched attention ones."""
 
 
-def compute_s(model: Model, tensor: int, micro_batch: int, cluster: Cluster) -> float:
+def compute_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster) -> float:
     """One GPU's compute time for one micro-batch, forward + backward (+ recomputation), without communication: L
     layers (``layer_s``) and the output layer (``head_s``)."""
-    r = resolved(model)
-    return r.cfg.num_layers * layer_s(r, tensor, micro_batch, cluster) + head_s(r, tensor, micro_batch, cluster)
+    layers = run.model.num_layers * layer_s(run, tensor, micro_batch, cluster)
+    return layers + head_s(run, tensor, micro_batch, cluster)
 
 
-def layer_s(model: Model, tensor: int, micro_batch: int, cluster: Cluster) -> float:
+def layer_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster) -> float:
     """One layer's compute time for one micro-batch on one GPU: its GEMMs at the roofline, its element-wise passes at
     HBM bandwidth, the fixed overhead."""
-    r = resolved(model)
-    m = r.cfg
-    dense, attention, _ = gemms(r, tensor, micro_batch)
+    m = run.model
+    dense, attention, _ = gemms(run, tensor, micro_batch)
     dots, elementwise, core = RECOMPUTED[m.remat]
     layer = (3 + dots) * sum(_gemm_s(*g, cluster) for g in dense)
     layer += (3 + core) * sum(_gemm_s(*g, cluster) for g in attention)
     tokens = micro_batch * m.max_seq_len
-    replicated = tokens * m.hidden_size / (tensor if r.sequence else 1)  # SP: each GPU's positions only
+    replicated = tokens * m.hidden_size / (tensor if run.sequence else 1)  # SP: each GPU's positions only
     sizes = (replicated, tokens * m.hidden_size / tensor, micro_batch * m.num_heads / tensor * m.max_seq_len**2)
     repeats = (elementwise, elementwise, core)
     passes = sum(n * ((1 + r) * fwd + bwd) for n, r, (fwd, bwd) in zip(sizes, repeats, cluster.passes))
     return layer + (HALF * passes / cluster.hbm_bandwidth + cluster.layer_overhead_s)
 
 
-def head_s(model: Model, tensor: int, micro_batch: int, cluster: Cluster) -> float:
+def head_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster) -> float:
     """The output layer's GEMM and its cross-entropy for one micro-batch on one GPU."""
-    r = resolved(model)
-    logits = gemms(r, tensor, micro_batch)[2]
-    local_logits = micro_batch * r.cfg.max_seq_len * logits[3]
+    logits = gemms(run, tensor, micro_batch)[2]
+    local_logits = micro_batch * run.model.max_seq_len * logits[3]
     return 3 * _gemm_s(*logits, cluster) + LOGIT_BYTES * local_logits / cluster.hbm_bandwidth
 
 
-def _shape(r: Resolved, mesh: tuple[int, int], micro_batch: int, num_micro: int, layers: int) -> Shape:
+def _shape(run: RunSpec, mesh: tuple[int, int], micro_batch: int, num_micro: int, layers: int) -> Shape:
     """The communication budget's ``Shape`` of ``layers`` layers of a model (and the ends) on a (data, model) mesh:
     the spec's all-reduces per layer, the abstract model's parameters (as ``comm_budget.step_shape`` reads a
     compiled run's)."""
-    cfg, spec, tensor = r.cfg, r.spec, mesh[1]
+    cfg, spec, tensor = run.model, run.model_spec, mesh[1]
     kv_head = kv_head_elements(cfg, tensor)
-    local = data_gradient_elements(cfg, layout(r, tensor).local(layers), layers, kv_head)
+    local = data_gradient_elements(cfg, layout(run, tensor).local(layers), layers, kv_head)
     return Shape(micro_batch=micro_batch, num_micro=num_micro, seq=cfg.max_seq_len, hidden=cfg.hidden_size,
                  layers=layers, tensor=tensor, data=mesh[0], activation_bytes=HALF, local_grad_elements=local,
                  tensor_all_reduces=spec.tensor_all_reduces, recomputed_all_reduces=spec.recomputed_all_reduces,
                  remat=cfg.remat, kv_head_elements=kv_head)
 
 
-def tensor_comm_s(model: Model, tensor: int, micro_batch: int, cluster: Cluster, layers: int | None = None) -> float:
+def tensor_comm_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster, layers: int | None = None) -> float:
     """Tensor-parallel all-reduces of one micro-batch (comm_budget.minimum's bytes, the model's spec's all-reduces
     per layer), each a ring over ``tensor``; ``layers``: of that many layers (default the model's; 0: the ends')."""
     if tensor == 1:
         return 0.0
-    r = resolved(model)
-    layers = r.cfg.num_layers if layers is None else layers
-    need = minimum(_shape(r, (1, tensor), micro_batch, 1, layers))
-    activation = micro_batch * r.cfg.max_seq_len * r.cfg.hidden_size * HALF  # one all-reduce's message
+    layers = run.model.num_layers if layers is None else layers
+    need = minimum(_shape(run, (1, tensor), micro_batch, 1, layers))
+    activation = micro_batch * run.model.max_seq_len * run.model.hidden_size * HALF  # one all-reduce's message
     count = (need["tensor-parallel forward"] + need["tensor-parallel backward"]) / activation
-    per_token = micro_batch * r.cfg.max_seq_len * 4
+    per_token = micro_batch * run.model.max_seq_len * 4
     within = tensor <= cluster.gpus_per_node
     link = (cluster.intra_bandwidth, cluster.intra_latency) if within else (cluster.inter_bandwidth,
                                                                              cluster.inter_latency)
@@ -264,7 +254,7 @@ def tensor_comm_s(model: Model, tensor: int, micro_batch: int, cluster: Cluster,
         need["loss"] / per_token * ring_allreduce_s(per_token, tensor, *link)
 
 
-def data_comm_s(model: Model, mesh: tuple[int, int], cluster: Cluster, grad_bytes: int = 4,
+def data_comm_s(run: RunSpec, mesh: tuple[int, int], cluster: Cluster, grad_bytes: int = 4,
                 stages: int = 1) -> float:
     """The gradient all-reduce over ``data`` (of one of ``stages`` pipeline stages) before overlap, hierarchical:
     ring among the group's members in a node, then a ring across nodes of 1/members of the gradient per GPU (all
@@ -272,8 +262,8 @@ def data_comm_s(model: Model, mesh: tuple[int, int], cluster: Cluster, grad_byte
     the node."""
     if mesh[0] == 1:
         return 0.0
-    r = resolved(model)
-    grads = minimum(_shape(r, mesh, 1, 1, r.cfg.num_layers // stages))["data-parallel gradients"] / 4 * grad_bytes
+    layers = run.model.num_layers // stages
+    grads = minimum(_shape(run, mesh, 1, 1, layers))["data-parallel gradients"] / 4 * grad_bytes
     return _over_data_s(grads, mesh, cluster)
 
 
@@ -287,63 +277,59 @@ def _over_data_s(nbytes: float, mesh: tuple[int, int], cluster: Cluster) -> floa
     return within + across
 
 
-def state_bytes(model: Model, tensor: int, data: int = 1, stages: int = 1) -> int:
+def state_bytes(run: RunSpec, tensor: int, data: int = 1, stages: int = 1) -> int:
     """Per-GPU training state (of one of ``stages`` pipeline stages): 16 bytes per local parameter (fp32
     parameters, gradients, AdamW's two moments); with ``parallel.shard_optimizer`` the moments split over ``data``
     (8 + 8/d), with ``parallel.fsdp`` all of it (16/d)."""
-    r = resolved(model)
-    local = parameters_per_gpu(r, tensor, stages)[1]
-    if r.fsdp:
+    local = parameters_per_gpu(run, tensor, stages)[1]
+    if run.fsdp:
         return STATE_BYTES_PER_PARAM * (local // data)
-    return STATE_BYTES_PER_PARAM * local if not r.shard_optimizer else 8 * local + 8 * local // data
+    return STATE_BYTES_PER_PARAM * local if not run.shard_optimizer else 8 * local + 8 * local // data
 
 
-def _on_mesh(config: ml_collections.ConfigDict, tensor: int, data: int, pipeline: Pipeline
-             ) -> ml_collections.ConfigDict:
-    """A copy of ``config`` on this mesh and pipeline (what the memory planner reads of them)."""
-    config = config.copy_and_resolve_references()
-    config.mesh.update(pipe=pipeline.stages, data=data, model=tensor)
-    config.parallel.update(pipeline_microbatches=pipeline.microbatches if pipeline.stages > 1 else 0,
-                           pipeline_repeats=pipeline.repeats)
-    return config
+@functools.lru_cache(maxsize=4096)
+def _on_mesh(run: RunSpec, tensor: int, data: int, pipeline: Pipeline) -> RunSpec:
+    """``run`` on a (data, model) mesh of ``pipeline.stages`` stages with its schedule, in half precision (what the
+    memory planner reads of them), resolved again (``config.replanned``)."""
+    return replanned(run, {"mesh.pipe": pipeline.stages, "mesh.data": data, "mesh.model": tensor,
+                           "parallel.pipeline_microbatches": pipeline.microbatches if pipeline.stages > 1 else 0,
+                           "parallel.pipeline_repeats": pipeline.repeats, "train.precision": "bf16"}, training=False)
 
 
-def memory_bytes(config: ml_collections.ConfigDict, tensor: int, micro_batch: int, data: int = 1,
-                 pipeline: Pipeline | None = None) -> int:
+def memory_bytes(run: RunSpec, tensor: int, micro_batch: int, data: int = 1, pipeline: Pipeline | None = None) -> int:
     """Per-GPU training memory as ``megajax.info``'s total: ``state_bytes`` plus the memory planner's activations
-    (``memory_planner.activation_bytes``: the spec's per-layer residuals and head, half precision) for one
-    micro-batch. Not counted: FSDP's one gathered layer at a time. With pipeline stages, one stage's
-    (``stage_memory_bytes``)."""
+    (``memory_planner.activations`` of the run on the mesh in half precision, ``_on_mesh``: the spec's per-layer
+    residuals and head) for one micro-batch. Not counted: FSDP's one gathered layer at a time. With pipeline stages,
+    one stage's (``stage_memory_bytes``)."""
     pipeline = pipeline or Pipeline()
-    config = _on_mesh(config, tensor, data, pipeline)
     if pipeline.stages > 1:
-        return stage_memory_bytes(config, tensor, micro_batch, data, pipeline)
-    return state_bytes(config, tensor, data) + activation_bytes(config, micro_batch, tensor, HALF)
+        return stage_memory_bytes(run, tensor, micro_batch, data, pipeline)
+    return state_bytes(run, tensor, data) + activations(_on_mesh(run, tensor, data, pipeline), micro_batch).total
 
 
-def stage_memory_bytes(config: ml_collections.ConfigDict, tensor: int, rows: int, data: int,
-                       pipeline: Pipeline) -> int:
+def stage_memory_bytes(run: RunSpec, tensor: int, rows: int, data: int, pipeline: Pipeline) -> int:
     """One stage's memory: its state (``state_bytes``) and activations. megajax's are the memory planner's
-    (``megajax.info``'s: ``activation_bytes`` of ``config`` with the stages, microbatches and repeats), plus the tick
-    loop's fp32 sums of the stage's layer gradients (GPipe: an accumulator and each tick's contribution; circular:
-    the accumulator: the planner's ``stage_grad_bytes``); Megatron-LM's are ``megatron_activation_bytes``."""
-    state = state_bytes(config, tensor, data, pipeline.stages)
+    (``megajax.info``'s: ``activations`` of the run on the mesh with the stages, microbatches and repeats), plus the
+    tick loop's fp32 sums of the stage's layer gradients (GPipe: an accumulator and each tick's contribution;
+    circular: the accumulator: the planner's ``stage_grad_bytes``); Megatron-LM's are
+    ``megatron_activation_bytes``."""
+    state = state_bytes(run, tensor, data, pipeline.stages)
+    placed = _on_mesh(run, tensor, data, pipeline)
     if pipeline.megatron:
-        return state + megatron_activation_bytes(config, rows, tensor, pipeline)
-    blocks = config.model.num_layers // pipeline.stages * layout(config, tensor).layer
+        return state + megatron_activation_bytes(placed, rows, pipeline)
+    blocks = run.model.num_layers // pipeline.stages * layout(run, tensor).layer
     sums = (2 if pipeline.repeats == 1 else 1) * 4 * blocks
-    return state + activation_bytes(config, rows, tensor, HALF) + sums
+    return state + activations(placed, rows).total + sums
 
 
-def gather_params_s(model: Model, mesh: tuple[int, int], cluster: Cluster, stages: int = 1) -> float:
+def gather_params_s(run: RunSpec, mesh: tuple[int, int], cluster: Cluster, stages: int = 1) -> float:
     """The all-gathers of fp32 parameter shards (of one of ``stages`` pipeline stages) over ``data`` (each half a
     ring all-reduce), hierarchical as ``data_comm_s``, not overlapped: ZeRO-1's one of the updated parameters;
     FSDP's two, each layer's when the forward pass reaches it and again in the backward pass. 0 with neither."""
-    r = resolved(model)
-    if mesh[0] == 1 or not r.shard_optimizer:
+    if mesh[0] == 1 or not run.shard_optimizer:
         return 0.0
-    local = parameters_per_gpu(r, mesh[1], stages)[1]
-    return (2 if r.fsdp else 1) * _over_data_s(4 * local, mesh, cluster) / 2
+    local = parameters_per_gpu(run, mesh[1], stages)[1]
+    return (2 if run.fsdp else 1) * _over_data_s(4 * local, mesh, cluster) / 2
 
 
 def _rows(mesh, global_batch, micro_batch) -> tuple[int, int]:
@@ -358,7 +344,7 @@ def _rows(mesh, global_batch, micro_batch) -> tuple[int, int]:
     return micro, per_replica // micro
 
 
-def _step(r: Resolved, mesh, global_batch, cluster, micro_batch, grad_bytes) -> tuple[float, float, float, float, int]:
+def _step(r: RunSpec, mesh, global_batch, cluster, micro_batch, grad_bytes) -> tuple[float, float, float, float, int]:
     data, tensor = mesh
     micro, num_micro = _rows(mesh, global_batch, micro_batch)
     compute = num_micro * compute_s(r, tensor, micro, cluster)
@@ -370,18 +356,18 @@ def _step(r: Resolved, mesh, global_batch, cluster, micro_batch, grad_bytes) -> 
     return compute, tensor_comm, data_comm, compute + tensor_comm + data_comm, micro
 
 
-def _tensor_parts(r: Resolved, tensor: int, micro_batch: int, cluster: Cluster) -> tuple[float, float]:
+def _tensor_parts(r: RunSpec, tensor: int, micro_batch: int, cluster: Cluster) -> tuple[float, float]:
     """(one layer's tensor-parallel time, the ends': the embedding's and output layer's all-reduces and the loss's)
     for one micro-batch, from ``tensor_comm_s``."""
     ends = tensor_comm_s(r, tensor, micro_batch, cluster, layers=0)
-    return (tensor_comm_s(r, tensor, micro_batch, cluster) - ends) / r.cfg.num_layers, ends
+    return (tensor_comm_s(r, tensor, micro_batch, cluster) - ends) / r.model.num_layers, ends
 
 
-def _pipeline_step(r: Resolved, mesh, global_batch, cluster, micro_batch, grad_bytes, pipeline: Pipeline):
+def _pipeline_step(r: RunSpec, mesh, global_batch, cluster, micro_batch, grad_bytes, pipeline: Pipeline):
     """(compute, tensor-parallel, exposed data-parallel, pipe, step, rows) with pipeline stages (module docstring)."""
     data, tensor = mesh
     p, m, v = pipeline.stages, pipeline.microbatches, pipeline.repeats
-    layers, seq, hidden = r.cfg.num_layers, r.cfg.max_seq_len, r.cfg.hidden_size
+    layers, seq, hidden = r.model.num_layers, r.model.max_seq_len, r.model.hidden_size
     rows, num_micro = _rows(mesh, global_batch, micro_batch)
     if rows % m:
         raise ValueError(f"{m} pipeline microbatches do not divide the {rows} sequences of a layer-stack batch")
@@ -389,12 +375,13 @@ def _pipeline_step(r: Resolved, mesh, global_batch, cluster, micro_batch, grad_b
         raise ValueError(f"{p} stages x {v} repeats do not divide the {layers} layers")
     micro, chunk, ticks = rows // m, layers // (p * v), pipeline.ticks()
     extra = 0.0  # per layer, beyond the timed policy's recomputation
-    if not pipeline.megatron and (v > 1 or r.cfg.remat == "save_dots"):
+    if not pipeline.megatron and (v > 1 or r.model.remat == "save_dots"):
         # in the vmapped stage every dot is batched, so save_dots recomputes what full does; the circular schedule
         # recomputes each chunk from its input whatever the policy, and under selective the attention core again
-        if v > 1 and r.cfg.remat == "selective":
-            extra = layer_s(r, tensor, micro, cluster) - layer_s(r.with_remat("none"), tensor, micro, cluster)
-        r = r.with_remat("full")
+        if v > 1 and r.model.remat == "selective":
+            extra = layer_s(r, tensor, micro, cluster) - layer_s(with_choices(r, remat="none"), tensor, micro,
+                                                                 cluster)
+        r = with_choices(r, remat="full")
     inter = crosses_nodes(p, data, tensor, cluster.gpus_per_node)
     link = (cluster.inter_bandwidth, cluster.inter_latency) if inter else (cluster.intra_bandwidth,
                                                                            cluster.intra_latency)
@@ -412,18 +399,18 @@ def _pipeline_step(r: Resolved, mesh, global_batch, cluster, micro_batch, grad_b
     tensor_comm = num_micro * (ticks * chunk * tensor_layer + ends_comm)
     pipe_comm = num_micro * (ticks * hop + ends_moves)
     if pipeline.megatron and layout(r, tensor).tied:  # the tied embedding's gradient: first and last stage
-        pipe_comm += ring_allreduce_s(grad_bytes * r.cfg.padded_vocab_size * hidden / tensor, 2, *link)
+        pipe_comm += ring_allreduce_s(grad_bytes * r.model.padded_vocab_size * hidden / tensor, 2, *link)
     grads = data_comm_s(r, mesh, cluster, grad_bytes, p) / (2 if r.fsdp else 1)
     data_comm = (1 - cluster.dp_overlap) * grads + gather_params_s(r, mesh, cluster, p)
     return compute, tensor_comm, data_comm, pipe_comm, compute + tensor_comm + data_comm + pipe_comm, rows
 
 
-def predict(config: ml_collections.ConfigDict, mesh: tuple[int, int], global_batch: int, cluster: Cluster,
+def predict(run: RunSpec, mesh: tuple[int, int], global_batch: int, cluster: Cluster,
             micro_batch: int | None = None, grad_bytes: int = 4, baseline_tflops: float | None = None,
             memory: bool = True, pipeline: Pipeline | None = None) -> Prediction:
-    """The predicted step of ``config``'s model with its choices (``choices``: remat, sequence parallelism, the state
+    """The predicted step of ``run``'s model with its choices (``choices``: remat, sequence parallelism, the state
     split over data) on a (data, model) ``mesh`` (times ``pipeline.stages``) with ``global_batch`` sequences per
-    step; the config's own mesh, batch and pipeline fields are not read.
+    step; the run's own mesh, batch and pipeline are not read.
 
     ``micro_batch``: sequences per data shard per accumulation step (None: the whole shard at once); with stages,
     each is the layer stack's batch, cut into ``pipeline.microbatches``.
@@ -431,20 +418,21 @@ def predict(config: ml_collections.ConfigDict, mesh: tuple[int, int], global_bat
     ``baseline_tflops``: the efficiency's reference (default: this model on 1 GPU with one shard's batch).
     ``memory=False`` skips the memory estimate (the memory planner's): memory_bytes 0, fits True."""
     data, tensor = mesh
-    pipeline, r = pipeline or Pipeline(), resolved(config)
+    pipeline = pipeline or Pipeline()
     if pipeline.stages == 1:
-        compute, tensor_comm, data_comm, step, micro = _step(r, mesh, global_batch, cluster, micro_batch, grad_bytes)
+        compute, tensor_comm, data_comm, step, micro = _step(run, mesh, global_batch, cluster, micro_batch,
+                                                             grad_bytes)
         pipe_comm = 0.0
     else:
         compute, tensor_comm, data_comm, pipe_comm, step, micro = _pipeline_step(
-            r, mesh, global_batch, cluster, micro_batch, grad_bytes, pipeline)
-    work = flops(r, global_batch)
+            run, mesh, global_batch, cluster, micro_batch, grad_bytes, pipeline)
+    work = flops(run, global_batch)
     tflops = work / step / (pipeline.stages * data * tensor) / 1e12
     if baseline_tflops is None:
-        base = _step(r, (1, 1), global_batch // data, cluster, micro_batch, grad_bytes)[3]
+        base = _step(run, (1, 1), global_batch // data, cluster, micro_batch, grad_bytes)[3]
         baseline_tflops = work / data / base / 1e12
-    need = memory_bytes(config, tensor, micro, data, pipeline) if memory else 0
-    return Prediction(config=config, mesh=mesh, global_batch=global_batch, micro_batch=micro,
+    need = memory_bytes(run, tensor, micro, data, pipeline) if memory else 0
+    return Prediction(run=run, mesh=mesh, global_batch=global_batch, micro_batch=micro,
                       num_micro=global_batch // data // micro, compute_s=compute, tensor_comm_s=tensor_comm,
                       data_comm_s=data_comm, step_s=step, tflops_per_gpu=tflops,
                       mfu=tflops * 1e12 / cluster.peak_flops, efficiency=tflops / baseline_tflops,

@@ -1,6 +1,9 @@
-"""What the scaling model reads of a megajax config, once: the resolved view of its model and memory choices
-(``resolved``), its parameters per GPU and per pipeline stage and its layer's GEMM shapes, from the abstract model
-through the sharding rules (``layout``: nothing here describes a block by formula), and the choices' flags."""
+"""What the scaling model reads of a resolved run beyond its model's frozen config and spec: its parameters per GPU
+and per pipeline stage and its layer's GEMM shapes, from the abstract model through the sharding rules (``layout``:
+nothing here describes a block by formula), and the choices it is planned with (``with_choices``) and their flags.
+
+The scaling model's runs are resolved without the training checks (``resolve(..., training=False)``): it reads the
+model and its parallel choices, and checks the batch against each mesh itself."""
 
 from __future__ import annotations
 
@@ -8,59 +11,21 @@ import dataclasses
 import functools
 import math
 
-import ml_collections
-
-from megajax.config import base_config, model_config, sequence_parallel, state_split, validate
+from megajax.config import RunSpec, replanned
 from megajax.errors import ConfigError
-from megajax.models import ModelSpec, TransformerConfig, model_spec
 from megajax.models.transformer import STACK
-from megajax.parallel.sharding import entry_axes, logical_to_spec
+from megajax.parallel.sharding import Rules, entry_axes, logical_to_spec
 from megajax.tools.memory_planner import parameters
 
-
-@dataclasses.dataclass(frozen=True)
-class Resolved:
-    """What the formulas read of a config, resolved once (``resolved``) so that a prediction reads no ConfigDict
-    in its inner loops: the model's frozen config and spec, the memory choices, and the key its abstract model's
-    layout is cached under. Derived from a config, never written by hand; the functions below take either."""
-
-    cfg: TransformerConfig  # config.model_config: the model's shape, remat, dropout, compute dtype
-    spec: ModelSpec
-    sequence: bool  # sequence parallelism (config.sequence_parallel)
-    shard_optimizer: bool  # AdamW's moments split over data: ZeRO-1, or FSDP (config.state_split)
-    fsdp: bool  # the parameters too: FSDP (ZeRO-3)
-    key: tuple  # (config.model's fields but remat, the sharding rules): what ``layout`` is cached on
-
-    def with_remat(self, remat: str) -> Resolved:
-        """The same model timed under another remat policy (the pipeline's recomputation)."""
-        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, remat=remat))
-
-
-Model = ml_collections.ConfigDict | Resolved  # a megajax config (load_config's), or its ``resolved`` view
-
-
-def resolved(model: Model) -> Resolved:
-    """``model``'s ``Resolved`` view (itself if it is one), cached on the config sections it reads."""
-    if isinstance(model, Resolved):
-        return model
-    return _resolved(tuple(sorted(model.model.items())), model.train.precision, tuple(sorted(model.parallel.items())),
-                     tuple(tuple(rule) for rule in model.sharding.rules), model.mesh.model, model.mesh.pipe)
-
-
-@functools.lru_cache(maxsize=1024)
-def _resolved(fields: tuple, precision: str, parallel: tuple, rules: tuple, tensor: int, pipe: int) -> Resolved:
-    config = ml_collections.ConfigDict({"model": dict(fields), "train": {"precision": precision},
-                                        "parallel": dict(parallel), "sharding": {"rules": rules},
-                                        "mesh": {"model": tensor, "pipe": pipe}})
-    shard_optimizer, fsdp = state_split(config)
-    layout_fields = tuple((k, v) for k, v in fields if k != "remat")  # parameters do not depend on it
-    return Resolved(cfg=model_config(config), spec=model_spec(config.model.name), sequence=sequence_parallel(config),
-                    shard_optimizer=shard_optimizer, fsdp=fsdp, key=(layout_fields, rules))
+# what a model's parameters do not depend on, set alike so that every choice of a model shares one layout
+_PARAMETERS_ONLY = {"mesh.pipe": 1, "mesh.data": 1, "parallel.pipeline_repeats": 1,
+                    "parallel.pipeline_microbatches": 0, "parallel.sequence": False,
+                    "parallel.shard_optimizer": False, "parallel.fsdp": False, "model.remat": "none"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """What the abstract model of a config says about one of ``tensor`` model-parallel GPUs (``layout``)."""
+    """What the abstract model of a run says about one of ``tensor`` model-parallel GPUs (``layout``)."""
 
     total: int  # parameters of the whole model
     ends: int  # parameters outside the layer stack on one GPU: embeddings, final norm, output layer
@@ -73,24 +38,31 @@ class Layout:
         return self.ends + layers * self.layer
 
 
-def layout(model: Model, tensor: int) -> Layout:
-    """``model``'s parameters on one of ``tensor`` GPUs, read from its abstract model (``nnx.eval_shape``, the
-    memory planner's ``parameters``) through the sharding rules; cached per model (``config.model``'s fields but
-    the remat policy, which the mesh search varies), rules and ``tensor``, so the search builds each once."""
-    return _layout(resolved(model).key, tensor)
+@functools.lru_cache(maxsize=1024)
+def _on_model_shards(run: RunSpec, tensor: int) -> RunSpec:
+    """``run``'s model on ``tensor`` model-parallel GPUs alone (one stage, no data parallelism), what its parameters
+    do not depend on (remat, sequence parallelism, the state split, the schedule) at its default: one run for every
+    choice of the model. ConfigError where the model does not split so (``config.validate``'s checks of
+    ``mesh.model``)."""
+    return replanned(run, {**_PARAMETERS_ONLY, "mesh.model": tensor}, training=False)
+
+
+@functools.lru_cache(maxsize=4096)
+def layout(run: RunSpec, tensor: int) -> Layout:
+    """``run``'s parameters on one of ``tensor`` GPUs, read from its abstract model (``nnx.eval_shape``, the memory
+    planner's ``parameters``) through the sharding rules; built once per model and ``tensor`` whatever the run's
+    choices (``_on_model_shards``), so the mesh search builds each once."""
+    # the rules on one model shard are the rules before the model's overrides (``_gemm``)
+    return _layout(_on_model_shards(run, tensor), _on_model_shards(run, 1).rules)
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(key: tuple, tensor: int) -> Layout:
-    fields, rules = dict(key[0]), key[1]
-    config = base_config(fields["name"])
-    config.model.update(fields)
-    config.sharding.rules = rules
-    layers = config.model.num_layers
-    params = parameters(config, {"data": 1, "model": tensor})
+def _layout(run: RunSpec, unsplit: Rules) -> Layout:
+    layers = run.model.num_layers
+    params = parameters(run)
     stacked = [p for p in params if p.module == STACK]
     layer = sum(p.per_device for p in stacked) // layers
-    gemms = tuple(_gemm(p.names[1:], p.shape[1:], rules, tensor) for p in stacked if _is_kernel(p.names[1:]))
+    gemms = tuple(_gemm(p.names[1:], p.shape[1:], unsplit, run.tensor) for p in stacked if _is_kernel(p.names[1:]))
     vocab = [p for p in params if "vocab" in p.names and "embed" in p.names]
     return Layout(total=sum(math.prod(p.shape) for p in params), ends=sum(p.per_device for p in params) -
                   layers * layer, layer=layer, gemms=gemms, tied=len(vocab) == 1)
@@ -102,7 +74,7 @@ def _is_kernel(names: tuple) -> bool:
     return len(names) > 1 and (names[0] == "embed") != (names[-1] == "embed")
 
 
-def _gemm(names: tuple, shape: tuple, rules: tuple, tensor: int) -> tuple[int, int]:
+def _gemm(names: tuple, shape: tuple, rules: Rules, tensor: int) -> tuple[int, int]:
     """(k, n) of a layer kernel's GEMM on one of ``tensor`` GPUs: the hidden size is the input of a column-parallel
     kernel (``embed`` first) and the output of a row-parallel one (``embed`` last). Each GPU computes with its share
     of an axis the rules split (the rules before the model's overrides: where it keeps an axis whole because the
@@ -112,51 +84,43 @@ def _gemm(names: tuple, shape: tuple, rules: tuple, tensor: int) -> tuple[int, i
     return (local[0], math.prod(local[1:])) if names[0] == "embed" else (math.prod(local[:-1]), local[-1])
 
 
-def parameters_per_gpu(model: Model, tensor: int = 1, stages: int = 1) -> tuple[int, int]:
+def parameters_per_gpu(run: RunSpec, tensor: int = 1, stages: int = 1) -> tuple[int, int]:
     """(total parameters, parameters on one of ``tensor`` model-parallel GPUs of one of ``stages`` pipeline stages):
     the stage's L/p layers and the ends (megajax replicates the embeddings, final norm and output layer over pipe;
     Megatron-LM's first stage holds the embeddings, its last the final norm and the tied output layer's copy: about
     the same); the memory planner's ``params_per_device``, from the abstract model."""
-    r = resolved(model)
-    lay = _layout(r.key, tensor)
-    return lay.total, lay.local(r.cfg.num_layers // stages)
+    lay = layout(run, tensor)
+    return lay.total, lay.local(run.model.num_layers // stages)
 
 
-def splits_evenly(config: ml_collections.ConfigDict, tensor: int) -> bool:
+def splits_evenly(run: RunSpec, tensor: int) -> bool:
     """Whether ``tensor`` model-parallel GPUs can hold the model: the checks ``config.validate`` makes of
     ``mesh.model`` (whole heads, equal slices of hidden, MLP and vocabulary, whole key/value heads or a copy of
     one)."""
-    trial = config.copy_and_resolve_references()
-    trial.mesh.update(data=1, model=tensor, pipe=1)
-    trial.parallel.update(sequence=False, pipeline_repeats=1)
     try:
-        validate(trial, tensor)
+        _on_model_shards(run, tensor)
     except ConfigError:
         return False
     return True
 
 
-def choices(model: Model) -> tuple[str, bool, bool, bool]:
+def choices(run: RunSpec) -> tuple[str, bool, bool, bool]:
     """The memory choices a prediction is for: (``model.remat``, sequence parallelism, the moments split over data
     (``parallel.shard_optimizer``, ZeRO-1, or FSDP), the parameters too (``parallel.fsdp``, ZeRO-3))."""
-    r = resolved(model)
-    return r.cfg.remat, r.sequence, r.shard_optimizer, r.fsdp
+    return run.model.remat, run.sequence, run.shard_optimizer, run.fsdp
 
 
-def with_choices(config: ml_collections.ConfigDict, remat: str | None = None, sequence: bool | None = None,
-                 shard_optimizer: bool | None = None, fsdp: bool | None = None) -> ml_collections.ConfigDict:
-    """A copy of ``config`` with the choices given (None: the config's)."""
-    config = config.copy_and_resolve_references()
-    if remat is not None:
-        config.model.remat = remat
-    for field, value in (("sequence", sequence), ("shard_optimizer", shard_optimizer), ("fsdp", fsdp)):
-        if value is not None:
-            config.parallel[field] = value
-    return config
+@functools.lru_cache(maxsize=1024)
+def with_choices(run: RunSpec, remat: str | None = None, sequence: bool | None = None,
+                 shard_optimizer: bool | None = None, fsdp: bool | None = None) -> RunSpec:
+    """``run`` with the choices given (None: the run's), resolved again on its mesh (``config.replanned``)."""
+    fields = {"model.remat": remat, "parallel.sequence": sequence, "parallel.shard_optimizer": shard_optimizer,
+              "parallel.fsdp": fsdp}
+    return replanned(run, {k: v for k, v in fields.items() if v is not None}, training=False)
 
 
-def choice_flags(model: Model) -> str:
-    """The config flags that give ``model``'s choices."""
-    remat, sequence, shard_optimizer, fsdp = choices(model)
+def choice_flags(run: RunSpec) -> str:
+    """The config flags that give ``run``'s choices."""
+    remat, sequence, shard_optimizer, fsdp = choices(run)
     return (f"--config.model.remat={remat} --config.parallel.sequence={sequence} "
             f"--config.parallel.shard_optimizer={shard_optimizer} --config.parallel.fsdp={fsdp}")

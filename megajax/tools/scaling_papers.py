@@ -50,35 +50,34 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import ml_collections
-
-from megajax.config import base_config, model_config
+from megajax.config import RunSpec, base_config, replanned, resolve
+from megajax.models import TransformerConfig
 from megajax.tools.scaling import DGX2H_V100, DGX_A100, Cluster, Prediction, predict
 from megajax.tools.scaling_pipeline import Pipeline
 
 
-def gpt_config(hidden: int, layers: int, heads: int, seq: int = 1024, remat: str = "full") -> ml_collections.ConfigDict:
-    """A GPT-2 config of the papers' models (``base_config``): ``hidden``, ``layers``, ``heads``, sequence ``seq``,
-    the vocabulary padded to 51,200 (Megatron-LM's GPT-2 vocabulary), ``remat`` (both papers checkpoint every
-    layer). The scaling model reads its parameters, FLOPs and activations from the model this config builds."""
+def gpt_model(hidden: int, layers: int, heads: int, seq: int = 1024, remat: str = "full") -> RunSpec:
+    """A GPT-2 of the papers' models (``base_config``) resolved on one GPU (the scaling model places it on each
+    mesh): ``hidden``, ``layers``, ``heads``, sequence ``seq``, the vocabulary padded to 51,200 (Megatron-LM's GPT-2
+    vocabulary), ``remat`` (both papers checkpoint every layer), fp16 (both papers', and given, so that resolving it
+    starts no jax backend). The scaling model reads its parameters, FLOPs and activations from the model this run
+    builds."""
     config = base_config()
     config.model.update(hidden_size=hidden, num_layers=layers, num_heads=heads, max_seq_len=seq, vocab_size=51200,
                         remat=remat)
-    return config
+    config.train.precision = "fp16"
+    return resolve(config, 1, training=False)
 
 
-def with_heads(config: ml_collections.ConfigDict, heads: int) -> ml_collections.ConfigDict:
-    """A copy of ``config`` with ``heads`` attention heads (Table 7's 8.3B variants)."""
-    config = config.copy_and_resolve_references()
-    config.model.num_heads = heads
-    return config
+def with_heads(run: RunSpec, heads: int) -> RunSpec:
+    """``run`` with ``heads`` attention heads (Table 7's 8.3B variants)."""
+    return replanned(run, {"model.num_heads": heads}, training=False)
 
 
 # The paper's scaling experiments (Section 5.1 and Appendix D): Table 1's models (96 per head), seq 1024, the
-# vocabulary padded to 51,200, checkpointing every layer, and fp16 gradients all-reduced (Megatron-LM 2019). Read,
-# never changed: ``scaling_layout.with_choices`` and ``with_heads`` copy.
-PAPER_MODELS = {"1.2B": gpt_config(1536, 40, 16), "2.5B": gpt_config(1920, 54, 20), "4.2B": gpt_config(2304, 64, 24),
-                "8.3B": gpt_config(3072, 72, 32)}
+# vocabulary padded to 51,200, checkpointing every layer, and fp16 gradients all-reduced (Megatron-LM 2019).
+PAPER_MODELS = {"1.2B": gpt_model(1536, 40, 16), "2.5B": gpt_model(1920, 54, 20), "4.2B": gpt_model(2304, 64, 24),
+                "8.3B": gpt_model(3072, 72, 32)}
 PAPER_PUBLISHED = {
     "baseline TFLOP/s": {1: 39.0},  # Section 5.1.1: 1.2B on one GPU, 30% of peak
     "figure 5 model": {1: 100, 2: 95, 4: 82, 8: 77},  # weak scaling %, batch 8, Table 1's model per GPU count
@@ -91,19 +90,19 @@ PAPER_PUBLISHED = {
 
 def paper_predictions(cluster: Cluster = DGX2H_V100) -> dict[str, dict[int, float]]:
     """The model's values for ``PAPER_PUBLISHED``'s keys (efficiencies in %, relative to the 1.2B 1-GPU run)."""
-    def run(config: ml_collections.ConfigDict, mesh: tuple[int, int], batch: int) -> Prediction:
-        return predict(config, mesh, batch, cluster, grad_bytes=2, baseline_tflops=1.0, memory=False)
+    def predicted(model: RunSpec, mesh: tuple[int, int], batch: int) -> Prediction:
+        return predict(model, mesh, batch, cluster, grad_bytes=2, baseline_tflops=1.0, memory=False)
 
-    base = run(PAPER_MODELS["1.2B"], (1, 1), 8)
+    base = predicted(PAPER_MODELS["1.2B"], (1, 1), 8)
     weak = lambda p: 100 * p.tflops_per_gpu / base.tflops_per_gpu  # noqa: E731
     sizes = dict(zip((1, 2, 4, 8), PAPER_MODELS.values()))
     return {
         "baseline TFLOP/s": {1: base.tflops_per_gpu},
-        "figure 5 model": {t: weak(run(m, (1, t), 8)) for t, m in sizes.items()},
-        "figure 5 model+data": {64 * t: weak(run(m, (64, t), 512)) for t, m in sizes.items()},
-        "table 7": {a: weak(run(with_heads(PAPER_MODELS["8.3B"], a), (1, 8), 8)) for a in (16, 24, 32)},
-        "table 8": {t: base.step_s / run(PAPER_MODELS["1.2B"], (1, t), 8).step_s for t in (1, 2, 4, 8)},
-        "abstract": {512: weak(run(with_heads(PAPER_MODELS["8.3B"], 24), (64, 8), 512))},
+        "figure 5 model": {t: weak(predicted(m, (1, t), 8)) for t, m in sizes.items()},
+        "figure 5 model+data": {64 * t: weak(predicted(m, (64, t), 512)) for t, m in sizes.items()},
+        "table 7": {a: weak(predicted(with_heads(PAPER_MODELS["8.3B"], a), (1, 8), 8)) for a in (16, 24, 32)},
+        "table 8": {t: base.step_s / predicted(PAPER_MODELS["1.2B"], (1, t), 8).step_s for t in (1, 2, 4, 8)},
+        "abstract": {512: weak(predicted(with_heads(PAPER_MODELS["8.3B"], 24), (64, 8), 512))},
     }
 
 
@@ -149,18 +148,17 @@ PTDP_FITTED = ("1.7B", "7.5B", "39.1B", "145.6B", "529.6B")  # DGX_A100's consta
 PTDP_GRAD_BYTES = 2
 
 
-def ptdp_flops(config: ml_collections.ConfigDict, batch: int) -> float:
+def ptdp_flops(model: TransformerConfig, batch: int) -> float:
     """The paper's eq. (3): FLOPs of one step with activation recomputation (the forward pass counted twice)."""
-    m = config.model
-    b, s, L, h, V = batch, m.max_seq_len, m.num_layers, m.hidden_size, model_config(config).padded_vocab_size
+    b, s, L, h, V = batch, model.max_seq_len, model.num_layers, model.hidden_size, model.padded_vocab_size
     return 96 * b * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
 
 
 @functools.lru_cache(maxsize=None)
-def ptdp_model(row: PtdpRow) -> ml_collections.ConfigDict:
-    """A row's GPT config: sequence 2048, vocabulary 51,200, full recomputation (one per row, read and never
-    changed, as ``PAPER_MODELS``: the fit predicts each row thousands of times)."""
-    return gpt_config(row.hidden, row.layers, row.heads, seq=2048, remat="full")
+def ptdp_model(row: PtdpRow) -> RunSpec:
+    """A row's GPT: sequence 2048, vocabulary 51,200, full recomputation (resolved once per row, as
+    ``PAPER_MODELS``: the fit predicts each row thousands of times)."""
+    return gpt_model(row.hidden, row.layers, row.heads, seq=2048, remat="full")
 
 
 def ptdp_prediction(row: PtdpRow, cluster: Cluster = DGX_A100, repeats: int | None = None) -> Prediction:
@@ -178,7 +176,7 @@ def ptdp_prediction(row: PtdpRow, cluster: Cluster = DGX_A100, repeats: int | No
 
 def ptdp_tflops(row: PtdpRow, prediction: Prediction) -> float:
     """Predicted TFLOP/s per GPU in the paper's count (eq. 3)."""
-    return ptdp_flops(prediction.config, row.batch) / prediction.step_s / row.gpus / 1e12
+    return ptdp_flops(prediction.run.model, row.batch) / prediction.step_s / row.gpus / 1e12
 
 
 def ptdp_predictions(cluster: Cluster = DGX_A100, repeats: int | None = None) -> dict[str, float]:

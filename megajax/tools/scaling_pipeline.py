@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megajax.config import RunSpec
 from megajax.parallel.pipeline import ticks as schedule_ticks
 from megajax.tools.memory_planner import head_bytes, layer_residual_bytes
 
@@ -89,15 +90,14 @@ def p2p_s(nbytes: float, tensor: int, pipeline: Pipeline, inter: bool, cluster) 
     return nbytes / tensor / bandwidth + latency + gather
 
 
-def megatron_activation_bytes(config, rows: int, tensor: int, pipeline: Pipeline) -> int:
-    """Megatron-LM's activation bytes on one stage for ``rows`` sequences cut into ``pipeline.microbatches``: the
-    residuals of L/(p v) layers for each chunk-microbatch in flight (``Pipeline.in_flight``), plus the larger of the
-    last stage's head on one microbatch and one recomputed layer, counted with the memory planner's terms (JAX's
-    residuals, half precision: an estimate of PyTorch's)."""
-    config = config.copy_and_resolve_references()  # a copy (ConfigDict(config) would share its sections)
-    config.train.precision = "bf16"
-    p, v, m = pipeline.stages, pipeline.repeats, config.model
+def megatron_activation_bytes(run: RunSpec, rows: int, pipeline: Pipeline) -> int:
+    """Megatron-LM's activation bytes on one stage of ``run``'s mesh for ``rows`` sequences cut into
+    ``pipeline.microbatches``: the residuals of L/(p v) layers for each chunk-microbatch in flight
+    (``Pipeline.in_flight``), plus the larger of the last stage's head on one microbatch and one recomputed layer,
+    counted with the memory planner's terms in the run's precision (JAX's residuals; in half precision, an estimate
+    of PyTorch's)."""
+    p, v, m = pipeline.stages, pipeline.repeats, run.model
     micro = rows // pipeline.microbatches
-    layers = pipeline.in_flight() * (m.num_layers // (p * v)) * layer_residual_bytes(config, micro, tensor, m.remat)
-    recompute = layer_residual_bytes(config, micro, tensor, "none") if m.remat in ("full", "save_dots") else 0
-    return layers + max(head_bytes(config, micro, tensor), recompute)
+    layers = pipeline.in_flight() * (m.num_layers // (p * v)) * layer_residual_bytes(run, micro, m.remat)
+    recompute = layer_residual_bytes(run, micro, "none") if m.remat in ("full", "save_dots") else 0
+    return layers + max(head_bytes(run, micro), recompute)

@@ -15,17 +15,18 @@ recommends the fastest one that fits, as train.py flags. Per mesh it chooses (``
   none of them is tried there.
 
 Each mesh's row is its fastest choice that fits (else the one needing least memory). The config's own mesh is not
-kept (``--pipe`` restricts the stages); the flags name all three axes, so a config with mesh.pipe > 1 takes them.
+kept (``--pipe`` restricts the stages): ``main`` resolves the config on one GPU without stages, and each candidate
+is that run placed on its mesh (``config.replanned``); the flags name all three axes, so a config with mesh.pipe > 1
+takes them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import ml_collections
-
 from megajax.cli import ArgumentParser, load_config
-from megajax.models import model_spec
+from megajax.config import RunSpec, resolve
+from megajax.models import TransformerConfig
 from megajax.tools.scaling import CLUSTERS, Cluster, GiB, Prediction, memory_bytes, predict
 from megajax.tools.scaling_layout import (
     choice_flags,
@@ -37,14 +38,14 @@ from megajax.tools.scaling_layout import (
 from megajax.tools.scaling_pipeline import Pipeline
 
 
-def candidate_meshes(config: ml_collections.ConfigDict, num_gpus: int, cluster: Cluster, global_batch: int,
+def candidate_meshes(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch: int,
                      micro_batch: int | None = None, pipe: int | None = None) -> list[tuple[int, int, int]]:
     """(pipe, data, model) factorizations of ``num_gpus`` with model parallelism within a node that the model allows
     (``scaling_layout.splits_evenly``: whole heads and equal hidden / MLP / vocabulary slices per shard), equal
     stages of whole layers, and the batch split evenly over ``data`` (and micro-batches). ``pipe``: only that many
     stages (None: every count that divides the layers)."""
-    out, layers = [], config.model.num_layers
-    fits = {t: splits_evenly(config, t) for t in range(1, min(num_gpus, cluster.gpus_per_node) + 1)}
+    out, layers = [], run.model.num_layers
+    fits = {t: splits_evenly(run, t) for t in range(1, min(num_gpus, cluster.gpus_per_node) + 1)}
     for stages in range(1, num_gpus + 1):
         if num_gpus % stages or layers % stages or (pipe is not None and stages != pipe):
             continue
@@ -65,29 +66,29 @@ SPLIT_CHOICES = ((False, False), (True, False), (True, True))  # (shard_optimize
 MAX_REPEATS = 8  # the circular schedule's chunks per stage the planner tries (every divisor of L/p up to this)
 
 
-def variants(config: ml_collections.ConfigDict, mesh: tuple[int, int], choose: bool,
-             pipe: int = 1) -> list[ml_collections.ConfigDict]:
-    """The config as given, or (``choose``) copies with every remat policy x sequence parallelism (model-parallel
+def variants(run: RunSpec, mesh: tuple[int, int], choose: bool, pipe: int = 1) -> list[RunSpec]:
+    """The run as given, or (``choose``) the run with every remat policy x sequence parallelism (model-parallel
     meshes whose t divides the sequence) x the state split over data (none, ZeRO-1, FSDP: data-parallel meshes)
-    that could run on ``mesh``. With ``pipe`` > 1 stages the step model does not cover sequence parallelism or FSDP
-    (megajax runs both under stages, FSDP gathering each stage's layers once per step: not modelled yet), so a
-    config that asks for them has no pipelined variant; ``save_dots`` keeps and recomputes what ``full`` does (so it
-    is not tried)."""
+    that could run on ``mesh`` (``with_choices``); a run whose sequence parallelism the mesh cannot split (t not
+    dividing the sequence) has none there, as ``config.validate`` refuses it. With ``pipe`` > 1 stages the step
+    model does not cover sequence parallelism or FSDP (megajax runs both under stages, FSDP gathering each stage's
+    layers once per step: not modelled yet), so a run that asks for them has no pipelined variant; ``save_dots``
+    keeps and recomputes what ``full`` does (so it is not tried)."""
+    data, tensor = mesh
+    splits_sequence = run.model.max_seq_len % tensor == 0
     if pipe > 1:
         if not choose:
-            _, sequence, _, fsdp = choices(config)
-            return [] if sequence or fsdp else [config]
-        return [with_choices(config, remat=r, sequence=False, shard_optimizer=z, fsdp=False)
-                for r in REMAT_CHOICES if r != "save_dots" for z in ((False, True) if mesh[0] > 1 else (False,))]
+            return [] if run.sequence or run.fsdp else [run]
+        return [with_choices(run, remat=r, sequence=False, shard_optimizer=z, fsdp=False)
+                for r in REMAT_CHOICES if r != "save_dots" for z in ((False, True) if data > 1 else (False,))]
     if not choose:
-        return [config]
-    data, tensor = mesh
-    return [with_choices(config, remat=r, sequence=sp, shard_optimizer=z, fsdp=f) for r in REMAT_CHOICES
-            for sp in ((False, True) if tensor > 1 and config.model.max_seq_len % tensor == 0 else (False,))
+        return [run] if splits_sequence or not run.sequence else []
+    return [with_choices(run, remat=r, sequence=sp, shard_optimizer=z, fsdp=f) for r in REMAT_CHOICES
+            for sp in ((False, True) if tensor > 1 and splits_sequence else (False,))
             for z, f in (SPLIT_CHOICES if data > 1 else SPLIT_CHOICES[:1])]
 
 
-def pipelines(config: ml_collections.ConfigDict, stages: int, rows: int) -> list[Pipeline]:
+def pipelines(model: TransformerConfig, stages: int, rows: int) -> list[Pipeline]:
     """The schedules the planner tries on ``stages`` stages for a layer-stack batch of ``rows`` sequences: GPipe and
     the circular schedule with every v up to ``MAX_REPEATS`` that splits the layers evenly, each at M = the smallest
     divisor of ``rows`` from p, 2p, 4p, ... up, and all ``rows`` (one sequence per microbatch); fewer than p only
@@ -100,11 +101,11 @@ def pipelines(config: ml_collections.ConfigDict, stages: int, rows: int) -> list
         counts.add(next(m for m in divisors if m >= want))
         want *= 2
     counts.add(rows)
-    repeats = [v for v in range(1, MAX_REPEATS + 1) if config.model.num_layers % (stages * v) == 0]
+    repeats = [v for v in range(1, MAX_REPEATS + 1) if model.num_layers % (stages * v) == 0]
     return [Pipeline(stages, m, v) for v in repeats for m in sorted(counts)]
 
 
-def recommend_mesh(config: ml_collections.ConfigDict, num_gpus: int, cluster: Cluster, global_batch: int,
+def recommend_mesh(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch: int,
                    micro_batch: int | None = None, grad_bytes: int = 4, choose: bool = False,
                    pipe: int | None = None) -> tuple[Prediction | None, list[Prediction]]:
     """(the fastest mesh that fits in HBM or None, one prediction per candidate mesh, fastest first).
@@ -113,17 +114,17 @@ def recommend_mesh(config: ml_collections.ConfigDict, num_gpus: int, cluster: Cl
     the model or the batch are not candidates; those over HBM are listed, never recommended. With stages, every
     schedule and microbatch count of ``pipelines`` is tried. ``choose``: besides the mesh, pick the remat policy,
     sequence parallelism and ZeRO-1 / FSDP (each mesh's row is its fastest choice that fits, else its least memory);
-    otherwise the config's own are kept."""
+    otherwise the run's own are kept."""
     table = []
-    for stages, data, tensor in candidate_meshes(config, num_gpus, cluster, global_batch, micro_batch, pipe):
+    for stages, data, tensor in candidate_meshes(run, num_gpus, cluster, global_batch, micro_batch, pipe):
         mesh = (data, tensor)
         rows = micro_batch or global_batch // data
         options = sorted((predict(c, mesh, global_batch, cluster, micro_batch, grad_bytes, memory=False, pipeline=pl)
-                          for pl in pipelines(config, stages, rows) for c in variants(config, mesh, choose, stages)),
+                          for pl in pipelines(run.model, stages, rows) for c in variants(run, mesh, choose, stages)),
                          key=lambda p: p.step_s)
         row = None
         for option in options:  # fastest first: the first that fits is the row; else the one needing least memory
-            need = memory_bytes(option.config, tensor, option.micro_batch, data, option.pipeline)
+            need = memory_bytes(option.run, tensor, option.micro_batch, data, option.pipeline)
             option = dataclasses.replace(option, memory_bytes=need, fits=need <= cluster.hbm_bytes)
             if option.fits:
                 row = option
@@ -142,7 +143,7 @@ def format_table(table: list[Prediction], best: Prediction | None) -> str:
              f"{'TFLOP/s':>8} {'MFU':>6} {'vs 1GPU':>7} {'GiB/GPU':>8} fits"]
     yes = lambda b: "yes" if b else "-"  # noqa: E731
     for p in table:
-        (remat, sequence, shard_optimizer, fsdp), pl = choices(p.config), p.pipeline
+        (remat, sequence, shard_optimizer, fsdp), pl = choices(p.run), p.pipeline
         zero = "3" if fsdp else "1" if shard_optimizer else "-"
         lines.append(f"{pl.stages:>4} {p.mesh[0]:>4}x{p.mesh[1]:<3} {_schedule(pl):>7} "
                      f"{pl.microbatches if pl.stages > 1 else '-':>4} {p.micro_batch:>5} {remat:>9} "
@@ -156,10 +157,10 @@ def format_table(table: list[Prediction], best: Prediction | None) -> str:
         pl = best.pipeline
         schedule = (f" ({pl.schedule}{f' v={pl.repeats}' if pl.repeats > 1 else ''}, {pl.microbatches} "
                     f"microbatches, bubble {pl.bubble():.1%})" if pl.stages > 1 else "")
-        remat, sequence, _, _ = choices(best.config)
+        remat, sequence, _, _ = choices(best.run)
         lines.append(f"recommendation: pipe={pl.stages} x data={best.mesh[0]} x model={best.mesh[1]}{schedule}, "
                      f"remat={remat}, sequence parallelism {'on' if sequence else 'off'}, "
-                     f"state split over data: {_split_name(best.config)}: {best.step_s:.3f} s/step, "
+                     f"state split over data: {_split_name(best.run)}: {best.step_s:.3f} s/step, "
                      f"{best.tflops_per_gpu:.1f} TFLOP/s per GPU\n  {flags(best)}")
     return "\n".join(lines)
 
@@ -168,16 +169,15 @@ def flags(prediction: Prediction) -> str:
     """The train.py flags of a prediction's mesh, schedule and choices."""
     pl, (data, tensor) = prediction.pipeline, prediction.mesh
     mesh = f"--config.mesh.pipe={pl.stages} --config.mesh.data={data} --config.mesh.model={tensor}"
-    return " ".join(f for f in (mesh, pl.flags(), choice_flags(prediction.config)) if f)
+    return " ".join(f for f in (mesh, pl.flags(), choice_flags(prediction.run)) if f)
 
 
 def _schedule(pipeline: Pipeline) -> str:
     return pipeline.schedule if pipeline.repeats == 1 else f"circ{pipeline.repeats}"
 
 
-def _split_name(config: ml_collections.ConfigDict) -> str:
-    _, _, shard_optimizer, fsdp = choices(config)
-    return "FSDP" if fsdp else "ZeRO-1" if shard_optimizer else "none"
+def _split_name(run: RunSpec) -> str:
+    return "FSDP" if run.fsdp else "ZeRO-1" if run.shard_optimizer else "none"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -194,17 +194,21 @@ def main(argv: list[str] | None = None) -> None:
                    "parallel.shard_optimizer and parallel.fsdp instead of choosing them per mesh")
     args = p.parse_args(argv)
     config = load_config(args.config)
-    if not model_spec(config.model.name).causal_lm:
+    # the plan places the model on each mesh itself: resolved here once, on one GPU without stages
+    config.mesh.update(pipe=1, data=1, model=1)
+    config.parallel.pipeline_repeats = 1
+    run = resolve(config, 1, training=False)
+    if not run.model_spec.causal_lm:
         raise SystemExit(f"error: the scaling model covers causal language models (GPT configs); {args.config} is "
-                         f"{config.model.name}")
+                         f"{run.model_name}")
     cluster = CLUSTERS[args.cluster]
     batch = args.global_batch or config.train.global_batch_size
     micro = args.micro_batch if args.micro_batch is not None else config.train.micro_batch_size
-    best, table = recommend_mesh(config, args.gpus, cluster, batch, micro or None, args.grad_bytes,
+    best, table = recommend_mesh(run, args.gpus, cluster, batch, micro or None, args.grad_bytes,
                                  choose=not args.keep_choices, pipe=args.pipe or None)
     if not table:
         raise SystemExit(f"error: no (pipe, data, model) mesh of {args.gpus} GPUs divides the layers, the heads and "
                          "the batch")
-    print(f"{args.config}: {parameters_per_gpu(config)[0]:,} parameters, {args.gpus} GPUs on {cluster.name}, "
+    print(f"{args.config}: {parameters_per_gpu(run)[0]:,} parameters, {args.gpus} GPUs on {cluster.name}, "
           f"global batch {batch}")
     print(format_table(table, best))

@@ -17,8 +17,8 @@ import jax
 from flax import nnx
 
 from megajax.checkpoint import CheckpointError, restore_params
-from megajax.config import RunSpec, describe_differences, model_differences, padded_vocab_size
-from megajax.config.load import in_layout, read_run_config
+from megajax.config import RunSpec, describe_differences, model_differences, stored_run
+from megajax.config.load import in_layout, read_run_config, read_stored_run
 from megajax.errors import ConfigError
 from megajax.models import MODELS
 
@@ -51,31 +51,32 @@ def check_init_from(spec: RunSpec) -> pathlib.Path:
     if not path.exists():
         raise FileNotFoundError(f"init_from={spec.init_from!r}: {path} does not exist; pass a pretraining run's "
                                 "workdir or one of its step directories")
-    trunk, stored = _trunk(spec), read_run_config(path)
-    saved = stored.model
-    if saved.name not in MODELS or not issubclass(MODELS[saved.name].module, trunk):
-        raise CheckpointError(f"init_from={spec.init_from!r} holds a model.name={saved.name!r} checkpoint: "
+    trunk, config = _trunk(spec), read_run_config(path)
+    name = config.model.name  # the family first: a section that is not its name's family's would not read as one
+    if name not in MODELS or not issubclass(MODELS[name].module, trunk):
+        raise CheckpointError(f"init_from={spec.init_from!r} holds a model.name={name!r} checkpoint: "
                               f"fine-tuning {spec.model_name} needs one whose model is a {trunk.__name__}")
+    saved = stored_run(config)
     if differences := model_differences(saved, spec, ignore=FREE_FIELDS):
         flags = " ".join(f"--config.model.{f}={ours}" for f, (ours, _) in differences.items())
         raise CheckpointError(f"init_from={spec.init_from!r} holds a trunk unlike this config's "
                               f"({describe_differences(differences)}); set {flags}")
-    rows = [padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by) for m in (saved, spec.model)]
-    if rows[0] != rows[1]:
-        raise CheckpointError(f"init_from={spec.init_from!r} has {rows[0]} embedding rows (vocab_size "
-                              f"{saved.vocab_size} padded to a multiple of {saved.make_vocab_size_divisible_by}), "
-                              f"this config {rows[1]}; set --config.model.make_vocab_size_divisible_by="
-                              f"{saved.make_vocab_size_divisible_by}")
-    theirs, ours = stored.data.tokenizer_fingerprint, spec.dataset.tokenizer_fingerprint
+    model = saved.model
+    if model.padded_vocab_size != spec.model.padded_vocab_size:
+        raise CheckpointError(f"init_from={spec.init_from!r} has {model.padded_vocab_size} embedding rows (vocab_size "
+                              f"{model.vocab_size} padded to a multiple of {model.make_vocab_size_divisible_by}), "
+                              f"this config {spec.model.padded_vocab_size}; set "
+                              f"--config.model.make_vocab_size_divisible_by={model.make_vocab_size_divisible_by}")
+    theirs, ours = saved.dataset.tokenizer_fingerprint, spec.dataset.tokenizer_fingerprint
     if theirs and ours and theirs != ours:  # same size, other words: every id would mean another token
         raise CheckpointError(f"init_from={spec.init_from!r} was pretrained with another vocabulary than "
                               f"data.tokenizer={spec.dataset.tokenizer!r} (tokenizer fingerprints {theirs} there, "
                               f"{ours} here): fine-tune with the tokenizer of its pretraining data")
     positional = set(spec.model_spec.sequence_rows) & set(trunk_keys(spec))  # rotary: none
-    if spec.model.max_seq_len > saved.max_seq_len and positional:
+    if spec.model.max_seq_len > model.max_seq_len and positional:
         raise CheckpointError(f"init_from={spec.init_from!r} has position embeddings for model.max_seq_len="
-                              f"{saved.max_seq_len}, fewer than this config's {spec.model.max_seq_len}; set "
-                              f"--config.model.max_seq_len to at most {saved.max_seq_len}")
+                              f"{model.max_seq_len}, fewer than this config's {spec.model.max_seq_len}; set "
+                              f"--config.model.max_seq_len to at most {model.max_seq_len}")
     return path
 
 
@@ -86,7 +87,7 @@ def load_trunk(spec: RunSpec, params_target: dict[str, Any]) -> dict[str, Any]:
     tokens from a 512-token BERT, as BERT's GLUE runs): the spec's ``sequence_rows``, whose rows follow the
     sequence."""
     path = check_init_from(spec)
-    target, saved = {k: params_target[k] for k in trunk_keys(spec)}, read_run_config(path)
+    target, saved = {k: params_target[k] for k in trunk_keys(spec)}, read_stored_run(path)
     positions = saved.model.max_seq_len
     cut = {k: target[k] for k in spec.model_spec.sequence_rows
            if k in target and target[k].shape[0] != positions}  # none with rotary positions

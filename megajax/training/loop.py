@@ -1,5 +1,7 @@
 """The training loop: config -> run description (``RunSpec``, resolved once at the top) -> mesh -> sharded state ->
-compiled step -> logged steps. Below ``train`` and ``setup`` every function reads the RunSpec or its parts."""
+compiled step -> logged steps. ``train`` and ``setup`` are the library's way in from a config (train.py, the
+tools and ``megajax.api`` call them): each resolves it once, then every function below reads the RunSpec or its
+parts, and a checkpoint's stored config as its ``StoredRun``."""
 
 from __future__ import annotations
 
@@ -25,14 +27,15 @@ from megajax.checkpoint import Checkpointer, CheckpointError, saved_steps
 from megajax.cli import input_paths
 from megajax.config import (
     RunSpec,
+    StoredRun,
     abstract_model_of,
     describe_differences,
     model_differences,
     resolve,
     run_model_factory,
-    stored_config,
+    stored_run,
 )
-from megajax.config.load import in_layout
+from megajax.config.load import in_layout, run_config
 from megajax.data.blend import BlendedBatches
 from megajax.data.gpt_dataset import split_by_documents, unigram_entropy
 from megajax.data.loader import Loader
@@ -70,7 +73,6 @@ ENTROPY_SAMPLE_TOKENS = 1 << 24  # tokens read for the logged unigram entropy
 class Run:
     """Everything a training run holds besides its state."""
 
-    config: ml_collections.ConfigDict | None  # the config ``setup`` was given, for the tools; None in ``train``
     spec: RunSpec
     mesh: Mesh
     abstract_state: TrainState  # ShapeDtypeStructs carrying the target shardings
@@ -109,7 +111,7 @@ def setup(config: ml_collections.ConfigDict, devices: list[jax.Device] | None = 
     that platform (``megajax.tools.gpu_target``). ``options``: XLA's compiler options (default: megajax's for the
     devices' platform, ``parallel.xla_options``)."""
     devices = list(jax.devices() if devices is None else devices)
-    return dataclasses.replace(setup_run(resolve(config, len(devices)), devices, options), config=config)
+    return setup_run(resolve(config, len(devices)), devices, options)
 
 
 def setup_run(spec: RunSpec, devices: list[jax.Device] | None = None, options: dict | None = None,
@@ -152,7 +154,7 @@ def setup_run(spec: RunSpec, devices: list[jax.Device] | None = None, options: d
     evaluate = Evaluator(objective_metrics(objective), graphdef, mesh, context,
                          in_shardings=(state_shardings.params, batch_shardings), out_shardings=replicated)
     num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
-    return Run(None, spec, mesh, abstract_state, batch_shardings, compiled, num_params, init_state, evaluate)
+    return Run(spec, mesh, abstract_state, batch_shardings, compiled, num_params, init_state, evaluate)
 
 
 def _bytes_per_device(tree) -> int:
@@ -207,16 +209,17 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> lis
     """
     stop = StopRequest.watch()  # train.py started watching already: a signal during start-up is caught too
     try:
-        return _checked_train(config, workdir, stop)
+        distributed.maybe_initialize()
+        spec = resolve(config, jax.device_count())  # config errors first, in milliseconds; the one resolve of the run
+        return _checked_train(spec, input_paths(config), workdir, stop)
     finally:
         stop.restore_handlers()
 
 
-def _checked_train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, stop: StopRequest) -> list[dict]:
-    distributed.maybe_initialize()
-    spec = resolve(config, jax.device_count())  # config errors first, in milliseconds; the one resolve of the run
-    model = abstract_model_of(spec)  # then the module's own (options its family does not have), before the workdir
-    workdir = claim_workdir(workdir, inputs=input_paths(config))  # never on, in or above its data, or a checkpoint
+def _checked_train(spec: RunSpec, inputs: list[str], workdir: str | pathlib.Path, stop: StopRequest) -> list[dict]:
+    """``train`` of a resolved run; ``inputs``: the files and folders it reads (``cli.input_paths``)."""
+    model = abstract_model_of(spec)  # the module's own checks (options its family does not have), before the workdir
+    workdir = claim_workdir(workdir, inputs=inputs)  # never on, in or above its data, or a checkpoint
     data = load_dataset(spec)  # data errors next, still before the workdir is touched
     spec = spec.with_tokenizer_fingerprint(tokenizer_fingerprint(data))  # stored with every checkpoint
     if spec.init_from and not saved_steps(workdir):
@@ -249,18 +252,18 @@ def _undone_on_failure(workdir: pathlib.Path, created: list[pathlib.Path]) -> It
         raise
 
 
-def _check_same_model(saved: ml_collections.ConfigDict, spec: RunSpec, step_dir: pathlib.Path) -> None:
+def _check_same_model(saved: StoredRun, spec: RunSpec, step_dir: pathlib.Path) -> None:
     """Refuses to resume a checkpoint of another model (another family, other sizes) before anything is built."""
-    if differences := model_differences(saved.model, spec):
+    if differences := model_differences(saved, spec):
         raise CheckpointError(
             f"{step_dir} holds another model than this config's ({describe_differences(differences)}): resume it with "
             "the config it was trained with (its config is stored beside it), or pass a different --workdir to start "
             "a new run; nothing was changed")
 
 
-def _check_same_tokenizer(saved: ml_collections.ConfigDict, fingerprint: str, step_dir: pathlib.Path) -> None:
+def _check_same_tokenizer(saved: StoredRun, fingerprint: str, step_dir: pathlib.Path) -> None:
     """Refuses to resume on data made with another vocabulary (the model would read every id as another token)."""
-    recorded = saved.data.tokenizer_fingerprint
+    recorded = saved.dataset.tokenizer_fingerprint
     if recorded and fingerprint and recorded != fingerprint:
         raise CheckpointError(
             f"{step_dir} was trained on data tokenized with another vocabulary than this run's data (tokenizer "
@@ -285,12 +288,12 @@ def _train_with(spec: RunSpec, model: nnx.Module, workdir: pathlib.Path, data, c
     latest = checkpointer.latest_step() if checkpointer else None
     # the step a resume reads (a restore_step that is not there is refused by resume, naming the steps there are)
     resume_dir = checkpointer.directory / str(restore_step or latest) if latest is not None else None
-    saved_config = saved_position = None
+    saved = saved_position = None
     if resume_dir is not None and resume_dir.is_dir():
-        saved_config, saved_position = checkpointer.stored(int(resume_dir.name))
-        saved_config = stored_config(saved_config)
-        _check_same_model(saved_config, spec, resume_dir)
-        _check_same_tokenizer(saved_config, spec.dataset.tokenizer_fingerprint, resume_dir)
+        stored, saved_position = checkpointer.stored(int(resume_dir.name))
+        saved = stored_run(run_config(stored))
+        _check_same_model(saved, spec, resume_dir)
+        _check_same_tokenizer(saved, spec.dataset.tokenizer_fingerprint, resume_dir)
     loader = make_loader(spec, "train", data)
     valid = make_loader(spec, "valid", data) if spec.train.eval_batches else None
     if latest is not None and (restore_step or latest) >= steps:
@@ -312,7 +315,7 @@ def _train_with(spec: RunSpec, model: nnx.Module, workdir: pathlib.Path, data, c
     init_from = spec.init_from
     if restored:
         state, _ = restored  # the loader already stands at the position saved with it
-        state = in_layout(state, saved_config, run.spec.layer_layout)
+        state = in_layout(state, saved, run.spec.layer_layout)
         if init_from and is_main:
             print(f"resuming from {checkpointer.directory}: init_from={init_from!r} is ignored (resume wins)",
                   file=sys.stderr)

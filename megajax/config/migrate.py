@@ -1,6 +1,7 @@
-"""Configs stored by older checkpoints, brought up to today's fields when they are read, so the code that reads a
-config never needs a fallback. Each entry is a field added after checkpoints were first written, with the value
-that reproduces what those checkpoints did."""
+"""Configs stored by older checkpoints, brought up to today's fields when they are read (``config.load``), so the
+code that reads a config never needs a fallback. Each entry is a field added after checkpoints were first written,
+with the value that reproduces what those checkpoints did. The checkpoint layer stores and returns the config as
+JSON; reading it as a config is this layer's."""
 
 from __future__ import annotations
 
@@ -31,10 +32,11 @@ SHARED_MODEL_FIELDS = {"post_layernorm": False, "num_token_types": 0, "num_class
 SEQUENCE_PARALLEL_RULE = ("seq_sp", None)  # the residual stream's sequence name, replicated unless parallel.sequence
 
 
-def migrate_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """``config`` (as stored with a checkpoint) with every field of ``ADDED_FIELDS`` it lacks set to its old
-    meaning, and the sequence-parallel rule added to sharding rules stored before it existed."""
-    config = ml_collections.ConfigDict(config.to_dict())
+def migrate_config(stored: dict) -> ml_collections.ConfigDict:
+    """The config stored with a checkpoint (its JSON as a dict: ``checkpoint.read_config``) with every field of
+    ``ADDED_FIELDS`` it lacks set to its old meaning, and the sequence-parallel rule added to sharding rules stored
+    before it existed."""
+    config = ml_collections.ConfigDict(stored)  # new sections: ``stored`` is left as it was
     for (section, field), value in ADDED_FIELDS.items():
         if section is not None and section not in config:
             config[section] = ml_collections.ConfigDict()
