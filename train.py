@@ -6,7 +6,7 @@
     python train.py --config=finetune.py:mnli,336m --config.init_from=runs/bert_336m ...
 
 ``--mesh=DATAxMODEL`` sets ``config.mesh`` (the spelling every megajax command takes; ``PIPExDATAxMODEL`` adds
-pipeline stages); ``--cpu_devices=N`` simulates N devices on a CPU host.
+pipeline stages, a trailing ``,expert=E`` expert shards); ``--cpu_devices=N`` simulates N devices on a CPU host.
 """
 
 import signal
@@ -52,7 +52,8 @@ def define_flags() -> None:
     config_flags.DEFINE_config_file("config", resolve_config_path(DEFAULT_CONFIG),
                                     "config file (path or bare name in configs/)")
     flags.DEFINE_string("workdir", "workdir", "where metrics, TensorBoard events and checkpoints go")
-    flags.DEFINE_string("mesh", None, "DATAxMODEL, e.g. 4x2 (or PIPExDATAxMODEL, e.g. 2x2x2): sets config.mesh")
+    flags.DEFINE_string("mesh", None, "DATAxMODEL, e.g. 4x2 (or PIPExDATAxMODEL, e.g. 2x2x2), optionally ,expert=E "
+                        "(e.g. 4x1,expert=2: a mixture of experts' experts over E shards): sets config.mesh")
     flags.DEFINE_integer("cpu_devices", 0, "simulate this many devices on a CPU host (0: the real devices)")
 
 

@@ -109,8 +109,15 @@ def parse_mesh(text: str) -> tuple[int, int]:
 
 
 def apply_mesh(config: ml_collections.ConfigDict, text: str) -> None:
-    """Sets ``config.mesh`` from ``"DATAxMODEL"`` or ``"PIPExDATAxMODEL"`` (pipeline stages outermost)."""
-    parts = str(text).lower().split("x")
+    """Sets ``config.mesh`` from ``"DATAxMODEL"`` or ``"PIPExDATAxMODEL"`` (pipeline stages outermost), either
+    followed by ``",expert=E"`` (a mixture of experts' experts split over E expert shards, e.g. ``4x1,expert=2``)."""
+    shape, _, rest = str(text).lower().partition(",")
+    if rest:
+        key, _, value = rest.partition("=")
+        if key.strip() != "expert" or not value.strip().isdigit():
+            raise ConfigError(f"--mesh={text}: after the shape give ',expert=E', e.g. --mesh=4x1,expert=2")
+        config.mesh.expert = int(value)
+    parts = shape.split("x")
     if len(parts) == 3:
         try:
             config.mesh.pipe = int(parts[0])

@@ -22,10 +22,10 @@ from megajax.parallel.sharding import make_mesh
 
 
 def build_mesh(config: ml_collections.ConfigDict, devices: list[jax.Device] | None = None) -> Mesh:
-    """The (data, model) mesh of ``config.mesh``, after ``validate``."""
+    """The mesh of ``config.mesh``, after ``validate``."""
     devices = list(jax.devices() if devices is None else devices)
     dp, tp = validate(config, len(devices))
-    return make_mesh(dp, tp, devices, pipe=config.mesh.pipe)
+    return make_mesh(dp, tp, devices, pipe=config.mesh.pipe, expert=config.mesh.expert)
 
 
 def model_factory(config: ml_collections.ConfigDict) -> Callable[[int], nnx.Module]:

@@ -48,7 +48,9 @@ def base_config(model: str = GPT) -> ml_collections.ConfigDict:
     # into parallel.pipeline_microbatches microbatches; parallel.pipeline_repeats = 1 is GPipe (each stage holds
     # contiguous layers), v > 1 the circular schedule (each stage holds v chunks; with M >= pipe the bubble's time
     # shrinks v-fold)
-    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, pipe=1))
+    # expert > 1: expert parallelism (a mixture-of-experts model's experts split over `expert` shards, which are data
+    # shards for every other layer: the batch is split over data x expert)
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, pipe=1, expert=1))
     c.sharding = ml_collections.ConfigDict(dict(rules=MEGATRON_RULES))
     # beyond the paper: shard_optimizer (ZeRO-1, Megatron's distributed optimizer) splits AdamW's moments over
     # `data` too; the parameters stay replicated over it (the step all-gathers their updated shards). sequence

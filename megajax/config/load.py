@@ -17,7 +17,6 @@ from megajax.config.migrate import migrate_config
 from megajax.config.resolve import RunSpec, StoredRun, resolve, stored_config, stored_run
 from megajax.models.transformer import reorder_layers
 from megajax.parallel.partition import shardings
-from megajax.parallel.sharding import make_mesh
 
 
 class LoadedModel(NamedTuple):
@@ -44,29 +43,30 @@ def read_stored_run(path: str | pathlib.Path) -> StoredRun:
     return stored_run(read_run_config(path))
 
 
-def inference_config(path: str | pathlib.Path, data: int | None = None,
-                     model: int | None = None) -> ml_collections.ConfigDict:
+def inference_config(path: str | pathlib.Path, data: int | None = None, model: int | None = None,
+                     expert: int | None = None) -> ml_collections.ConfigDict:
     """The config stored with a checkpoint, set up for inference on the current devices: ``mesh.model`` as saved,
     or its largest divisor that the devices here hold (a checkpoint of a 1x2 run evaluates on one device), or
-    ``model``; every remaining device on ``data`` (or ``data``); no pipeline stages; sequence parallelism off (it
-    saves training memory, and a decoding step of one token has no sequence to split; the parameters are laid out
-    the same)."""
+    ``model``; ``mesh.expert`` likewise (a mixture of experts'); every remaining device on ``data`` (or ``data``);
+    no pipeline stages; sequence parallelism off (it saves training memory, and a decoding step of one token has no
+    sequence to split; the parameters are laid out the same)."""
     config = read_run_config(path)
     config.parallel.sequence = False
     config.mesh.pipe = 1  # inference runs on data x model (a pipelined run's stages are one resharding away)
     config.parallel.pipeline_repeats = 1
     config.mesh.data = -1 if data is None else data
-    if model is None:  # a divisor of the saved split keeps every divisibility the saved run had
-        devices = jax.device_count() // data if data else jax.device_count()
-        model = max(t for t in range(1, config.mesh.model + 1) if config.mesh.model % t == 0 and devices % t == 0)
-    config.mesh.model = model
+    devices = jax.device_count() // data if data else jax.device_count()
+    # a divisor of the saved split keeps every divisibility the saved run had
+    divisor = lambda saved, room: max(t for t in range(1, saved + 1) if saved % t == 0 and room % t == 0)  # noqa: E731
+    config.mesh.model = divisor(config.mesh.model, devices) if model is None else model
+    config.mesh.expert = divisor(config.mesh.expert, devices // config.mesh.model) if expert is None else expert
     return config
 
 
 def restore_model(path: str | pathlib.Path, config: ml_collections.ConfigDict) -> LoadedModel:
     """The checkpoint at ``path`` on the mesh of ``config`` (``inference_config``), digests verified."""
     spec = resolve(config, jax.device_count(), training=False)
-    mesh = make_mesh(spec.data, spec.tensor, pipe=spec.pipe)
+    mesh = spec.make_mesh()
     graphdef, abstract = nnx.split(abstract_model(config))
     target_shardings = nnx.to_pure_dict(shardings(abstract, mesh, spec.rules))
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -82,15 +82,16 @@ def in_layout(tree: Any, saved: StoredRun, layout: tuple[int, int]) -> Any:
     return reorder_layers(tree, saved.layer_layout, layout)
 
 
-def load_model(path: str | pathlib.Path, *, data: int | None = None, model: int | None = None) -> LoadedModel:
+def load_model(path: str | pathlib.Path, *, data: int | None = None, model: int | None = None,
+               expert: int | None = None) -> LoadedModel:
     """Loads any megajax checkpoint onto the current devices: ``(model, spec, mesh)``.
 
     ``path`` (absolute or relative) is a training workdir, its ``checkpoints/`` directory, one step of it, or a
-    params-only export. The mesh defaults to the checkpoint's ``mesh.model`` and all remaining devices on
-    ``data``; parameters are read straight into that layout and checked against their digests. Sequence
-    parallelism is off: inference does not split the sequence.
+    params-only export. The mesh defaults to the checkpoint's ``mesh.model`` (and a mixture of experts'
+    ``mesh.expert``) and all remaining devices on ``data``; parameters are read straight into that layout and
+    checked against their digests. Sequence parallelism is off: inference does not split the sequence.
     """
-    return restore_model(path, inference_config(path, data, model))
+    return restore_model(path, inference_config(path, data, model, expert))
 
 
 def load_model_and_config(path: str | pathlib.Path, *, data: int | None = None,

@@ -19,6 +19,7 @@ ADDED_FIELDS = {
     ("parallel", "pipeline_microbatches"): 0,
     ("parallel", "pipeline_repeats"): 1,
     ("mesh", "pipe"): 1,
+    ("mesh", "expert"): 1,
     ("checkpoint", "restore_step"): 0,
     ("train", "precision"): "auto",
     ("data", "blend"): "",

@@ -15,7 +15,9 @@ import dataclasses
 import json
 from typing import Any
 
+import jax
 import ml_collections
+from jax.sharding import Mesh
 
 from megajax.checkpoint.manager import CheckpointSettings
 from megajax.config.defaults import with_model_defaults
@@ -24,11 +26,14 @@ from megajax.data.settings import DataSettings
 from megajax.errors import ConfigError, ShardingConfigError
 from megajax.models import MODELS, ModelSpec, TransformerConfig, model_spec, task_models
 from megajax.parallel.sharding import (
-    MESH_AXES,
+    EXPERT_AXIS,
     PIPE_AXIS,
     SEQUENCE_PARALLEL_NAME,
     ParallelContext,
     Rules,
+    entry_axes,
+    make_mesh,
+    mesh_axes,
     resolve_mesh_shape,
 )
 
@@ -39,8 +44,6 @@ def resolve_precision(precision: str) -> str:
     """'auto' is bf16 on GPU/TPU and fp32 on CPU."""
     if precision != "auto":
         return precision
-    import jax
-
     return "fp32" if jax.default_backend() == "cpu" else "bf16"
 
 
@@ -109,7 +112,9 @@ def describe_differences(differences: dict[str, tuple[Any, Any]]) -> str:
 def rules_of(config: ml_collections.ConfigDict) -> Rules:
     """The logical-axis rules as a hashable tuple of pairs, with targets checked against the mesh axes.
 
-    ``parallel.sequence`` maps the residual stream's sequence (``seq_sp``) to ``model``.
+    ``parallel.sequence`` maps the residual stream's sequence (``seq_sp``) to ``model``; ``mesh.expert`` > 1 the
+    stacked experts to ``expert`` and the batch to its axes and ``expert`` (expert parallelism inside data
+    parallelism: outside the experts, the expert shards are data shards).
     """
     rules = tuple((str(k), None if v is None else str(v)) for k, v in config.sharding.rules)
     if config.parallel.sequence:
@@ -119,11 +124,14 @@ def rules_of(config: ml_collections.ConfigDict) -> Rules:
     except ValueError as e:
         raise ConfigError(str(e)) from e
     rules = tuple((k, overrides.get(k, v)) for k, v in rules)
-    axes = MESH_AXES
     if config.mesh.pipe > 1:  # pipeline stages own contiguous layers of the stacked blocks
-        rules, axes = tuple((k, PIPE_AXIS if k == "layers" else v) for k, v in rules), (PIPE_AXIS, *MESH_AXES)
+        rules = tuple((k, PIPE_AXIS if k == "layers" else v) for k, v in rules)
+    if config.mesh.expert > 1:
+        rules = tuple((k, EXPERT_AXIS if k == "experts" else (*entry_axes(v), EXPERT_AXIS) if k == "batch" else v)
+                      for k, v in rules)
+    axes = mesh_axes(config.mesh.pipe, config.mesh.expert)
     for name, axis in rules:
-        if axis is not None and axis not in axes:
+        if any(a not in axes for a in entry_axes(axis)):
             raise ShardingConfigError(f"sharding rule ({name!r}, {axis!r}) names no mesh axis; use one of "
                                       f"{axes} or None")
     return rules
@@ -159,7 +167,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     if cfg.ffn_size % tp:
         raise ConfigError(f"the MLP width {cfg.ffn_size} is not divisible by mesh.model={tp}")
     try:
-        cfg.kv_replicated(tp)
+        cfg.check_mesh(tp, config.mesh.pipe, config.mesh.expert)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     padded = cfg.padded_vocab_size
@@ -172,7 +180,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
                           f"{cfg.max_seq_len} is not divisible by it: make max_seq_len a multiple of {tp}, pick "
                           f"mesh.model from its divisors, or set parallel.sequence=False")
     _check_pipeline(config)
-    dp, tp = resolve_mesh_shape(dp, tp, num_devices, config.mesh.pipe)
+    dp, tp = resolve_mesh_shape(dp, tp, num_devices, config.mesh.pipe, config.mesh.expert)
     rules_of(config)
     if config.checkpoint.keep < 0:
         raise ConfigError(f"checkpoint.keep={config.checkpoint.keep}; use 0 to keep every checkpoint or K > 0 "
@@ -358,6 +366,7 @@ class RunSpec:
     sequence: bool = False  # sequence parallelism: the residual stream's sequence split over `model` (in ``rules``)
     fsdp: bool = False  # ZeRO-3: parameters (and so gradients and moments) also split over `data`
     pipe: int = 1  # pipeline stages (mesh.pipe)
+    expert: int = 1  # expert shards (mesh.expert): a mixture of experts' experts split, the batch too
     pipeline_microbatches: int = 0  # microbatches per pipelined batch (0: pipe of them)
     pipeline_repeats: int = 1  # chunks of layers per stage (1: GPipe; more: the circular schedule)
     train: TrainSettings | None = None
@@ -377,6 +386,10 @@ class RunSpec:
         return dataclasses.replace(self, dataset=dataclasses.replace(self.dataset, tokenizer_fingerprint=fingerprint),
                                    config_json=json.dumps(stored))
 
+    def make_mesh(self, devices: list[jax.Device] | None = None) -> Mesh:
+        """The run's mesh over ``devices`` (default: this host's)."""
+        return make_mesh(self.data, self.tensor, devices, pipe=self.pipe, expert=self.expert)
+
     @property
     def layer_layout(self) -> tuple[int, int]:
         """(stages, repeats): how the stacked layers are ordered in memory (``pipeline.layer_order``)."""
@@ -389,8 +402,8 @@ class RunSpec:
 
     @property
     def micro_batch(self) -> int:
-        """Sequences per data shard per accumulation step."""
-        return self.global_batch // (self.data * self.num_micro)
+        """Sequences per data shard (data x expert shards) per accumulation step."""
+        return self.global_batch // (self.data * self.expert * self.num_micro)
 
     @property
     def parallel_context(self) -> ParallelContext:
@@ -428,7 +441,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, training: bool 
     """Validates a config against ``num_devices`` and resolves every derived fact once. ``training=False`` (a model
     loaded for inference) skips the fields only training reads; the batch is then the config's, in one step."""
     dp, tp = validate(config, num_devices)
-    num_micro = validate_training(config, dp) if training else 1
+    num_micro = validate_training(config, dp * config.mesh.expert) if training else 1
     if training:
         _check_pipeline_microbatches(config, config.train.global_batch_size // (dp * num_micro))
     shard_optimizer, fsdp = state_split(config)
@@ -439,7 +452,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, training: bool 
                    tensor=tp, precision=resolve_precision(config.train.precision),
                    global_batch=config.train.global_batch_size, num_micro=num_micro,
                    shard_optimizer=shard_optimizer, sequence=sequence_parallel(config), fsdp=fsdp,
-                   pipe=config.mesh.pipe,
+                   pipe=config.mesh.pipe, expert=config.mesh.expert,
                    pipeline_microbatches=config.parallel.pipeline_microbatches,
                    pipeline_repeats=config.parallel.pipeline_repeats, dataset=data_settings(config),
                    config_json=with_model_defaults(config).to_json(), **run)
@@ -453,7 +466,7 @@ def replanned(run: RunSpec, changes: dict[str, Any], num_devices: int | None = N
     takes; ``mesh.data=-1`` then keeps the run's device count). ConfigError as ``resolve`` raises it."""
     config = ml_collections.ConfigDict(json.loads(run.config_json))
     m = config.mesh
-    m.data, m.model, m.pipe = run.data, run.tensor, run.pipe
+    m.data, m.model, m.pipe, m.expert = run.data, run.tensor, run.pipe, run.expert
     for dotted, value in changes.items():
         *sections, field = dotted.split(".")
         parent = config
@@ -462,7 +475,7 @@ def replanned(run: RunSpec, changes: dict[str, Any], num_devices: int | None = N
         if field not in parent:
             raise ConfigError(f"{dotted} is not a config field")
         parent[field] = value
-    devices = run.data * run.tensor * run.pipe if m.data == -1 else m.pipe * m.data * m.model
+    devices = run.data * run.tensor * run.pipe * run.expert if m.data == -1 else m.pipe * m.data * m.expert * m.model
     return resolve(config, devices if num_devices is None else num_devices, training)
 
 

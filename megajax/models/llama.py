@@ -167,14 +167,15 @@ def fused_columns(x: jax.Array, params: tuple[jax.Array, ...], prepare: Callable
 class RMSNorm(nnx.Module):
     """``x / rms(x) * scale`` with a replicated scale; the statistic in fp32 whatever the compute dtype."""
 
-    def __init__(self, features: int, *, eps: float, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.eps, self.dtype = eps, dtype
-        self.scale = make_param(rngs, nnx.initializers.ones, (features,), ("embed",))
+    def __init__(self, features: int, *, eps: float, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 names: tuple[str] = ("embed",)):
+        self.eps, self.dtype, self.names = eps, dtype, names
+        self.scale = make_param(rngs, nnx.initializers.ones, (features,), names)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = (x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)).astype(self.dtype)
-        return normed * param_at_use(self.scale[...], ("embed",)).astype(self.dtype)
+        return normed * param_at_use(self.scale[...], self.names).astype(self.dtype)
 
 
 def kv_copies(cfg: LlamaConfig) -> int:
@@ -226,20 +227,24 @@ class Attention(nnx.Module):
         kv_copies, D), extended at ``index`` and read whole (the mask hides what is not there yet)."""
         names = ("batch", "seq", "heads", "head_dim")
         positions = index + jnp.arange(x.shape[1])
-        inv_freq = rope_frequencies(self.cfg)
         b, s, _ = x.shape
         q, kv = fused_columns(x, (self.q.kernel[...], self.kv.kernel[...]),
                               lambda q, kv: (param_at_use(q, self.q.names), self.kv.kernel_at_use(kv)), "heads",
                               self.cfg.compute_dtype)
-        q = constrain(rotate(q.reshape(b, s, *self.q.kernel.shape[-2:]), positions, inv_freq), names)
         kv = kv.reshape(b, s, -1, 2, self.cfg.head_dim)  # (B, S, kv_copies, 2, D)
-        k = constrain(rotate(kv[:, :, :, 0], positions, inv_freq), names)
-        v = constrain(kv[:, :, :, 1], names)
+        q, k = self.positioned(q.reshape(b, s, *self.q.kernel.shape[-2:]), kv[:, :, :, 0], positions)
+        q, k, v = constrain(q, names), constrain(k, names), constrain(kv[:, :, :, 1], names)
         if cache is not None:
             k, v = (constrain(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), index, axis=1), names)
                     for c, new in zip(cache, (k, v)))
             cache = (k, v)
         return self.out(selective(attention_core, self.cfg.remat)(q, k, v, mask, key, self.rate)), cache
+
+    def positioned(self, q: jax.Array, k: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The queries and keys (B, S, heads, D) at ``positions`` (S,): rotated (a family that normalises each
+        head first, as Qwen3, does so here)."""
+        inv_freq = rope_frequencies(self.cfg)
+        return rotate(q, positions, inv_freq), rotate(k, positions, inv_freq)
 
 
 class SwiGLU(nnx.Module):
@@ -288,6 +293,11 @@ class Llama(CausalDecoder):
         return kv_copies(self.cfg)
 
     def _forward(self, tokens, dropout_key, cache, index):
+        return self._logits(tokens, dropout_key, cache, index)
+
+    def _logits(self, tokens: jax.Array, dropout_key: jax.Array | None, cache, index: jax.Array | int):
+        """(logits, what the blocks return beside their output, stacked over the layers: the key/value cache for
+        Llama's blocks, which ``_forward`` returns)."""
         cfg = self.cfg
         b, s = tokens.shape
         tokens = self._tokens(tokens)
@@ -296,11 +306,11 @@ class Llama(CausalDecoder):
         x = constrain(dropout(self.wte(tokens, rows), cfg.dropout, k_emb), RESIDUAL)
         kv_len = s if cache is None else cache[0].shape[2]
         mask = causal_mask(index + jnp.arange(s), kv_len)  # (1, 1, S, S_kv)
-        x, cache = run_blocks(self.blocks, cfg, x, mask, k_layers, cache, index)
+        x, layers_out = run_blocks(self.blocks, cfg, x, mask, k_layers, cache, index)
         head = self.wte if self.lm_head is None else self.lm_head
         head_rows = rows if self.lm_head is None else self.lm_head.replica_rows(b)
         logits = head.attend(self.ln_f(x), head_rows)  # (B, S, V_padded)
-        return mask_padded_vocab(logits, cfg.vocab_size), cache
+        return mask_padded_vocab(logits, cfg.vocab_size), layers_out
 
 
 def flops(cfg: LlamaConfig, rows: int, seq: int) -> float:

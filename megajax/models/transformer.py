@@ -102,6 +102,14 @@ class TransformerConfig:
         each kind per query head (the shards hold whole heads); Llama's grouped heads can be fewer than shards."""
         return False
 
+    def check_mesh(self, tensor: int, pipe: int, expert: int) -> None:
+        """ValueError where the model cannot run on ``tensor`` model shards, ``pipe`` stages and ``expert`` expert
+        shards (beyond the trunk's divisibility, which ``config.resolve.validate`` checks)."""
+        self.kv_replicated(tensor)
+        if expert > 1:
+            raise ValueError(f"mesh.expert={expert} splits a mixture-of-experts model's experts, and this model has "
+                             "none: set mesh.expert=1")
+
     def rule_overrides(self, tp: int) -> dict[str, str | None]:
         """Logical names the rules must leave unsplit on ``tp`` model shards (none here; Llama's replicated
         key/value heads)."""
@@ -341,7 +349,9 @@ def run_blocks(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask: j
                cache: KVCache | None = None, index: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
     """Runs the stacked blocks over ``x`` (B, S, H) with ``nnx.scan`` (each step under ``remat.layer_step``); on a
     mesh with pipeline stages, the same scan as a pipeline's stages (``pipeline.run_stack``; not for incremental
-    decoding). Layer ``i`` draws its dropout from the ``i``-th of ``cfg.num_layers`` splits of ``dropout_key``."""
+    decoding). Layer ``i`` draws its dropout from the ``i``-th of ``cfg.num_layers`` splits of ``dropout_key``.
+    Returns the output and what each block returns beside its own (its key/value cache; a mixture-of-experts block
+    adds its routing statistics), stacked over the layers (None under pipeline stages)."""
     layer_keys = None if dropout_key is None else jax.random.split(dropout_key, cfg.num_layers)
     if pipeline.stages() > 1 and cache is None:
         def scan_layers(blocks: nnx.Module, h: jax.Array, mask: jax.Array, keys: jax.Array | None,

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -26,6 +27,9 @@ Rules = tuple[tuple[str, str | None], ...]
 
 MESH_AXES = ("data", "model")
 PIPE_AXIS = "pipe"  # pipeline stages (mesh.pipe > 1): outermost, so a stage may span hosts while `model` stays in one
+# expert parallelism (mesh.expert > 1): a mixture-of-experts layer's experts split over it, every other layer's
+# batch split over `data` and it together; between them, so `model` stays the innermost (fastest) axis
+EXPERT_AXIS = "expert"
 SEQUENCE_PARALLEL_NAME = "seq_sp"  # the residual stream's sequence axis
 
 # Megatron-LM (Shoeybi et al. 2019, Section 3) as a rules table.
@@ -46,6 +50,7 @@ MEGATRON_RULES: Rules = (
     ("qkv", None),
     ("head_dim", None),
     ("mlp", "model"),  # MLP-up columns / MLP-down rows
+    ("experts", None),  # a mixture-of-experts layer's stacked experts: each shard holds every expert's `mlp` slice
     ("layers", None),  # the stacked-layer axis of scanned blocks
     ("embed_out", None),  # output side of the small replicated h -> h heads (pooler, MLM transform)
     ("classes", None),  # classifier outputs (SOP, task heads)
@@ -79,43 +84,61 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> P:
     return P(*axes)
 
 
-def resolve_mesh_shape(data: int, model: int, num_devices: int, pipe: int = 1) -> tuple[int, int]:
-    """(data, model) with ``data=-1`` resolved to all devices left after ``pipe`` x ``model``; checked against the
-    devices, the messages naming the whole mesh as ``--mesh`` spells it (PIPExDATAxMODEL when ``pipe`` > 1)."""
+def resolve_mesh_shape(data: int, model: int, num_devices: int, pipe: int = 1, expert: int = 1) -> tuple[int, int]:
+    """(data, model) with ``data=-1`` resolved to all devices left after ``pipe`` x ``expert`` x ``model``; checked
+    against the devices, the messages naming the whole mesh as ``--mesh`` spells it."""
     if model < 1:
         raise ShardingConfigError(f"mesh.model must be >= 1, got {model}")
     if pipe < 1:
         raise ShardingConfigError(f"mesh.pipe must be >= 1 (1: no pipeline), got {pipe}")
+    if expert < 1:
+        raise ShardingConfigError(f"mesh.expert must be >= 1 (1: no expert parallelism), got {expert}")
+    others = pipe * expert * model
     if data == -1:
-        if num_devices % (pipe * model):
-            axes = f"mesh.pipe={pipe} x mesh.model={model}" if pipe > 1 else f"mesh.model={model}"
+        if num_devices % others:
+            axes = " x ".join(f"mesh.{n}={v}" for n, v in (("pipe", pipe), ("expert", expert), ("model", model))
+                              if v > 1 or n == "model")
             raise ShardingConfigError(f"{axes} does not divide the {num_devices} devices present; set mesh.data, "
                                       "or pick sizes whose product divides them")
-        data = num_devices // (pipe * model)
+        data = num_devices // others
     if data < 1:
         raise ShardingConfigError(f"mesh.data must be >= 1 or -1, got {data}")
-    if pipe * data * model > num_devices:
-        shape, axes = (f"{pipe}x{data}x{model}", " (pipe x data x model)") if pipe > 1 else (f"{data}x{model}", "")
-        raise ShardingConfigError(f"mesh {shape}{axes} needs {pipe * data * model} devices but {num_devices} are "
-                                  "present; lower a mesh size (on a CPU host, --cpu_devices simulates more)")
+    if data * others > num_devices:
+        raise ShardingConfigError(f"mesh {mesh_spelling(data, model, pipe, expert)} needs {data * others} devices "
+                                  f"but {num_devices} are present; lower a mesh size (on a CPU host, --cpu_devices "
+                                  "simulates more)")
     return data, model
 
 
-def make_mesh(data: int, model: int, devices: Sequence[jax.Device] | None = None, pipe: int = 1) -> Mesh:
-    """A ``Mesh(('data', 'model'))``; ``data=-1`` takes all devices left after ``model`` (and ``pipe``). With
-    ``pipe`` > 1 a ``Mesh(('pipe', 'data', 'model'))``, ``pipe`` outermost (``megajax.parallel.pipeline``); with 1
-    the mesh, so the compiled step, is the two-axis one.
+def mesh_spelling(data: int, model: int, pipe: int = 1, expert: int = 1) -> str:
+    """The mesh as ``--mesh`` spells it: DATAxMODEL, PIPExDATAxMODEL with stages (named so), ``,expert=E`` with
+    experts split."""
+    shape = f"{pipe}x{data}x{model} (pipe x data x model)" if pipe > 1 else f"{data}x{model}"
+    return shape + (f",expert={expert}" if expert > 1 else "")
+
+
+def mesh_axes(pipe: int = 1, expert: int = 1) -> tuple[str, ...]:
+    """The mesh's axis names: ('data', 'model'), with 'pipe' first where there are stages and 'expert' after
+    'data' where experts are split (an axis of size 1 is left out, so such a mesh compiles as it did without)."""
+    return (*((PIPE_AXIS,) if pipe > 1 else ()), "data", *((EXPERT_AXIS,) if expert > 1 else ()), "model")
+
+
+def make_mesh(data: int, model: int, devices: Sequence[jax.Device] | None = None, pipe: int = 1,
+              expert: int = 1) -> Mesh:
+    """A ``Mesh(('data', 'model'))``; ``data=-1`` takes all devices left after the other axes. With ``pipe`` > 1
+    'pipe' comes first (outermost, ``megajax.parallel.pipeline``), with ``expert`` > 1 'expert' between 'data' and
+    'model' (``mesh_axes``); with both 1 the mesh, so the compiled step, is the two-axis one.
 
     Axes are ``Auto``: XLA's SPMD partitioner propagates shardings from the parameters and the few activations we
     pin, which is how Megatron's f/g all-reduces appear without hand-written collectives.
     """
     devices = list(jax.devices() if devices is None else devices)
-    data, model = resolve_mesh_shape(data, model, len(devices), pipe)
-    if pipe == 1:
-        grid = np.asarray(devices[: data * model]).reshape(data, model)
-        return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 2)
-    grid = np.asarray(devices[: pipe * data * model]).reshape(pipe, data, model)
-    return Mesh(grid, (PIPE_AXIS, *MESH_AXES), axis_types=(AxisType.Auto,) * 3)
+    data, model = resolve_mesh_shape(data, model, len(devices), pipe, expert)
+    axes = mesh_axes(pipe, expert)
+    sizes = {PIPE_AXIS: pipe, "data": data, EXPERT_AXIS: expert, "model": model}
+    shape = tuple(sizes[a] for a in axes)
+    grid = np.asarray(devices[: math.prod(shape)]).reshape(shape)
+    return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
 
 
 def entry_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -329,10 +352,15 @@ def axis_of(name: str) -> str | None:
     return dict(rules).get(name)
 
 
-def on_shards(fn: Callable[..., jax.Array], args: Sequence[jax.Array], names: Sequence[Sequence[str | None]],
-              out_names: Sequence[str | None]) -> jax.Array:
+def _names_leaf(x: object) -> bool:
+    return isinstance(x, tuple) and all(isinstance(n, str | None) for n in x)
+
+
+def on_shards(fn: Callable[..., Any], args: Sequence[jax.Array], names: Sequence[Sequence[str | None]],
+              out_names: Any) -> Any:
     """``fn`` run on each device's blocks of ``args`` (laid out by their logical ``names`` under the active rules),
-    its per-device result assembled by ``out_names``: a ``shard_map`` over the whole mesh.
+    its per-device result assembled by ``out_names`` (a tuple of names, or a pytree of them for a pytree result;
+    ``()``: a replicated scalar): a ``shard_map`` over the whole mesh.
 
     For the collectives XLA's partitioner does not choose by itself: given a partial sum to lay out split (a
     reduce-scatter), the SPMD partitioner all-reduces and slices; XLA's GPU pipeline rewrites that pair into a
@@ -340,5 +368,5 @@ def on_shards(fn: Callable[..., jax.Array], args: Sequence[jax.Array], names: Se
     visible, so ``jax.lax.psum_scatter`` says it, and autodiff transposes it to an all-gather.
     """
     rules = parallel_context().rules
-    return jax.shard_map(fn, in_specs=tuple(logical_to_spec(n, rules) for n in names),
-                         out_specs=logical_to_spec(out_names, rules))(*args)
+    out_specs = jax.tree.map(lambda n: logical_to_spec(n, rules), out_names, is_leaf=_names_leaf)
+    return jax.shard_map(fn, in_specs=tuple(logical_to_spec(n, rules) for n in names), out_specs=out_specs)(*args)

@@ -334,7 +334,8 @@ def parameters(run: RunSpec, split_over_data: bool = False) -> list[Parameter]:
     """Every parameter of ``run``'s abstract model (``nnx.eval_shape``: no memory) as its rules lay it out on its
     mesh (a stage's layers with pipeline stages), or with ``split_over_data`` as ``parallel.fsdp`` stores it
     (``sharding.fsdp_spec``)."""
-    mesh_shape = {"data": run.data, "model": run.tensor, **({"pipe": run.pipe} if run.pipe > 1 else {})}
+    mesh_shape = {"data": run.data, "model": run.tensor, **({"pipe": run.pipe} if run.pipe > 1 else {}),
+                  **({"expert": run.expert} if run.expert > 1 else {})}
     out = []
     for path, var in jax.tree_util.tree_leaves_with_path(nnx.state(abstract_model_of(run)),
                                                         is_leaf=lambda x: isinstance(x, nnx.Variable)):

@@ -47,7 +47,7 @@ from megajax.models.transformer import reorder_layers
 from megajax.outputs import CHECKPOINTS_NAME, METRICS_NAME, claim_workdir
 from megajax.parallel import pipeline
 from megajax.parallel.partition import over_data, shardings
-from megajax.parallel.sharding import activate, logical_to_spec, make_mesh
+from megajax.parallel.sharding import activate, logical_to_spec
 from megajax.parallel.xla_options import compiler_options
 from megajax.training import distributed
 from megajax.training.data import load_dataset, make_loader
@@ -118,7 +118,7 @@ def setup_run(spec: RunSpec, devices: list[jax.Device] | None = None, options: d
               model: nnx.Module | None = None) -> Run:
     """``setup`` of a resolved run; ``model``: its abstract model (``abstract_model_of(spec)``) if already built."""
     devices = list(jax.devices() if devices is None else devices)
-    mesh = make_mesh(spec.data, spec.tensor, devices, pipe=spec.pipe)
+    mesh = spec.make_mesh(devices)
     graphdef, abstract_params = nnx.split(abstract_model_of(spec) if model is None else model)
     # FSDP (ZeRO-3): stored split over data; each layer gathers its parameters at use (sharding.param_at_use)
     param_shardings = nnx.to_pure_dict(shardings(abstract_params, mesh, spec.rules, split_over_data=spec.fsdp))
@@ -183,6 +183,7 @@ def _start_record(run: Run, data, resumed_from: int | None) -> dict:
         entropy = unigram_entropy(data.tokens[:min(train_end, ENTROPY_SAMPLE_TOKENS)])
     return {"step": resumed_from or 0, "event": "resume" if resumed_from is not None else "start",
             "model": spec.model_name, "mesh": f"{spec.data}x{spec.tensor}",
+            **({"expert": spec.expert} if spec.expert > 1 else {}),
             **({"pipe": spec.pipe, "pipeline_repeats": spec.pipeline_repeats,  # the microbatch count used:
                 "pipeline_microbatches": pipeline.microbatches_for(spec.micro_batch, spec.pipeline_microbatches,
                                                                     spec.pipe)}

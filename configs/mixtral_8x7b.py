@@ -1,0 +1,18 @@
+"""Mixtral 8x7B (Jiang et al. 2024): 32 layers, hidden 4096, 32 query heads sharing 8 key/value heads, 8 SwiGLU
+experts of width 14336 per layer with 2 routed per token, vocabulary 32000, untied output, rope theta 1e6.
+
+Command:  python train.py --config=configs/mixtral_8x7b.py --config.data.source=indexed --config.data.path=PREFIX
+Expect:   46,702,792,704 parameters, 12,879,925,248 active per token (the published counts).
+"""
+
+from megajax.config import base_config
+from megajax.models import moe
+
+
+def get_config():
+    c = base_config(moe.NAME)  # MoEConfig's defaults are Mixtral 8x7B's
+    c.model.update(max_seq_len=4096)
+    c.mesh.model = 8
+    c.train.update(steps=500_000, global_batch_size=1024, precision="bf16")
+    c.optimizer.update(lr=3e-4, min_lr=3e-5, warmup_steps=2000, b2=0.95, eps=1e-5, weight_decay=0.1)
+    return c

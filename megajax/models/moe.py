@@ -1,0 +1,334 @@
+"""Mixture-of-experts decoders on the Llama trunk: Mixtral (Jiang et al. 2024) and Qwen3-MoE.
+
+Each block's MLP is a routed mixture: a router (H -> E, no bias, in fp32) scores the experts, each token goes to its
+top ``experts_per_token`` of the softmax (renormalised over them where ``norm_topk_prob``: always for Mixtral), each
+expert is a SwiGLU MLP, and the token's output is the experts' outputs summed with those weights. Qwen3-MoE adds a
+per-head RMSNorm of the queries and keys (``qk_norm``) and a head size of its own (``kv_channels``).
+
+Dropless by default: a device's tokens are sorted by expert and each of the three expert GEMMs is one grouped GEMM
+(``jax.lax.ragged_dot``) over the groups, no token dropped and no padding. With ``capacity_factor`` > 0 each expert
+takes at most ``ceil(capacity_factor * S * k / E)`` of a sequence's assignments, in the order of the tokens and
+their ranks (a token's first choice before its second); the rest are dropped (their weight is lost, the residual
+carries the token) and counted. Capacity per sequence, not per device, so the same tokens drop on every mesh.
+
+The dispatch runs per device (``sharding.on_shards``): each data shard routes its own rows, each model shard holds
+the ``mlp`` columns of every expert's gate and up and the rows of its down (Megatron's split inside each expert), so
+a layer's only tensor-parallel collective is the all-reduce of its output, as the dense MLP's. The balancing loss
+and the router z-loss are summed over the data shards inside, so the loss is the same on every mesh.
+
+The load-balancing loss is the Switch Transformer's as transformers computes it (``load_balancing_loss_func``): the
+fractions of assignments and the mean router probabilities per expert, each over every layer's tokens together,
+multiplied, summed over the experts and scaled by E; ``router_aux_loss_coef`` weighs it in the loss. The router
+z-loss (ST-MoE, Zoph et al. 2022) is the mean of logsumexp(router logits)^2 over tokens and layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from megajax.data import formats
+from megajax.models import objectives
+from megajax.models.llama import Attention, Llama, LlamaBlock, LlamaConfig, RMSNorm
+from megajax.models.spec import HeadMemory, ModelSpec, register
+from megajax.parallel.layers import dropout, make_param, scaled_init_std
+from megajax.parallel.losses import vocab_parallel_cross_entropy
+from megajax.parallel.sharding import RESIDUAL, axis_of, constrain, entry_axes, on_shards, param_at_use
+
+NAME = "moe"  # config.model.name
+
+# what each MoE layer returns beside its output, summed over the batch's tokens (all data shards)
+Stats = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig(LlamaConfig):
+    """A Llama trunk whose MLPs are routed experts; the defaults are Mixtral 8x7B's."""
+
+    num_kv_heads: int = 8
+    ffn_hidden_size: int = 14336  # a dense MLP's width (every layer is an MoE layer here; kept for the trunk)
+    rope_theta: float = 1e6
+    num_experts: int = 8
+    experts_per_token: int = 2  # top-k
+    moe_ffn_hidden_size: int = 0  # each expert's SwiGLU width; 0: ffn_hidden_size
+    norm_topk_prob: bool = True  # renormalise the top-k probabilities to sum to 1 (Mixtral: always)
+    router_aux_loss_coef: float = 0.02  # the load-balancing loss's weight (Mixtral's; Qwen3-MoE's 0.001)
+    router_z_loss_coef: float = 0.0  # the router z-loss's weight (logged either way)
+    capacity_factor: float = 0.0  # 0: dropless; else each expert takes ceil(cf * S * k / E) of a sequence's tokens
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before the rotation
+    kv_channels: int = 0  # the head size; 0: hidden_size / num_heads (Qwen3-MoE sets its own)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_experts < 1 or not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"model.experts_per_token={self.experts_per_token} must be in [1, model.num_experts="
+                             f"{self.num_experts}]: each token picks that many distinct experts")
+        if self.moe_ffn_hidden_size < 0 or self.kv_channels < 0:
+            raise ValueError("model.moe_ffn_hidden_size and model.kv_channels must be >= 0 (0: the default)")
+        if self.capacity_factor < 0:
+            raise ValueError(f"model.capacity_factor={self.capacity_factor} must be >= 0 (0: dropless)")
+        if self.router_aux_loss_coef < 0 or self.router_z_loss_coef < 0:
+            raise ValueError("model.router_aux_loss_coef and model.router_z_loss_coef must be >= 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_heads
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """Each expert's SwiGLU width."""
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    @property
+    def capacity(self) -> int:
+        """Assignments an expert takes per sequence (0: no limit)."""
+        if not self.capacity_factor:
+            return 0
+        return math.ceil(self.capacity_factor * self.max_seq_len * self.experts_per_token / self.num_experts)
+
+    def check_mesh(self, tensor: int, pipe: int, expert: int) -> None:
+        super().check_mesh(tensor, pipe, 1)
+        if self.num_experts % expert:
+            raise ValueError(f"model.num_experts={self.num_experts} is not divisible by mesh.expert={expert}: each "
+                             f"expert shard holds whole experts; pick mesh.expert from the divisors of "
+                             f"{self.num_experts}")
+        if pipe > 1:
+            raise ValueError(f"mesh.pipe={pipe}: a mixture-of-experts model does not run in pipeline stages yet (a "
+                             "stage returns only the residual stream, not the routing statistics); set mesh.pipe=1")
+
+
+def route(logits: jax.Array, k: int, renormalise: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(probabilities (T, E), top-k weights (T, k), top-k experts (T, k)) from fp32 router logits (T, E)."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, k)
+    if renormalise:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return probs, weights, experts
+
+
+def within_capacity(experts: jax.Array, rows: int, num_experts: int, capacity: int) -> jax.Array:
+    """(T, k) bool: which assignments their experts take, ``capacity`` per expert per sequence (``rows`` sequences
+    of T / rows tokens each), in the order of the tokens and then their ranks; all where ``capacity`` is 0."""
+    if not capacity:
+        return jnp.ones(experts.shape, bool)
+    chosen = jax.nn.one_hot(experts.reshape(rows, -1), num_experts, dtype=jnp.int32)  # (rows, S k, E)
+    position = (jnp.cumsum(chosen, axis=1) * chosen).sum(-1) - 1  # each assignment's place in its expert's queue
+    return (position < capacity).reshape(experts.shape)
+
+
+def experts_forward(x: jax.Array, experts: jax.Array, weights: jax.Array, kept: jax.Array, gate: jax.Array,
+                    up: jax.Array, down: jax.Array, num_experts: int, expert_axis: str | None,
+                    dtype: jnp.dtype) -> jax.Array:
+    """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) over the ``kept`` assignments: (T, H) -> (T, H), a partial
+    sum where the experts' ``mlp`` width is split (the caller reduces it).
+
+    This shard holds ``gate.shape[0]`` of the ``num_experts`` experts (the ``expert_axis`` shard's consecutive
+    block). Each assignment's hidden state goes to the shard of its expert in a block per destination shard (one
+    all-to-all over ``expert_axis``; each block has room for all T k assignments, as a dropless exchange of static
+    shape must: XLA:CPU has no ragged all-to-all); each shard groups what it received by its own experts and runs
+    the three expert GEMMs as grouped GEMMs (``jax.lax.ragged_dot``), and the outputs return the same way."""
+    t, k = experts.shape
+    h, local = x.shape[-1], gate.shape[0]
+    shards, n = num_experts // local, t * k
+    expert = jnp.where(kept, experts, num_experts).reshape(-1)  # a dropped assignment sorts after every expert
+    order = jnp.argsort(expert, stable=True)  # grouped by expert, so by destination shard
+    dest = expert[order] // local  # (n,) in sorted order; `shards` for a dropped one
+    counts = jnp.bincount(dest, length=shards + 1)
+    place = jnp.arange(n) - (jnp.cumsum(counts) - counts)[dest]  # its row in its destination's block
+    send = jnp.zeros((shards + 1, n, h), dtype).at[dest, place].set(x.astype(dtype)[order // k])[:shards]
+    ids = jnp.full((shards + 1, n), local, jnp.int32).at[dest, place].set(expert[order] % local)[:shards]
+    if shards > 1:
+        send, ids = (jax.lax.all_to_all(a, expert_axis, 0, 0, tiled=True) for a in (send, ids))
+    ids = ids.reshape(-1)  # what arrived, by source shard: each row's expert on this shard (`local`: an empty row)
+    grouped = jnp.argsort(ids, stable=True)
+    sizes = jnp.bincount(ids, length=local + 1)[:local].astype(jnp.int32)  # rows past their sum are not computed
+    rows = send.reshape(-1, h)[grouped]
+    hidden = jax.nn.silu(jax.lax.ragged_dot(rows, gate.astype(dtype), sizes)) * jax.lax.ragged_dot(
+        rows, up.astype(dtype), sizes)
+    out = jax.lax.ragged_dot(hidden, down.astype(dtype), sizes)  # zeros past the groups
+    out = jnp.zeros_like(out).at[grouped].set(out).reshape(shards, n, h)
+    if shards > 1:
+        out = jax.lax.all_to_all(out, expert_axis, 0, 0, tiled=True)
+    out = jnp.concatenate([out, jnp.zeros((1, n, h), dtype)])[dest, place]  # a dropped assignment's: zeros
+    out = jnp.zeros_like(out).at[order].set(out).reshape(t, k, h)  # back to (token, rank)
+    return (out * jnp.where(kept, weights, 0.0).astype(dtype)[..., None]).sum(1)
+
+
+class MixtureOfExperts(nnx.Module):
+    """The routed MLP: (B, S, H) -> ((B, S, H), statistics). Experts' weights are stacked on a leading ``experts``
+    axis: gate and up (E, H, F) split on ``mlp`` like a dense MLP's columns, down (E, F, H) on its rows."""
+
+    def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
+        h, f, e = cfg.hidden_size, cfg.expert_ffn_size, cfg.num_experts
+        self.cfg = cfg
+        normal = nnx.initializers.normal(cfg.init_std)
+        self.router = make_param(rngs, normal, (h, e), ("embed", None))
+        self.gate, self.up = (make_param(rngs, normal, (e, h, f), ("experts", "embed", "mlp")) for _ in range(2))
+        self.down = make_param(rngs, nnx.initializers.normal(scaled_init_std(cfg.init_std, cfg.num_layers)),
+                               (e, f, h), ("experts", "mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, Stats]:
+        cfg = self.cfg
+        names = ("batch", "seq", "embed")
+        params = (param_at_use(self.router[...], ("embed", None)),
+                  *(param_at_use(p[...], ("experts", "embed", "mlp")) for p in (self.gate, self.up)),
+                  param_at_use(self.down[...], ("experts", "mlp", "embed")))
+        reduce_over = entry_axes(axis_of("mlp"))  # the model shards' partial sums of the output
+        expert_axis = axis_of("experts")  # where the experts are split (None: every shard holds them all)
+        tokens_over = (*entry_axes(axis_of("batch")), *entry_axes(axis_of("seq")))  # where other tokens are
+
+        def local(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array,
+                  down: jax.Array) -> tuple[jax.Array, Stats]:
+            b, s, h = x.shape
+            logits = x.reshape(-1, h).astype(jnp.float32) @ router  # (T, E)
+            probs, weights, experts = route(logits, cfg.experts_per_token, cfg.norm_topk_prob)
+            kept = within_capacity(experts, b, cfg.num_experts, cfg.capacity)
+            y = experts_forward(x.reshape(-1, h), experts, weights, kept, gate, up, down, cfg.num_experts,
+                                expert_axis, cfg.compute_dtype)
+            if reduce_over:
+                y = jax.lax.psum(y, reduce_over)
+            load = jax.nn.one_hot(experts, cfg.num_experts, dtype=jnp.float32).sum((0, 1))  # (E,) assignments
+            stats = {"load": load, "probs": probs.sum(0), "z": jnp.square(jax.nn.logsumexp(logits, -1)).sum(),
+                     "dropped": (~kept).sum().astype(jnp.float32)}
+            if tokens_over:
+                stats = jax.lax.psum(stats, tokens_over)
+            return y.reshape(b, s, h), stats
+
+        x = constrain(x, names)
+        if not reduce_over and not tokens_over and not expert_axis:  # outside a mesh, or a 1x1 one
+            y, stats = local(x, *params)
+        else:
+            y, stats = on_shards(local, (x, *params), (names, ("embed", None), ("experts", "embed", "mlp"),
+                                                       ("experts", "embed", "mlp"), ("experts", "mlp", "embed")),
+                                 (names, {k: () for k in ("load", "probs", "z", "dropped")}))
+        return constrain(y, names), stats
+
+
+class QKNormAttention(Attention):
+    """Qwen3's attention: each query and key head RMS-normalised (its own (D,) scale) before the rotation."""
+
+    def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)
+        self.q_norm, self.k_norm = (RMSNorm(cfg.head_dim, eps=cfg.layernorm_eps, dtype=cfg.compute_dtype,
+                                            rngs=rngs, names=("head_dim",)) for _ in range(2))
+
+    def positioned(self, q: jax.Array, k: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return super().positioned(self.q_norm(q), self.k_norm(k), positions)
+
+
+class MoEBlock(LlamaBlock):
+    """``x + attn(norm(x))`` then ``x + moe(norm(x))``; beside the cache it returns the layer's routing
+    statistics."""
+
+    mlp_class = MixtureOfExperts
+
+    def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
+        self.attention_class = QKNormAttention if cfg.qk_norm else Attention
+        super().__init__(cfg, rngs=rngs)
+
+    def __call__(self, x, mask, key, cache=None, index=0):
+        k_attn, k_res1, k_res2 = jax.random.split(key, 3) if key is not None else (None, None, None)
+        attn, cache = self.attn(self.ln_1(x), mask, k_attn, cache, index)
+        x = constrain(x + dropout(attn, self.rate, k_res1), RESIDUAL)
+        y, stats = self.mlp(self.ln_2(x))
+        x = x + dropout(y, self.rate, k_res2)
+        return constrain(x, RESIDUAL), (cache, stats)
+
+
+class MoEDecoder(Llama):
+    """A Llama decoder of ``MoEBlock``s: ``tokens (B, S) -> logits``; ``routed`` also returns the routing
+    statistics, stacked over the layers, for the objective."""
+
+    block_class = MoEBlock
+
+    def _forward(self, tokens, dropout_key, cache, index):
+        logits, (cache, _) = self._logits(tokens, dropout_key, cache, index)
+        return logits, cache
+
+    def routed(self, tokens: jax.Array, dropout_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
+        """(logits (B, S, padded_vocab), each layer's routing statistics, (L, ...))."""
+        logits, (_, stats) = self._logits(tokens, dropout_key, None, 0)
+        return logits, stats
+
+
+def router_losses(stats: Stats, tokens: int, cfg: MoEConfig) -> dict[str, jax.Array]:
+    """The load-balancing loss (transformers' ``load_balancing_loss_func``: E x sum_e f_e P_e over every layer's
+    ``tokens`` together), the router z-loss (mean over tokens and layers), the expert load (max over mean
+    assignments per expert, averaged over layers) and the fraction of assignments dropped, from the per-layer
+    statistics (L, ...) of ``MixtureOfExperts``."""
+    layers = stats["load"].shape[0]
+    fraction = stats["load"].sum(0) / (layers * tokens)  # (E,): assignments per token, summed over the k ranks
+    mean_prob = stats["probs"].sum(0) / (layers * tokens)
+    load = stats["load"]
+    return {"balance_loss": cfg.num_experts * (fraction * mean_prob).sum(),
+            "z_loss": stats["z"].sum() / (layers * tokens),
+            "expert_load": (load.max(-1) / jnp.maximum(load.mean(-1), 1e-9)).mean(),
+            "dropped_fraction": stats["dropped"].sum() / (layers * tokens * cfg.experts_per_token)}
+
+
+def _moe_lm(model: MoEDecoder, batch: objectives.Batch, key: jax.Array | None):
+    """Next-token cross-entropy plus the weighted router losses; each part logged (``lm_loss`` is what the
+    perplexity is of)."""
+    tokens = batch["tokens"]
+    logits, stats = model.routed(tokens[:, :-1], dropout_key=key)
+    lm = vocab_parallel_cross_entropy(logits, tokens[:, 1:]).mean()
+    cfg = model.cfg
+    metrics = {"lm_loss": lm, **router_losses(stats, tokens[:, :-1].size, cfg)}
+    loss = lm + cfg.router_aux_loss_coef * metrics["balance_loss"] + cfg.router_z_loss_coef * metrics["z_loss"]
+    return loss, metrics
+
+
+MOE_LM = objectives.Objective(_moe_lm, objectives.LM.fields)
+
+
+def flops(cfg: MoEConfig, rows: int, seq: int) -> float:
+    """Model FLOPs of a step over the active parameters: 3 (forward + backward) x 2 per multiply-add of the query and
+    output projections (h x heads d each), the key/value projections (h x 2 kv_heads d), the router (h x E), the
+    k routed experts' three h x F GEMMs, the attention scores and context (2 s heads d each) and the output
+    layer."""
+    h, width = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    per_layer = 2 * h * (2 * width + 2 * cfg.kv_heads * cfg.head_dim + cfg.num_experts
+                         + 3 * cfg.experts_per_token * cfg.expert_ffn_size) + 4 * seq * width
+    return 3.0 * rows * seq * (cfg.num_layers * per_layer + 2 * h * cfg.padded_vocab_size)
+
+
+def active_parameters(cfg: MoEConfig, total: int) -> int:
+    """Of ``total`` parameters, those one token uses: all but the experts it is not routed to."""
+    return total - cfg.num_layers * (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.hidden_size \
+        * cfg.expert_ffn_size
+
+
+def reference_moe(x: np.ndarray, router: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray, k: int,
+                  renormalise: bool, capacity: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The layer in float64 numpy, token by token (tests): (output (B, S, H), kept (B, S, k))."""
+    x = x.astype(np.float64)
+    b, s, h = x.shape
+    out, kept = np.zeros_like(x), np.zeros((b, s, k), bool)
+    for r in range(b):
+        queue = np.zeros(gate.shape[0], int)
+        for t in range(s):
+            logits = x[r, t] @ router
+            probs = np.exp(logits - logits.max())
+            probs /= probs.sum()
+            top = np.argsort(-probs, kind="stable")[:k]
+            weights = probs[top] / (probs[top].sum() if renormalise else 1.0)
+            for j, (e, w) in enumerate(zip(top, weights)):
+                queue[e] += 1
+                if capacity and queue[e] > capacity:
+                    continue
+                kept[r, t, j] = True
+                a = x[r, t] @ gate[e]
+                out[r, t] += w * ((a / (1 + np.exp(-a))) * (x[r, t] @ up[e])) @ down[e]
+    return out, kept
+
+
+register(ModelSpec(
+    name=NAME, config=MoEConfig, module=MoEDecoder, objective=MOE_LM, examples=formats.WINDOWS, flops=flops,
+    head_memory=HeadMemory(vocab_logit_copies=3, hidden_tensors=8),
+    eval_tasks=("wikitext103", "lambada", "ppl", "generate"), perplexity_of="lm_loss", causal_lm=True,
+    pretrained_trunk=MoEDecoder))

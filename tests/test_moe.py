@@ -1,0 +1,185 @@
+"""Mixture-of-experts decoders (``megajax.models.moe``): the routed layer against a float64 numpy reference (dropless
+and with a capacity), the balancing loss against transformers', one step's loss and every gradient on data and
+tensor-parallel meshes against the 1x1 step, the published parameter counts, and the refusals."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import place
+from flax import nnx
+
+from megajax.cli import load_config
+from megajax.config import abstract_model_of, base_config, build_mesh, create_model, resolve, rules_of
+from megajax.errors import ConfigError
+from megajax.models import moe
+from megajax.parallel.sharding import ParallelContext, activate
+
+RTOL = 1e-5  # fp32; the sharded sums reorder additions
+
+
+def moe_config(data: int = 1, model: int = 1, expert: int = 1, **fields):
+    """2 layers, hidden 64, 8 query heads sharing 4 key/value heads, 8 experts of width 48, top-2; ``fields``
+    override (``QWEN``: Qwen3-MoE's options)."""
+    c = base_config(moe.NAME)
+    c.model.update(**{**dict(
+        vocab_size=1000, num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=4, ffn_hidden_size=96,
+        moe_ffn_hidden_size=48, num_experts=8, experts_per_token=2, max_seq_len=16, remat="none",
+        make_vocab_size_divisible_by=128, router_z_loss_coef=0.01), **fields})
+    c.mesh.data, c.mesh.model, c.mesh.expert = data, model, expert
+    return c
+
+
+# Qwen3-MoE's options, and a capacity of ceil(16 x 3 / 8) = 6 assignments per expert and sequence
+QWEN = dict(qk_norm=True, kv_channels=16, norm_topk_prob=False, experts_per_token=3,
+            router_aux_loss_coef=0.001, capacity_factor=1.0)
+
+
+def _layer(cfg: moe.MoEConfig, std: float = 0.3):
+    """A routed layer whose weights are large enough that routing and outputs are far from zero."""
+    layer = moe.MixtureOfExperts(cfg, rngs=nnx.Rngs(0))
+    for i, name in enumerate(("router", "gate", "up", "down")):
+        p = getattr(layer, name)
+        p[...] = std * jax.random.normal(jax.random.key(i), p.shape)
+    return layer
+
+
+@pytest.mark.parametrize("fields", [{}, dict(norm_topk_prob=False, experts_per_token=3)],
+                         ids=["mixtral", "qwen3"])
+@pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
+def test_layer_matches_float64_reference(fields, capacity_factor):
+    """Dropless: the output within 1e-5 of numpy's token-by-token routing in float64; with a capacity of
+    ceil(0.5 x 16 x k / 4) per expert and sequence the same assignments are dropped as the reference drops, and
+    counted."""
+    cfg = moe.MoEConfig(**{**dict(vocab_size=256, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
+                                  max_seq_len=16, moe_ffn_hidden_size=24, num_experts=4, experts_per_token=2,
+                                  capacity_factor=capacity_factor, make_vocab_size_divisible_by=128), **fields})
+    layer = _layer(cfg)
+    x = jax.random.normal(jax.random.key(7), (3, 16, 32))
+    y, stats = layer(x)
+    ref, kept = moe.reference_moe(np.asarray(x), *(np.asarray(getattr(layer, n)[...], np.float64)
+                                                   for n in ("router", "gate", "up", "down")),
+                                  cfg.experts_per_token, cfg.norm_topk_prob, cfg.capacity)
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=RTOL, atol=RTOL * np.abs(ref).max())
+    assert float(stats["dropped"]) == (~kept).sum()
+    assert ((~kept).sum() > 0) == bool(capacity_factor)  # the capacity case does drop some
+    assert float(stats["load"].sum()) == x.shape[0] * x.shape[1] * cfg.experts_per_token
+
+
+def test_balancing_loss_matches_transformers():
+    """``router_losses``' balance term equals transformers' ``load_balancing_loss_func`` on the same router logits
+    of two layers (it pools every layer's tokens before multiplying)."""
+    torch = pytest.importorskip("torch")
+    mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    cfg = moe.MoEConfig(hidden_size=32, num_heads=4, num_kv_heads=2, num_layers=2, num_experts=4,
+                        experts_per_token=2, vocab_size=256, make_vocab_size_divisible_by=128, max_seq_len=16)
+    logits = jax.random.normal(jax.random.key(3), (2, 24, 4))  # (layers, tokens, experts)
+    stats = []
+    for layer_logits in logits:
+        probs, _, experts = moe.route(layer_logits, 2, True)
+        stats.append({"load": jax.nn.one_hot(experts, 4).sum((0, 1)), "probs": probs.sum(0),
+                      "z": jnp.square(jax.nn.logsumexp(layer_logits, -1)).sum(), "dropped": jnp.zeros(())})
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *stats)
+    ours = float(moe.router_losses(stacked, 24, cfg)["balance_loss"])
+    theirs = float(mixtral.load_balancing_loss_func(tuple(torch.tensor(np.asarray(g)) for g in logits), 4, 2))
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+
+
+def _run(model, config, tokens, data, model_axis, expert=1):
+    config = config.copy_and_resolve_references(dict(mesh=dict(data=data, model=model_axis, expert=expert)))
+    mesh, graphdef, state = place(model, config, data, model_axis)
+
+    def loss(state):
+        return moe.MOE_LM.loss(nnx.merge(graphdef, state), {"tokens": tokens}, None)
+
+    rules = rules_of(config)
+    with activate(mesh, ParallelContext(rules)):
+        (value, metrics), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
+    return float(value), jax.tree.map(float, metrics), jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3"])
+def reference(request):
+    config = moe_config(**(QWEN if request.param == "qwen3" else {}))
+    model = create_model(config, build_mesh(config), seed=0)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1000, size=(8, 17), dtype=np.int32))
+    return config, model, tokens, _run(model, config, tokens, 1, 1)
+
+
+@pytest.mark.parametrize("data,model_axis,expert", [(2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (1, 1, 4),
+                                                     (2, 1, 4), (1, 1, 8), (2, 2, 2)])
+def test_mesh_matches_single_device(reference, data, model_axis, expert):
+    """The loss (LM + balancing + z-loss), each logged router metric and every gradient on data, tensor, expert
+    and mixed meshes against the 1x1 step, dropless (Mixtral) and with a capacity (the Qwen3 case): each data (and
+    expert) shard routes its own rows, each expert shard computes its experts on the rows all-to-all'd to it, each
+    model shard its slice of every expert, and the statistics are summed over the data and expert shards."""
+    config, model, tokens, (ref_loss, ref_metrics, ref_grads) = reference
+    assert (ref_metrics["dropped_fraction"] > 0) == (config.model.capacity_factor > 0)  # the capacity bites
+    loss, metrics, grads = _run(model, config, tokens, data, model_axis, expert)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for name, value in ref_metrics.items():
+        np.testing.assert_allclose(metrics[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
+    flat, ref_flat = jax.tree_util.tree_leaves_with_path(grads), jax.tree_util.tree_leaves(ref_grads)
+    assert len(flat) == len(ref_flat)
+    for (path, g), r in zip(flat, ref_flat):
+        scale = np.abs(r).max()
+        assert scale > 0, jax.tree_util.keystr(path)
+        np.testing.assert_allclose(g, r, rtol=RTOL, atol=RTOL * scale, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("name,total,active", [("mixtral_8x7b", 46_702_792_704, 12_879_925_248),
+                                               ("qwen3_30b_a3b", 30_532_122_624, 3_353_032_704)])
+def test_parameter_counts_equal_the_published_ones(name, total, active):
+    run = resolve(load_config(name), 8)
+    count = sum(x.size for x in jax.tree.leaves(nnx.state(abstract_model_of(run), nnx.Param)))
+    assert count == total
+    assert moe.active_parameters(run.model, count) == active
+
+
+@pytest.mark.parametrize("fields,mesh,message", [
+    (dict(experts_per_token=9), {}, "model.experts_per_token=9 must be in [1, model.num_experts=8]"),
+    ({}, dict(expert=3, data=1), "model.num_experts=8 is not divisible by mesh.expert=3"),
+    (dict(capacity_factor=-1.0), {}, "model.capacity_factor=-1.0 must be >= 0"),
+    ({}, dict(pipe=2), "mesh.pipe=2: a mixture-of-experts model does not run in pipeline stages yet"),
+])
+def test_bad_input_is_a_config_error(fields, mesh, message):
+    config = moe_config(**fields)
+    config.mesh.update(mesh)
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        resolve(config, 8)
+
+
+def test_expert_mesh_is_refused_for_a_dense_model():
+    config = base_config()
+    config.mesh.expert = 2
+    with pytest.raises(ConfigError, match="mesh.expert=2 splits a mixture-of-experts model's experts, and this "
+                                          "model has none: set mesh.expert=1"):
+        resolve(config, 8)
+
+
+@pytest.mark.parametrize("data,model_axis,expert", [(1, 1, 2), (2, 1, 4), (2, 2, 2)])
+def test_all_to_alls_are_the_analytic_count_and_bytes(data, model_axis, expert):
+    """The compiled step's all-to-alls over ``expert``, per layer and micro-batch: the routed hidden states to the
+    experts' shards and back (2 x shards x T k x H values each way, the blocks sized for every assignment), the
+    rows' expert ids once forward (shards x T k), and the transposes of the two hidden-state exchanges backward;
+    nothing else is an all-to-all, and none runs over another axis."""
+    from megajax.parallel.hlo_audit import collectives
+    from megajax.training.loop import setup
+
+    config = moe_config(data, model_axis, expert=expert)
+    config.data.source = "random"
+    config.train.update(global_batch_size=16, micro_batch_size=1, eval_batches=0, precision="fp32")
+    config.checkpoint.enabled = False
+    run = setup(config)
+    m, spec = run.spec.model, run.spec
+    n = spec.micro_batch * m.max_seq_len * m.experts_per_token  # assignments one shard routes per micro-batch
+    per_step = m.num_layers * spec.num_micro
+    moved = {}
+    for c in collectives(run.step_fn.as_text(), run.mesh):
+        if c.op == "all-to-all":
+            assert c.axes == {"expert"}, c
+            key = (c.phase, c.dtype)
+            moved[key] = moved.get(key, 0) + c.elements * c.executions
+    assert moved == {("forward", "f32"): per_step * 2 * expert * n * m.hidden_size,
+                     ("forward", "s32"): per_step * expert * n,
+                     ("backward", "f32"): per_step * 2 * expert * n * m.hidden_size}
