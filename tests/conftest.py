@@ -191,12 +191,12 @@ def one_step_run(choice: str | None, data: int, model: int, name: str = "gpt", r
     return setup(choice_config(choice, data, model, name=name, remat=remat, gradient_step=True))
 
 
-def run_on(config, data: int = 1, model: int = 1, pipe: int = 1) -> RunSpec:
-    """``config`` resolved on a ``pipe x data x model`` mesh, as the tools take a run (``megajax.info``'s way: without
-    the training checks, the planners reading the model, its mesh and its choices)."""
+def run_on(config, data: int = 1, model: int = 1, pipe: int = 1, expert: int = 1) -> RunSpec:
+    """``config`` resolved on a ``pipe x data x expert x model`` mesh, as the tools take a run (``megajax.info``'s
+    way: without the training checks, the planners reading the model, its mesh and its choices)."""
     config = config.copy_and_resolve_references()
-    config.mesh.update(data=data, model=model, pipe=pipe)
-    return resolve(config, pipe * data * model, training=False)
+    config.mesh.update(data=data, model=model, pipe=pipe, expert=expert)
+    return resolve(config, pipe * data * expert * model, training=False)
 
 
 def assert_same_step(loss: float, change, want_loss: float, want_change) -> None:

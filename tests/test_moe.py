@@ -183,3 +183,22 @@ def test_all_to_alls_are_the_analytic_count_and_bytes(data, model_axis, expert):
     assert moved == {("forward", "f32"): per_step * 2 * expert * n * m.hidden_size,
                      ("forward", "s32"): per_step * expert * n,
                      ("backward", "f32"): per_step * 2 * expert * n * m.hidden_size}
+
+
+@pytest.mark.parametrize("data,model_axis,expert", [(4, 2, 1), (2, 2, 2), (2, 1, 4)])
+def test_communication_is_the_minimum_in_every_category(data, model_axis, expert):
+    """The communication budget (``tools/comm_budget.py``: the dense model's categories, the expert all-to-alls,
+    the routing statistics) at exactly 1.0000 of the compiled step's bytes in every category, nothing in ``other``,
+    on data x model, data x expert x model and data x expert meshes."""
+    from megajax.tools.comm_budget import step_budget
+    from megajax.training.loop import setup
+
+    config = moe_config(data, model_axis, expert=expert)
+    config.data.source = "random"
+    config.train.update(global_batch_size=16, eval_batches=0, precision="fp32")
+    config.checkpoint.enabled = False
+    budget = step_budget(setup(config))
+    assert budget.compiled["other"] == 0, budget.table()
+    assert budget.minimum["routing statistics"] > 0 and (budget.minimum["expert all-to-all"] > 0) == (expert > 1)
+    for category, want in budget.minimum.items():
+        assert budget.compiled[category] == want, (category, budget.table())

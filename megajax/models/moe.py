@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from megajax.data import formats
-from megajax.models import objectives
+from megajax.models import llama, objectives
 from megajax.models.llama import Attention, Llama, LlamaBlock, LlamaConfig, RMSNorm
 from megajax.models.spec import HeadMemory, ModelSpec, register
 from megajax.parallel.layers import dropout, make_param, scaled_init_std
@@ -78,6 +78,10 @@ class MoEConfig(LlamaConfig):
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_heads
+
+    @property
+    def routed_experts(self) -> tuple[int, int]:
+        return self.num_experts, self.experts_per_token
 
     @property
     def expert_ffn_size(self) -> int:
@@ -188,8 +192,11 @@ class MixtureOfExperts(nnx.Module):
             logits = x.reshape(-1, h).astype(jnp.float32) @ router  # (T, E)
             probs, weights, experts = route(logits, cfg.experts_per_token, cfg.norm_topk_prob)
             kept = within_capacity(experts, b, cfg.num_experts, cfg.capacity)
-            y = experts_forward(x.reshape(-1, h), experts, weights, kept, gate, up, down, cfg.num_experts,
-                                expert_axis, cfg.compute_dtype)
+            tokens = x.reshape(-1, h)
+            if reduce_over:  # varying over the model shards from here: the backward pass sums the (T, h) gradient
+                tokens = jax.lax.pcast(tokens, reduce_over, to="varying")  # once, not each of its k copies
+            y = experts_forward(tokens, experts, weights, kept, gate, up, down, cfg.num_experts, expert_axis,
+                                cfg.compute_dtype)
             if reduce_over:
                 y = jax.lax.psum(y, reduce_over)
             load = jax.nn.one_hot(experts, cfg.num_experts, dtype=jnp.float32).sum((0, 1))  # (E,) assignments
@@ -297,6 +304,37 @@ def flops(cfg: MoEConfig, rows: int, seq: int) -> float:
     return 3.0 * rows * seq * (cfg.num_layers * per_layer + 2 * h * cfg.padded_vocab_size)
 
 
+def layer_residual_bytes(cfg: MoEConfig, rows: int, tp: int, split: int, remat: str, cd: int,
+                         attention: str = "xla", expert: int = 1) -> int:
+    """Bytes one layer keeps for its backward pass on one device (``expert`` expert shards): the Llama layer's
+    (``llama.layer_residual_bytes``) without its SwiGLU, plus the routed MLP's, as the traced jaxpr keeps them on
+    one device (tests/test_memory_planner.py). Under every policy the layer's routing statistics (8 E + 8 bytes).
+    ``none`` and ``selective`` also keep the router's fp32 input in place of the MLP's compute-dtype one; per token
+    the router's fp32 logits and probabilities (8 E bytes), its statistics and top-k (25 + 8 k + cd k bytes); per
+    assignment (n = tokens x k) the dispatch buffer (one block of n x h per destination shard and one for the
+    dropped), the rows each shard receives and groups (e n x h), the grouped outputs scattered back (e n x h), the
+    outputs gathered and combined (2 n x h), their three masks (n x h bytes), eight int32 indices, the three expert
+    GEMMs' and the SwiGLU's six (e n, F / tp) tensors and the group sizes (4 E); in 16-bit the compute-dtype copies
+    of the shard's experts. ``full`` keeps the layer's input, as Llama's; ``save_dots`` Llama's attention GEMMs'
+    outputs and the router's logits (the grouped GEMMs are not dots). The expert shards' terms (e > 1) follow the
+    code; the compiled step checks them (within 10%), not the jaxpr."""
+    trunk = llama.layer_residual_bytes(cfg, rows, tp, split, remat, cd, attention)
+    stats = 8 * cfg.num_experts + 8
+    s, h, f = cfg.max_seq_len, cfg.hidden_size, cfg.ffn_size
+    if remat == "full":
+        return trunk + stats
+    if remat == "save_dots":  # less Llama's fused gate / up GEMM output, plus the router's logits
+        return trunk - 2 * s * rows * f // tp * cd + rows * s * cfg.num_experts * 4 + stats
+    tokens, k, e = rows * s, cfg.experts_per_token, expert
+    n, width, local = tokens * k, cfg.expert_ffn_size // tp, cfg.num_experts // expert
+    swiglu = 6 * s * rows * f * cd // tp + (f * h * cd // tp if cd < 4 else 0)
+    routed = (tokens * h * (4 - cd) + tokens * (25 + 8 * k + cd * k + 8 * cfg.num_experts)
+              + ((e + 1) + 2 * e + 2) * n * h * cd
+              + 3 * n * h + 32 * n + 6 * e * n * width * cd + 4 * cfg.num_experts
+              + (3 * local * h * width * cd if cd < 4 else 0))
+    return trunk - swiglu + routed + stats
+
+
 def active_parameters(cfg: MoEConfig, total: int) -> int:
     """Of ``total`` parameters, those one token uses: all but the experts it is not routed to."""
     return total - cfg.num_layers * (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.hidden_size \
@@ -331,4 +369,4 @@ register(ModelSpec(
     name=NAME, config=MoEConfig, module=MoEDecoder, objective=MOE_LM, examples=formats.WINDOWS, flops=flops,
     head_memory=HeadMemory(vocab_logit_copies=3, hidden_tensors=8),
     eval_tasks=("wikitext103", "lambada", "ppl", "generate"), perplexity_of="lm_loss", causal_lm=True,
-    pretrained_trunk=MoEDecoder))
+    layer_residuals=layer_residual_bytes, pretrained_trunk=MoEDecoder, active_parameters=active_parameters))

@@ -82,9 +82,13 @@ class ModelSpec:
     perplexity_of: str | None = None  # the validation metric whose exp is the perplexity (None: no perplexity)
     causal_lm: bool = False  # generates text left to right: lm-eval, generation, the scaling model
     pretrained_trunk: type[nnx.Module] | None = None  # init_from: a checkpoint whose module subclasses this
+    # (cfg, total parameters) -> those one token uses (a mixture of experts': all but the experts it skips); info
+    # prints it, and ``flops`` counts only these
+    active_parameters: Callable[[TransformerConfig, int], int] = lambda cfg, total: total
     # (cfg, sequences, tp, sequence split, remat, compute-dtype bytes, attention implementation) -> bytes one layer
     # keeps for its backward pass on a device (tools.memory_planner); the trunk's Block's by default
-    layer_residuals: Callable[[TransformerConfig, int, int, int, str, int, str], int] = block_residual_bytes
+    # (a mixture of experts' also takes ``expert=E``, its expert shards, passed only where E > 1)
+    layer_residuals: Callable[..., int] = block_residual_bytes
     # Per layer and micro-batch, each way: the b x s x h all-reduces over ``model`` of its forward pass (Megatron's
     # g, one per row-parallel output) and as many of its backward pass (f, one per column-parallel input's
     # gradient). GPT's block: 2 (attention, MLP); a parallel attention/MLP block whose two input GEMMs and two

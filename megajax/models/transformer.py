@@ -93,6 +93,12 @@ class TransformerConfig:
         return self.num_heads
 
     @property
+    def routed_experts(self) -> tuple[int, int]:
+        """(experts per layer, experts each token is routed to): (0, 0) for a dense MLP (a mixture of experts'
+        config says its own; the communication budget reads them)."""
+        return 0, 0
+
+    @property
     def ffn_size(self) -> int:
         """The MLP's hidden width."""
         return self.ffn_hidden_size or self.mlp_ratio * self.hidden_size

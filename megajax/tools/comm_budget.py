@@ -66,6 +66,20 @@ With pipeline stages (``mesh.pipe`` = p > 1; ``megajax.parallel.pipeline``) the 
   batch) and once backward (their gradient, from every stage's embedding backward). Megatron keeps the embedding
   on the first stage and the head on the last, and all-reduces the tied embedding's gradient between them instead.
 
+A mixture of experts (``TransformerConfig.routed_experts``: E experts, k per token; ``models/moe.py``) adds, per
+micro-batch and layer, with n = b x s x k assignments on one data (and expert) shard:
+
+* expert all-to-all (``mesh.expert`` = e > 1): the assignments' hidden states to their experts' shards and back,
+  e x n x h each (a block per destination, sized for every assignment: a dropless exchange of static shape), and
+  their expert ids there (e x n int32); backward the two hidden-state exchanges again; ``remat=full`` redoes the
+  forward's three.
+* routing statistics: the assignments and router probability per expert (2 E fp32) summed over the batch's shards
+  (data x expert), again under ``remat=full``; with ``mesh.model`` > 1 the top-k weights' gradient (n fp32) summed
+  over the model shards, whose partial expert outputs it multiplies (the layer all-reduces its combined output,
+  b x s x h, rather than each assignment's, k times as many, as the dense MLP's g).
+* data-parallel gradients: the dense parameters' reduced over data x expert (the expert shards are data shards
+  outside the routed layers), the experts' over data only.
+
 On a ring the pair moves what the all-reduce did: an all-reduce of N sends 2 (t-1)/t N per device, a
 reduce-scatter and an all-gather of shard N/t send (t-1) N/t each (``Budget.tensor_ring_bytes``).
 """
@@ -87,7 +101,7 @@ from megajax.parallel.sharding import spec_axes
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "pred": 1}
 CATEGORIES = ("tensor-parallel forward", "tensor-parallel backward", "loss", "data-parallel gradients",
               "data-parallel parameter gathers", "sequence-parallel extra", "replicated key/value heads",
-              "pipeline point-to-point", "pipeline boundary", "other")
+              "pipeline point-to-point", "pipeline boundary", "expert all-to-all", "routing statistics", "other")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +135,10 @@ class Shape:
     pipe_slots: int = 0  # microbatches held by stage 0
     pipe_layers: int = 0  # layers a stage runs per tick, L/(p v)
     pipe_circular: bool = False  # the circular schedule (recomputes whole chunks)
+    expert: int = 1  # expert shards (mesh.expert): data shards outside the routed layers
+    expert_grad_elements: int = 0  # of local_grad_elements, the experts' (split over expert, reduced over data)
+    num_experts: int = 0  # a mixture of experts' experts per layer (0: dense)
+    routed_rows: int = 0  # assignments one shard routes per micro-batch: b x s x k
 
 
 def minimum(shape: Shape) -> dict[str, int]:
@@ -156,9 +174,23 @@ def minimum(shape: Shape) -> dict[str, int]:
         out["loss"] = 3 * b * s * 4 * n  # the cross-entropy runs in fp32
         # per layer: the grouped all-reduce of the shard's head, the all-gather of one head per group (fp32)
         out["replicated key/value heads"] = 2 * shape.layers * shape.kv_head_elements * 4 * n
+    # the dense parameters' gradients reduced over data x expert (the batch's shards), the experts' over data
+    dense = shape.local_grad_elements - shape.expert_grad_elements
+    out["data-parallel gradients"] = 4 * ((dense if shape.data * shape.expert > 1 else 0)
+                                          + (shape.expert_grad_elements if shape.data > 1 else 0))
     if shape.data > 1:
-        out["data-parallel gradients"] = shape.local_grad_elements * 4
         out["data-parallel parameter gathers"] = shape.gathered_shard_elements * 4  # fp32 masters
+    if shape.num_experts:
+        redo = 2 if shape.remat == "full" else 1  # the recomputed forward exchanges and sums again
+        exchange = shape.expert * shape.routed_rows * n * shape.layers  # rows of one exchange, every layer
+        if shape.expert > 1:  # forward: the hidden states there and back, their expert ids; backward: 2 transposes
+            out["expert all-to-all"] = (2 * redo + 2) * exchange * h * shape.activation_bytes + redo * exchange * 4
+        stats = 0
+        if shape.data * shape.expert > 1:  # per layer: assignments and probability mass per expert, summed
+            stats += redo * 2 * shape.num_experts * 4 * n * shape.layers
+        if shape.tensor > 1:  # per layer backward: the top-k weights' gradient (fp32), summed over the model shards
+            stats += shape.routed_rows * 4 * n * shape.layers
+        out["routing statistics"] = stats
     return out
 
 
@@ -194,7 +226,13 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
             out["tensor-parallel forward"] += size
         elif shape.sequence and c.op in ("all-reduce", "all-gather") and over_model and c.phase == "backward":
             out["sequence-parallel extra"] += size
-        elif c.op == "all-reduce" and c.axes == {"data"}:
+        elif c.op == "all-to-all" and c.axes == {"expert"}:
+            out["expert all-to-all"] += size
+        elif shape.num_experts and c.op == "all-reduce" and (
+                (c.phase == "forward" and c.elements == shape.num_experts and c.axes <= {"data", "expert"}) or
+                (c.phase == "backward" and c.elements == shape.routed_rows and over_model)):
+            out["routing statistics"] += size
+        elif c.op == "all-reduce" and c.axes and c.axes <= {"data", "expert"}:
             out["data-parallel gradients"] += size
         elif c.op == "all-gather" and c.axes == {"data"}:
             out["data-parallel parameter gathers"] += size
@@ -280,6 +318,9 @@ def step_shape(run) -> Shape:
     kv_weight = cfg.num_layers * kv_head * cfg.kv_heads  # replicated over model, reduced in its own category
     local = data_gradient_elements(cfg, sum(model_shard_elements(a) for a in jax.tree.leaves(params)),
                                    cfg.num_layers, kv_head)
+    experts, per_token = cfg.routed_experts
+    expert_grad = sum(model_shard_elements(a) for a in jax.tree.leaves(params)
+                      if "expert" in spec_axes(a.sharding.spec))
     return Shape(micro_batch=spec.micro_batch, num_micro=spec.num_micro, seq=cfg.max_seq_len,
                  hidden=cfg.hidden_size, layers=cfg.num_layers, tensor=spec.tensor, data=spec.data,
                  activation_bytes=np.dtype(cfg.compute_dtype).itemsize, local_grad_elements=local,
@@ -288,7 +329,8 @@ def step_shape(run) -> Shape:
                  sequence_grad_elements=sequence_grad_elements(params, spec.tensor, model) - kv_weight
                  if spec.sequence else 0, pooled_rows=model.pooled_rows * spec.micro_batch,
                  gathered_shard_elements=gathered_shard_elements(run), kv_head_elements=kv_head,
-                 **_pipeline_shape(spec))
+                 expert=spec.expert, expert_grad_elements=expert_grad, num_experts=experts,
+                 routed_rows=spec.micro_batch * cfg.max_seq_len * per_token, **_pipeline_shape(spec))
 
 
 def kv_head_elements(cfg: TransformerConfig, tensor: int) -> int:

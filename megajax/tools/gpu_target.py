@@ -183,15 +183,16 @@ def compile_step(run: RunSpec, target: str = "h100", hosts: int = 1, gpus_per_ho
     allocated."""
     gpu = target_of(target)
     devices = gpu_devices(target, hosts, gpus_per_host)
-    pipe, data, model = run.pipe, run.data, run.tensor
-    if pipe * data * model > len(devices):
-        raise GpuTargetError(f"mesh {pipe}x{data}x{model} needs {pipe * data * model} GPUs; --hosts={hosts} x "
+    used = run.pipe * run.data * run.expert * run.tensor
+    if used > len(devices):
+        experts = f",expert={run.expert}" if run.expert > 1 else ""
+        raise GpuTargetError(f"mesh {run.pipe}x{run.data}x{run.tensor}{experts} needs {used} GPUs; --hosts={hosts} x "
                              f"{gpus_per_host} has {len(devices)}: raise --hosts or shrink the mesh")
-    micro_batch = micro_batch or max(run.global_batch // data, 1)
+    micro_batch = micro_batch or max(run.global_batch // (run.data * run.expert), 1)
     planned = with_batch(run, micro_batch)
     options = compiler_options(devices) if options is None else options
     with cudnn_probes_answered(gpu), quiet_cuda_notices():
-        compiled = setup_run(planned, devices[: pipe * data * model], options)
+        compiled = setup_run(planned, devices[:used], options)
     text = compiled.step_fn.as_text()
     return GpuStep(gpu, compiled, text, run_memory(compiled), memory_report(planned, micro_batch, 1, gpu=True),
                    hlo_audit.collectives(text, compiled.mesh), options)

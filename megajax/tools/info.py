@@ -55,9 +55,11 @@ def format_report(r: MemoryReport, device_memory_gb: float | None,
     a = r.activations
     state = r.param_bytes + r.grad_bytes + r.optimizer_bytes
     lines = [
-        f"parameters           {r.num_params:,} ({r.num_params / 1e9:.3f} B)",
-        f"mesh                 {f'pipe={r.pipe} x ' if r.pipe > 1 else ''}data={r.data} x model={r.model} "
-        f"({r.pipe * r.data * r.model} devices)",
+        f"parameters           {r.num_params:,} ({r.num_params / 1e9:.3f} B)"
+        + (f", {r.active_params:,} active per token" if r.active_params != r.num_params else ""),
+        f"mesh                 {f'pipe={r.pipe} x ' if r.pipe > 1 else ''}data={r.data} x "
+        f"{f'expert={r.expert} x ' if r.expert > 1 else ''}model={r.model} "
+        f"({r.pipe * r.data * r.expert * r.model} devices)",
         f"params per device    {r.params_per_device:,}" + ("  (split over data: parallel.fsdp)" if r.fsdp else ""),
         f"  fp32 parameters    {_g(r.param_bytes)}",
         f"  fp32 gradients     {_g(r.grad_bytes)}",
@@ -161,9 +163,10 @@ def main(argv: list[str] | None = None) -> None:
         apply_mesh(config, args.mesh)
     gpus = 8 * args.hosts if args.target else None
     if gpus and config.mesh.data == -1:  # every GPU of the hosts left after pipe x model
-        config.mesh.data = max(gpus // (config.mesh.pipe * config.mesh.model), 1)
+        config.mesh.data = max(gpus // (config.mesh.pipe * config.mesh.expert * config.mesh.model), 1)
     config.mesh.data = max(config.mesh.data, 1)  # without a target, the config's mesh.data=-1 plans one shard
-    data, model, pipe = config.mesh.data, config.mesh.model, config.mesh.pipe
+    data, model, pipe, expert = config.mesh.data, config.mesh.model, config.mesh.pipe, config.mesh.expert
+    devices = pipe * data * expert * model
     if args.precision:
         config.train.precision = args.precision
     elif args.target and config.train.precision == "auto":  # what auto resolves to on the GPU
@@ -171,10 +174,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.target and args.device_memory_gb is None:
         args.device_memory_gb = TARGETS[args.target].memory_bytes / GiB
     # the config's micro-batch; with no accumulation (0) each data shard runs its share of the global batch
-    micro = args.micro_batch or config.train.micro_batch_size or max(config.train.global_batch_size // data, 1)
+    shards = data * expert  # the batch's
+    micro = args.micro_batch or config.train.micro_batch_size or max(config.train.global_batch_size // shards, 1)
     # the planned mesh's devices, however many this host has; the micro-batch is planned as given, so the training
     # checks of the config's own batch are not made
-    run = resolve(config, pipe * data * model, training=False)
+    run = resolve(config, devices, training=False)
     gpu = bool(args.target)  # planned as the step compiles for that GPU
     report = memory_report(run, micro, num_micro=1 if args.compiled else None, gpu=gpu)
     largest = largest_micro_batch(run, args.device_memory_gb * GiB, gpu=gpu) if args.device_memory_gb else None
@@ -186,8 +190,8 @@ def main(argv: list[str] | None = None) -> None:
             pathlib.Path(args.hlo).write_text(step.hlo)
             print(f"wrote {args.hlo}", file=sys.stderr)
     elif args.compiled:
-        if pipe * data * model > jax.device_count():
-            raise SystemExit(f"--compiled needs {pipe * data * model} devices, this host has {jax.device_count()}; "
-                             f"add --cpu_devices={pipe * data * model}")
+        if devices > jax.device_count():
+            raise SystemExit(f"--compiled needs {devices} devices, this host has {jax.device_count()}; "
+                             f"add --cpu_devices={devices}")
         print(f"\nthe compiled step (micro-batch {micro}, no accumulation):")
         print(format_comparison(report, compiled_memory(run, micro)))

@@ -80,8 +80,11 @@ def layer_residual_bytes(run: RunSpec, micro_batch: int, remat: str | None = Non
     to the model's; ``gpu``: as compiled for an NVIDIA GPU, where cuDNN's attention keeps less, ``attention_for``):
     the model's own inventory (``ModelSpec.layer_residuals``; the trunk's block: ``models.block_memory``)."""
     split = run.tensor if run.sequence else 1  # the residual stream's share on one device
+    # the expert shards only where there are any: only a mixture of experts accepts them (``check_mesh``)
+    experts = {"expert": run.expert} if run.expert > 1 else {}
     return run.model_spec.layer_residuals(run.model, _rows(run, micro_batch), run.tensor, split,
-                                          remat or run.model.remat, compute_bytes(run), attention_for(run, gpu))
+                                          remat or run.model.remat, compute_bytes(run), attention_for(run, gpu),
+                                          **experts)
 
 
 def head_bytes(run: RunSpec, micro_batch: int, gpu: bool = False) -> int:
@@ -227,7 +230,7 @@ class CompiledMemory:
 def with_batch(run: RunSpec, micro_batch: int, num_micro: int = 1) -> RunSpec:
     """``run`` training ``micro_batch`` sequences per data shard in each of ``num_micro`` accumulation steps (its
     global batch micro_batch x data x num_micro), resolved again (``config.replanned``)."""
-    return replanned(run, {"train.global_batch_size": micro_batch * run.data * num_micro,
+    return replanned(run, {"train.global_batch_size": micro_batch * run.data * run.expert * num_micro,
                            "train.micro_batch_size": micro_batch if num_micro > 1 else 0})
 
 
@@ -274,6 +277,8 @@ class MemoryReport:
     stage_grad_bytes: int = 0
     pipe: int = 1  # pipeline stages: the parameters and activations above are one stage's
     workspace_bytes: int = 0  # the GPU's GEMM workspace (GPU_GEMM_WORKSPACE); 0 on the CPU
+    active_params: int = 0  # the parameters one token uses (``ModelSpec.active_parameters``: a mixture of experts')
+    expert: int = 1  # expert shards: data shards outside a mixture of experts' routed layers
 
     @property
     def total_bytes(self) -> int:
@@ -357,7 +362,7 @@ def params_per_device(run: RunSpec, split_over_data: bool = False, only: str | N
 
 def _num_micro(run: RunSpec, micro_batch: int) -> int:
     """Accumulation steps the run's global batch implies at this micro-batch (1 if it does not divide)."""
-    steps, rest = divmod(run.global_batch, micro_batch * run.data)
+    steps, rest = divmod(run.global_batch, micro_batch * run.data * run.expert)
     return max(steps, 1) if not rest else 1
 
 
@@ -384,7 +389,8 @@ def memory_report(run: RunSpec, micro_batch: int | None = None, num_micro: int |
     head, layer = gathered_bytes(run) if run.fsdp else (0, 0)
     return MemoryReport(total, local, FP32 * local, FP32 * local, optimizer, act.total, data, model, act,
                         gradient_bytes(local, data, zero, num_micro), batch, run.sequence, run.fsdp,
-                        word_embedding_grad_bytes(run), head, layer, stage, pipe, GPU_GEMM_WORKSPACE if gpu else 0)
+                        word_embedding_grad_bytes(run), head, layer, stage, pipe, GPU_GEMM_WORKSPACE if gpu else 0,
+                        run.model_spec.active_parameters(run.model, total), run.expert)
 
 
 def largest_micro_batch(run: RunSpec, device_bytes: float, gpu: bool = False) -> int:
