@@ -13,7 +13,7 @@
 
 import argparse
 
-from megajax.cli import ArgumentParser, fail, parse_mesh, start_backend, use_cpu_devices
+from megajax.cli import ArgumentParser, fail, inference_mesh, start_backend, use_cpu_devices
 from megajax.errors import USER_ERRORS
 from megajax.evaluation.generate import Sampling
 from megajax.evaluation.inputs import InputError
@@ -52,8 +52,10 @@ def main(argv=None):
     p.add_argument("--top_k", type=int, default=0, help="sample among the K most likely ids (0: off)")
     p.add_argument("--top_p", type=float, default=1.0, help="in (0, 1]: nucleus sampling (1: off)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mesh", default=None, help="DATAxMODEL, e.g. 1x2 (default: the checkpoint's model split "
-                                                "over the devices there are)")
+    p.add_argument("--mesh", default=None, help="DATAxMODEL, e.g. 1x2, or DATAxMODEL,expert=E for a mixture of "
+                                                "experts (default: the checkpoint's model and expert split over the "
+                                                "devices there are)")
+    p.set_defaults(mesh_expert=None)
     # the spelling of earlier releases, still accepted
     p.add_argument("--config.mesh.data", dest="mesh_data", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--config.mesh.model", dest="mesh_model", type=int, default=None, help=argparse.SUPPRESS)
@@ -68,7 +70,7 @@ def main(argv=None):
         if args.mesh_data or args.mesh_model:
             p.error("give the mesh once: --mesh=DATAxMODEL")
         try:
-            args.mesh_data, args.mesh_model = parse_mesh(args.mesh)
+            args.mesh_data, args.mesh_model, args.mesh_expert = inference_mesh(args.mesh)
         except ValueError as e:
             p.error(str(e))
     try:
@@ -77,7 +79,8 @@ def main(argv=None):
         p.error(str(e))
     try:
         run(args.checkpoint, args.task, data=args.data, prompt=args.prompt, tokenizer=args.tokenizer,
-            mesh_data=args.mesh_data, mesh_model=args.mesh_model, batch_size=args.batch_size, stride=args.stride,
+            mesh_data=args.mesh_data, mesh_model=args.mesh_model, mesh_expert=args.mesh_expert,
+            batch_size=args.batch_size, stride=args.stride,
             max_new_tokens=args.max_new_tokens, seed=args.seed, output=args.output, sampling=sampling,
             predictions=args.predictions, null_score_diff_threshold=args.null_score_diff_threshold,
             overwrite=args.overwrite)

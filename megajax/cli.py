@@ -108,15 +108,30 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return data, model
 
 
+def _expert_suffix(text: str) -> tuple[str, int | None]:
+    """(the shape, E) of ``"SHAPE,expert=E"``; (text, None) without the suffix."""
+    shape, _, rest = str(text).lower().partition(",")
+    if not rest:
+        return shape, None
+    key, _, value = rest.partition("=")
+    if key.strip() != "expert" or not value.strip().isdigit():
+        raise ConfigError(f"--mesh={text}: after the shape give ',expert=E', e.g. --mesh=4x1,expert=2")
+    return shape, int(value)
+
+
+def inference_mesh(text: str) -> tuple[int, int, int | None]:
+    """``"DATAxMODEL"``, optionally ``",expert=E"`` -> (data, model, E or None): the mesh a checkpoint is loaded
+    on (``config.load.inference_config``)."""
+    shape, expert = _expert_suffix(text)
+    return (*parse_mesh(shape), expert)
+
+
 def apply_mesh(config: ml_collections.ConfigDict, text: str) -> None:
     """Sets ``config.mesh`` from ``"DATAxMODEL"`` or ``"PIPExDATAxMODEL"`` (pipeline stages outermost), either
     followed by ``",expert=E"`` (a mixture of experts' experts split over E expert shards, e.g. ``4x1,expert=2``)."""
-    shape, _, rest = str(text).lower().partition(",")
-    if rest:
-        key, _, value = rest.partition("=")
-        if key.strip() != "expert" or not value.strip().isdigit():
-            raise ConfigError(f"--mesh={text}: after the shape give ',expert=E', e.g. --mesh=4x1,expert=2")
-        config.mesh.expert = int(value)
+    shape, expert = _expert_suffix(text)
+    if expert is not None:
+        config.mesh.expert = expert
     parts = shape.split("x")
     if len(parts) == 3:
         try:

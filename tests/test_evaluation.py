@@ -233,6 +233,21 @@ def test_generation_with_cache_equals_without(tiny_model, mesh):
     assert (sampled[:, :5] == prompt).all() and (sampled < 1000).all()
 
 
+def test_generation_pads_a_batch_the_data_shards_do_not_divide(tiny_model):
+    """One prompt on 8 data shards: the rows are padded with copies of the last and cut back, so the step sees a
+    batch it can split (it used to fail in the embedding's shard_map); greedy, the same tokens as on one device."""
+    model, config = tiny_model
+    prompt = np.random.default_rng(5).integers(0, 1000, (1, 5)).astype(np.int32)
+    from conftest import place
+    m, graphdef, state = place(model, config, 8, 1)
+    seen = []
+    got = generate(nnx.merge(graphdef, state), m, rules_of(config), prompt, 6, Sampling(greedy=True),
+                   on_token=seen.append)
+    want = generate(model, make_mesh(1, 1), rules_of(config), prompt, 6, Sampling(greedy=True))
+    np.testing.assert_array_equal(got, want)
+    assert got.shape == (1, 11) and all(column.shape == (1,) for column in seen)
+
+
 def test_temperature_zero_is_greedy():
     logits = jax.random.normal(jax.random.key(0), (4, 1024)) * 3
     logits = mask_padded_vocab(logits, 1000)  # padded ids, as the model returns them

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from megajax.models.objectives import Batch, Metrics, Objective
-from megajax.parallel.sharding import ParallelContext, Rules, activate
+from megajax.parallel.sharding import ParallelContext, Rules, activate, batch_shards
 from megajax.parallel.xla_options import compiler_options
 
 
@@ -49,8 +49,9 @@ class Evaluator:
 
     @property
     def batch_multiple(self) -> int:
-        """Batches are split over the mesh's ``data`` axis, so their rows are a multiple of it."""
-        return self.mesh.shape["data"]
+        """Batches are split over the mesh axes ``batch`` maps to (``sharding.batch_shards``), so their rows are a
+        multiple of their size."""
+        return batch_shards(self.mesh, self.context.rules)
 
     def __call__(self, state: Any, batch: Batch) -> Any:
         with activate(self.mesh, self.context):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from megajax.parallel.sharding import ParallelContext, Rules, activate
+from megajax.parallel.sharding import ParallelContext, Rules, activate, batch_shards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +108,11 @@ def generate(model: nnx.Module, mesh: jax.sharding.Mesh, rules: Rules, prompt: n
     """
     b, p = prompt.shape
     check_generation(sampling, p, max_new_tokens, model.cfg.max_seq_len, model.cfg.vocab_size)
+    if short := -b % batch_shards(mesh, rules):  # rows split over the batch's shards: repeat the last, drop after
+        padded = np.concatenate([prompt, np.repeat(prompt[-1:], short, axis=0)])
+        return generate(model, mesh, rules, padded, max_new_tokens, sampling, seed=seed, use_cache=use_cache,
+                        on_token=on_token and (lambda column: on_token(column[:b])),
+                        stop=stop and (lambda tokens: stop(tokens[:b])))[:b]
     total = p + max_new_tokens
     graphdef, state = nnx.split(model)
     key = jax.random.key(seed)

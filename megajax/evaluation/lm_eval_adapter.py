@@ -7,7 +7,8 @@ points, so the registration needs this import: ``python -m megajax.lm_eval`` doe
 
 Model args: ``pretrained`` (the checkpoint: workdir, step or export; relative paths are fine; ``checkpoint=`` is
 accepted too), ``mesh=DxM`` (default: the
-checkpoint's model axis, every other device on data), ``tokenizer`` (default: the one the checkpoint's training
+checkpoint's model axis, every other device on data), ``expert=E`` (a mixture of experts' expert shards; default:
+the checkpoint's, as its devices allow), ``tokenizer`` (default: the one the checkpoint's training
 data used), ``max_gen_toks`` (default 256), ``seed`` (sampling). ``--batch_size`` is rows per forward (rounded up
 to a multiple of the data axis).
 
@@ -64,7 +65,8 @@ class MegajaxLM(TemplateLM):
     """
 
     def __init__(self, pretrained: str | None = None, checkpoint: str | None = None, mesh: str | None = None,
-                 tokenizer: str | None = None, batch_size: int | str = 8, stride: int | None = None,
+                 expert: int | None = None, tokenizer: str | None = None, batch_size: int | str = 8,
+                 stride: int | None = None,
                  max_gen_toks: int = 256, seed: int = 0, max_batch_size: int | None = None, device: str | None = None):
         """``max_batch_size`` and ``device`` come from lm-eval's CLI and are not used: the mesh places the
         model, and ``batch_size`` is fixed (no "auto"). ``stride`` is refused: the rolling windows are lm-eval's.
@@ -88,7 +90,8 @@ class MegajaxLM(TemplateLM):
         self.seq_len = stored.model.max_seq_len
         self.max_gen_toks, self.seed = int(max_gen_toks), int(seed)
         data, model = parse_mesh(mesh)
-        self.model, spec, self.mesh = restore_model(checkpoint, inference_config(checkpoint, data, model))
+        self.model, spec, self.mesh = restore_model(checkpoint, inference_config(
+            checkpoint, data, model, None if expert is None else int(expert)))
         self.rules = spec.rules
         self.scorer = Scorer(self.model, self.mesh, self.rules, int(batch_size), self.seq_len)
         self.batch_size = self.scorer.batch_size  # rounded up to a multiple of the data axis
@@ -174,12 +177,10 @@ class MegajaxLM(TemplateLM):
             prompt = (self.tok_encode(context) or [self.eot_token_id])[-(self.seq_len - max_gen):]
             groups[(len(prompt), max_gen, sampling)].append((i, prompt, until))
         results: list[str | None] = [None] * len(requests)
-        data = self.mesh.shape["data"]
         for (p, max_gen, sampling), items in groups.items():
             for j in range(0, len(items), self.batch_size):
                 batch = items[j:j + self.batch_size]
-                prompts = np.asarray([prompt for _, prompt, _ in batch], np.int32)
-                prompts = np.concatenate([prompts, np.repeat(prompts[-1:], -len(batch) % data, axis=0)])
+                prompts = np.asarray([prompt for _, prompt, _ in batch], np.int32)  # generate pads to the shards
 
                 def done(out: np.ndarray, batch=batch) -> bool:
                     return all(cut_at_stop(self.tok.decode(out[r, p:].tolist()), until) is not None

@@ -18,6 +18,7 @@ from megajax.evaluation.generate import Sampling
 from megajax.evaluation.registry import EVAL_TASKS, EvalTask, Loaded, Request, names_where
 from megajax.models import eval_task_models
 from megajax.outputs import Kind, OutputPathError, claim_file, write_json
+from megajax.parallel.sharding import mesh_spelling
 
 TASKS = tuple(eval_task_models())  # every model's eval tasks (models/: each spec lists its own), all registered
 
@@ -55,6 +56,7 @@ def _read(task: EvalTask, stored: StoredRun, request: Request) -> tuple[Any, Req
 
 def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | None = None,
         tokenizer: str | None = None, mesh_data: int | None = None, mesh_model: int | None = None,
+        mesh_expert: int | None = None,
         batch_size: int = 8, stride: int | None = None, max_new_tokens: int = 64, sampling: Sampling | None = None,
         seed: int = 0, output: str | None = None, predictions: str | None = None,
         null_score_diff_threshold: float | None = None, overwrite: bool = False) -> dict:
@@ -90,14 +92,15 @@ def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | No
     except (ValueError, FileNotFoundError) as e:  # from reading the checkpoint's config or a tokenizer
         raise inputs.InputError(str(e)) from e
     try:
-        model, spec, mesh = restore_model(checkpoint, inference_config(checkpoint, mesh_data, mesh_model))
+        model, spec, mesh = restore_model(checkpoint, inference_config(checkpoint, mesh_data, mesh_model,
+                                                                       mesh_expert))
     except ShardingConfigError as e:  # a --mesh these devices cannot hold
         n = jax.device_count()
         raise inputs.InputError(f"{e}; pass --mesh=DATAxMODEL with DATA x MODEL = {n} (the devices here), or "
                                 f"leave --mesh out to use them all (e.g. --mesh={n}x1)") from None
     loaded = Loaded(model, mesh, spec.rules, spec.model_spec.objective, spec.model.max_seq_len)
     result = chosen.run(loaded, task_input, request)
-    result.update(checkpoint=str(checkpoint), mesh=f"{mesh.shape['data']}x{mesh.shape['model']}")
+    result.update(checkpoint=str(checkpoint), mesh=mesh_spelling(spec.data, spec.tensor, expert=spec.expert))
     if not chosen.streams:
         print(json.dumps(result, indent=1))
     if output:

@@ -17,6 +17,7 @@ from megajax.evaluation.generate import check_generation, generate
 from megajax.evaluation.inputs import PAPER_STRIDE, InputError, WikiText
 from megajax.evaluation.registry import EvalTask, Loaded, Request, register
 from megajax.evaluation.scoring import Scorer, cloze_rows, sliding_windows, stream_log_likelihood
+from megajax.parallel.sharding import batch_shards
 
 
 def _windowed_nll(scorer: Scorer, tokens: np.ndarray, stride: int, desc: str) -> tuple[float, int]:
@@ -132,9 +133,10 @@ def _read_mlm(stored: StoredRun, request: Request):
 def _run_mlm(loaded: Loaded, task_input, request: Request) -> dict:
     """One pass over the evaluation sentence pairs (masking fixed by the data seed), at least one batch."""
     batches, where = task_input
-    if batches.global_batch % loaded.mesh.shape["data"]:
+    shards = batch_shards(loaded.mesh, loaded.rules)
+    if batches.global_batch % shards:
         raise InputError(f"--batch_size={batches.global_batch} is not a multiple of the mesh's data axis "
-                         f"({loaded.mesh.shape['data']})")
+                         f"({shards})")
     result = mlm(loaded.model, loaded.mesh, loaded.rules, loaded.objective, batches,
                  max(len(batches) // batches.global_batch, 1))
     result["data"] = where

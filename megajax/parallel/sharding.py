@@ -320,6 +320,12 @@ def replicas(batch: int) -> int:
     return d if batch % d == 0 else 1
 
 
+def batch_shards(mesh: Mesh, rules: Rules) -> int:
+    """How many ways ``rules`` split a batch's rows on ``mesh``: the size of the axes ``batch`` maps to (``data``;
+    with expert shards ``data`` and ``expert``)."""
+    return math.prod(mesh.shape[a] for a in entry_axes(dict(rules).get("batch")))
+
+
 def spec_of(names: Sequence[str | None]) -> P:
     """The PartitionSpec of logical ``names`` under the active rules (replicated outside ``activate``)."""
     rules = parallel_context().rules

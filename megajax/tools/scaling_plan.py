@@ -201,6 +201,10 @@ def main(argv: list[str] | None = None) -> None:
     if not run.model_spec.causal_lm:
         raise SystemExit(f"error: the scaling model covers causal language models (GPT configs); {args.config} is "
                          f"{run.model_name}")
+    if run.model.routed_experts[0]:  # rather than plan it as a dense model
+        raise SystemExit(f"error: the scaling model has no expert dimension yet (issue 36): {args.config} is a "
+                         f"mixture of {run.model.routed_experts[0]} experts; `python -m megajax.info` plans its memory "
+                         "and `python -m megajax.comm_report` its communication on a mesh")
     cluster = CLUSTERS[args.cluster]
     batch = args.global_batch or config.train.global_batch_size
     micro = args.micro_batch if args.micro_batch is not None else config.train.micro_batch_size
