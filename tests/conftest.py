@@ -57,6 +57,7 @@ from megajax.config import (  # noqa: E402
     resolve,
     rules_of,
 )
+from megajax.convert.__main__ import main as convert_main  # noqa: E402
 from megajax.models import llama  # noqa: E402
 from megajax.parallel.partition import shardings  # noqa: E402
 
@@ -209,3 +210,21 @@ def assert_same_step(loss: float, change, want_loss: float, want_change) -> None
         scale = np.abs(want).max()
         assert scale > 0, jax.tree_util.keystr(path)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
+
+
+def hf_conversions(tmp_path_factory, build, flags):
+    """name -> (HF directory saved in 100 KB shards, the HF model ``build(name)``, its megajax conversion with the
+    converter's ``flags(name)``), each built once: the HF conversion tests' fixtures."""
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            model = build(name)
+            root = tmp_path_factory.mktemp(name)
+            model.save_pretrained(root / "hf", max_shard_size="100KB")
+            assert (root / "hf" / "model.safetensors.index.json").is_file()
+            convert_main(["hf-to-megajax", f"--hf={root / 'hf'}", f"--output={root / 'mj'}", *flags(name)])
+            built[name] = root / "hf", model, root / "mj"
+        return built[name]
+
+    return get

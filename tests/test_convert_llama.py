@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import hf_conversions
 from flax import nnx
 
 import megajax
@@ -64,19 +65,7 @@ def megajax_logits(loaded: megajax.LoadedModel, tokens: np.ndarray) -> tuple[np.
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """name -> (HF directory saved in 100 KB shards, the HF model, its megajax conversion), each built once."""
-    built = {}
-
-    def get(name: str):
-        if name not in built:
-            model = hf_model(name)
-            root = tmp_path_factory.mktemp(name)
-            model.save_pretrained(root / "hf", max_shard_size="100KB")
-            assert (root / "hf" / "model.safetensors.index.json").is_file()
-            convert_main(["hf-to-megajax", f"--hf={root / 'hf'}", f"--output={root / 'mj'}", *PAD_FLAGS[name]])
-            built[name] = root / "hf", model, root / "mj"
-        return built[name]
-
-    return get
+    return hf_conversions(tmp_path_factory, hf_model, lambda name: PAD_FLAGS[name])
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
