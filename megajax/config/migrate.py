@@ -9,9 +9,11 @@ from collections.abc import Collection
 
 import ml_collections
 
+from megajax.models.gpt import NAME as GPT
+
 # (section or None for the top level, field) -> the value an older checkpoint implied
 ADDED_FIELDS = {
-    ("model", "name"): "gpt",  # before BERT, every checkpoint was a GPT
+    ("model", "name"): GPT,  # before BERT, every checkpoint was a GPT
     (None, "init_from"): "",
     ("parallel", "sequence"): False,
     ("parallel", "shard_optimizer"): False,
