@@ -1,23 +1,28 @@
-"""megajax against PyTorch + Hugging Face ``transformers`` (GPT2LMHeadModel), the same GPT-2 training on one machine.
+"""megajax against PyTorch + Hugging Face ``transformers``, the same training on one machine (GPT-2 by default; any
+causal family megajax converts: Llama, Mixtral-style mixtures of experts).
 
     python bench/compare_peer.py                                   # gpt_125m, batch 4 x 512, 3 rounds of 3 steps
     python bench/compare_peer.py --config=gpt_tiny --steps=3 --rounds=2 --batch=2 --seq=64 --output=/tmp/peer.json
+    python bench/compare_peer.py --config=mixtral_tiny --batch=16 --seq=128 --output=/tmp/peer_moe.json
 
 Both sides train the same model (megajax's vocabulary padding aside) from the same initial weights (megajax's,
-copied into the HF model by ``megajax.convert.hf_gpt2``) on the same random token batches: fp32, no dropout, no
-activation checkpointing, AdamW with megajax's hyper-parameters and schedule (decay on matrices and embeddings only),
-gradient clipping to norm 1.0. After ``--warmup`` untimed steps each (megajax's step is compiled ahead of time), it
-times ``--rounds`` rounds of ``--steps`` steps, alternating the two (the order swaps every round) so both see the same
-machine state. It prints a table and writes a JSON (``--output``): every round's step times, the median tokens/s of
-each, the ratio megajax/torch, the jax fp32 GEMM rate at the model's shapes and megajax's model FLOP/s (Megatron's
-formula) as a fraction of it. Expect the two first-step losses to agree within 1e-4 (asserted) and to be near
-ln(vocab). On a shared CPU timings swing by tens of percent: only the side-by-side ratio is meaningful.
+copied into the HF model by the family's converter, ``megajax.convert.hf_io.writer_for``) on the same random token
+batches (a mixture of experts: transformers' MixtralForCausalLM with its balancing loss, as megajax's): fp32, no
+dropout, no activation checkpointing, AdamW with megajax's hyper-parameters and schedule (decay on matrices and
+embeddings only), gradient clipping to norm 1.0. After ``--warmup`` untimed steps each (megajax's step is compiled
+ahead of time), it times ``--rounds`` rounds of ``--steps`` steps, alternating the two (the order swaps every round)
+so both see the same machine state. It prints a table and writes a JSON (``--output``): every round's step times,
+the median tokens/s of each, the ratio megajax/torch, the jax fp32 GEMM rate at the model's shapes and megajax's
+model FLOP/s (the model spec's ``flops``) as a fraction of it. Expect the two first-step losses to agree within 1e-4
+(asserted) and to be near ln(vocab). On a shared CPU timings swing by tens of percent: only the side-by-side ratio
+is meaningful.
 Needs the optional extras: ``pip install -e '.[test]'`` (or ``pip install torch transformers``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -72,20 +77,26 @@ def build_config(args: argparse.Namespace, total_steps: int):
 
 
 def build_torch(torch, transformers, config, params: dict) -> tuple[Any, Callable]:
-    """The HF GPT-2 of ``config`` holding megajax's ``params``, and ``step(tokens, lr) -> loss`` (AdamW + clip)."""
+    """The Hugging Face model of ``config``'s family (its converter's ``hf_config`` and ``params_to_hf``, written
+    and read back with ``from_pretrained``, which lays a mixture of experts' per-expert tensors out as it keeps them)
+    holding megajax's ``params``, and ``step(tokens, lr) -> loss`` (AdamW + clip; a mixture of experts adds its
+    balancing loss, ``router_aux_loss_coef`` x transformers' ``aux_loss``, as megajax does)."""
+    import tempfile
+
     from megajax.config import model_config
-    from megajax.convert.hf_gpt2 import hf_config, params_to_hf
+    from megajax.convert import hf_io
 
     cfg = model_config(config)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config.from_dict(hf_config(cfg)))
-    state = {k: torch.from_numpy(v) for k, v in params_to_hf(params, cfg).items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr(), "lm_head must stay tied"
+    writer = hf_io.writer_for(config.model.name)
+    with tempfile.TemporaryDirectory() as directory:
+        hf_io.write(directory, writer.params_to_hf(params, cfg), writer.hf_config(cfg))
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32)
     model.train()  # dropout is 0 in the config; train mode keeps autograd's usual path
+    routed = cfg.routed_experts[0] > 0
+    aux_coef = cfg.router_aux_loss_coef if routed else 0.0
     o = config.optimizer
     decay = [p for p in model.parameters() if p.ndim >= 2]  # megajax's mask: matrices and embeddings decay
-    no_decay = [p for p in model.parameters() if p.ndim < 2]  # biases and LayerNorm parameters
+    no_decay = [p for p in model.parameters() if p.ndim < 2]  # biases and norm parameters
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=0.0, betas=(o.b1, o.b2), eps=o.eps)
     params_list = decay + no_decay
@@ -94,8 +105,11 @@ def build_torch(torch, transformers, config, params: dict) -> tuple[Any, Callabl
         for group in opt.param_groups:
             group["lr"] = lr  # megajax's schedule value for this step (precomputed outside the timed loop)
         opt.zero_grad(set_to_none=True)
-        logits = model(input_ids=tokens[:, :-1]).logits  # our own shift: S targets per row, as megajax
+        out = model(input_ids=tokens[:, :-1], **({"output_router_logits": True} if routed else {}))
+        logits = out.logits  # our own shift: S targets per row, as megajax
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        if routed:
+            loss = loss + aux_coef * out.aux_loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params_list, o.clip_norm)
         opt.step()
@@ -132,7 +146,6 @@ def main(argv: list[str] | None = None) -> None:
     import jax
     import numpy as np
 
-    from megajax.models.spec import transformer_flops
     from megajax.training.loop import setup
     from megajax.training.metrics import model_flops_per_step
     from megajax.training.optimizer import learning_rate_schedule, weight_decay_mask
@@ -146,8 +159,9 @@ def main(argv: list[str] | None = None) -> None:
     params = jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(state.params))  # the step donates state
     model, torch_step = build_torch(torch, transformers, config, params)
 
-    # Same architecture: megajax holds (padded - vocab) extra rows of the tied embedding (zero-probability ids).
-    pad_rows = (m.padded_vocab_size - m.vocab_size) * m.hidden_size
+    # Same architecture: megajax holds (padded - vocab) extra rows of each vocabulary table (zero-probability ids).
+    tables = 1 if getattr(m, "tie_embeddings", True) else 2  # GPT's embedding is always the output layer
+    pad_rows = (m.padded_vocab_size - m.vocab_size) * m.hidden_size * tables
     hf_params = sum(p.numel() for p in model.parameters())  # the tied lm_head is counted once
     assert run.num_params - pad_rows == hf_params, (run.num_params, pad_rows, hf_params)
     mask = weight_decay_mask(params)
@@ -193,10 +207,10 @@ def main(argv: list[str] | None = None) -> None:
     timed("megajax", mj_one, args.warmup - 1)
     timed("torch", pt_one, args.warmup - 1)
 
-    m_rows, h, ffn = args.batch * args.seq, m.hidden_size, m.mlp_ratio * m.hidden_size
+    m_rows, h, ffn = args.batch * args.seq, m.hidden_size, m.ffn_size
     vc = min(GEMM_VOCAB_COLUMNS, m.padded_vocab_size)
-    gemm = gemm_rates(m_rows, {"qkv (h, 3h)": (h, 3 * h), "mlp up (h, 4h)": (h, ffn), "mlp down (4h, h)": (ffn, h),
-                               f"logits (h, {vc})": (h, vc)})
+    gemm = gemm_rates(m_rows, {"qkv (h, 3h)": (h, 3 * h), f"mlp up (h, {ffn})": (h, ffn),
+                               f"mlp down ({ffn}, h)": (ffn, h), f"logits (h, {vc})": (h, vc)})
     gemm_best = max(gemm.values())
 
     rounds = []
@@ -210,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     med = {f: statistics.median(tokens * args.steps / x["seconds"] for x in rounds if x["framework"] == f)
            for f in ("megajax", "torch")}
     flops = {"megajax": model_flops_per_step(spec, args.seq),  # padded vocabulary, as megajax logs it
-             "torch": transformer_flops(args.batch, args.seq, m.num_layers, h, m.vocab_size)}
+             "torch": spec.model_spec.flops(dataclasses.replace(m, make_vocab_size_divisible_by=1), args.batch,
+                                            args.seq)}  # the same model's, over the true vocabulary
     model_fps = {f: flops[f] * med[f] / tokens for f in med}
     last = {f: float(v) for f, v in last_loss.items()}
     result = {
