@@ -12,20 +12,14 @@ from megajax.config.build import (
 from megajax.config.defaults import base_config, bert_base_config, model_section, with_model_defaults
 from megajax.config.resolve import (
     TRAINING_ONLY_FIELDS,
-    LossScaleSettings,
-    OptimizerSettings,
     RunSpec,
     StoredRun,
-    TrainSettings,
     check_data_source,
     check_run_data,
-    checkpoint_settings,
     data_settings,
     describe_differences,
-    loss_scale_settings,
     model_config,
     model_differences,
-    optimizer_settings,
     replanned,
     resolve,
     resolve_precision,
@@ -34,9 +28,17 @@ from megajax.config.resolve import (
     state_split,
     stored_config,
     stored_run,
-    train_settings,
     validate,
     validate_training,
+)
+from megajax.config.settings import (
+    LossScaleSettings,
+    OptimizerSettings,
+    TrainSettings,
+    checkpoint_settings,
+    loss_scale_settings,
+    optimizer_settings,
+    train_settings,
 )
 from megajax.errors import ConfigError
 from megajax.models.transformer import padded_vocab_size

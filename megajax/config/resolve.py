@@ -22,6 +22,16 @@ from jax.sharding import Mesh
 from megajax.checkpoint.manager import CheckpointSettings
 from megajax.config.defaults import with_model_defaults
 from megajax.config.migrate import drop_shared_model_fields
+from megajax.config.settings import (
+    LossScaleSettings,
+    OptimizerSettings,
+    TrainSettings,
+    checkpoint_settings,
+    loss_scale_settings,
+    optimizer_settings,
+    settings_from,
+    train_settings,
+)
 from megajax.data.settings import DataSettings
 from megajax.errors import ConfigError, ShardingConfigError
 from megajax.models import MODELS, ModelSpec, TransformerConfig, model_spec, task_models
@@ -272,79 +282,11 @@ def _validate_optimizer(o: ml_collections.ConfigDict, s: ml_collections.ConfigDi
              f"got {s.initial}, {s.min_scale}, {s.growth_interval}, {s.hysteresis}")
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainSettings:
-    """``config.train`` resolved (the compute precision aside: ``RunSpec.precision``)."""
-
-    steps: int  # optimizer steps to train to
-    global_batch_size: int  # sequences per step
-    micro_batch_size: int  # sequences per data shard per accumulation step (0: no accumulation)
-    seed: int
-    log_every: int
-    eval_every: int  # validation every N steps (0: only at the end)
-    eval_batches: int  # validation batches per evaluation (0: never)
-    max_nonfinite_steps: int  # consecutive non-finite steps tolerated (fp16's routine overflows aside)
-    allow_batch_size_change: bool  # resume with another global_batch_size
-    peak_flops_per_device: float  # the MFU denominator (0: looked up by device kind)
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerSettings:
-    """``config.optimizer``: AdamW, global-norm clipping and the learning-rate schedule
-    (``megajax.training.optimizer``)."""
-
-    lr: float
-    min_lr: float
-    warmup_steps: int
-    decay: str  # cosine | linear
-    decay_steps: int  # 0: until train.steps
-    b1: float
-    b2: float
-    eps: float
-    weight_decay: float
-    clip_norm: float
-
-
-@dataclasses.dataclass(frozen=True)
-class LossScaleSettings:
-    """``config.loss_scale``: fp16's dynamic loss scale (``megajax.training.loss_scale``)."""
-
-    initial: float
-    growth_interval: int
-    hysteresis: int
-    min_scale: float
-
-
-def _settings(cls: type, section: ml_collections.ConfigDict, **given: Any) -> Any:
-    """``cls`` (a frozen settings type) from the fields of ``section`` it declares, but those ``given``."""
-    return cls(**{f.name: section[f.name] for f in dataclasses.fields(cls) if f.name not in given}, **given)
-
-
-def train_settings(config: ml_collections.ConfigDict) -> TrainSettings:
-    """``config.train`` as the frozen settings the RunSpec carries."""
-    return _settings(TrainSettings, config.train)
-
-
-def optimizer_settings(config: ml_collections.ConfigDict) -> OptimizerSettings:
-    """``config.optimizer`` as the frozen settings the RunSpec carries."""
-    return _settings(OptimizerSettings, config.optimizer)
-
-
-def loss_scale_settings(config: ml_collections.ConfigDict) -> LossScaleSettings:
-    """``config.loss_scale`` as the frozen settings the RunSpec carries."""
-    return _settings(LossScaleSettings, config.loss_scale)
-
-
-def checkpoint_settings(config: ml_collections.ConfigDict) -> CheckpointSettings:
-    """``config.checkpoint`` as the frozen settings the RunSpec carries."""
-    return _settings(CheckpointSettings, config.checkpoint)
-
-
 def data_settings(config: ml_collections.ConfigDict) -> DataSettings:
     """``config.data`` with what its data is cut for: the model's vocabulary, sequence length and classes, and the
     global batch."""
     cfg = model_config(config)
-    return _settings(DataSettings, config.data, vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len,
+    return settings_from(DataSettings, config.data, vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len,
                      num_classes=getattr(cfg, "num_classes", 0), global_batch_size=config.train.global_batch_size)
 
 

@@ -1,0 +1,79 @@
+"""The training sections of a RunSpec (``config.train``, ``config.optimizer``, ``config.loss_scale``,
+``config.checkpoint``) as frozen settings, built once by ``config.resolve.resolve`` from the config's fields."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ml_collections
+
+from megajax.checkpoint.manager import CheckpointSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """``config.train`` resolved (the compute precision aside: ``RunSpec.precision``)."""
+
+    steps: int  # optimizer steps to train to
+    global_batch_size: int  # sequences per step
+    micro_batch_size: int  # sequences per data shard per accumulation step (0: no accumulation)
+    seed: int
+    log_every: int
+    eval_every: int  # validation every N steps (0: only at the end)
+    eval_batches: int  # validation batches per evaluation (0: never)
+    max_nonfinite_steps: int  # consecutive non-finite steps tolerated (fp16's routine overflows aside)
+    allow_batch_size_change: bool  # resume with another global_batch_size
+    peak_flops_per_device: float  # the MFU denominator (0: looked up by device kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSettings:
+    """``config.optimizer``: AdamW, global-norm clipping and the learning-rate schedule
+    (``megajax.training.optimizer``)."""
+
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    decay: str  # cosine | linear
+    decay_steps: int  # 0: until train.steps
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    clip_norm: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaleSettings:
+    """``config.loss_scale``: fp16's dynamic loss scale (``megajax.training.loss_scale``)."""
+
+    initial: float
+    growth_interval: int
+    hysteresis: int
+    min_scale: float
+
+
+def settings_from(cls: type, section: ml_collections.ConfigDict, **given: Any) -> Any:
+    """``cls`` (a frozen settings type) from the fields of ``section`` it declares, but those ``given``."""
+    return cls(**{f.name: section[f.name] for f in dataclasses.fields(cls) if f.name not in given}, **given)
+
+
+def train_settings(config: ml_collections.ConfigDict) -> TrainSettings:
+    """``config.train`` as the frozen settings the RunSpec carries."""
+    return settings_from(TrainSettings, config.train)
+
+
+def optimizer_settings(config: ml_collections.ConfigDict) -> OptimizerSettings:
+    """``config.optimizer`` as the frozen settings the RunSpec carries."""
+    return settings_from(OptimizerSettings, config.optimizer)
+
+
+def loss_scale_settings(config: ml_collections.ConfigDict) -> LossScaleSettings:
+    """``config.loss_scale`` as the frozen settings the RunSpec carries."""
+    return settings_from(LossScaleSettings, config.loss_scale)
+
+
+def checkpoint_settings(config: ml_collections.ConfigDict) -> CheckpointSettings:
+    """``config.checkpoint`` as the frozen settings the RunSpec carries."""
+    return settings_from(CheckpointSettings, config.checkpoint)
