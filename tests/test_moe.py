@@ -157,22 +157,28 @@ def test_expert_mesh_is_refused_for_a_dense_model():
         resolve(config, 8)
 
 
-@pytest.mark.parametrize("data,model_axis,expert", [(1, 1, 2), (2, 1, 4), (2, 2, 2)])
-def test_all_to_alls_are_the_analytic_count_and_bytes(data, model_axis, expert):
+@pytest.mark.parametrize("data,model_axis,expert,fields", [(1, 1, 2, {}), (2, 1, 4, {}), (2, 2, 2, {}),
+                                                            (2, 1, 4, QWEN)])
+def test_all_to_alls_are_the_analytic_count_and_bytes(data, model_axis, expert, fields):
     """The compiled step's all-to-alls over ``expert``, per layer and micro-batch: the routed hidden states to the
-    experts' shards and back (2 x shards x T k x H values each way, the blocks sized for every assignment), the
-    rows' expert ids once forward (shards x T k), and the transposes of the two hidden-state exchanges backward;
-    nothing else is an all-to-all, and none runs over another axis."""
+    experts' shards and back (2 x shards x m x H values each way, a block of m rows per destination: dropless, sized
+    for every one of the T k assignments; with the Qwen3 case's capacity of 6 per expert and sequence, the 2
+    experts' 12 of the 48: the routed tokens themselves), the rows' expert ids once forward (shards x m), and the
+    transposes of the two hidden-state exchanges backward; nothing else is an all-to-all, and none runs over another
+    axis."""
     from megajax.parallel.hlo_audit import collectives
     from megajax.training.loop import setup
 
-    config = moe_config(data, model_axis, expert=expert)
+    config = moe_config(data, model_axis, expert=expert, **fields)
     config.data.source = "random"
     config.train.update(global_batch_size=16, micro_batch_size=1, eval_batches=0, precision="fp32")
     config.checkpoint.enabled = False
     run = setup(config)
     m, spec = run.spec.model, run.spec
     n = spec.micro_batch * m.max_seq_len * m.experts_per_token  # assignments one shard routes per micro-batch
+    if fields:
+        assert (m.capacity, m.num_experts // expert, n) == (6, 2, 48)
+        n = 12  # the destination's two experts keep at most 6 each: a quarter of the shard's 48 assignments
     per_step = m.num_layers * spec.num_micro
     moved = {}
     for c in collectives(run.step_fn.as_text(), run.mesh):
@@ -185,15 +191,16 @@ def test_all_to_alls_are_the_analytic_count_and_bytes(data, model_axis, expert):
                      ("backward", "f32"): per_step * 2 * expert * n * m.hidden_size}
 
 
-@pytest.mark.parametrize("data,model_axis,expert", [(4, 2, 1), (2, 2, 2), (2, 1, 4)])
-def test_communication_is_the_minimum_in_every_category(data, model_axis, expert):
+@pytest.mark.parametrize("data,model_axis,expert,fields", [(4, 2, 1, {}), (2, 2, 2, {}), (2, 1, 4, {}),
+                                                            (2, 1, 4, QWEN)])
+def test_communication_is_the_minimum_in_every_category(data, model_axis, expert, fields):
     """The communication budget (``tools/comm_budget.py``: the dense model's categories, the expert all-to-alls,
     the routing statistics) at exactly 1.0000 of the compiled step's bytes in every category, nothing in ``other``,
-    on data x model, data x expert x model and data x expert meshes."""
+    on data x model, data x expert x model and data x expert meshes, dropless and with a capacity."""
     from megajax.tools.comm_budget import step_budget
     from megajax.training.loop import setup
 
-    config = moe_config(data, model_axis, expert=expert)
+    config = moe_config(data, model_axis, expert=expert, **fields)
     config.data.source = "random"
     config.train.update(global_batch_size=16, eval_batches=0, precision="fp32")
     config.checkpoint.enabled = False

@@ -95,6 +95,13 @@ class MoEConfig(LlamaConfig):
             return 0
         return math.ceil(self.capacity_factor * self.max_seq_len * self.experts_per_token / self.num_experts)
 
+    def exchange_rows(self, rows: int, expert: int) -> int:
+        """Every assignment of the shard's b s k (dropless: a block of static shape must hold them all, whichever
+        destination they go to); with a capacity, at most what the destination's E / e experts take of b
+        sequences."""
+        assignments = rows * self.max_seq_len * self.experts_per_token
+        return min(assignments, self.capacity * self.num_experts // expert * rows) if self.capacity else assignments
+
     def check_mesh(self, tensor: int, pipe: int, expert: int) -> None:
         super().check_mesh(tensor, pipe, 1)
         if self.num_experts % expert:
@@ -127,25 +134,28 @@ def within_capacity(experts: jax.Array, rows: int, num_experts: int, capacity: i
 
 def experts_forward(x: jax.Array, experts: jax.Array, weights: jax.Array, kept: jax.Array, gate: jax.Array,
                     up: jax.Array, down: jax.Array, num_experts: int, expert_axis: str | None,
-                    dtype: jnp.dtype) -> jax.Array:
+                    dtype: jnp.dtype, bound: int = 0) -> jax.Array:
     """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) over the ``kept`` assignments: (T, H) -> (T, H), a partial
     sum where the experts' ``mlp`` width is split (the caller reduces it).
 
     This shard holds ``gate.shape[0]`` of the ``num_experts`` experts (the ``expert_axis`` shard's consecutive
     block). Each assignment's hidden state goes to the shard of its expert in a block per destination shard (one
-    all-to-all over ``expert_axis``; each block has room for all T k assignments, as a dropless exchange of static
-    shape must: XLA:CPU has no ragged all-to-all); each shard groups what it received by its own experts and runs
-    the three expert GEMMs as grouped GEMMs (``jax.lax.ragged_dot``), and the outputs return the same way."""
+    all-to-all over ``expert_axis``); each shard groups what it received by its own experts and runs the three
+    expert GEMMs as grouped GEMMs (``jax.lax.ragged_dot``), and the outputs return the same way. A block has room
+    for all T k assignments, as a dropless exchange of static shape must (XLA:CPU has no ragged all-to-all), or,
+    where each expert keeps at most ``bound`` of them (capacity mode), for its shard's experts' share."""
     t, k = experts.shape
     h, local = x.shape[-1], gate.shape[0]
     shards, n = num_experts // local, t * k
+    block = min(n, bound * local) if bound else n  # rows per destination: what its experts can keep
     expert = jnp.where(kept, experts, num_experts).reshape(-1)  # a dropped assignment sorts after every expert
     order = jnp.argsort(expert, stable=True)  # grouped by expert, so by destination shard
     dest = expert[order] // local  # (n,) in sorted order; `shards` for a dropped one
     counts = jnp.bincount(dest, length=shards + 1)
     place = jnp.arange(n) - (jnp.cumsum(counts) - counts)[dest]  # its row in its destination's block
-    send = jnp.zeros((shards + 1, n, h), dtype).at[dest, place].set(x.astype(dtype)[order // k])[:shards]
-    ids = jnp.full((shards + 1, n), local, jnp.int32).at[dest, place].set(expert[order] % local)[:shards]
+    place = jnp.where(dest < shards, place, 0)  # the dropped share one row of the discarded block
+    send = jnp.zeros((shards + 1, block, h), dtype).at[dest, place].set(x.astype(dtype)[order // k])[:shards]
+    ids = jnp.full((shards + 1, block), local, jnp.int32).at[dest, place].set(expert[order] % local)[:shards]
     if shards > 1:
         send, ids = (jax.lax.all_to_all(a, expert_axis, 0, 0, tiled=True) for a in (send, ids))
     ids = ids.reshape(-1)  # what arrived, by source shard: each row's expert on this shard (`local`: an empty row)
@@ -155,10 +165,10 @@ def experts_forward(x: jax.Array, experts: jax.Array, weights: jax.Array, kept: 
     hidden = jax.nn.silu(jax.lax.ragged_dot(rows, gate.astype(dtype), sizes)) * jax.lax.ragged_dot(
         rows, up.astype(dtype), sizes)
     out = jax.lax.ragged_dot(hidden, down.astype(dtype), sizes)  # zeros past the groups
-    out = jnp.zeros_like(out).at[grouped].set(out).reshape(shards, n, h)
+    out = jnp.zeros_like(out).at[grouped].set(out).reshape(shards, block, h)
     if shards > 1:
         out = jax.lax.all_to_all(out, expert_axis, 0, 0, tiled=True)
-    out = jnp.concatenate([out, jnp.zeros((1, n, h), dtype)])[dest, place]  # a dropped assignment's: zeros
+    out = jnp.concatenate([out, jnp.zeros((1, block, h), dtype)])[dest, place]  # a dropped assignment's: zeros
     out = jnp.zeros_like(out).at[order].set(out).reshape(t, k, h)  # back to (token, rank)
     return (out * jnp.where(kept, weights, 0.0).astype(dtype)[..., None]).sum(1)
 
@@ -196,7 +206,7 @@ class MixtureOfExperts(nnx.Module):
             if reduce_over:  # varying over the model shards from here: the backward pass sums the (T, h) gradient
                 tokens = jax.lax.pcast(tokens, reduce_over, to="varying")  # once, not each of its k copies
             y = experts_forward(tokens, experts, weights, kept, gate, up, down, cfg.num_experts, expert_axis,
-                                cfg.compute_dtype)
+                                cfg.compute_dtype, cfg.capacity * b)
             if reduce_over:
                 y = jax.lax.psum(y, reduce_over)
             load = jax.nn.one_hot(experts, cfg.num_experts, dtype=jnp.float32).sum((0, 1))  # (E,) assignments
@@ -311,11 +321,12 @@ def layer_residual_bytes(cfg: MoEConfig, rows: int, tp: int, split: int, remat: 
     one device (tests/test_memory_planner.py). Under every policy the layer's routing statistics (8 E + 8 bytes).
     ``none`` and ``selective`` also keep the router's fp32 input in place of the MLP's compute-dtype one; per token
     the router's fp32 logits and probabilities (8 E bytes), its statistics and top-k (25 + 8 k + cd k bytes); per
-    assignment (n = tokens x k) the dispatch buffer (one block of n x h per destination shard and one for the
-    dropped), the rows each shard receives and groups (e n x h), the grouped outputs scattered back (e n x h), the
-    outputs gathered and combined (2 n x h), their three masks (n x h bytes), eight int32 indices, the three expert
-    GEMMs' and the SwiGLU's six (e n, F / tp) tensors and the group sizes (4 E); in 16-bit the compute-dtype copies
-    of the shard's experts. ``full`` keeps the layer's input, as Llama's; ``save_dots`` Llama's attention GEMMs'
+    assignment (n = tokens x k; a destination's block of the exchange is m = ``exchange_rows`` rows, n dropless)
+    the dispatch buffer (one block of m x h per destination shard and one for the dropped), the rows each shard
+    receives and groups (e m x h), the grouped outputs scattered back (e m x h), the outputs gathered and combined
+    (2 n x h), their three masks (n x h bytes), eight int32 indices (n), the three expert GEMMs' and the SwiGLU's six
+    (e m, F / tp) tensors and the group sizes (4 E); in 16-bit the compute-dtype copies of the shard's experts.
+    ``full`` keeps the layer's input, as Llama's; ``save_dots`` Llama's attention GEMMs'
     outputs and the router's logits (the grouped GEMMs are not dots). The expert shards' terms (e > 1) follow the
     code; the compiled step checks them (within 10%), not the jaxpr."""
     trunk = llama.layer_residual_bytes(cfg, rows, tp, split, remat, cd, attention)
@@ -327,10 +338,11 @@ def layer_residual_bytes(cfg: MoEConfig, rows: int, tp: int, split: int, remat: 
         return trunk - 2 * s * rows * f // tp * cd + rows * s * cfg.num_experts * 4 + stats
     tokens, k, e = rows * s, cfg.experts_per_token, expert
     n, width, local = tokens * k, cfg.expert_ffn_size // tp, cfg.num_experts // expert
+    block = cfg.exchange_rows(rows, expert)
     swiglu = 6 * s * rows * f * cd // tp + (f * h * cd // tp if cd < 4 else 0)
     routed = (tokens * h * (4 - cd) + tokens * (25 + 8 * k + cd * k + 8 * cfg.num_experts)
-              + ((e + 1) + 2 * e + 2) * n * h * cd
-              + 3 * n * h + 32 * n + 6 * e * n * width * cd + 4 * cfg.num_experts
+              + ((e + 1) + 2 * e) * block * h * cd + 2 * n * h * cd
+              + 3 * n * h + 32 * n + 6 * e * block * width * cd + 4 * cfg.num_experts
               + (3 * local * h * width * cd if cd < 4 else 0))
     return trunk - swiglu + routed + stats
 

@@ -98,6 +98,11 @@ class TransformerConfig:
         config says its own; the communication budget reads them)."""
         return 0, 0
 
+    def exchange_rows(self, rows: int, expert: int) -> int:
+        """Rows of each destination's block when a shard of ``rows`` sequences sends its tokens to their experts on
+        ``expert`` shards: 0 for a dense MLP (a mixture of experts' config says its own)."""
+        return 0
+
     @property
     def ffn_size(self) -> int:
         """The MLP's hidden width."""

@@ -70,9 +70,10 @@ A mixture of experts (``TransformerConfig.routed_experts``: E experts, k per tok
 micro-batch and layer, with n = b x s x k assignments on one data (and expert) shard:
 
 * expert all-to-all (``mesh.expert`` = e > 1): the assignments' hidden states to their experts' shards and back,
-  e x n x h each (a block per destination, sized for every assignment: a dropless exchange of static shape), and
-  their expert ids there (e x n int32); backward the two hidden-state exchanges again; ``remat=full`` redoes the
-  forward's three.
+  e x m x h each (a block of m rows per destination: dropless, m = n, room for every assignment, as an exchange of
+  static shape must; with a capacity, what the destination's experts keep at most, ``exchange_rows``: n / e at a
+  capacity factor of 1, the routed tokens themselves), and their expert ids there (e x m int32); backward the two
+  hidden-state exchanges again; ``remat=full`` redoes the forward's three.
 * routing statistics: the assignments and router probability per expert (2 E fp32) summed over the batch's shards
   (data x expert), again under ``remat=full``; with ``mesh.model`` > 1 the top-k weights' gradient (n fp32) summed
   over the model shards, whose partial expert outputs it multiplies (the layer all-reduces its combined output,
@@ -139,6 +140,7 @@ class Shape:
     expert_grad_elements: int = 0  # of local_grad_elements, the experts' (split over expert, reduced over data)
     num_experts: int = 0  # a mixture of experts' experts per layer (0: dense)
     routed_rows: int = 0  # assignments one shard routes per micro-batch: b x s x k
+    exchange_rows: int = 0  # rows of each destination's block in the exchange (``exchange_rows`` of the config)
 
 
 def minimum(shape: Shape) -> dict[str, int]:
@@ -182,7 +184,7 @@ def minimum(shape: Shape) -> dict[str, int]:
         out["data-parallel parameter gathers"] = shape.gathered_shard_elements * 4  # fp32 masters
     if shape.num_experts:
         redo = 2 if shape.remat == "full" else 1  # the recomputed forward exchanges and sums again
-        exchange = shape.expert * shape.routed_rows * n * shape.layers  # rows of one exchange, every layer
+        exchange = shape.expert * shape.exchange_rows * n * shape.layers  # rows of one exchange, every layer
         if shape.expert > 1:  # forward: the hidden states there and back, their expert ids; backward: 2 transposes
             out["expert all-to-all"] = (2 * redo + 2) * exchange * h * shape.activation_bytes + redo * exchange * 4
         stats = 0
@@ -330,7 +332,8 @@ def step_shape(run) -> Shape:
                  if spec.sequence else 0, pooled_rows=model.pooled_rows * spec.micro_batch,
                  gathered_shard_elements=gathered_shard_elements(run), kv_head_elements=kv_head,
                  expert=spec.expert, expert_grad_elements=expert_grad, num_experts=experts,
-                 routed_rows=spec.micro_batch * cfg.max_seq_len * per_token, **_pipeline_shape(spec))
+                 routed_rows=spec.micro_batch * cfg.max_seq_len * per_token,
+                 exchange_rows=cfg.exchange_rows(spec.micro_batch, spec.expert), **_pipeline_shape(spec))
 
 
 def kv_head_elements(cfg: TransformerConfig, tensor: int) -> int:
