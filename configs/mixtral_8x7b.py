@@ -3,6 +3,9 @@ experts of width 14336 per layer with 2 routed per token, vocabulary 32000, unti
 
 Command:  python train.py --config=configs/mixtral_8x7b.py --config.data.source=indexed --config.data.path=PREFIX
 Expect:   46,702,792,704 parameters, 12,879,925,248 active per token (the published counts).
+Plan:     python -m megajax.scaling --config=mixtral_8x7b --gpus=64 --cluster=dgx_h100 (predicted, not measured:
+          data 16 x model 4, no expert shards, with the dropless exchange; data 16 x expert 2 x model 2 with
+          model.capacity_factor=1.0; docs/parallelism.md).
 """
 
 from megajax.config import base_config
@@ -13,6 +16,6 @@ def get_config():
     c = base_config(moe.NAME)  # MoEConfig's defaults are Mixtral 8x7B's
     c.model.update(max_seq_len=4096)
     c.mesh.model = 8
-    c.train.update(steps=500_000, global_batch_size=1024, precision="bf16")
+    c.train.update(steps=500_000, global_batch_size=1024, micro_batch_size=1, precision="bf16")
     c.optimizer.update(lr=3e-4, min_lr=3e-5, warmup_steps=2000, b2=0.95, eps=1e-5, weight_decay=0.1)
     return c

@@ -17,6 +17,6 @@ def get_config():
                    ffn_hidden_size=6144, norm_topk_prob=True, router_aux_loss_coef=0.001, layernorm_eps=1e-6,
                    rope_theta=1e6, max_seq_len=4096)
     c.mesh.model = 4
-    c.train.update(steps=500_000, global_batch_size=1024, precision="bf16")
+    c.train.update(steps=500_000, global_batch_size=1024, micro_batch_size=1, precision="bf16")
     c.optimizer.update(lr=3e-4, min_lr=3e-5, warmup_steps=2000, b2=0.95, eps=1e-5, weight_decay=0.1)
     return c

@@ -89,7 +89,9 @@ moments over ``data`` (8 + 8/d bytes per local parameter) and adds an all-gather
 (half a ring all-reduce, not overlapped); FSDP splits all 16 bytes (16/d), reduce-scatters the gradients (half the
 all-reduce, overlapped as it) and all-gathers each layer's fp32 parameters twice, forward and backward (not
 overlapped, so the planner turns it on only where less does not fit); megajax's own pipeline (GPipe / circular;
-the Megatron-LM schedule is what PTD-P checks). None is calibrated: the papers have none.
+the Megatron-LM schedule is what PTD-P checks); a mixture of experts' expert shards (``scaling_experts.py``: the
+experts' GEMMs over balanced rows, the dispatch's passes, the all-to-alls, the gradients split between data x
+expert and data; the batch is split over data x expert). None is calibrated: the papers have none.
 
 Ignored: tensor-parallel communication overlapped with compute, point-to-point overlapped with compute, NCCL's
 protocols and topology beyond a ring, kernel efficiency beyond the calibration (the 2019 constants describe eager
@@ -100,27 +102,30 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 from megajax.config import RunSpec, replanned
-from megajax.tools.comm_budget import Shape, data_gradient_elements, kv_head_elements, minimum
+from megajax.tools.comm_budget import minimum
 from megajax.tools.memory_planner import activations
 from megajax.tools.scaling_clusters import (  # noqa: F401 (the clusters are this module's API too)
     CLUSTERS,
     DGX2H_V100,
     DGX_A100,
     DGX_H100,
+    HALF,
     MEGATRON_2021_PASSES,
     REPLICATED_PASSES,
     SCORE_PASSES,
     SPLIT_PASSES,
     Cluster,
     GiB,
+    gemm_s,
+    group_allreduce_s,
+    ring_allreduce_s,
 )
-from megajax.tools.scaling_layout import layout, parameters_per_gpu, with_choices
+from megajax.tools.scaling_experts import expert_comm_s, routed_layer_s
+from megajax.tools.scaling_layout import comm_shape, layout, parameters_per_gpu, with_choices
 from megajax.tools.scaling_pipeline import Pipeline, crosses_nodes, megatron_activation_bytes, p2p_s
 
-HALF = 2  # bytes per activation value: fp16 / bf16 training
 STATE_BYTES_PER_PARAM = 16  # fp32 parameters, gradients and AdamW's two moments (megajax.info)
 LOGIT_BYTES = 40  # per local logit, fp32 cross-entropy forward + backward
 OPTIMIZER_BYTES_PER_PARAM = 32  # AdamW's step: fp32 master, m, v read and written, half grads and params
@@ -152,30 +157,17 @@ class Prediction:
     fits: bool
     pipeline: Pipeline = Pipeline()  # the stages, schedule and microbatches (1 stage: none)
     pipe_comm_s: float = 0.0  # point-to-point between stages, and the ends' transfers over pipe
+    expert: int = 1  # expert shards (mesh.expert): data shards outside a mixture's routed layers
+    expert_comm_s: float = 0.0  # the routed layers' all-to-alls and routing statistics
 
     @property
     def gpus(self) -> int:
-        return self.pipeline.stages * self.mesh[0] * self.mesh[1]
+        return self.pipeline.stages * self.mesh[0] * self.expert * self.mesh[1]
 
     @property
     def bubble(self) -> float:
         """The idle share of the pipeline's stage-ticks (0 without stages)."""
         return self.pipeline.bubble()
-
-
-def ring_allreduce_s(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
-    """A ring all-reduce of ``nbytes`` over ``n`` GPUs: reduce-scatter + all-gather, 2 (n-1) steps each moving
-    ``nbytes / n`` on every link."""
-    if n <= 1:
-        return 0.0
-    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
-
-
-def _gemm_s(batch: float, m: float, k: float, n: float, cluster: Cluster) -> float:
-    """A (batched) half-precision GEMM at the roofline: compute- or HBM-bound, whichever is slower."""
-    compute = 2 * batch * m * k * n / (cluster.peak_flops * cluster.gemm_efficiency)
-    memory = HALF * batch * (m * k + k * n + m * n) / cluster.hbm_bandwidth
-    return max(compute, memory)
 
 
 def gemms(run: RunSpec, tensor: int, micro_batch: int) -> tuple[list[tuple], list[tuple], tuple]:
@@ -194,47 +186,36 @@ RECOMPUTED = {"none": (0, 0, 0), "full": (1, 1, 1), "save_dots": (0, 1, 1), "sel
 GEMMs and scores). save_dots keeps the dense GEMMs' outputs but not the batched attention ones."""
 
 
-def compute_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster) -> float:
+def compute_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster, expert: int = 1) -> float:
     """One GPU's compute time for one micro-batch, forward + backward (+ recomputation), without communication: L
     layers (``layer_s``) and the output layer (``head_s``)."""
-    layers = run.model.num_layers * layer_s(run, tensor, micro_batch, cluster)
+    layers = run.model.num_layers * layer_s(run, tensor, micro_batch, cluster, expert)
     return layers + head_s(run, tensor, micro_batch, cluster)
 
 
-def layer_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster) -> float:
+def layer_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster, expert: int = 1) -> float:
     """One layer's compute time for one micro-batch on one GPU: its GEMMs at the roofline, its element-wise passes at
-    HBM bandwidth, the fixed overhead."""
+    HBM bandwidth, the fixed overhead; a mixture's routed work on ``expert`` shards
+    (``scaling_experts.routed_layer_s``)."""
     m = run.model
     dense, attention, _ = gemms(run, tensor, micro_batch)
     dots, elementwise, core = RECOMPUTED[m.remat]
-    layer = (3 + dots) * sum(_gemm_s(*g, cluster) for g in dense)
-    layer += (3 + core) * sum(_gemm_s(*g, cluster) for g in attention)
+    layer = (3 + dots) * sum(gemm_s(*g, cluster) for g in dense)
+    layer += (3 + core) * sum(gemm_s(*g, cluster) for g in attention)
     tokens = micro_batch * m.max_seq_len
     replicated = tokens * m.hidden_size / (tensor if run.sequence else 1)  # SP: each GPU's positions only
     sizes = (replicated, tokens * m.hidden_size / tensor, micro_batch * m.num_heads / tensor * m.max_seq_len**2)
     repeats = (elementwise, elementwise, core)
     passes = sum(n * ((1 + r) * fwd + bwd) for n, r, (fwd, bwd) in zip(sizes, repeats, cluster.passes))
-    return layer + (HALF * passes / cluster.hbm_bandwidth + cluster.layer_overhead_s)
+    routed = routed_layer_s(run, tensor, micro_batch, expert, cluster)
+    return layer + routed + (HALF * passes / cluster.hbm_bandwidth + cluster.layer_overhead_s)
 
 
 def head_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster) -> float:
     """The output layer's GEMM and its cross-entropy for one micro-batch on one GPU."""
     logits = gemms(run, tensor, micro_batch)[2]
     local_logits = micro_batch * run.model.max_seq_len * logits[3]
-    return 3 * _gemm_s(*logits, cluster) + LOGIT_BYTES * local_logits / cluster.hbm_bandwidth
-
-
-def _shape(run: RunSpec, mesh: tuple[int, int], micro_batch: int, num_micro: int, layers: int) -> Shape:
-    """The communication budget's ``Shape`` of ``layers`` layers of a model (and the ends) on a (data, model) mesh:
-    the spec's all-reduces per layer, the abstract model's parameters (as ``comm_budget.step_shape`` reads a
-    compiled run's)."""
-    cfg, spec, tensor = run.model, run.model_spec, mesh[1]
-    kv_head = kv_head_elements(cfg, tensor)
-    local = data_gradient_elements(cfg, layout(run, tensor).local(layers), layers, kv_head)
-    return Shape(micro_batch=micro_batch, num_micro=num_micro, seq=cfg.max_seq_len, hidden=cfg.hidden_size,
-                 layers=layers, tensor=tensor, data=mesh[0], activation_bytes=HALF, local_grad_elements=local,
-                 tensor_all_reduces=spec.tensor_all_reduces, recomputed_all_reduces=spec.recomputed_all_reduces,
-                 remat=cfg.remat, kv_head_elements=kv_head)
+    return 3 * gemm_s(*logits, cluster) + LOGIT_BYTES * local_logits / cluster.hbm_bandwidth
 
 
 def tensor_comm_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster, layers: int | None = None) -> float:
@@ -243,7 +224,7 @@ def tensor_comm_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster,
     if tensor == 1:
         return 0.0
     layers = run.model.num_layers if layers is None else layers
-    need = minimum(_shape(run, (1, tensor), micro_batch, 1, layers))
+    need = minimum(comm_shape(run, (1, tensor), micro_batch, 1, layers))
     activation = micro_batch * run.model.max_seq_len * run.model.hidden_size * HALF  # one all-reduce's message
     count = (need["tensor-parallel forward"] + need["tensor-parallel backward"]) / activation
     per_token = micro_batch * run.model.max_seq_len * 4
@@ -255,48 +236,44 @@ def tensor_comm_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster,
 
 
 def data_comm_s(run: RunSpec, mesh: tuple[int, int], cluster: Cluster, grad_bytes: int = 4,
-                stages: int = 1) -> float:
-    """The gradient all-reduce over ``data`` (of one of ``stages`` pipeline stages) before overlap, hierarchical:
-    ring among the group's members in a node, then a ring across nodes of 1/members of the gradient per GPU (all
-    of a node's GPUs reduce at once, each on its share of the node's InfiniBand), then the all-gather back within
-    the node."""
-    if mesh[0] == 1:
+                stages: int = 1, expert: int = 1) -> float:
+    """The gradient all-reduce over ``data`` (of one of ``stages`` pipeline stages) before overlap, hierarchical
+    (``scaling_clusters.group_allreduce_s``): ring among the group's members in a node, then a ring across nodes of
+    1/members of the gradient per GPU, then the all-gather back within the node. With ``expert`` shards the dense
+    parameters' gradients over data x expert, the experts' over data alone."""
+    data, tensor = mesh
+    if data * expert == 1:
         return 0.0
     layers = run.model.num_layers // stages
-    grads = minimum(_shape(run, mesh, 1, 1, layers))["data-parallel gradients"] / 4 * grad_bytes
-    return _over_data_s(grads, mesh, cluster)
+    shape = comm_shape(run, mesh, 1, 1, layers, expert)
+    grads = minimum(shape)["data-parallel gradients"] / 4 * grad_bytes
+    experts = shape.expert_grad_elements * grad_bytes if data > 1 else 0
+    out = group_allreduce_s(grads - experts, data * expert, tensor, cluster)
+    return out + (group_allreduce_s(experts, data, expert * tensor, cluster) if experts else 0.0)
 
 
-def _over_data_s(nbytes: float, mesh: tuple[int, int], cluster: Cluster) -> float:
-    """A hierarchical ring all-reduce of ``nbytes`` per GPU over ``data`` (``data_comm_s``)."""
-    data, tensor = mesh
-    members = max(1, min(data, cluster.gpus_per_node // tensor))  # the group's GPUs on one node
-    nodes = math.ceil(data / members)
-    within = ring_allreduce_s(nbytes, members, cluster.intra_bandwidth, cluster.intra_latency)
-    across = ring_allreduce_s(nbytes / members, nodes, cluster.inter_bandwidth, cluster.inter_latency)
-    return within + across
-
-
-def state_bytes(run: RunSpec, tensor: int, data: int = 1, stages: int = 1) -> int:
-    """Per-GPU training state (of one of ``stages`` pipeline stages): 16 bytes per local parameter (fp32
-    parameters, gradients, AdamW's two moments); with ``parallel.shard_optimizer`` the moments split over ``data``
-    (8 + 8/d), with ``parallel.fsdp`` all of it (16/d)."""
-    local = parameters_per_gpu(run, tensor, stages)[1]
+def state_bytes(run: RunSpec, tensor: int, data: int = 1, stages: int = 1, expert: int = 1) -> int:
+    """Per-GPU training state (of one of ``stages`` pipeline stages, its experts split over ``expert`` shards): 16
+    bytes per local parameter (fp32 parameters, gradients, AdamW's two moments); with ``parallel.shard_optimizer``
+    the moments split over ``data`` (8 + 8/d), with ``parallel.fsdp`` all of it (16/d)."""
+    local = parameters_per_gpu(run, tensor, stages, expert)[1]
     if run.fsdp:
         return STATE_BYTES_PER_PARAM * (local // data)
     return STATE_BYTES_PER_PARAM * local if not run.shard_optimizer else 8 * local + 8 * local // data
 
 
 @functools.lru_cache(maxsize=4096)
-def _on_mesh(run: RunSpec, tensor: int, data: int, pipeline: Pipeline) -> RunSpec:
-    """``run`` on a (data, model) mesh of ``pipeline.stages`` stages with its schedule, in half precision (what the
-    memory planner reads of them), resolved again (``config.replanned``)."""
+def _on_mesh(run: RunSpec, tensor: int, data: int, pipeline: Pipeline, expert: int = 1) -> RunSpec:
+    """``run`` on a (data, model) mesh of ``pipeline.stages`` stages with its schedule and ``expert`` expert shards,
+    in half precision (what the memory planner reads of them), resolved again (``config.replanned``)."""
     return replanned(run, {"mesh.pipe": pipeline.stages, "mesh.data": data, "mesh.model": tensor,
+                           "mesh.expert": expert,
                            "parallel.pipeline_microbatches": pipeline.microbatches if pipeline.stages > 1 else 0,
                            "parallel.pipeline_repeats": pipeline.repeats, "train.precision": "bf16"}, training=False)
 
 
-def memory_bytes(run: RunSpec, tensor: int, micro_batch: int, data: int = 1, pipeline: Pipeline | None = None) -> int:
+def memory_bytes(run: RunSpec, tensor: int, micro_batch: int, data: int = 1, pipeline: Pipeline | None = None,
+                 expert: int = 1) -> int:
     """Per-GPU training memory as ``megajax.info``'s total: ``state_bytes`` plus the memory planner's activations
     (``memory_planner.activations`` of the run on the mesh in half precision, ``_on_mesh``: the spec's per-layer
     residuals and head) for one micro-batch. Not counted: FSDP's one gathered layer at a time. With pipeline stages,
@@ -304,7 +281,8 @@ def memory_bytes(run: RunSpec, tensor: int, micro_batch: int, data: int = 1, pip
     pipeline = pipeline or Pipeline()
     if pipeline.stages > 1:
         return stage_memory_bytes(run, tensor, micro_batch, data, pipeline)
-    return state_bytes(run, tensor, data) + activations(_on_mesh(run, tensor, data, pipeline), micro_batch).total
+    placed = _on_mesh(run, tensor, data, pipeline, expert)
+    return state_bytes(run, tensor, data, 1, expert) + activations(placed, micro_batch).total
 
 
 def stage_memory_bytes(run: RunSpec, tensor: int, rows: int, data: int, pipeline: Pipeline) -> int:
@@ -322,21 +300,24 @@ def stage_memory_bytes(run: RunSpec, tensor: int, rows: int, data: int, pipeline
     return state + activations(placed, rows).total + sums
 
 
-def gather_params_s(run: RunSpec, mesh: tuple[int, int], cluster: Cluster, stages: int = 1) -> float:
+def gather_params_s(run: RunSpec, mesh: tuple[int, int], cluster: Cluster, stages: int = 1,
+                    expert: int = 1) -> float:
     """The all-gathers of fp32 parameter shards (of one of ``stages`` pipeline stages) over ``data`` (each half a
-    ring all-reduce), hierarchical as ``data_comm_s``, not overlapped: ZeRO-1's one of the updated parameters;
-    FSDP's two, each layer's when the forward pass reaches it and again in the backward pass. 0 with neither."""
-    if mesh[0] == 1 or not run.shard_optimizer:
+    ring all-reduce; ``expert`` shards apart), hierarchical as ``data_comm_s``, not overlapped: ZeRO-1's one of the
+    updated parameters; FSDP's two, each layer's when the forward pass reaches it and again in the backward pass. 0
+    with neither."""
+    data, tensor = mesh
+    if data == 1 or not run.shard_optimizer:
         return 0.0
-    local = parameters_per_gpu(run, mesh[1], stages)[1]
-    return (2 if run.fsdp else 1) * _over_data_s(4 * local, mesh, cluster) / 2
+    local = parameters_per_gpu(run, tensor, stages, expert)[1]
+    return (2 if run.fsdp else 1) * group_allreduce_s(4 * local, data, expert * tensor, cluster) / 2
 
 
-def _rows(mesh, global_batch, micro_batch) -> tuple[int, int]:
-    """(sequences per data shard per accumulation step, accumulation steps)."""
-    data = mesh[0]
+def _rows(mesh, global_batch, micro_batch, expert: int = 1) -> tuple[int, int]:
+    """(sequences per batch shard (data x expert) per accumulation step, accumulation steps)."""
+    data = mesh[0] * expert
     if global_batch % data:
-        raise ValueError(f"global batch {global_batch} is not divisible by data={data}")
+        raise ValueError(f"global batch {global_batch} is not divisible by the {data} batch shards (data x expert)")
     per_replica = global_batch // data
     micro = micro_batch or per_replica
     if per_replica % micro:
@@ -344,16 +325,19 @@ def _rows(mesh, global_batch, micro_batch) -> tuple[int, int]:
     return micro, per_replica // micro
 
 
-def _step(r: RunSpec, mesh, global_batch, cluster, micro_batch, grad_bytes) -> tuple[float, float, float, float, int]:
+def _step(r: RunSpec, mesh, global_batch, cluster, micro_batch, grad_bytes,
+          expert: int = 1) -> tuple[float, float, float, float, float, int]:
+    """(compute, tensor-parallel, exposed data-parallel, expert, step, rows) without stages (module docstring)."""
     data, tensor = mesh
-    micro, num_micro = _rows(mesh, global_batch, micro_batch)
-    compute = num_micro * compute_s(r, tensor, micro, cluster)
-    compute += OPTIMIZER_BYTES_PER_PARAM * parameters_per_gpu(r, tensor)[1] / cluster.hbm_bandwidth
+    micro, num_micro = _rows(mesh, global_batch, micro_batch, expert)
+    compute = num_micro * compute_s(r, tensor, micro, cluster, expert)
+    compute += OPTIMIZER_BYTES_PER_PARAM * parameters_per_gpu(r, tensor, 1, expert)[1] / cluster.hbm_bandwidth
     tensor_comm = num_micro * tensor_comm_s(r, tensor, micro, cluster)
+    expert_comm = num_micro * expert_comm_s(r, mesh, micro, expert, cluster)
     # FSDP reduces the gradients onto their shards: a reduce-scatter, half the all-reduce
-    grads = data_comm_s(r, mesh, cluster, grad_bytes) / (2 if r.fsdp else 1)
-    data_comm = (1 - cluster.dp_overlap) * grads + gather_params_s(r, mesh, cluster)
-    return compute, tensor_comm, data_comm, compute + tensor_comm + data_comm, micro
+    grads = data_comm_s(r, mesh, cluster, grad_bytes, 1, expert) / (2 if r.fsdp else 1)
+    data_comm = (1 - cluster.dp_overlap) * grads + gather_params_s(r, mesh, cluster, 1, expert)
+    return compute, tensor_comm, data_comm, expert_comm, compute + tensor_comm + data_comm + expert_comm, micro
 
 
 def _tensor_parts(r: RunSpec, tensor: int, micro_batch: int, cluster: Cluster) -> tuple[float, float]:
@@ -407,33 +391,39 @@ def _pipeline_step(r: RunSpec, mesh, global_batch, cluster, micro_batch, grad_by
 
 def predict(run: RunSpec, mesh: tuple[int, int], global_batch: int, cluster: Cluster,
             micro_batch: int | None = None, grad_bytes: int = 4, baseline_tflops: float | None = None,
-            memory: bool = True, pipeline: Pipeline | None = None) -> Prediction:
+            memory: bool = True, pipeline: Pipeline | None = None, expert: int = 1) -> Prediction:
     """The predicted step of ``run``'s model with its choices (``choices``: remat, sequence parallelism, the state
-    split over data) on a (data, model) ``mesh`` (times ``pipeline.stages``) with ``global_batch`` sequences per
-    step; the run's own mesh, batch and pipeline are not read.
+    split over data) on a (data, model) ``mesh`` (times ``pipeline.stages``, times ``expert`` shards for a mixture
+    of experts) with ``global_batch`` sequences per step; the run's own mesh, batch and pipeline are not read.
 
-    ``micro_batch``: sequences per data shard per accumulation step (None: the whole shard at once); with stages,
-    each is the layer stack's batch, cut into ``pipeline.microbatches``.
+    ``micro_batch``: sequences per batch shard (data x expert) per accumulation step (None: the whole shard at
+    once); with stages, each is the layer stack's batch, cut into ``pipeline.microbatches``.
     ``grad_bytes``: bytes per gradient element all-reduced over ``data`` (megajax: 4; Megatron-LM 2019: 2).
     ``baseline_tflops``: the efficiency's reference (default: this model on 1 GPU with one shard's batch).
     ``memory=False`` skips the memory estimate (the memory planner's): memory_bytes 0, fits True."""
     data, tensor = mesh
     pipeline = pipeline or Pipeline()
+    if expert > 1 and pipeline.stages > 1:
+        raise ValueError("the scaling model times expert shards without pipeline stages only (a mixture of experts "
+                         "does not run in stages)")
     if pipeline.stages == 1:
-        compute, tensor_comm, data_comm, step, micro = _step(run, mesh, global_batch, cluster, micro_batch,
-                                                             grad_bytes)
+        compute, tensor_comm, data_comm, expert_comm, step, micro = _step(run, mesh, global_batch, cluster,
+                                                                          micro_batch, grad_bytes, expert)
         pipe_comm = 0.0
     else:
         compute, tensor_comm, data_comm, pipe_comm, step, micro = _pipeline_step(
             run, mesh, global_batch, cluster, micro_batch, grad_bytes, pipeline)
+        expert_comm = 0.0
+    shards = data * expert  # the batch's
     work = flops(run, global_batch)
-    tflops = work / step / (pipeline.stages * data * tensor) / 1e12
+    tflops = work / step / (pipeline.stages * shards * tensor) / 1e12
     if baseline_tflops is None:
-        base = _step(run, (1, 1), global_batch // data, cluster, micro_batch, grad_bytes)[3]
-        baseline_tflops = work / data / base / 1e12
-    need = memory_bytes(run, tensor, micro, data, pipeline) if memory else 0
+        base = _step(run, (1, 1), global_batch // shards, cluster, micro_batch, grad_bytes)[4]
+        baseline_tflops = work / shards / base / 1e12
+    need = memory_bytes(run, tensor, micro, data, pipeline, expert) if memory else 0
     return Prediction(run=run, mesh=mesh, global_batch=global_batch, micro_batch=micro,
-                      num_micro=global_batch // data // micro, compute_s=compute, tensor_comm_s=tensor_comm,
+                      num_micro=global_batch // shards // micro, compute_s=compute, tensor_comm_s=tensor_comm,
                       data_comm_s=data_comm, step_s=step, tflops_per_gpu=tflops,
                       mfu=tflops * 1e12 / cluster.peak_flops, efficiency=tflops / baseline_tflops,
-                      memory_bytes=need, fits=need <= cluster.hbm_bytes, pipeline=pipeline, pipe_comm_s=pipe_comm)
+                      memory_bytes=need, fits=need <= cluster.hbm_bytes, pipeline=pipeline, pipe_comm_s=pipe_comm,
+                      expert=expert, expert_comm_s=expert_comm)

@@ -1,13 +1,16 @@
 """The clusters the scaling model (``megajax.tools.scaling``) knows: each GPU's peak, memory and links, the
 element-wise passes of the software it runs, and the model's calibration constants, with where each number comes
-from and what was fitted to which published measurements (``scaling_papers.py`` holds those and the errors).
+from and what was fitted to which published measurements (``scaling_papers.py`` holds those and the errors); and
+what the primitives cost on them: a GEMM at the roofline, a ring all-reduce, an all-to-all.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 GiB = 1024**3
+HALF = 2  # bytes per activation value: fp16 / bf16 training
 # Memory passes per layer and micro-batch: (forward, backward); recomputation repeats the forward (scaling.py).
 REPLICATED_PASSES = (20, 40)  # b*s*h, on every model-parallel GPU
 SPLIT_PASSES = (16, 32)  # b*s*h/t
@@ -65,3 +68,44 @@ DGX_A100 = Cluster(name="dgx_a100", peak_flops=312e12, hbm_bytes=80 * GiB, hbm_b
                    intra_bandwidth=300e9, intra_latency=2e-6, inter_bandwidth=25e9, inter_latency=5e-6,
                    gemm_efficiency=0.685, layer_overhead_s=3.95e-3, dp_overlap=0.0, passes=MEGATRON_2021_PASSES)
 CLUSTERS = {"dgx2h": DGX2H_V100, "dgx_h100": DGX_H100, "dgx_a100": DGX_A100}
+
+
+def gemm_s(batch: float, m: float, k: float, n: float, cluster: Cluster) -> float:
+    """A (batched) half-precision GEMM at the roofline: compute- or HBM-bound, whichever is slower."""
+    compute = 2 * batch * m * k * n / (cluster.peak_flops * cluster.gemm_efficiency)
+    memory = HALF * batch * (m * k + k * n + m * n) / cluster.hbm_bandwidth
+    return max(compute, memory)
+
+
+def ring_allreduce_s(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """A ring all-reduce of ``nbytes`` over ``n`` GPUs: reduce-scatter + all-gather, 2 (n-1) steps each moving
+    ``nbytes / n`` on every link."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+
+
+def group_allreduce_s(nbytes: float, n: int, stride: int, cluster: Cluster) -> float:
+    """An all-reduce of ``nbytes`` per GPU over ``n`` GPUs ``stride`` apart on the mesh (the data-parallel group:
+    stride the model-parallel degree), hierarchical: a ring among the group's members in a node, then a ring across
+    nodes of 1/members of it per GPU (all of a node's GPUs reduce at once, each on its share of the node's
+    InfiniBand), then the all-gather back within the node."""
+    members = max(1, min(n, cluster.gpus_per_node // stride))  # the group's GPUs on one node
+    nodes = math.ceil(n / members)
+    within = ring_allreduce_s(nbytes, members, cluster.intra_bandwidth, cluster.intra_latency)
+    across = ring_allreduce_s(nbytes / members, nodes, cluster.inter_bandwidth, cluster.inter_latency)
+    return within + across
+
+
+def all_to_all_s(nbytes: float, n: int, stride: int, cluster: Cluster, count: int = 1) -> float:
+    """``count`` all-to-alls moving ``nbytes`` per GPU in all (each GPU's buffers, a block of 1/n of each for every
+    GPU) over ``n`` GPUs ``stride`` apart on the mesh: the blocks for the group's GPUs in the same node over NVLink,
+    the others over the GPU's InfiniBand at once (the slower sets the time); n - 1 pairwise steps of latency
+    each."""
+    if n <= 1:
+        return 0.0
+    near = max(1, min(n, cluster.gpus_per_node // stride))  # the group's GPUs on one node, this one included
+    intra = (near - 1) / n * nbytes / cluster.intra_bandwidth
+    inter = (n - near) / n * nbytes / cluster.inter_bandwidth
+    latency = cluster.inter_latency if n > near else cluster.intra_latency
+    return max(intra, inter) + count * (n - 1) * latency

@@ -1,6 +1,7 @@
 """What the scaling model reads of a resolved run beyond its model's frozen config and spec: its parameters per GPU
 and per pipeline stage and its layer's GEMM shapes, from the abstract model through the sharding rules (``layout``:
-nothing here describes a block by formula), and the choices it is planned with (``with_choices``) and their flags.
+nothing here describes a block by formula), the communication budget's ``Shape`` of it on a mesh (``comm_shape``),
+and the choices it is planned with (``with_choices``) and their flags.
 
 The scaling model's runs are resolved without the training checks (``resolve(..., training=False)``): it reads the
 model and its parallel choices, and checks the batch against each mesh itself."""
@@ -15,10 +16,13 @@ from megajax.config import RunSpec, replanned
 from megajax.errors import ConfigError
 from megajax.models.transformer import STACK
 from megajax.parallel.sharding import Rules, entry_axes, logical_to_spec
+from megajax.tools.comm_budget import Shape, data_gradient_elements, kv_head_elements
 from megajax.tools.memory_planner import parameters
+from megajax.tools.scaling_clusters import HALF
 
+EXPERTS = "experts"  # the logical axis a mixture of experts stacks its experts on (``models/moe.py``)
 # what a model's parameters do not depend on, set alike so that every choice of a model shares one layout
-_PARAMETERS_ONLY = {"mesh.pipe": 1, "mesh.data": 1, "parallel.pipeline_repeats": 1,
+_PARAMETERS_ONLY = {"mesh.pipe": 1, "mesh.data": 1, "mesh.expert": 1, "parallel.pipeline_repeats": 1,
                     "parallel.pipeline_microbatches": 0, "parallel.sequence": False,
                     "parallel.shard_optimizer": False, "parallel.fsdp": False, "model.remat": "none"}
 
@@ -32,10 +36,14 @@ class Layout:
     layer: int  # one layer's parameters on one GPU
     gemms: tuple[tuple[int, int], ...]  # one layer's weight GEMMs on one GPU, (k, n) per kernel, over every token
     tied: bool  # one (vocabulary, hidden) weight: the word embedding is the output layer
+    experts: int = 0  # a mixture of experts' routed experts per layer (0: dense)
+    expert_layer: int = 0  # of ``layer``, the experts' parameters (all of them: one expert shard)
+    expert_gemms: tuple[tuple[int, int], ...] = ()  # one expert's weight GEMMs on one GPU, over its tokens
 
-    def local(self, layers: int) -> int:
-        """Parameters on one GPU of a model (or pipeline stage) of ``layers`` layers and the ends."""
-        return self.ends + layers * self.layer
+    def local(self, layers: int, expert: int = 1) -> int:
+        """Parameters on one GPU of a model (or pipeline stage) of ``layers`` layers and the ends, its experts split
+        over ``expert`` shards."""
+        return self.ends + layers * (self.layer - self.expert_layer + self.expert_layer // expert)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -62,10 +70,16 @@ def _layout(run: RunSpec, unsplit: Rules) -> Layout:
     params = parameters(run)
     stacked = [p for p in params if p.module == STACK]
     layer = sum(p.per_device for p in stacked) // layers
-    gemms = tuple(_gemm(p.names[1:], p.shape[1:], unsplit, run.tensor) for p in stacked if _is_kernel(p.names[1:]))
+    routed = [p for p in stacked if EXPERTS in p.names]  # (layers, experts, ...): each expert's GEMMs alone
+    gemms = tuple(_gemm(p.names[1:], p.shape[1:], unsplit, run.tensor) for p in stacked
+                  if p not in routed and _is_kernel(p.names[1:]))
+    expert_gemms = tuple(_gemm(p.names[2:], p.shape[2:], unsplit, run.tensor) for p in routed
+                         if _is_kernel(p.names[2:]))
     vocab = [p for p in params if "vocab" in p.names and "embed" in p.names]
     return Layout(total=sum(math.prod(p.shape) for p in params), ends=sum(p.per_device for p in params) -
-                  layers * layer, layer=layer, gemms=gemms, tied=len(vocab) == 1)
+                  layers * layer, layer=layer, gemms=gemms, tied=len(vocab) == 1,
+                  experts=run.model.routed_experts[0], expert_layer=sum(p.per_device for p in routed) // layers,
+                  expert_gemms=expert_gemms)
 
 
 def _is_kernel(names: tuple) -> bool:
@@ -84,13 +98,32 @@ def _gemm(names: tuple, shape: tuple, rules: Rules, tensor: int) -> tuple[int, i
     return (local[0], math.prod(local[1:])) if names[0] == "embed" else (math.prod(local[:-1]), local[-1])
 
 
-def parameters_per_gpu(run: RunSpec, tensor: int = 1, stages: int = 1) -> tuple[int, int]:
-    """(total parameters, parameters on one of ``tensor`` model-parallel GPUs of one of ``stages`` pipeline stages):
-    the stage's L/p layers and the ends (megajax replicates the embeddings, final norm and output layer over pipe;
-    Megatron-LM's first stage holds the embeddings, its last the final norm and the tied output layer's copy: about
-    the same); the memory planner's ``params_per_device``, from the abstract model."""
+def parameters_per_gpu(run: RunSpec, tensor: int = 1, stages: int = 1, expert: int = 1) -> tuple[int, int]:
+    """(total parameters, parameters on one of ``tensor`` model-parallel GPUs of one of ``stages`` pipeline stages
+    and ``expert`` expert shards): the stage's L/p layers, their experts split over the expert shards, and the ends
+    (megajax replicates the embeddings, final norm and output layer over pipe; Megatron-LM's first stage holds the
+    embeddings, its last the final norm and the tied output layer's copy: about the same); the memory planner's
+    ``params_per_device``, from the abstract model."""
     lay = layout(run, tensor)
-    return lay.total, lay.local(run.model.num_layers // stages)
+    return lay.total, lay.local(run.model.num_layers // stages, expert)
+
+
+def comm_shape(run: RunSpec, mesh: tuple[int, int], micro_batch: int, num_micro: int, layers: int,
+               expert: int = 1) -> Shape:
+    """The communication budget's ``Shape`` of ``layers`` layers of a model (and the ends) on a (data, model) mesh
+    with ``expert`` expert shards, in half precision: the spec's all-reduces per layer, the abstract model's
+    parameters (as ``comm_budget.step_shape`` reads a compiled run's), a mixture's routed assignments."""
+    cfg, spec, tensor = run.model, run.model_spec, mesh[1]
+    lay, kv_head = layout(run, tensor), kv_head_elements(cfg, tensor)
+    local = data_gradient_elements(cfg, lay.local(layers, expert), layers, kv_head)
+    experts, per_token = cfg.routed_experts
+    return Shape(micro_batch=micro_batch, num_micro=num_micro, seq=cfg.max_seq_len, hidden=cfg.hidden_size,
+                 layers=layers, tensor=tensor, data=mesh[0], activation_bytes=HALF, local_grad_elements=local,
+                 tensor_all_reduces=spec.tensor_all_reduces, recomputed_all_reduces=spec.recomputed_all_reduces,
+                 remat=cfg.remat, kv_head_elements=kv_head, expert=expert,
+                 expert_grad_elements=layers * lay.expert_layer // expert, num_experts=experts,
+                 routed_rows=micro_batch * cfg.max_seq_len * per_token,
+                 exchange_rows=cfg.exchange_rows(micro_batch, expert))
 
 
 def splits_evenly(run: RunSpec, tensor: int) -> bool:

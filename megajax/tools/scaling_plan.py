@@ -2,8 +2,9 @@
 
     python -m megajax.scaling --config=gpt_8p3b --gpus=512 --cluster=dgx2h [--global_batch=512] [--pipe=P]
 
-prints every (pipe, data, model) mesh of the GPUs with its predicted step time (compute, tensor-parallel,
-point-to-point over pipe, exposed data-parallel), the pipeline's bubble, model TFLOP/s per GPU, MFU and memory, and
+prints every (pipe, data, model) mesh of the GPUs (a mixture of experts: (data, expert, model), no stages) with its
+predicted step time (compute, tensor-parallel, point-to-point over pipe, exposed data-parallel, the experts'
+all-to-alls), the pipeline's bubble, model TFLOP/s per GPU (active parameters' FLOPs), MFU and memory, and
 recommends the fastest one that fits, as train.py flags. Per mesh it chooses (``recommend_mesh``):
 
 * with pipeline stages (pipe dividing the layers), the schedule and microbatches (``pipelines``): GPipe, or the
@@ -39,24 +40,38 @@ from megajax.tools.scaling_pipeline import Pipeline
 
 
 def candidate_meshes(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch: int,
-                     micro_batch: int | None = None, pipe: int | None = None) -> list[tuple[int, int, int]]:
-    """(pipe, data, model) factorizations of ``num_gpus`` with model parallelism within a node that the model allows
-    (``scaling_layout.splits_evenly``: whole heads and equal hidden / MLP / vocabulary slices per shard), equal
-    stages of whole layers, and the batch split evenly over ``data`` (and micro-batches). ``pipe``: only that many
-    stages (None: every count that divides the layers)."""
+                     micro_batch: int | None = None, pipe: int | None = None) -> list[tuple[int, int, int, int]]:
+    """(pipe, data, expert, model) factorizations of ``num_gpus`` with model parallelism within a node that the model
+    allows (``scaling_layout.splits_evenly``: whole heads and equal hidden / MLP / vocabulary slices per shard),
+    expert shards of whole experts and stages of whole layers where the model runs them (``check_mesh`` of its
+    config: a dense model has no experts, a mixture of experts no stages), and the batch split evenly over data x
+    expert (and micro-batches). ``pipe``: only that many stages (None: every count that divides the layers)."""
     out, layers = [], run.model.num_layers
     fits = {t: splits_evenly(run, t) for t in range(1, min(num_gpus, cluster.gpus_per_node) + 1)}
+    experts = [e for e in range(1, (run.model.routed_experts[0] or 1) + 1) if _runs(run, 1, 1, e)]
     for stages in range(1, num_gpus + 1):
-        if num_gpus % stages or layers % stages or (pipe is not None and stages != pipe):
+        if num_gpus % stages or layers % stages or (pipe is not None and stages != pipe) or not _runs(run, 1, stages):
             continue
         for tensor in range(1, min(num_gpus // stages, cluster.gpus_per_node) + 1):
-            data = num_gpus // stages // tensor
-            if (num_gpus // stages) % tensor or not fits[tensor] or global_batch % data:
+            if (num_gpus // stages) % tensor or not fits[tensor]:
                 continue
-            if micro_batch and (global_batch // data) % micro_batch:
-                continue
-            out.append((stages, data, tensor))
+            for expert in experts:
+                data, rest = divmod(num_gpus, stages * tensor * expert)
+                if rest or global_batch % (data * expert):
+                    continue
+                if micro_batch and (global_batch // (data * expert)) % micro_batch:
+                    continue
+                out.append((stages, data, expert, tensor))
     return out
+
+
+def _runs(run: RunSpec, tensor: int, pipe: int, expert: int = 1) -> bool:
+    """Whether the run's model takes these mesh degrees (``TransformerConfig.check_mesh``)."""
+    try:
+        run.model.check_mesh(tensor, pipe, expert)
+    except ValueError:
+        return False
+    return True
 
 
 REMAT_CHOICES = ("none", "selective", "save_dots", "full")  # least recomputation first
@@ -110,21 +125,22 @@ def recommend_mesh(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch: 
                    pipe: int | None = None) -> tuple[Prediction | None, list[Prediction]]:
     """(the fastest mesh that fits in HBM or None, one prediction per candidate mesh, fastest first).
 
-    Meshes are (pipe, data, model) (``candidate_meshes``; ``pipe``: only that many stages); those that do not divide
-    the model or the batch are not candidates; those over HBM are listed, never recommended. With stages, every
+    Meshes are (pipe, data, expert, model) (``candidate_meshes``; ``pipe``: only that many stages); those that do not
+    divide the model or the batch are not candidates; those over HBM are listed, never recommended. With stages, every
     schedule and microbatch count of ``pipelines`` is tried. ``choose``: besides the mesh, pick the remat policy,
     sequence parallelism and ZeRO-1 / FSDP (each mesh's row is its fastest choice that fits, else its least memory);
     otherwise the run's own are kept."""
     table = []
-    for stages, data, tensor in candidate_meshes(run, num_gpus, cluster, global_batch, micro_batch, pipe):
+    for stages, data, expert, tensor in candidate_meshes(run, num_gpus, cluster, global_batch, micro_batch, pipe):
         mesh = (data, tensor)
-        rows = micro_batch or global_batch // data
-        options = sorted((predict(c, mesh, global_batch, cluster, micro_batch, grad_bytes, memory=False, pipeline=pl)
+        rows = micro_batch or global_batch // (data * expert)
+        options = sorted((predict(c, mesh, global_batch, cluster, micro_batch, grad_bytes, memory=False, pipeline=pl,
+                                  expert=expert)
                           for pl in pipelines(run.model, stages, rows) for c in variants(run, mesh, choose, stages)),
                          key=lambda p: p.step_s)
         row = None
         for option in options:  # fastest first: the first that fits is the row; else the one needing least memory
-            need = memory_bytes(option.run, tensor, option.micro_batch, data, option.pipeline)
+            need = memory_bytes(option.run, tensor, option.micro_batch, data, option.pipeline, expert)
             option = dataclasses.replace(option, memory_bytes=need, fits=need <= cluster.hbm_bytes)
             if option.fits:
                 row = option
@@ -137,18 +153,24 @@ def recommend_mesh(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch: 
 
 
 def format_table(table: list[Prediction], best: Prediction | None) -> str:
-    """The CLI's table of meshes and its recommendation."""
-    lines = [f"{'pipe':>4} {'mesh':>8} {'sched':>7} {'M':>4} {'micro':>5} {'remat':>9} {'SP':>3} {'ZeRO':>4} "
-             f"{'step s':>8} {'compute':>8} {'TP comm':>8} {'PP comm':>8} {'DP comm':>8} {'bubble':>6} "
+    """The CLI's table of meshes and its recommendation (a mixture of experts' with the expert shards and the time
+    of their all-to-alls)."""
+    routed = any(p.run.model.routed_experts[0] for p in table)
+    lines = [f"{'pipe':>4} {'mesh':>8} {'expert':>6} " * routed + f"{'pipe':>4} {'mesh':>8} " * (not routed) +
+             f"{'sched':>7} {'M':>4} {'micro':>5} {'remat':>9} {'SP':>3} {'ZeRO':>4} "
+             f"{'step s':>8} {'compute':>8} {'TP comm':>8} {'PP comm':>8} {'DP comm':>8} " +
+             f"{'EP comm':>8} " * routed + f"{'bubble':>6} "
              f"{'TFLOP/s':>8} {'MFU':>6} {'vs 1GPU':>7} {'GiB/GPU':>8} fits"]
     yes = lambda b: "yes" if b else "-"  # noqa: E731
     for p in table:
         (remat, sequence, shard_optimizer, fsdp), pl = choices(p.run), p.pipeline
         zero = "3" if fsdp else "1" if shard_optimizer else "-"
-        lines.append(f"{pl.stages:>4} {p.mesh[0]:>4}x{p.mesh[1]:<3} {_schedule(pl):>7} "
+        lines.append(f"{pl.stages:>4} {p.mesh[0]:>4}x{p.mesh[1]:<3} " + f"{p.expert:>6} " * routed +
+                     f"{_schedule(pl):>7} "
                      f"{pl.microbatches if pl.stages > 1 else '-':>4} {p.micro_batch:>5} {remat:>9} "
                      f"{yes(sequence):>3} {zero:>4} {p.step_s:8.3f} {p.compute_s:8.3f} {p.tensor_comm_s:8.3f} "
-                     f"{p.pipe_comm_s:8.3f} {p.data_comm_s:8.3f} {p.bubble:6.1%} {p.tflops_per_gpu:8.1f} "
+                     f"{p.pipe_comm_s:8.3f} {p.data_comm_s:8.3f} " + f"{p.expert_comm_s:8.3f} " * routed +
+                     f"{p.bubble:6.1%} {p.tflops_per_gpu:8.1f} "
                      f"{p.mfu:6.1%} {p.efficiency:7.1%} {p.memory_bytes / GiB:8.1f} {'yes' if p.fits else 'NO'}")
     if best is None:
         lines.append("recommendation: none fits; add GPUs, shrink the micro-batch, or split the state over data "
@@ -158,7 +180,9 @@ def format_table(table: list[Prediction], best: Prediction | None) -> str:
         schedule = (f" ({pl.schedule}{f' v={pl.repeats}' if pl.repeats > 1 else ''}, {pl.microbatches} "
                     f"microbatches, bubble {pl.bubble():.1%})" if pl.stages > 1 else "")
         remat, sequence, _, _ = choices(best.run)
-        lines.append(f"recommendation: pipe={pl.stages} x data={best.mesh[0]} x model={best.mesh[1]}{schedule}, "
+        experts = f" x expert={best.expert}" if best.run.model.routed_experts[0] else ""
+        lines.append(f"recommendation: pipe={pl.stages} x data={best.mesh[0]}{experts} x model={best.mesh[1]}"
+                     f"{schedule}, "
                      f"remat={remat}, sequence parallelism {'on' if sequence else 'off'}, "
                      f"state split over data: {_split_name(best.run)}: {best.step_s:.3f} s/step, "
                      f"{best.tflops_per_gpu:.1f} TFLOP/s per GPU\n  {flags(best)}")
@@ -168,7 +192,8 @@ def format_table(table: list[Prediction], best: Prediction | None) -> str:
 def flags(prediction: Prediction) -> str:
     """The train.py flags of a prediction's mesh, schedule and choices."""
     pl, (data, tensor) = prediction.pipeline, prediction.mesh
-    mesh = f"--config.mesh.pipe={pl.stages} --config.mesh.data={data} --config.mesh.model={tensor}"
+    experts = f" --config.mesh.expert={prediction.expert}" if prediction.run.model.routed_experts[0] else ""
+    mesh = f"--config.mesh.pipe={pl.stages} --config.mesh.data={data}{experts} --config.mesh.model={tensor}"
     return " ".join(f for f in (mesh, pl.flags(), choice_flags(prediction.run)) if f)
 
 
@@ -195,16 +220,12 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     config = load_config(args.config)
     # the plan places the model on each mesh itself: resolved here once, on one GPU without stages
-    config.mesh.update(pipe=1, data=1, model=1)
+    config.mesh.update(pipe=1, data=1, model=1, expert=1)
     config.parallel.pipeline_repeats = 1
     run = resolve(config, 1, training=False)
     if not run.model_spec.causal_lm:
         raise SystemExit(f"error: the scaling model covers causal language models (GPT configs); {args.config} is "
                          f"{run.model_name}")
-    if run.model.routed_experts[0]:  # rather than plan it as a dense model
-        raise SystemExit(f"error: the scaling model has no expert dimension yet (issue 36): {args.config} is a "
-                         f"mixture of {run.model.routed_experts[0]} experts; `python -m megajax.info` plans its memory "
-                         "and `python -m megajax.comm_report` its communication on a mesh")
     cluster = CLUSTERS[args.cluster]
     batch = args.global_batch or config.train.global_batch_size
     micro = args.micro_batch if args.micro_batch is not None else config.train.micro_batch_size
@@ -213,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     if not table:
         raise SystemExit(f"error: no (pipe, data, model) mesh of {args.gpus} GPUs divides the layers, the heads and "
                          "the batch")
-    print(f"{args.config}: {parameters_per_gpu(run)[0]:,} parameters, {args.gpus} GPUs on {cluster.name}, "
-          f"global batch {batch}")
+    total = parameters_per_gpu(run)[0]
+    active = run.model_spec.active_parameters(run.model, total)
+    print(f"{args.config}: {total:,} parameters{f' ({active:,} active per token)' if active != total else ''}, "
+          f"{args.gpus} GPUs on {cluster.name}, global batch {batch}")
     print(format_table(table, best))

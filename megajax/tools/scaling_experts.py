@@ -1,0 +1,97 @@
+"""The scaling model's expert dimension: what a mixture of experts' routed layers cost one GPU of a (data, expert,
+model) mesh beyond the dense layer's work (``megajax.tools.scaling`` adds it to each layer and step).
+
+A routed layer (``models/moe.py``) on e expert shards, t model shards, b sequences of s tokens per batch shard (the
+batch is split over data x expert), k of E experts per token, n = b s k assignments per GPU:
+
+* Expert GEMMs (``routed_gemms``): each GPU holds E/e experts; with balanced routing each expert takes n e / E rows
+  (the assignments of the e shards of its group), and its three GEMMs (``layout``'s ``expert_gemms``: gate and up
+  (h, F/t), down (F/t, h)) run at the roofline per expert: a grouped GEMM timed as E/e GEMMs, so an expert with few
+  rows is bound by reading its weights. 3 times (forward, two backward) + once more under ``remat=full`` and
+  ``save_dots`` (``jax.lax.ragged_dot`` is not a dot the policy saves). The router is a dense GEMM of the layer
+  (``layout``'s ``gemms``). A capacity factor of 1 or more drops nothing under balanced routing, so capacity mode
+  is timed as dropless.
+* Dispatch (``DISPATCH_PASSES``): megajax's exchange has static shapes (XLA has no ragged all-to-all on the CPU), so
+  each GPU's send and receive buffers hold a block of m rows per shard of its group (``exchange_rows``: dropless
+  m = n, room for every assignment; with a capacity what the destination's experts keep at most, n / e at a
+  capacity factor of 1); counted from ``experts_forward`` unfused, a pass reading or writing the tensor once,
+  forward: 7 passes of e m x h (the send buffer written, the received rows grouped, the grouped outputs' padding
+  and their scatter back), 9 of n x h (the tokens gathered into it and the outputs gathered, ordered and weighted
+  back) and 2.5 of e m x 2F/t (the gate and up outputs' padding, the SwiGLU product); backward twice,
+  recomputation once more (as the dense layer's). At HBM bandwidth.
+* All-to-all (``expert_comm_s``): ``comm_budget.minimum``'s ``expert all-to-all`` bytes (the e m x h blocks there
+  and back, forward and backward, and their expert ids; ``remat=full`` the forward's again), each an all-to-all
+  over the e GPUs of an expert group (t apart on the mesh: NVLink among those in a node, InfiniBand for the rest),
+  not overlapped: the experts wait for their rows and the layer for their outputs. The routing statistics as ring
+  all-reduces: 2E fp32 over data x expert per layer (again under ``remat=full``), and with t > 1 the top-k weights'
+  gradient, n fp32 over the model shards.
+* Data parallel (``megajax.tools.scaling.data_comm_s``): the dense parameters' gradients all-reduced over data x
+  expert (e t apart: the expert shards are data shards outside the routed layers), the experts' over data alone
+  (e t apart).
+
+Assumed: balanced routing (the balancing loss's aim; ``mixtral_tiny`` ends at a max / mean expert load of 1.46, and
+the slowest expert shard sets the pace of the exchange, so an imbalance lengthens both the expert GEMMs and the
+all-to-all by about its ratio); no overlap of the exchange with other work; the dispatch's element-wise passes as
+counted on XLA:CPU's unfused program (XLA:GPU fuses some). Pipeline stages: a mixture of experts does not run in
+them (``MoEConfig.check_mesh``), so the planner gives it none.
+"""
+
+from __future__ import annotations
+
+from megajax.config import RunSpec
+from megajax.tools.comm_budget import minimum
+from megajax.tools.scaling_clusters import HALF, Cluster, all_to_all_s, gemm_s, group_allreduce_s, ring_allreduce_s
+from megajax.tools.scaling_layout import comm_shape, layout
+
+# passes per (e m x h, n x h, e m x 2F/t) element of a routed layer's dispatch, forward (backward twice that)
+DISPATCH_PASSES = (7, 9, 2.5)
+
+
+def routed_gemms(run: RunSpec, tensor: int, micro_batch: int, expert: int) -> list[tuple]:
+    """One GPU's expert GEMMs per micro-batch of ``micro_batch`` sequences per batch shard as (batch, m, k, n): its
+    E / e experts' three GEMMs, each over the n e / E rows balanced routing gives an expert; none for a dense
+    model."""
+    lay, cfg = layout(run, tensor), run.model
+    if not lay.experts:
+        return []
+    per_token = cfg.routed_experts[1]
+    rows = micro_batch * cfg.max_seq_len * per_token * expert / lay.experts
+    return [(lay.experts // expert, rows, k, n) for k, n in lay.expert_gemms]
+
+
+def routed_layer_s(run: RunSpec, tensor: int, micro_batch: int, expert: int, cluster: Cluster) -> float:
+    """One layer's routed work for one micro-batch on one GPU beyond its dense GEMMs and the trunk's element-wise
+    passes: the expert GEMMs at the roofline and the dispatch's passes at HBM bandwidth (module docstring); 0 for a
+    dense model."""
+    grouped = routed_gemms(run, tensor, micro_batch, expert)
+    if not grouped:
+        return 0.0
+    cfg = run.model
+    again = 1 if cfg.remat in ("full", "save_dots") else 0
+    n, h = micro_batch * cfg.max_seq_len * cfg.routed_experts[1], cfg.hidden_size
+    block = expert * cfg.exchange_rows(micro_batch, expert)  # the rows a GPU's buffers hold: e m
+    widened = sum(width for k, width in layout(run, tensor).expert_gemms if k == h)  # gate and up: 2F/t
+    forward = sum(p * size for p, size in zip(DISPATCH_PASSES, (block * h, n * h, block * widened)))
+    gemms = sum(gemm_s(*g, cluster) for g in grouped)
+    return (3 + again) * gemms + (3 + again) * HALF * forward / cluster.hbm_bandwidth
+
+
+def expert_comm_s(run: RunSpec, mesh: tuple[int, int], micro_batch: int, expert: int, cluster: Cluster) -> float:
+    """The routed layers' communication for one micro-batch on a (data, model) ``mesh`` with ``expert`` shards: the
+    budget's all-to-all bytes as all-to-alls over the expert group, the routing statistics as ring all-reduces
+    (module docstring); 0 for a dense model."""
+    data, tensor = mesh
+    cfg = run.model
+    experts, per_token = cfg.routed_experts
+    if not experts:
+        return 0.0
+    layers, redo = cfg.num_layers, 2 if cfg.remat == "full" else 1
+    moved = minimum(comm_shape(run, mesh, micro_batch, 1, layers, expert))["expert all-to-all"]
+    exchanges = (3 * redo + 2) * layers  # forward: rows there, their ids, outputs back; backward: the two rows'
+    out = all_to_all_s(moved, expert, tensor, cluster, exchanges)
+    if data * expert > 1:
+        out += redo * layers * group_allreduce_s(2 * experts * 4, data * expert, tensor, cluster)
+    if tensor > 1:
+        assignments = micro_batch * cfg.max_seq_len * per_token
+        out += layers * ring_allreduce_s(4 * assignments, tensor, cluster.intra_bandwidth, cluster.intra_latency)
+    return out
