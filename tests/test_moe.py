@@ -1,12 +1,16 @@
 """Mixture-of-experts decoders (``megajax.models.moe``): the routed layer against a float64 numpy reference (dropless
-and with a capacity), the balancing loss against transformers', one step's loss and every gradient on data and
-tensor-parallel meshes against the 1x1 step, the published parameter counts, and the refusals."""
+and with a capacity), the balancing loss against transformers', one step's loss and every gradient on data,
+tensor and expert meshes against the 1x1 step (and a whole training step with sequence parallelism, ZeRO-1 / FSDP
+and recomputation on expert shards), the all-to-alls and the communication budget against the compiled step, the
+published parameter counts, and the refusals."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import place
+from conftest import assert_same_step, place
 from flax import nnx
 
 from megajax.cli import load_config
@@ -125,6 +129,49 @@ def test_mesh_matches_single_device(reference, data, model_axis, expert):
         scale = np.abs(r).max()
         assert scale > 0, jax.tree_util.keystr(path)
         np.testing.assert_allclose(g, r, rtol=RTOL, atol=RTOL * scale, err_msg=jax.tree_util.keystr(path))
+
+
+def _step_config(data: int, model_axis: int, expert: int, **parallel):
+    """The tiny Mixtral on random data with AdamW at eps >> |g| (one step changes each parameter by lr / eps x its
+    gradient); ``parallel``: ``parallel.*`` switches, ``remat`` the model's policy."""
+    config = moe_config(data, model_axis, expert=expert, remat=parallel.pop("remat", "none"))
+    config.parallel.update(**parallel)
+    config.data.source = "random"
+    config.train.update(global_batch_size=8, precision="fp32", eval_batches=0)
+    config.optimizer.update(lr=1e6, eps=1e3, weight_decay=0.0, clip_norm=1e9, warmup_steps=0)
+    config.checkpoint.enabled = False
+    return config
+
+
+@functools.cache
+def _initial_state():
+    from megajax.training.loop import setup
+
+    return jax.tree.map(np.array, setup(_step_config(1, 1, 1)).init_state())
+
+
+def _one_step(data: int, model_axis: int, expert: int, **parallel):
+    """(loss, parameter change) of one training step from the same initial state on the same global batch."""
+    from megajax.training.data import make_loader
+    from megajax.training.loop import setup
+
+    config = _step_config(data, model_axis, expert, **parallel)
+    run, initial = setup(config), _initial_state()
+    state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), initial, run.abstract_state)
+    batch = make_loader(resolve(config, jax.device_count())).next_global(run.batch_shardings)
+    new, metrics = run.step_fn(state, batch)
+    return float(metrics["loss"]), jax.tree.map(lambda a, b: np.asarray(a) - b, new.params, initial.params)
+
+
+@pytest.mark.parametrize("data,model_axis,expert,parallel", [
+    (2, 2, 2, dict(sequence=True, shard_optimizer=True, fsdp=True, remat="full")),
+    (2, 1, 4, dict(shard_optimizer=True, remat="selective")),
+    (1, 2, 4, dict(sequence=True, remat="save_dots"))])
+def test_expert_shards_compose_with_sequence_parallelism_zero_and_remat(data, model_axis, expert, parallel):
+    """One whole training step (loss 1e-6, every parameter's change 1e-5) on expert shards with sequence
+    parallelism, ZeRO-1 or FSDP and each recomputation policy equals the 1x1 step's."""
+    want = _one_step(1, 1, 1)
+    assert_same_step(*_one_step(data, model_axis, expert, **parallel), *want)
 
 
 @pytest.mark.parametrize("name,total,active", [("mixtral_8x7b", 46_702_792_704, 12_879_925_248),
