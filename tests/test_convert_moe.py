@@ -25,14 +25,24 @@ SEQ = 24
 COMMON = dict(vocab_size=250, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
               max_position_embeddings=64, rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=False)
 # mixtral: 4 experts of width 96, top-2 (renormalised); qwen3: 8 experts of width 48, top-3, not renormalised,
-# heads of 16 (not 64 / 8), each query and key head RMS-normalised
+# heads of 16 (not 64 / 8), each query and key head RMS-normalised; qwen3_dense: the same in 4 layers, of which only
+# layer 1 is routed (decoder_sparse_step=2 makes 0 and 2 dense, mlp_only_layers=[3] the last): dense, routed, dense x 2
 MODELS = {
     "mixtral": (transformers.MixtralForCausalLM, transformers.MixtralConfig(
         **COMMON, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6)),
     "qwen3": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
         **COMMON, intermediate_size=128, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=3,
         norm_topk_prob=False, head_dim=16)),
+    "qwen3_dense": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
+        **{**COMMON, "num_hidden_layers": 4}, intermediate_size=128, moe_intermediate_size=48, num_experts=8,
+        num_experts_per_tok=3, norm_topk_prob=False, head_dim=16, decoder_sparse_step=2, mlp_only_layers=[3])),
 }
+
+
+def routed_layers(config) -> list[int]:
+    """The HF model's routed layers (transformers' rule, applied here independently of megajax's)."""
+    step, dense = getattr(config, "decoder_sparse_step", 1), getattr(config, "mlp_only_layers", [])
+    return [i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
 MESHES = [(1, 1, 1), (2, 2, 1), (1, 1, 2), (2, 1, 4)]  # data, model, expert
 
 
@@ -59,7 +69,10 @@ def test_hf_round_trip_is_exact(name, converted, tmp_path):
     convert_main(["megajax-to-hf", f"--checkpoint={mj}", f"--output={tmp_path / 'back'}"])
     original, back = hf_io.read_weights(src), hf_io.read_weights(tmp_path / "back")
     assert set(back) == set(original)
-    assert sum(".experts." in k for k in back) == 2 * 3 * model.config.num_local_experts  # per expert, as published
+    experts = 3 * model.config.num_local_experts  # per expert, as published, in each routed layer
+    assert sum(".experts." in k for k in back) == len(routed_layers(model.config)) * experts
+    assert sum(".mlp.gate_proj." in k for k in back) == model.config.num_hidden_layers - len(routed_layers(
+        model.config))  # the dense layers' SwiGLU
     for k, v in original.items():
         np.testing.assert_array_equal(back[k], v, err_msg=k)
     cls, _ = MODELS[name]
@@ -67,7 +80,8 @@ def test_hf_round_trip_is_exact(name, converted, tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     want, got = (type(model.config).from_pretrained(d).to_dict() for d in (src, tmp_path / "back"))
     for key in ("num_local_experts", "num_experts_per_tok", "norm_topk_prob", "intermediate_size",
-                "moe_intermediate_size", "num_key_value_heads", "rope_parameters", "rms_norm_eps"):
+                "moe_intermediate_size", "num_key_value_heads", "rope_parameters", "rms_norm_eps",
+                "decoder_sparse_step", "mlp_only_layers"):
         assert got.get(key) == want.get(key), key
     head_dim = want.get("head_dim") or want["hidden_size"] // want["num_attention_heads"]  # Mixtral's: None
     assert got["head_dim"] == head_dim
@@ -78,10 +92,12 @@ def test_converted_config(name, converted):
     _, model, mj = converted(name)
     m = model_config(inference_config(mj, data=1, model=1))
     c = model.config
+    qwen = name.startswith("qwen3")
     assert (m.num_experts, m.experts_per_token, m.head_dim) == (c.num_local_experts, c.num_experts_per_tok,
-                                                                16 if name == "qwen3" else 8)
-    assert m.norm_topk_prob == (name == "mixtral") and m.qk_norm == (name == "qwen3")
-    assert m.expert_ffn_size == (48 if name == "qwen3" else 96)
+                                                                16 if qwen else 8)
+    assert m.norm_topk_prob == (name == "mixtral") and m.qk_norm == qwen
+    assert m.expert_ffn_size == (48 if qwen else 96)
+    assert list(m.routed_layers) == routed_layers(c) == ([1] if name == "qwen3_dense" else [0, 1])
 
 
 def megajax_logits(loaded: megajax.LoadedModel, tokens: np.ndarray) -> np.ndarray:
@@ -140,7 +156,8 @@ def test_bf16_checkpoint_converts(tmp_path):
 @pytest.mark.parametrize("change,match", [
     ({"sliding_window": 16}, "sliding_window=16"),
     ({"router_jitter_noise": 0.1}, "router_jitter_noise"),
-    ({"model_type": "qwen3_moe", "mlp_only_layers": [1], "moe_intermediate_size": 48}, "mlp_only_layers"),
+    ({"model_type": "qwen3_moe", "mlp_only_layers": [0, 1], "moe_intermediate_size": 48}, "no routed layer"),
+    ({"model_type": "qwen3_moe", "mlp_only_layers": [2], "moe_intermediate_size": 48}, "numbered 0 to 1"),
     ({"model_type": "qwen2_moe"}, "model_type"),
     ({"num_local_experts": None}, "num_local_experts"),
 ])

@@ -61,6 +61,8 @@ CASES = {  # name -> (config, data, model, remat, parallel flags ('+'-joined: sh
     "moe_2x1_expert4_none_capped": ("mixtral_tiny:capped", 2, 1, "none", None, 1, 4),
     "moe_2x2_expert2_selective": ("mixtral_tiny", 2, 2, "selective", None, 1, 2),
     "moe_8x1_full": ("mixtral_tiny", 8, 1, "full", None, 1),
+    # dense layers among the routed ones (every other layer routed): the mean of the two kinds' residuals
+    "moe_2x2_expert2_none_dense": ("mixtral_tiny:dense", 2, 2, "none", None, 1, 2),
 }
 
 
@@ -69,6 +71,8 @@ def _config(name: str, remat: str, split: str | None):
     config = load_config(name)
     if variant == "capped":  # each expert takes at most ceil(1.0 x S x k / E) of a sequence's assignments
         config.model.capacity_factor = 1.0
+    if variant == "dense":  # of its 2 layers, layer 0 dense, layer 1 routed
+        config.model.decoder_sparse_step = 2
     config.model.remat = remat
     for flag in split.split("+") if split else ():
         config.parallel[flag] = True

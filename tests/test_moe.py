@@ -37,6 +37,9 @@ def moe_config(data: int = 1, model: int = 1, expert: int = 1, **fields):
 # Qwen3-MoE's options, and a capacity of ceil(16 x 3 / 8) = 6 assignments per expert and sequence
 QWEN = dict(qk_norm=True, kv_channels=16, norm_topk_prob=False, experts_per_token=3,
             router_aux_loss_coef=0.001, capacity_factor=1.0)
+# Qwen3-MoE's dense layers among the routed ones: of 4 layers only layer 1 is routed (decoder_sparse_step=2 makes 0
+# and 2 dense, mlp_only_layers the last), dropless
+DENSE = dict(QWEN, capacity_factor=0.0, num_layers=4, decoder_sparse_step=2, mlp_only_layers=(3,))
 
 
 def _layer(cfg: moe.MoEConfig, std: float = 0.3):
@@ -102,9 +105,9 @@ def _run(model, config, tokens, data, model_axis, expert=1):
     return float(value), jax.tree.map(float, metrics), jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3", "qwen3_dense"])
 def reference(request):
-    config = moe_config(**(QWEN if request.param == "qwen3" else {}))
+    config = moe_config(**{"mixtral": {}, "qwen3": QWEN, "qwen3_dense": DENSE}[request.param])
     model = create_model(config, build_mesh(config), seed=0)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1000, size=(8, 17), dtype=np.int32))
     return config, model, tokens, _run(model, config, tokens, 1, 1)
@@ -239,11 +242,12 @@ def test_all_to_alls_are_the_analytic_count_and_bytes(data, model_axis, expert, 
 
 
 @pytest.mark.parametrize("data,model_axis,expert,fields", [(4, 2, 1, {}), (2, 2, 2, {}), (2, 1, 4, {}),
-                                                            (2, 1, 4, QWEN)])
+                                                            (2, 1, 4, QWEN), (2, 2, 2, DENSE)])
 def test_communication_is_the_minimum_in_every_category(data, model_axis, expert, fields):
     """The communication budget (``tools/comm_budget.py``: the dense model's categories, the expert all-to-alls,
     the routing statistics) at exactly 1.0000 of the compiled step's bytes in every category, nothing in ``other``,
-    on data x model, data x expert x model and data x expert meshes, dropless and with a capacity."""
+    on data x model, data x expert x model and data x expert meshes, dropless, with a capacity and with dense layers
+    among the routed ones."""
     from megajax.tools.comm_budget import step_budget
     from megajax.training.loop import setup
 
@@ -254,5 +258,6 @@ def test_communication_is_the_minimum_in_every_category(data, model_axis, expert
     budget = step_budget(setup(config))
     assert budget.compiled["other"] == 0, budget.table()
     assert budget.minimum["routing statistics"] > 0 and (budget.minimum["expert all-to-all"] > 0) == (expert > 1)
+    assert (budget.minimum["per-head norm gradients"] > 0) == (model_axis > 1 and "qk_norm" in fields)
     for category, want in budget.minimum.items():
         assert budget.compiled[category] == want, (category, budget.table())

@@ -23,6 +23,7 @@ import numpy as np
 from megajax.config import base_config
 from megajax.convert.hf_tensors import HFTensors
 from megajax.models import llama
+from megajax.models.transformer import STACK
 
 Params = dict
 HF_CLASSES = {"llama": "LlamaForCausalLM"}  # config.json model_type -> the transformers class the weights fit
@@ -184,7 +185,8 @@ def attention_to_hf(attn: Params, pre: str, cfg: llama.LlamaConfig) -> dict[str,
             pre + "self_attn.o_proj.weight": attn["out"]["kernel"].reshape(n * d, h).T}
 
 
-def _layer_from_hf(t: DecoderTensors, i: int, cfg: llama.LlamaConfig) -> Params:
+def layer_from_hf(t: DecoderTensors, i: int, cfg: llama.LlamaConfig) -> Params:
+    """Llama layer ``i``'s parameters: norms, attention, SwiGLU (``cfg.ffn_size``)."""
     h, f = cfg.hidden_size, cfg.ffn_size
     pre = f"model.layers.{i}."
     return {
@@ -197,7 +199,8 @@ def _layer_from_hf(t: DecoderTensors, i: int, cfg: llama.LlamaConfig) -> Params:
     }
 
 
-def _layer_to_hf(b: Params, i: int, cfg: llama.LlamaConfig) -> dict[str, np.ndarray]:
+def layer_to_hf(b: Params, i: int, cfg: llama.LlamaConfig) -> dict[str, np.ndarray]:
+    """``layer_from_hf`` reversed."""
     pre = f"model.layers.{i}."
     return {pre + "input_layernorm.weight": b["ln_1"]["scale"],
             pre + "post_attention_layernorm.weight": b["ln_2"]["scale"],
@@ -210,18 +213,22 @@ def _layer_to_hf(b: Params, i: int, cfg: llama.LlamaConfig) -> dict[str, np.ndar
 def params_from_hf(sd: dict[str, np.ndarray], cfg: llama.LlamaConfig) -> Params:
     """The Llama ``cfg``'s parameters from an HF LlamaForCausalLM state dict (fp32, whatever the checkpoint's
     dtype)."""
-    return decoder_from_hf(DecoderTensors(sd, cfg), cfg, _layer_from_hf)
+    return decoder_from_hf(DecoderTensors(sd, cfg), cfg, layer_from_hf)
 
 
 def decoder_from_hf(t: DecoderTensors, cfg: llama.LlamaConfig,
-                    layer: Callable[[DecoderTensors, int, llama.LlamaConfig], Params]) -> Params:
-    """A Llama-trunk model's parameters: the embedding, ``layer(t, i, cfg)`` of each layer stacked, the final norm
-    and the untied head; every tensor of ``t`` accounted for."""
+                    layer: Callable[[DecoderTensors, int, llama.LlamaConfig], Params],
+                    stack_of: Callable[[int], str] = lambda i: STACK) -> Params:
+    """A Llama-trunk model's parameters: the embedding, ``layer(t, i, cfg)`` of each layer stacked (in order, on the
+    stack ``stack_of(i)`` names: one for most models), the final norm and the untied head; every tensor of ``t``
+    accounted for."""
     h, vocab, rows = cfg.hidden_size, cfg.vocab_size, cfg.padded_vocab_size
-    layers = [layer(t, i, cfg) for i in range(cfg.num_layers)]
+    stacks: dict[str, list[Params]] = {}
+    for i in range(cfg.num_layers):
+        stacks.setdefault(stack_of(i), []).append(layer(t, i, cfg))
     params = {
         "wte": {"embedding": _pad_rows(t.take("model.embed_tokens.weight", (vocab, h)), rows)},
-        "blocks": jax.tree.map(lambda *xs: np.stack(xs), *layers),
+        **{name: jax.tree.map(lambda *xs: np.stack(xs), *layers) for name, layers in stacks.items()},
         "ln_f": {"scale": t.take("model.norm.weight", (h,))},
     }
     if not cfg.tie_embeddings:
@@ -233,16 +240,20 @@ def decoder_from_hf(t: DecoderTensors, cfg: llama.LlamaConfig,
 def params_to_hf(p: Params, cfg: llama.LlamaConfig) -> dict[str, np.ndarray]:
     """An HF LlamaForCausalLM state dict of the Llama ``cfg``'s parameters (a tied ``lm_head`` omitted, as
     ``save_pretrained`` does)."""
-    return decoder_to_hf(p, cfg, _layer_to_hf)
+    return decoder_to_hf(p, cfg, layer_to_hf)
 
 
 def decoder_to_hf(p: Params, cfg: llama.LlamaConfig,
-                  layer: Callable[[Params, int, llama.LlamaConfig], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+                  layer: Callable[[Params, int, llama.LlamaConfig], dict[str, np.ndarray]],
+                  stack_of: Callable[[int], str] = lambda i: STACK) -> dict[str, np.ndarray]:
     """``decoder_from_hf`` reversed, each layer's tensors from ``layer(block, i, cfg)``; fp32."""
     vocab = cfg.vocab_size
     sd = {"model.embed_tokens.weight": p["wte"]["embedding"][:vocab], "model.norm.weight": p["ln_f"]["scale"]}
     if not cfg.tie_embeddings:
         sd["lm_head.weight"] = p["lm_head"]["embedding"][:vocab]
+    taken: dict[str, int] = {}
     for i in range(cfg.num_layers):
-        sd.update(layer(jax.tree.map(lambda x: x[i], p["blocks"]), i, cfg))
+        name = stack_of(i)
+        j = taken[name] = taken.get(name, -1) + 1  # its place in its stack
+        sd.update(layer(jax.tree.map(lambda x: x[j], p[name]), i, cfg))
     return {k: np.ascontiguousarray(v, np.float32) for k, v in sd.items()}

@@ -1,8 +1,10 @@
 """Hugging Face ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM`` <-> megajax mixture-of-experts decoders.
 
 The attention, norms, embeddings and head are Llama's (``hf_llama``); Qwen3 adds each head's query and key norm
-(``self_attn.q_norm`` / ``k_norm``). Each layer's experts are read from and written in the published per-expert
-layout (what ``save_pretrained`` writes, transformers v4 and v5 alike): Mixtral's
+(``self_attn.q_norm`` / ``k_norm``), and its dense layers (``decoder_sparse_step``, ``mlp_only_layers``) are Llama
+layers with those norms, kept on a stack of their own (``moe.DENSE_STACK``). Each routed layer's experts are read
+from and written in the published per-expert layout (what ``save_pretrained`` writes, transformers v4 and v5
+alike): Mixtral's
 ``block_sparse_moe.experts.E.w1`` (gate), ``w3`` (up) and ``w2`` (down) with the router ``block_sparse_moe.gate``,
 Qwen3-MoE's ``mlp.experts.E.gate_proj`` / ``up_proj`` / ``down_proj`` with ``mlp.gate``; megajax stacks them on a
 leading experts axis as ``x @ kernel``: gate and up (E, H, F), down (E, F, H), the router (H, E).
@@ -13,7 +15,7 @@ from __future__ import annotations
 import ml_collections
 import numpy as np
 
-from megajax.config import base_config
+from megajax.config import base_config, model_config
 from megajax.convert.hf_llama import (
     DecoderTensors,
     Params,
@@ -23,8 +25,11 @@ from megajax.convert.hf_llama import (
     decoder_fields,
     decoder_from_hf,
     decoder_to_hf,
+    layer_from_hf,
+    layer_to_hf,
 )
 from megajax.models import moe
+from megajax.models.transformer import STACK
 
 HF_CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # model_type -> (the layer's MoE prefix, the experts' (gate, up, down) names)
@@ -43,8 +48,9 @@ def _model_type(cfg: moe.MoEConfig) -> str:
 
 
 def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 1) -> ml_collections.ConfigDict:
-    """A megajax ``model.name=moe`` config for a Mixtral or Qwen3-MoE ``config.json``; ValueError on what megajax
-    does not implement (sliding-window attention, dense layers among the MoE ones, router jitter)."""
+    """A megajax ``model.name=moe`` config for a Mixtral or Qwen3-MoE ``config.json`` (Qwen3-MoE's dense layers among
+    the routed ones too: ``decoder_sparse_step``, ``mlp_only_layers``); ValueError on what megajax does not implement
+    (sliding-window attention, router jitter) or what the family refuses (``MoEConfig``'s checks)."""
     kind = hf.get("model_type")
     _refuse(kind in HF_CLASSES, f"config.json model_type={kind!r}: hf_moe converts "
                                 f"{', '.join(f'{k} ({v})' for k, v in HF_CLASSES.items())}")
@@ -57,16 +63,16 @@ def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 1) -> ml_collec
             f"config.json sliding_window={window}: megajax's attention sees the whole sequence")
     _refuse(not hf.get("router_jitter_noise"), f"config.json router_jitter_noise={hf.get('router_jitter_noise')}: "
                                                "megajax's router draws no noise")
-    if qwen:
-        _refuse(hf.get("decoder_sparse_step", 1) == 1 and not hf.get("mlp_only_layers"),
-                f"config.json decoder_sparse_step={hf.get('decoder_sparse_step')}, mlp_only_layers="
-                f"{hf.get('mlp_only_layers')}: every megajax MoE layer is routed (no dense layers among them)")
     fields = decoder_fields(hf, make_vocab_size_divisible_by, head_dim_free=qwen)
+    if qwen:  # dense layers among the routed ones: transformers' rule, ``MoEConfig.routed_layers``
+        fields.update(decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                      mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
     expert_width = hf["moe_intermediate_size"] if qwen else hf["intermediate_size"]
     c = base_config(moe.NAME)
     c.model.update(fields, num_experts=experts, experts_per_token=hf["num_experts_per_tok"],
                    moe_ffn_hidden_size=expert_width, norm_topk_prob=bool(hf.get("norm_topk_prob", False)) or not qwen,
                    qk_norm=qwen, router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+    model_config(c)  # the family's own checks (its layers' kinds, top-k within the experts) before any tensor is read
     return c
 
 
@@ -80,11 +86,21 @@ def hf_config(cfg: moe.MoEConfig) -> dict:
     if kind == "mixtral":
         _refuse(cfg.norm_topk_prob, "model.norm_topk_prob=False has no Mixtral form (Mixtral always renormalises); "
                                     "a Qwen3-MoE needs model.qk_norm=True")
+        _refuse(len(cfg.routed_layers) == cfg.num_layers, "dense layers among the routed ones (model.mlp_only_layers, "
+                                                          "model.decoder_sparse_step) have no Mixtral form; a "
+                                                          "Qwen3-MoE needs model.qk_norm=True")
         return {**base, "num_local_experts": cfg.num_experts, "intermediate_size": cfg.expert_ffn_size,
                 "router_jitter_noise": 0.0, "sliding_window": None}
     return {**base, "num_experts": cfg.num_experts, "moe_intermediate_size": cfg.expert_ffn_size,
-            "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": cfg.decoder_sparse_step,
+            "mlp_only_layers": list(cfg.mlp_only_layers),
             "use_sliding_window": False, "sliding_window": None}
+
+
+def _stack_of(cfg: moe.MoEConfig):
+    """Layer index -> the stack megajax keeps it on: the routed layers', or the dense ones' (``moe.DENSE_STACK``)."""
+    routed = set(cfg.routed_layers)
+    return lambda i: STACK if i in routed else moe.DENSE_STACK
 
 
 def _layer_from_hf(t: DecoderTensors, i: int, cfg: moe.MoEConfig) -> Params:
@@ -95,9 +111,13 @@ def _layer_from_hf(t: DecoderTensors, i: int, cfg: moe.MoEConfig) -> Params:
     def experts(name: str, shape: tuple[int, int]) -> np.ndarray:  # E x torch (out, in) -> (E, in, out)
         return np.stack([t.take(f"{pre}{block}.experts.{x}.{name}.weight", shape).T for x in range(e)])
 
-    attn = attention_from_hf(t, pre, cfg)
-    if cfg.qk_norm:
-        attn.update({f"{x}_norm": {"scale": t.take(f"{pre}self_attn.{x}_norm.weight", (d,))} for x in "qk"})
+    norms = {f"{x}_norm": {"scale": t.take(f"{pre}self_attn.{x}_norm.weight", (d,))} for x in "qk"} \
+        if cfg.qk_norm else {}
+    if i not in cfg.routed_layers:  # a dense layer: Llama's, with the query / key norms
+        dense = layer_from_hf(t, i, cfg)
+        dense["attn"].update(norms)
+        return dense
+    attn = {**attention_from_hf(t, pre, cfg), **norms}
     return {"ln_1": {"scale": t.take(pre + "input_layernorm.weight", (h,))},
             "ln_2": {"scale": t.take(pre + "post_attention_layernorm.weight", (h,))},
             "attn": attn,
@@ -108,11 +128,12 @@ def _layer_from_hf(t: DecoderTensors, i: int, cfg: moe.MoEConfig) -> Params:
 def _layer_to_hf(b: Params, i: int, cfg: moe.MoEConfig) -> dict[str, np.ndarray]:
     pre = f"model.layers.{i}."
     block, names = LAYOUT[_model_type(cfg)]
+    norms = {f"{pre}self_attn.{x}_norm.weight": b["attn"][f"{x}_norm"]["scale"] for x in "qk"} if cfg.qk_norm else {}
+    if i not in cfg.routed_layers:
+        return {**layer_to_hf(b, i, cfg), **norms}
     sd = {pre + "input_layernorm.weight": b["ln_1"]["scale"],
           pre + "post_attention_layernorm.weight": b["ln_2"]["scale"],
-          **attention_to_hf(b["attn"], pre, cfg), f"{pre}{block}.gate.weight": b["mlp"]["router"].T}
-    if cfg.qk_norm:
-        sd.update({f"{pre}self_attn.{x}_norm.weight": b["attn"][f"{x}_norm"]["scale"] for x in "qk"})
+          **attention_to_hf(b["attn"], pre, cfg), f"{pre}{block}.gate.weight": b["mlp"]["router"].T, **norms}
     for name, ours in zip(names, ("gate", "up", "down")):
         sd.update({f"{pre}{block}.experts.{x}.{name}.weight": w.T for x, w in enumerate(b["mlp"][ours])})
     return sd
@@ -120,9 +141,10 @@ def _layer_to_hf(b: Params, i: int, cfg: moe.MoEConfig) -> dict[str, np.ndarray]
 
 def params_from_hf(sd: dict[str, np.ndarray], cfg: moe.MoEConfig) -> Params:
     """The mixture of experts ``cfg``'s parameters from an HF Mixtral / Qwen3-MoE state dict (fp32)."""
-    return decoder_from_hf(DecoderTensors(sd, cfg, HF_CLASSES[_model_type(cfg)]), cfg, _layer_from_hf)
+    return decoder_from_hf(DecoderTensors(sd, cfg, HF_CLASSES[_model_type(cfg)]), cfg, _layer_from_hf,
+                           _stack_of(cfg))
 
 
 def params_to_hf(p: Params, cfg: moe.MoEConfig) -> dict[str, np.ndarray]:
     """An HF Mixtral / Qwen3-MoE state dict of ``cfg``'s parameters (per expert, as published)."""
-    return decoder_to_hf(p, cfg, _layer_to_hf)
+    return decoder_to_hf(p, cfg, _layer_to_hf, _stack_of(cfg))

@@ -283,7 +283,7 @@ class Llama(CausalDecoder):
         dt = cfg.compute_dtype
         self.wte = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, std=cfg.init_std, dtype=dt,
                                           rngs=rngs)
-        self.blocks = make_blocks(cfg, rngs, self.block_class)
+        self._make_layers(cfg, rngs)
         self.ln_f = RMSNorm(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
         self.lm_head = None if cfg.tie_embeddings else VocabParallelEmbedding(
             cfg.padded_vocab_size, cfg.hidden_size, std=cfg.init_std, dtype=dt, rngs=rngs)
@@ -294,6 +294,14 @@ class Llama(CausalDecoder):
 
     def _forward(self, tokens, dropout_key, cache, index):
         return self._logits(tokens, dropout_key, cache, index)
+
+    def _make_layers(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
+        """The layer stack: ``cfg.num_layers`` of ``block_class`` (``make_blocks``)."""
+        self.blocks = make_blocks(cfg, rngs, self.block_class)
+
+    def _run_layers(self, x: jax.Array, mask: jax.Array, dropout_key: jax.Array | None, cache, index):
+        """The layer stack over ``x``: its output and what the blocks return beside it (``run_blocks``)."""
+        return run_blocks(self.blocks, self.cfg, x, mask, dropout_key, cache, index)
 
     def _logits(self, tokens: jax.Array, dropout_key: jax.Array | None, cache, index: jax.Array | int):
         """(logits, what the blocks return beside their output, stacked over the layers: the key/value cache for
@@ -306,7 +314,7 @@ class Llama(CausalDecoder):
         x = constrain(dropout(self.wte(tokens, rows), cfg.dropout, k_emb), RESIDUAL)
         kv_len = s if cache is None else cache[0].shape[2]
         mask = causal_mask(index + jnp.arange(s), kv_len)  # (1, 1, S, S_kv)
-        x, layers_out = run_blocks(self.blocks, cfg, x, mask, k_layers, cache, index)
+        x, layers_out = self._run_layers(x, mask, k_layers, cache, index)
         head = self.wte if self.lm_head is None else self.lm_head
         head_rows = rows if self.lm_head is None else self.lm_head.replica_rows(b)
         logits = head.attend(self.ln_f(x), head_rows)  # (B, S, V_padded)

@@ -3,7 +3,10 @@
 Each block's MLP is a routed mixture: a router (H -> E, no bias, in fp32) scores the experts, each token goes to its
 top ``experts_per_token`` of the softmax (renormalised over them where ``norm_topk_prob``: always for Mixtral), each
 expert is a SwiGLU MLP, and the token's output is the experts' outputs summed with those weights. Qwen3-MoE adds a
-per-head RMSNorm of the queries and keys (``qk_norm``) and a head size of its own (``kv_channels``).
+per-head RMSNorm of the queries and keys (``qk_norm``), a head size of its own (``kv_channels``) and, optionally,
+dense layers among the routed ones (``decoder_sparse_step``, ``mlp_only_layers``: transformers' rule,
+``MoEConfig.routed_layers``): those are Llama layers with its attention (``DenseBlock``), stacked apart
+(``DENSE_STACK``), and the decoder runs each run of one kind from its stack's slice in turn (``MoEDecoder``).
 
 Dropless by default: a device's tokens are sorted by expert and each of the three expert GEMMs is one grouped GEMM
 (``jax.lax.ragged_dot``) over the groups, no token dropped and no padding. With ``capacity_factor`` > 0 each expert
@@ -36,6 +39,7 @@ from megajax.data import formats
 from megajax.models import llama, objectives
 from megajax.models.llama import Attention, Llama, LlamaBlock, LlamaConfig, RMSNorm
 from megajax.models.spec import HeadMemory, ModelSpec, register
+from megajax.models.transformer import make_blocks, run_blocks
 from megajax.parallel.layers import dropout, make_param, scaled_init_std
 from megajax.parallel.losses import vocab_parallel_cross_entropy
 from megajax.parallel.sharding import RESIDUAL, axis_of, constrain, entry_axes, on_shards, param_at_use
@@ -62,9 +66,20 @@ class MoEConfig(LlamaConfig):
     capacity_factor: float = 0.0  # 0: dropless; else each expert takes ceil(cf * S * k / E) of a sequence's tokens
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before the rotation
     kv_channels: int = 0  # the head size; 0: hidden_size / num_heads (Qwen3-MoE sets its own)
+    decoder_sparse_step: int = 1  # Qwen3-MoE: layer i is routed where (i + 1) % step == 0, the others dense
+    mlp_only_layers: tuple[int, ...] = ()  # Qwen3-MoE: layers with a dense SwiGLU (ffn_hidden_size) whatever the step
 
     def __post_init__(self):
         super().__post_init__()
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))  # JSON: a list
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"model.decoder_sparse_step={self.decoder_sparse_step} must be >= 1 (1: every layer "
+                             "routed)")
+        if bad := [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]:
+            raise ValueError(f"model.mlp_only_layers has {bad}: layers are numbered 0 to {self.num_layers - 1}")
+        if not self.routed_layers:
+            raise ValueError("model.decoder_sparse_step and model.mlp_only_layers leave no routed layer: a decoder "
+                             "of dense layers is model.name=llama")
         if self.num_experts < 1 or not 1 <= self.experts_per_token <= self.num_experts:
             raise ValueError(f"model.experts_per_token={self.experts_per_token} must be in [1, model.num_experts="
                              f"{self.num_experts}]: each token picks that many distinct experts")
@@ -82,6 +97,25 @@ class MoEConfig(LlamaConfig):
     @property
     def routed_experts(self) -> tuple[int, int]:
         return self.num_experts, self.experts_per_token
+
+    @property
+    def routed_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is routed, in order (transformers' Qwen3-MoE rule); the rest are dense."""
+        return tuple(i for i in range(self.num_layers)
+                     if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
+
+    def segments(self) -> list[tuple[bool, range, int]]:
+        """The layers as runs of one kind, in order: (routed, the model's layers, the first one's place in its
+        kind's stack)."""
+        routed, out, seen = set(self.routed_layers), [], {True: 0, False: 0}
+        for i in range(self.num_layers):
+            kind = i in routed
+            if out and out[-1][0] == kind:
+                out[-1] = (kind, range(out[-1][1].start, i + 1), out[-1][2])
+            else:
+                out.append((kind, range(i, i + 1), seen[kind]))
+            seen[kind] += 1
+        return out
 
     @property
     def expert_ffn_size(self) -> int:
@@ -257,11 +291,54 @@ class MoEBlock(LlamaBlock):
         return constrain(x, RESIDUAL), (cache, stats)
 
 
+class DenseBlock(LlamaBlock):
+    """A dense layer among the routed ones (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``): the Llama
+    block with the mixture's attention (its query / key norms) and a SwiGLU of ``ffn_hidden_size``."""
+
+    def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
+        self.attention_class = QKNormAttention if cfg.qk_norm else Attention
+        super().__init__(cfg, rngs=rngs)
+
+
+DENSE_STACK = "dense_blocks"  # the dense layers' stack, where a mixture has any (in ``segments`` order)
+
+
+def _stack_slice(stack: nnx.Module, start: int, stop: int) -> nnx.Module:
+    """Layers ``start:stop`` of a stacked module."""
+    graphdef, state = nnx.split(stack)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[start:stop], state))
+
+
 class MoEDecoder(Llama):
-    """A Llama decoder of ``MoEBlock``s: ``tokens (B, S) -> logits``; ``routed`` also returns the routing
-    statistics, stacked over the layers, for the objective."""
+    """A Llama decoder of ``MoEBlock``s (and ``DenseBlock``s where the config makes some layers dense, in a stack
+    of their own): ``tokens (B, S) -> logits``; ``routed`` also returns the routing statistics, stacked over the
+    routed layers, for the objective."""
 
     block_class = MoEBlock
+
+    def _make_layers(self, cfg: MoEConfig, rngs: nnx.Rngs) -> None:
+        self.blocks = make_blocks(cfg, rngs, MoEBlock, count=len(cfg.routed_layers))
+        dense = cfg.num_layers - len(cfg.routed_layers)
+        self.dense_blocks = make_blocks(cfg, rngs, DenseBlock, count=dense) if dense else None
+
+    def _run_layers(self, x, mask, dropout_key, cache, index):
+        """All-routed: the one stack. Else each run of one kind (``MoEConfig.segments``) from its stack's slice in
+        turn, each layer with its own dropout key and cache slice; the caches joined in layer order, the routing
+        statistics stacked over the routed layers."""
+        cfg = self.cfg
+        if self.dense_blocks is None:
+            return run_blocks(self.blocks, cfg, x, mask, dropout_key, cache, index)
+        caches, stats = [], []
+        for routed, layers, first in cfg.segments():
+            stack = _stack_slice(self.blocks if routed else self.dense_blocks, first, first + len(layers))
+            part = None if cache is None else tuple(c[layers.start:layers.stop] for c in cache)
+            x, out = run_blocks(stack, cfg, x, mask, dropout_key, part, index, layers)
+            if routed:
+                out, layer_stats = out
+                stats.append(layer_stats)
+            caches.append(out)
+        joined = None if cache is None else tuple(jnp.concatenate(c) for c in zip(*caches))
+        return x, (joined, jax.tree.map(lambda *xs: jnp.concatenate(xs), *stats))
 
     def _forward(self, tokens, dropout_key, cache, index):
         logits, (cache, _) = self._logits(tokens, dropout_key, cache, index)
@@ -305,13 +382,16 @@ MOE_LM = objectives.Objective(_moe_lm, objectives.LM.fields)
 
 def flops(cfg: MoEConfig, rows: int, seq: int) -> float:
     """Model FLOPs of a step over the active parameters: 3 (forward + backward) x 2 per multiply-add of the query and
-    output projections (h x heads d each), the key/value projections (h x 2 kv_heads d), the router (h x E), the
-    k routed experts' three h x F GEMMs, the attention scores and context (2 s heads d each) and the output
-    layer."""
+    output projections (h x heads d each), the key/value projections (h x 2 kv_heads d), in a routed layer the
+    router (h x E) and the k routed experts' three h x F GEMMs, in a dense one its SwiGLU's three h x ffn GEMMs, the
+    attention scores and context (2 s heads d each) and the output layer."""
     h, width = cfg.hidden_size, cfg.num_heads * cfg.head_dim
-    per_layer = 2 * h * (2 * width + 2 * cfg.kv_heads * cfg.head_dim + cfg.num_experts
-                         + 3 * cfg.experts_per_token * cfg.expert_ffn_size) + 4 * seq * width
-    return 3.0 * rows * seq * (cfg.num_layers * per_layer + 2 * h * cfg.padded_vocab_size)
+    attention = 2 * h * (2 * width + 2 * cfg.kv_heads * cfg.head_dim) + 4 * seq * width
+    routed = 2 * h * (cfg.num_experts + 3 * cfg.experts_per_token * cfg.expert_ffn_size)
+    dense = 2 * h * 3 * cfg.ffn_size
+    sparse = len(cfg.routed_layers)
+    layers = cfg.num_layers * attention + sparse * routed + (cfg.num_layers - sparse) * dense
+    return 3.0 * rows * seq * (layers + 2 * h * cfg.padded_vocab_size)
 
 
 def layer_residual_bytes(cfg: MoEConfig, rows: int, tp: int, split: int, remat: str, cd: int,
@@ -328,7 +408,20 @@ def layer_residual_bytes(cfg: MoEConfig, rows: int, tp: int, split: int, remat: 
     (e m, F / tp) tensors and the group sizes (4 E); in 16-bit the compute-dtype copies of the shard's experts.
     ``full`` keeps the layer's input, as Llama's; ``save_dots`` Llama's attention GEMMs'
     outputs and the router's logits (the grouped GEMMs are not dots). The expert shards' terms (e > 1) follow the
-    code; the compiled step checks them (within 10%), not the jaxpr."""
+    code; the compiled step checks them (within 10%), not the jaxpr. With dense layers among the routed ones, the
+    mean over the layers (a dense one's: Llama's), rounded up: the stack's total (the one recomputed layer under
+    ``full``, the mean, not the larger)."""
+    routed = _routed_layer_residual_bytes(cfg, rows, tp, split, remat, cd, attention, expert)
+    sparse = len(cfg.routed_layers)
+    if sparse == cfg.num_layers:
+        return routed
+    dense = llama.layer_residual_bytes(cfg, rows, tp, split, remat, cd, attention)
+    return -(-(sparse * routed + (cfg.num_layers - sparse) * dense) // cfg.num_layers)
+
+
+def _routed_layer_residual_bytes(cfg: MoEConfig, rows: int, tp: int, split: int, remat: str, cd: int,
+                                 attention: str, expert: int) -> int:
+    """One routed layer's bytes (``layer_residual_bytes``)."""
     trunk = llama.layer_residual_bytes(cfg, rows, tp, split, remat, cd, attention)
     stats = 8 * cfg.num_experts + 8
     s, h, f = cfg.max_seq_len, cfg.hidden_size, cfg.ffn_size
@@ -348,8 +441,9 @@ def layer_residual_bytes(cfg: MoEConfig, rows: int, tp: int, split: int, remat: 
 
 
 def active_parameters(cfg: MoEConfig, total: int) -> int:
-    """Of ``total`` parameters, those one token uses: all but the experts it is not routed to."""
-    return total - cfg.num_layers * (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.hidden_size \
+    """Of ``total`` parameters, those one token uses: all but the experts it is not routed to in each routed
+    layer."""
+    return total - len(cfg.routed_layers) * (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.hidden_size \
         * cfg.expert_ffn_size
 
 

@@ -98,6 +98,12 @@ class TransformerConfig:
         config says its own; the communication budget reads them)."""
         return 0, 0
 
+    @property
+    def routed_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is a routed mixture of experts: none for a dense model (a mixture of experts'
+        config says its own; the communication budget reads them)."""
+        return ()
+
     def exchange_rows(self, rows: int, expert: int) -> int:
         """Rows of each destination's block when a shard of ``rows`` sequences sends its tokens to their experts on
         ``expert`` shards: 0 for a dense MLP (a mixture of experts' config says its own)."""
@@ -319,11 +325,12 @@ class Block(nnx.Module):
         return constrain(x, RESIDUAL), cache
 
 
-def make_blocks(cfg: TransformerConfig, rngs: nnx.Rngs, block: type[nnx.Module] = Block) -> nnx.Module:
-    """``cfg.num_layers`` blocks (``block(cfg, rngs=...)``, called as ``Block`` is) stacked on a leading ``layers``
-    axis, each with its own initialisation."""
+def make_blocks(cfg: TransformerConfig, rngs: nnx.Rngs, block: type[nnx.Module] = Block,
+                count: int | None = None) -> nnx.Module:
+    """``count`` (default ``cfg.num_layers``) blocks (``block(cfg, rngs=...)``, called as ``Block`` is) stacked on a
+    leading ``layers`` axis, each with its own initialisation."""
 
-    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.split_rngs(splits=count or cfg.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make(rngs: nnx.Rngs) -> nnx.Module:
         return block(cfg, rngs=rngs)
@@ -357,13 +364,17 @@ def reorder_layers(tree: Any, saved: tuple[int, int], wanted: tuple[int, int]) -
 
 
 def run_blocks(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask: jax.Array, dropout_key: jax.Array | None,
-               cache: KVCache | None = None, index: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
+               cache: KVCache | None = None, index: jax.Array | int = 0,
+               layers: range | None = None) -> tuple[jax.Array, KVCache | None]:
     """Runs the stacked blocks over ``x`` (B, S, H) with ``nnx.scan`` (each step under ``remat.layer_step``); on a
     mesh with pipeline stages, the same scan as a pipeline's stages (``pipeline.run_stack``; not for incremental
-    decoding). Layer ``i`` draws its dropout from the ``i``-th of ``cfg.num_layers`` splits of ``dropout_key``.
-    Returns the output and what each block returns beside its own (its key/value cache; a mixture-of-experts block
-    adds its routing statistics), stacked over the layers (None under pipeline stages)."""
+    decoding). Layer ``i`` draws its dropout from the ``i``-th of ``cfg.num_layers`` splits of ``dropout_key``;
+    ``layers``: which of the model's layers the blocks are (default all of them, in order). Returns the output and
+    what each block returns beside its own (its key/value cache; a mixture-of-experts block adds its routing
+    statistics), stacked over the layers (None under pipeline stages)."""
     layer_keys = None if dropout_key is None else jax.random.split(dropout_key, cfg.num_layers)
+    if layers is not None and layer_keys is not None:
+        layer_keys = layer_keys[layers.start:layers.stop]
     if pipeline.stages() > 1 and cache is None:
         def scan_layers(blocks: nnx.Module, h: jax.Array, mask: jax.Array, keys: jax.Array | None,
                         remat_layers: bool) -> jax.Array:

@@ -67,7 +67,8 @@ With pipeline stages (``mesh.pipe`` = p > 1; ``megajax.parallel.pipeline``) the 
   on the first stage and the head on the last, and all-reduces the tied embedding's gradient between them instead.
 
 A mixture of experts (``TransformerConfig.routed_experts``: E experts, k per token; ``models/moe.py``) adds, per
-micro-batch and layer, with n = b x s x k assignments on one data (and expert) shard:
+micro-batch and routed layer (``routed_layers``: all of them but Qwen3-MoE's dense ones), with n = b x s x k
+assignments on one data (and expert) shard:
 
 * expert all-to-all (``mesh.expert`` = e > 1): the assignments' hidden states to their experts' shards and back,
   e x m x h each (a block of m rows per destination: dropless, m = n, room for every assignment, as an exchange of
@@ -81,6 +82,10 @@ micro-batch and layer, with n = b x s x k assignments on one data (and expert) s
 * data-parallel gradients: the dense parameters' reduced over data x expert (the expert shards are data shards
   outside the routed layers), the experts' over data only.
 
+Per-head norm gradients (Qwen3's query and key RMSNorm scales, ``head_norm_elements``): each model shard holds the
+scales whole and computes only its own heads, so with ``mesh.model`` > 1 their gradient is summed over the model
+shards, 2 x head_dim fp32 per layer and micro-batch, in the backward pass.
+
 On a ring the pair moves what the all-reduce did: an all-reduce of N sends 2 (t-1)/t N per device, a
 reduce-scatter and an all-gather of shard N/t send (t-1) N/t each (``Budget.tensor_ring_bytes``).
 """
@@ -88,21 +93,25 @@ reduce-scatter and an all-gather of shard N/t send (t-1) N/t each (``Budget.tens
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
 
+from megajax.config import RunSpec
 from megajax.errors import ConfigError
 from megajax.models import ModelSpec, TransformerConfig
 from megajax.parallel import pipeline
 from megajax.parallel.hlo_audit import Collective, collectives
 from megajax.parallel.partition import over_data
 from megajax.parallel.sharding import spec_axes
+from megajax.tools.memory_planner import parameters
 
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "pred": 1}
 CATEGORIES = ("tensor-parallel forward", "tensor-parallel backward", "loss", "data-parallel gradients",
               "data-parallel parameter gathers", "sequence-parallel extra", "replicated key/value heads",
-              "pipeline point-to-point", "pipeline boundary", "expert all-to-all", "routing statistics", "other")
+              "pipeline point-to-point", "pipeline boundary", "expert all-to-all", "routing statistics",
+              "per-head norm gradients", "other")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +150,9 @@ class Shape:
     num_experts: int = 0  # a mixture of experts' experts per layer (0: dense)
     routed_rows: int = 0  # assignments one shard routes per micro-batch: b x s x k
     exchange_rows: int = 0  # rows of each destination's block in the exchange (``exchange_rows`` of the config)
+    routed_layers: int = 0  # of ``layers``, those with a routed MLP
+    head_norm_elements: int = 0  # per-head norm scales of every layer, whole on each model shard (Qwen3's q/k norms)
+    head_dim: int = 0
 
 
 def minimum(shape: Shape) -> dict[str, int]:
@@ -184,15 +196,17 @@ def minimum(shape: Shape) -> dict[str, int]:
         out["data-parallel parameter gathers"] = shape.gathered_shard_elements * 4  # fp32 masters
     if shape.num_experts:
         redo = 2 if shape.remat == "full" else 1  # the recomputed forward exchanges and sums again
-        exchange = shape.expert * shape.exchange_rows * n * shape.layers  # rows of one exchange, every layer
+        exchange = shape.expert * shape.exchange_rows * n * shape.routed_layers  # rows of one exchange, every layer
         if shape.expert > 1:  # forward: the hidden states there and back, their expert ids; backward: 2 transposes
             out["expert all-to-all"] = (2 * redo + 2) * exchange * h * shape.activation_bytes + redo * exchange * 4
         stats = 0
         if shape.data * shape.expert > 1:  # per layer: assignments and probability mass per expert, summed
-            stats += redo * 2 * shape.num_experts * 4 * n * shape.layers
+            stats += redo * 2 * shape.num_experts * 4 * n * shape.routed_layers
         if shape.tensor > 1:  # per layer backward: the top-k weights' gradient (fp32), summed over the model shards
-            stats += shape.routed_rows * 4 * n * shape.layers
+            stats += shape.routed_rows * 4 * n * shape.routed_layers
         out["routing statistics"] = stats
+    if shape.tensor > 1:  # each model shard's heads give part of each per-head norm scale's gradient: summed
+        out["per-head norm gradients"] = shape.head_norm_elements * 4 * n
     return out
 
 
@@ -234,6 +248,9 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
                 (c.phase == "forward" and c.elements == shape.num_experts and c.axes <= {"data", "expert"}) or
                 (c.phase == "backward" and c.elements == shape.routed_rows and over_model)):
             out["routing statistics"] += size
+        elif shape.head_norm_elements and c.op == "all-reduce" and over_model and c.phase == "backward" and \
+                c.shape[-1:] == (shape.head_dim,) and c.elements <= shape.head_norm_elements:
+            out["per-head norm gradients"] += size
         elif c.op == "all-reduce" and c.axes and c.axes <= {"data", "expert"}:
             out["data-parallel gradients"] += size
         elif c.op == "all-gather" and c.axes == {"data"}:
@@ -333,7 +350,16 @@ def step_shape(run) -> Shape:
                  gathered_shard_elements=gathered_shard_elements(run), kv_head_elements=kv_head,
                  expert=spec.expert, expert_grad_elements=expert_grad, num_experts=experts,
                  routed_rows=spec.micro_batch * cfg.max_seq_len * per_token,
-                 exchange_rows=cfg.exchange_rows(spec.micro_batch, spec.expert), **_pipeline_shape(spec))
+                 exchange_rows=cfg.exchange_rows(spec.micro_batch, spec.expert),
+                 routed_layers=len(cfg.routed_layers), head_norm_elements=head_norm_elements(spec),
+                 head_dim=cfg.head_dim, **_pipeline_shape(spec))
+
+
+def head_norm_elements(run: RunSpec) -> int:
+    """Elements of the layers' per-head norm scales (logical axes ``layers, head_dim``: Qwen3's query and key
+    norms), which every model shard holds whole while it computes only its own heads: with ``mesh.model`` > 1 each
+    shard's gradient of them is partial, and the shards sum it (one all-reduce per layer in the backward pass)."""
+    return sum(math.prod(p.shape) for p in parameters(run) if p.names == ("layers", "head_dim"))
 
 
 def kv_head_elements(cfg: TransformerConfig, tensor: int) -> int:

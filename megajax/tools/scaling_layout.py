@@ -67,6 +67,11 @@ def layout(run: RunSpec, tensor: int) -> Layout:
 @functools.lru_cache(maxsize=256)
 def _layout(run: RunSpec, unsplit: Rules) -> Layout:
     layers = run.model.num_layers
+    if len(run.model.routed_layers) not in (0, layers):
+        raise ConfigError(f"the scaling model times a stack of alike layers; this mixture of experts has "
+                          f"{layers - len(run.model.routed_layers)} dense layers among its routed ones "
+                          "(model.mlp_only_layers, model.decoder_sparse_step): `python -m megajax.info` plans its "
+                          "memory and `python -m megajax.comm_report` its communication")
     params = parameters(run)
     stacked = [p for p in params if p.module == STACK]
     layer = sum(p.per_device for p in stacked) // layers
@@ -123,7 +128,7 @@ def comm_shape(run: RunSpec, mesh: tuple[int, int], micro_batch: int, num_micro:
                  remat=cfg.remat, kv_head_elements=kv_head, expert=expert,
                  expert_grad_elements=layers * lay.expert_layer // expert, num_experts=experts,
                  routed_rows=micro_batch * cfg.max_seq_len * per_token,
-                 exchange_rows=cfg.exchange_rows(micro_batch, expert))
+                 exchange_rows=cfg.exchange_rows(micro_batch, expert), routed_layers=layers if experts else 0)
 
 
 def splits_evenly(run: RunSpec, tensor: int) -> bool:
