@@ -117,6 +117,44 @@ def test_circular_step_equals_the_plain_step(name, pipe, data, model, micro, rep
     assert_same_step(*_step(name, pipe, data, model, micro, repeats=repeats), *_step(name, 1, 1, 1))
 
 
+@pytest.mark.parametrize("num_micro, repeats", [(2, 1), (4, 1), (4, 2), (1, 2)])
+def test_idle_ticks_compute_on_zeros(num_micro, repeats):
+    """A stage that is finite on every real input but NaN on a finished microbatch (x + w sqrt(1 - x): real inputs
+    stay below 1 until the last chunk, a finished one is above it). GPipe's stage 0 runs its idle ticks on the
+    microbatches that came back finished, the circular schedule its idle slots; were they computed on, the NaN there
+    would reach the gradient through the discarded result (NaN x 0). The pipeline's loss and gradient equal the
+    chunks applied in order, in float64 numpy, and are finite."""
+    p, chunks = 2, 2 * repeats
+    w = np.array([0.3] * (chunks - 1) + [1.0])  # one weight per chunk, in the model's order: only the last crosses 1
+    xs = np.random.default_rng(0).uniform(0.05, 0.1, (num_micro, 4, 3))
+    mesh = make_mesh(1, 1, jax.devices()[:p], pipe=p)
+    order = pipeline.layer_order(chunks, p, repeats)  # the stack's position -> model chunk
+
+    def stage_fn(weight, x, args):
+        return x + weight * jax.numpy.sqrt(1.0 - x)
+
+    def loss(weights, xs):
+        stacked = weights[order].reshape(p, repeats)
+        return pipeline.run(stage_fn, stacked, xs, None, jax.sharding.PartitionSpec()).sum()
+
+    with jax.set_mesh(mesh):
+        value, grad = jax.jit(jax.value_and_grad(loss))(jax.numpy.asarray(w, np.float32),
+                                                        jax.numpy.asarray(xs, np.float32))
+    h = xs  # forward in float64, then the gradient by the chain rule
+    ins = []
+    for c in range(chunks):
+        ins.append(h)
+        h = h + w[c] * np.sqrt(1.0 - h)
+    assert (h > 1).any(), "a finished microbatch must be outside the stage's domain for the test to bite"
+    want_grad, upstream = np.zeros(chunks), np.ones_like(xs)
+    for c in reversed(range(chunks)):
+        want_grad[c] = (upstream * np.sqrt(1.0 - ins[c])).sum()
+        upstream = upstream * (1.0 - w[c] / (2 * np.sqrt(1.0 - ins[c])))
+    assert np.isfinite(np.asarray(grad)).all()
+    np.testing.assert_allclose(float(value), h.sum(), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-5)
+
+
 def test_layer_order_puts_each_stages_chunks_on_its_devices():
     """An independent count: chunk c of the model's p v chunks runs on stage c mod p, as its round c div p; the
     stack's positions of stage s (a contiguous block of L/p, what the ``pipe`` split gives it) hold exactly those

@@ -19,6 +19,9 @@ Two schedules, by ``repeats`` = v (``parallel.pipeline_repeats``):
   microbatch cannot start its next round before it has finished this one). ``(v-1) P + M + p - 1`` ticks of
   ``L/(p v)`` layers: with ``M >= p`` the same ``p - 1`` idle ticks, each v times shorter.
 
+Every stage computes on every tick (one program); on its idle ticks it computes on zeros, and what it computes is
+thrown away.
+
 The circular schedule needs each stage's chunks on its devices, so a pipelined run keeps its stacked layers in
 ``layer_order``'s order (a permutation, applied when the state is created and when a checkpoint of another layout
 is read; checkpoints record their layout in their config).
@@ -43,13 +46,14 @@ from megajax.parallel.remat import pipeline_chunk
 from megajax.parallel.sharding import (
     PIPE_AXIS,
     RESIDUAL,
+    batch_rows,
     constrain,
-    microbatch_of,
     parallel_context,
     param_at_use,
     params_split,
     params_whole,
     replicas,
+    rows_of,
     rules_remapped,
     spec_of,
 )
@@ -159,7 +163,12 @@ def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any,
     held = jax.lax.with_sharding_constraint(held, P(PIPE_AXIS, None, *x_spec))
     first = (stage == 0).reshape(p, *(1,) * (xs.ndim - 1))
 
-    def chunk(params, x, r, args):  # one stage's chunk r (its own: r differs between stages)
+    def chunk(params, x, r, busy, args):  # one stage's chunk r (its own: r differs between stages)
+        # an idle stage-tick (before its first item, past its last, an idle slot) computes on zeros, not on what
+        # its row holds (a finished microbatch, another's output): its result is thrown away, and a value outside
+        # the layers' domain there would make the gradient through it NaN. Masked inside the chunk, so a
+        # recomputed chunk keeps its input as before, not a masked copy too
+        x = jnp.where(busy, x, jnp.zeros_like(x))
         return stage_fn(jax.tree.map(lambda a: a[r] if v > 1 else a[0], params), x, args)
 
     if v > 1:  # each tick's chunk is a slice of the parameters that depends on the tick
@@ -169,10 +178,12 @@ def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any,
         current, held = carry
         fresh = held[:, t % period]  # stage 0's item t (read before it can be overwritten, at t + p - 1 or later)
         x = jax.lax.with_sharding_constraint(jnp.where(first, fresh, current), on_stages)
-        item = jnp.maximum(t - stage, 0)
+        item = t - stage
+        busy = (item >= 0) & (item < v * period) & (item % period < num_micro)
+        item = jnp.maximum(item, 0)
         r, rows = jnp.minimum(item // period, v - 1), jnp.minimum(item % period, num_micro - 1)
         args = jax.tree.map(lambda a: a[rows], per_micro)
-        y = jax.vmap(chunk, spmd_axis_name=PIPE_AXIS)(stage_params, x, r, args)
+        y = jax.vmap(chunk, spmd_axis_name=PIPE_AXIS)(stage_params, x, r, busy, args)
         moved = jax.lax.with_sharding_constraint(_ring_shift(y, p), on_stages)
         done = t - (p - 1)  # the item the last stage finished, now arrived at stage 0
         slot = done % period
@@ -191,8 +202,8 @@ def run_stack(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: A
     microbatch ``i``, so each spans every data shard and nothing moves to form them). ``mask``: one for every row, or
     one row per row of ``x`` (BERT's padding mask); ``layer_keys``: the plain step's dropout keys, one per layer in
     model order, or None. Each stage's scan runs on one data replica's rows (``jax.vmap`` with ``spmd_axis_name``
-    'data', so the rules map ``batch`` nowhere inside), with its parameters whole (``params_whole``) and its
-    microbatch set (``microbatch_of``: dropout keeps the plain step's masks)."""
+    'data', so the rules map ``batch`` nowhere inside), with its parameters whole (``params_whole``) and its rows'
+    indices in the step's batch (``rows_of``: dropout draws the plain step's masks, for those rows only)."""
     p, v, (rows, *rest) = stages(), repeats(), x.shape
     d = replicas(rows)
     m = microbatches(rows, d)
@@ -219,18 +230,18 @@ def run_stack(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: A
     xs = constrain(micro(x), (None, *RESIDUAL))
 
     def stage(params, h, args):
-        (copies, chunk_keys), (index, row_mask) = params, args
+        (copies, chunk_keys), (ids, row_mask) = params, args
 
-        def replica(own, r, h, row_mask):  # one data replica's rows of the microbatch, with its copy of the layers
-            with rules_remapped(batch=None), microbatch_of(m, index, d, r), params_whole():
+        def replica(own, ids, h, row_mask):  # one data replica's rows of the microbatch, with its copy of the layers
+            with rules_remapped(batch=None), rows_of(ids), params_whole():
                 # the circular schedule recomputes each chunk from its input (run): no second recomputation
                 return scan_layers(nnx.merge(graphdef, own), h, row_mask if per_row else mask, chunk_keys, v == 1)
 
         by_replica = lambda a: a.reshape(d, a.shape[0] // d, *a.shape[1:])  # noqa: E731
-        h = jax.vmap(replica, spmd_axis_name="data")(copies, jnp.arange(d), by_replica(h),
+        h = jax.vmap(replica, spmd_axis_name="data")(copies, by_replica(ids), by_replica(h),
                                                      by_replica(row_mask) if per_row else None)
         return h.reshape(-1, *h.shape[2:])
 
-    per_micro = (jnp.arange(m), micro(mask) if per_row else None)
+    per_micro = (micro(batch_rows(rows)), micro(mask) if per_row else None)
     ys = run(stage, (layers, keys), xs, per_micro, spec_of(RESIDUAL))
     return constrain(jnp.swapaxes(ys, 0, 1).reshape(rows, *rest), RESIDUAL)
