@@ -26,9 +26,9 @@ from megajax.parallel.sharding import (
     RESIDUAL,
     SEQUENCE_DIM,
     axis_of,
+    batch_rows,
     constrain,
     on_shards,
-    parallel_context,
     param_at_use,
     replicas,
     sequence_axis,
@@ -253,24 +253,19 @@ class LayerNorm(nnx.Module):
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
-    """Inverted dropout; identity when ``key`` is None or rate is 0.
+    """Inverted dropout of ``x`` (rows first); identity when ``key`` is None or rate is 0.
 
-    The mask is drawn for the global array (partitionable threefry), so it is the same for every mesh shape:
-    replicated activations get identical masks on all model shards, sharded ones get distinct slices. In a pipeline
-    stage (the active ``ParallelContext``'s ``microbatch``, ``sharding.microbatch_of``) it is the whole batch's mask,
-    cut to the microbatch's rows, so a pipelined step drops what the plain step drops (at the cost of drawing the
-    whole mask on every stage's tick).
+    Keyed by row: row r's mask is drawn from ``fold_in(key, g)`` where g is the row's index in the step's global batch
+    (``sharding.batch_rows``: the training step's micro-batch and a pipeline stage's rows set it), for the row's
+    whole (positions, features) array (partitionable threefry). So a mask element depends on the key (seed, step,
+    layer), the row and its place in the row only, whatever the mesh, the accumulation split, the microbatches or
+    the stage: replicated activations get identical masks on every model shard, split ones their slices, and each
+    device draws only its own rows.
     """
     if key is None or rate == 0.0:
         return x
-    micro = parallel_context().microbatch
-    if micro is None:
-        keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    else:
-        count, index, replicas, replica = micro
-        whole = jax.random.bernoulli(key, 1.0 - rate, (replicas * x.shape[0] * count, *x.shape[1:]))
-        whole = jnp.take(whole.reshape(replicas, x.shape[0], count, *x.shape[1:]), replica, axis=0)
-        keep = jnp.take(whole, index, axis=1)
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, batch_rows(x.shape[0]))
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, x.shape[1:]))(keys)
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, Mesh
@@ -179,16 +180,17 @@ class ParallelContext:
     parameters are stored split over ``data`` as well (``parallel.fsdp``), so ``param_at_use`` gathers them;
     ``pipeline_microbatches``: how many microbatches a pipelined layer stack cuts a batch into (0: one per stage);
     ``pipeline_repeats``: how many chunks of layers each pipeline stage holds (1: GPipe; more: the circular
-    schedule, ``megajax.parallel.pipeline``); ``microbatch``: inside a pipeline stage only (``microbatch_of``), which
-    rows of the batch the traced activations are, ``(count, index, replicas, replica)``, for ``layers.dropout``
-    (None: the whole batch). Its index and replica are traced values, so a context holding one keys no cache.
+    schedule, ``megajax.parallel.pipeline``); ``rows``: which rows of the step's global batch the traced batch's
+    rows are (``rows_of``: a training step's micro-batch, a pipeline stage's share of its microbatch), whose
+    indices key ``layers.dropout``'s masks (None: rows 0, 1, ..). A traced value, so a context holding one keys no
+    cache.
     """
 
     rules: Rules | None
     params_split: bool = False
     pipeline_microbatches: int = 0
     pipeline_repeats: int = 1
-    microbatch: tuple[int, jax.Array, int, jax.Array | int] | None = None
+    rows: jax.Array | None = None
 
 
 _CONTEXT: contextvars.ContextVar[ParallelContext] = contextvars.ContextVar(
@@ -295,12 +297,17 @@ def params_whole() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def microbatch_of(count: int, index: jax.Array, replicas: int = 1, replica: jax.Array | int = 0) -> Iterator[None]:
-    """Traces as microbatch ``index`` of ``count`` (rows ``k * count + index`` of the batch), or the ``replica``-th of
-    ``replicas`` equal blocks of those rows: a pipeline stage's rows, per data replica (``ParallelContext.microbatch``,
-    read by ``layers.dropout``)."""
-    with _holding(dataclasses.replace(parallel_context(), microbatch=(count, index, replicas, replica))):
+def rows_of(rows: jax.Array) -> Iterator[None]:
+    """Traces the model on the rows ``rows`` (int, one per row of its batch) of the step's global batch
+    (``ParallelContext.rows``, read by ``layers.dropout``)."""
+    with _holding(dataclasses.replace(parallel_context(), rows=rows)):
         yield
+
+
+def batch_rows(count: int) -> jax.Array:
+    """The active context's row indices, or rows 0 .. ``count`` - 1 outside a training step."""
+    rows = parallel_context().rows
+    return jnp.arange(count) if rows is None else rows
 
 
 def params_split() -> bool:

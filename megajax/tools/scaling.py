@@ -95,8 +95,8 @@ expert and data; the batch is split over data x expert). None is calibrated: the
 
 Ignored: tensor-parallel communication overlapped with compute, point-to-point overlapped with compute, NCCL's
 protocols and topology beyond a ring, kernel efficiency beyond the calibration (the 2019 constants describe eager
-PyTorch; a fused XLA step moves fewer bytes and launches fewer kernels), megajax's pipeline drawing each layer's
-whole dropout mask on every stage-tick, stragglers, data loading and memory fragmentation.
+PyTorch; a fused XLA step moves fewer bytes and launches fewer kernels), stragglers, data loading and memory
+fragmentation.
 """
 from __future__ import annotations
 

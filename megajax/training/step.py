@@ -1,8 +1,9 @@
 """The training state and the pure, jitted training step, for any objective.
 
 One step: split the global batch into micro-batches (gradient accumulation by ``lax.scan``), forward + backward
-each with its own dropout key, unscale (fp16), clip + AdamW, and skip the update when the loss or the gradient
-norm is not finite. Shardings come from the caller's jit: parameters over ``model``, the batch over ``data``; XLA
+each (dropout keyed by the step and each row's index in the global batch: ``sharding.rows_of``, so the masks do not
+depend on the split), unscale (fp16), clip + AdamW, and skip the update when the loss or the gradient norm is not
+finite. Shardings come from the caller's jit: parameters over ``model``, the batch over ``data``; XLA
 inserts Megatron's all-reduces and the data-parallel gradient reduction.
 """
 
@@ -16,7 +17,7 @@ import optax
 from flax import nnx, struct
 
 from megajax.models.objectives import Batch, Field, Metrics, Objective
-from megajax.parallel.sharding import constrain
+from megajax.parallel.sharding import constrain, rows_of
 from megajax.parallel.xla_options import traced_for_nvidia_gpu
 from megajax.training.loss_scale import LossScale
 from megajax.training.optimizer import applied_updates
@@ -30,7 +31,7 @@ class TrainState:
     params: Params  # fp32 master parameters, a nested dict matching the model
     opt_state: optax.OptState
     loss_scale: LossScale
-    rng: jax.Array  # uint32 key data of the base dropout key; step and micro-batch are folded in
+    rng: jax.Array  # uint32 key data of the base dropout key; the step is folded in (and each row, by dropout)
 
 
 def split_micro(batch: Batch, fields: dict[str, Field], num_micro: int) -> Batch:
@@ -65,8 +66,10 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         def accumulate(carry, xs):
             grads_sum, metrics_sum = carry
             micro, i = xs
-            key = jax.random.fold_in(step_key, i) if dropout else None
-            grads, (loss, metrics) = micro_grads(state.params, micro, key, state.loss_scale)
+            rows = jax.tree.leaves(micro)[0].shape[0]
+            with rows_of(jnp.arange(rows) * num_micro + i):  # split_micro's rows of the global batch
+                grads, (loss, metrics) = micro_grads(state.params, micro, step_key if dropout else None,
+                                                     state.loss_scale)
             metrics = {"loss": loss, **metrics}
             return (jax.tree.map(jnp.add, grads_sum, grads), jax.tree.map(jnp.add, metrics_sum, metrics)), None
 
