@@ -13,7 +13,7 @@ from megajax.cli import check_config_overrides, load_config
 from megajax.config import validate
 from megajax.models.spec import transformer_flops
 from megajax.parallel import pipeline as megajax_pipeline
-from megajax.tools import scaling, scaling_layout, scaling_papers, scaling_plan
+from megajax.tools import scaling, scaling_layout, scaling_papers, scaling_pipeline, scaling_plan
 from megajax.tools.scaling import DGX2H_V100, DGX_A100, predict
 from megajax.tools.scaling_layout import with_choices
 from megajax.tools.scaling_papers import PAPER_MODELS, PTDP_FITTED, PTDP_TABLE1, gpt_model
@@ -412,6 +412,11 @@ def test_pipeline_step_counts_ticks_and_stage_terms():
     assert part[1] < scaling_layout.parameters_per_gpu(model, 4)[1] / 3  # a quarter of the layers, the ends whole
     assert p.step_s == pytest.approx(p.compute_s + p.tensor_comm_s + p.data_comm_s + p.pipe_comm_s)
     assert p.bubble == pytest.approx(3 / (16 + 3)) and p.gpus == 32
+    # per accumulation step: two transfers a tick, and the 8 microbatches stage 0 holds (16 rows) all-reduced over
+    # pipe forward and backward (the budget's pipeline boundary); 32 GPUs of 8 per node: the boundaries cross nodes
+    hop = scaling_pipeline.p2p_s(micro * 2048 * 4096 * 2, 4, pipeline, True, c)
+    boundary = scaling.ring_allreduce_s(16 * 2048 * 4096 * 2, 4, c.inter_bandwidth, c.inter_latency)
+    assert p.pipe_comm_s == pytest.approx(2 * (ticks * 2 * hop + 2 * boundary), rel=1e-12)
     with pytest.raises(ValueError, match="do not divide the 32 layers"):
         predict(model, (2, 4), 64, c, 16, pipeline=Pipeline(4, 8, 3), memory=False)
     with pytest.raises(ValueError, match="microbatches do not divide"):

@@ -55,15 +55,16 @@ overlapped. Idle ticks cost as much as busy ones: the bubble, (p - 1)/(M v + p -
 schedule recomputes each chunk from its input whatever the remat policy (timed as ``full``, with ``selective``'s
 attention core once more), and inside a stage ``save_dots`` recomputes what ``full`` does. The ends: megajax runs
 the embeddings and head on every stage over the whole layer-stack batch (their parameters replicated over pipe) and
-moves the finished microbatches from stage 0 to every stage and their gradient back (one ring all-reduce of the
-batch's b s h over pipe); Megatron-LM runs the head on the last stage after each microbatch (M heads on the slowest
-stage) and all-reduces the tied embedding's gradient between the first and last stage (where the abstract model has
-one (vocabulary, hidden) weight). Data-parallel all-reduce, ZeRO-1's gather and AdamW cover one stage's parameters
-(``parameters_per_gpu``: L/p layers and the ends). Memory per GPU (``stage_memory_bytes``): the stage's state;
-megajax's activations as the memory planner counts them (every tick's residuals or chunk input, bubble ticks
-included, the head on the whole batch, one recomputed layer or chunk) and the tick loop's fp32 sums of the stage's
-layer gradients; Megatron-LM's, the residuals of the chunk-microbatches in flight (``Pipeline.in_flight``: 1F1B at
-most p, interleaved its warm-up), and the head on one microbatch.
+moves the finished microbatches from stage 0 to every stage and their gradient back (two ring all-reduces over pipe,
+forward and backward, of the microbatches stage 0 holds: the batch's b s h, or p microbatches' under the circular
+schedule with fewer: the communication budget's pipeline boundary); Megatron-LM runs the head on the last stage
+after each microbatch (M heads on the slowest stage) and all-reduces the tied embedding's gradient between the first
+and last stage (where the abstract model has one (vocabulary, hidden) weight). Data-parallel all-reduce, ZeRO-1's
+gather and AdamW cover one stage's parameters (``parameters_per_gpu``: L/p layers and the ends). Memory per GPU
+(``stage_memory_bytes``): the stage's state; megajax's activations as the memory planner counts them (every tick's
+residuals or chunk input, bubble ticks included, the head on the whole batch, one recomputed layer or chunk) and the
+tick loop's fp32 sums of the stage's layer gradients; Megatron-LM's, the residuals of the chunk-microbatches in
+flight (``Pipeline.in_flight``: 1F1B at most p, interleaved its warm-up), and the head on one microbatch.
 
 Tests pin ``transformer_flops`` and ``comm_budget.minimum`` equal to the compiled HLO's (ratio 1.00): the counted
 work is megajax's; what this module adds is how long it takes.
@@ -104,6 +105,7 @@ import dataclasses
 import functools
 
 from megajax.config import RunSpec, replanned
+from megajax.parallel.pipeline import slots
 from megajax.tools.comm_budget import minimum
 from megajax.tools.memory_planner import activations
 from megajax.tools.scaling_clusters import (  # noqa: F401 (the clusters are this module's API too)
@@ -377,7 +379,10 @@ def _pipeline_step(r: RunSpec, mesh, global_batch, cluster, micro_batch, grad_by
     else:  # every stage runs the ends on the whole batch; stage 0's outputs reach every stage, their gradient back
         ends = head_s(r, tensor, rows, cluster)
         ends_comm = _tensor_parts(r, tensor, rows, cluster)[1]
-        ends_moves = ring_allreduce_s(rows * seq * hidden * HALF, p, *link)
+        # the microbatches stage 0 holds (M, or p slots under the circular schedule with fewer), all-reduced over
+        # pipe forward and their gradient backward: comm_budget's pipeline boundary
+        held = (slots(m, p) if v > 1 else m) * micro
+        ends_moves = 2 * ring_allreduce_s(held * seq * hidden * HALF, p, *link)
     compute = num_micro * (ticks * chunk * (layer_s(r, tensor, micro, cluster) + extra) + ends)
     compute += OPTIMIZER_BYTES_PER_PARAM * parameters_per_gpu(r, tensor, p)[1] / cluster.hbm_bandwidth
     tensor_comm = num_micro * (ticks * chunk * tensor_layer + ends_comm)
