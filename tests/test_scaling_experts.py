@@ -154,3 +154,14 @@ def test_routed_layer_by_hand():
     hand = 4 * sum(scaling.gemm_s(*g, c) for g in gemms) + 4 * 2 * passes / c.hbm_bandwidth
     assert scaling_experts.routed_layer_s(run, 2, 2, e, c) == pytest.approx(hand, rel=1e-12)
     assert scaling_experts.routed_layer_s(run_on(load_config("llama3_8b")), 2, 2, 1, c) == 0.0
+
+
+def test_cli_refusals_say_what_to_change(capsys):
+    """Stages for a mixture of experts, and a GPU count no (data, expert, model) mesh divides: one error line
+    each, naming the cause."""
+    with pytest.raises(SystemExit, match="--pipe=2: mesh.pipe=2: a mixture-of-experts model does not run in "
+                                         "pipeline stages"):
+        scaling_plan.main(["--config=mixtral_8x7b", "--gpus=64", "--cluster=dgx_h100", "--pipe=2"])
+    with pytest.raises(SystemExit, match=r"no \(data, expert, model\) mesh of 12 GPUs divides the model \(its "
+                                         r"layers, heads, experts\) and the global batch of 1024"):
+        scaling_plan.main(["--config=mixtral_8x7b", "--gpus=12", "--cluster=dgx_h100"])

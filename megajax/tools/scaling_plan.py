@@ -227,13 +227,21 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: the scaling model covers causal language models (GPT configs); {args.config} is "
                          f"{run.model_name}")
     cluster = CLUSTERS[args.cluster]
+    if args.pipe > 1:  # a model that does not run in stages (a mixture of experts) says why, before the search
+        try:
+            run.model.check_mesh(1, args.pipe, 1)
+        except ValueError as e:
+            raise SystemExit(f"error: --pipe={args.pipe}: {e}") from None
     batch = args.global_batch or config.train.global_batch_size
     micro = args.micro_batch if args.micro_batch is not None else config.train.micro_batch_size
     best, table = recommend_mesh(run, args.gpus, cluster, batch, micro or None, args.grad_bytes,
                                  choose=not args.keep_choices, pipe=args.pipe or None)
     if not table:
-        raise SystemExit(f"error: no (pipe, data, model) mesh of {args.gpus} GPUs divides the layers, the heads and "
-                         "the batch")
+        axes = "(data, expert, model)" if run.model.routed_experts[0] else "(pipe, data, model)"
+        parts = "layers, heads" + (", experts" if run.model.routed_experts[0] else "")
+        micros = f" (and micro-batches of {micro})" if micro else ""
+        raise SystemExit(f"error: no {axes} mesh of {args.gpus} GPUs divides the model (its {parts}) and the global "
+                         f"batch of {batch}{micros}; try another --gpus or --global_batch")
     total = parameters_per_gpu(run)[0]
     active = run.model_spec.active_parameters(run.model, total)
     print(f"{args.config}: {total:,} parameters{f' ({active:,} active per token)' if active != total else ''}, "
