@@ -297,13 +297,14 @@ def test_stages_exchange_exactly_the_schedules_activations(name, pipe, data, mod
 
 
 @pytest.mark.parametrize("name, pipe, data, model, micro, repeats", [
-    (*CASES[3], 1), (*CASES[5], 1), CIRCULAR[3], CIRCULAR[5]])
+    (*CASES[3], 1), (*CASES[5], 1), (*CASES[6], 1), CIRCULAR[3], CIRCULAR[5]])
 def test_the_budget_counts_the_pipeline_exactly(name, pipe, data, model, micro, repeats):
     """``comm_budget`` beside the compiled step, every category: the schedule's permutes (one microbatch each way per
     tick), the boundary's all-reduces over ``pipe``, the stages' tensor-parallel all-reduces per tick and layer, the
-    loss's, the data-parallel gradients. Nothing is ``other``. A circular chunk of more than one layer recomputes
-    one all-reduce more per tick than its need (XLA's layer scan keeps the last iteration's): exactly T of a
-    microbatch above the minimum."""
+    loss's, the data-parallel gradients, Llama's 2 key/value heads replicated over model=4 (their head's gradient
+    reduced and gathered per stage-tick and layer). Nothing is ``other``. A circular chunk of more than one layer
+    recomputes one all-reduce more per tick than its need (XLA's layer scan keeps the last iteration's): exactly T
+    of a microbatch above the minimum."""
     run = _run(name, pipe, data, model, micro, repeats=repeats)
     budget, shape = step_budget(run), step_shape(run)
     assert budget.compiled["other"] == 0 and budget.compiled["pipeline point-to-point"] > 0

@@ -57,8 +57,9 @@ With pipeline stages (``mesh.pipe`` = p > 1; ``megajax.parallel.pipeline``) the 
   dimension), the circular schedule's whole chunks, a L/(p v) - 1 per tick (the chunk's last output is not needed
   again; XLA's layer scan cannot drop the last iteration's, so chunks of more than one layer compile one more per
   tick).
-  Sequence parallelism, FSDP and replicated key/value heads under stages are not counted yet
-  (``check_countable``).
+  Replicated key/value heads under stages: their two collectives per stage-tick of each of the stage's layers (each
+  tick reduces its head's gradient), T L/(p v) per micro-batch. Sequence parallelism and FSDP under stages are not
+  counted yet (``check_countable``).
 * pipeline point-to-point: per tick one collective permute of m x s x h forward (each stage's output to the next)
   and one backward (its gradient): 2 T.
 * pipeline boundary: the microbatches held by stage 0 (the slots: M, or max(M, p) under the circular schedule)
@@ -186,8 +187,11 @@ def minimum(shape: Shape) -> dict[str, int]:
             out["tensor-parallel forward"] = (a * shape.layers + 1) * act
             out["tensor-parallel backward"] = (a * shape.layers + 1 + recompute) * act
         out["loss"] = 3 * b * s * 4 * n  # the cross-entropy runs in fp32
-        # per layer: the grouped all-reduce of the shard's head, the all-gather of one head per group (fp32)
-        out["replicated key/value heads"] = 2 * shape.layers * shape.kv_head_elements * 4 * n
+    if shape.tensor > 1:
+        # per layer: the grouped all-reduce of the shard's head, the all-gather of one head per group (fp32); under
+        # stages, per stage-tick of each of its layers (the stage reduces its head's gradient on every tick)
+        runs = shape.pipe_ticks * shape.pipe_layers if shape.pipe > 1 else shape.layers
+        out["replicated key/value heads"] = 2 * runs * shape.kv_head_elements * 4 * n
     # the dense parameters' gradients reduced over data x expert (the batch's shards), the experts' over data
     dense = shape.local_grad_elements - shape.expert_grad_elements
     out["data-parallel gradients"] = 4 * ((dense if shape.data * shape.expert > 1 else 0)
@@ -313,18 +317,13 @@ def step_budget(run) -> Budget:
 
 def check_countable(spec) -> None:
     """Raises ConfigError for a run (its ``RunSpec``) whose communication the budget does not count yet: sequence
-    parallelism, FSDP or replicated key/value heads under pipeline stages (the step itself is right:
-    tests/test_pipeline.py)."""
+    parallelism or FSDP under pipeline stages (the step itself is right: tests/test_pipeline.py)."""
     if spec.pipe == 1:
         return
     for flag, on in (("sequence", spec.sequence), ("fsdp", spec.fsdp)):
         if on:
             raise ConfigError(f"the communication budget does not count --{flag} under pipeline stages yet; drop it, "
                               "or use a mesh without pipe, to read a budget")
-    if spec.tensor > 1 and spec.model.kv_replicated(spec.tensor):
-        raise ConfigError("the communication budget does not count replicated key/value heads under pipeline stages "
-                          f"yet (mesh.model={spec.tensor} > the {spec.model.kv_heads} key/value heads); use a "
-                          "mesh.model that divides them, or a mesh without pipe, to read a budget")
 
 
 def step_shape(run) -> Shape:
