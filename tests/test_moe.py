@@ -105,21 +105,24 @@ def _run(model, config, tokens, data, model_axis, expert=1):
     return float(value), jax.tree.map(float, metrics), jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3", "qwen3_dense"])
-def reference(request):
-    config = moe_config(**{"mixtral": {}, "qwen3": QWEN, "qwen3_dense": DENSE}[request.param])
+def _reference(fields: dict):
+    config = moe_config(**fields)
     model = create_model(config, build_mesh(config), seed=0)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1000, size=(8, 17), dtype=np.int32))
     return config, model, tokens, _run(model, config, tokens, 1, 1)
 
 
-@pytest.mark.parametrize("data,model_axis,expert", [(2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (1, 1, 4),
-                                                     (2, 1, 4), (1, 1, 8), (2, 2, 2)])
-def test_mesh_matches_single_device(reference, data, model_axis, expert):
-    """The loss (LM + balancing + z-loss), each logged router metric and every gradient on data, tensor, expert
-    and mixed meshes against the 1x1 step, dropless (Mixtral) and with a capacity (the Qwen3 case): each data (and
-    expert) shard routes its own rows, each expert shard computes its experts on the rows all-to-all'd to it, each
-    model shard its slice of every expert, and the statistics are summed over the data and expert shards."""
+@pytest.fixture(scope="module", params=["mixtral", "qwen3"])
+def reference(request):
+    return _reference({"mixtral": {}, "qwen3": QWEN}[request.param])
+
+
+@pytest.fixture(scope="module")
+def dense_reference():
+    return _reference(DENSE)
+
+
+def _assert_matches(reference, data: int, model_axis: int, expert: int) -> None:
     config, model, tokens, (ref_loss, ref_metrics, ref_grads) = reference
     assert (ref_metrics["dropped_fraction"] > 0) == (config.model.capacity_factor > 0)  # the capacity bites
     loss, metrics, grads = _run(model, config, tokens, data, model_axis, expert)
@@ -132,6 +135,23 @@ def test_mesh_matches_single_device(reference, data, model_axis, expert):
         scale = np.abs(r).max()
         assert scale > 0, jax.tree_util.keystr(path)
         np.testing.assert_allclose(g, r, rtol=RTOL, atol=RTOL * scale, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("data,model_axis,expert", [(2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (1, 1, 4),
+                                                     (2, 1, 4), (1, 1, 8), (2, 2, 2)])
+def test_mesh_matches_single_device(reference, data, model_axis, expert):
+    """The loss (LM + balancing + z-loss), each logged router metric and every gradient on data, tensor, expert
+    and mixed meshes against the 1x1 step, dropless (Mixtral) and with a capacity (the Qwen3 case): each data (and
+    expert) shard routes its own rows, each expert shard computes its experts on the rows all-to-all'd to it, each
+    model shard its slice of every expert, and the statistics are summed over the data and expert shards."""
+    _assert_matches(reference, data, model_axis, expert)
+
+
+@pytest.mark.parametrize("data,model_axis,expert", [(2, 2, 1), (2, 1, 4), (2, 2, 2)])
+def test_dense_layers_among_routed_ones_match_single_device(dense_reference, data, model_axis, expert):
+    """Qwen3-MoE's dense layers among the routed ones (dense, routed, dense, dense: each run of one kind from its
+    stack's slice), the same way, on tensor, expert and mixed meshes."""
+    _assert_matches(dense_reference, data, model_axis, expert)
 
 
 def _step_config(data: int, model_axis: int, expert: int, **parallel):
