@@ -296,16 +296,18 @@ def test_stages_exchange_exactly_the_schedules_activations(name, pipe, data, mod
         ("backward", (1, held, rows, 32, 64), 1), ("forward", (1, held, rows, 32, 64), 1)]
 
 
-@pytest.mark.parametrize("name, pipe, data, model, micro, repeats", [
-    (*CASES[3], 1), (*CASES[5], 1), (*CASES[6], 1), CIRCULAR[3], CIRCULAR[5]])
-def test_the_budget_counts_the_pipeline_exactly(name, pipe, data, model, micro, repeats):
+@pytest.mark.parametrize("name, pipe, data, model, micro, repeats, choice", [
+    (*CASES[3], 1, None), (*CASES[5], 1, None), (*CASES[6], 1, None), (*CIRCULAR[3], None), (*CIRCULAR[5], None),
+    (*CASES[3], 1, "fsdp"), (*CASES[5], 1, "fsdp"), (*CIRCULAR[3], "fsdp")])
+def test_the_budget_counts_the_pipeline_exactly(name, pipe, data, model, micro, repeats, choice):
     """``comm_budget`` beside the compiled step, every category: the schedule's permutes (one microbatch each way per
     tick), the boundary's all-reduces over ``pipe``, the stages' tensor-parallel all-reduces per tick and layer, the
     loss's, the data-parallel gradients, Llama's 2 key/value heads replicated over model=4 (their head's gradient
-    reduced and gathered per stage-tick and layer). Nothing is ``other``. A circular chunk of more than one layer
+    reduced and gathered per stage-tick and layer), FSDP (each stage's parameters gathered once per step; BERT's
+    small head gradients partly reduced by permutes). Nothing is ``other``. A circular chunk of more than one layer
     recomputes one all-reduce more per tick than its need (XLA's layer scan keeps the last iteration's): exactly T
     of a microbatch above the minimum."""
-    run = _run(name, pipe, data, model, micro, repeats=repeats)
+    run = _run(name, pipe, data, model, micro, choice=choice, repeats=repeats)
     budget, shape = step_budget(run), step_shape(run)
     assert budget.compiled["other"] == 0 and budget.compiled["pipeline point-to-point"] > 0
     extra = dict.fromkeys(budget.compiled, 0)

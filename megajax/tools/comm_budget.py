@@ -58,8 +58,9 @@ With pipeline stages (``mesh.pipe`` = p > 1; ``megajax.parallel.pipeline``) the 
   again; XLA's layer scan cannot drop the last iteration's, so chunks of more than one layer compile one more per
   tick).
   Replicated key/value heads under stages: their two collectives per stage-tick of each of the stage's layers (each
-  tick reduces its head's gradient), T L/(p v) per micro-batch. Sequence parallelism and FSDP under stages are not
-  counted yet (``check_countable``).
+  tick reduces its head's gradient), T L/(p v) per micro-batch. FSDP under stages gathers each parameter once per
+  step (a stage's layers outside the tick loop, kept for the backward pass; ``gathered_shard_elements``). Sequence
+  parallelism under stages is not counted yet (``check_countable``).
 * pipeline point-to-point: per tick one collective permute of m x s x h forward (each stage's output to the next)
   and one backward (its gradient): 2 T.
 * pipeline boundary: the microbatches held by stage 0 (the slots: M, or max(M, p) under the circular schedule)
@@ -257,6 +258,9 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
             out["per-head norm gradients"] += size
         elif c.op == "all-reduce" and c.axes and c.axes <= {"data", "expert"}:
             out["data-parallel gradients"] += size
+        elif shape.pipe > 1 and c.op == "collective-permute" and c.phase == "backward" and "data" in c.axes and \
+                c.axes <= {"data", "pipe"}:  # part of a gradient's reduction over data, which XLA wrote as permutes
+            out["data-parallel gradients"] += size
         elif c.op == "all-gather" and c.axes == {"data"}:
             out["data-parallel parameter gathers"] += size
         else:
@@ -317,13 +321,12 @@ def step_budget(run) -> Budget:
 
 def check_countable(spec) -> None:
     """Raises ConfigError for a run (its ``RunSpec``) whose communication the budget does not count yet: sequence
-    parallelism or FSDP under pipeline stages (the step itself is right: tests/test_pipeline.py)."""
+    parallelism under pipeline stages (the step itself is right: tests/test_pipeline.py)."""
     if spec.pipe == 1:
         return
-    for flag, on in (("sequence", spec.sequence), ("fsdp", spec.fsdp)):
-        if on:
-            raise ConfigError(f"the communication budget does not count --{flag} under pipeline stages yet; drop it, "
-                              "or use a mesh without pipe, to read a budget")
+    if spec.sequence:
+        raise ConfigError("the communication budget does not count --sequence under pipeline stages yet; drop it, "
+                          "or use a mesh without pipe, to read a budget")
 
 
 def step_shape(run) -> Shape:
@@ -389,14 +392,16 @@ def _pipeline_shape(spec) -> dict[str, int | bool]:
 def gathered_shard_elements(run) -> int:
     """The parameter shards a step all-gathers over ``data``, as ZeRO and FSDP define it: with
     ``parallel.shard_optimizer`` (ZeRO-1) each updated parameter whose moments are split, once; with
-    ``parallel.fsdp`` each split parameter twice, for the forward and again for the backward pass."""
+    ``parallel.fsdp`` each split parameter twice, for the forward and again for the backward pass, or under pipeline
+    stages once (each stage's layers are gathered once per step, outside the tick loop, and kept)."""
     spec, total = run.spec, 0
     if spec.data == 1 or not spec.shard_optimizer:
         return 0
+    times = 1 if not spec.fsdp or spec.pipe > 1 else 2
     for a in jax.tree.leaves(run.abstract_state.params):
         stored = a.sharding if spec.fsdp else over_data(a.sharding, a.shape)
         if "data" in spec_axes(stored.spec):
-            total += (2 if spec.fsdp else 1) * model_shard_elements(a) // spec.data
+            total += times * model_shard_elements(a) // spec.data
     return total
 
 
