@@ -298,15 +298,18 @@ def test_stages_exchange_exactly_the_schedules_activations(name, pipe, data, mod
 
 @pytest.mark.parametrize("name, pipe, data, model, micro, repeats, choice", [
     (*CASES[3], 1, None), (*CASES[5], 1, None), (*CASES[6], 1, None), (*CIRCULAR[3], None), (*CIRCULAR[5], None),
-    (*CASES[3], 1, "fsdp"), (*CASES[5], 1, "fsdp"), (*CIRCULAR[3], "fsdp")])
+    (*CASES[3], 1, "fsdp"), (*CASES[5], 1, "fsdp"), (*CIRCULAR[3], "fsdp"),
+    (*CASES[3], 1, "sequence"), (*CASES[5], 1, "sequence"), (*CIRCULAR[3], "sequence")])
 def test_the_budget_counts_the_pipeline_exactly(name, pipe, data, model, micro, repeats, choice):
     """``comm_budget`` beside the compiled step, every category: the schedule's permutes (one microbatch each way per
     tick), the boundary's all-reduces over ``pipe``, the stages' tensor-parallel all-reduces per tick and layer, the
     loss's, the data-parallel gradients, Llama's 2 key/value heads replicated over model=4 (their head's gradient
     reduced and gathered per stage-tick and layer), FSDP (each stage's parameters gathered once per step; BERT's
-    small head gradients partly reduced by permutes). Nothing is ``other``. A circular chunk of more than one layer
-    recomputes one all-reduce more per tick than its need (XLA's layer scan keeps the last iteration's): exactly T
-    of a microbatch above the minimum."""
+    small head gradients partly reduced by permutes), sequence parallelism (pairs of one shard, 1/t permutes and
+    boundary, the replicated parameters' gradients summed over model on every stage-tick). Nothing is ``other``. A
+    circular chunk of more than one layer recomputes one all-reduce more per tick than its need (XLA's layer scan
+    keeps the last iteration's): exactly T of a microbatch above the minimum (under sequence parallelism a pair of
+    1/t each, the same bytes)."""
     run = _run(name, pipe, data, model, micro, choice=choice, repeats=repeats)
     budget, shape = step_budget(run), step_shape(run)
     assert budget.compiled["other"] == 0 and budget.compiled["pipeline point-to-point"] > 0
@@ -314,6 +317,16 @@ def test_the_budget_counts_the_pipeline_exactly(name, pipe, data, model, micro, 
     if repeats > 1 and shape.pipe_layers > 1:
         extra["tensor-parallel backward"] = shape.pipe_ticks * shape.pipe_rows * shape.seq * shape.hidden * 4
     assert {k: budget.minimum[k] + extra[k] for k in budget.minimum} == budget.compiled
+
+
+def test_the_budget_refuses_what_it_does_not_count():
+    """Sequence parallelism with Llama's 2 key/value heads replicated over model=4 under stages: one error before
+    anything compiles."""
+    from megajax.tools.comm_budget import check_countable
+
+    with pytest.raises(ConfigError, match="--sequence with replicated key/value heads"):
+        check_countable(resolve(_config("llama", 2, 1, 4, 4, choice="sequence"), 8))
+    check_countable(resolve(_config("llama", 2, 1, 4, 4), 8))  # either alone is counted
 
 
 def test_comm_report_prints_the_pipeline_categories(capsys):

@@ -60,7 +60,12 @@ With pipeline stages (``mesh.pipe`` = p > 1; ``megajax.parallel.pipeline``) the 
   Replicated key/value heads under stages: their two collectives per stage-tick of each of the stage's layers (each
   tick reduces its head's gradient), T L/(p v) per micro-batch. FSDP under stages gathers each parameter once per
   step (a stage's layers outside the tick loop, kept for the backward pass; ``gathered_shard_elements``). Sequence
-  parallelism under stages is not counted yet (``check_countable``).
+  parallelism under stages: the all-reduces become pairs of one shard (a circular chunk's recomputed ones too), the
+  permutes and the boundary carry 1/t of the positions, the stage sums its layers' replicated parameters' gradients
+  over ``model`` on every tick (``sequence_layer_elements`` per layer and stage-tick), the position embedding's
+  gradient is reduced over ``data`` as its sequence shard, and BERT's pooled token's gradient goes back to its shard
+  by a permute. Not counted yet: sequence parallelism with replicated key/value heads under stages
+  (``check_countable``).
 * pipeline point-to-point: per tick one collective permute of m x s x h forward (each stage's output to the next)
   and one backward (its gradient): 2 T.
 * pipeline boundary: the microbatches held by stage 0 (the slots: M, or max(M, p) under the circular schedule)
@@ -103,6 +108,7 @@ import numpy as np
 from megajax.config import RunSpec
 from megajax.errors import ConfigError
 from megajax.models import ModelSpec, TransformerConfig
+from megajax.models.transformer import STACK
 from megajax.parallel import pipeline
 from megajax.parallel.hlo_audit import Collective, collectives
 from megajax.parallel.partition import over_data
@@ -138,6 +144,7 @@ class Shape:
     remat: str = "none"
     sequence: bool = False
     sequence_grad_elements: int = 0
+    sequence_layer_elements: int = 0  # of those, one layer's (under pipeline stages, reduced on every stage-tick)
     pooled_rows: int = 0
     gathered_shard_elements: int = 0  # parameter shards all-gathered over data per step (ZeRO-1, FSDP)
     kv_head_elements: int = 0  # replicated key/value heads: one head's weight per layer (h x 2 x head_dim); else 0
@@ -162,18 +169,32 @@ def minimum(shape: Shape) -> dict[str, int]:
     b, s, h, n = shape.micro_batch, shape.seq, shape.hidden, shape.num_micro
     a, r = shape.tensor_all_reduces, shape.recomputed_all_reduces
     out = dict.fromkeys(CATEGORIES, 0)
+    split = shape.tensor if shape.sequence else 1  # sequence parallelism: each model shard's positions only
     if shape.pipe > 1:
         tick = shape.pipe_rows * s * h * shape.activation_bytes * n  # one microbatch, every micro-batch
-        out["pipeline point-to-point"] = 2 * shape.pipe_ticks * tick
-        out["pipeline boundary"] = 2 * shape.pipe_slots * tick
+        out["pipeline point-to-point"] = 2 * shape.pipe_ticks * tick // split
+        out["pipeline boundary"] = 2 * shape.pipe_slots * tick // split
     if shape.tensor > 1 and shape.pipe > 1:
         act, runs = b * s * h * shape.activation_bytes * n, shape.pipe_ticks * shape.pipe_layers
         if shape.pipe_circular:  # per tick: the chunk's all-reduces but its last
             recompute = shape.pipe_ticks * (a * shape.pipe_layers - 1)
         else:
             recompute = r * runs if shape.remat in ("full", "save_dots") else 0
-        out["tensor-parallel forward"] = a * runs * tick + act
-        out["tensor-parallel backward"] = (a * runs + recompute) * tick + act
+        if shape.sequence:  # each all-reduce -> a reduce-scatter + an all-gather of one shard
+            pairs = 2 * (a * runs * tick + act) // split
+            if shape.pipe_circular:  # the recomputed chunk's all-reduces are pairs too
+                redone = 2 * recompute
+            else:  # as without stages: the recomputed forward's collectives, one shard each
+                redone = (a + r) * runs if shape.remat in ("full", "save_dots") else 0
+            pooled = shape.pooled_rows * h * shape.activation_bytes * n  # the pooled first token, whole, and back
+            out["tensor-parallel forward"] = pairs + pooled
+            out["tensor-parallel backward"] = pairs + redone * tick // split + pooled
+            # a stage sums its layers' replicated parameters' gradients over model on every tick
+            per_tick = shape.sequence_grad_elements + (runs - shape.layers) * shape.sequence_layer_elements
+            out["sequence-parallel extra"] = per_tick * 4 * n
+        else:
+            out["tensor-parallel forward"] = a * runs * tick + act
+            out["tensor-parallel backward"] = (a * runs + recompute) * tick + act
         out["loss"] = 3 * b * s * 4 * n
     elif shape.tensor > 1:
         act = b * s * h * shape.activation_bytes * n
@@ -225,16 +246,17 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
             continue
         size = c.shard_elements * DTYPE_BYTES.get(c.dtype, 4) * c.executions
         over_model = c.axes == {"model"}
-        if shape.sequence and over_model and c.op in ("reduce-scatter", "all-gather") and \
-                c.shard_elements * shape.tensor == tokens * shape.hidden:
+        if shape.sequence and over_model and c.op in ("reduce-scatter", "all-gather") and (
+                c.shard_elements * shape.tensor == tokens * shape.hidden or  # or a stage's microbatch (rows, s, h)
+                (len(c.shape) > 2 and c.shard_elements * shape.tensor == shape.pipe_rows * shape.seq * shape.hidden)):
             out[f"tensor-parallel {c.phase}"] += size
         elif not shape.sequence and c.op == "all-reduce" and over_model and c.elements in (
                 tokens * shape.hidden, shape.pipe_rows * shape.seq * shape.hidden):
             out[f"tensor-parallel {c.phase}"] += size
         elif c.op == "collective-permute" and c.axes == {"pipe"}:
             out["pipeline point-to-point"] += size
-        elif c.op == "all-reduce" and c.axes == {"pipe"} and \
-                c.elements == shape.pipe_slots * shape.pipe_rows * shape.seq * shape.hidden:
+        elif c.op == "all-reduce" and c.axes == {"pipe"} and c.elements * (shape.tensor if shape.sequence else 1) == \
+                shape.pipe_slots * shape.pipe_rows * shape.seq * shape.hidden:
             out["pipeline boundary"] += size
         elif c.op == "all-reduce" and over_model and c.shape[:2] == (shape.micro_batch, shape.seq):
             out["loss"] += size  # (b, s) or (b, s, 1): one value per token
@@ -245,6 +267,9 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
         elif shape.sequence and c.op == "all-reduce" and over_model and c.phase == "forward" and \
                 c.elements == shape.pooled_rows * shape.hidden:
             out["tensor-parallel forward"] += size
+        elif shape.sequence and shape.pipe > 1 and c.op == "collective-permute" and over_model and \
+                c.phase == "backward" and c.elements == shape.pooled_rows * shape.hidden:
+            out["tensor-parallel backward"] += size  # the pooled token's gradient back to the shard holding it
         elif shape.sequence and c.op in ("all-reduce", "all-gather") and over_model and c.phase == "backward":
             out["sequence-parallel extra"] += size
         elif c.op == "all-to-all" and c.axes == {"expert"}:
@@ -321,12 +346,11 @@ def step_budget(run) -> Budget:
 
 def check_countable(spec) -> None:
     """Raises ConfigError for a run (its ``RunSpec``) whose communication the budget does not count yet: sequence
-    parallelism under pipeline stages (the step itself is right: tests/test_pipeline.py)."""
-    if spec.pipe == 1:
-        return
-    if spec.sequence:
-        raise ConfigError("the communication budget does not count --sequence under pipeline stages yet; drop it, "
-                          "or use a mesh without pipe, to read a budget")
+    parallelism with replicated key/value heads under pipeline stages (the step itself is right)."""
+    if spec.pipe > 1 and spec.sequence and spec.tensor > 1 and spec.model.kv_replicated(spec.tensor):
+        raise ConfigError("the communication budget does not count --sequence with replicated key/value heads "
+                          f"(mesh.model={spec.tensor} > the {spec.model.kv_heads} key/value heads) under pipeline "
+                          "stages yet; use a mesh.model that divides them, or drop --sequence, to read a budget")
 
 
 def step_shape(run) -> Shape:
@@ -339,6 +363,9 @@ def step_shape(run) -> Shape:
     kv_weight = cfg.num_layers * kv_head * cfg.kv_heads  # replicated over model, reduced in its own category
     local = data_gradient_elements(cfg, sum(model_shard_elements(a) for a in jax.tree.leaves(params)),
                                    cfg.num_layers, kv_head)
+    if spec.sequence and spec.pipe > 1:  # under stages the positions' gradient is reduced over data as its shard
+        local -= sum(a.size - a.size // spec.tensor for name, a in params.items() if name in model.sequence_rows
+                     for a in jax.tree.leaves(a))
     experts, per_token = cfg.routed_experts
     expert_grad = sum(model_shard_elements(a) for a in jax.tree.leaves(params)
                       if "expert" in spec_axes(a.sharding.spec))
@@ -349,6 +376,8 @@ def step_shape(run) -> Shape:
                  remat=cfg.remat, sequence=spec.sequence,
                  sequence_grad_elements=sequence_grad_elements(params, spec.tensor, model) - kv_weight
                  if spec.sequence else 0, pooled_rows=model.pooled_rows * spec.micro_batch,
+                 sequence_layer_elements=sequence_grad_elements({STACK: params[STACK]}, spec.tensor, model)
+                 // cfg.num_layers if spec.sequence and STACK in params else 0,
                  gathered_shard_elements=gathered_shard_elements(run), kv_head_elements=kv_head,
                  expert=spec.expert, expert_grad_elements=expert_grad, num_experts=experts,
                  routed_rows=spec.micro_batch * cfg.max_seq_len * per_token,
