@@ -358,12 +358,14 @@ def test_the_circular_schedule_idles_one_repeat_th_of_gpipes_layer_time():
 @pytest.mark.parametrize("name, pipe, data, model, micro, repeats, choice",
                          [(*CASES[3], 1, None), (*CASES[4], 1, None), (*CASES[5], 1, None), (*CASES[6], 1, None),
                           *[(*c, None) for c in CIRCULAR],
-                          ("gpt", 2, 2, 2, 4, 1, "fsdp"), ("gpt", 2, 2, 2, 4, 2, "fsdp")])
+                          ("gpt", 2, 2, 2, 4, 1, "fsdp"), ("gpt", 2, 2, 2, 4, 2, "fsdp"),
+                          (*CASES[3], 1, "sequence"), (*CASES[5], 1, "sequence"), (*CASES[6], 1, "sequence")])
 def test_memory_planner_counts_the_stages(name, pipe, data, model, micro, repeats, choice):
     """The planner's per-device memory for a pipelined step (a stage's layers and their moments; every tick's
     residuals of its layers for one microbatch under GPipe, every tick's chunk input and one chunk's residuals under
     the circular schedule; the head on the whole batch) against XLA's plan of the same compiled steps (GPipe, all
-    six circular ones, FSDP under both): state exact (but the step's scalars), temp and peak within 10%."""
+    six circular ones, FSDP under both, sequence parallelism under GPipe for GPT, BERT and Llama): state exact (but
+    the step's scalars), temp and peak within 10%."""
     run = _run(name, pipe, data, model, micro, choice=choice, repeats=repeats)
     rows = 8 // data
     report = memory_report(run.spec, rows, num_micro=1)
