@@ -228,3 +228,25 @@ def hf_conversions(tmp_path_factory, build, flags):
         return built[name]
 
     return get
+
+
+def assert_greedy_matches_hf(model, checkpoint, prompt: np.ndarray, meshes: list[dict]) -> None:
+    """Greedy generation of 8 tokens with the key/value cache: the megajax ``checkpoint`` loaded on each of ``meshes``
+    (``load_model`` keyword arguments) equals the HF ``model``'s ``generate`` on ``prompt``, which must have no
+    near-tie (top-2 logit margin above 1e-3) that rounding could flip. The HF conversion tests' check."""
+    import torch
+    import transformers
+
+    from megajax.evaluation.generate import Sampling, generate
+
+    with torch.no_grad():
+        out = model.generate(torch.from_numpy(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+                             generation_config=transformers.GenerationConfig(
+                                 max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                 output_scores=True, return_dict_in_generate=True))
+    margins = [float(np.diff(np.sort(s.numpy(), axis=-1)[:, -2:], axis=-1).min()) for s in out.scores]
+    assert min(margins) > 1e-3, margins
+    for mesh in meshes:
+        loaded = megajax.load_model(checkpoint, **mesh)
+        got = generate(loaded.model, loaded.mesh, loaded.spec.rules, prompt, 8, Sampling(greedy=True))
+        np.testing.assert_array_equal(got, out.sequences.numpy(), err_msg=str(mesh))

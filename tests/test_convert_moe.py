@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import hf_conversions
+from conftest import assert_greedy_matches_hf, hf_conversions
 from flax import nnx
 
 import megajax
@@ -14,7 +14,6 @@ from megajax.config import model_config
 from megajax.config.load import inference_config
 from megajax.convert import hf_io, hf_moe
 from megajax.convert.__main__ import main as convert_main
-from megajax.evaluation.generate import Sampling, generate
 from megajax.parallel.sharding import ParallelContext, activate
 
 torch = pytest.importorskip("torch")  # the `test` extra installs it (CPU build)
@@ -127,17 +126,7 @@ def test_converted_logits_match_transformers(name, converted):
 def test_greedy_generation_matches_transformers(name, converted):
     _, model, mj = converted(name)
     prompt = np.random.default_rng(1).integers(0, model.config.vocab_size, (2, 10))
-    with torch.no_grad():
-        out = model.generate(torch.from_numpy(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long),
-                             generation_config=transformers.GenerationConfig(
-                                 max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
-                                 output_scores=True, return_dict_in_generate=True))
-    margins = [float(np.diff(np.sort(s.numpy(), axis=-1)[:, -2:], axis=-1).min()) for s in out.scores]
-    assert min(margins) > 1e-3, margins  # no near-tie that rounding could flip
-    for data, model_axis, expert in [(1, 1, 1), (1, 1, 2)]:
-        loaded = megajax.load_model(mj, data=data, model=model_axis, expert=expert)
-        got = generate(loaded.model, loaded.mesh, loaded.spec.rules, prompt, 8, Sampling(greedy=True))
-        np.testing.assert_array_equal(got, out.sequences.numpy(), err_msg=f"{data}x{model_axis},expert={expert}")
+    assert_greedy_matches_hf(model, mj, prompt, [dict(data=1, model=1, expert=1), dict(data=1, model=1, expert=2)])
 
 
 def test_bf16_checkpoint_converts(tmp_path):
