@@ -200,6 +200,28 @@ def run_on(config, data: int = 1, model: int = 1, pipe: int = 1, expert: int = 1
     return resolve(config, pipe * data * expert * model, training=False)
 
 
+def step_losses(config, initial: dict, key: str, steps: int) -> list[float]:
+    """The losses of ``steps`` training steps of ``config`` on its data's first batches, from the initial state
+    ``initial[key]`` (the first run of ``key``, which must be on one device, sets it), its layers reordered to the
+    run's pipeline layout: runs on different meshes then compare from the same parameters."""
+    from megajax.models.transformer import reorder_layers
+    from megajax.training.data import make_loader
+    from megajax.training.loop import setup
+
+    run = setup(config)
+    if key not in initial:
+        assert run.spec.data * run.spec.tensor * run.spec.pipe * run.spec.expert == 1, "the reference: one device"
+        initial[key] = jax.tree.map(np.array, run.init_state())
+    state = reorder_layers(initial[key], (1, 1), run.spec.layer_layout)
+    state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), state, run.abstract_state)
+    loader = make_loader(resolve(config, jax.device_count()))
+    losses = []
+    for _ in range(steps):
+        state, metrics = run.step_fn(state, loader.next_global(run.batch_shardings))
+        losses.append(float(metrics["loss"]))
+    return losses
+
+
 def assert_same_step(loss: float, change, want_loss: float, want_change) -> None:
     """One step's loss within 1e-6 (relative) and its parameter changes within 1e-5 of a reference's (with AdamW at
     eps >> |g| the changes are the gradients, x lr / eps); every reference leaf must have moved."""

@@ -9,16 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import choice_config
+from conftest import choice_config, step_losses
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from megajax.config import base_config, resolve, rules_of
-from megajax.models.transformer import reorder_layers
+from megajax.config import base_config, rules_of
 from megajax.parallel.layers import dropout
 from megajax.parallel.sharding import ParallelContext, activate, constrain, make_mesh, rows_of
-from megajax.training.data import make_loader
-from megajax.training.loop import setup
 
 STEPS = 3
 RATE = 0.1
@@ -58,18 +55,7 @@ def _losses(pipe: int, data: int, model: int, accumulate: int = 0, micro: int = 
     config.mesh.pipe = pipe
     config.parallel.update(pipeline_microbatches=micro, pipeline_repeats=repeats)
     config.train.micro_batch_size = accumulate
-    run = setup(config)
-    if "initial" not in _INITIAL:
-        assert (pipe, data, model) == (1, 1, 1)
-        _INITIAL["initial"] = jax.tree.map(np.array, run.init_state())
-    initial = reorder_layers(_INITIAL["initial"], (1, 1), run.spec.layer_layout)
-    state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), initial, run.abstract_state)
-    loader = make_loader(resolve(config, jax.device_count()))
-    losses = []
-    for _ in range(STEPS):
-        state, metrics = run.step_fn(state, loader.next_global(run.batch_shardings))
-        losses.append(float(metrics["loss"]))
-    return losses
+    return step_losses(config, _INITIAL, "initial", STEPS)
 
 
 _INITIAL = {}

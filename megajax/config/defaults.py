@@ -93,7 +93,8 @@ def base_config(model: str = GPT) -> ml_collections.ConfigDict:
         b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, clip_norm=1.0,
     ))
     c.data = ml_collections.ConfigDict(dict(
-        source="default",  # default (stdlib corpus, offline) | indexed (data.path=PREFIX) | tfds | random | task
+        # default (stdlib corpus, offline) | indexed (data.path=PREFIX) | tfds | random | task | sft (data.path=JSONL)
+        source="default",
         path="",  # indexed: the prefix written by python -m megajax.data.preprocess
         tokenizer="",  # tfds, task: tokenizer.json, a GPT-2 BPE directory or a vocab.txt
         # source=task: mnli | qqp | squad1 | squad2 | race (files in task_dir) or synthetic_pair | synthetic_span |
@@ -119,6 +120,19 @@ def base_config(model: str = GPT) -> ml_collections.ConfigDict:
         # official files lose none or a handful (QQP's train.tsv: a few of 364k rows), so more than 1% means a
         # wrong or damaged file; 1.0 trains on whatever is left.
         max_dropped_fraction=0.01,
+        # Packed windows (a decoder's next-token prediction; megajax.data.documents): each token attends only within
+        # its own document (Llama 3's intra-document masking, Megatron's reset_attention_mask), its position
+        # restarting at each document (reset_position_ids=False keeps the window's); eod_mask_loss drops the targets
+        # that cross from one document to the next (Megatron's option of that name).
+        document_masking=False,
+        reset_position_ids=True,
+        eod_mask_loss=False,
+        # source=sft (data.path=FILE.jsonl, data.tokenizer=tokenizer.json; megajax.data.sft): examples packed into
+        # rows (False: one per row), an example longer than a row refused (sft_truncate: cut to it), a bad row
+        # refused with its line number (sft_skip_bad_rows: skipped and counted)
+        sft_packing=True,
+        sft_truncate=False,
+        sft_skip_bad_rows=False,
         # Recorded, not set: training writes here its data's tokenizer's vocabulary fingerprint (a sha256), stored
         # with each checkpoint; resuming, fine-tuning and evaluation refuse a tokenizer or dataset that differs.
         tokenizer_fingerprint="",

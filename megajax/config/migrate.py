@@ -28,6 +28,12 @@ ADDED_FIELDS = {
     ("data", "allow_blend_change"): False,
     ("data", "max_dropped_fraction"): 1.0,  # training used whatever rows its readers kept
     ("data", "tokenizer_fingerprint"): "",  # not recorded: nothing to compare
+    ("data", "document_masking"): False,  # windows attended across documents
+    ("data", "reset_position_ids"): True,
+    ("data", "eod_mask_loss"): False,
+    ("data", "sft_packing"): True,
+    ("data", "sft_truncate"): False,
+    ("data", "sft_skip_bad_rows"): False,
 }
 # config.model fields every family's section held before each family had its own config type, with the value they
 # held in a family that does not have them (GPT's num_token_types, Llama's unused activation)

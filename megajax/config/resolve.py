@@ -19,9 +19,9 @@ import jax
 import ml_collections
 from jax.sharding import Mesh
 
-from megajax.checkpoint.manager import CheckpointSettings
+from megajax.checkpoint.manager import CheckpointSettings, read_config
 from megajax.config.defaults import with_model_defaults
-from megajax.config.migrate import drop_shared_model_fields
+from megajax.config.migrate import drop_shared_model_fields, migrate_config
 from megajax.config.settings import (
     LossScaleSettings,
     OptimizerSettings,
@@ -35,6 +35,7 @@ from megajax.config.settings import (
 from megajax.data.settings import DataSettings
 from megajax.errors import ConfigError, ShardingConfigError
 from megajax.models import MODELS, ModelSpec, TransformerConfig, model_spec, task_models
+from megajax.models.objectives import Field
 from megajax.parallel.sharding import (
     EXPERT_AXIS,
     PIPE_AXIS,
@@ -343,6 +344,13 @@ class RunSpec:
         return model_spec(self.model_name)
 
     @property
+    def batch_fields(self) -> dict[str, Field]:
+        """The step's batch: its objective's fields at the model's sequence length, packed rows' where
+        ``data.document_masking`` (``megajax.data.documents``)."""
+        packed = self.dataset is not None and self.dataset.packed
+        return self.model_spec.objective.batch_fields(self.model.max_seq_len, packed)
+
+    @property
     def micro_batch(self) -> int:
         """Sequences per data shard (data x expert shards) per accumulation step."""
         return self.global_batch // (self.data * self.expert * self.num_micro)
@@ -379,10 +387,40 @@ def stored_run(config: ml_collections.ConfigDict) -> StoredRun:
                      (config.mesh.pipe, config.parallel.pipeline_repeats))
 
 
+# config.model.name of a config whose model is its init_from checkpoint's (configs/sft.py): the section's other
+# fields are max_seq_len (0: the checkpoint's) and the training-only dropout and remat, which the run sets
+FROM_INIT = "init_from"
+
+
+def model_from_init(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """``config``, or where its ``model.name`` is ``FROM_INIT`` a copy whose model section is its ``init_from``
+    checkpoint's (a converted model's, a pretraining run's), with the section's ``max_seq_len`` (where > 0),
+    ``dropout`` and ``remat``: a fine-tuning config need not restate the model. ConfigError without a checkpoint."""
+    if config.model.name != FROM_INIT:
+        return config
+    if not config.init_from:
+        raise ConfigError(f"model.name={FROM_INIT} takes the model from a checkpoint: set --config.init_from=PATH (a "
+                          "converted model or a training run's workdir)")
+    try:
+        stored = stored_config(migrate_config(read_config(config.init_from)))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"init_from={config.init_from!r} holds no readable checkpoint config ({e}); pass a "
+                          "converted model or a training run's workdir") from None
+    given = config.model
+    config = config.copy_and_resolve_references()
+    config.model = stored.model
+    config.model.update(dropout=given.dropout, remat=given.remat,
+                        **({"max_seq_len": given.max_seq_len} if given.max_seq_len > 0 else {}))
+    return config
+
+
 def resolve(config: ml_collections.ConfigDict, num_devices: int, training: bool = True) -> RunSpec:
     """Validates a config against ``num_devices`` and resolves every derived fact once. ``training=False`` (a model
-    loaded for inference) skips the fields only training reads; the batch is then the config's, in one step."""
+    loaded for inference) skips the fields only training reads; the batch is then the config's, in one step. A
+    config whose model is its ``init_from`` checkpoint's reads it first (``model_from_init``)."""
+    config = model_from_init(config)
     dp, tp = validate(config, num_devices)
+    _check_packing(model_spec(config.model.name), config.data)
     num_micro = validate_training(config, dp * config.mesh.expert) if training else 1
     if training:
         _check_pipeline_microbatches(config, config.train.global_batch_size // (dp * num_micro))
@@ -432,9 +470,23 @@ def check_run_data(run: RunSpec) -> None:
     _check_data(run.model_spec, run.dataset)
 
 
+def _check_packing(spec: ModelSpec, d: ml_collections.ConfigDict) -> None:
+    """ConfigError where ``data.document_masking`` (or its options) or ``data.source=sft`` asks for packed rows the
+    model does not read."""
+    if (d.document_masking or d.source == "sft") and (spec.objective.packed_fields is None or spec.examples is None):
+        if d.source == "sft":
+            raise ConfigError(f"data.source=sft fine-tunes a decoder on packed rows; model.name={spec.name} reads "
+                              "none: fine-tune a decoder (gpt, llama, moe)")
+        raise ConfigError(f"data.document_masking packs documents into a decoder's windows; model.name={spec.name} "
+                          "reads no packed rows: set data.document_masking=False")
+    if d.eod_mask_loss and not d.document_masking:
+        raise ConfigError("data.eod_mask_loss drops the targets that cross from one document to the next of a packed "
+                          "window: set data.document_masking=True with it (or leave data.eod_mask_loss=False)")
+
+
 def _check_data(spec: ModelSpec, d: DataSettings | ml_collections.ConfigDict) -> None:
-    if d.tokenizer and d.source not in ("tfds", "task"):  # it would be silently unused
-        raise ConfigError(f"data.tokenizer={d.tokenizer!r} is read with data.source=tfds or task; data.source="
+    if d.tokenizer and d.source not in ("tfds", "task", "sft"):  # it would be silently unused
+        raise ConfigError(f"data.tokenizer={d.tokenizer!r} is read with data.source=tfds, task or sft; data.source="
                           f"{d.source} brings its own (a preprocessed dataset's PREFIX.tokenizer.json, the default "
                           "corpus's): leave data.tokenizer empty")
     if d.blend:

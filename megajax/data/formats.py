@@ -17,7 +17,7 @@ from collections.abc import Callable
 from megajax.data.bert_dataset import BERTBatches, documents_in
 from megajax.data.bert_vocab import BertVocab
 from megajax.data.default_corpus import default_bert_corpus, default_corpus
-from megajax.data.gpt_dataset import GPTBatches
+from megajax.data.gpt_dataset import GPTBatches, Packing
 from megajax.data.indexed import IndexedTokens
 from megajax.data.loader import Batches
 from megajax.data.settings import DataSettings
@@ -39,7 +39,8 @@ class ExampleFormat:
 
 
 def _windows(d: DataSettings, data: IndexedTokens, token_range: tuple[int, int]) -> GPTBatches:
-    return GPTBatches(data.tokens, d.max_seq_len, d.global_batch_size, d.seed, token_range)
+    packing = Packing(data.offsets, d.reset_position_ids, d.eod_mask_loss) if d.document_masking else None
+    return GPTBatches(data.tokens, d.max_seq_len, d.global_batch_size, d.seed, token_range, packing)
 
 
 def _sentence_pairs(d: DataSettings, data: IndexedTokens, token_range: tuple[int, int]) -> BERTBatches:

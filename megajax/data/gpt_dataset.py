@@ -10,23 +10,42 @@ would, and each data shard or host reads only its own rows.
 
 from __future__ import annotations
 
+import dataclasses
+
 import grain
 import numpy as np
 
+from megajax.data.documents import PACKED_FIELDS, packed_row, window_documents
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """How windows are packed (``data.document_masking`` and its two options, ``megajax.data.documents``): the
+    document boundaries are the corpus's ``offsets``."""
+
+    offsets: np.ndarray
+    reset_positions: bool = True
+    eod_mask_loss: bool = False
+
 
 class WindowSource:
-    """Random-access windows of ``seq_len + 1`` tokens from ``tokens[start:stop]``."""
+    """Random-access windows of ``seq_len + 1`` tokens from ``tokens[start:stop]``: ``{'tokens'}``, with the packed
+    fields where ``packing`` is given."""
 
-    def __init__(self, tokens: np.ndarray, start: int, stop: int, seq_len: int):
-        self.tokens, self.start, self.seq_len = tokens, start, seq_len
+    def __init__(self, tokens: np.ndarray, start: int, stop: int, seq_len: int, packing: Packing | None = None):
+        self.tokens, self.start, self.seq_len, self.packing = tokens, start, seq_len, packing
         self.num_windows = max((stop - start - 1) // seq_len, 0)
 
     def __len__(self) -> int:
         return self.num_windows
 
-    def __getitem__(self, i: int) -> np.ndarray:
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         s = self.start + i * self.seq_len
-        return np.asarray(self.tokens[s:s + self.seq_len + 1], dtype=np.int32)
+        window = {"tokens": np.asarray(self.tokens[s:s + self.seq_len + 1], dtype=np.int32)}
+        if self.packing is not None:
+            docs = window_documents(self.packing.offsets, s, self.seq_len + 1)
+            window.update(packed_row(docs, self.packing.reset_positions, self.packing.eod_mask_loss))
+        return window
 
 
 def split_by_documents(offsets: np.ndarray, valid_fraction: float) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -41,15 +60,19 @@ def split_by_documents(offsets: np.ndarray, valid_fraction: float) -> tuple[tupl
 
 
 class GPTBatches:
-    """Deterministic global batches ``{'tokens': (global_batch, seq_len + 1)}``."""
+    """Deterministic global batches ``{'tokens': (global_batch, seq_len + 1)}``, and with ``packing`` the packed
+    fields (``segments``, ``positions``, ``loss_weights``: (global_batch, seq_len) each)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int,
-                 token_range: tuple[int, int] | None = None):
+                 token_range: tuple[int, int] | None = None, packing: Packing | None = None):
         start, stop = token_range or (0, len(tokens))
-        self.source = WindowSource(tokens, start, stop, seq_len)
+        self.source = WindowSource(tokens, start, stop, seq_len, packing)
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
         self.num_samples = len(self.source)
         self.fields = {"tokens": ((seq_len + 1,), np.dtype(np.int32))}
+        if packing is not None:
+            self.fields.update({k: ((seq_len,), np.dtype(np.float32 if k == "loss_weights" else np.int32))
+                                for k in PACKED_FIELDS})
         self._samples = grain.MapDataset.source(self.source).shuffle(seed=seed).repeat() if len(self.source) else None
 
     def rows(self, step: int, start: int, stop: int) -> dict[str, np.ndarray]:
@@ -59,7 +82,9 @@ class GPTBatches:
 
     def samples(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         """Samples ``indices`` of the endless shuffled stream (index k: epoch k // num_samples)."""
-        return {"tokens": np.stack([self._samples[int(k)] for k in indices]).reshape(len(indices), -1)}
+        windows = [self._samples[int(k)] for k in indices]
+        return {name: np.stack([w[name] for w in windows]).reshape(len(indices), *shape)
+                for name, (shape, _) in self.fields.items()}
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         return self.rows(step, 0, self.global_batch)

@@ -31,8 +31,20 @@ class DataSettings:
     max_ngram: int
     short_seq_prob: float
     max_dropped_fraction: float
+    document_masking: bool
+    reset_position_ids: bool
+    eod_mask_loss: bool
+    sft_packing: bool
+    sft_truncate: bool
+    sft_skip_bad_rows: bool
     tokenizer_fingerprint: str  # recorded by training: the data's tokenizer's vocabulary fingerprint
     vocab_size: int
     max_seq_len: int
     num_classes: int
     global_batch_size: int
+
+    @property
+    def packed(self) -> bool:
+        """Whether the batches are packed rows (``megajax.data.documents``): windows with document masking, or
+        fine-tuning examples (``data.source=sft``)."""
+        return self.document_masking or self.source == "sft"

@@ -21,6 +21,7 @@ from megajax.data.gpt_dataset import split_by_documents
 from megajax.data.indexed import IndexedTokens
 from megajax.data.loader import Batches, Loader
 from megajax.data.settings import DataSettings
+from megajax.data.sft import SFTBatches, SFTData, load_sft
 from megajax.data.tasks.batches import TrainBatches
 from megajax.data.tasks.task_data import TaskData, load_task
 from megajax.data.tfds_source import tfds_corpus
@@ -60,10 +61,14 @@ def check_ids_fit(tokens: np.ndarray, meta: dict, vocab_size: int, what: str) ->
 CONVERTED = "converted"
 
 
-def load_dataset(d: DataSettings, examples: ExampleFormat | None) -> IndexedTokens | TaskData | BlendedData:
+Data = IndexedTokens | TaskData | BlendedData | SFTData
+
+
+def load_dataset(d: DataSettings, examples: ExampleFormat | None) -> Data:
     """The corpus named by ``d``, checked against the model's vocabulary (a fine-tuning task's rows for
-    ``data.source='task'``, several weighted corpora for ``data.blend``); ``examples``: the model's format (its
-    default corpus), None for a fine-tuning model."""
+    ``data.source='task'``, a decoder's packed fine-tuning examples for ``data.source='sft'``, several weighted
+    corpora for ``data.blend``); ``examples``: the model's format (its default corpus), None for a fine-tuning
+    model."""
     vocab = d.vocab_size
     if d.blend:
         if d.source != "indexed" or d.path:
@@ -88,6 +93,8 @@ def load_dataset(d: DataSettings, examples: ExampleFormat | None) -> IndexedToke
                           "train with a config file (and --config.init_from=THE_CONVERTED_MODEL to start from it)")
     if d.source == "task":
         return load_task(d)
+    if d.source == "sft":
+        return load_sft(d)
     if d.source == "default":  # the model's offline corpus (formats.WINDOWS, formats.SENTENCE_PAIRS)
         data = examples.default_corpus(vocab)[0]
     elif d.source == "indexed":
@@ -102,17 +109,17 @@ def load_dataset(d: DataSettings, examples: ExampleFormat | None) -> IndexedToke
         tokens = np.random.default_rng(d.seed).integers(0, vocab, 1 << 20, dtype=np.int32)
         return IndexedTokens(tokens, np.arange(0, len(tokens) + 1, 1024), {"vocab_size": vocab})
     else:
-        raise ConfigError(f"data.source={d.source!r}; choose default, indexed, tfds, random or task")
+        raise ConfigError(f"data.source={d.source!r}; choose default, indexed, tfds, random, task or sft")
     check_ids_fit(data.tokens, data.meta, vocab, f"the dataset of data.source={d.source}")
     return data
 
 
-def tokenizer_fingerprint(data: IndexedTokens | TaskData | BlendedData) -> str:
+def tokenizer_fingerprint(data: Data) -> str:
     """The vocabulary fingerprint of the tokenizer that made ``data`` (``tokenizer.vocabulary_fingerprint``; a
     blend's datasets share one), or "" when unknown (random tokens, synthetic tasks, older datasets)."""
     if isinstance(data, BlendedData):
         return data.datasets[0].tokenizer_fingerprint()
-    if isinstance(data, TaskData):
+    if isinstance(data, TaskData | SFTData):
         return data.tokenizer_fingerprint
     return data.tokenizer_fingerprint()
 
@@ -131,12 +138,20 @@ def _split_hint(split: str, d: DataSettings) -> str:
 
 
 def make_loader(d: DataSettings, examples: ExampleFormat | None, split: str = "train",
-                data: IndexedTokens | TaskData | BlendedData | None = None) -> Loader:
+                data: Data | None = None) -> Loader:
     """The loader of ``split`` ('train' or 'valid') of the model's ``examples`` (None: task rows), positioned at
     step 0."""
     data = load_dataset(d, examples) if data is None else data
     if isinstance(data, TaskData):  # fine-tuning: shuffled rows of the split (validation reads its first batches)
         return Loader(TrainBatches(data.train if split == "train" else data.valid, d.global_batch_size, d.seed))
+    if isinstance(data, SFTData):  # packed examples, shuffled per epoch (validation reads its first batches)
+        rows = data.train if split == "train" else data.valid
+        if len(rows) < (d.global_batch_size if split == "train" else 1):
+            raise ConfigError(f"data.path={d.path}: the {split} split packs into {len(rows)} rows and one step "
+                              f"needs train.global_batch_size={d.global_batch_size}; "
+                              + (_split_hint(split, d) if split == "valid" else "use more examples or a smaller "
+                                 "train.global_batch_size"))
+        return Loader(SFTBatches(rows, d.global_batch_size, d.seed, data.fingerprint))
     if isinstance(data, BlendedData):  # each dataset split alike, then mixed by weight
         parts = [_corpus_batches(d, examples, part, split, f"data.blend's dataset {path}")
                  for path, part in zip(data.spec.paths, data.datasets)]

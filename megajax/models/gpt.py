@@ -56,7 +56,7 @@ class GPT(CausalDecoder):
         self.blocks = make_blocks(cfg, rngs, self.block_class)
         self.ln_f = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
 
-    def _forward(self, tokens, dropout_key, cache, index):
+    def _forward(self, tokens, dropout_key, cache, index, documents=None):
         cfg = self.cfg
         b, s = tokens.shape
         tokens = self._tokens(tokens)
@@ -64,13 +64,17 @@ class GPT(CausalDecoder):
         # Replicated rows: under sequence parallelism their gradient (rows follow the split sequence) is gathered
         # here, once, rather than left split for AdamW to update apart and gather three arrays.
         wpe = param_at_use(self.wpe[...], ("position", "embed"))
-        positions = constrain(jax.lax.dynamic_slice_in_dim(wpe, index, s, axis=0), ("position", "embed"))
+        if documents is None:
+            positions = constrain(jax.lax.dynamic_slice_in_dim(wpe, index, s, axis=0), ("position", "embed"))
+        else:  # each token's row of the table, at its position in its document: (B, S, H)
+            positions = jnp.take(wpe, documents.positions, axis=0)
         # (B, S, H); under sequence parallelism the lookup's partial rows are reduce-scattered to (B, S/t, H)
         rows = self.wte.replica_rows(b)
         x = constrain(self.wte(tokens, rows) + positions.astype(cfg.compute_dtype), RESIDUAL)
         x = constrain(dropout(x, cfg.dropout, k_emb), RESIDUAL)
         kv_len = s if cache is None else cache[0].shape[2]
-        mask = causal_mask(index + jnp.arange(s), kv_len)  # (1, 1, S, S_kv)
+        # (1, 1, S, S_kv); packed rows: (B, 1, S, S), within each document
+        mask = causal_mask(index + jnp.arange(s), kv_len) if documents is None else documents.mask()
         x, cache = run_blocks(self.blocks, cfg, x, mask, k_layers, cache, index)
         logits = self.wte.attend(self.ln_f(x), rows)  # (B, S, V_padded)
         return mask_padded_vocab(logits, cfg.vocab_size), cache

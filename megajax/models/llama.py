@@ -31,7 +31,9 @@ from megajax.models.spec import HeadMemory, ModelSpec, decoder_flops, register
 from megajax.models.transformer import (
     Block,
     CausalDecoder,
+    Documents,
     LayerCache,
+    Positioned,
     TransformerConfig,
     attention_core,
     attention_core_residual_bytes,
@@ -134,10 +136,11 @@ def rope_frequencies(cfg: LlamaConfig) -> jax.Array:
 
 
 def rotate(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotary embedding of ``x`` (B, S, heads, D) at ``positions`` (S,), rotate-half layout: the pairs are
+    """Rotary embedding of ``x`` (B, S, heads, D) at ``positions`` (S,) or (B, S), rotate-half layout: the pairs are
     (x[i], x[i + D/2]), as Hugging Face's Llama (its checkpoints' q/k rows are ordered for it)."""
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (S, D/2)
-    cos, sin = (jnp.concatenate([f(angles)] * 2, axis=-1)[None, :, None, :] for f in (jnp.cos, jnp.sin))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (S, D/2), or (B, S, D/2) for packed rows
+    angles = angles if angles.ndim == 3 else angles[None]
+    cos, sin = (jnp.concatenate([f(angles)] * 2, axis=-1)[:, :, None, :] for f in (jnp.cos, jnp.sin))
     x32 = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
@@ -223,10 +226,14 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, mask: jax.Array, key: jax.Array | None, cache: LayerCache | None,
                  index: jax.Array | int) -> tuple[jax.Array, LayerCache | None]:
-        """(B, S, H) -> (B, S, H) at positions ``index ..``; ``cache``: this layer's keys and values (B, S_max,
-        kv_copies, D), extended at ``index`` and read whole (the mask hides what is not there yet)."""
+        """(B, S, H) -> (B, S, H) at positions ``index ..`` (or, for packed rows, ``mask``'s: a ``Positioned``);
+        ``cache``: this layer's keys and values (B, S_max, kv_copies, D), extended at ``index`` and read whole (the
+        mask hides what is not there yet)."""
         names = ("batch", "seq", "heads", "head_dim")
-        positions = index + jnp.arange(x.shape[1])
+        if isinstance(mask, Positioned):
+            mask, positions = mask
+        else:
+            positions = index + jnp.arange(x.shape[1])
         b, s, _ = x.shape
         q, kv = fused_columns(x, (self.q.kernel[...], self.kv.kernel[...]),
                               lambda q, kv: (param_at_use(q, self.q.names), self.kv.kernel_at_use(kv)), "heads",
@@ -292,8 +299,8 @@ class Llama(CausalDecoder):
         """The key/value heads only (one per shard where the shards replicate them), not the query heads."""
         return kv_copies(self.cfg)
 
-    def _forward(self, tokens, dropout_key, cache, index):
-        return self._logits(tokens, dropout_key, cache, index)
+    def _forward(self, tokens, dropout_key, cache, index, documents=None):
+        return self._logits(tokens, dropout_key, cache, index, documents)
 
     def _make_layers(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
         """The layer stack: ``cfg.num_layers`` of ``block_class`` (``make_blocks``)."""
@@ -303,7 +310,8 @@ class Llama(CausalDecoder):
         """The layer stack over ``x``: its output and what the blocks return beside it (``run_blocks``)."""
         return run_blocks(self.blocks, self.cfg, x, mask, dropout_key, cache, index)
 
-    def _logits(self, tokens: jax.Array, dropout_key: jax.Array | None, cache, index: jax.Array | int):
+    def _logits(self, tokens: jax.Array, dropout_key: jax.Array | None, cache, index: jax.Array | int,
+                documents: Documents | None = None):
         """(logits, what the blocks return beside their output, stacked over the layers: the key/value cache for
         Llama's blocks, which ``_forward`` returns)."""
         cfg = self.cfg
@@ -314,6 +322,8 @@ class Llama(CausalDecoder):
         x = constrain(dropout(self.wte(tokens, rows), cfg.dropout, k_emb), RESIDUAL)
         kv_len = s if cache is None else cache[0].shape[2]
         mask = causal_mask(index + jnp.arange(s), kv_len)  # (1, 1, S, S_kv)
+        if documents is not None:  # packed rows: within each document, at its positions
+            mask = Positioned(documents.mask(), documents.positions)
         x, layers_out = self._run_layers(x, mask, k_layers, cache, index)
         head = self.wte if self.lm_head is None else self.lm_head
         head_rows = rows if self.lm_head is None else self.lm_head.replica_rows(b)

@@ -340,13 +340,14 @@ class MoEDecoder(Llama):
         joined = None if cache is None else tuple(jnp.concatenate(c) for c in zip(*caches))
         return x, (joined, jax.tree.map(lambda *xs: jnp.concatenate(xs), *stats))
 
-    def _forward(self, tokens, dropout_key, cache, index):
-        logits, (cache, _) = self._logits(tokens, dropout_key, cache, index)
+    def _forward(self, tokens, dropout_key, cache, index, documents=None):
+        logits, (cache, _) = self._logits(tokens, dropout_key, cache, index, documents)
         return logits, cache
 
-    def routed(self, tokens: jax.Array, dropout_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
-        """(logits (B, S, padded_vocab), each layer's routing statistics, (L, ...))."""
-        logits, (_, stats) = self._logits(tokens, dropout_key, None, 0)
+    def routed(self, tokens: jax.Array, dropout_key: jax.Array | None = None, segments: jax.Array | None = None,
+               positions: jax.Array | None = None) -> tuple[jax.Array, Stats]:
+        """(logits (B, S, padded_vocab), each layer's routing statistics, (L, ...)); packed rows as ``__call__``."""
+        logits, (_, stats) = self._logits(tokens, dropout_key, None, 0, self._documents(segments, positions))
         return logits, stats
 
 
@@ -369,15 +370,17 @@ def _moe_lm(model: MoEDecoder, batch: objectives.Batch, key: jax.Array | None):
     """Next-token cross-entropy plus the weighted router losses; each part logged (``lm_loss`` is what the
     perplexity is of)."""
     tokens = batch["tokens"]
-    logits, stats = model.routed(tokens[:, :-1], dropout_key=key)
-    lm = vocab_parallel_cross_entropy(logits, tokens[:, 1:]).mean()
+    logits, stats = model.routed(tokens[:, :-1], dropout_key=key, **objectives.documents(batch))
+    losses = vocab_parallel_cross_entropy(logits, tokens[:, 1:])
+    weights = batch.get("loss_weights")  # packed rows: a mean weighted as LM's
+    lm = losses.mean() if weights is None else (losses * weights).sum() / jnp.maximum(weights.sum(), 1.0)
     cfg = model.cfg
     metrics = {"lm_loss": lm, **router_losses(stats, tokens[:, :-1].size, cfg)}
     loss = lm + cfg.router_aux_loss_coef * metrics["balance_loss"] + cfg.router_z_loss_coef * metrics["z_loss"]
     return loss, metrics
 
 
-MOE_LM = objectives.Objective(_moe_lm, objectives.LM.fields)
+MOE_LM = objectives.Objective(_moe_lm, objectives.LM.fields, objectives.LM.packed_fields)
 
 
 def flops(cfg: MoEConfig, rows: int, seq: int) -> float:

@@ -39,19 +39,47 @@ class Objective:
 
     loss: Callable[[nnx.Module, Batch, jax.Array | None], tuple[jax.Array, Metrics]]
     fields: Callable[[int], dict[str, Field]]  # seq_len -> the batch's fields
+    # seq_len -> the fields of packed rows (``megajax.data.documents``), which the loss reads where they are in the
+    # batch; None: the objective takes no packed rows
+    packed_fields: Callable[[int], dict[str, Field]] | None = None
+
+    def batch_fields(self, seq_len: int, packed: bool) -> dict[str, Field]:
+        """The fields of a batch of ``seq_len`` tokens per row, packed (``data.document_masking``) or not;
+        ValueError where the objective takes no packed rows."""
+        if not packed:
+            return self.fields(seq_len)
+        if self.packed_fields is None:
+            raise ValueError("data.document_masking packs documents into a decoder's windows; this model's "
+                             "objective reads no packed rows: set data.document_masking=False")
+        return self.packed_fields(seq_len)
 
 
 def _token_rows(length: int) -> Field:
     return Field((length,), np.dtype(np.int32), ("batch", "seq"))
 
 
+def documents(batch: Batch) -> dict[str, jax.Array]:
+    """A packed batch's ``segments`` and ``positions`` (B, S) as a decoder's keyword arguments (none for windows
+    attended whole)."""
+    return {k: batch[k] for k in ("segments", "positions") if k in batch}
+
+
 def _lm(model: nnx.Module, batch: Batch, key: jax.Array | None) -> tuple[jax.Array, Metrics]:
+    """Mean next-token cross-entropy; over packed rows a mean weighted by ``loss_weights``."""
     tokens = batch["tokens"]  # (B, S + 1): inputs and shifted labels
-    return lm_loss(model, tokens[:, :-1], tokens[:, 1:], dropout_key=key), {}
+    return lm_loss(model, tokens[:, :-1], tokens[:, 1:], dropout_key=key, loss_mask=batch.get("loss_weights"),
+                   **documents(batch)), {}
 
 
 def _lm_fields(seq_len: int) -> dict[str, Field]:
     return {"tokens": _token_rows(seq_len + 1)}
+
+
+def packed_lm_fields(seq_len: int) -> dict[str, Field]:
+    """Next-token prediction's fields over packed rows: the tokens, each input's document (``segments``) and
+    position, and each target's weight in the loss (``megajax.data.documents``)."""
+    return {**_lm_fields(seq_len), "segments": _token_rows(seq_len), "positions": _token_rows(seq_len),
+            "loss_weights": Field((seq_len,), np.dtype(np.float32), ("batch", "seq"))}
 
 
 BERT_FIELDS = ("tokens", "token_types", "padding_mask", "mlm_labels", "mlm_weights")
@@ -119,7 +147,7 @@ def _span_fields(seq_len: int) -> dict[str, Field]:
             "end_positions": _label()}
 
 
-LM = Objective(_lm, _lm_fields)  # next-token prediction
+LM = Objective(_lm, _lm_fields, packed_lm_fields)  # next-token prediction
 MLM_SOP = Objective(_mlm_sop, _mlm_sop_fields)  # masked LM + sentence order
 CLASSIFY = Objective(_choice_loss, _classifier_fields)  # a label per sentence pair
 CHOOSE = Objective(_choice_loss, _choice_fields)  # one of NUM_CHOICES options per question

@@ -9,7 +9,7 @@ a leading ``layers`` axis (``nnx.vmap``) and run with ``nnx.scan``, so compile t
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -170,6 +170,29 @@ def kv_replicated(kv_heads: int, tp: int) -> bool:
 def causal_mask(q_positions: jax.Array, kv_len: int) -> jax.Array:
     """(1, 1, S_q, S_kv) bool: query at position p sees keys 0..p."""
     return (jnp.arange(kv_len)[None, :] <= q_positions[:, None])[None, None]
+
+
+class Documents(NamedTuple):
+    """A packed batch's layout (``megajax.data.documents``): each input token's document in its row (B, S) and its
+    position (B, S), from 0 at each document's first token where positions restart."""
+
+    segments: jax.Array
+    positions: jax.Array
+
+    def mask(self) -> jax.Array:
+        """(B, 1, S, S) bool: a query sees the keys of its own document up to itself."""
+        seg = self.segments
+        causal = jnp.tril(jnp.ones((seg.shape[1], seg.shape[1]), bool))
+        return constrain((seg[:, :, None] == seg[:, None, :]) & causal, ("batch", None, None))[:, None]
+
+
+class Positioned(NamedTuple):
+    """An attention mask with the queries' positions per row, for attention that positions its queries and keys
+    itself (rotary): what a decoder's blocks take as their mask over packed rows. Its leaves lead with the batch,
+    so a pipeline hands each microbatch its rows (``pipeline.run_stack``)."""
+
+    mask: jax.Array  # (B, 1, S, S)
+    positions: jax.Array  # (B, S)
 
 
 def padding_mask(valid: jax.Array) -> jax.Array:
@@ -403,13 +426,26 @@ def _scan_blocks(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask:
 class CausalDecoder(nnx.Module):
     """What every decoder language model shares for training, scoring and generation: the forward pass and the
     key/value cache of incremental decoding. A subclass sets ``self.cfg`` and defines ``_forward(tokens,
-    dropout_key, cache, index) -> (logits, cache)``; ``cache_heads`` is how many key/value heads a step computes."""
+    dropout_key, cache, index, documents) -> (logits, cache)`` (``documents``: a packed batch's layout, or None);
+    ``cache_heads`` is how many key/value heads a step computes."""
 
     cfg: TransformerConfig
 
-    def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
-        """Training / scoring forward: (B, S) int ids -> (B, S, padded_vocab) logits."""
-        return self._forward(tokens, dropout_key, None, 0)[0]
+    def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, segments: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        """Training / scoring forward: (B, S) int ids -> (B, S, padded_vocab) logits. Packed rows give each token's
+        document (``segments``) and position in it (``positions``), both (B, S): a token then attends only within
+        its document, at its own position (``Documents``)."""
+        return self._forward(tokens, dropout_key, None, 0, self._documents(segments, positions))[0]
+
+    @staticmethod
+    def _documents(segments: jax.Array | None, positions: jax.Array | None) -> Documents | None:
+        if (segments is None) != (positions is None):
+            raise ValueError("packed rows need both segments and positions (megajax.data.documents.packed_row)")
+        if segments is None:
+            return None
+        names = ("batch", "seq")
+        return Documents(constrain(segments, names), constrain(positions, names))
 
     def cache_heads(self) -> int:
         """Key/value heads per layer in the cache (all of them for multi-head attention)."""
@@ -433,5 +469,5 @@ class CausalDecoder(nnx.Module):
         return constrain(tokens, ("batch", "seq"))
 
     def _forward(self, tokens: jax.Array, dropout_key: jax.Array | None, cache: KVCache | None,
-                 index: jax.Array | int) -> tuple[jax.Array, KVCache | None]:
+                 index: jax.Array | int, documents: Documents | None = None) -> tuple[jax.Array, KVCache | None]:
         raise NotImplementedError

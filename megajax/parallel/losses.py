@@ -42,9 +42,10 @@ def vocab_parallel_nll_and_hit(logits: jax.Array, labels: jax.Array) -> tuple[ja
 
 
 def lm_loss(model, tokens: jax.Array, labels: jax.Array, *, dropout_key: jax.Array | None = None,
-            loss_mask: jax.Array | None = None) -> jax.Array:
-    """Mean next-token cross-entropy of a language model over the (optionally masked) tokens."""
-    losses = vocab_parallel_cross_entropy(model(tokens, dropout_key=dropout_key), labels)  # (B, S)
+            loss_mask: jax.Array | None = None, **documents: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy of a language model over the tokens, weighted by ``loss_mask`` (B, S) where
+    given; ``documents``: a packed batch's ``segments`` and ``positions``, passed to the model."""
+    losses = vocab_parallel_cross_entropy(model(tokens, dropout_key=dropout_key, **documents), labels)  # (B, S)
     if loss_mask is None:
         return losses.mean()
     loss_mask = loss_mask.astype(jnp.float32)

@@ -199,11 +199,12 @@ def run_stack(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: A
               layer_keys: jax.Array | None) -> jax.Array:
     """``scan_layers``' result on ``x`` (B, S, H), the stacked ``blocks`` run as ``stages()`` stages of ``repeats()``
     chunks of layers (the stack held in ``layer_order``) over microbatches of ``x``'s rows (row ``k * M + i`` in
-    microbatch ``i``, so each spans every data shard and nothing moves to form them). ``mask``: one for every row, or
-    one row per row of ``x`` (BERT's padding mask); ``layer_keys``: the plain step's dropout keys, one per layer in
-    model order, or None. Each stage's scan runs on one data replica's rows (``jax.vmap`` with ``spmd_axis_name``
-    'data', so the rules map ``batch`` nowhere inside), with its parameters whole (``params_whole``) and its rows'
-    indices in the step's batch (``rows_of``: dropout draws the plain step's masks, for those rows only)."""
+    microbatch ``i``, so each spans every data shard and nothing moves to form them). ``mask``: one for every row,
+    or a pytree whose leaves have one row per row of ``x`` (BERT's padding mask; a packed batch's mask and
+    positions); ``layer_keys``: the plain step's dropout keys, one per layer in model order, or None. Each stage's
+    scan runs on one data replica's rows (``jax.vmap`` with ``spmd_axis_name`` 'data', so the rules map ``batch``
+    nowhere inside), with its parameters whole (``params_whole``) and its rows' indices in the step's batch
+    (``rows_of``: dropout draws the plain step's masks, for those rows only)."""
     p, v, (rows, *rest) = stages(), repeats(), x.shape
     d = replicas(rows)
     m = microbatches(rows, d)
@@ -226,7 +227,8 @@ def run_stack(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: A
     def micro(a: jax.Array) -> jax.Array:  # (B, ...) -> (M, B/M, ...)
         return jnp.swapaxes(a.reshape(rows // m, m, *a.shape[1:]), 0, 1)
 
-    per_row = mask is not None and mask.shape[0] == rows and rows > 1  # BERT's padding mask, not a shared one
+    # BERT's padding mask, a packed batch's mask and positions; not a mask every row shares
+    per_row = mask is not None and rows > 1 and all(a.shape[0] == rows for a in jax.tree.leaves(mask))
     xs = constrain(micro(x), (None, *RESIDUAL))
 
     def stage(params, h, args):
@@ -239,9 +241,9 @@ def run_stack(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: A
 
         by_replica = lambda a: a.reshape(d, a.shape[0] // d, *a.shape[1:])  # noqa: E731
         h = jax.vmap(replica, spmd_axis_name="data")(copies, by_replica(ids), by_replica(h),
-                                                     by_replica(row_mask) if per_row else None)
+                                                     jax.tree.map(by_replica, row_mask) if per_row else None)
         return h.reshape(-1, *h.shape[2:])
 
-    per_micro = (micro(batch_rows(rows)), micro(mask) if per_row else None)
+    per_micro = (micro(batch_rows(rows)), jax.tree.map(micro, mask) if per_row else None)
     ys = run(stage, (layers, keys), xs, per_micro, spec_of(RESIDUAL))
     return constrain(jnp.swapaxes(ys, 0, 1).reshape(rows, *rest), RESIDUAL)

@@ -188,7 +188,7 @@ def traced_layer_residual_bytes(run: RunSpec, micro_batch: int) -> int:
     params = nnx.to_pure_dict(state)
     objective = run.model_spec.objective
     batch = {k: jax.ShapeDtypeStruct((micro_batch, *f.row_shape), f.dtype)
-             for k, f in objective.fields(run.model.max_seq_len).items()}
+             for k, f in run.batch_fields.items()}
     key = jax.random.key(0) if run.model.dropout > 0 else None
     jaxpr = jax.make_jaxpr(jax.grad(lambda p, x: objective.loss(nnx.merge(graphdef, p), x, key)[0]))(params, batch)
     forward = next(e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan")  # the layer stack's forward pass
@@ -384,7 +384,7 @@ def memory_report(run: RunSpec, micro_batch: int | None = None, num_micro: int |
     num_micro = num_micro or _num_micro(run, micro_batch)
     optimizer = 8 * local // (data if zero else 1)
     act = activations(run, micro_batch, gpu)
-    fields = run.model_spec.objective.fields(run.model.max_seq_len).values()
+    fields = run.batch_fields.values()
     batch = micro_batch * num_micro * sum(math.prod(f.row_shape) * f.dtype.itemsize for f in fields)
     head, layer = gathered_bytes(run) if run.fsdp else (0, 0)
     return MemoryReport(total, local, FP32 * local, FP32 * local, optimizer, act.total, data, model, act,

@@ -8,7 +8,7 @@ from megajax.data import sources
 from megajax.data.loader import Loader
 
 
-def load_dataset(spec: RunSpec) -> sources.IndexedTokens | sources.TaskData | sources.BlendedData:
+def load_dataset(spec: RunSpec) -> sources.Data:
     """The data of ``spec.dataset`` for ``spec``'s model (``megajax.data.sources.load_dataset``)."""
     check_run_data(spec)
     return sources.load_dataset(spec.dataset, spec.model_spec.examples)

@@ -39,6 +39,7 @@ from megajax.config.load import in_layout, run_config
 from megajax.data.blend import BlendedBatches
 from megajax.data.gpt_dataset import split_by_documents, unigram_entropy
 from megajax.data.loader import Loader
+from megajax.data.sft import SFTData
 from megajax.data.sources import BlendedData, tokenizer_fingerprint
 from megajax.data.tasks.task_data import TaskData
 from megajax.evaluation.evaluator import Evaluator, objective_metrics
@@ -100,7 +101,7 @@ def _init_fn(spec: RunSpec, optimizer: optax.GradientTransformation, param_shard
 
 def batch_layout(spec: RunSpec, mesh: Mesh) -> tuple[dict[str, Field], dict[str, NamedSharding]]:
     """The objective's batch fields and the sharding of each (from its logical names)."""
-    fields = spec.model_spec.objective.fields(spec.model.max_seq_len)
+    fields = spec.batch_fields
     return fields, {k: NamedSharding(mesh, logical_to_spec(f.names, spec.rules)) for k, f in fields.items()}
 
 
@@ -172,7 +173,7 @@ def _start_record(run: Run, data, resumed_from: int | None) -> dict:
     except Exception:  # noqa: BLE001 - purely informational
         stats = None
     blend = None
-    if isinstance(data, TaskData):  # fine-tuning rows: no corpus entropy
+    if isinstance(data, TaskData | SFTData):  # fine-tuning rows: no corpus entropy
         entropy = None
     elif isinstance(data, BlendedData):  # no single corpus; each dataset's weight and samples per epoch instead
         entropy = None
@@ -195,6 +196,7 @@ def _start_record(run: Run, data, resumed_from: int | None) -> dict:
             "train_state_bytes_per_device": 2 * param_bytes + _bytes_per_device(run.abstract_state.opt_state),
             "device_bytes_in_use": (stats or {}).get("bytes_in_use"),
             **({"task_data": data.report} if isinstance(data, TaskData) and data.report else {}),  # rows left out
+            **({"sft_data": data.report} if isinstance(data, SFTData) else {}),  # examples, rows, cut, skipped
             "unigram_entropy": entropy, **({"blend": blend} if blend else {})}
 
 

@@ -52,9 +52,10 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     the skipped steps that are not routine fp16 overflows.
     """
 
-    def micro_grads(params: Params, micro: Batch, key: jax.Array | None, scale: LossScale):
+    def micro_grads(params: Params, micro: Batch, key: jax.Array | None, scale: LossScale, share: jax.Array):
         def loss_fn(p):
             loss, metrics = objective.loss(nnx.merge(graphdef, p), micro, key)
+            loss, metrics = loss * share, jax.tree.map(lambda m: m * share, metrics)
             return scale.scale_loss(loss), (loss, metrics)
 
         return jax.grad(loss_fn, has_aux=True)(params)
@@ -63,13 +64,22 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         micro_batches = split_micro(batch, fields, num_micro)
 
+        def share(micro: Batch) -> jax.Array:
+            """The micro-batch's weight in the step's mean: equal, or over packed rows its share of the counted
+            targets (x num_micro), so the step's loss is the global batch's token-weighted mean whatever the split
+            (1 exactly without accumulation)."""
+            if "loss_weights" not in micro:
+                return jnp.float32(1)
+            counted = lambda w: jnp.maximum(w.sum(), 1.0)  # noqa: E731  (as the objective's weighted mean)
+            return counted(micro["loss_weights"]) / counted(batch["loss_weights"]) * num_micro
+
         def accumulate(carry, xs):
             grads_sum, metrics_sum = carry
             micro, i = xs
             rows = jax.tree.leaves(micro)[0].shape[0]
             with rows_of(jnp.arange(rows) * num_micro + i):  # split_micro's rows of the global batch
                 grads, (loss, metrics) = micro_grads(state.params, micro, step_key if dropout else None,
-                                                     state.loss_scale)
+                                                     state.loss_scale, share(micro))
             metrics = {"loss": loss, **metrics}
             return (jax.tree.map(jnp.add, grads_sum, grads), jax.tree.map(jnp.add, metrics_sum, metrics)), None
 
