@@ -9,6 +9,7 @@ from flax import nnx
 
 from megajax.cli import CONFIGS_DIR, check_config_overrides, load_config, resolve_config_path
 from megajax.config import ConfigError, abstract_model, build_mesh, create_model, padded_vocab_size, resolve
+from megajax.config.resolve import FROM_INIT
 from megajax.data.blend import parse_blend
 from megajax.errors import ShardingConfigError
 from megajax.models import model_spec
@@ -28,6 +29,10 @@ def test_all_table_configs_are_shipped():
 @pytest.mark.parametrize("name", CONFIGS)
 def test_config_builds_and_has_a_docstring(name):
     config = load_config(name)
+    if config.model.name == FROM_INIT:  # sft.py: the model is its init_from checkpoint's (tests/test_sft.py)
+        with pytest.raises(ConfigError, match="set --config.init_from=PATH"):
+            resolve(config, 1)
+        config.model = load_config("llama_tiny").model  # as if read from a llama_tiny checkpoint
     model = abstract_model(config)  # eval_shape: no allocation
     count = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
     assert count > 0

@@ -14,11 +14,13 @@ from conftest import hf_conversions
 from flax import nnx
 
 import megajax
+from megajax.cli import load_config
 from megajax.config import resolve
 from megajax.config.load import read_run_config
 from megajax.data.sft import DEFAULT_TEMPLATE, chat_template, compile_template, load_sft, read_examples
 from megajax.data.tokenizer import load_tokenizer, train_tokenizer
 from megajax.errors import ConfigError
+from megajax.evaluation.runner import run
 from megajax.models.objectives import LM
 from megajax.parallel.sharding import ParallelContext, activate
 
@@ -32,6 +34,8 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
             "<|start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|end|>{% endfor %}"
             "{% if add_generation_prompt %}<|start|>assistant\n{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|begin|>", "<|start|>", "<|end|>"]
+# The synthetic instruction task: answer the first of three words (of 12; chance 1/12)
+WORDS = ["apple", "river", "stone", "cloud", "tiger", "music", "paper", "green", "light", "table", "ocean", "house"]
 ROWS = [
     {"prompt": "Translate to French: cat\n", "completion": "chat"},
     {"messages": [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "Four."}]},
@@ -47,7 +51,8 @@ def files(tmp_path_factory):
     """A byte-level BPE tokenizer.json with the chat template in its tokenizer_config.json, a JSONL file of
     ``ROWS``, and a random HF Llama of the tokenizer's vocabulary converted to megajax."""
     root = tmp_path_factory.mktemp("sft")
-    texts = [r.get("prompt", "") + r.get("completion", "") for r in ROWS] * 30 + ["user assistant colour"] * 30
+    texts = [r.get("prompt", "") + r.get("completion", "") for r in ROWS] * 30 + ["user assistant colour"] * 30 + [
+        "first of " + " ".join(WORDS) + " is"] * 30
     tok = train_tokenizer(texts, "bpe", 320)
     tok.tokenizer.add_special_tokens(SPECIALS[1:])
     (root / "tok").mkdir()
@@ -219,3 +224,37 @@ def test_default_template_and_refusals(files):
     config.data.source = "sft"
     with pytest.raises(ConfigError, match="model.name=bert reads none: fine-tune a decoder"):
         resolve(config, 1)
+
+
+def _task_rows(seed: int, n: int) -> str:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        w = rng.choice(WORDS, 3, replace=False)
+        rows.append({"prompt": f"first of {w[0]} {w[1]} {w[2]} is", "completion": f" {w[0]}"})
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def test_a_short_fine_tune_learns_the_task(files, tmp_path):
+    """configs/sft.py from the converted random Llama (its model fields read from the checkpoint, none restated):
+    200 steps on 600 rows of "first of A B C is" -> " A"; eval.py's sft task on 60 held-out rows reports the loss
+    over the completions and an exact-match rate far above chance (1/12)."""
+    root, _, mj = files
+    (tmp_path / "train.jsonl").write_text(_task_rows(0, 600))
+    (tmp_path / "held.jsonl").write_text(_task_rows(1, 60))
+    config = load_config("sft.py")
+    tokenizer = str(root / "tok" / "tokenizer.json")
+    config.init_from = str(mj)
+    config.data.update(path=str(tmp_path / "train.jsonl"), tokenizer=tokenizer)
+    config.model.update(max_seq_len=32, remat="none")
+    config.train.update(steps=200, global_batch_size=8, log_every=50, eval_every=0, precision="fp32")
+    config.optimizer.update(lr=3e-3, min_lr=3e-4, warmup_steps=10)
+    megajax.train(config, tmp_path / "run")
+    start = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert start["sft_data"]["examples"] == 600 and start["sft_data"]["skipped"] == 0
+    before = run(str(mj), "sft", data=str(tmp_path / "held.jsonl"), tokenizer=tokenizer, mesh_data=1, mesh_model=1)
+    after = run(str(tmp_path / "run"), "sft", data=str(tmp_path / "held.jsonl"), mesh_data=2, mesh_model=2)
+    assert after["tokens"] == before["tokens"] == sum(
+        len(load_tokenizer(tokenizer).encode_batch([" " + w])[0]) + 1 for w in [
+            json.loads(r)["completion"][1:] for r in (tmp_path / "held.jsonl").read_text().splitlines()])
+    assert after["loss"] < before["loss"] / 4 and after["exact_match"] >= 0.8 > 0.2 > before["exact_match"]

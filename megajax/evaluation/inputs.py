@@ -38,7 +38,7 @@ def tokenizer_for(stored: StoredRun, explicit: str | None) -> TextTokenizer:
             return load_tokenizer(d.tokenizer)
         if d.source == "default":  # the model's own offline corpus
             return load_tokenizer(stored.model_spec.examples.default_corpus(stored.model.vocab_size)[1])
-        if d.source == "tfds" and d.tokenizer:
+        if d.source in ("tfds", "sft") and d.tokenizer:
             return load_tokenizer(d.tokenizer)
         if d.source == "indexed" and d.path:  # the sidecar names the tokenizer; the token files are not needed
             return load_tokenizer(json.loads(pathlib.Path(f"{d.path}{META}").read_text())["tokenizer"])

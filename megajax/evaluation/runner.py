@@ -13,7 +13,7 @@ import jax
 from megajax.config import StoredRun
 from megajax.config.load import inference_config, read_stored_run, restore_model
 from megajax.errors import ShardingConfigError
-from megajax.evaluation import downstream_tasks, inputs, tasks  # noqa: F401 - they register eval.py's tasks
+from megajax.evaluation import downstream_tasks, inputs, sft_task, tasks  # noqa: F401 - they register eval.py's tasks
 from megajax.evaluation.generate import Sampling
 from megajax.evaluation.registry import EVAL_TASKS, EvalTask, Loaded, Request, names_where
 from megajax.models import eval_task_models

@@ -88,5 +88,5 @@ register(ModelSpec(
     flops=lambda cfg, rows, seq: transformer_flops(rows, seq, cfg.num_layers, cfg.hidden_size,
                                                    cfg.padded_vocab_size),
     head_memory=HeadMemory(vocab_logit_copies=3, hidden_tensors=8),
-    eval_tasks=("wikitext103", "lambada", "ppl", "generate"), sequence_rows=("wpe",), perplexity_of="loss",
+    eval_tasks=("wikitext103", "lambada", "ppl", "generate", "sft"), sequence_rows=("wpe",), perplexity_of="loss",
     causal_lm=True))

@@ -370,6 +370,6 @@ def layer_residual_bytes(cfg: LlamaConfig, rows: int, tp: int, split: int, remat
 register(ModelSpec(
     name=NAME, config=LlamaConfig, module=Llama, objective=objectives.LM, examples=formats.WINDOWS, flops=flops,
     head_memory=HeadMemory(vocab_logit_copies=3, hidden_tensors=8),
-    eval_tasks=("wikitext103", "lambada", "ppl", "generate"), perplexity_of="loss", causal_lm=True,
+    eval_tasks=("wikitext103", "lambada", "ppl", "generate", "sft"), perplexity_of="loss", causal_lm=True,
     layer_residuals=layer_residual_bytes,
     pretrained_trunk=Llama))  # init_from: a converted (or another run's) Llama continues training

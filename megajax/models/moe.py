@@ -477,5 +477,5 @@ def reference_moe(x: np.ndarray, router: np.ndarray, gate: np.ndarray, up: np.nd
 register(ModelSpec(
     name=NAME, config=MoEConfig, module=MoEDecoder, objective=MOE_LM, examples=formats.WINDOWS, flops=flops,
     head_memory=HeadMemory(vocab_logit_copies=3, hidden_tensors=8),
-    eval_tasks=("wikitext103", "lambada", "ppl", "generate"), perplexity_of="lm_loss", causal_lm=True,
+    eval_tasks=("wikitext103", "lambada", "ppl", "generate", "sft"), perplexity_of="lm_loss", causal_lm=True,
     layer_residuals=layer_residual_bytes, pretrained_trunk=MoEDecoder, active_parameters=active_parameters))
