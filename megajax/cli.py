@@ -99,6 +99,24 @@ def _check_override(config: ml_collections.ConfigDict, field: str, value: str | 
                               f"--config.{field}={node}") from None
 
 
+def apply_config_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> None:
+    """Sets each ``--config.a.b=V`` of ``overrides`` on ``config`` as train.py's flags would (V parsed as the
+    field's type: bool, int, float, else the text); ConfigError for anything else given, a field the config lacks
+    or a value of the wrong type (``_check_override``). For the tools that take a config without absl's flags."""
+    for arg in overrides:
+        field, given, value = arg[len("--config."):].partition("=") if arg.startswith("--config.") else ("", "", "")
+        if not given:
+            raise ConfigError(f"unrecognized argument {arg!r}: give --config.FIELD=VALUE (e.g. "
+                              "--config.model.max_seq_len=8192) or one of the command's flags")
+        _check_override(config, field, value)
+        *sections, name = field.split(".")
+        node = config
+        for part in sections:
+            node = node[part]
+        parser = _VALUE_PARSERS.get(type(node[name]))
+        node[name] = parser.parse(value) if parser is not None else value
+
+
 def parse_mesh(text: str) -> tuple[int, int]:
     """``"DATAxMODEL"`` (e.g. ``"4x2"``) -> (data, model)."""
     try:
@@ -108,30 +126,40 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return data, model
 
 
-def _expert_suffix(text: str) -> tuple[str, int | None]:
-    """(the shape, E) of ``"SHAPE,expert=E"``; (text, None) without the suffix."""
-    shape, _, rest = str(text).lower().partition(",")
-    if not rest:
-        return shape, None
-    key, _, value = rest.partition("=")
-    if key.strip() != "expert" or not value.strip().isdigit():
-        raise ConfigError(f"--mesh={text}: after the shape give ',expert=E', e.g. --mesh=4x1,expert=2")
-    return shape, int(value)
+MESH_SUFFIXES = ("expert", "context")  # ",expert=E" and ",context=C" after the shape
+
+
+def _mesh_suffixes(text: str) -> tuple[str, dict[str, int]]:
+    """(the shape, {'expert': E, 'context': C} as given) of ``"SHAPE,expert=E,context=C"`` (either, both or
+    neither suffix)."""
+    shape, *rest = str(text).lower().split(",")
+    given = {}
+    for item in rest:
+        key, _, value = item.partition("=")
+        if key.strip() not in MESH_SUFFIXES or not value.strip().isdigit() or key.strip() in given:
+            raise ConfigError(f"--mesh={text}: after the shape give ',expert=E' and/or ',context=C', e.g. "
+                              "--mesh=4x1,expert=2 or --mesh=2x2,context=2")
+        given[key.strip()] = int(value)
+    return shape, given
 
 
 def inference_mesh(text: str) -> tuple[int, int, int | None]:
     """``"DATAxMODEL"``, optionally ``",expert=E"`` -> (data, model, E or None): the mesh a checkpoint is loaded
-    on (``config.load.inference_config``)."""
-    shape, expert = _expert_suffix(text)
-    return (*parse_mesh(shape), expert)
+    on (``config.load.inference_config``; no context parallelism: it splits training's long sequences)."""
+    shape, given = _mesh_suffixes(text)
+    if "context" in given:
+        raise ConfigError(f"--mesh={text}: context parallelism splits training's sequences; evaluation and "
+                          "generation run without it: drop ',context=C'")
+    return (*parse_mesh(shape), given.get("expert"))
 
 
 def apply_mesh(config: ml_collections.ConfigDict, text: str) -> None:
     """Sets ``config.mesh`` from ``"DATAxMODEL"`` or ``"PIPExDATAxMODEL"`` (pipeline stages outermost), either
-    followed by ``",expert=E"`` (a mixture of experts' experts split over E expert shards, e.g. ``4x1,expert=2``)."""
-    shape, expert = _expert_suffix(text)
-    if expert is not None:
-        config.mesh.expert = expert
+    followed by ``",expert=E"`` (a mixture of experts' experts split over E expert shards, e.g. ``4x1,expert=2``)
+    and / or ``",context=C"`` (every sequence split over C devices, e.g. ``2x2,context=2``)."""
+    shape, given = _mesh_suffixes(text)
+    for key, value in given.items():
+        config.mesh[key] = value
     parts = shape.split("x")
     if len(parts) == 3:
         try:

@@ -192,12 +192,13 @@ def one_step_run(choice: str | None, data: int, model: int, name: str = "gpt", r
     return setup(choice_config(choice, data, model, name=name, remat=remat, gradient_step=True))
 
 
-def run_on(config, data: int = 1, model: int = 1, pipe: int = 1, expert: int = 1) -> RunSpec:
-    """``config`` resolved on a ``pipe x data x expert x model`` mesh, as the tools take a run (``megajax.info``'s
-    way: without the training checks, the planners reading the model, its mesh and its choices)."""
+def run_on(config, data: int = 1, model: int = 1, pipe: int = 1, expert: int = 1, context: int = 1) -> RunSpec:
+    """``config`` resolved on a ``pipe x data x expert x context x model`` mesh, as the tools take a run
+    (``megajax.info``'s way: without the training checks, the planners reading the model, its mesh and its
+    choices)."""
     config = config.copy_and_resolve_references()
-    config.mesh.update(data=data, model=model, pipe=pipe, expert=expert)
-    return resolve(config, pipe * data * expert * model, training=False)
+    config.mesh.update(data=data, model=model, pipe=pipe, expert=expert, context=context)
+    return resolve(config, pipe * data * expert * context * model, training=False)
 
 
 def step_losses(config, initial: dict, key: str, steps: int) -> list[float]:

@@ -25,7 +25,7 @@ def build_mesh(config: ml_collections.ConfigDict, devices: list[jax.Device] | No
     """The mesh of ``config.mesh``, after ``validate``."""
     devices = list(jax.devices() if devices is None else devices)
     dp, tp = validate(config, len(devices))
-    return make_mesh(dp, tp, devices, pipe=config.mesh.pipe, expert=config.mesh.expert)
+    return make_mesh(dp, tp, devices, pipe=config.mesh.pipe, expert=config.mesh.expert, context=config.mesh.context)
 
 
 def model_factory(config: ml_collections.ConfigDict) -> Callable[[int], nnx.Module]:

@@ -50,7 +50,7 @@ def base_config(model: str = GPT) -> ml_collections.ConfigDict:
     # shrinks v-fold)
     # expert > 1: expert parallelism (a mixture-of-experts model's experts split over `expert` shards, which are data
     # shards for every other layer: the batch is split over data x expert)
-    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, pipe=1, expert=1))
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, pipe=1, expert=1, context=1))
     c.sharding = ml_collections.ConfigDict(dict(rules=MEGATRON_RULES))
     # beyond the paper: shard_optimizer (ZeRO-1, Megatron's distributed optimizer) splits AdamW's moments over
     # `data` too; the parameters stay replicated over it (the step all-gathers their updated shards). sequence

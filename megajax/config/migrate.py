@@ -22,6 +22,7 @@ ADDED_FIELDS = {
     ("parallel", "pipeline_repeats"): 1,
     ("mesh", "pipe"): 1,
     ("mesh", "expert"): 1,
+    ("mesh", "context"): 1,
     ("checkpoint", "restore_step"): 0,
     ("train", "precision"): "auto",
     ("data", "blend"): "",

@@ -37,6 +37,7 @@ from megajax.errors import ConfigError, ShardingConfigError
 from megajax.models import MODELS, ModelSpec, TransformerConfig, model_spec, task_models
 from megajax.models.objectives import Field
 from megajax.parallel.sharding import (
+    CONTEXT_AXIS,
     EXPERT_AXIS,
     PIPE_AXIS,
     SEQUENCE_PARALLEL_NAME,
@@ -125,7 +126,8 @@ def rules_of(config: ml_collections.ConfigDict) -> Rules:
 
     ``parallel.sequence`` maps the residual stream's sequence (``seq_sp``) to ``model``; ``mesh.expert`` > 1 the
     stacked experts to ``expert`` and the batch to its axes and ``expert`` (expert parallelism inside data
-    parallelism: outside the experts, the expert shards are data shards).
+    parallelism: outside the experts, the expert shards are data shards); ``mesh.context`` > 1 every sequence
+    (``seq``, and the residual stream's ``seq_sp`` before ``model``) to ``context``.
     """
     rules = tuple((str(k), None if v is None else str(v)) for k, v in config.sharding.rules)
     if config.parallel.sequence:
@@ -140,7 +142,11 @@ def rules_of(config: ml_collections.ConfigDict) -> Rules:
     if config.mesh.expert > 1:
         rules = tuple((k, EXPERT_AXIS if k == "experts" else (*entry_axes(v), EXPERT_AXIS) if k == "batch" else v)
                       for k, v in rules)
-    axes = mesh_axes(config.mesh.pipe, config.mesh.expert)
+    if config.mesh.context > 1:  # the sequence split for the whole stack; attention gathers its keys and values
+        rules = tuple((k, CONTEXT_AXIS if k == "seq" else (CONTEXT_AXIS, *entry_axes(v))
+                       if k == SEQUENCE_PARALLEL_NAME else v) for k, v in rules)
+        rules = tuple((k, v[0] if isinstance(v, tuple) and len(v) == 1 else v) for k, v in rules)
+    axes = mesh_axes(config.mesh.pipe, config.mesh.expert, config.mesh.context)
     for name, axis in rules:
         if any(a not in axes for a in entry_axes(axis)):
             raise ShardingConfigError(f"sharding rule ({name!r}, {axis!r}) names no mesh axis; use one of "
@@ -149,8 +155,10 @@ def rules_of(config: ml_collections.ConfigDict) -> Rules:
 
 
 def sequence_parallel(config: ml_collections.ConfigDict) -> bool:
-    """Whether the rules split the residual stream's sequence (``parallel.sequence``, or a ``seq_sp`` rule)."""
-    return dict(rules_of(config))[SEQUENCE_PARALLEL_NAME] is not None
+    """Whether the rules split the residual stream's sequence over ``model`` (``parallel.sequence``, or a ``seq_sp``
+    rule), beyond the ``context`` split every sequence has under context parallelism."""
+    table = dict(rules_of(config))
+    return bool(set(entry_axes(table[SEQUENCE_PARALLEL_NAME])) - set(entry_axes(table["seq"])))
 
 
 def state_split(config: ml_collections.ConfigDict) -> tuple[bool, bool]:
@@ -191,7 +199,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
                           f"{cfg.max_seq_len} is not divisible by it: make max_seq_len a multiple of {tp}, pick "
                           f"mesh.model from its divisors, or set parallel.sequence=False")
     _check_pipeline(config)
-    dp, tp = resolve_mesh_shape(dp, tp, num_devices, config.mesh.pipe, config.mesh.expert)
+    _check_context(config, cfg)
+    dp, tp = resolve_mesh_shape(dp, tp, num_devices, config.mesh.pipe, config.mesh.expert, config.mesh.context)
     rules_of(config)
     if config.checkpoint.keep < 0:
         raise ConfigError(f"checkpoint.keep={config.checkpoint.keep}; use 0 to keep every checkpoint or K > 0 "
@@ -218,6 +227,23 @@ def _check_pipeline(config: ml_collections.ConfigDict) -> None:
              f"mesh.pipe from the divisors of {m.num_layers}")
     _require(m.num_layers % (p * v) == 0, f"mesh.pipe={p} x parallel.pipeline_repeats={v} splits "
              f"model.num_layers={m.num_layers} into equal chunks: pick a product that divides {m.num_layers}")
+
+
+def _check_context(config: ml_collections.ConfigDict, cfg: TransformerConfig) -> None:
+    """mesh.context against the sequence and the other switches: each device holds two chunks of every sequence
+    (load balance: ``megajax.parallel.context``), so 2 x context x (model under sequence parallelism) divides it."""
+    c = config.mesh.context
+    _require(c >= 1, f"mesh.context must be >= 1 (1: no context parallelism), got {c}")
+    if c == 1:
+        return
+    split = 2 * c * (config.mesh.model if sequence_parallel(config) else 1)
+    _require(cfg.max_seq_len % split == 0, f"mesh.context={c} gives each device 2 chunks of every sequence"
+             f"{' (each split over mesh.model by parallel.sequence)' if sequence_parallel(config) else ''}: "
+             f"model.max_seq_len={cfg.max_seq_len} must be a multiple of {split}")
+    _require(config.mesh.pipe == 1, f"mesh.context={c} with mesh.pipe={config.mesh.pipe}: context parallelism "
+             "under pipeline stages is not built yet; set mesh.pipe=1 or mesh.context=1")
+    _require(cfg.dropout == 0, f"mesh.context={c} with model.dropout={cfg.dropout}: attention dropout on a "
+             "device's chunks of the sequence is not built yet; set --config.model.dropout=0 (or mesh.context=1)")
 
 
 def _check_pipeline_microbatches(config: ml_collections.ConfigDict, rows: int) -> None:
@@ -310,6 +336,7 @@ class RunSpec:
     fsdp: bool = False  # ZeRO-3: parameters (and so gradients and moments) also split over `data`
     pipe: int = 1  # pipeline stages (mesh.pipe)
     expert: int = 1  # expert shards (mesh.expert): a mixture of experts' experts split, the batch too
+    context: int = 1  # context shards (mesh.context): every sequence split over them
     pipeline_microbatches: int = 0  # microbatches per pipelined batch (0: pipe of them)
     pipeline_repeats: int = 1  # chunks of layers per stage (1: GPipe; more: the circular schedule)
     train: TrainSettings | None = None
@@ -331,7 +358,7 @@ class RunSpec:
 
     def make_mesh(self, devices: list[jax.Device] | None = None) -> Mesh:
         """The run's mesh over ``devices`` (default: this host's)."""
-        return make_mesh(self.data, self.tensor, devices, pipe=self.pipe, expert=self.expert)
+        return make_mesh(self.data, self.tensor, devices, pipe=self.pipe, expert=self.expert, context=self.context)
 
     @property
     def layer_layout(self) -> tuple[int, int]:
@@ -432,7 +459,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, training: bool 
                    tensor=tp, precision=resolve_precision(config.train.precision),
                    global_batch=config.train.global_batch_size, num_micro=num_micro,
                    shard_optimizer=shard_optimizer, sequence=sequence_parallel(config), fsdp=fsdp,
-                   pipe=config.mesh.pipe, expert=config.mesh.expert,
+                   pipe=config.mesh.pipe, expert=config.mesh.expert, context=config.mesh.context,
                    pipeline_microbatches=config.parallel.pipeline_microbatches,
                    pipeline_repeats=config.parallel.pipeline_repeats, dataset=data_settings(config),
                    config_json=with_model_defaults(config).to_json(), **run)
@@ -446,7 +473,7 @@ def replanned(run: RunSpec, changes: dict[str, Any], num_devices: int | None = N
     takes; ``mesh.data=-1`` then keeps the run's device count). ConfigError as ``resolve`` raises it."""
     config = ml_collections.ConfigDict(json.loads(run.config_json))
     m = config.mesh
-    m.data, m.model, m.pipe, m.expert = run.data, run.tensor, run.pipe, run.expert
+    m.data, m.model, m.pipe, m.expert, m.context = run.data, run.tensor, run.pipe, run.expert, run.context
     for dotted, value in changes.items():
         *sections, field = dotted.split(".")
         parent = config
@@ -455,7 +482,8 @@ def replanned(run: RunSpec, changes: dict[str, Any], num_devices: int | None = N
         if field not in parent:
             raise ConfigError(f"{dotted} is not a config field")
         parent[field] = value
-    devices = run.data * run.tensor * run.pipe * run.expert if m.data == -1 else m.pipe * m.data * m.expert * m.model
+    devices = (run.data * run.tensor * run.pipe * run.expert * run.context if m.data == -1
+               else m.pipe * m.data * m.expert * m.context * m.model)
     return resolve(config, devices if num_devices is None else num_devices, training)
 
 

@@ -42,6 +42,8 @@ from megajax.models.transformer import (
     make_blocks,
     run_blocks,
 )
+from megajax.parallel import context
+from megajax.parallel.context import KV_NAMES
 from megajax.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -242,10 +244,12 @@ class Attention(nnx.Module):
         q, k = self.positioned(q.reshape(b, s, *self.q.kernel.shape[-2:]), kv[:, :, :, 0], positions)
         q, k, v = constrain(q, names), constrain(k, names), constrain(kv[:, :, :, 1], names)
         if cache is not None:
-            k, v = (constrain(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), index, axis=1), names)
+            k, v = (constrain(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), index, axis=1), KV_NAMES)
                     for c, new in zip(cache, (k, v)))
             cache = (k, v)
-        return self.out(selective(attention_core, self.cfg.remat)(q, k, v, mask, key, self.rate)), cache
+        # every key and value of the sequence (under context parallelism gathered over `context`)
+        return self.out(context.attention(selective(attention_core, self.cfg.remat), q, k, v, mask, key,
+                                          self.rate)), cache
 
     def positioned(self, q: jax.Array, k: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The queries and keys (B, S, heads, D) at ``positions`` (S,): rotated (a family that normalises each

@@ -369,13 +369,13 @@ def router_losses(stats: Stats, tokens: int, cfg: MoEConfig) -> dict[str, jax.Ar
 def _moe_lm(model: MoEDecoder, batch: objectives.Batch, key: jax.Array | None):
     """Next-token cross-entropy plus the weighted router losses; each part logged (``lm_loss`` is what the
     perplexity is of)."""
-    tokens = batch["tokens"]
-    logits, stats = model.routed(tokens[:, :-1], dropout_key=key, **objectives.documents(batch))
-    losses = vocab_parallel_cross_entropy(logits, tokens[:, 1:])
-    weights = batch.get("loss_weights")  # packed rows: a mean weighted as LM's
+    rows = objectives.next_tokens(batch)
+    logits, stats = model.routed(rows["inputs"], dropout_key=key, **objectives.documents(rows))
+    losses = vocab_parallel_cross_entropy(logits, rows["targets"])
+    weights = rows.get("loss_weights")  # packed rows: a mean weighted as LM's
     lm = losses.mean() if weights is None else (losses * weights).sum() / jnp.maximum(weights.sum(), 1.0)
     cfg = model.cfg
-    metrics = {"lm_loss": lm, **router_losses(stats, tokens[:, :-1].size, cfg)}
+    metrics = {"lm_loss": lm, **router_losses(stats, rows["inputs"].size, cfg)}
     loss = lm + cfg.router_aux_loss_coef * metrics["balance_loss"] + cfg.router_z_loss_coef * metrics["z_loss"]
     return loss, metrics
 

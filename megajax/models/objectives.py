@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 from megajax.data.tasks.race import NUM_OPTIONS as NUM_CHOICES
+from megajax.parallel.context import balanced
 from megajax.parallel.losses import lm_loss, vocab_parallel_nll_and_hit
 
 Batch = dict[str, jax.Array]
@@ -64,15 +65,26 @@ def documents(batch: Batch) -> dict[str, jax.Array]:
     return {k: batch[k] for k in ("segments", "positions") if k in batch}
 
 
+def next_tokens(batch: Batch) -> Batch:
+    """A decoder's batch as the model reads it: ``inputs`` and ``targets`` (B, S) from ``tokens`` (B, S + 1), with
+    the packed fields; under context parallelism each row in its balanced order, with every token's position
+    (``megajax.parallel.context``)."""
+    tokens = batch["tokens"]
+    rows = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+            **{k: batch[k] for k in ("segments", "positions", "loss_weights") if k in batch}}
+    return balanced(rows)
+
+
 def _lm(model: nnx.Module, batch: Batch, key: jax.Array | None) -> tuple[jax.Array, Metrics]:
     """Mean next-token cross-entropy; over packed rows a mean weighted by ``loss_weights``."""
-    tokens = batch["tokens"]  # (B, S + 1): inputs and shifted labels
-    return lm_loss(model, tokens[:, :-1], tokens[:, 1:], dropout_key=key, loss_mask=batch.get("loss_weights"),
-                   **documents(batch)), {}
+    rows = next_tokens(batch)
+    return lm_loss(model, rows["inputs"], rows["targets"], dropout_key=key, loss_mask=rows.get("loss_weights"),
+                   **documents(rows)), {}
 
 
 def _lm_fields(seq_len: int) -> dict[str, Field]:
-    return {"tokens": _token_rows(seq_len + 1)}
+    # S + 1 ids, inputs and targets overlapping: whole on every device of a row (the model splits the inputs)
+    return {"tokens": Field((seq_len + 1,), np.dtype(np.int32), ("batch", None))}
 
 
 def packed_lm_fields(seq_len: int) -> dict[str, Field]:

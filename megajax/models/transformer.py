@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from megajax.parallel import pipeline
+from megajax.parallel import context, pipeline
+from megajax.parallel.context import KV_NAMES
 from megajax.parallel.layers import (
     ACTIVATIONS,
     ColumnParallelLinear,
@@ -173,17 +174,24 @@ def causal_mask(q_positions: jax.Array, kv_len: int) -> jax.Array:
 
 
 class Documents(NamedTuple):
-    """A packed batch's layout (``megajax.data.documents``): each input token's document in its row (B, S) and its
-    position (B, S), from 0 at each document's first token where positions restart."""
+    """Each input token's position (B, S) and, for a packed batch (``megajax.data.documents``), its document in its
+    row (B, S; None: one document per row). Positions restart at each document where the data says so; under
+    context parallelism the row is in ``parallel.context``'s balanced order and the positions are the true ones."""
 
-    segments: jax.Array
+    segments: jax.Array | None
     positions: jax.Array
 
     def mask(self) -> jax.Array:
-        """(B, 1, S, S) bool: a query sees the keys of its own document up to itself."""
-        seg = self.segments
-        causal = jnp.tril(jnp.ones((seg.shape[1], seg.shape[1]), bool))
-        return constrain((seg[:, :, None] == seg[:, None, :]) & causal, ("batch", None, None))[:, None]
+        """(B, 1, S, S) bool: a query sees the keys of its own document at its position or before (the queries'
+        sequence split as the activations', the keys' whole: under context parallelism each device's queries
+        against every key)."""
+        whole = ("batch", None)
+        pos = self.positions
+        visible = constrain(pos, whole)[:, None, :] <= constrain(pos, ("batch", "seq"))[:, :, None]
+        if self.segments is not None:
+            seg = self.segments
+            visible &= constrain(seg, ("batch", "seq"))[:, :, None] == constrain(seg, whole)[:, None, :]
+        return constrain(visible, ("batch", "seq", None))[:, None]
 
 
 class Positioned(NamedTuple):
@@ -220,13 +228,15 @@ class SelfAttention(nnx.Module):
         positions ``index ..`` and the queries attend over the whole cache (the mask hides what is not yet there).
         """
         qkv = self.qkv(x)  # (B, S, N, 3, D)
-        q, k, v = (constrain(qkv[:, :, :, i], ("batch", "seq", "heads", "head_dim")) for i in range(3))
+        names = ("batch", "seq", "heads", "head_dim")
+        q, k, v = (constrain(qkv[:, :, :, i], names) for i in range(3))
         if cache is not None:
-            k, v = (constrain(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), index, axis=1),
-                              ("batch", "seq", "heads", "head_dim")) for c, new in zip(cache, (k, v)))
+            k, v = (constrain(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), index, axis=1), KV_NAMES)
+                    for c, new in zip(cache, (k, v)))
             cache = (k, v)
-        core = selective(attention_core, self.remat)
-        return self.out(core(q, k, v, mask, key, self.rate)), cache
+        # every key and value of the sequence (under context parallelism gathered over `context`)
+        return self.out(context.attention(selective(attention_core, self.remat), q, k, v, mask, key,
+                                          self.rate)), cache
 
 
 def attention_implementation(dtype: jnp.dtype, head_dim: int, dropout: bool, lengths: tuple[int, int]) -> str:
@@ -433,19 +443,20 @@ class CausalDecoder(nnx.Module):
 
     def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, segments: jax.Array | None = None,
                  positions: jax.Array | None = None) -> jax.Array:
-        """Training / scoring forward: (B, S) int ids -> (B, S, padded_vocab) logits. Packed rows give each token's
-        document (``segments``) and position in it (``positions``), both (B, S): a token then attends only within
-        its document, at its own position (``Documents``)."""
+        """Training / scoring forward: (B, S) int ids -> (B, S, padded_vocab) logits. ``positions`` (B, S): each
+        token's (a packed row's, restarting at each document; a row in context parallelism's order); with them a
+        token attends to the keys at its position or before, and with packed rows' ``segments`` (B, S) only within
+        its document (``Documents``)."""
         return self._forward(tokens, dropout_key, None, 0, self._documents(segments, positions))[0]
 
     @staticmethod
     def _documents(segments: jax.Array | None, positions: jax.Array | None) -> Documents | None:
-        if (segments is None) != (positions is None):
-            raise ValueError("packed rows need both segments and positions (megajax.data.documents.packed_row)")
-        if segments is None:
+        if segments is not None and positions is None:
+            raise ValueError("packed rows need their positions with their segments (megajax.data.documents)")
+        if positions is None:
             return None
         names = ("batch", "seq")
-        return Documents(constrain(segments, names), constrain(positions, names))
+        return Documents(None if segments is None else constrain(segments, names), constrain(positions, names))
 
     def cache_heads(self) -> int:
         """Key/value heads per layer in the cache (all of them for multi-head attention)."""

@@ -28,6 +28,7 @@ from megajax.parallel.sharding import (
     axis_of,
     batch_rows,
     constrain,
+    mesh_size,
     on_shards,
     param_at_use,
     replicas,
@@ -161,7 +162,7 @@ class VocabParallelEmbedding(nnx.Module):
     computes vocab-sharded logits with no forward communication; its input gradient is all-reduced (f operator).
     Under sequence parallelism the lookup's partial rows are reduce-scattered onto the split sequence and
     ``attend`` all-gathers its input (as Megatron-Core). A model reads ``replica_rows`` once per step and passes
-    them to both uses, so the tied gradient is reduced over ``data`` once.
+    them to both uses, so the tied gradient is reduced over ``data`` (and ``context``) once.
     """
 
     NAMES = ("vocab", "embed")
@@ -175,33 +176,49 @@ class VocabParallelEmbedding(nnx.Module):
         return param_at_use(self.embedding[...], self.NAMES)
 
     def replica_rows(self, batch: int) -> jax.Array:
-        """The rows as one copy per data-parallel replica, (D, V, H) split over ``batch``'s mesh axis: each device's
-        copy is its own rows, so nothing moves. The gradient of a replicated parameter used twice (lookup, output
-        layer) is otherwise reduced over ``data`` once per use; on these copies both contributions are local and
-        are summed before the one reduction, the transpose of this broadcast. D = 1 where it does not divide."""
+        """The rows as one copy per data-parallel replica and context shard, (D, C, V, H) split over ``batch``'s
+        and ``seq``'s mesh axes: each device's copy is its own rows, so nothing moves. The gradient of a replicated
+        parameter used twice (lookup, output layer) is otherwise reduced over ``data`` (and ``context``) once per
+        use; on these copies both contributions are local and are summed before the one reduction, the transpose of
+        this broadcast. D = 1 where it does not divide; C = 1 without context parallelism."""
         rows = self.rows_at_use()
-        d = replicas(batch)
-        return constrain(jnp.broadcast_to(rows[None], (d, *rows.shape)), (self.replica_name(d), *self.NAMES))
+        d, c = replicas(batch), mesh_size("seq")
+        return constrain(jnp.broadcast_to(rows[None, None], (d, c, *rows.shape)),
+                         (self.replica_name(d), "seq" if c > 1 else None, *self.NAMES))
 
     @staticmethod
     def replica_name(d: int) -> str | None:
         """The logical name of the replica dimension: split like the batch, or whole where there is one copy."""
         return "batch" if d > 1 else None
 
+    def replica_names(self, rows: jax.Array) -> tuple[str | None, ...]:
+        """The logical names of ``replica_rows``' (D, C, V, H)."""
+        return self.replica_name(rows.shape[0]), "seq" if rows.shape[1] > 1 else None, *self.NAMES
+
     def by_replica(self, x: jax.Array, rows: jax.Array, names: Sequence[str]) -> jax.Array:
-        """(B, ...) -> (D, B/D, ...): a batch-major array grouped like ``rows``' replicas (``names``: the rest)."""
-        d = rows.shape[0]
-        return constrain(x.reshape(d, x.shape[0] // d, *x.shape[1:]), (self.replica_name(d), None, *names))
+        """(B, S, ...) -> (D, C, B/D, S/C, ...): a batch-major array grouped like ``rows``' copies (``names``: the
+        names after the sequence's)."""
+        d, c = rows.shape[:2]
+        (b, s), rest = x.shape[:2], x.shape[2:]
+        grouped = jnp.swapaxes(x.reshape(d, b // d, c, s // c, *rest), 1, 2)
+        return constrain(grouped, (*self.replica_names(rows)[:2], None, None, *names))
+
+    @staticmethod
+    def ungrouped(x: jax.Array) -> jax.Array:
+        """``by_replica``'s (D, C, B/D, S/C, ...) back to (B, S, ...)."""
+        d, c, b, s = x.shape[:4]
+        return jnp.swapaxes(x, 1, 2).reshape(d * b, c * s, *x.shape[4:])
 
     def __call__(self, ids: jax.Array, rows: jax.Array | None = None) -> jax.Array:  # (B, S) -> (B, S, H)
         """The ids' rows; ``rows``: the step's ``replica_rows`` (read here when not given)."""
         axis, vocab, rows = sequence_axis(), axis_of("vocab"), self.replica_rows(ids.shape[0]) if rows is None else rows
         if vocab is None:  # one device, or the vocabulary not split
-            found = jax.vmap(lambda r, i: jnp.take(r, i, axis=0))(rows, self.by_replica(ids, rows, ("seq",)))
-            return found.reshape(*ids.shape, -1).astype(self.dtype)  # (D, B/D, S, H) -> (B, S, H)
+            take = jax.vmap(jax.vmap(lambda r, i: jnp.take(r, i, axis=0)))
+            found = take(rows, self.by_replica(ids, rows, ()))  # (D, C, B/D, S/C, H)
+            return self.ungrouped(found).astype(self.dtype)
 
-        def looked_up(ids, rows):  # per device: ids (B/D, S), this shard's rows (1, V/t, H) -> (B/D, S[/t], H)
-            rows = rows[0]
+        def looked_up(ids, rows):  # per device: ids (B/D, S/C), its rows (1, 1, V/t, H) -> (B/D, S/C[/t], H)
+            rows = rows[0, 0]
             local = ids - jax.lax.axis_index(vocab) * rows.shape[0]
             owned = (local >= 0) & (local < rows.shape[0])
             found = jnp.where(owned[..., None], jnp.take(rows, jnp.where(owned, local, 0), axis=0), 0.0)
@@ -213,21 +230,19 @@ class VocabParallelEmbedding(nnx.Module):
                 return jax.lax.psum(found, vocab)
             return jax.lax.psum_scatter(found, axis, scatter_dimension=SEQUENCE_DIM, tiled=True)
 
-        names = (("batch", "seq"), (self.replica_name(rows.shape[0]), *self.NAMES))
-        return on_shards(looked_up, (ids, rows), names, RESIDUAL)
+        return on_shards(looked_up, (ids, rows), (("batch", "seq"), self.replica_names(rows)), RESIDUAL)
 
     def attend(self, x: jax.Array, rows: jax.Array | None = None) -> jax.Array:  # (B, S, H) -> (B, S, V)
         """Vocab-sharded logits ``x @ E^T``; ``rows``: the step's ``replica_rows`` (read here when not given)."""
         axis, rows = sequence_axis(), self.replica_rows(x.shape[0]) if rows is None else rows
         if axis is None:
-            logits = jax.vmap(self.logits)(self.by_replica(x, rows, ("seq", "embed")), rows)  # (D, B/D, S, V)
-            return constrain(logits.reshape(*x.shape[:2], -1), ("batch", "seq", "vocab"))
+            logits = jax.vmap(jax.vmap(self.logits))(self.by_replica(x, rows, ("embed",)), rows)  # (D, C, .., V)
+            return constrain(self.ungrouped(logits), ("batch", "seq", "vocab"))
 
-        def gathered(x, rows):  # per device: (B/D, S/t, H), (1, V/t, H) -> (B/D, S, V/t)
-            return self.logits(jax.lax.all_gather(x, axis, axis=SEQUENCE_DIM, tiled=True), rows[0])
+        def gathered(x, rows):  # per device: (B/D, S/(C t), H), (1, 1, V/t, H) -> (B/D, S/C, V/t)
+            return self.logits(jax.lax.all_gather(x, axis, axis=SEQUENCE_DIM, tiled=True), rows[0, 0])
 
-        names = (RESIDUAL, (self.replica_name(rows.shape[0]), *self.NAMES))
-        return on_shards(gathered, (x, rows), names, ("batch", "seq", "vocab"))
+        return on_shards(gathered, (x, rows), (RESIDUAL, self.replica_names(rows)), ("batch", "seq", "vocab"))
 
     def logits(self, x: jax.Array, rows: jax.Array) -> jax.Array:
         """``x @ rows^T`` in the compute dtype."""

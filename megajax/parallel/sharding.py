@@ -31,6 +31,9 @@ PIPE_AXIS = "pipe"  # pipeline stages (mesh.pipe > 1): outermost, so a stage may
 # expert parallelism (mesh.expert > 1): a mixture-of-experts layer's experts split over it, every other layer's
 # batch split over `data` and it together; between them, so `model` stays the innermost (fastest) axis
 EXPERT_AXIS = "expert"
+# context parallelism (mesh.context > 1): every sequence split over it for the whole layer stack (the `seq` rule),
+# attention's keys and values gathered whole; just outside `model`, so both stay within a node where they fit
+CONTEXT_AXIS = "context"
 SEQUENCE_PARALLEL_NAME = "seq_sp"  # the residual stream's sequence axis
 
 # Megatron-LM (Shoeybi et al. 2019, Section 3) as a rules table.
@@ -85,58 +88,64 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> P:
     return P(*axes)
 
 
-def resolve_mesh_shape(data: int, model: int, num_devices: int, pipe: int = 1, expert: int = 1) -> tuple[int, int]:
-    """(data, model) with ``data=-1`` resolved to all devices left after ``pipe`` x ``expert`` x ``model``; checked
-    against the devices, the messages naming the whole mesh as ``--mesh`` spells it."""
+def resolve_mesh_shape(data: int, model: int, num_devices: int, pipe: int = 1, expert: int = 1,
+                       context: int = 1) -> tuple[int, int]:
+    """(data, model) with ``data=-1`` resolved to all devices left after ``pipe`` x ``expert`` x ``context`` x
+    ``model``; checked against the devices, the messages naming the whole mesh as ``--mesh`` spells it."""
     if model < 1:
         raise ShardingConfigError(f"mesh.model must be >= 1, got {model}")
+    if context < 1:
+        raise ShardingConfigError(f"mesh.context must be >= 1 (1: no context parallelism), got {context}")
     if pipe < 1:
         raise ShardingConfigError(f"mesh.pipe must be >= 1 (1: no pipeline), got {pipe}")
     if expert < 1:
         raise ShardingConfigError(f"mesh.expert must be >= 1 (1: no expert parallelism), got {expert}")
-    others = pipe * expert * model
+    others = pipe * expert * context * model
     if data == -1:
         if num_devices % others:
-            axes = " x ".join(f"mesh.{n}={v}" for n, v in (("pipe", pipe), ("expert", expert), ("model", model))
-                              if v > 1 or n == "model")
+            axes = " x ".join(f"mesh.{n}={v}" for n, v in (("pipe", pipe), ("expert", expert), ("context", context),
+                                                            ("model", model)) if v > 1 or n == "model")
             raise ShardingConfigError(f"{axes} does not divide the {num_devices} devices present; set mesh.data, "
                                       "or pick sizes whose product divides them")
         data = num_devices // others
     if data < 1:
         raise ShardingConfigError(f"mesh.data must be >= 1 or -1, got {data}")
     if data * others > num_devices:
-        raise ShardingConfigError(f"mesh {mesh_spelling(data, model, pipe, expert)} needs {data * others} devices "
-                                  f"but {num_devices} are present; lower a mesh size (on a CPU host, --cpu_devices "
-                                  "simulates more)")
+        spelled = mesh_spelling(data, model, pipe, expert, context)
+        raise ShardingConfigError(f"mesh {spelled} needs {data * others} devices but {num_devices} are present; "
+                                  "lower a mesh size (on a CPU host, --cpu_devices simulates more)")
     return data, model
 
 
-def mesh_spelling(data: int, model: int, pipe: int = 1, expert: int = 1) -> str:
+def mesh_spelling(data: int, model: int, pipe: int = 1, expert: int = 1, context: int = 1) -> str:
     """The mesh as ``--mesh`` spells it: DATAxMODEL, PIPExDATAxMODEL with stages (named so), ``,expert=E`` with
-    experts split."""
+    experts split, ``,context=C`` with sequences split."""
     shape = f"{pipe}x{data}x{model} (pipe x data x model)" if pipe > 1 else f"{data}x{model}"
-    return shape + (f",expert={expert}" if expert > 1 else "")
+    return shape + (f",expert={expert}" if expert > 1 else "") + (f",context={context}" if context > 1 else "")
 
 
-def mesh_axes(pipe: int = 1, expert: int = 1) -> tuple[str, ...]:
-    """The mesh's axis names: ('data', 'model'), with 'pipe' first where there are stages and 'expert' after
-    'data' where experts are split (an axis of size 1 is left out, so such a mesh compiles as it did without)."""
-    return (*((PIPE_AXIS,) if pipe > 1 else ()), "data", *((EXPERT_AXIS,) if expert > 1 else ()), "model")
+def mesh_axes(pipe: int = 1, expert: int = 1, context: int = 1) -> tuple[str, ...]:
+    """The mesh's axis names: ('data', 'model'), with 'pipe' first where there are stages, 'expert' after 'data'
+    where experts are split and 'context' just outside 'model' where sequences are (an axis of size 1 is left out,
+    so such a mesh compiles as it did without)."""
+    return (*((PIPE_AXIS,) if pipe > 1 else ()), "data", *((EXPERT_AXIS,) if expert > 1 else ()),
+            *((CONTEXT_AXIS,) if context > 1 else ()), "model")
 
 
 def make_mesh(data: int, model: int, devices: Sequence[jax.Device] | None = None, pipe: int = 1,
-              expert: int = 1) -> Mesh:
+              expert: int = 1, context: int = 1) -> Mesh:
     """A ``Mesh(('data', 'model'))``; ``data=-1`` takes all devices left after the other axes. With ``pipe`` > 1
     'pipe' comes first (outermost, ``megajax.parallel.pipeline``), with ``expert`` > 1 'expert' between 'data' and
-    'model' (``mesh_axes``); with both 1 the mesh, so the compiled step, is the two-axis one.
+    'model', with ``context`` > 1 'context' just outside 'model' (``mesh_axes``); with all three 1 the mesh, so the
+    compiled step, is the two-axis one.
 
     Axes are ``Auto``: XLA's SPMD partitioner propagates shardings from the parameters and the few activations we
     pin, which is how Megatron's f/g all-reduces appear without hand-written collectives.
     """
     devices = list(jax.devices() if devices is None else devices)
-    data, model = resolve_mesh_shape(data, model, len(devices), pipe, expert)
-    axes = mesh_axes(pipe, expert)
-    sizes = {PIPE_AXIS: pipe, "data": data, EXPERT_AXIS: expert, "model": model}
+    data, model = resolve_mesh_shape(data, model, len(devices), pipe, expert, context)
+    axes = mesh_axes(pipe, expert, context)
+    sizes = {PIPE_AXIS: pipe, "data": data, EXPERT_AXIS: expert, CONTEXT_AXIS: context, "model": model}
     shape = tuple(sizes[a] for a in axes)
     grid = np.asarray(devices[: math.prod(shape)]).reshape(shape)
     return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
@@ -349,12 +358,15 @@ def mesh_size(name: str) -> int:
 
 
 def sequence_axis() -> str | None:
-    """The mesh axis the active rules split the residual stream's sequence over (``parallel.sequence``: 'model'),
-    or None: Megatron's layout, or outside ``activate``."""
+    """The mesh axis the active rules split the residual stream's sequence over beyond the one every sequence is
+    split over (``parallel.sequence``: 'model'; under context parallelism the residual's sequence is split over
+    ('context', 'model'), and 'model' is this one), or None: Megatron's layout, or outside ``activate``."""
     rules = parallel_context().rules
     if rules is None or jax.sharding.get_abstract_mesh().empty:
         return None
-    return dict(rules).get(SEQUENCE_PARALLEL_NAME)
+    table = dict(rules)
+    extra = [a for a in entry_axes(table.get(SEQUENCE_PARALLEL_NAME)) if a not in entry_axes(table.get("seq"))]
+    return extra[0] if extra else None
 
 
 def axis_of(name: str) -> str | None:

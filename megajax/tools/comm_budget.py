@@ -119,7 +119,7 @@ DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "pre
 CATEGORIES = ("tensor-parallel forward", "tensor-parallel backward", "loss", "data-parallel gradients",
               "data-parallel parameter gathers", "sequence-parallel extra", "replicated key/value heads",
               "pipeline point-to-point", "pipeline boundary", "expert all-to-all", "routing statistics",
-              "per-head norm gradients", "other")
+              "per-head norm gradients", "context key/value", "other")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +162,11 @@ class Shape:
     routed_layers: int = 0  # of ``layers``, those with a routed MLP
     head_norm_elements: int = 0  # per-head norm scales of every layer, whole on each model shard (Qwen3's q/k norms)
     head_dim: int = 0
+    context: int = 1  # context shards (mesh.context): ``seq`` is then one shard's s / C positions
+    context_kv_elements: int = 0  # one device's chunks of one layer's keys (or values): b x s/C x heads/t x head_dim
+    # bytes per key position of what the mask reads of every key, gathered once: a decoder's positions (and packed
+    # segments), int32; an encoder's padding mask, one byte
+    context_key_bytes: int = 4
 
 
 def minimum(shape: Shape) -> dict[str, int]:
@@ -216,7 +221,7 @@ def minimum(shape: Shape) -> dict[str, int]:
         out["replicated key/value heads"] = 2 * runs * shape.kv_head_elements * 4 * n
     # the dense parameters' gradients reduced over data x expert (the batch's shards), the experts' over data
     dense = shape.local_grad_elements - shape.expert_grad_elements
-    out["data-parallel gradients"] = 4 * ((dense if shape.data * shape.expert > 1 else 0)
+    out["data-parallel gradients"] = 4 * ((dense if shape.data * shape.expert * shape.context > 1 else 0)
                                           + (shape.expert_grad_elements if shape.data > 1 else 0))
     if shape.data > 1:
         out["data-parallel parameter gathers"] = shape.gathered_shard_elements * 4  # fp32 masters
@@ -233,6 +238,10 @@ def minimum(shape: Shape) -> dict[str, int]:
         out["routing statistics"] = stats
     if shape.tensor > 1:  # each model shard's heads give part of each per-head norm scale's gradient: summed
         out["per-head norm gradients"] = shape.head_norm_elements * 4 * n
+    if shape.context > 1:  # keys and values gathered each layer (again where recomputed), their gradients scattered
+        redo = 2 if shape.remat in ("full", "save_dots") else 1
+        kv = 2 * shape.layers * shape.context_kv_elements * shape.activation_bytes * n
+        out["context key/value"] = (redo + 1) * kv + shape.context_key_bytes * b * s * n
     return out
 
 
@@ -281,7 +290,11 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
         elif shape.head_norm_elements and c.op == "all-reduce" and over_model and c.phase == "backward" and \
                 c.shape[-1:] == (shape.head_dim,) and c.elements <= shape.head_norm_elements:
             out["per-head norm gradients"] += size
-        elif c.op == "all-reduce" and c.axes and c.axes <= {"data", "expert"}:
+        elif shape.context > 1 and c.axes == {"context"} and (
+                (c.op in ("all-gather", "reduce-scatter") and c.shard_elements == shape.context_kv_elements) or
+                (c.op == "all-gather" and c.phase == "forward" and c.shard_elements == tokens)):
+            out["context key/value"] += size
+        elif c.op == "all-reduce" and c.axes and c.axes <= {"data", "expert", "context"}:
             out["data-parallel gradients"] += size
         elif shape.pipe > 1 and c.op == "collective-permute" and c.phase == "backward" and "data" in c.axes and \
                 c.axes <= {"data", "pipe"}:  # part of a gradient's reduction over data, which XLA wrote as permutes
@@ -369,7 +382,9 @@ def step_shape(run) -> Shape:
     experts, per_token = cfg.routed_experts
     expert_grad = sum(model_shard_elements(a) for a in jax.tree.leaves(params)
                       if "expert" in spec_axes(a.sharding.spec))
-    return Shape(micro_batch=spec.micro_batch, num_micro=spec.num_micro, seq=cfg.max_seq_len,
+    c = spec.context
+    kv_local = cfg.kv_heads // spec.tensor if not cfg.kv_replicated(spec.tensor) else 1
+    return Shape(micro_batch=spec.micro_batch, num_micro=spec.num_micro, seq=cfg.max_seq_len // c,
                  hidden=cfg.hidden_size, layers=cfg.num_layers, tensor=spec.tensor, data=spec.data,
                  activation_bytes=np.dtype(cfg.compute_dtype).itemsize, local_grad_elements=local,
                  tensor_all_reduces=model.tensor_all_reduces, recomputed_all_reduces=model.recomputed_all_reduces,
@@ -380,10 +395,14 @@ def step_shape(run) -> Shape:
                  // cfg.num_layers if spec.sequence and STACK in params else 0,
                  gathered_shard_elements=gathered_shard_elements(run), kv_head_elements=kv_head,
                  expert=spec.expert, expert_grad_elements=expert_grad, num_experts=experts,
-                 routed_rows=spec.micro_batch * cfg.max_seq_len * per_token,
+                 routed_rows=spec.micro_batch * cfg.max_seq_len // spec.context * per_token,
                  exchange_rows=cfg.exchange_rows(spec.micro_batch, spec.expert),
                  routed_layers=len(cfg.routed_layers), head_norm_elements=head_norm_elements(spec),
-                 head_dim=cfg.head_dim, **_pipeline_shape(spec))
+                 head_dim=cfg.head_dim, context=c,
+                 context_kv_elements=spec.micro_batch * cfg.max_seq_len // c * kv_local * cfg.head_dim
+                 if c > 1 else 0, context_key_bytes=(8 if spec.dataset is not None and spec.dataset.packed else 4)
+                 if model.causal_lm else 1,
+                 **_pipeline_shape(spec))
 
 
 def head_norm_elements(run: RunSpec) -> int:

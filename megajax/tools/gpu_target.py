@@ -30,6 +30,7 @@ import jax
 from megajax.config import RunSpec
 from megajax.errors import UserError
 from megajax.parallel import hlo_audit
+from megajax.parallel.sharding import mesh_spelling
 from megajax.parallel.xla_options import compiler_options
 from megajax.platform import quiet_cuda_notices
 from megajax.tools.memory_planner import CompiledMemory, MemoryReport, memory_report, run_memory, with_batch
@@ -183,11 +184,11 @@ def compile_step(run: RunSpec, target: str = "h100", hosts: int = 1, gpus_per_ho
     allocated."""
     gpu = target_of(target)
     devices = gpu_devices(target, hosts, gpus_per_host)
-    used = run.pipe * run.data * run.expert * run.tensor
+    used = run.pipe * run.data * run.expert * run.context * run.tensor
     if used > len(devices):
-        experts = f",expert={run.expert}" if run.expert > 1 else ""
-        raise GpuTargetError(f"mesh {run.pipe}x{run.data}x{run.tensor}{experts} needs {used} GPUs; --hosts={hosts} x "
-                             f"{gpus_per_host} has {len(devices)}: raise --hosts or shrink the mesh")
+        mesh = f"{run.pipe}x{run.data}x{run.tensor}" + mesh_spelling(1, 1, 1, run.expert, run.context)[3:]
+        raise GpuTargetError(f"mesh {mesh} needs {used} GPUs; --hosts={hosts} x {gpus_per_host} has {len(devices)}: "
+                             "raise --hosts or shrink the mesh")
     micro_batch = micro_batch or max(run.global_batch // (run.data * run.expert), 1)
     planned = with_batch(run, micro_batch)
     options = compiler_options(devices) if options is None else options

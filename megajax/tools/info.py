@@ -3,6 +3,8 @@
     python -m megajax.info --config=configs/gpt_8p3b.py --mesh=64x8 --device_memory_gb=32 --precision=fp16
     python -m megajax.info --config=gpt_tiny --mesh=2x4 --cpu_devices=8 --compiled
     python -m megajax.info --config=gpt_8p3b --mesh=64x8 --precision=fp16 --sequence  # parallel.sequence
+    python -m megajax.info --config=llama3_8b --config.model.max_seq_len=131072 --mesh=1x8,context=16 \
+        --target=h100 --hosts=16  # does a 128K sequence fit 128 H100s with 16 context shards?
 
 Counts come from ``jax.eval_shape`` and the sharding rules, so the mesh can be far larger than the host.
 Training state is fp32 master parameters, fp32 gradients and AdamW's two fp32 moments: 16 bytes per parameter,
@@ -11,7 +13,7 @@ embeddings and row-parallel biases stay replicated). The step's peak adds what `
 (the activations JAX keeps, ZeRO-1's split gradients, the batch); ``--compiled``
 prints it beside the compiled step's own memory plan (``memory_analysis()``; needs the mesh's devices).
 ``--sequence`` turns on sequence parallelism: the activations of the LayerNorm, dropout and residual regions are
-split over ``model`` too.
+split over ``model`` too. ``--config.FIELD=VALUE`` overrides a field of the config, as train.py's flags do.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import jax
 from megajax.cli import (
     ArgumentParser,
     add_parallel_flags,
+    apply_config_overrides,
     apply_mesh,
     apply_parallel_flags,
     load_config,
@@ -58,8 +61,8 @@ def format_report(r: MemoryReport, device_memory_gb: float | None,
         f"parameters           {r.num_params:,} ({r.num_params / 1e9:.3f} B)"
         + (f", {r.active_params:,} active per token" if r.active_params != r.num_params else ""),
         f"mesh                 {f'pipe={r.pipe} x ' if r.pipe > 1 else ''}data={r.data} x "
-        f"{f'expert={r.expert} x ' if r.expert > 1 else ''}model={r.model} "
-        f"({r.pipe * r.data * r.expert * r.model} devices)",
+        f"{f'expert={r.expert} x ' if r.expert > 1 else ''}{f'context={r.context} x ' if r.context > 1 else ''}"
+        f"model={r.model} ({r.pipe * r.data * r.expert * r.context * r.model} devices)",
         f"params per device    {r.params_per_device:,}" + ("  (split over data: parallel.fsdp)" if r.fsdp else ""),
         f"  fp32 parameters    {_g(r.param_bytes)}",
         f"  fp32 gradients     {_g(r.grad_bytes)}",
@@ -135,8 +138,8 @@ def _mesh(step: GpuStep) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="config file, path or bare name (gpt_8p3b)")
-    p.add_argument("--mesh", default=None, help="DATAxMODEL, e.g. 64x8, or PIPExDATAxMODEL with pipeline stages "
-                                                "(default: the config's, data=1)")
+    p.add_argument("--mesh", default=None, help="DATAxMODEL, e.g. 64x8, or PIPExDATAxMODEL with pipeline stages, "
+                                                "then ,expert=E and / or ,context=C (default: the config's, data=1)")
     p.add_argument("--micro_batch", type=int, default=None, help="sequences per device per accumulation step "
                    "(default: the config's; global batch / data without accumulation)")
     p.add_argument("--device_memory_gb", type=float, default=None, help="say whether it fits this much memory")
@@ -151,22 +154,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hosts", type=int, default=1, help="--target: hosts of 8 GPUs (mesh.data=-1 takes them all)")
     p.add_argument("--hlo", default=None, help="--target --compiled: write the optimized GPU HLO to this file")
     add_parallel_flags(p)
-    args = p.parse_args(argv)
+    args, overrides = p.parse_known_args(argv)
     if args.hlo and not (args.target and args.compiled):
         p.error("--hlo writes the step compiled for a GPU: give it with --target=... --compiled")
     claim_file(args.hlo, flag="hlo", overwrite=True)
     use_cpu_devices(args.cpu_devices)
     start_backend()
     config = load_config(args.config)
+    apply_config_overrides(config, overrides)
     apply_parallel_flags(args, config)
     if args.mesh:
         apply_mesh(config, args.mesh)
     gpus = 8 * args.hosts if args.target else None
     if gpus and config.mesh.data == -1:  # every GPU of the hosts left after pipe x model
-        config.mesh.data = max(gpus // (config.mesh.pipe * config.mesh.expert * config.mesh.model), 1)
+        others = config.mesh.pipe * config.mesh.expert * config.mesh.context * config.mesh.model
+        config.mesh.data = max(gpus // others, 1)
     config.mesh.data = max(config.mesh.data, 1)  # without a target, the config's mesh.data=-1 plans one shard
     data, model, pipe, expert = config.mesh.data, config.mesh.model, config.mesh.pipe, config.mesh.expert
-    devices = pipe * data * expert * model
+    devices = pipe * data * expert * config.mesh.context * model
     if args.precision:
         config.train.precision = args.precision
     elif args.target and config.train.precision == "auto":  # what auto resolves to on the GPU

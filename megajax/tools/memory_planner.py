@@ -82,9 +82,30 @@ def layer_residual_bytes(run: RunSpec, micro_batch: int, remat: str | None = Non
     split = run.tensor if run.sequence else 1  # the residual stream's share on one device
     # the expert shards only where there are any: only a mixture of experts accepts them (``check_mesh``)
     experts = {"expert": run.expert} if run.expert > 1 else {}
-    return run.model_spec.layer_residuals(run.model, _rows(run, micro_batch), run.tensor, split,
-                                          remat or run.model.remat, compute_bytes(run), attention_for(run, gpu),
+    remat, rows, attention = remat or run.model.remat, _rows(run, micro_batch), attention_for(run, gpu)
+    local = dataclasses.replace(run.model, max_seq_len=run.model.max_seq_len // run.context)
+    kept = run.model_spec.layer_residuals(local, rows, run.tensor, split, remat, compute_bytes(run), attention,
                                           **experts)
+    return kept + context_attention_bytes(run, rows, remat, attention)
+
+
+def context_attention_bytes(run: RunSpec, rows: int, remat: str, attention: str) -> int:
+    """What a layer keeps under context parallelism beyond its inventory at one device's s / C positions: the
+    attention core's queries against every key, not only the device's (its (b, a, s/C, s) residuals, C times those
+    at s / C), and the keys and values all-gathered whole, which the core keeps as its inputs (the local chunks are
+    in the inventory). Nothing with ``full`` (the layer's input only) or ``save_dots`` (the gathered keys and
+    values are recomputed); 0 without context shards."""
+    c, cfg = run.context, run.model
+    if c == 1 or remat in ("full", "save_dots"):
+        return 0
+    s = cfg.max_seq_len // c  # one device's queries
+    core = 0
+    if remat != "selective" and attention == "xla":  # the (s/C x s) probabilities' copies and dropout mask
+        per_score = 4 + compute_bytes(run) + (1 if cfg.dropout > 0 else 0)
+        core = (c - 1) * cfg.num_heads * s * s * rows * per_score // run.tensor
+    heads = 1 if cfg.kv_replicated(run.tensor) else cfg.kv_heads // run.tensor
+    gathered = 2 * rows * (cfg.max_seq_len - s) * heads * cfg.head_dim * compute_bytes(run)
+    return core + gathered
 
 
 def head_bytes(run: RunSpec, micro_batch: int, gpu: bool = False) -> int:
@@ -104,7 +125,7 @@ def head_bytes(run: RunSpec, micro_batch: int, gpu: bool = False) -> int:
     bench/README.md).
     """
     m, tp = run.model, run.tensor
-    cd, s, b, h = compute_bytes(run), m.max_seq_len, _rows(run, micro_batch), m.hidden_size
+    cd, s, b, h = compute_bytes(run), m.max_seq_len // run.context, _rows(run, micro_batch), m.hidden_size
     head = run.model_spec.head_memory
     vocab = head.vocab_logit_copies  # fp32 (b, s, V/t) copies
     logits = s * b * m.padded_vocab_size // tp
@@ -123,9 +144,11 @@ def word_embedding_grad_bytes(run: RunSpec) -> int:
     backward writes it first, after the head's logits, their exponentials and their gradient are freed: without
     recomputation or with ``selective`` the head is the peak, and this gradient is not part of it (gpt_tiny at
     micro-batch 1: temp 0.87 -> 0.99 of the compiled). With ``full`` / ``save_dots`` the compiled peak comes later,
-    in the layers' backward, after it is written (leaving it out there undercounts by 8-12%). 0 for the task models,
-    which have no output layer over the vocabulary."""
-    if not run.model_spec.head_memory.vocab_output or run.model.remat in ("full", "save_dots"):
+    in the layers' backward, after it is written (leaving it out there undercounts by 8-12%). Under context
+    parallelism the compiled step writes it before the head's peak (gpt_tiny and llama_tiny at s=256, context 4:
+    the 2 MiB gradient was the whole gap, 1.12x). 0 for the task models, which have no output layer over the
+    vocabulary."""
+    if not run.model_spec.head_memory.vocab_output or run.model.remat in ("full", "save_dots") or run.context > 1:
         return 0
     rows = run.model.padded_vocab_size // run.tensor
     return FP32 * rows * run.model.hidden_size // (run.data if run.shard_optimizer else 1)
@@ -137,7 +160,9 @@ class Activations:
 
     layers: int  # L layers' residuals, kept from the forward pass to their backward
     head: int  # the output head at the start of the backward pass
-    recompute: int  # one layer's residuals recomputed in the backward pass (full / save_dots), else 0
+    # one layer's residuals recomputed in the backward pass (full / save_dots), and the attention core's backward
+    # working set (attention_backward_bytes)
+    recompute: int
 
     @property
     def total(self) -> int:
@@ -170,11 +195,25 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
                                head_bytes(run, micro_batch, gpu), recompute)
         layers = ticks * m.num_layers // p * layer_residual_bytes(run, rows, remat, gpu=gpu)
         return Activations(layers, head_bytes(run, micro_batch, gpu), recompute)
-    recompute = 0
+    recompute = attention_backward_bytes(run, micro_batch, gpu)
     if m.remat in ("full", "save_dots"):
-        recompute = layer_residual_bytes(run, micro_batch, "none", gpu=gpu)
+        recompute += layer_residual_bytes(run, micro_batch, "none", gpu=gpu)
     layers = m.num_layers * layer_residual_bytes(run, micro_batch, gpu=gpu)
     return Activations(layers, head_bytes(run, micro_batch, gpu), recompute)
+
+
+def attention_backward_bytes(run: RunSpec, micro_batch: int, gpu: bool = False) -> int:
+    """The attention core's working set in a layer's backward pass beyond what the layer kept, on one device: with
+    XLA's attention the gradients of the probabilities and of the scores (fp32, b x a/t x s/C x s each), and under
+    ``remat=selective`` the recomputed scores and probabilities too (two more); nothing with cuDNN's flash
+    attention (it never makes them). What dominates at long sequences (s=4096: 4 of them, 1.08 GB of gpt_tiny's
+    compiled 1.08 GB at one layer)."""
+    if attention_for(run, gpu) != "xla":
+        return 0
+    m = run.model
+    copies = 4 if m.remat == "selective" else 2
+    scores = m.num_heads * (m.max_seq_len // run.context) * m.max_seq_len * _rows(run, micro_batch) // run.tensor
+    return copies * scores * FP32
 
 
 def traced_layer_residual_bytes(run: RunSpec, micro_batch: int) -> int:
@@ -279,6 +318,7 @@ class MemoryReport:
     workspace_bytes: int = 0  # the GPU's GEMM workspace (GPU_GEMM_WORKSPACE); 0 on the CPU
     active_params: int = 0  # the parameters one token uses (``ModelSpec.active_parameters``: a mixture of experts')
     expert: int = 1  # expert shards: data shards outside a mixture of experts' routed layers
+    context: int = 1  # context shards: each device holds s / C positions of every sequence
 
     @property
     def total_bytes(self) -> int:
@@ -390,7 +430,7 @@ def memory_report(run: RunSpec, micro_batch: int | None = None, num_micro: int |
     return MemoryReport(total, local, FP32 * local, FP32 * local, optimizer, act.total, data, model, act,
                         gradient_bytes(local, data, zero, num_micro), batch, run.sequence, run.fsdp,
                         word_embedding_grad_bytes(run), head, layer, stage, pipe, GPU_GEMM_WORKSPACE if gpu else 0,
-                        run.model_spec.active_parameters(run.model, total), run.expert)
+                        run.model_spec.active_parameters(run.model, total), run.expert, run.context)
 
 
 def largest_micro_batch(run: RunSpec, device_bytes: float, gpu: bool = False) -> int:
