@@ -22,6 +22,7 @@ import jax
 from megajax.cli import (
     ArgumentParser,
     add_parallel_flags,
+    apply_config_overrides,
     apply_mesh,
     apply_parallel_flags,
     load_config,
@@ -38,16 +39,18 @@ def main(argv: list[str] | None = None) -> str:
     argv = sys.argv[1:] if argv is None else argv
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
-    p.add_argument("--mesh", default="1x1", help="DATAxMODEL or PIPExDATAxMODEL")
+    p.add_argument("--mesh", default="1x1", help="DATAxMODEL or PIPExDATAxMODEL, then ,expert=E and / or "
+                                                 ",context=C; --config.FIELD=V overrides a config field")
     p.add_argument("--pipeline_microbatches", type=int, default=None, help="parallel.pipeline_microbatches")
     p.add_argument("--pipeline_repeats", type=int, default=None, help="parallel.pipeline_repeats (circular)")
     p.add_argument("--batch", type=int, default=0, help="global batch (default: the config's)")
     p.add_argument("--cpu_devices", type=int, default=0)
     add_parallel_flags(p)
-    args = p.parse_args(argv)
+    args, overrides = p.parse_known_args(argv)
     use_cpu_devices(args.cpu_devices)
     start_backend()
     config = load_config(args.config)
+    apply_config_overrides(config, overrides)
     apply_mesh(config, args.mesh)
     for name in ("pipeline_microbatches", "pipeline_repeats"):
         if getattr(args, name) is not None:

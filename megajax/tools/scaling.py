@@ -92,7 +92,10 @@ all-reduce, overlapped as it) and all-gathers each layer's fp32 parameters twice
 overlapped, so the planner turns it on only where less does not fit); megajax's own pipeline (GPipe / circular;
 the Megatron-LM schedule is what PTD-P checks); a mixture of experts' expert shards (``scaling_experts.py``: the
 experts' GEMMs over balanced rows, the dispatch's passes, the all-to-alls, the gradients split between data x
-expert and data; the batch is split over data x expert). None is calibrated: the papers have none.
+expert and data; the batch is split over data x expert); context shards (``scaling_context.py``: a GPU does the
+work of micro-batch / C sequences, plus the keys' and values' all-gathers and reduce-scatters, the gradients over
+data x context); flash attention on clusters whose step runs cuDNN's (``Cluster.flash_attention``, the H100: no
+passes over the s x s scores, the memory planner's GPU activations). None is calibrated: the papers have none.
 
 Ignored: tensor-parallel communication overlapped with compute, point-to-point overlapped with compute, NCCL's
 protocols and topology beyond a ring, kernel efficiency beyond the calibration (the 2019 constants describe eager
@@ -105,6 +108,7 @@ import dataclasses
 import functools
 
 from megajax.config import RunSpec, replanned
+from megajax.models.transformer import attention_reason
 from megajax.parallel.pipeline import slots
 from megajax.tools.comm_budget import minimum
 from megajax.tools.memory_planner import activations
@@ -124,6 +128,7 @@ from megajax.tools.scaling_clusters import (  # noqa: F401 (the clusters are thi
     group_allreduce_s,
     ring_allreduce_s,
 )
+from megajax.tools.scaling_context import context_comm_s
 from megajax.tools.scaling_experts import expert_comm_s, routed_layer_s
 from megajax.tools.scaling_layout import comm_shape, layout, parameters_per_gpu, with_choices
 from megajax.tools.scaling_pipeline import Pipeline, crosses_nodes, megatron_activation_bytes, p2p_s
@@ -161,10 +166,12 @@ class Prediction:
     pipe_comm_s: float = 0.0  # point-to-point between stages, and the ends' transfers over pipe
     expert: int = 1  # expert shards (mesh.expert): data shards outside a mixture's routed layers
     expert_comm_s: float = 0.0  # the routed layers' all-to-alls and routing statistics
+    context: int = 1  # context shards (mesh.context): every sequence split over them
+    context_comm_s: float = 0.0  # the keys' and values' all-gathers and their gradients' reduce-scatters
 
     @property
     def gpus(self) -> int:
-        return self.pipeline.stages * self.mesh[0] * self.expert * self.mesh[1]
+        return self.pipeline.stages * self.mesh[0] * self.expert * self.context * self.mesh[1]
 
     @property
     def bubble(self) -> float:
@@ -206,11 +213,19 @@ def layer_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster, exper
     layer += (3 + core) * sum(gemm_s(*g, cluster) for g in attention)
     tokens = micro_batch * m.max_seq_len
     replicated = tokens * m.hidden_size / (tensor if run.sequence else 1)  # SP: each GPU's positions only
-    sizes = (replicated, tokens * m.hidden_size / tensor, micro_batch * m.num_heads / tensor * m.max_seq_len**2)
+    # cuDNN's flash attention (where the cluster's step runs it) keeps the scores on chip: no passes over them
+    scores = 0 if flash_attention(run, cluster) else micro_batch * m.num_heads / tensor * m.max_seq_len**2
+    sizes = (replicated, tokens * m.hidden_size / tensor, scores)
     repeats = (elementwise, elementwise, core)
     passes = sum(n * ((1 + r) * fwd + bwd) for n, r, (fwd, bwd) in zip(sizes, repeats, cluster.passes))
     routed = routed_layer_s(run, tensor, micro_batch, expert, cluster)
     return layer + routed + (HALF * passes / cluster.hbm_bandwidth + cluster.layer_overhead_s)
+
+
+def flash_attention(run: RunSpec, cluster: Cluster) -> bool:
+    """Whether megajax's step on ``cluster`` runs the model's attention as cuDNN's flash attention (in half
+    precision: ``transformer.attention_reason``), so its s x s scores are neither kept nor passed over in HBM."""
+    return cluster.flash_attention and not attention_reason(dataclasses.replace(run.model, dtype="bfloat16"))
 
 
 def head_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster) -> float:
@@ -265,29 +280,30 @@ def state_bytes(run: RunSpec, tensor: int, data: int = 1, stages: int = 1, exper
 
 
 @functools.lru_cache(maxsize=4096)
-def _on_mesh(run: RunSpec, tensor: int, data: int, pipeline: Pipeline, expert: int = 1) -> RunSpec:
-    """``run`` on a (data, model) mesh of ``pipeline.stages`` stages with its schedule and ``expert`` expert shards,
-    in half precision (what the memory planner reads of them), resolved again (``config.replanned``)."""
+def _on_mesh(run: RunSpec, tensor: int, data: int, pipeline: Pipeline, expert: int = 1, context: int = 1) -> RunSpec:
+    """``run`` on a (data, model) mesh of ``pipeline.stages`` stages with its schedule, ``expert`` expert shards and
+    ``context`` context shards, in half precision (what the memory planner reads of them), resolved again
+    (``config.replanned``)."""
     return replanned(run, {"mesh.pipe": pipeline.stages, "mesh.data": data, "mesh.model": tensor,
-                           "mesh.expert": expert,
+                           "mesh.expert": expert, "mesh.context": context,
                            "parallel.pipeline_microbatches": pipeline.microbatches if pipeline.stages > 1 else 0,
                            "parallel.pipeline_repeats": pipeline.repeats, "train.precision": "bf16"}, training=False)
 
 
 def memory_bytes(run: RunSpec, tensor: int, micro_batch: int, data: int = 1, pipeline: Pipeline | None = None,
-                 expert: int = 1) -> int:
+                 expert: int = 1, context: int = 1, gpu: bool = False) -> int:
     """Per-GPU training memory as ``megajax.info``'s total: ``state_bytes`` plus the memory planner's activations
     (``memory_planner.activations`` of the run on the mesh in half precision, ``_on_mesh``: the spec's per-layer
     residuals and head) for one micro-batch. Not counted: FSDP's one gathered layer at a time. With pipeline stages,
     one stage's (``stage_memory_bytes``)."""
     pipeline = pipeline or Pipeline()
     if pipeline.stages > 1:
-        return stage_memory_bytes(run, tensor, micro_batch, data, pipeline)
-    placed = _on_mesh(run, tensor, data, pipeline, expert)
-    return state_bytes(run, tensor, data, 1, expert) + activations(placed, micro_batch).total
+        return stage_memory_bytes(run, tensor, micro_batch, data, pipeline, gpu)
+    placed = _on_mesh(run, tensor, data, pipeline, expert, context)
+    return state_bytes(run, tensor, data, 1, expert) + activations(placed, micro_batch, gpu).total
 
 
-def stage_memory_bytes(run: RunSpec, tensor: int, rows: int, data: int, pipeline: Pipeline) -> int:
+def stage_memory_bytes(run: RunSpec, tensor: int, rows: int, data: int, pipeline: Pipeline, gpu: bool = False) -> int:
     """One stage's memory: its state (``state_bytes``) and activations. megajax's are the memory planner's
     (``megajax.info``'s: ``activations`` of the run on the mesh with the stages, microbatches and repeats), plus the
     tick loop's fp32 sums of the stage's layer gradients (GPipe: an accumulator and each tick's contribution;
@@ -299,7 +315,7 @@ def stage_memory_bytes(run: RunSpec, tensor: int, rows: int, data: int, pipeline
         return state + megatron_activation_bytes(placed, rows, pipeline)
     blocks = run.model.num_layers // pipeline.stages * layout(run, tensor).layer
     sums = (2 if pipeline.repeats == 1 else 1) * 4 * blocks
-    return state + activations(placed, rows).total + sums
+    return state + activations(placed, rows, gpu).total + sums
 
 
 def gather_params_s(run: RunSpec, mesh: tuple[int, int], cluster: Cluster, stages: int = 1,
@@ -328,18 +344,22 @@ def _rows(mesh, global_batch, micro_batch, expert: int = 1) -> tuple[int, int]:
 
 
 def _step(r: RunSpec, mesh, global_batch, cluster, micro_batch, grad_bytes,
-          expert: int = 1) -> tuple[float, float, float, float, float, int]:
-    """(compute, tensor-parallel, exposed data-parallel, expert, step, rows) without stages (module docstring)."""
+          expert: int = 1, context: int = 1) -> tuple[float, float, float, float, float, int]:
+    """(compute, tensor-parallel, exposed data-parallel, expert or context, step, rows) without stages (module
+    docstring; ``scaling_context``: a GPU of ``context`` shards does the work of micro-batch / context sequences)."""
     data, tensor = mesh
     micro, num_micro = _rows(mesh, global_batch, micro_batch, expert)
-    compute = num_micro * compute_s(r, tensor, micro, cluster, expert)
+    share = micro / context  # the sequences' worth one GPU computes
+    compute = num_micro * compute_s(r, tensor, share, cluster, expert)
     compute += OPTIMIZER_BYTES_PER_PARAM * parameters_per_gpu(r, tensor, 1, expert)[1] / cluster.hbm_bandwidth
-    tensor_comm = num_micro * tensor_comm_s(r, tensor, micro, cluster)
-    expert_comm = num_micro * expert_comm_s(r, mesh, micro, expert, cluster)
-    # FSDP reduces the gradients onto their shards: a reduce-scatter, half the all-reduce
-    grads = data_comm_s(r, mesh, cluster, grad_bytes, 1, expert) / (2 if r.fsdp else 1)
+    tensor_comm = num_micro * tensor_comm_s(r, tensor, share, cluster)
+    other = num_micro * (expert_comm_s(r, mesh, micro, expert, cluster) + context_comm_s(r, mesh, micro, context,
+                                                                                          cluster))
+    # FSDP reduces the gradients onto their shards: a reduce-scatter, half the all-reduce; with context shards the
+    # gradients are reduced over data x context (the group's members `model` apart)
+    grads = data_comm_s(r, (data * context, tensor), cluster, grad_bytes, 1, expert) / (2 if r.fsdp else 1)
     data_comm = (1 - cluster.dp_overlap) * grads + gather_params_s(r, mesh, cluster, 1, expert)
-    return compute, tensor_comm, data_comm, expert_comm, compute + tensor_comm + data_comm + expert_comm, micro
+    return compute, tensor_comm, data_comm, other, compute + tensor_comm + data_comm + other, micro
 
 
 def _tensor_parts(r: RunSpec, tensor: int, micro_batch: int, cluster: Cluster) -> tuple[float, float]:
@@ -396,7 +416,7 @@ def _pipeline_step(r: RunSpec, mesh, global_batch, cluster, micro_batch, grad_by
 
 def predict(run: RunSpec, mesh: tuple[int, int], global_batch: int, cluster: Cluster,
             micro_batch: int | None = None, grad_bytes: int = 4, baseline_tflops: float | None = None,
-            memory: bool = True, pipeline: Pipeline | None = None, expert: int = 1) -> Prediction:
+            memory: bool = True, pipeline: Pipeline | None = None, expert: int = 1, context: int = 1) -> Prediction:
     """The predicted step of ``run``'s model with its choices (``choices``: remat, sequence parallelism, the state
     split over data) on a (data, model) ``mesh`` (times ``pipeline.stages``, times ``expert`` shards for a mixture
     of experts) with ``global_batch`` sequences per step; the run's own mesh, batch and pipeline are not read.
@@ -405,30 +425,38 @@ def predict(run: RunSpec, mesh: tuple[int, int], global_batch: int, cluster: Clu
     once); with stages, each is the layer stack's batch, cut into ``pipeline.microbatches``.
     ``grad_bytes``: bytes per gradient element all-reduced over ``data`` (megajax: 4; Megatron-LM 2019: 2).
     ``baseline_tflops``: the efficiency's reference (default: this model on 1 GPU with one shard's batch).
-    ``memory=False`` skips the memory estimate (the memory planner's): memory_bytes 0, fits True."""
+    ``memory=False`` skips the memory estimate (the memory planner's): memory_bytes 0, fits True.
+    ``context``: context shards (``scaling_context``), each sequence split over them; the GPUs are then
+    stages x data x expert x context x model."""
     data, tensor = mesh
     pipeline = pipeline or Pipeline()
     if expert > 1 and pipeline.stages > 1:
         raise ValueError("the scaling model times expert shards without pipeline stages only (a mixture of experts "
                          "does not run in stages)")
+    if context > 1 and (pipeline.stages > 1 or expert > 1):
+        raise ValueError("the scaling model times context shards without pipeline stages or expert shards only")
+    context_comm = 0.0
     if pipeline.stages == 1:
         compute, tensor_comm, data_comm, expert_comm, step, micro = _step(run, mesh, global_batch, cluster,
-                                                                          micro_batch, grad_bytes, expert)
+                                                                          micro_batch, grad_bytes, expert, context)
         pipe_comm = 0.0
+        if context > 1:
+            expert_comm, context_comm = 0.0, expert_comm
     else:
         compute, tensor_comm, data_comm, pipe_comm, step, micro = _pipeline_step(
             run, mesh, global_batch, cluster, micro_batch, grad_bytes, pipeline)
         expert_comm = 0.0
     shards = data * expert  # the batch's
     work = flops(run, global_batch)
-    tflops = work / step / (pipeline.stages * shards * tensor) / 1e12
+    tflops = work / step / (pipeline.stages * shards * context * tensor) / 1e12
     if baseline_tflops is None:
         base = _step(run, (1, 1), global_batch // shards, cluster, micro_batch, grad_bytes)[4]
         baseline_tflops = work / shards / base / 1e12
-    need = memory_bytes(run, tensor, micro, data, pipeline, expert) if memory else 0
+    flash = flash_attention(run, cluster)
+    need = memory_bytes(run, tensor, micro, data, pipeline, expert, context, flash) if memory else 0
     return Prediction(run=run, mesh=mesh, global_batch=global_batch, micro_batch=micro,
                       num_micro=global_batch // shards // micro, compute_s=compute, tensor_comm_s=tensor_comm,
                       data_comm_s=data_comm, step_s=step, tflops_per_gpu=tflops,
                       mfu=tflops * 1e12 / cluster.peak_flops, efficiency=tflops / baseline_tflops,
                       memory_bytes=need, fits=need <= cluster.hbm_bytes, pipeline=pipeline, pipe_comm_s=pipe_comm,
-                      expert=expert, expert_comm_s=expert_comm)
+                      expert=expert, expert_comm_s=expert_comm, context=context, context_comm_s=context_comm)

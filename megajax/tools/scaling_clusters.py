@@ -43,6 +43,9 @@ class Cluster:
     layer_overhead_s: float  # per layer per micro-batch, independent of size and t
     dp_overlap: float  # fraction of the data-parallel all-reduce hidden behind the backward pass
     passes: tuple = (REPLICATED_PASSES, SPLIT_PASSES, SCORE_PASSES)  # (forward, backward) per kind, as those
+    # megajax's step on these GPUs runs cuDNN's flash attention where the model allows it (H100: the memory planner's
+    # ``gpu=True``, no s x s scores kept); the papers' V100 and A100 runs had none
+    flash_attention: bool = False
 
 
 # The paper's Section 5: DGX-2H, 16 V100 SXM3 32GB per node; 39 TFLOP/s = 30% of peak gives 130 TFLOP/s fp16
@@ -57,7 +60,7 @@ DGX2H_V100 = Cluster(name="dgx2h", peak_flops=130e12, hbm_bytes=32 * GiB, hbm_ba
 # (XLA fuses and launches less), the paper's overlap.
 DGX_H100 = Cluster(name="dgx_h100", peak_flops=989e12, hbm_bytes=80 * GiB, hbm_bandwidth=3.35e12, gpus_per_node=8,
                    intra_bandwidth=450e9, intra_latency=2e-6, inter_bandwidth=50e9, inter_latency=5e-6,
-                   gemm_efficiency=0.75, layer_overhead_s=0.6e-3, dp_overlap=0.3)
+                   gemm_efficiency=0.75, layer_overhead_s=0.6e-3, dp_overlap=0.3, flash_attention=True)
 # PTD-P's cluster (Narayanan et al. 2021): DGX A100 80GB nodes: 312 TFLOP/s fp16 / bf16 dense, HBM2e 2.04 TB/s,
 # NVLink3 through NVSwitch 600 GB/s per GPU both directions (300 each way), 8 x 200 Gb/s HDR InfiniBand per node
 # (one per GPU: 25 GB/s each way); Megatron-LM 2021's fused kernels (MEGATRON_2021_PASSES). gemm_efficiency and

@@ -114,21 +114,25 @@ def parameters_per_gpu(run: RunSpec, tensor: int = 1, stages: int = 1, expert: i
 
 
 def comm_shape(run: RunSpec, mesh: tuple[int, int], micro_batch: int, num_micro: int, layers: int,
-               expert: int = 1) -> Shape:
+               expert: int = 1, context: int = 1) -> Shape:
     """The communication budget's ``Shape`` of ``layers`` layers of a model (and the ends) on a (data, model) mesh
-    with ``expert`` expert shards, in half precision: the spec's all-reduces per layer, the abstract model's
-    parameters (as ``comm_budget.step_shape`` reads a compiled run's), a mixture's routed assignments."""
+    with ``expert`` expert shards and ``context`` context shards, in half precision: the spec's all-reduces per
+    layer, the abstract model's parameters (as ``comm_budget.step_shape`` reads a compiled run's), a mixture's
+    routed assignments, one device's chunks of the keys and values."""
     cfg, spec, tensor = run.model, run.model_spec, mesh[1]
     lay, kv_head = layout(run, tensor), kv_head_elements(cfg, tensor)
     local = data_gradient_elements(cfg, lay.local(layers, expert), layers, kv_head)
     experts, per_token = cfg.routed_experts
-    return Shape(micro_batch=micro_batch, num_micro=num_micro, seq=cfg.max_seq_len, hidden=cfg.hidden_size,
+    kv_local = 1 if cfg.kv_replicated(tensor) else cfg.kv_heads // tensor
+    seq = cfg.max_seq_len // context
+    return Shape(micro_batch=micro_batch, num_micro=num_micro, seq=seq, hidden=cfg.hidden_size,
                  layers=layers, tensor=tensor, data=mesh[0], activation_bytes=HALF, local_grad_elements=local,
                  tensor_all_reduces=spec.tensor_all_reduces, recomputed_all_reduces=spec.recomputed_all_reduces,
                  remat=cfg.remat, kv_head_elements=kv_head, expert=expert,
                  expert_grad_elements=layers * lay.expert_layer // expert, num_experts=experts,
                  routed_rows=micro_batch * cfg.max_seq_len * per_token,
-                 exchange_rows=cfg.exchange_rows(micro_batch, expert), routed_layers=layers if experts else 0)
+                 exchange_rows=cfg.exchange_rows(micro_batch, expert), routed_layers=layers if experts else 0,
+                 context=context, context_kv_elements=micro_batch * seq * kv_local * cfg.head_dim if context > 1 else 0)
 
 
 def splits_evenly(run: RunSpec, tensor: int) -> bool:

@@ -1,6 +1,8 @@
 """Chooses a mesh for a cluster with the scaling model (``megajax.tools.scaling``), and its command.
 
     python -m megajax.scaling --config=gpt_8p3b --gpus=512 --cluster=dgx2h [--global_batch=512] [--pipe=P]
+    python -m megajax.scaling --config=llama3_8b --gpus=128 --cluster=dgx_h100 --context=16 \
+        --config.model.max_seq_len=131072 --global_batch=8   # every sequence over 16 context shards
 
 prints every (pipe, data, model) mesh of the GPUs (a mixture of experts: (data, expert, model), no stages) with its
 predicted step time (compute, tensor-parallel, point-to-point over pipe, exposed data-parallel, the experts'
@@ -18,17 +20,18 @@ recommends the fastest one that fits, as train.py flags. Per mesh it chooses (``
 Each mesh's row is its fastest choice that fits (else the one needing least memory). The config's own mesh is not
 kept (``--pipe`` restricts the stages): ``main`` resolves the config on one GPU without stages, and each candidate
 is that run placed on its mesh (``config.replanned``); the flags name all three axes, so a config with mesh.pipe > 1
-takes them.
+takes them. ``--context=C`` plans meshes with C context shards (``scaling_context``: no stages, no expert shards),
+the (data, model) meshes of the GPUs / C left; ``--config.FIELD=V`` overrides a field of the config.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from megajax.cli import ArgumentParser, load_config
+from megajax.cli import ArgumentParser, apply_config_overrides, load_config
 from megajax.config import RunSpec, resolve
 from megajax.models import TransformerConfig
-from megajax.tools.scaling import CLUSTERS, Cluster, GiB, Prediction, memory_bytes, predict
+from megajax.tools.scaling import CLUSTERS, Cluster, GiB, Prediction, flash_attention, memory_bytes, predict
 from megajax.tools.scaling_layout import (
     choice_flags,
     choices,
@@ -122,25 +125,29 @@ def pipelines(model: TransformerConfig, stages: int, rows: int) -> list[Pipeline
 
 def recommend_mesh(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch: int,
                    micro_batch: int | None = None, grad_bytes: int = 4, choose: bool = False,
-                   pipe: int | None = None) -> tuple[Prediction | None, list[Prediction]]:
+                   pipe: int | None = None, context: int = 1) -> tuple[Prediction | None, list[Prediction]]:
     """(the fastest mesh that fits in HBM or None, one prediction per candidate mesh, fastest first).
 
     Meshes are (pipe, data, expert, model) (``candidate_meshes``; ``pipe``: only that many stages); those that do not
     divide the model or the batch are not candidates; those over HBM are listed, never recommended. With stages, every
     schedule and microbatch count of ``pipelines`` is tried. ``choose``: besides the mesh, pick the remat policy,
     sequence parallelism and ZeRO-1 / FSDP (each mesh's row is its fastest choice that fits, else its least memory);
-    otherwise the run's own are kept."""
+    otherwise the run's own are kept. ``context``: every mesh with that many context shards (of the ``num_gpus``;
+    no stages)."""
     table = []
-    for stages, data, expert, tensor in candidate_meshes(run, num_gpus, cluster, global_batch, micro_batch, pipe):
+    meshes = candidate_meshes(run, num_gpus // context, cluster, global_batch, micro_batch, 1 if context > 1 else pipe)
+    for stages, data, expert, tensor in meshes:
         mesh = (data, tensor)
         rows = micro_batch or global_batch // (data * expert)
         options = sorted((predict(c, mesh, global_batch, cluster, micro_batch, grad_bytes, memory=False, pipeline=pl,
-                                  expert=expert)
-                          for pl in pipelines(run.model, stages, rows) for c in variants(run, mesh, choose, stages)),
+                                  expert=expert, context=context)
+                          for pl in pipelines(run.model, stages, rows) for c in variants(run, mesh, choose, stages)
+                          if context == 1 or c.model.max_seq_len % (2 * context * (tensor if c.sequence else 1)) == 0),
                          key=lambda p: p.step_s)
         row = None
         for option in options:  # fastest first: the first that fits is the row; else the one needing least memory
-            need = memory_bytes(option.run, tensor, option.micro_batch, data, option.pipeline, expert)
+            need = memory_bytes(option.run, tensor, option.micro_batch, data, option.pipeline, expert, context,
+                                flash_attention(option.run, cluster))
             option = dataclasses.replace(option, memory_bytes=need, fits=need <= cluster.hbm_bytes)
             if option.fits:
                 row = option
@@ -156,20 +163,23 @@ def format_table(table: list[Prediction], best: Prediction | None) -> str:
     """The CLI's table of meshes and its recommendation (a mixture of experts' with the expert shards and the time
     of their all-to-alls)."""
     routed = any(p.run.model.routed_experts[0] for p in table)
+    contexts = any(p.context > 1 for p in table)
     lines = [f"{'pipe':>4} {'mesh':>8} {'expert':>6} " * routed + f"{'pipe':>4} {'mesh':>8} " * (not routed) +
+             f"{'ctx':>4} " * contexts +
              f"{'sched':>7} {'M':>4} {'micro':>5} {'remat':>9} {'SP':>3} {'ZeRO':>4} "
              f"{'step s':>8} {'compute':>8} {'TP comm':>8} {'PP comm':>8} {'DP comm':>8} " +
-             f"{'EP comm':>8} " * routed + f"{'bubble':>6} "
+             f"{'EP comm':>8} " * routed + f"{'CP comm':>8} " * contexts + f"{'bubble':>6} "
              f"{'TFLOP/s':>8} {'MFU':>6} {'vs 1GPU':>7} {'GiB/GPU':>8} fits"]
     yes = lambda b: "yes" if b else "-"  # noqa: E731
     for p in table:
         (remat, sequence, shard_optimizer, fsdp), pl = choices(p.run), p.pipeline
         zero = "3" if fsdp else "1" if shard_optimizer else "-"
         lines.append(f"{pl.stages:>4} {p.mesh[0]:>4}x{p.mesh[1]:<3} " + f"{p.expert:>6} " * routed +
-                     f"{_schedule(pl):>7} "
+                     f"{p.context:>4} " * contexts + f"{_schedule(pl):>7} "
                      f"{pl.microbatches if pl.stages > 1 else '-':>4} {p.micro_batch:>5} {remat:>9} "
                      f"{yes(sequence):>3} {zero:>4} {p.step_s:8.3f} {p.compute_s:8.3f} {p.tensor_comm_s:8.3f} "
                      f"{p.pipe_comm_s:8.3f} {p.data_comm_s:8.3f} " + f"{p.expert_comm_s:8.3f} " * routed +
+                     f"{p.context_comm_s:8.3f} " * contexts +
                      f"{p.bubble:6.1%} {p.tflops_per_gpu:8.1f} "
                      f"{p.mfu:6.1%} {p.efficiency:7.1%} {p.memory_bytes / GiB:8.1f} {'yes' if p.fits else 'NO'}")
     if best is None:
@@ -181,6 +191,7 @@ def format_table(table: list[Prediction], best: Prediction | None) -> str:
                     f"microbatches, bubble {pl.bubble():.1%})" if pl.stages > 1 else "")
         remat, sequence, _, _ = choices(best.run)
         experts = f" x expert={best.expert}" if best.run.model.routed_experts[0] else ""
+        experts += f" x context={best.context}" if best.context > 1 else ""
         lines.append(f"recommendation: pipe={pl.stages} x data={best.mesh[0]}{experts} x model={best.mesh[1]}"
                      f"{schedule}, "
                      f"remat={remat}, sequence parallelism {'on' if sequence else 'off'}, "
@@ -193,6 +204,7 @@ def flags(prediction: Prediction) -> str:
     """The train.py flags of a prediction's mesh, schedule and choices."""
     pl, (data, tensor) = prediction.pipeline, prediction.mesh
     experts = f" --config.mesh.expert={prediction.expert}" if prediction.run.model.routed_experts[0] else ""
+    experts += f" --config.mesh.context={prediction.context}" if prediction.context > 1 else ""
     mesh = f"--config.mesh.pipe={pl.stages} --config.mesh.data={data}{experts} --config.mesh.model={tensor}"
     return " ".join(f for f in (mesh, pl.flags(), choice_flags(prediction.run)) if f)
 
@@ -217,8 +229,15 @@ def main(argv: list[str] | None = None) -> None:
                    "count that divides the layers; the config's mesh.pipe is not kept, as its data and model are not)")
     p.add_argument("--keep_choices", action="store_true", help="keep the config's remat, parallel.sequence, "
                    "parallel.shard_optimizer and parallel.fsdp instead of choosing them per mesh")
-    args = p.parse_args(argv)
+    p.add_argument("--context", type=int, default=1, help="context shards: every sequence split over this many GPUs "
+                   "(of --gpus; no stages, no expert shards)")
+    args, overrides = p.parse_known_args(argv)
     config = load_config(args.config)
+    apply_config_overrides(config, overrides)
+    if args.context < 1 or args.gpus % args.context:
+        p.error(f"--context={args.context} must be >= 1 and divide --gpus={args.gpus}")
+    if args.context > 1 and args.pipe > 1:
+        p.error("--context plans meshes without pipeline stages: drop --pipe")
     # the plan places the model on each mesh itself: resolved here once, on one GPU without stages
     config.mesh.update(pipe=1, data=1, model=1, expert=1)
     config.parallel.pipeline_repeats = 1
@@ -226,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     if not run.model_spec.causal_lm:
         raise SystemExit(f"error: the scaling model covers causal language models (GPT configs); {args.config} is "
                          f"{run.model_name}")
+    if args.context > 1 and run.model.routed_experts[0]:
+        p.error("--context plans dense models' meshes (no expert shards); this config is a mixture of experts")
     cluster = CLUSTERS[args.cluster]
     if args.pipe > 1:  # a model that does not run in stages (a mixture of experts) says why, before the search
         try:
@@ -235,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     batch = args.global_batch or config.train.global_batch_size
     micro = args.micro_batch if args.micro_batch is not None else config.train.micro_batch_size
     best, table = recommend_mesh(run, args.gpus, cluster, batch, micro or None, args.grad_bytes,
-                                 choose=not args.keep_choices, pipe=args.pipe or None)
+                                 choose=not args.keep_choices, pipe=args.pipe or None, context=args.context)
     if not table:
         axes = "(data, expert, model)" if run.model.routed_experts[0] else "(pipe, data, model)"
         parts = "layers, heads" + (", experts" if run.model.routed_experts[0] else "")
