@@ -20,6 +20,7 @@ import ml_collections
 from jax.sharding import Mesh
 
 from megajax.checkpoint.manager import CheckpointSettings, read_config
+from megajax.config.data_checks import check_data, check_packing
 from megajax.config.defaults import with_model_defaults
 from megajax.config.migrate import drop_shared_model_fields, migrate_config
 from megajax.config.settings import (
@@ -34,7 +35,7 @@ from megajax.config.settings import (
 )
 from megajax.data.settings import DataSettings
 from megajax.errors import ConfigError, ShardingConfigError
-from megajax.models import MODELS, ModelSpec, TransformerConfig, model_spec, task_models
+from megajax.models import MODELS, ModelSpec, TransformerConfig, model_spec
 from megajax.models.objectives import Field
 from megajax.parallel.sharding import (
     CONTEXT_AXIS,
@@ -447,7 +448,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, training: bool 
     config whose model is its ``init_from`` checkpoint's reads it first (``model_from_init``)."""
     config = model_from_init(config)
     dp, tp = validate(config, num_devices)
-    _check_packing(model_spec(config.model.name), config.data)
+    check_packing(model_spec(config.model.name), config.data)
     num_micro = validate_training(config, dp * config.mesh.expert) if training else 1
     if training:
         _check_pipeline_microbatches(config, config.train.global_batch_size // (dp * num_micro))
@@ -490,50 +491,9 @@ def replanned(run: RunSpec, changes: dict[str, Any], num_devices: int | None = N
 def check_data_source(config: ml_collections.ConfigDict) -> None:
     """Raises ConfigError when the model and ``config.data`` do not fit: pretraining models read corpora (their
     spec's example format), fine-tuning models ``data.source=task`` with one of the tasks their spec lists."""
-    _check_data(model_spec(config.model.name), config.data)
+    check_data(model_spec(config.model.name), config.data)
 
 
 def check_run_data(run: RunSpec) -> None:
     """``check_data_source`` of a resolved run."""
-    _check_data(run.model_spec, run.dataset)
-
-
-def _check_packing(spec: ModelSpec, d: ml_collections.ConfigDict) -> None:
-    """ConfigError where ``data.document_masking`` (or its options) or ``data.source=sft`` asks for packed rows the
-    model does not read."""
-    if (d.document_masking or d.source == "sft") and (spec.objective.packed_fields is None or spec.examples is None):
-        if d.source == "sft":
-            raise ConfigError(f"data.source=sft fine-tunes a decoder on packed rows; model.name={spec.name} reads "
-                              "none: fine-tune a decoder (gpt, llama, moe)")
-        raise ConfigError(f"data.document_masking packs documents into a decoder's windows; model.name={spec.name} "
-                          "reads no packed rows: set data.document_masking=False")
-    if d.eod_mask_loss and not d.document_masking:
-        raise ConfigError("data.eod_mask_loss drops the targets that cross from one document to the next of a packed "
-                          "window: set data.document_masking=True with it (or leave data.eod_mask_loss=False)")
-
-
-def _check_data(spec: ModelSpec, d: DataSettings | ml_collections.ConfigDict) -> None:
-    if d.tokenizer and d.source not in ("tfds", "task", "sft"):  # it would be silently unused
-        raise ConfigError(f"data.tokenizer={d.tokenizer!r} is read with data.source=tfds, task or sft; data.source="
-                          f"{d.source} brings its own (a preprocessed dataset's PREFIX.tokenizer.json, the default "
-                          "corpus's): leave data.tokenizer empty")
-    if d.blend:
-        if spec.examples is None:
-            raise ConfigError(f"data.blend mixes pretraining corpora, but model.name={spec.name} fine-tunes on "
-                              "data.source=task; leave data.blend empty")
-        return
-    if (d.source == "task") != (spec.examples is None):
-        fine_tuning = sorted(s.name for s in MODELS.values() if s.examples is None)
-        raise ConfigError(f"model.name={spec.name} with data.source={d.source}: the task models "
-                          f"({', '.join(fine_tuning)}) train on data.source=task and only they do")
-    if d.source == "task":
-        tasks = task_models()
-        if d.task not in tasks:
-            raise ConfigError(f"data.task={d.task!r}; choose one of {sorted(tasks)}")
-        if tasks[d.task] is not spec:
-            raise ConfigError(f"data.task={d.task} trains model.name={tasks[d.task].name}, got "
-                              f"model.name={spec.name!r}")
-    elif d.source == "random" and spec.examples.needs_sentences:
-        raise ConfigError(f"data.source=random has no sentences for model.name={spec.name} (its examples are "
-                          f"{spec.examples.name}); use data.source=default (the embedded prose corpus) or a corpus "
-                          "preprocessed with --split_sentences")
+    check_data(run.model_spec, run.dataset)
