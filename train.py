@@ -4,9 +4,12 @@
     python train.py --config=gpt_2p5b.py --config.train.steps=1000 --mesh=1x2
     python train.py --config=bert_tiny --workdir=/tmp/bert
     python train.py --config=finetune.py:mnli,336m --config.init_from=runs/bert_336m ...
+    python train.py --config=sft.py --config.init_from=CONVERTED --config.data.path=train.jsonl \
+        --config.data.tokenizer=tokenizer.json
 
 ``--mesh=DATAxMODEL`` sets ``config.mesh`` (the spelling every megajax command takes; ``PIPExDATAxMODEL`` adds
-pipeline stages, a trailing ``,expert=E`` expert shards); ``--cpu_devices=N`` simulates N devices on a CPU host.
+pipeline stages, a trailing ``,expert=E`` expert shards, ``,context=C`` context shards); ``--cpu_devices=N``
+simulates N devices on a CPU host.
 """
 
 import signal
@@ -53,7 +56,8 @@ def define_flags() -> None:
                                     "config file (path or bare name in configs/)")
     flags.DEFINE_string("workdir", "workdir", "where metrics, TensorBoard events and checkpoints go")
     flags.DEFINE_string("mesh", None, "DATAxMODEL, e.g. 4x2 (or PIPExDATAxMODEL, e.g. 2x2x2), optionally ,expert=E "
-                        "(e.g. 4x1,expert=2: a mixture of experts' experts over E shards): sets config.mesh")
+                        "(e.g. 4x1,expert=2: a mixture of experts' experts over E shards) and / or ,context=C (e.g. "
+                        "2x2,context=2: every sequence over C shards): sets config.mesh")
     flags.DEFINE_integer("cpu_devices", 0, "simulate this many devices on a CPU host (0: the real devices)")
 
 
