@@ -1,9 +1,9 @@
-"""Context parallelism (``mesh.context``, ``megajax.parallel.context``): every sequence split over the `context`
-axis for the whole layer stack, attention's keys and values all-gathered, each device holding chunks i and 2C-1-i.
-One training step on context 2, 4, 8 and data 2 x context 2 x model 2 (with sequence parallelism, packed rows,
-grouped-query heads, FSDP) equals the one-device step (loss 1e-6, every parameter's change 1e-5) for GPT, Llama and
-BERT; the visible (query, key) pairs per device are balanced; the compiled step's key/value traffic is the
-analytic count."""
+"""Context parallelism (``mesh.context``, ``megajax.parallel.context``): every sequence split over the `context` axis
+for the whole layer stack, attention's keys and values all-gathered, each device holding chunks i and 2C-1-i. One
+training step on context 2, 4, 8 and data 2 x context 2 x model 2 (with sequence parallelism, packed rows,
+grouped-query heads, FSDP, dropout under every recomputation) equals the one-device step (loss 1e-6, every
+parameter's change 1e-5) for GPT, Llama and BERT; the visible (query, key) pairs per device are balanced; the
+compiled step's key/value traffic is the analytic count."""
 
 import jax
 import numpy as np
@@ -15,8 +15,10 @@ from megajax.parallel.context import balanced_order
 S = 32  # 2 x 8 chunks of 2 at context 8
 
 
-def _config(name: str, data: int = 1, model: int = 1, context: int = 1, flags: str | None = None):
-    c = choice_config(flags, data, model, name=name, gradient_step=True)
+def _config(name: str, data: int = 1, model: int = 1, context: int = 1, flags: str | None = None,
+            dropout: float = 0.0, remat: str = "none"):
+    c = choice_config(flags, data, model, name=name, gradient_step=True, remat=remat)
+    c.model.dropout = dropout
     c.mesh.context = context
     c.train.global_batch_size = 4
     return c
@@ -49,10 +51,10 @@ def steps():
     cache, initial = {}, {}
 
     def get(name: str, data: int = 1, model: int = 1, context: int = 1, flags: str | None = None,
-            packed: bool = False):
-        key = (name, data, model, context, flags, packed)
+            packed: bool = False, dropout: float = 0.0, remat: str = "none"):
+        key = (name, data, model, context, flags, packed, dropout, remat)
         if key not in cache:
-            config = _config(name, data, model, context, flags)
+            config = _config(name, data, model, context, flags, dropout, remat)
             config.data.document_masking = packed
             run = setup(config)
             if name not in initial:
@@ -82,6 +84,17 @@ def test_composes_with_sequence_parallelism_fsdp_and_packed_rows(steps, name, fl
     and document masking over packed rows (segments and restarting positions permuted with the tokens)."""
     want = steps(name, packed=packed)
     assert_same_step(*steps(name, 2, 2, 2, flags, packed), *want)
+
+
+@pytest.mark.parametrize("name,mesh,remat", [("gpt", (1, 1, 2), "selective"), ("llama", (2, 2, 2), "full"),
+                                             ("llama", (1, 1, 4), "none")])
+def test_dropout_is_the_plain_steps(steps, name, mesh, remat):
+    """With dropout 0.1 the step on context shards equals the one-device step: every mask is keyed by row and
+    true position (``layers.dropout``), the attention probabilities' by row, head and query position over the keys
+    in position order, whatever order the device holds them in (``context.AttentionDropout``), under every
+    recomputation (selective replays the core's trace inside the ``shard_map``)."""
+    want = steps(name, dropout=0.1)
+    assert_same_step(*steps(name, *mesh, dropout=0.1, remat=remat), *want)
 
 
 @pytest.mark.parametrize("context", [2, 4, 8])

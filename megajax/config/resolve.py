@@ -243,8 +243,6 @@ def _check_context(config: ml_collections.ConfigDict, cfg: TransformerConfig) ->
              f"model.max_seq_len={cfg.max_seq_len} must be a multiple of {split}")
     _require(config.mesh.pipe == 1, f"mesh.context={c} with mesh.pipe={config.mesh.pipe}: context parallelism "
              "under pipeline stages is not built yet; set mesh.pipe=1 or mesh.context=1")
-    _require(cfg.dropout == 0, f"mesh.context={c} with model.dropout={cfg.dropout}: attention dropout on a "
-             "device's chunks of the sequence is not built yet; set --config.model.dropout=0 (or mesh.context=1)")
 
 
 def _check_pipeline_microbatches(config: ml_collections.ConfigDict, rows: int) -> None:

@@ -42,7 +42,7 @@ from megajax.models.spec import HeadMemory, ModelSpec, register
 from megajax.models.transformer import make_blocks, run_blocks
 from megajax.parallel.layers import dropout, make_param, scaled_init_std
 from megajax.parallel.losses import vocab_parallel_cross_entropy
-from megajax.parallel.sharding import RESIDUAL, axis_of, constrain, entry_axes, on_shards, param_at_use
+from megajax.parallel.sharding import RESIDUAL, axis_of, constrain, entry_axes, on_shards, param_at_use, positions_of
 
 NAME = "moe"  # config.model.name
 
@@ -370,7 +370,8 @@ def _moe_lm(model: MoEDecoder, batch: objectives.Batch, key: jax.Array | None):
     """Next-token cross-entropy plus the weighted router losses; each part logged (``lm_loss`` is what the
     perplexity is of)."""
     rows = objectives.next_tokens(batch)
-    logits, stats = model.routed(rows["inputs"], dropout_key=key, **objectives.documents(rows))
+    with positions_of(rows.pop("order", None)):  # context parallelism's order keys dropout by true position
+        logits, stats = model.routed(rows["inputs"], dropout_key=key, **objectives.documents(rows))
     losses = vocab_parallel_cross_entropy(logits, rows["targets"])
     weights = rows.get("loss_weights")  # packed rows: a mean weighted as LM's
     lm = losses.mean() if weights is None else (losses * weights).sum() / jnp.maximum(weights.sum(), 1.0)

@@ -20,6 +20,7 @@ from flax import nnx
 from megajax.data.tasks.race import NUM_OPTIONS as NUM_CHOICES
 from megajax.parallel.context import balanced
 from megajax.parallel.losses import lm_loss, vocab_parallel_nll_and_hit
+from megajax.parallel.sharding import positions_of
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -67,8 +68,9 @@ def documents(batch: Batch) -> dict[str, jax.Array]:
 
 def next_tokens(batch: Batch) -> Batch:
     """A decoder's batch as the model reads it: ``inputs`` and ``targets`` (B, S) from ``tokens`` (B, S + 1), with
-    the packed fields; under context parallelism each row in its balanced order, with every token's position
-    (``megajax.parallel.context``)."""
+    the packed fields; under context parallelism each row in its balanced order, with every token's position and
+    the ``order`` (``megajax.parallel.context.balanced``), which the caller traces the model under
+    (``sharding.positions_of``)."""
     tokens = batch["tokens"]
     rows = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
             **{k: batch[k] for k in ("segments", "positions", "loss_weights") if k in batch}}
@@ -78,8 +80,9 @@ def next_tokens(batch: Batch) -> Batch:
 def _lm(model: nnx.Module, batch: Batch, key: jax.Array | None) -> tuple[jax.Array, Metrics]:
     """Mean next-token cross-entropy; over packed rows a mean weighted by ``loss_weights``."""
     rows = next_tokens(batch)
-    return lm_loss(model, rows["inputs"], rows["targets"], dropout_key=key, loss_mask=rows.get("loss_weights"),
-                   **documents(rows)), {}
+    with positions_of(rows.pop("order", None)):  # context parallelism's order keys dropout by true position
+        return lm_loss(model, rows["inputs"], rows["targets"], dropout_key=key, loss_mask=rows.get("loss_weights"),
+                       **documents(rows)), {}
 
 
 def _lm_fields(seq_len: int) -> dict[str, Field]:

@@ -26,7 +26,7 @@ from megajax.parallel.layers import (
     scaled_init_std,
 )
 from megajax.parallel.remat import REMAT_POLICIES, layer_step, selective
-from megajax.parallel.sharding import RESIDUAL, constrain
+from megajax.parallel.sharding import RESIDUAL, constrain, rows_of, sequence_positions
 from megajax.parallel.xla_options import traced_for_nvidia_gpu
 
 LayerCache = tuple[jax.Array, jax.Array]  # one layer's (keys, values), (B, S_max, N_kv, D) each
@@ -290,7 +290,7 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, ke
     Keys and values may have fewer heads, N_kv dividing N (grouped-query attention): query head n reads key/value
     head n // (N / N_kv). Its (B, N, S, S_kv) intermediates are what ``remat=selective`` recomputes instead of
     keeping (cuDNN's flash attention, where ``attention_implementation`` picks it, never makes them)."""
-    dropout_on = key is not None and rate > 0.0
+    dropout_on = key is not None and rate > 0.0  # (a key, or context.AttentionDropout's)
     if attention_implementation(q.dtype, q.shape[-1], dropout_on, (q.shape[1], k.shape[1])) == "cudnn":
         mask = jnp.broadcast_to(mask, (*mask.shape[:2], q.shape[1], k.shape[1]))
         return jax.nn.dot_product_attention(q, k, v.astype(q.dtype), mask=mask, implementation="cudnn")
@@ -304,7 +304,12 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, ke
     scores = scores.astype(jnp.float32) / scale  # (B, N, S, S_kv)
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    probs = dropout(probs, rate, key)
+    # keyed by row, head and query position, the keys in position order (context.AttentionDropout: a device's part)
+    if isinstance(key, context.AttentionDropout):
+        with rows_of(key.rows):
+            probs = dropout(probs, rate, key.key, (key.heads, key.queries), key.keys)
+    else:
+        probs = dropout(probs, rate, key, (jnp.arange(n), sequence_positions(s)))
     if groups == 1:
         return jnp.einsum("bnqk,bknd->bqnd", probs, v.astype(q.dtype))  # (B, S, N, D)
     out = jnp.einsum("bcgqk,bkcd->bqcgd", probs.reshape(b, -1, groups, s, probs.shape[-1]), v.astype(q.dtype))

@@ -11,12 +11,13 @@ model (``balanced``) and gives the model each token's true position; a mean over
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from megajax.parallel.sharding import axis_of, constrain, mesh_size, on_shards
+from megajax.parallel.sharding import axis_of, batch_rows, constrain, mesh_size, on_shards, sequence_positions
 
 # attention's keys and values (B, S_kv, N, D): the sequence whole on every device, whatever splits the queries'
 KV_NAMES = ("batch", None, "heads", "head_dim")
@@ -34,7 +35,8 @@ def balanced_order(seq: int, shards: int) -> np.ndarray:
 def balanced(rows: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """``rows`` (each (B, S, ...) token-aligned: inputs, targets, packed fields) in the order of ``balanced_order``
     over the active mesh's context shards, with ``positions`` (B, S) (each token's, carried along where given, else
-    its index in the row); unchanged without context shards."""
+    its index in the row) and ``order`` (S,) (each held token's index in its row: what keys dropout, through
+    ``sharding.positions_of``); unchanged without context shards."""
     shards = mesh_size("seq")
     if shards == 1:
         return rows
@@ -43,8 +45,28 @@ def balanced(rows: dict[str, jax.Array]) -> dict[str, jax.Array]:
     out = {k: v[:, order] for k, v in rows.items()}
     if "positions" not in out:
         out["positions"] = jnp.broadcast_to(jnp.asarray(order, jnp.int32), (b, s))
+    out["order"] = jnp.asarray(order, jnp.int32)
     return out
 
+
+
+class AttentionDropout(NamedTuple):
+    """Attention dropout's key with where the probabilities an attention core traces sit in the step's: their rows
+    (B,), heads (N,) and queries' positions (S_q,), and the positions of the keys in the order they are held (S_kv,):
+    what ``attention`` passes a core running on one device's blocks, so its mask is the plain step's
+    (``layers.dropout`` keyed by row, head and query position over the keys in position order)."""
+
+    key: jax.Array
+    rows: jax.Array
+    heads: jax.Array
+    queries: jax.Array
+    keys: jax.Array
+
+
+def _varying(x: jax.Array) -> jax.Array:
+    """``x`` (inside a ``shard_map`` over the whole mesh) typed as varying over every mesh axis."""
+    missing = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names if a not in jax.typeof(x).mat.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def attention(core: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
@@ -58,10 +80,21 @@ def attention(core: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax
     if axis is None:
         return core(q, constrain(k, KV_NAMES), constrain(v, KV_NAMES), mask, key, rate)
 
-    def local(q, k, v, mask):
+    positions = sequence_positions(q.shape[1])  # the whole sequence's, in the order the activations hold it
+    head_axis = axis_of("heads")
+
+    def local(q, k, v, mask, rows, queries):
         k, v = (jax.lax.all_gather(a, axis, axis=1, tiled=True) for a in (k, v))
-        return core(q, k, v, mask, key, rate)
+        drop = key
+        if key is not None and rate > 0:  # the device's rows, heads and queries, keyed as the plain step's
+            n = q.shape[2]
+            heads = jnp.arange(n) + (jax.lax.axis_index(head_axis) * n if head_axis else 0)
+            # every field varying over every mesh axis from the start, as what they are folded into ends up: a core
+            # recomputed under remat=selective replays its trace with its inputs so typed
+            drop = AttentionDropout(*map(_varying, (key, rows, heads, queries, positions)))
+        return core(q, k, v, mask, drop, rate)
 
     names = ("batch", "seq", "heads", "head_dim")
     mask_names = ("batch" if mask.shape[0] > 1 else None, None, "seq" if mask.shape[2] > 1 else None, None)
-    return on_shards(local, (q, k, v, mask), (names, names, names, mask_names), names)
+    args = (q, k, v, mask, batch_rows(q.shape[0]), positions)
+    return on_shards(local, args, (names, names, names, mask_names, ("batch",), ("seq",)), names)

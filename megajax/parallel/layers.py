@@ -33,6 +33,7 @@ from megajax.parallel.sharding import (
     param_at_use,
     replicas,
     sequence_axis,
+    sequence_positions,
 )
 
 Shape = tuple[int, ...]
@@ -267,21 +268,44 @@ class LayerNorm(nnx.Module):
         return y.astype(self.dtype)
 
 
-def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+def dropout(x: jax.Array, rate: float, key: jax.Array | None, indices: Sequence[jax.Array] | None = None,
+            block_order: jax.Array | None = None) -> jax.Array:
     """Inverted dropout of ``x`` (rows first); identity when ``key`` is None or rate is 0.
 
-    Keyed by row: row r's mask is drawn from ``fold_in(key, g)`` where g is the row's index in the step's global batch
-    (``sharding.batch_rows``: the training step's micro-batch and a pipeline stage's rows set it), for the row's
-    whole (positions, features) array (partitionable threefry). So a mask element depends on the key (seed, step,
-    layer), the row and its place in the row only, whatever the mesh, the accumulation split, the microbatches or
-    the stage: replicated activations get identical masks on every model shard, split ones their slices, and each
-    device draws only its own rows.
+    Keyed by row and position: the mask of row r's element (i_1, .., i_k) of its first k axes after the rows is
+    drawn from ``fold_in(.. fold_in(fold_in(key, g), j_1) .., j_k)`` for the block of the remaining axes
+    (partitionable threefry), where g is the row's index in the step's global batch (``sharding.batch_rows``: the
+    training step's micro-batch and a pipeline stage's rows set it) and j_a = ``indices[a][i_a]``: by default, for
+    an activation (B, S, ...), its tokens' positions (``sharding.sequence_positions``: context parallelism's
+    balanced order sets them), and nothing for (B, H). So a mask element depends on the key (seed, step, layer),
+    the row, its position and place only, whatever the mesh, the accumulation split, the microbatches, the stage or
+    the order the sequence is held in: replicated activations get identical masks on every model shard, split ones
+    their slices, and each device draws only its own rows. ``block_order``: the positions the block's last axis
+    holds, in its order (attention's keys under context parallelism), where the mask is drawn in position order.
     """
     if key is None or rate == 0.0:
         return x
-    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, batch_rows(x.shape[0]))
-    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, x.shape[1:]))(keys)
+    if indices is None:
+        indices = (sequence_positions(x.shape[1]),) if x.ndim >= 3 else ()
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, batch_rows(x.shape[0]))  # (B,)
+    for index in indices:  # (B, n_1, .., n_a)
+        keys = _fold_each(keys, index)
+    block = x.shape[1 + len(indices):]
+    draw = lambda k: jax.random.bernoulli(k, 1.0 - rate, block)  # noqa: E731
+    for _ in range(1 + len(indices)):
+        draw = jax.vmap(draw)
+    keep = draw(keys)
+    if block_order is not None:
+        keep = jnp.take(keep, block_order, axis=-1)
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+def _fold_each(keys: jax.Array, index: jax.Array) -> jax.Array:
+    """(..., ) keys -> (..., n): each key folded with each of ``index``'s n values."""
+    fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
+    for _ in range(keys.ndim):
+        fold = jax.vmap(fold, in_axes=(0, None))
+    return fold(keys, index)
 
 
 def gelu(x: jax.Array) -> jax.Array:

@@ -191,8 +191,9 @@ class ParallelContext:
     ``pipeline_repeats``: how many chunks of layers each pipeline stage holds (1: GPipe; more: the circular
     schedule, ``megajax.parallel.pipeline``); ``rows``: which rows of the step's global batch the traced batch's
     rows are (``rows_of``: a training step's micro-batch, a pipeline stage's share of its microbatch), whose
-    indices key ``layers.dropout``'s masks (None: rows 0, 1, ..). A traced value, so a context holding one keys no
-    cache.
+    indices key ``layers.dropout``'s masks (None: rows 0, 1, ..); ``positions``: the traced sequence's tokens'
+    positions in the order the activations hold them (context parallelism's balanced order: ``positions_of``),
+    which key the masks too (None: 0, 1, ..). Traced values, so a context holding one keys no cache.
     """
 
     rules: Rules | None
@@ -200,6 +201,7 @@ class ParallelContext:
     pipeline_microbatches: int = 0
     pipeline_repeats: int = 1
     rows: jax.Array | None = None
+    positions: jax.Array | None = None
 
 
 _CONTEXT: contextvars.ContextVar[ParallelContext] = contextvars.ContextVar(
@@ -311,6 +313,20 @@ def rows_of(rows: jax.Array) -> Iterator[None]:
     (``ParallelContext.rows``, read by ``layers.dropout``)."""
     with _holding(dataclasses.replace(parallel_context(), rows=rows)):
         yield
+
+
+@contextlib.contextmanager
+def positions_of(positions: jax.Array | None) -> Iterator[None]:
+    """Traces the model on a sequence whose tokens are at ``positions`` (int, one per position of its activations;
+    None: 0, 1, ..) (``ParallelContext.positions``, read by ``layers.dropout``)."""
+    with _holding(dataclasses.replace(parallel_context(), positions=positions)):
+        yield
+
+
+def sequence_positions(count: int) -> jax.Array:
+    """The active context's token positions, or 0 .. ``count`` - 1."""
+    positions = parallel_context().positions
+    return jnp.arange(count) if positions is None else positions
 
 
 def batch_rows(count: int) -> jax.Array:
