@@ -216,3 +216,30 @@ def test_mesh_flags_and_info_at_128k(capsys):
     assert "data=1 x context=16 x model=8 (128 devices)" in out and "fits a 79.11 GiB device: yes" in out
     with pytest.raises(ConfigError, match="config.model has no field 'max_seq_length'"):
         main(["--config=llama3_8b", "--config.model.max_seq_length=131072"])
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_context_under_pipeline_stages(name):
+    """pipe 2 x context 2 (GPipe, 2 microbatches; with data 2 under remat=full, with model 2 under selective), dropout
+    0.1: a 4-layer step equals the one-device step (the attention's shard_map inside the stages' vmaps)."""
+    from conftest import assert_same_step
+
+    from megajax.models.transformer import reorder_layers
+    from megajax.training.loop import setup
+
+    def step(pipe, data, model, context, remat, initial=None):
+        config = _config(name, data, model, context, dropout=0.1, remat=remat)
+        config.model.num_layers = 4
+        config.mesh.pipe = pipe
+        config.parallel.pipeline_microbatches = 2 if pipe > 1 else 0
+        run = setup(config)
+        initial = jax.tree.map(np.array, run.init_state()) if initial is None else initial
+        laid = reorder_layers(initial, (1, 1), run.spec.layer_layout)
+        state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), laid, run.abstract_state)
+        new, metrics = run.step_fn(state, _batch(name, run.batch_shardings, False))
+        params = reorder_layers(jax.tree.map(np.asarray, new.params), run.spec.layer_layout, (1, 1))
+        return (float(metrics["loss"]), jax.tree.map(lambda a, b: a - b, params, initial.params)), initial
+
+    want, initial = step(1, 1, 1, 1, "none")
+    for mesh in ((2, 2, 1, 2, "full"), (2, 1, 2, 2, "selective")):
+        assert_same_step(*step(*mesh, initial)[0], *want)

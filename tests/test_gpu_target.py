@@ -133,3 +133,20 @@ def test_bad_targets_are_one_error_line(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_target.importlib.util, "find_spec", lambda name: None)  # as without the extra
     with pytest.raises(gpu_target.GpuTargetError, match=r"pip install 'megajax\[gpu-compile\]'"):
         gpu_target.gpu_devices("h100")
+
+
+@pytest.mark.parametrize("packed,context", [(True, 1), (False, 2), (True, 2)])
+def test_cudnn_attention_with_packed_rows_and_context_shards(packed, context):
+    """llama_tiny (s=256) compiled for H100s with document masking (the per-row mask reaches cuDNN as its bias) and
+    on context shards (cuDNN inside the attention's shard_map, the keys and values all-gathered over `context`, their
+    gradients reduce-scattered; the parameters' gradients reduced over data x context in one all-reduce each)."""
+    config = _config("llama_tiny", (2, 4 // context))
+    config.model.max_seq_len = 256
+    config.data.document_masking = packed
+    run = run_on(config, 2, 4 // context, context=context)
+    step = gpu_target.compile_step(run, "h100", micro_batch=ROWS)
+    assert step.attention == "cudnn"
+    ops = {(c.op, tuple(sorted(c.axes))) for c in step.collectives}
+    if context > 1:
+        assert ("all-gather", ("context",)) in ops and ("reduce-scatter", ("context",)) in ops
+        assert not [c for c in step.collectives if c.op == "all-reduce" and c.axes == {"context"}]

@@ -231,8 +231,8 @@ def _check_pipeline(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_context(config: ml_collections.ConfigDict, cfg: TransformerConfig) -> None:
-    """mesh.context against the sequence and the other switches: each device holds two chunks of every sequence
-    (load balance: ``megajax.parallel.context``), so 2 x context x (model under sequence parallelism) divides it."""
+    """mesh.context against the sequence: each device holds two chunks of every sequence (load balance:
+    ``megajax.parallel.context``), so 2 x context x (model under sequence parallelism) divides it."""
     c = config.mesh.context
     _require(c >= 1, f"mesh.context must be >= 1 (1: no context parallelism), got {c}")
     if c == 1:
@@ -241,8 +241,6 @@ def _check_context(config: ml_collections.ConfigDict, cfg: TransformerConfig) ->
     _require(cfg.max_seq_len % split == 0, f"mesh.context={c} gives each device 2 chunks of every sequence"
              f"{' (each split over mesh.model by parallel.sequence)' if sequence_parallel(config) else ''}: "
              f"model.max_seq_len={cfg.max_seq_len} must be a multiple of {split}")
-    _require(config.mesh.pipe == 1, f"mesh.context={c} with mesh.pipe={config.mesh.pipe}: context parallelism "
-             "under pipeline stages is not built yet; set mesh.pipe=1 or mesh.context=1")
 
 
 def _check_pipeline_microbatches(config: ml_collections.ConfigDict, rows: int) -> None:

@@ -398,7 +398,7 @@ def _names_leaf(x: object) -> bool:
 
 
 def on_shards(fn: Callable[..., Any], args: Sequence[jax.Array], names: Sequence[Sequence[str | None]],
-              out_names: Any) -> Any:
+              out_names: Any, check_vma: bool = True) -> Any:
     """``fn`` run on each device's blocks of ``args`` (laid out by their logical ``names`` under the active rules),
     its per-device result assembled by ``out_names`` (a tuple of names, or a pytree of them for a pytree result;
     ``()``: a replicated scalar): a ``shard_map`` over the whole mesh.
@@ -406,8 +406,10 @@ def on_shards(fn: Callable[..., Any], args: Sequence[jax.Array], names: Sequence
     For the collectives XLA's partitioner does not choose by itself: given a partial sum to lay out split (a
     reduce-scatter), the SPMD partitioner all-reduces and slices; XLA's GPU pipeline rewrites that pair into a
     reduce-scatter (its ReduceScatterCreator pass), the CPU pipeline does not. Inside ``fn`` the partial sums are
-    visible, so ``jax.lax.psum_scatter`` says it, and autodiff transposes it to an all-gather.
+    visible, so ``jax.lax.psum_scatter`` says it, and autodiff transposes it to an all-gather. ``check_vma=False``:
+    the result's layout is not checked against the collectives inside (``jax.shard_map``'s option).
     """
     rules = parallel_context().rules
     out_specs = jax.tree.map(lambda n: logical_to_spec(n, rules), out_names, is_leaf=_names_leaf)
-    return jax.shard_map(fn, in_specs=tuple(logical_to_spec(n, rules) for n in names), out_specs=out_specs)(*args)
+    return jax.shard_map(fn, in_specs=tuple(logical_to_spec(n, rules) for n in names), out_specs=out_specs,
+                         check_vma=check_vma)(*args)

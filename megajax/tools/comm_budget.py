@@ -64,8 +64,8 @@ With pipeline stages (``mesh.pipe`` = p > 1; ``megajax.parallel.pipeline``) the 
   permutes and the boundary carry 1/t of the positions, the stage sums its layers' replicated parameters' gradients
   over ``model`` on every tick (``sequence_layer_elements`` per layer and stage-tick), the position embedding's
   gradient is reduced over ``data`` as its sequence shard, and BERT's pooled token's gradient goes back to its shard
-  by a permute. Not counted yet: sequence parallelism with replicated key/value heads under stages
-  (``check_countable``).
+  by a permute. Not counted yet: sequence parallelism with replicated key/value heads, and context shards, under
+  stages (``check_countable``).
 * pipeline point-to-point: per tick one collective permute of m x s x h forward (each stage's output to the next)
   and one backward (its gradient): 2 T.
 * pipeline boundary: the microbatches held by stage 0 (the slots: M, or max(M, p) under the circular schedule)
@@ -359,7 +359,12 @@ def step_budget(run) -> Budget:
 
 def check_countable(spec) -> None:
     """Raises ConfigError for a run (its ``RunSpec``) whose communication the budget does not count yet: sequence
-    parallelism with replicated key/value heads under pipeline stages (the step itself is right)."""
+    parallelism with replicated key/value heads, and context shards, under pipeline stages (the step itself is
+    right)."""
+    if spec.pipe > 1 and spec.context > 1:
+        raise ConfigError("the communication budget does not count context shards under pipeline stages yet (each "
+                          "stage-tick's key/value all-gathers on a microbatch); drop mesh.pipe or mesh.context to "
+                          "read a budget")
     if spec.pipe > 1 and spec.sequence and spec.tensor > 1 and spec.model.kv_replicated(spec.tensor):
         raise ConfigError("the communication budget does not count --sequence with replicated key/value heads "
                           f"(mesh.model={spec.tensor} > the {spec.model.kv_heads} key/value heads) under pipeline "

@@ -115,9 +115,10 @@ def head_bytes(run: RunSpec, micro_batch: int, gpu: bool = False) -> int:
     ``vocab_logit_copies`` fp32 (b, s, V/t) tensors (GPT's and Llama's 3: the logits, their exponentials and their
     gradient; BERT's MLM head 4, its biased logits too; 0 for a head without vocabulary logits, the task models'),
     with 16-bit compute the compute-dtype logits too, plus ``hidden_tensors`` (b, s, h) fp32 tensors of the
-    embeddings, the final norm and the head (GPT's 8; BERT's 16, with the MLM transform's dense, GeLU and
-    LayerNorm). With ``parallel.sequence`` those run on the split sequence (1/t of them) and the output layer keeps
-    its all-gathered input, one whole (b, s, h) tensor in the compute dtype.
+    embeddings, the final norm and the head (GPT's 7, fitted to the compiled step: 8 before dropout was keyed by
+    position; BERT's 16, with the MLM transform's dense, GeLU and LayerNorm). With ``parallel.sequence`` those run
+    on the split sequence (1/t of them) and the output layer keeps its all-gathered input, one whole (b, s, h)
+    tensor in the compute dtype.
 
     ``gpu``: XLA:GPU fuses the exponentials, the normalisation and the LayerNorms into the reductions and GEMMs
     that read them; what the head holds at the peak is the logits as the output GEMM writes them (compute dtype)
