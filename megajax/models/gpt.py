@@ -87,7 +87,6 @@ register(ModelSpec(
     # the output layer over the padded vocabulary at every position
     flops=lambda cfg, rows, seq: transformer_flops(rows, seq, cfg.num_layers, cfg.hidden_size,
                                                    cfg.padded_vocab_size),
-    # 7 (b, s, h) fp32 tensors at the head's peak: fitted to the compiled steps of tests/test_memory_planner.py
-    head_memory=HeadMemory(vocab_logit_copies=3, hidden_tensors=7),
+    head_memory=HeadMemory(vocab_logit_copies=3, hidden_tensors=8),
     eval_tasks=("wikitext103", "lambada", "ppl", "generate", "sft"), sequence_rows=("wpe",), perplexity_of="loss",
     causal_lm=True))

@@ -115,10 +115,9 @@ def head_bytes(run: RunSpec, micro_batch: int, gpu: bool = False) -> int:
     ``vocab_logit_copies`` fp32 (b, s, V/t) tensors (GPT's and Llama's 3: the logits, their exponentials and their
     gradient; BERT's MLM head 4, its biased logits too; 0 for a head without vocabulary logits, the task models'),
     with 16-bit compute the compute-dtype logits too, plus ``hidden_tensors`` (b, s, h) fp32 tensors of the
-    embeddings, the final norm and the head (GPT's 7, fitted to the compiled step: 8 before dropout was keyed by
-    position; BERT's 16, with the MLM transform's dense, GeLU and LayerNorm). With ``parallel.sequence`` those run
-    on the split sequence (1/t of them) and the output layer keeps its all-gathered input, one whole (b, s, h)
-    tensor in the compute dtype.
+    embeddings, the final norm and the head (GPT's 8; BERT's 16, with the MLM transform's dense, GeLU and
+    LayerNorm). With ``parallel.sequence`` those run on the split sequence (1/t of them) and the output layer keeps
+    its all-gathered input, one whole (b, s, h) tensor in the compute dtype.
 
     ``gpu``: XLA:GPU fuses the exponentials, the normalisation and the LayerNorms into the reductions and GEMMs
     that read them; what the head holds at the peak is the logits as the output GEMM writes them (compute dtype)
@@ -353,16 +352,19 @@ class MemoryReport:
 
 def gathered_bytes(run: RunSpec) -> tuple[int, int]:
     """(head, layer): what ``parallel.fsdp`` holds whole over ``data`` at its peaks, fp32 on one device of the run's
-    ``model``-way split. At the head's backward the gathered output layer over the vocabulary (the tied word
-    embedding or its own, vocab-parallel: padded vocabulary / ``model`` x hidden; needed for the input's gradient)
-    and its gradient before the reduce-scatter to the shards (gpt_125m on 8x1, remat=full: the formula's temp was
-    0.81 of the compiled without them); in a recomputed layer's backward, its parameters and gradients alike (one
+    ``model``-way split. At the head's peak the gathered output layer over the vocabulary (the tied word embedding
+    or its own, vocab-parallel: padded vocabulary / ``model`` x hidden; needed for the input's gradient); without
+    stages its gradient, written after the logits' gradient is consumed, is not live there, as the tied embedding's
+    is not (``late_grad_bytes``; gpt_125m on 8x1, remat=full: the formula's temp 0.83 of the compiled with it
+    counted, 0.97 without), under pipeline stages it is (the stages' peak comes after it is written: gpt_tiny on
+    2x2x2, circular, 1.14 without it); in a recomputed layer's backward, its parameters and gradients alike (one
     layer of the abstract model's stacked layers, as the rules split it). A model whose head reads no vocabulary
     (``HeadMemory.vocab_output``: the task models) has no head part."""
     m = run.model
     embedding = m.padded_vocab_size // run.tensor * m.hidden_size
     layer = params_per_device(run, only=STACK)[1] // (m.num_layers // run.pipe)  # a stage holds L / pipe layers
-    head = 2 * FP32 * embedding if run.model_spec.head_memory.vocab_output else 0
+    copies = 2 if run.pipe > 1 else 1  # the gathered layer, and under stages its gradient
+    head = copies * FP32 * embedding if run.model_spec.head_memory.vocab_output else 0
     return head, 2 * FP32 * layer
 
 
