@@ -424,3 +424,15 @@ def test_what_the_pipeline_does_not_compute_is_refused(change, message):
     c.parallel.update({k: v for k, v in change.items() if k == "pipeline_repeats"})
     with pytest.raises(ConfigError, match=message):
         resolve(c, 8)
+
+
+@pytest.mark.parametrize("seq,repeats,dropout", [(128, 1, 0.1), (256, 1, 0.1), (256, 1, 0.0), (128, 2, 0.1)])
+def test_memory_planner_at_longer_sequences(seq, repeats, dropout):
+    """A 4-layer GPT on pipe 2 x data 2 x model 2, 4 microbatches, at s = 128 and 256, with and without dropout: the
+    planner's temp within 10% of the compiled step's (GPipe's ticks keep the dropped attention probabilities too,
+    ``memory_planner.dropped_probability_bytes``). Not yet: the circular schedule with dropout at s = 256 (1.13),
+    and 8 layers at s = 256 (GPipe without dropout, 1.14)."""
+    c = _config("gpt", 2, 2, 2, 4, repeats=repeats, gradient_step=True)
+    c.model.update(max_seq_len=seq, dropout=dropout, num_layers=4)
+    run = setup(c)
+    assert run_memory(run).temp == pytest.approx(memory_report(run.spec, 4, num_micro=1).temp_bytes, rel=0.10)
