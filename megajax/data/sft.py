@@ -153,7 +153,7 @@ def pack(examples: list[Example], seq_len: int, pad_id: int, packing: bool, trun
          path: str = "") -> PackedRows:
     """``examples`` in order into rows of ``seq_len + 1`` tokens: as many whole examples as fit (one where not
     ``packing``), the rest padding. An example longer than a row is cut to it where ``truncate``, else refused."""
-    width, rows, row, truncated = seq_len + 1, [], [], 0
+    width, rows, row, used, truncated = seq_len + 1, [], [], 0, 0
     for ex in examples:
         n = len(ex.prompt) + len(ex.completion)
         if n > width:
@@ -162,10 +162,11 @@ def pack(examples: list[Example], seq_len: int, pad_id: int, packing: bool, trun
                                   f"{width} (model.max_seq_len + 1): raise model.max_seq_len, shorten the row, or "
                                   "pass --config.data.sft_truncate=True to cut such examples to the row (counted)")
             truncated += 1
-        if row and (not packing or sum(len(e.prompt) + len(e.completion) for e in row) + n > width):
+        if row and (not packing or used + n > width):
             rows.append(row)
-            row = []
+            row, used = [], 0
         row.append(ex)
+        used += n
     if row:
         rows.append(row)
     return PackedRows(_row_fields(rows, width, pad_id), len(examples), truncated)

@@ -117,13 +117,13 @@ def format_gpu_step(step: GpuStep, model_flops: float) -> str:
         key = (coll.op, ",".join(sorted(coll.axes)) or "-", coll.phase, coll.dtype, coll.elements)
         runs, names = rows.get(key, (0, set()))
         rows[key] = (runs + coll.executions, names | {coll.instruction})
-    lines.append(f"collectives          {'op':<20}{'axes':<12}{'phase':<10}{'bytes':>14}{'runs':>6}  schedule")
+    lines.append(f"collectives          {'op':<20}{'axes':<15}{'phase':<10}{'bytes':>14}{'runs':>6}  schedule")
     for (op, axes, phase, dtype, elements), (runs, names) in sorted(rows.items(), key=lambda kv: -kv[0][4] * kv[1][0]):
         nbytes = elements * jax.numpy.dtype(_DTYPES.get(dtype, dtype)).itemsize
         between = [overlapped[n][1] for n in names if n in overlapped]
         how = ("synchronous" if not between else
                f"async, {min(between)}-{max(between)} compute ops overlap" if max(between) else "async, exposed")
-        lines.append(f"{'':21s}{op:<20}{axes:<12}{phase:<10}{nbytes:>14,}{runs:>6}  {how}")
+        lines.append(f"{'':21s}{op:<20}{axes:<15}{phase:<10}{nbytes:>14,}{runs:>6}  {how}")
     return "\n".join(lines)
 
 
