@@ -203,6 +203,8 @@ def write_documents(documents: Iterable[str], tokenizer: TextTokenizer, output_p
         bar.close()
         if pool:
             pool.close()
+    if pool:  # the workers end on close()'s sentinels; left to the pool's finalizer, its terminate() could wait on a
+        pool.join()  # worker (they ignore SIGTERM) blocked on the task queue's lock: a run of the suite hung there
     return counts
 
 
