@@ -211,7 +211,7 @@ def test_inputs_once_handled_poorly_or_found_after_the_workdir(world, tmp_path):
                            "mesh 2x4x2 (pipe x data x model) needs 16 devices but 8 are present"),
         "pipeline microbatches": ([*train_py, *random_data, "--cpu_devices=8", "--mesh=2x2x1", "--workdir=run7",
                                    "--config.parallel.pipeline_microbatches=3"], {},
-                                  "parallel.pipeline_microbatches=3 does not cut the 8 rows"),
+                                  "parallel.pipeline_microbatches=3 must be a multiple of mesh.pipe=2"),
         "metrics not writable": ([*train_py, *random_data, "--workdir=sealed", "--config.train.steps=1"], {},
                                  "cannot write "),
         "missing data path": ([*train_py, "--workdir=run8", "--config.data.source=indexed",

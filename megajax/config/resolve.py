@@ -138,8 +138,10 @@ def rules_of(config: ml_collections.ConfigDict) -> Rules:
     except ValueError as e:
         raise ConfigError(str(e)) from e
     rules = tuple((k, overrides.get(k, v)) for k, v in rules)
-    if config.mesh.pipe > 1:  # pipeline stages own contiguous layers of the stacked blocks
-        rules = tuple((k, PIPE_AXIS if k == "layers" else v) for k, v in rules)
+    if config.mesh.pipe > 1:  # pipeline stages own contiguous layers of the stacked blocks, and their share of the
+        # batch at the ends (the embedding, head and loss run on it: megajax.parallel.pipeline)
+        rules = tuple((k, PIPE_AXIS if k == "layers" else (*entry_axes(v), PIPE_AXIS) if k == "batch" else v)
+                      for k, v in rules)
     if config.mesh.expert > 1:
         rules = tuple((k, EXPERT_AXIS if k == "experts" else (*entry_axes(v), EXPERT_AXIS) if k == "batch" else v)
                       for k, v in rules)
@@ -244,15 +246,22 @@ def _check_context(config: ml_collections.ConfigDict, cfg: TransformerConfig) ->
 
 
 def _check_pipeline_microbatches(config: ml_collections.ConfigDict, rows: int) -> None:
-    """A ``parallel.pipeline_microbatches`` given must cut each data replica's ``rows`` (per accumulation step)
-    evenly (0, one per stage, takes the largest count up to mesh.pipe that does)."""
-    wanted = config.parallel.pipeline_microbatches
-    if config.mesh.pipe == 1 or not wanted or rows % wanted == 0:
+    """Each data replica's ``rows`` (per accumulation step) are split over the stages (the embedding and head run on
+    each stage's share), so they are a multiple of mesh.pipe; a ``parallel.pipeline_microbatches`` given is a
+    multiple of mesh.pipe (each stage holds whole microbatches) that cuts them evenly (0: one per stage)."""
+    p, wanted = config.mesh.pipe, config.parallel.pipeline_microbatches
+    if p == 1:
         return
-    fits = [m for m in range(1, rows + 1) if rows % m == 0]
-    raise ConfigError(f"parallel.pipeline_microbatches={wanted} does not cut the {rows} rows each data replica "
-                      f"holds per step (train.global_batch_size / (data x accumulation steps)) evenly; pick one of "
-                      f"{', '.join(map(str, fits))}, or 0 (one per stage)")
+    _require(rows % p == 0, f"mesh.pipe={p} splits each data replica's {rows} rows per step (train.global_batch_size "
+             f"/ (data x accumulation steps)) over the stages, where the embedding and head run: make them a multiple "
+             f"of {p} (train.global_batch_size, or train.micro_batch_size)")
+    if not wanted or (wanted % p == 0 and rows % wanted == 0):
+        return
+    fits = [m for m in range(p, rows + 1, p) if rows % m == 0]
+    raise ConfigError(f"parallel.pipeline_microbatches={wanted} must be a multiple of mesh.pipe={p} (each stage "
+                      f"holds whole microbatches of its share of the batch) that cuts the {rows} rows each data "
+                      f"replica holds per step (train.global_batch_size / (data x accumulation steps)) evenly; pick "
+                      f"one of {', '.join(map(str, fits))}, or 0 (one per stage)")
 
 
 def _require(ok: bool, message: str) -> None:

@@ -46,6 +46,7 @@ class Collective:
     phase: str  # 'backward' if JAX's transpose produced it, else 'forward'
     instruction: str
     group_size: int = 1  # devices per replica group (1 for collective-permute)
+    cyclic: bool = False  # a collective-permute whose every target also sends (a ring; a shift along a line is not)
 
     @property
     def elements(self) -> int:
@@ -176,10 +177,13 @@ def collectives(hlo: str, mesh: Mesh) -> list[Collective]:
             shapes = [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _SHAPE.findall(instr.group(3))]
             if opcode.endswith("-start") and base in ("all-gather", "collective-permute") and len(shapes) > 1:
                 shapes = shapes[len(shapes) // 2:]  # (operands..., results...): keep the results
-            group_size = 1
+            group_size, cyclic = 1, False
             if base == "collective-permute":
                 pairs = re.search(r"source_target_pairs=(\{[^ ]*\})", line)
                 axes = _pairs_axes(pairs.group(1), mesh) if pairs else frozenset()
+                if pairs:
+                    ends = re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))
+                    cyclic = {a for a, _ in ends} == {b for _, b in ends}
             else:
                 text = re.search(r"replica_groups=(.*)", line)
                 groups = _parse_groups(text.group(1), n) if text else [list(range(n))]
@@ -190,7 +194,7 @@ def collectives(hlo: str, mesh: Mesh) -> list[Collective]:
             op_name = _OP_NAME.search(line)
             phase = "backward" if op_name and "transpose(" in op_name.group(1) else "forward"
             for dt, shape in shapes:
-                out.append(Collective(base, dt, shape, axes, mult[comp], phase, instr.group(2), group_size))
+                out.append(Collective(base, dt, shape, axes, mult[comp], phase, instr.group(2), group_size, cyclic))
     return out
 
 

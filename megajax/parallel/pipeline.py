@@ -1,12 +1,17 @@
 """Pipeline parallelism over the mesh's ``pipe`` axis, in SPMD: every stage runs the same program.
 
 The stacked layers (their leading ``layers`` dimension, split over ``pipe`` by the rule ``('layers', 'pipe')``)
-form ``p`` stages. A batch is cut into ``M`` microbatches. Each tick of a ``lax.scan``, every stage runs its layers
-on the microbatch it holds; then every stage's output moves one stage on with one collective permute over ``pipe``
-(``ppermute`` in ``shard_map``; the wrap-around pair carries a microbatch from the last stage back to stage 0).
-Autodiff of the loop is the backward pipeline: the permutes' transposes run the ring the other way. The stage
-function is vmapped over the stages with ``spmd_axis_name='pipe'``, so its own layout constraints (tensor
-parallelism over ``model``, the batch over ``data``) hold inside every stage.
+form ``p`` stages. The ends (embeddings, final norm, head, loss) run on every stage, each on its share of the batch:
+the rules split ``batch`` over data and pipe, so a stage computes 1/p of the head (MaxText's rule for the embedding's
+and the logits' batch). The M microbatches (a multiple of p) are formed where the rows are: stage j's share holds
+microbatches j M/p .. (j + 1) M/p - 1. Each tick of a ``lax.scan``, every stage runs its layers on the microbatch
+it holds; then every stage's output moves one stage on with one collective permute over ``pipe`` (``ppermute`` in
+``shard_map``; the wrap-around pair carries a microbatch from the last stage back to stage 0), and one column of the
+stages' shares moves one stage towards stage 0, which brings stage 0 its next input and each finished microbatch to
+the stage whose share it is (``run``): no whole-batch transfer. Autodiff of the loop is the backward pipeline: the
+permutes' transposes run the other way. The stage function is vmapped over the stages with
+``spmd_axis_name='pipe'``, so its own layout constraints (tensor parallelism over ``model``, the batch over ``data``)
+hold inside every stage.
 
 Two schedules, by ``repeats`` = v (``parallel.pipeline_repeats``):
 
@@ -15,9 +20,8 @@ Two schedules, by ``repeats`` = v (``parallel.pipeline_repeats``):
 * Circular (v > 1; Megatron's interleaved schedule in its effect on the bubble, Narayanan et al. 2021; MaxText's
   circular pipeline): stage ``s`` holds v chunks of ``L/(p v)`` layers, chunks ``s, s + p, .., s + (v-1) p`` of the
   model's ``p v``, and each microbatch goes round the ring v times. Stage ``s`` runs item ``k = t - s`` on tick ``t``:
-  microbatch ``k mod P`` through its chunk ``k div P``, where ``P = max(M, p)`` (slots ``M .. P-1`` idle: a
-  microbatch cannot start its next round before it has finished this one). ``(v-1) P + M + p - 1`` ticks of
-  ``L/(p v)`` layers: with ``M >= p`` the same ``p - 1`` idle ticks, each v times shorter.
+  microbatch ``k mod M`` through its chunk ``k div M``; stage 0 keeps each item that comes back round until its
+  next round. ``M v + p - 1`` ticks of ``L/(p v)`` layers: the same ``p - 1`` idle ticks, each v times shorter.
 
 Every stage computes on every tick (one program); on its idle ticks it computes on zeros, and what it computes is
 thrown away.
@@ -28,7 +32,8 @@ is read; checkpoints record their layout in their config).
 
 ``run_stack`` runs a model's layer stack through the schedule (``run``) with what the stages need around it: FSDP's
 gather once per step, one copy of each stage's layers per data replica, the dropout keys in the stack's order, the
-microbatches and each stage's narrowed ``ParallelContext``; the model passes only its own scan of the layers.
+microbatches in the stages' shares and each stage's narrowed ``ParallelContext``; the model passes only its own
+scan of the layers.
 """
 
 from __future__ import annotations
@@ -46,8 +51,10 @@ from megajax.parallel.remat import pipeline_chunk
 from megajax.parallel.sharding import (
     PIPE_AXIS,
     RESIDUAL,
+    axis_of,
     batch_rows,
     constrain,
+    entry_axes,
     parallel_context,
     param_at_use,
     params_split,
@@ -71,17 +78,20 @@ def stages() -> int:
 
 
 def microbatches(rows: int, replicas: int) -> int:
-    """How many microbatches a batch of ``rows`` (split over ``replicas`` data shards, ``sharding.replicas``) is cut
-    into: the active ``ParallelContext``'s ``pipeline_microbatches`` (0: one per stage), or the largest smaller
-    count that divides each shard's rows evenly."""
+    """How many microbatches a batch of ``rows`` (split over ``replicas`` data shards) is cut into
+    (``microbatches_for``, with the active ``ParallelContext``'s ``pipeline_microbatches``)."""
     return microbatches_for(rows // replicas, parallel_context().pipeline_microbatches, stages())
 
 
 def microbatches_for(rows_per_replica: int, configured: int, num_stages: int) -> int:
-    """The largest count up to ``configured`` (``parallel.pipeline_microbatches``; 0: one per stage) that cuts each
-    data shard's ``rows_per_replica`` evenly."""
-    wanted = configured or num_stages
-    return next(m for m in range(min(wanted, rows_per_replica), 0, -1) if rows_per_replica % m == 0)
+    """The largest multiple of ``num_stages`` up to ``configured`` (``parallel.pipeline_microbatches``; 0 or fewer
+    than the stages: one per stage) that cuts each data shard's ``rows_per_replica`` evenly: each stage's share of
+    the batch holds M/p whole microbatches. ValueError where the rows are not a multiple of the stages."""
+    if rows_per_replica % num_stages:
+        raise ValueError(f"each data shard's {rows_per_replica} rows are split over the {num_stages} pipeline stages "
+                         f"(the embedding and head run on each stage's share): make them a multiple of {num_stages}")
+    wanted = max(configured, num_stages)
+    return next(m for m in range(wanted - wanted % num_stages, 0, -num_stages) if rows_per_replica % m == 0)
 
 
 def repeats() -> int:
@@ -89,14 +99,9 @@ def repeats() -> int:
     return parallel_context().pipeline_repeats
 
 
-def slots(num_micro: int, num_stages: int) -> int:
-    """Items per round of the ring: M, or p where fewer microbatches than stages leave idle slots."""
-    return max(num_micro, num_stages)
-
-
 def ticks(num_micro: int, num_stages: int, num_repeats: int = 1) -> int:
     """The schedule's length: every microbatch through every chunk of every stage."""
-    return (num_repeats - 1) * slots(num_micro, num_stages) + num_micro + num_stages - 1
+    return num_repeats * num_micro + num_stages - 1
 
 
 def bubble_fraction(num_micro: int, num_stages: int, num_repeats: int = 1) -> float:
@@ -132,42 +137,51 @@ def relayout(a: jax.Array, saved: tuple[int, int], wanted: tuple[int, int]) -> j
     return jnp.swapaxes(natural.reshape(v, p, num_layers // (p * v), *rest), 0, 1).reshape(a.shape)
 
 
-def _ring_shift(x: jax.Array, num_stages: int) -> jax.Array:
-    """``x`` (stages, ...) moved one stage on: stage s's row to stage s + 1, the last stage's to stage 0."""
-    ring = [(s, (s + 1) % num_stages) for s in range(num_stages)]
-    shift = jax.shard_map(lambda a: jax.lax.ppermute(a, PIPE_AXIS, ring), in_specs=P(PIPE_AXIS),
-                          out_specs=P(PIPE_AXIS), axis_names={PIPE_AXIS})
+def _shift(x: Any, pairs: list[tuple[int, int]]) -> Any:
+    """Each leaf of ``x`` (stages, ...) moved between stages by ``pairs`` (source, destination) over ``pipe``; a
+    stage no pair sends to receives zeros."""
+    shift = jax.shard_map(lambda a: jax.tree.map(lambda b: jax.lax.ppermute(b, PIPE_AXIS, pairs), a),
+                          in_specs=P(PIPE_AXIS), out_specs=P(PIPE_AXIS), axis_names={PIPE_AXIS})
     return shift(x)
 
 
-def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any, xs: jax.Array,
-        per_micro: Any, x_spec: P) -> jax.Array:
-    """Runs ``xs`` (M, mb, ...) through the stages' chunks in order and returns the outputs (M, mb, ...), held by
-    stage 0.
+def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any, xs: jax.Array, args: Any,
+        x_spec: P, args_spec: Any) -> jax.Array:
+    """Runs the microbatches ``xs`` through the stages' chunks in order and returns their outputs, laid out as ``xs``.
 
-    ``stage_fn(params, x, args)``: one chunk of a stage on one microbatch ``x`` (mb, ...); ``stage_params``: a
-    pytree whose leaves lead with (stages, repeats, ...), the stage axis split over ``pipe``; ``per_micro``: a pytree
-    whose leaves lead with the microbatch axis (M, ...) (e.g. a padding mask), given to the stage with its
-    microbatch's row, or None; ``x_spec``: the layout of one microbatch (mb, ...).
+    ``xs`` (p, K, mb, ...) split over ``pipe``: stage j holds microbatches j K .. j K + K - 1 (M = p K of them), the
+    rows the ends (embedding, head, loss) compute on that stage. ``stage_fn(params, x, args)``: one chunk of a stage on
+    one microbatch ``x`` (mb, ...) with its ``args``; ``stage_params``: a pytree whose leaves lead with (stages,
+    repeats, ...), the stage axis split over ``pipe``; ``args``: a pytree of per-microbatch arguments laid out as
+    ``xs`` (p, K, mb, ...) (a padding mask, the rows' indices), or None; ``x_spec``, ``args_spec``: the layout of one
+    microbatch's ``x`` and args leaves (mb, ...).
+
+    The microbatches reach stage 0 and the outputs their stage by one more permute per tick (``io``): each tick t,
+    stage 0 takes column c = t mod K's entry, then that column moves one stage towards stage 0 and the last stage
+    puts its output in. Column c is visited on ticks c, c + K, ..: on its i-th visit stage 0 holds stage i's entry,
+    microbatch i K + c = t; the output of microbatch k leaves the last stage on tick k + p - 1 (its last round) and
+    moves on at each of the column's later visits, p - 1 - k div K of them: it ends on stage k div K, its input's,
+    in column (k + p - 1 + (v - 1) M) mod K (rolled back at the end, on each device). So no whole-batch transfer:
+    each tick each stage sends one microbatch to the next and one to the one before.
     """
-    p, num_micro = stages(), xs.shape[0]
+    p, k_cols = xs.shape[:2]
+    num_micro = p * k_cols
     v = jax.tree.leaves(stage_params)[0].shape[1]
-    period = slots(num_micro, p) if v > 1 else num_micro
     stage = jax.lax.with_sharding_constraint(jnp.arange(p), P(PIPE_AXIS))
-    on_stages = P(PIPE_AXIS, *x_spec)
-    # Stage 0's row holds the inputs and, slot by slot, each microbatch as it comes back round (its next round's
-    # input; after the last, the output); the other stages' rows feed only their idle ticks (each device keeps only
-    # its own row: the inputs' bytes, or p microbatches' where fewer than p circulate). Slots past M are idle items.
-    pad = jnp.zeros((period - num_micro, *xs.shape[1:]), xs.dtype)
-    held = jnp.zeros((p, period, *xs.shape[1:]), xs.dtype).at[0].set(jnp.concatenate([xs, pad]))
-    held = jax.lax.with_sharding_constraint(held, P(PIPE_AXIS, None, *x_spec))
-    first = (stage == 0).reshape(p, *(1,) * (xs.ndim - 1))
+    on_stages = (P(PIPE_AXIS, *x_spec), jax.tree.map(lambda s: P(PIPE_AXIS, *s), args_spec,
+                                                     is_leaf=lambda s: isinstance(s, P)))
+    in_io = jax.tree.map(lambda s: P(s[0], None, *s[1:]), on_stages, is_leaf=lambda s: isinstance(s, P))
+    pin = jax.lax.with_sharding_constraint
+    at = lambda flag, a: flag.reshape(p, *(1,) * (a.ndim - 1))  # noqa: E731  (a per-stage flag against a leaf)
+    first, last = stage == 0, stage == p - 1
+    forward = [(s, (s + 1) % p) for s in range(p)]  # each stage's output to the next; the last's to stage 0
+    back = [(s + 1, s) for s in range(p - 1)]  # the io column towards stage 0
 
     def chunk(params, x, r, busy, args):  # one stage's chunk r (its own: r differs between stages)
-        # an idle stage-tick (before its first item, past its last, an idle slot) computes on zeros, not on what
-        # its row holds (a finished microbatch, another's output): its result is thrown away, and a value outside
-        # the layers' domain there would make the gradient through it NaN. Masked inside the chunk, so a
-        # recomputed chunk keeps its input as before, not a masked copy too
+        # an idle stage-tick (before its first item, past its last) computes on zeros, not on what its row holds (a
+        # finished microbatch, another's output): its result is thrown away, and a value outside the layers' domain
+        # there would make the gradient through it NaN. Masked inside the chunk, so a recomputed chunk keeps its
+        # input as before, not a masked copy too
         x = jnp.where(busy, x, jnp.zeros_like(x))
         return stage_fn(jax.tree.map(lambda a: a[r] if v > 1 else a[0], params), x, args)
 
@@ -175,39 +189,59 @@ def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any,
         chunk = pipeline_chunk(chunk)
 
     def tick(carry, t):
-        current, held = carry
-        fresh = held[:, t % period]  # stage 0's item t (read before it can be overwritten, at t + p - 1 or later)
-        x = jax.lax.with_sharding_constraint(jnp.where(first, fresh, current), on_stages)
+        current, io, held = carry  # (x, args) per stage; the io columns; the circular schedule's returning items
+        column = jax.tree.map(lambda a: a[:, t % k_cols], io)
+        fresh = column
+        if v > 1:  # rounds after the first take what came back round the ring (slot t mod M)
+            fresh = jax.tree.map(lambda a, b: jnp.where(t < num_micro, a, b[:, t % num_micro]), column, held)
+        x, x_args = pin(jax.tree.map(lambda a, b: jnp.where(at(first, a), a, b), fresh, current), on_stages)
         item = t - stage
-        busy = (item >= 0) & (item < v * period) & (item % period < num_micro)
-        item = jnp.maximum(item, 0)
-        r, rows = jnp.minimum(item // period, v - 1), jnp.minimum(item % period, num_micro - 1)
-        args = jax.tree.map(lambda a: a[rows], per_micro)
-        y = jax.vmap(chunk, spmd_axis_name=PIPE_AXIS)(stage_params, x, r, busy, args)
-        moved = jax.lax.with_sharding_constraint(_ring_shift(y, p), on_stages)
-        done = t - (p - 1)  # the item the last stage finished, now arrived at stage 0
-        slot = done % period
-        kept = jnp.where(first & (done >= 0), moved, held[:, slot])
-        return (moved, held.at[:, slot].set(kept)), None
+        busy = (item >= 0) & (item < v * num_micro)
+        r = jnp.clip(item // num_micro, 0, v - 1)
+        y = jax.vmap(chunk, spmd_axis_name=PIPE_AXIS)(stage_params, x, r, busy, x_args)
+        moved = pin(_shift((y, x_args), forward), on_stages)
+        # the column one stage on towards stage 0, the last stage's output put in (only its last round's stays)
+        column = _shift(column, back)
+        column = (jnp.where(at(last, y), y, column[0]), column[1])
+        io = pin(jax.tree.map(lambda a, c: a.at[:, t % k_cols].set(c), io, column), in_io)
+        if v > 1:  # the item the last stage finished, now at stage 0, waits in its slot for its next round
+            done = t - (p - 1)
+            slot = done % num_micro
+            held = pin(jax.tree.map(lambda h, m: h.at[:, slot].set(jnp.where(at(first & (done >= 0), m), m,
+                                                                             h[:, slot])), held, moved), in_io)
+        return (moved, io, held), None
 
-    start = jax.lax.with_sharding_constraint(jnp.zeros((p, *xs.shape[1:]), xs.dtype), on_stages)
-    (_, held), _ = jax.lax.scan(tick, (start, held), jnp.arange(ticks(num_micro, p, v)))
-    return held[0, :num_micro]
+    io = pin((xs, args), in_io)
+    start = pin(jax.tree.map(lambda a: jnp.zeros((p, *a.shape[2:]), a.dtype), io), on_stages)
+    held = None
+    if v > 1:  # stage 0's row: the items between rounds (each device holds a row: M microbatches)
+        held = pin(jax.tree.map(lambda a: jnp.zeros((p, num_micro, *a.shape[2:]), a.dtype), io), in_io)
+    (_, (out, _), _), _ = jax.lax.scan(tick, (start, io, held), jnp.arange(ticks(num_micro, p, v)))
+    return jnp.roll(out, -(((v - 1) * num_micro + p - 1) % k_cols), axis=1)
 
 
 def run_stack(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: Any,
               layer_keys: jax.Array | None) -> jax.Array:
     """``scan_layers``' result on ``x`` (B, S, H), the stacked ``blocks`` run as ``stages()`` stages of ``repeats()``
-    chunks of layers (the stack held in ``layer_order``) over microbatches of ``x``'s rows (row ``k * M + i`` in
-    microbatch ``i``, so each spans every data shard and nothing moves to form them). ``mask``: one for every row,
-    or a pytree whose leaves have one row per row of ``x`` (BERT's padding mask; a packed batch's mask and
-    positions); ``layer_keys``: the plain step's dropout keys, one per layer in model order, or None. Each stage's
-    scan runs on one data replica's rows (``jax.vmap`` with ``spmd_axis_name`` 'data', so the rules map ``batch``
-    nowhere inside), with its parameters whole (``params_whole``) and its rows' indices in the step's batch
-    (``rows_of``: dropout draws the plain step's masks, for those rows only)."""
-    p, v, (rows, *rest) = stages(), repeats(), x.shape
-    d = replicas(rows)
+    chunks of layers (the stack held in ``layer_order``) over microbatches of ``x``'s rows. ``x``'s rows are split
+    over data and pipe (the rules' ``batch``: the embedding and the head run on each stage's share); the M
+    microbatches are formed where the rows are, each spanning every data shard: stage j's share holds microbatches
+    j K .. j K + K - 1 (``run``), and nothing moves to form them. ``mask``: one for every row, or a pytree whose
+    leaves have one row per row of ``x`` (BERT's padding mask; a packed batch's mask and positions), which travel
+    with their microbatch; ``layer_keys``: the plain step's dropout keys, one per layer in model order, or None.
+    Each stage's scan runs on one data replica's rows (``jax.vmap`` with ``spmd_axis_name`` 'data', so the rules map
+    ``batch`` nowhere inside), with its parameters whole (``params_whole``) and its rows' indices in the step's
+    batch (``rows_of``: dropout draws the plain step's masks, for those rows only)."""
+    p, v, rows = stages(), repeats(), x.shape[0]
+    split = replicas(rows)
+    if split % p:
+        raise ValueError(f"a pipelined batch of {rows} rows is not split over the {p} stages: each (data, pipe) shard "
+                         "must hold whole rows")
+    d = split // p
     m = microbatches(rows, d)
+    k_cols, r = m // p, rows // (d * m)  # microbatches per stage; one microbatch's rows on one data shard
+    data_axes = tuple(a for a in entry_axes(axis_of("batch")) if a != PIPE_AXIS)
+    data_axes = data_axes[0] if len(data_axes) == 1 else data_axes or None
     graphdef, state = nnx.split(blocks)
     if params_split():  # FSDP: the stage's layers gathered over `data` once per step, outside the tick loop (a
         # gather per tick would repeat it T times); their gradients are split again here
@@ -224,12 +258,17 @@ def run_stack(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: A
     if layer_keys is not None:
         keys = layer_keys[layer_order(num_layers, p, v)].reshape(p, v, per_chunk)
 
-    def micro(a: jax.Array) -> jax.Array:  # (B, ...) -> (M, B/M, ...)
-        return jnp.swapaxes(a.reshape(rows // m, m, *a.shape[1:]), 0, 1)
+    def to_io(a: jax.Array) -> jax.Array:  # (B, ...) -> (p, K, mb, ...): shard (data i, pipe j)'s rows
+        # c r .. (c + 1) r - 1 are data shard i's part of stage j's column c
+        a = a.reshape(d, p, k_cols, r, *a.shape[1:])
+        return jnp.moveaxis(a, 0, 2).reshape(p, k_cols, d * r, *a.shape[4:])
+
+    def from_io(a: jax.Array) -> jax.Array:  # to_io's inverse
+        a = a.reshape(p, k_cols, d, r, *a.shape[3:])
+        return jnp.moveaxis(a, 2, 0).reshape(rows, *a.shape[4:])
 
     # BERT's padding mask, a packed batch's mask and positions; not a mask every row shares
     per_row = mask is not None and rows > 1 and all(a.shape[0] == rows for a in jax.tree.leaves(mask))
-    xs = constrain(micro(x), (None, *RESIDUAL))
 
     def stage(params, h, args):
         (copies, chunk_keys), (ids, row_mask) = params, args
@@ -244,6 +283,10 @@ def run_stack(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: A
                                                      jax.tree.map(by_replica, row_mask) if per_row else None)
         return h.reshape(-1, *h.shape[2:])
 
-    per_micro = (micro(batch_rows(rows)), jax.tree.map(micro, mask) if per_row else None)
-    ys = run(stage, (layers, keys), xs, per_micro, spec_of(RESIDUAL))
-    return constrain(jnp.swapaxes(ys, 0, 1).reshape(rows, *rest), RESIDUAL)
+    args = (to_io(batch_rows(rows)), jax.tree.map(to_io, mask) if per_row else None)
+    # one microbatch's layout: its rows over the data shards (the layers' rules within), the rest free
+    args_spec = jax.tree.map(lambda a: P(data_axes, *(P.UNCONSTRAINED,) * (a.ndim - 3)), args)
+    with rules_remapped(batch=data_axes):
+        x_spec = spec_of(RESIDUAL)
+    ys = run(stage, (layers, keys), to_io(constrain(x, RESIDUAL)), args, x_spec, args_spec)
+    return constrain(from_io(ys), RESIDUAL)

@@ -52,7 +52,8 @@ With pipeline stages (``mesh.pipe`` = p > 1; ``megajax.parallel.pipeline``) the 
 ``parallel.pipeline_repeats``; GPipe: v = 1, T = M + p - 1):
 
 * tensor-parallel: per tick and layer the layer's a all-reduces of m x s x h, forward and backward (idle ticks
-  included: every stage runs every tick), plus the embedding's lookup once each way on the whole batch; recomputed:
+  included: every stage runs every tick), plus the embedding's lookup once each way on the stage's share of the
+  batch (b / p rows: the ends run on each stage's share; so do the loss's all-reduces); recomputed:
   GPipe as without stages, r per layer (``save_dots`` as ``full``: inside the stages' vmap every matmul has a batch
   dimension), the circular schedule's whole chunks, a L/(p v) - 1 per tick (the chunk's last output is not needed
   again; XLA's layer scan cannot drop the last iteration's, so chunks of more than one layer compile one more per
@@ -61,17 +62,20 @@ With pipeline stages (``mesh.pipe`` = p > 1; ``megajax.parallel.pipeline``) the 
   tick reduces its head's gradient), T L/(p v) per micro-batch. FSDP under stages gathers each parameter once per
   step (a stage's layers outside the tick loop, kept for the backward pass; ``gathered_shard_elements``). Sequence
   parallelism under stages: the all-reduces become pairs of one shard (a circular chunk's recomputed ones too), the
-  permutes and the boundary carry 1/t of the positions, the stage sums its layers' replicated parameters' gradients
+  permutes carry 1/t of the positions, the stage sums its layers' replicated parameters' gradients
   over ``model`` on every tick (``sequence_layer_elements`` per layer and stage-tick), the position embedding's
   gradient is reduced over ``data`` as its sequence shard, and BERT's pooled token's gradient goes back to its shard
   by a permute. Not counted yet: sequence parallelism with replicated key/value heads, and context shards, under
   stages (``check_countable``).
-* pipeline point-to-point: per tick one collective permute of m x s x h forward (each stage's output to the next)
-  and one backward (its gradient): 2 T.
-* pipeline boundary: the microbatches held by stage 0 (the slots: M, or max(M, p) under the circular schedule)
-  all-reduced over ``pipe`` once forward (the finished ones to every stage, whose head and loss run on the whole
-  batch) and once backward (their gradient, from every stage's embedding backward). Megatron keeps the embedding
-  on the first stage and the head on the last, and all-reduces the tied embedding's gradient between them instead.
+* pipeline point-to-point: per tick one collective permute of m x s x h forward round the ring (each stage's
+  output to the next) and one backward (its gradient): 2 T; forward, the microbatch's per-row arguments go with it
+  (its rows' indices where dropout keys on them, 4 bytes a row; a packed decoder's segments and positions, 8 bytes
+  a position; an encoder's padding mask, 1 byte a position), T of them.
+* pipeline inputs/outputs: per tick one permute of m x s x h along the stages towards stage 0 (the io column: the
+  inputs reach stage 0, the outputs the stage whose share of the batch they are) and one backward: 2 T; forward
+  the per-row arguments again. Megatron keeps the embedding on the first stage and the head on the last; here every
+  stage runs them on its share, and the tied embedding's gradient is reduced with the other replicated
+  parameters' (the ends' gradients over data x pipe, the stage's layers' over data).
 
 A mixture of experts (``TransformerConfig.routed_experts``: E experts, k per token; ``models/moe.py``) adds, per
 micro-batch and routed layer (``routed_layers``: all of them but Qwen3-MoE's dense ones), with n = b x s x k
@@ -118,13 +122,14 @@ from megajax.tools.memory_planner import parameters
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "pred": 1}
 CATEGORIES = ("tensor-parallel forward", "tensor-parallel backward", "loss", "data-parallel gradients",
               "data-parallel parameter gathers", "sequence-parallel extra", "replicated key/value heads",
-              "pipeline point-to-point", "pipeline boundary", "expert all-to-all", "routing statistics",
+              "pipeline point-to-point", "pipeline inputs/outputs", "expert all-to-all", "routing statistics",
               "per-head norm gradients", "context key/value", "other")
 
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """What the minimum depends on: per-data-shard sequences per micro-batch, micro-batches, sequence length,
+    """What the minimum depends on: per-device sequences per micro-batch (one data shard's; under pipeline stages
+    a stage's share of them, where the ends run), micro-batches, sequence length,
     hidden size, layers, mesh degrees, the activations' dtype bytes, local gradient elements, the model's
     all-reduces per layer (``ModelSpec.tensor_all_reduces``, ``recomputed_all_reduces``) and remat; with sequence
     parallelism the replicated parameters' elements that see the split sequence (the position embeddings counted as
@@ -151,7 +156,8 @@ class Shape:
     pipe: int = 1  # pipeline stages; with more than one, the schedule's:
     pipe_ticks: int = 0  # ticks per micro-batch (pipeline.ticks)
     pipe_rows: int = 0  # rows of one pipeline microbatch on one device
-    pipe_slots: int = 0  # microbatches held by stage 0
+    pipe_arg_bytes: int = 0  # bytes of the per-row arguments a microbatch carries, per row (forward only)
+    stage_grad_elements: int = 0  # of local_grad_elements, the stage's layers' (reduced over data only)
     pipe_layers: int = 0  # layers a stage runs per tick, L/(p v)
     pipe_circular: bool = False  # the circular schedule (recomputes whole chunks)
     expert: int = 1  # expert shards (mesh.expert): data shards outside the routed layers
@@ -177,8 +183,9 @@ def minimum(shape: Shape) -> dict[str, int]:
     split = shape.tensor if shape.sequence else 1  # sequence parallelism: each model shard's positions only
     if shape.pipe > 1:
         tick = shape.pipe_rows * s * h * shape.activation_bytes * n  # one microbatch, every micro-batch
-        out["pipeline point-to-point"] = 2 * shape.pipe_ticks * tick // split
-        out["pipeline boundary"] = 2 * shape.pipe_slots * tick // split
+        args = shape.pipe_ticks * shape.pipe_rows * shape.pipe_arg_bytes * n
+        out["pipeline point-to-point"] = 2 * shape.pipe_ticks * tick // split + args
+        out["pipeline inputs/outputs"] = 2 * shape.pipe_ticks * tick // split + args
     if shape.tensor > 1 and shape.pipe > 1:
         act, runs = b * s * h * shape.activation_bytes * n, shape.pipe_ticks * shape.pipe_layers
         if shape.pipe_circular:  # per tick: the chunk's all-reduces but its last
@@ -219,10 +226,12 @@ def minimum(shape: Shape) -> dict[str, int]:
         # stages, per stage-tick of each of its layers (the stage reduces its head's gradient on every tick)
         runs = shape.pipe_ticks * shape.pipe_layers if shape.pipe > 1 else shape.layers
         out["replicated key/value heads"] = 2 * runs * shape.kv_head_elements * 4 * n
-    # the dense parameters' gradients reduced over data x expert (the batch's shards), the experts' over data
-    dense = shape.local_grad_elements - shape.expert_grad_elements
-    out["data-parallel gradients"] = 4 * ((dense if shape.data * shape.expert * shape.context > 1 else 0)
-                                          + (shape.expert_grad_elements if shape.data > 1 else 0))
+    # the dense parameters' gradients reduced over the batch's shards (data x expert x pipe), the experts' over
+    # data, the stage's layers' over data (x context)
+    dense = shape.local_grad_elements - shape.expert_grad_elements - shape.stage_grad_elements
+    out["data-parallel gradients"] = 4 * ((dense if shape.data * shape.expert * shape.context * shape.pipe > 1 else 0)
+                                          + (shape.expert_grad_elements if shape.data > 1 else 0)
+                                          + (shape.stage_grad_elements if shape.data * shape.context > 1 else 0))
     if shape.data > 1:
         out["data-parallel parameter gathers"] = shape.gathered_shard_elements * 4  # fp32 masters
     if shape.num_experts:
@@ -262,11 +271,8 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
         elif not shape.sequence and c.op == "all-reduce" and over_model and c.elements in (
                 tokens * shape.hidden, shape.pipe_rows * shape.seq * shape.hidden):
             out[f"tensor-parallel {c.phase}"] += size
-        elif c.op == "collective-permute" and c.axes == {"pipe"}:
-            out["pipeline point-to-point"] += size
-        elif c.op == "all-reduce" and c.axes == {"pipe"} and c.elements * (shape.tensor if shape.sequence else 1) == \
-                shape.pipe_slots * shape.pipe_rows * shape.seq * shape.hidden:
-            out["pipeline boundary"] += size
+        elif c.op == "collective-permute" and c.axes == {"pipe"}:  # the ring, or the io column's shift
+            out["pipeline point-to-point" if c.cyclic else "pipeline inputs/outputs"] += size
         elif c.op == "all-reduce" and over_model and c.shape[:2] == (shape.micro_batch, shape.seq):
             out["loss"] += size  # (b, s) or (b, s, 1): one value per token
         elif over_model and shape.kv_head_elements and c.phase == "backward" and (
@@ -294,10 +300,11 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
                 (c.op in ("all-gather", "reduce-scatter") and c.shard_elements == shape.context_kv_elements) or
                 (c.op == "all-gather" and c.phase == "forward" and c.shard_elements == tokens)):
             out["context key/value"] += size
-        elif c.op == "all-reduce" and c.axes and c.axes <= {"data", "expert", "context"}:
+        elif c.op == "all-reduce" and c.axes and c.axes <= {"data", "expert", "context", "pipe"}:
             out["data-parallel gradients"] += size
         elif shape.pipe > 1 and c.op == "collective-permute" and c.phase == "backward" and "data" in c.axes and \
-                c.axes <= {"data", "pipe"}:  # part of a gradient's reduction over data, which XLA wrote as permutes
+                c.axes <= {"data", "pipe", "model"}:  # part of a gradient's reduction over data, which XLA wrote as
+            # permutes (BERT's small head gradients under FSDP: between devices of another model shard too)
             out["data-parallel gradients"] += size
         elif c.op == "all-gather" and c.axes == {"data"}:
             out["data-parallel parameter gathers"] += size
@@ -379,8 +386,12 @@ def step_shape(run) -> Shape:
     cfg = spec.model
     kv_head = kv_head_elements(cfg, spec.tensor)
     kv_weight = cfg.num_layers * kv_head * cfg.kv_heads  # replicated over model, reduced in its own category
-    local = data_gradient_elements(cfg, sum(model_shard_elements(a) for a in jax.tree.leaves(params)),
-                                   cfg.num_layers, kv_head)
+    layers = cfg.num_layers // spec.pipe  # a stage's
+    local = data_gradient_elements(cfg, sum(model_shard_elements(a) for a in jax.tree.leaves(params)), layers,
+                                   kv_head)
+    stage = data_gradient_elements(cfg, sum(model_shard_elements(a) for a in jax.tree.leaves(params)
+                                            if "pipe" in spec_axes(a.sharding.spec)), layers, kv_head)
+    rows = spec.micro_batch // spec.pipe  # a device's share of the batch at the ends
     if spec.sequence and spec.pipe > 1:  # under stages the positions' gradient is reduced over data as its shard
         local -= sum(a.size - a.size // spec.tensor for name, a in params.items() if name in model.sequence_rows
                      for a in jax.tree.leaves(a))
@@ -389,13 +400,13 @@ def step_shape(run) -> Shape:
                       if "expert" in spec_axes(a.sharding.spec))
     c = spec.context
     kv_local = cfg.kv_heads // spec.tensor if not cfg.kv_replicated(spec.tensor) else 1
-    return Shape(micro_batch=spec.micro_batch, num_micro=spec.num_micro, seq=cfg.max_seq_len // c,
+    return Shape(micro_batch=rows, num_micro=spec.num_micro, seq=cfg.max_seq_len // c,
                  hidden=cfg.hidden_size, layers=cfg.num_layers, tensor=spec.tensor, data=spec.data,
                  activation_bytes=np.dtype(cfg.compute_dtype).itemsize, local_grad_elements=local,
                  tensor_all_reduces=model.tensor_all_reduces, recomputed_all_reduces=model.recomputed_all_reduces,
                  remat=cfg.remat, sequence=spec.sequence,
                  sequence_grad_elements=sequence_grad_elements(params, spec.tensor, model) - kv_weight
-                 if spec.sequence else 0, pooled_rows=model.pooled_rows * spec.micro_batch,
+                 if spec.sequence else 0, pooled_rows=model.pooled_rows * rows,
                  sequence_layer_elements=sequence_grad_elements({STACK: params[STACK]}, spec.tensor, model)
                  // cfg.num_layers if spec.sequence and STACK in params else 0,
                  gathered_shard_elements=gathered_shard_elements(run), kv_head_elements=kv_head,
@@ -407,7 +418,7 @@ def step_shape(run) -> Shape:
                  context_kv_elements=spec.micro_batch * cfg.max_seq_len // c * kv_local * cfg.head_dim
                  if c > 1 else 0, context_key_bytes=(8 if spec.dataset is not None and spec.dataset.packed else 4)
                  if model.causal_lm else 1,
-                 **_pipeline_shape(spec))
+                 stage_grad_elements=stage if spec.pipe > 1 else 0, **_pipeline_shape(spec))
 
 
 def head_norm_elements(run: RunSpec) -> int:
@@ -437,8 +448,13 @@ def _pipeline_shape(spec) -> dict[str, int | bool]:
     if p == 1:
         return {}
     micro = pipeline.microbatches_for(spec.micro_batch, spec.pipeline_microbatches, p)
-    return dict(pipe=p, pipe_ticks=pipeline.ticks(micro, p, v), pipe_rows=spec.micro_batch // micro,
-                pipe_slots=pipeline.slots(micro, p) if v > 1 else micro,
+    rows = spec.micro_batch // micro
+    # per row: its index where dropout keys on it (one row on a device: a scalar, outside the ratio); per position
+    # a packed decoder's segments and positions (int32), an encoder's padding mask (a byte)
+    packed = spec.dataset is not None and spec.dataset.packed
+    per_position = (8 if packed else 0) if spec.model_spec.causal_lm else 1
+    arg_bytes = (4 if spec.model.dropout > 0 and rows > 1 else 0) + per_position * spec.model.max_seq_len
+    return dict(pipe=p, pipe_ticks=pipeline.ticks(micro, p, v), pipe_rows=rows, pipe_arg_bytes=arg_bytes,
                 pipe_layers=spec.model.num_layers // (p * v), pipe_circular=v > 1)
 
 

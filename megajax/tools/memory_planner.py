@@ -176,7 +176,8 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
     With pipeline stages (``mesh.pipe`` = p > 1, M microbatches of the micro-batch's rows, v =
     ``parallel.pipeline_repeats`` chunks per stage): each of the schedule's ticks (``pipeline.ticks``: M + p - 1
     for GPipe) keeps its chunk's L/(p v) layers' residuals for one microbatch until the backward pass (idle ticks
-    included), the head runs on the whole micro-batch on every stage, and one recomputed layer has a microbatch.
+    included), the head runs on the stage's share of the micro-batch (1/p of it), and one recomputed layer has a
+    microbatch.
     The circular schedule (v > 1) recomputes each chunk from its input (``pipeline.run``): each tick keeps that
     input, and a tick's backward pass holds its chunk's residuals (no recomputation inside it) for one microbatch.
     Inside a stage every matmul carries the stages' vmapped dimension, so ``save_dots`` (dots without batch
@@ -190,12 +191,18 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
         v, ticks = run.pipeline_repeats, pipeline.ticks(micro, p, run.pipeline_repeats)
         if v > 1:
             inner = "selective" if m.remat == "selective" else "none"
-            recompute = m.num_layers // (p * v) * layer_residual_bytes(run, rows, inner, gpu=gpu)
+            # the recomputed chunk's residuals; a chunk of more than one layer also one layer's backward working
+            # set beside them (measured on the compiled steps of tests/test_pipeline.py)
+            per_chunk = m.num_layers // (p * v)
+            recompute = (per_chunk + (per_chunk > 1)) * layer_residual_bytes(run, rows, inner, gpu=gpu)
             return Activations(ticks * layer_residual_bytes(run, rows, "full", gpu=gpu),
-                               head_bytes(run, micro_batch, gpu), recompute)
-        layers = ticks * m.num_layers // p * (layer_residual_bytes(run, rows, remat, gpu=gpu)
-                                              + dropped_probability_bytes(run, rows, remat, gpu))
-        return Activations(layers, head_bytes(run, micro_batch, gpu), recompute)
+                               head_bytes(run, micro_batch // p, gpu), recompute)
+        kept = layer_residual_bytes(run, rows, remat, gpu=gpu)
+        layers = ticks * m.num_layers // p * (kept + dropped_probability_bytes(run, rows, remat, gpu))
+        # a tick's backward works on a copy of its layers' residuals, sliced out of the ticks' stack, beside one
+        # layer's backward working set (its residuals again, or the recomputed layer's)
+        tick = (m.num_layers // p) * kept + (recompute or kept)
+        return Activations(layers, head_bytes(run, micro_batch // p, gpu), tick)
     recompute = attention_backward_bytes(run, micro_batch, gpu)
     if m.remat in ("full", "save_dots"):
         recompute += layer_residual_bytes(run, micro_batch, "none", gpu=gpu)
@@ -299,7 +306,8 @@ def run_memory(run) -> CompiledMemory:
     if analysis is None:
         raise RuntimeError("this backend's compiled step reports no memory_analysis()")
     fields, _ = batch_layout(run.spec, run.mesh)
-    rows = run.spec.micro_batch * run.spec.num_micro  # this data shard's sequences per step
+    rows = run.spec.micro_batch * run.spec.num_micro // run.spec.pipe  # this device's sequences per step (a data
+    # shard's, split over the stages too)
     batch = rows * sum(math.prod(f.row_shape) * f.dtype.itemsize for f in fields.values())
     return CompiledMemory(analysis.argument_size_in_bytes, analysis.output_size_in_bytes,
                           analysis.alias_size_in_bytes, analysis.temp_size_in_bytes, batch)
@@ -422,6 +430,16 @@ def _num_micro(run: RunSpec, micro_batch: int) -> int:
     return max(steps, 1) if not rest else 1
 
 
+def stage_gradient_sums(run: RunSpec) -> int:
+    """Copies of a stage's layer gradients the tick loop holds (0 without stages): an accumulator and, under GPipe,
+    each tick's contribution; under the circular schedule a chunk of one layer adds its gradient into the accumulator
+    (no second copy in the compiled steps of tests/test_pipeline.py), a chunk of more has its layer scan's own."""
+    if run.pipe == 1:
+        return 0
+    per_chunk = run.model.num_layers // (run.pipe * run.pipeline_repeats)
+    return 2 if run.pipeline_repeats == 1 or per_chunk > 1 else 1
+
+
 def memory_report(run: RunSpec, micro_batch: int | None = None, num_micro: int | None = None,
                   gpu: bool = False) -> MemoryReport:
     """Per-device memory of training ``run`` on its mesh, ``micro_batch`` sequences per data shard per
@@ -432,16 +450,13 @@ def memory_report(run: RunSpec, micro_batch: int | None = None, num_micro: int |
     micro_batch = micro_batch or run.micro_batch
     zero = run.shard_optimizer and not run.fsdp  # ZeRO-1: the moments and gradients only
     total, local = params_per_device(run, split_over_data=run.fsdp)  # FSDP: parameters split over data too
-    # pipeline stages sum their layers' gradients over the ticks: an accumulator and, under GPipe, each tick's
-    # contribution (the circular schedule's is a chunk's, computed while its chunk is recomputed: measured within
-    # the tolerance of tests/test_pipeline.py without it)
-    copies = 0 if pipe == 1 else 2 if run.pipeline_repeats == 1 else 1
-    stage = copies * FP32 * params_per_device(run, only=STACK)[1]
+    stage = stage_gradient_sums(run) * FP32 * params_per_device(run, only=STACK)[1]
     num_micro = num_micro or _num_micro(run, micro_batch)
     optimizer = 8 * local // (data if zero else 1)
     act = activations(run, micro_batch, gpu)
     fields = run.batch_fields.values()
-    batch = micro_batch * num_micro * sum(math.prod(f.row_shape) * f.dtype.itemsize for f in fields)
+    # the batch's rows split over the stages too (the ends run on each stage's share)
+    batch = micro_batch * num_micro * sum(math.prod(f.row_shape) * f.dtype.itemsize for f in fields) // pipe
     head, layer = gathered_bytes(run) if run.fsdp else (0, 0)
     return MemoryReport(total, local, FP32 * local, FP32 * local, optimizer, act.total, data, model, act,
                         gradient_bytes(local, data, zero, num_micro), batch, run.sequence, run.fsdp,
@@ -451,22 +466,24 @@ def memory_report(run: RunSpec, micro_batch: int | None = None, num_micro: int |
 
 def largest_micro_batch(run: RunSpec, device_bytes: float, gpu: bool = False) -> int:
     """The largest micro-batch whose step peak on ``run``'s mesh (by formula, no accumulation; ``gpu``: as compiled
-    for an NVIDIA GPU) fits ``device_bytes``; 0 if none."""
-    one = memory_report(run, 1, num_micro=1, gpu=gpu)  # only the activations and the batch grow
+    for an NVIDIA GPU) fits ``device_bytes``; 0 if none. Under pipeline stages a multiple of them (each stage's share
+    of the batch holds whole microbatches)."""
+    unit = run.pipe
+    one = memory_report(run, unit, num_micro=1, gpu=gpu)  # only the activations and the batch grow
 
-    def fits(micro_batch: int) -> bool:
-        act = activations(run, micro_batch, gpu)
+    def fits(units: int) -> bool:
+        act = activations(run, units * unit, gpu)
         return dataclasses.replace(one, activation_bytes=act.total, activations=act,
-                                   batch_bytes=one.batch_bytes * micro_batch).fits(device_bytes)
+                                   batch_bytes=one.batch_bytes * units).fits(device_bytes)
 
     if not fits(1):
         return 0
     low, high = 1, 2  # fits(low); double high until it does not fit, then bisect
-    while high <= MAX_MICRO_BATCH and fits(high):
+    while high * unit <= MAX_MICRO_BATCH and fits(high):
         low, high = high, 2 * high
-    if high > MAX_MICRO_BATCH:
-        return low
+    if high * unit > MAX_MICRO_BATCH:
+        return low * unit
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
+    return low * unit
