@@ -59,6 +59,17 @@ def ptdp_table() -> str:
     return "\n".join(lines)
 
 
+def ptdp_megajax_table() -> str:
+    """PTD-P Table 1's rows with megajax's own pipeline schedules (GPipe / circular), the fastest v that fits 80 GB."""
+    lines = [f"{'PTD-P row':<10}{'schedule':>10}{'v':>3}{'published':>11}{'megajax':>9}{'rel':>8}{'GiB':>8}  fits"]
+    for row in scaling_papers.PTDP_TABLE1:
+        p = scaling_papers.ptdp_megajax_prediction(row)
+        tflops = scaling_papers.ptdp_tflops(row, p)
+        lines.append(f"{row.name:<10}{p.pipeline.schedule:>10}{p.pipeline.repeats:>3}{row.tflops:>11.0f}"
+                     f"{tflops:>9.1f}{tflops / row.tflops - 1:>+8.1%}{p.memory_bytes / 2**30:>8.1f}  {p.fits}")
+    return "\n".join(lines)
+
+
 def breakdown() -> list[tuple[str, scaling.Prediction]]:
     """Figure 5's configurations' predicted steps (the paper's fp16 gradients)."""
     out = []
@@ -131,6 +142,8 @@ def main() -> int:
     print(text_table(predicted))
     print()
     print(ptdp_table())
+    print()
+    print(ptdp_megajax_table())
     if args.no_plot:
         return 0
     try:

@@ -54,15 +54,15 @@ InfiniBand link where a stage boundary crosses nodes (``crosses_nodes``: pipe is
 overlapped. Idle ticks cost as much as busy ones: the bubble, (p - 1)/(M v + p - 1) of them. megajax's circular
 schedule recomputes each chunk from its input whatever the remat policy (timed as ``full``, with ``selective``'s
 attention core once more), and inside a stage ``save_dots`` recomputes what ``full`` does. The ends: megajax runs
-the embeddings and head on every stage over the whole layer-stack batch (their parameters replicated over pipe) and
-moves the finished microbatches from stage 0 to every stage and their gradient back (two ring all-reduces over pipe,
-forward and backward, of the microbatches stage 0 holds: the batch's b s h, or p microbatches' under the circular
-schedule with fewer: the communication budget's pipeline boundary); Megatron-LM runs the head on the last stage
+the embeddings and head on every stage over its share of the layer-stack batch (1/p of it; their parameters
+replicated over pipe, their gradients reduced over data x pipe) and moves the microbatches to stage 0 and the
+outputs back to their stage along the io column, one more transfer each way per tick (the communication budget's
+pipeline inputs/outputs), timed as the ring's hop and not overlapped; Megatron-LM runs the head on the last stage
 after each microbatch (M heads on the slowest stage) and all-reduces the tied embedding's gradient between the first
 and last stage (where the abstract model has one (vocabulary, hidden) weight). Data-parallel all-reduce, ZeRO-1's
 gather and AdamW cover one stage's parameters (``parameters_per_gpu``: L/p layers and the ends). Memory per GPU
 (``stage_memory_bytes``): the stage's state; megajax's activations as the memory planner counts them (every tick's
-residuals or chunk input, bubble ticks included, the head on the whole batch, one recomputed layer or chunk) and the
+residuals or chunk input, bubble ticks included, the head on the stage's share, a tick's backward working set) and the
 tick loop's fp32 sums of the stage's layer gradients; Megatron-LM's, the residuals of the chunk-microbatches in
 flight (``Pipeline.in_flight``: 1F1B at most p, interleaved its warm-up), and the head on one microbatch.
 
@@ -109,9 +109,8 @@ import functools
 
 from megajax.config import RunSpec, replanned
 from megajax.models.transformer import attention_reason
-from megajax.parallel.pipeline import slots
 from megajax.tools.comm_budget import minimum
-from megajax.tools.memory_planner import activations
+from megajax.tools.memory_planner import activations, stage_gradient_sums
 from megajax.tools.scaling_clusters import (  # noqa: F401 (the clusters are this module's API too)
     CLUSTERS,
     DGX2H_V100,
@@ -306,15 +305,14 @@ def memory_bytes(run: RunSpec, tensor: int, micro_batch: int, data: int = 1, pip
 def stage_memory_bytes(run: RunSpec, tensor: int, rows: int, data: int, pipeline: Pipeline, gpu: bool = False) -> int:
     """One stage's memory: its state (``state_bytes``) and activations. megajax's are the memory planner's
     (``megajax.info``'s: ``activations`` of the run on the mesh with the stages, microbatches and repeats), plus the
-    tick loop's fp32 sums of the stage's layer gradients (GPipe: an accumulator and each tick's contribution;
-    circular: the accumulator: the planner's ``stage_grad_bytes``); Megatron-LM's are
+    tick loop's fp32 sums of the stage's layer gradients (the planner's ``stage_gradient_sums``); Megatron-LM's are
     ``megatron_activation_bytes``."""
     state = state_bytes(run, tensor, data, pipeline.stages)
     placed = _on_mesh(run, tensor, data, pipeline)
     if pipeline.megatron:
         return state + megatron_activation_bytes(placed, rows, pipeline)
     blocks = run.model.num_layers // pipeline.stages * layout(run, tensor).layer
-    sums = (2 if pipeline.repeats == 1 else 1) * 4 * blocks
+    sums = stage_gradient_sums(placed) * 4 * blocks
     return state + activations(placed, rows, gpu).total + sums
 
 
@@ -377,6 +375,9 @@ def _pipeline_step(r: RunSpec, mesh, global_batch, cluster, micro_batch, grad_by
     rows, num_micro = _rows(mesh, global_batch, micro_batch)
     if rows % m:
         raise ValueError(f"{m} pipeline microbatches do not divide the {rows} sequences of a layer-stack batch")
+    if m % p and not pipeline.megatron:
+        raise ValueError(f"{m} pipeline microbatches are not a multiple of the {p} stages (megajax's stages each hold "
+                         "whole microbatches of their share of the batch)")
     if layers % (p * v):
         raise ValueError(f"{p} stages x {v} repeats do not divide the {layers} layers")
     micro, chunk, ticks = rows // m, layers // (p * v), pipeline.ticks()
@@ -396,13 +397,11 @@ def _pipeline_step(r: RunSpec, mesh, global_batch, cluster, micro_batch, grad_by
     hop = 2 * p2p_s(message, tensor, pipeline, inter, cluster)  # forward, backward
     if pipeline.megatron:  # the last stage's head after each microbatch: the slowest stage sets the pace
         ends, ends_comm, ends_moves = m * head_s(r, tensor, micro, cluster), m * tensor_ends, 0.0
-    else:  # every stage runs the ends on the whole batch; stage 0's outputs reach every stage, their gradient back
-        ends = head_s(r, tensor, rows, cluster)
-        ends_comm = _tensor_parts(r, tensor, rows, cluster)[1]
-        # the microbatches stage 0 holds (M, or p slots under the circular schedule with fewer), all-reduced over
-        # pipe forward and their gradient backward: comm_budget's pipeline boundary
-        held = (slots(m, p) if v > 1 else m) * micro
-        ends_moves = 2 * ring_allreduce_s(held * seq * hidden * HALF, p, *link)
+    else:  # every stage runs the ends on its share of the batch; each tick the io column moves one microbatch
+        # towards stage 0 and its gradient back (comm_budget's pipeline inputs/outputs), as large as the ring's hop
+        ends = head_s(r, tensor, rows // p, cluster)
+        ends_comm = _tensor_parts(r, tensor, rows // p, cluster)[1]
+        ends_moves = ticks * hop
     compute = num_micro * (ticks * chunk * (layer_s(r, tensor, micro, cluster) + extra) + ends)
     compute += OPTIMIZER_BYTES_PER_PARAM * parameters_per_gpu(r, tensor, p)[1] / cluster.hbm_bandwidth
     tensor_comm = num_micro * (ticks * chunk * tensor_layer + ends_comm)

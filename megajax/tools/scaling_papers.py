@@ -188,3 +188,17 @@ def ptdp_errors(predicted: dict[str, float], peak: float = DGX_A100.peak_flops) 
     """Per row of ``predicted``, (predicted - published in points of peak, predicted / published - 1)."""
     return {row.name: (100 * (predicted[row.name] - row.tflops) * 1e12 / peak, predicted[row.name] / row.tflops - 1)
             for row in PTDP_TABLE1 if row.name in predicted}
+
+
+def ptdp_megajax_prediction(row: PtdpRow, cluster: Cluster = DGX_A100) -> Prediction:
+    """A row's predicted step with megajax's own pipeline (GPipe or the circular schedule, ``megajax.parallel.
+    pipeline``) at the row's mesh, batch and microbatches: the fastest v that fits the cluster's memory, else the
+    fastest (its ``fits`` False: GPipe keeps every tick's activations, and 1F1B is not built)."""
+    model, mesh = ptdp_model(row), (row.data, row.tensor)
+    if row.pipe == 1:
+        return predict(model, mesh, row.batch, cluster, row.micro_batch, PTDP_GRAD_BYTES)
+    options = [predict(model, mesh, row.batch, cluster, None, PTDP_GRAD_BYTES,
+                       pipeline=Pipeline(row.pipe, row.microbatches, v))
+               for v in range(1, row.layers // row.pipe + 1) if row.layers % (row.pipe * v) == 0]
+    fitting = [p for p in options if p.fits]
+    return min(fitting or options, key=lambda p: p.step_s)

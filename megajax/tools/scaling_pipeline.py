@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 
 from megajax.config import RunSpec
-from megajax.parallel.pipeline import ticks as schedule_ticks
 from megajax.tools.memory_planner import head_bytes, layer_residual_bytes
 
 
@@ -25,8 +24,8 @@ class Pipeline:
     pipeline_repeats, v: layer chunks per stage). ``megatron``: Megatron-LM PTD-P's implementation (Narayanan et al.
     2021: 1F1B / interleaved, the head on the last stage only, scatter/gather point-to-point, the tied embedding's
     gradient all-reduced between the first and last stage) instead of megajax's (``megajax.parallel.pipeline``:
-    GPipe / circular in one SPMD program, the embeddings and head on every stage over the whole batch, each
-    model-parallel GPU sending the whole microbatch)."""
+    GPipe / circular in one SPMD program, the embeddings and head on every stage over its share of the batch, each
+    model-parallel GPU sending the whole microbatch, round the ring and along the io column)."""
 
     stages: int = 1
     microbatches: int = 1
@@ -36,7 +35,8 @@ class Pipeline:
     def ticks(self) -> int:
         """Stage-ticks of L/(p v) layers: M v + p - 1 when M >= p; with fewer microbatches than stages a chunk's
         next round waits for its microbatch to come round the ring, (v - 1) p + M + p - 1."""
-        return schedule_ticks(self.microbatches, self.stages, self.repeats)
+        p, m, v = self.stages, self.microbatches, self.repeats
+        return (v - 1) * max(m, p) + m + p - 1  # megajax.parallel.pipeline.ticks where M is a multiple of p
 
     def bubble(self) -> float:
         """The idle share of the stage-ticks, (p - 1) / (M v + p - 1) for M >= p (megajax's

@@ -109,12 +109,14 @@ def variants(run: RunSpec, mesh: tuple[int, int], choose: bool, pipe: int = 1) -
 def pipelines(model: TransformerConfig, stages: int, rows: int) -> list[Pipeline]:
     """The schedules the planner tries on ``stages`` stages for a layer-stack batch of ``rows`` sequences: GPipe and
     the circular schedule with every v up to ``MAX_REPEATS`` that splits the layers evenly, each at M = the smallest
-    divisor of ``rows`` from p, 2p, 4p, ... up, and all ``rows`` (one sequence per microbatch); fewer than p only
-    where the rows are fewer."""
+    multiple of p dividing ``rows`` from p, 2p, 4p, ... up, and all ``rows`` (one sequence per microbatch); none
+    where the rows are not a multiple of p (each stage's share of the batch holds whole microbatches)."""
     if stages == 1:
         return [Pipeline()]
-    divisors = [m for m in range(1, rows + 1) if rows % m == 0]
-    counts, want = set(), min(stages, rows)
+    if rows % stages:
+        return []
+    divisors = [m for m in range(stages, rows + 1, stages) if rows % m == 0]
+    counts, want = set(), stages
     while want <= rows:
         counts.add(next(m for m in divisors if m >= want))
         want *= 2
