@@ -333,14 +333,15 @@ def test_stages_exchange_exactly_the_schedules_activations(name, pipe, data, mod
 @pytest.mark.parametrize("name, pipe, data, model, micro, repeats, choice", [
     (*CASES[3], 1, None), (*CASES[5], 1, None), (*CASES[6], 1, None), (*CIRCULAR[3], None), (*CIRCULAR[5], None),
     (*CASES[3], 1, "fsdp"), (*CASES[5], 1, "fsdp"), (*CIRCULAR[3], "fsdp"),
-    (*CASES[3], 1, "sequence"), (*CASES[5], 1, "sequence"), (*CIRCULAR[3], "sequence")])
+    (*CASES[3], 1, "sequence"), (*CASES[5], 1, "sequence"), (*CASES[6], 1, "sequence"), (*CIRCULAR[3], "sequence")])
 def test_the_budget_counts_the_pipeline_exactly(name, pipe, data, model, micro, repeats, choice):
     """``comm_budget`` beside the compiled step, every category: the schedule's permutes (one microbatch each way per
     tick round the ring and one along the io column), the stages' tensor-parallel all-reduces per tick and layer, the
     loss's, the data-parallel gradients, Llama's 2 key/value heads replicated over model=4 (their head's gradient
     reduced and gathered per stage-tick and layer), FSDP (each stage's parameters gathered once per step; BERT's
     small head gradients partly reduced by permutes), sequence parallelism (pairs of one shard, 1/t permutes, the
-    replicated parameters' gradients summed over model on every stage-tick). Nothing is ``other``. A
+    replicated parameters' gradients summed over model on every stage-tick; with Llama's replicated key/value heads
+    too, their head's gradient in its own category). Nothing is ``other``. A
     circular chunk of more than one layer recomputes one all-reduce more per tick than its need (XLA's layer scan
     keeps the last iteration's): exactly T of a microbatch above the minimum (under sequence parallelism a pair of
     1/t each, the same bytes)."""
@@ -354,13 +355,16 @@ def test_the_budget_counts_the_pipeline_exactly(name, pipe, data, model, micro, 
 
 
 def test_the_budget_refuses_what_it_does_not_count():
-    """Sequence parallelism with Llama's 2 key/value heads replicated over model=4 under stages: one error before
-    anything compiles."""
+    """Context shards under stages: one error before anything compiles. Sequence parallelism with Llama's 2
+    key/value heads replicated over model=4 under stages is counted (``test_the_budget_counts_the_pipeline_exactly``).
+    """
     from megajax.tools.comm_budget import check_countable
 
-    with pytest.raises(ConfigError, match="--sequence with replicated key/value heads"):
-        check_countable(resolve(_config("llama", 2, 1, 4, 4, choice="sequence"), 8))
-    check_countable(resolve(_config("llama", 2, 1, 4, 4), 8))  # either alone is counted
+    c = _config("gpt", 2, 1, 2, 4)
+    c.mesh.context = 2
+    with pytest.raises(ConfigError, match="context shards under pipeline stages"):
+        check_countable(resolve(c, 8))
+    check_countable(resolve(_config("llama", 2, 1, 4, 4, choice="sequence"), 8))
 
 
 def test_comm_report_prints_the_pipeline_categories(capsys):

@@ -400,7 +400,8 @@ def test_stage_memory_is_the_planners(pipe, micro, repeats, remat):
 
 def test_pipeline_step_counts_ticks_and_stage_terms():
     """A pipelined step: ticks x (L/(p v) layers + their all-reduces + four transfers), the ends on the stage's
-    share of the batch, AdamW and the data-parallel all-reduce of one stage's parameters."""
+    share of the batch, AdamW and the data-parallel all-reduce of one stage's parameters (the ends' over data x
+    pipe)."""
     c, model = DGX_A100, gpt_model(4096, 32, 32, seq=2048, remat="full")
     pipeline = Pipeline(4, 8, 2)
     p = predict(model, (2, 4), 2 * 32, c, 16, pipeline=pipeline, memory=False)  # 2 accumulation steps of 16 rows
@@ -410,7 +411,11 @@ def test_pipeline_step_counts_ticks_and_stage_terms():
     part = scaling_layout.parameters_per_gpu(model, 4, pipeline.stages)
     compute += scaling.OPTIMIZER_BYTES_PER_PARAM * part[1] / c.hbm_bandwidth
     assert p.compute_s == pytest.approx(compute, rel=1e-12)
-    assert p.data_comm_s == pytest.approx(scaling.data_comm_s(model, (2, 4), c, stages=pipeline.stages), rel=1e-12)
+    # the stage's parameters over data; the ends' (every stage computes part of their gradient) over data x pipe
+    ends = 4 * (part[1] - 32 // 4 * scaling_layout.layout(model, 4).layer)
+    ends_over_pipe = scaling.group_allreduce_s(ends, 2 * 4, 4, c) - scaling.group_allreduce_s(ends, 2, 4, c)
+    assert c.dp_overlap == 0 and p.data_comm_s == pytest.approx(
+        scaling.data_comm_s(model, (2, 4), c, stages=pipeline.stages) + ends_over_pipe, rel=1e-12)
     assert part[1] < scaling_layout.parameters_per_gpu(model, 4)[1] / 3  # a quarter of the layers, the ends whole
     assert p.step_s == pytest.approx(p.compute_s + p.tensor_comm_s + p.data_comm_s + p.pipe_comm_s)
     assert p.bubble == pytest.approx(3 / (16 + 3)) and p.gpus == 32

@@ -65,8 +65,8 @@ With pipeline stages (``mesh.pipe`` = p > 1; ``megajax.parallel.pipeline``) the 
   permutes carry 1/t of the positions, the stage sums its layers' replicated parameters' gradients
   over ``model`` on every tick (``sequence_layer_elements`` per layer and stage-tick), the position embedding's
   gradient is reduced over ``data`` as its sequence shard, and BERT's pooled token's gradient goes back to its shard
-  by a permute. Not counted yet: sequence parallelism with replicated key/value heads, and context shards, under
-  stages (``check_countable``).
+  by a permute; with replicated key/value heads too, the layer's replicated parameters less those heads (counted in
+  their own category). Not counted yet: context shards under stages (``check_countable``).
 * pipeline point-to-point: per tick one collective permute of m x s x h forward round the ring (each stage's
   output to the next) and one backward (its gradient): 2 T; forward, the microbatch's per-row arguments go with it
   (its rows' indices where dropout keys on them, 4 bytes a row; a packed decoder's segments and positions, 8 bytes
@@ -264,7 +264,11 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
             continue
         size = c.shard_elements * DTYPE_BYTES.get(c.dtype, 4) * c.executions
         over_model = c.axes == {"model"}
-        if shape.sequence and over_model and c.op in ("reduce-scatter", "all-gather") and (
+        if over_model and shape.kv_head_elements and c.phase == "backward" and c.shape[-2:] == (2, shape.head_dim) \
+                and ((c.op == "all-reduce" and c.elements == shape.kv_head_elements) or
+                     (c.op == "all-gather" and c.shard_elements == shape.kv_head_elements)):
+            out["replicated key/value heads"] += size  # the one head's (h, 2, head_dim) weight gradient
+        elif shape.sequence and over_model and c.op in ("reduce-scatter", "all-gather") and (
                 c.shard_elements * shape.tensor == tokens * shape.hidden or  # or a stage's microbatch (rows, s, h)
                 (len(c.shape) > 2 and c.shard_elements * shape.tensor == shape.pipe_rows * shape.seq * shape.hidden)):
             out[f"tensor-parallel {c.phase}"] += size
@@ -275,10 +279,6 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
             out["pipeline point-to-point" if c.cyclic else "pipeline inputs/outputs"] += size
         elif c.op == "all-reduce" and over_model and c.shape[:2] == (shape.micro_batch, shape.seq):
             out["loss"] += size  # (b, s) or (b, s, 1): one value per token
-        elif over_model and shape.kv_head_elements and c.phase == "backward" and (
-                (c.op == "all-reduce" and c.elements == shape.kv_head_elements) or
-                (c.op == "all-gather" and c.shard_elements == shape.kv_head_elements)):
-            out["replicated key/value heads"] += size
         elif shape.sequence and c.op == "all-reduce" and over_model and c.phase == "forward" and \
                 c.elements == shape.pooled_rows * shape.hidden:
             out["tensor-parallel forward"] += size
@@ -365,17 +365,12 @@ def step_budget(run) -> Budget:
 
 
 def check_countable(spec) -> None:
-    """Raises ConfigError for a run (its ``RunSpec``) whose communication the budget does not count yet: sequence
-    parallelism with replicated key/value heads, and context shards, under pipeline stages (the step itself is
-    right)."""
+    """Raises ConfigError for a run (its ``RunSpec``) whose communication the budget does not count yet: context
+    shards under pipeline stages (the step itself is right)."""
     if spec.pipe > 1 and spec.context > 1:
         raise ConfigError("the communication budget does not count context shards under pipeline stages yet (each "
                           "stage-tick's key/value all-gathers on a microbatch); drop mesh.pipe or mesh.context to "
                           "read a budget")
-    if spec.pipe > 1 and spec.sequence and spec.tensor > 1 and spec.model.kv_replicated(spec.tensor):
-        raise ConfigError("the communication budget does not count --sequence with replicated key/value heads "
-                          f"(mesh.model={spec.tensor} > the {spec.model.kv_heads} key/value heads) under pipeline "
-                          "stages yet; use a mesh.model that divides them, or drop --sequence, to read a budget")
 
 
 def step_shape(run) -> Shape:
@@ -407,8 +402,8 @@ def step_shape(run) -> Shape:
                  remat=cfg.remat, sequence=spec.sequence,
                  sequence_grad_elements=sequence_grad_elements(params, spec.tensor, model) - kv_weight
                  if spec.sequence else 0, pooled_rows=model.pooled_rows * rows,
-                 sequence_layer_elements=sequence_grad_elements({STACK: params[STACK]}, spec.tensor, model)
-                 // cfg.num_layers if spec.sequence and STACK in params else 0,
+                 sequence_layer_elements=(sequence_grad_elements({STACK: params[STACK]}, spec.tensor, model)
+                                          - kv_weight) // cfg.num_layers if spec.sequence and STACK in params else 0,
                  gathered_shard_elements=gathered_shard_elements(run), kv_head_elements=kv_head,
                  expert=spec.expert, expert_grad_elements=expert_grad, num_experts=experts,
                  routed_rows=spec.micro_batch * cfg.max_seq_len // spec.context * per_token,

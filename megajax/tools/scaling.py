@@ -55,7 +55,7 @@ overlapped. Idle ticks cost as much as busy ones: the bubble, (p - 1)/(M v + p -
 schedule recomputes each chunk from its input whatever the remat policy (timed as ``full``, with ``selective``'s
 attention core once more), and inside a stage ``save_dots`` recomputes what ``full`` does. The ends: megajax runs
 the embeddings and head on every stage over its share of the layer-stack batch (1/p of it; their parameters
-replicated over pipe, their gradients reduced over data x pipe) and moves the microbatches to stage 0 and the
+replicated over pipe, their gradients all-reduced over data x pipe) and moves the microbatches to stage 0 and the
 outputs back to their stage along the io column, one more transfer each way per tick (the communication budget's
 pipeline inputs/outputs), timed as the ring's hop and not overlapped; Megatron-LM runs the head on the last stage
 after each microbatch (M heads on the slowest stage) and all-reduces the tied embedding's gradient between the first
@@ -409,6 +409,10 @@ def _pipeline_step(r: RunSpec, mesh, global_batch, cluster, micro_batch, grad_by
     if pipeline.megatron and layout(r, tensor).tied:  # the tied embedding's gradient: first and last stage
         pipe_comm += ring_allreduce_s(grad_bytes * r.model.padded_vocab_size * hidden / tensor, 2, *link)
     grads = data_comm_s(r, mesh, cluster, grad_bytes, p) / (2 if r.fsdp else 1)
+    if not pipeline.megatron:  # the ends' gradients (every stage computes part of them) over data x pipe, not data
+        ends_bytes = grad_bytes * (parameters_per_gpu(r, tensor, p)[1] - layers // p * layout(r, tensor).layer)
+        grads += group_allreduce_s(ends_bytes, data * p, tensor, cluster) - (
+            group_allreduce_s(ends_bytes, data, tensor, cluster) if data > 1 else 0.0)
     data_comm = (1 - cluster.dp_overlap) * grads + gather_params_s(r, mesh, cluster, p)
     return compute, tensor_comm, data_comm, pipe_comm, compute + tensor_comm + data_comm + pipe_comm, rows
 
