@@ -364,6 +364,8 @@ def layer_residual_bytes(cfg: LlamaConfig, rows: int, tp: int, split: int, remat
     kept = (4 * sbh * (cd + 4) + 4 * s * b * 4 + (2 * sbh if dropout else 0)) // split  # norms, masks
     kept += 2 * h * cd  # the scales broadcast to (1, 1, h)
     kept += (2 * sbh + 6 * s * b * f) * cd // tp + 2 * s * b * kv_local * d * cd  # q, context; SwiGLU; k, v
+    if split > 1:  # sequence parallelism: the two fused column-parallel GEMMs keep their all-gathered inputs
+        kept += 2 * sbh * cd
     if remat != "selective":
         kept += attention_core_residual_bytes(cfg, b, tp, attention)
     if cd < 4:
