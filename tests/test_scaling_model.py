@@ -551,9 +551,9 @@ def test_megajax_own_schedules_on_ptdp_rows():
     """megajax's own pipeline (GPipe / circular, the ends on each stage's share, two permutes per tick) on PTD-P
     Table 1's pipelined rows, the fastest v that fits 80 GB (else the fastest): 39.1B within 5% of the published
     TFLOP/s, 76.1B and 145.6B fit and are within 7% (the io column's permutes and the circular schedule's chunk
-    recomputation cost the rest); 39.1B, 310.1B and 529.6B do not fit (GPipe keeps every tick's activations, the
-    circular schedule a second copy of the stage's gradients: ``memory_planner.stage_gradient_sums``; 1F1B is not
-    built). Before the ends were split none fit and 529.6B was 15.4% below."""
+    recomputation cost the rest); 39.1B, 310.1B and 529.6B do not fit (GPipe keeps every tick's activations, and the
+    tick loop two copies of the stage's gradients: ``memory_planner.stage_gradient_sums``; 1F1B is not built).
+    Before the ends were split none fit and 529.6B was 15.4% below."""
     rows = {row.name: row for row in scaling_papers.PTDP_TABLE1}
     got = {name: scaling_papers.ptdp_megajax_prediction(rows[name])
            for name in ("39.1B", "76.1B", "145.6B", "310.1B", "529.6B")}

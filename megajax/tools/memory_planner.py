@@ -431,9 +431,10 @@ def _num_micro(run: RunSpec, micro_batch: int) -> int:
 
 
 def stage_gradient_sums(run: RunSpec) -> int:
-    """Copies of a stage's layer gradients the tick loop holds (0 without stages): an accumulator and, under GPipe,
-    each tick's contribution; under the circular schedule a chunk of one layer adds its gradient into the accumulator
-    (no second copy in the compiled steps of tests/test_pipeline.py), a chunk of more has its layer scan's own."""
+    """Copies of a stage's layer gradients the tick loop holds (0 without stages): an accumulator and each tick's
+    contribution (its layer scan's stacked gradients); under the circular schedule a chunk of one layer adds its
+    gradient into the accumulator. Measured on the compiled steps of tests/test_pipeline.py and at h = 256, 8 layers
+    on 2 stages (compiled temp 45.0, 45.6, 32.4 MB for GPipe, V = 2, V = 4; a copy 12.6 MB)."""
     if run.pipe == 1:
         return 0
     per_chunk = run.model.num_layers // (run.pipe * run.pipeline_repeats)
