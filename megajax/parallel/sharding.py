@@ -354,7 +354,7 @@ def replicas(batch: int) -> int:
 
 def batch_shards(mesh: Mesh, rules: Rules) -> int:
     """How many ways ``rules`` split a batch's rows on ``mesh``: the size of the axes ``batch`` maps to (``data``;
-    with expert shards ``data`` and ``expert``)."""
+    with expert shards ``data`` and ``expert``; with pipeline stages also ``pipe``)."""
     return math.prod(mesh.shape[a] for a in entry_axes(dict(rules).get("batch")))
 
 

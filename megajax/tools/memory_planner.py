@@ -161,7 +161,7 @@ class Activations:
     layers: int  # L layers' residuals, kept from the forward pass to their backward
     head: int  # the output head at the start of the backward pass
     # one layer's residuals recomputed in the backward pass (full / save_dots), and the attention core's backward
-    # working set (attention_backward_bytes)
+    # working set (attention_backward_bytes); under pipeline stages a tick's backward working set (``activations``)
     recompute: int
 
     @property
@@ -176,8 +176,8 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
     With pipeline stages (``mesh.pipe`` = p > 1, M microbatches of the micro-batch's rows, v =
     ``parallel.pipeline_repeats`` chunks per stage): each of the schedule's ticks (``pipeline.ticks``: M + p - 1
     for GPipe) keeps its chunk's L/(p v) layers' residuals for one microbatch until the backward pass (idle ticks
-    included), the head runs on the stage's share of the micro-batch (1/p of it), and one recomputed layer has a
-    microbatch.
+    included), the head runs on the stage's share of the micro-batch (1/p of it), and a tick's backward pass works on
+    a copy of its layers' residuals beside one layer's working set, for one microbatch.
     The circular schedule (v > 1) recomputes each chunk from its input (``pipeline.run``): each tick keeps that
     input, and a tick's backward pass holds its chunk's residuals (no recomputation inside it) for one microbatch.
     Inside a stage every matmul carries the stages' vmapped dimension, so ``save_dots`` (dots without batch
