@@ -53,7 +53,8 @@ def _losses(pipe: int, data: int, model: int, accumulate: int = 0, micro: int = 
     config = choice_config(None, data, model)
     config.model.update(num_layers=4, dropout=RATE)
     config.mesh.pipe = pipe
-    config.parallel.update(pipeline_microbatches=micro, pipeline_repeats=repeats)
+    config.parallel.update(pipeline_microbatches=micro, pipeline_repeats=repeats,
+                           pipeline_schedule="circular" if repeats > 1 else "gpipe")
     config.train.micro_batch_size = accumulate
     return step_losses(config, _INITIAL, "initial", STEPS)
 

@@ -52,18 +52,20 @@ def _release_compiled_steps():
 
 
 def _config(name: str, pipe: int, data: int, model: int, micro: int = 0, choice: str | None = None,
-            repeats: int = 1, **kwargs):
+            repeats: int = 1, schedule: str = "", **kwargs):
+    """``schedule`` '' : gpipe, or circular with ``repeats`` > 1."""
     c = choice_config(choice, data, model, name=name, **kwargs)
     c.model.num_layers = LAYERS
     c.mesh.pipe = pipe
-    c.parallel.update(pipeline_microbatches=micro, pipeline_repeats=repeats)
+    c.parallel.update(pipeline_microbatches=micro, pipeline_repeats=repeats,
+                      pipeline_schedule=schedule or ("circular" if repeats > 1 else "gpipe"))
     return c
 
 
 @functools.cache
 def _run(name: str, pipe: int, data: int, model: int, micro: int = 0, accumulate: int = 0,
-         choice: str | None = None, dropout: float = 0.0, remat: str = "none", repeats: int = 1):
-    c = _config(name, pipe, data, model, micro, choice, repeats, gradient_step=True, remat=remat)
+         choice: str | None = None, dropout: float = 0.0, remat: str = "none", repeats: int = 1, schedule: str = ""):
+    c = _config(name, pipe, data, model, micro, choice, repeats, schedule, gradient_step=True, remat=remat)
     c.model.dropout = dropout
     c.train.micro_batch_size = accumulate  # sequences per data shard per accumulation step (0: the whole batch)
     return setup(c)
@@ -75,10 +77,11 @@ def _natural(tree, layout):
 
 
 def _step(name: str, pipe: int, data: int, model: int, micro: int = 0, accumulate: int = 0,
-          choice: str | None = None, dropout: float = 0.0, remat: str = "none", repeats: int = 1, run=None):
+          choice: str | None = None, dropout: float = 0.0, remat: str = "none", repeats: int = 1, run=None,
+          schedule: str = ""):
     """(loss, parameter change in the model's layer order) of one step from the same initial parameters and
     batch."""
-    run = run or _run(name, pipe, data, model, micro, accumulate, choice, dropout, remat, repeats)
+    run = run or _run(name, pipe, data, model, micro, accumulate, choice, dropout, remat, repeats, schedule)
     if name not in _INITIAL:
         _INITIAL[name] = jax.tree.map(np.array, _run(name, 1, 1, 1).init_state())
     initial = reorder_layers(_INITIAL[name], (1, 1), run.spec.layer_layout)
@@ -460,13 +463,21 @@ def test_a_circular_pipe_2_run_resumes_exactly_and_on_pipe_4_and_restores_on_pip
 
 @pytest.mark.parametrize("change, message", [
     (dict(pipe=3), "mesh.pipe=3 splits model.num_layers=8 into equal stages"),
-    (dict(pipeline_repeats=3), "mesh.pipe=2 x parallel.pipeline_repeats=3 splits model.num_layers=8 into equal"),
-    (dict(pipe=1, pipeline_repeats=2), "needs pipeline stages: set mesh.pipe > 1"),
+    (dict(pipeline_repeats=3, pipeline_schedule="circular"),
+     "mesh.pipe=2 x parallel.pipeline_repeats=3 splits model.num_layers=8 into equal"),
+    (dict(pipe=1, pipeline_repeats=2, pipeline_schedule="circular"), "needs pipeline stages: set mesh.pipe > 1"),
     (dict(pipeline_repeats=0), "parallel.pipeline_repeats must be >= 1"),
+    (dict(pipeline_schedule="zb"), "parallel.pipeline_schedule='zb' is not one of gpipe, circular, 1f1b"),
+    (dict(pipeline_repeats=2), "parallel.pipeline_repeats=2 chunks of layers per stage is the circular schedule; "
+                               "parallel.pipeline_schedule=gpipe holds one: set pipeline_schedule=circular"),
+    (dict(pipeline_schedule="circular"), "parallel.pipeline_schedule=circular holds parallel.pipeline_repeats >= 2 "
+                                         "chunks of layers per stage, got pipeline_repeats=1"),
+    (dict(pipeline_repeats=2, pipeline_schedule="1f1b"), "parallel.pipeline_schedule=1f1b holds one"),
+    (dict(pipe=1, pipeline_schedule="1f1b"), "parallel.pipeline_schedule=1f1b needs pipeline stages"),
 ])
 def test_what_the_pipeline_does_not_compute_is_refused(change, message):
     c = _config("gpt", change.get("pipe", 2), 1, 1)
-    c.parallel.update({k: v for k, v in change.items() if k == "pipeline_repeats"})
+    c.parallel.update({k: v for k, v in change.items() if k != "pipe"})
     with pytest.raises(ConfigError, match=message):
         resolve(c, 8)
 

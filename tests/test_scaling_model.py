@@ -388,7 +388,8 @@ def test_stage_memory_is_the_planners(pipe, micro, repeats, remat):
     config = load_config("gpt_tiny")
     config.model.update(num_layers=8, remat=remat)
     config.train.precision = "bf16"
-    config.parallel.update(pipeline_microbatches=micro, pipeline_repeats=repeats)
+    config.parallel.update(pipeline_microbatches=micro, pipeline_repeats=repeats,
+                           pipeline_schedule="circular" if repeats > 1 else "gpipe")
     config.mesh.pipe = pipe
     run = run_on(config, 2, 2, pipe)
     report = memory_report(run, micro_batch=4, num_micro=1)

@@ -45,9 +45,10 @@ def base_config(model: str = GPT) -> ml_collections.ConfigDict:
     # when the workdir has no checkpoint yet ('' = train from scratch; a resume ignores it).
     c.init_from = ""
     # pipe > 1: pipeline parallelism (megajax.parallel.pipeline): the layers split into `pipe` stages, each batch
-    # into parallel.pipeline_microbatches microbatches; parallel.pipeline_repeats = 1 is GPipe (each stage holds
-    # contiguous layers), v > 1 the circular schedule (each stage holds v chunks; with M >= pipe the bubble's time
-    # shrinks v-fold)
+    # into parallel.pipeline_microbatches microbatches, run by parallel.pipeline_schedule: gpipe (each stage holds
+    # contiguous layers; every microbatch's forward, then the backwards), circular (with parallel.pipeline_repeats =
+    # v > 1: each stage holds v chunks; with M >= pipe the bubble's time shrinks v-fold) or 1f1b (GPipe's layers,
+    # each microbatch's backward as soon as its forward ends: at most 2 pipe - 1 microbatches' inputs held)
     # expert > 1: expert parallelism (a mixture-of-experts model's experts split over `expert` shards, which are data
     # shards for every other layer: the batch is split over data x expert)
     c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, pipe=1, expert=1, context=1))
@@ -61,6 +62,7 @@ def base_config(model: str = GPT) -> ml_collections.ConfigDict:
     # the backward pass) and their gradients are reduced onto the shards; implies shard_optimizer.
     c.parallel = ml_collections.ConfigDict(dict(shard_optimizer=False, sequence=False, fsdp=False,
                                                 pipeline_microbatches=0,  # 0: mesh.pipe of them
+                                                pipeline_schedule="gpipe",  # gpipe | circular | 1f1b
                                                 pipeline_repeats=1))
     c.train = ml_collections.ConfigDict(dict(
         steps=300_000,

@@ -20,6 +20,7 @@ ADDED_FIELDS = {
     ("parallel", "fsdp"): False,
     ("parallel", "pipeline_microbatches"): 0,
     ("parallel", "pipeline_repeats"): 1,
+    ("parallel", "pipeline_schedule"): "gpipe",  # "circular" where pipeline_repeats > 1 (migrate_config)
     ("mesh", "pipe"): 1,
     ("mesh", "expert"): 1,
     ("mesh", "context"): 1,
@@ -47,6 +48,8 @@ def migrate_config(stored: dict) -> ml_collections.ConfigDict:
     ``ADDED_FIELDS`` it lacks set to its old meaning, and the sequence-parallel rule added to sharding rules stored
     before it existed."""
     config = ml_collections.ConfigDict(stored)  # new sections: ``stored`` is left as it was
+    if "parallel" in config and "pipeline_schedule" not in config.parallel:  # repeats alone chose the schedule
+        config.parallel.pipeline_schedule = "circular" if config.parallel.get("pipeline_repeats", 1) > 1 else "gpipe"
     for (section, field), value in ADDED_FIELDS.items():
         if section is not None and section not in config:
             config[section] = ml_collections.ConfigDict()

@@ -37,6 +37,7 @@ from megajax.data.settings import DataSettings
 from megajax.errors import ConfigError, ShardingConfigError
 from megajax.models import MODELS, ModelSpec, TransformerConfig, model_spec
 from megajax.models.objectives import Field
+from megajax.parallel.pipeline import CIRCULAR, ONE_F_ONE_B, SCHEDULES
 from megajax.parallel.sharding import (
     CONTEXT_AXIS,
     EXPERT_AXIS,
@@ -218,10 +219,20 @@ def _check_pipeline(config: ml_collections.ConfigDict) -> None:
     """mesh.pipe, parallel.pipeline_microbatches and parallel.pipeline_repeats against the model and the other
     switches (what the pipeline does not compute yet is refused, naming the field to change)."""
     p, v, m = config.mesh.pipe, config.parallel.pipeline_repeats, config.model
+    schedule = config.parallel.pipeline_schedule
     _require(p >= 1, f"mesh.pipe must be >= 1 (1: no pipeline), got {p}")
     _require(config.parallel.pipeline_microbatches >= 0, "parallel.pipeline_microbatches must be >= 0 (0: mesh.pipe "
              f"of them), got {config.parallel.pipeline_microbatches}")
     _require(v >= 1, f"parallel.pipeline_repeats must be >= 1 (1: GPipe), got {v}")
+    _require(schedule in SCHEDULES, f"parallel.pipeline_schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+    _require(schedule != CIRCULAR or v > 1, "parallel.pipeline_schedule=circular holds parallel.pipeline_repeats "
+             f">= 2 chunks of layers per stage, got pipeline_repeats={v}: set pipeline_repeats >= 2, or "
+             "pipeline_schedule=gpipe")
+    _require(schedule == CIRCULAR or v == 1, f"parallel.pipeline_repeats={v} chunks of layers per stage is the "
+             f"circular schedule; parallel.pipeline_schedule={schedule} holds one: set pipeline_schedule=circular, "
+             "or pipeline_repeats=1")
+    _require(schedule != ONE_F_ONE_B or p > 1, "parallel.pipeline_schedule=1f1b needs pipeline stages: set "
+             "mesh.pipe > 1, or parallel.pipeline_schedule=gpipe")
     _require(v == 1 or p > 1, f"parallel.pipeline_repeats={v} sets the circular pipeline schedule, which needs "
              "pipeline stages: set mesh.pipe > 1, or parallel.pipeline_repeats=1")
     if p == 1:
@@ -344,7 +355,8 @@ class RunSpec:
     expert: int = 1  # expert shards (mesh.expert): a mixture of experts' experts split, the batch too
     context: int = 1  # context shards (mesh.context): every sequence split over them
     pipeline_microbatches: int = 0  # microbatches per pipelined batch (0: pipe of them)
-    pipeline_repeats: int = 1  # chunks of layers per stage (1: GPipe; more: the circular schedule)
+    pipeline_repeats: int = 1  # chunks of layers per stage (1: GPipe, 1F1B; more: the circular schedule)
+    pipeline_schedule: str = "gpipe"  # gpipe | circular | 1f1b (megajax.parallel.pipeline.SCHEDULES)
     train: TrainSettings | None = None
     optimizer: OptimizerSettings | None = None
     loss_scale: LossScaleSettings | None = None
@@ -393,7 +405,7 @@ class RunSpec:
         """What a traced model reads under ``sharding.activate``: the rules, FSDP's split parameters and the
         pipeline's schedule; training and its validation both trace under this one object."""
         return ParallelContext(self.rules, params_split=self.fsdp, pipeline_microbatches=self.pipeline_microbatches,
-                               pipeline_repeats=self.pipeline_repeats)
+                               pipeline_repeats=self.pipeline_repeats, pipeline_schedule=self.pipeline_schedule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,7 +479,8 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, training: bool 
                    shard_optimizer=shard_optimizer, sequence=sequence_parallel(config), fsdp=fsdp,
                    pipe=config.mesh.pipe, expert=config.mesh.expert, context=config.mesh.context,
                    pipeline_microbatches=config.parallel.pipeline_microbatches,
-                   pipeline_repeats=config.parallel.pipeline_repeats, dataset=data_settings(config),
+                   pipeline_repeats=config.parallel.pipeline_repeats,
+                   pipeline_schedule=config.parallel.pipeline_schedule, dataset=data_settings(config),
                    config_json=with_model_defaults(config).to_json(), **run)
 
 

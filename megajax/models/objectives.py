@@ -19,7 +19,7 @@ from flax import nnx
 
 from megajax.data.tasks.race import NUM_OPTIONS as NUM_CHOICES
 from megajax.parallel.context import balanced
-from megajax.parallel.losses import lm_loss, vocab_parallel_nll_and_hit
+from megajax.parallel.losses import lm_loss, vocab_parallel_nll_and_hit, weighted_mean
 from megajax.parallel.sharding import positions_of
 
 Batch = dict[str, jax.Array]
@@ -104,15 +104,12 @@ def _mlm_sop(model: nnx.Module, batch: Batch, key: jax.Array | None) -> tuple[ja
     """MLM mean over the masked tokens + SOP cross-entropy (Lan et al. 2019), both logged."""
     mlm_logits, sop_logits = model(batch["tokens"], batch["token_types"], batch["padding_mask"], dropout_key=key)
     nll, hit = vocab_parallel_nll_and_hit(mlm_logits, batch["mlm_labels"])  # (B, S) each
-    weights = batch["mlm_weights"].astype(jnp.float32)
-    count = jnp.maximum(weights.sum(), 1.0)
-    mlm = (nll * weights).sum() / count
-    correct = hit.astype(jnp.float32)
+    weights = batch["mlm_weights"]
+    mlm = weighted_mean(nll, weights)
     sop_logits = sop_logits.astype(jnp.float32)
-    sop = optax.softmax_cross_entropy_with_integer_labels(sop_logits, batch["sop_labels"]).mean()
-    sop_acc = (sop_logits.argmax(-1) == batch["sop_labels"]).astype(jnp.float32).mean()
-    return mlm + sop, {"mlm_loss": mlm, "sop_loss": sop, "mlm_accuracy": (correct * weights).sum() / count,
-                       "sop_accuracy": sop_acc}
+    sop = weighted_mean(optax.softmax_cross_entropy_with_integer_labels(sop_logits, batch["sop_labels"]))
+    return mlm + sop, {"mlm_loss": mlm, "sop_loss": sop, "mlm_accuracy": weighted_mean(hit, weights),
+                       "sop_accuracy": _accuracy(sop_logits, batch["sop_labels"])}
 
 
 def _mlm_sop_fields(seq_len: int) -> dict[str, Field]:
@@ -124,14 +121,14 @@ PAIR_FIELDS = ("tokens", "token_types", "padding_mask")  # the encoder's inputs,
 
 
 def _accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    return (logits.argmax(-1) == labels).astype(jnp.float32).mean()
+    return weighted_mean(logits.argmax(-1) == labels)
 
 
 def _choice_loss(model: nnx.Module, batch: Batch, key: jax.Array | None) -> tuple[jax.Array, Metrics]:
     """Cross-entropy over classes (classifier) or options (multiple choice: logits (B, C)) + accuracy."""
     logits = model(*(batch[k] for k in PAIR_FIELDS), dropout_key=key).astype(jnp.float32)
     labels = batch["labels"]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), {
+    return weighted_mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels)), {
         "accuracy": _accuracy(logits, labels)}
 
 
@@ -141,7 +138,7 @@ def _span_loss(model: nnx.Module, batch: Batch, key: jax.Array | None) -> tuple[
     s, e = batch["start_positions"], batch["end_positions"]
     ce = optax.softmax_cross_entropy_with_integer_labels
     exact = (start.argmax(-1) == s) & (end.argmax(-1) == e)
-    return (ce(start, s).mean() + ce(end, e).mean()) / 2, {"accuracy": exact.astype(jnp.float32).mean()}
+    return (weighted_mean(ce(start, s)) + weighted_mean(ce(end, e))) / 2, {"accuracy": weighted_mean(exact)}
 
 
 def _label() -> Field:

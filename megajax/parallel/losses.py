@@ -7,6 +7,10 @@ audit in the tests checks that this stays true.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 
@@ -37,7 +41,11 @@ def vocab_parallel_nll_and_hit(logits: jax.Array, labels: jax.Array) -> tuple[ja
     logits = constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
     top = jax.lax.stop_gradient(logits.max(axis=-1))  # (B, S)
     lse = top + jnp.log(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1))  # as jax.nn.logsumexp
-    target = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]  # (B, S)
+    # the label's logit as a masked sum over the vocabulary, not a gather along it: XLA's SPMD partitioner aborts on
+    # that gather, vocabulary split over `model` and rows over `data`, inside a shard_map manual over `pipe` (the 1F1B
+    # tail; jax 0.10). Each shard adds zeros but its own label's logit, so the sum is exact.
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    target = jnp.sum(jnp.where(ids == labels[..., None], logits, 0.0), axis=-1)  # (B, S)
     return lse - target, target >= top
 
 
@@ -46,7 +54,56 @@ def lm_loss(model, tokens: jax.Array, labels: jax.Array, *, dropout_key: jax.Arr
     """Mean next-token cross-entropy of a language model over the tokens, weighted by ``loss_mask`` (B, S) where
     given; ``documents``: a packed batch's ``segments`` and ``positions``, passed to the model."""
     losses = vocab_parallel_cross_entropy(model(tokens, dropout_key=dropout_key, **documents), labels)  # (B, S)
-    if loss_mask is None:
-        return losses.mean()
-    loss_mask = loss_mask.astype(jnp.float32)
-    return (losses * loss_mask).sum() / jnp.maximum(loss_mask.sum(), 1.0)
+    return weighted_mean(losses, loss_mask)
+
+
+class _Counts:
+    """The denominators of a traced loss's means, in the order it takes them: recorded, or given back."""
+
+    def __init__(self, given: list[jax.Array] | None = None):
+        self.recorded: list[jax.Array] = []
+        self.given = None if given is None else iter(given)
+
+    def count(self, own: jax.Array) -> jax.Array:
+        if self.given is None:
+            self.recorded.append(own)
+            return own
+        return next(self.given)
+
+
+_COUNTS: contextvars.ContextVar[_Counts | None] = contextvars.ContextVar("megajax_loss_counts", default=None)
+
+
+@contextlib.contextmanager
+def _counting(counts: _Counts) -> Iterator[_Counts]:
+    token = _COUNTS.set(counts)
+    try:
+        yield counts
+    finally:
+        _COUNTS.reset(token)
+
+
+def counts_recorded() -> contextlib.AbstractContextManager[_Counts]:
+    """Traces a loss whose ``weighted_mean``s record their denominators (``.recorded``, in order)."""
+    return _counting(_Counts())
+
+
+def counts_given(counts: list[jax.Array]) -> contextlib.AbstractContextManager[_Counts]:
+    """Traces a loss whose ``weighted_mean``s divide by ``counts`` (recorded on the whole batch by
+    ``counts_recorded``) rather than by their own: on a part of the batch, each mean is then that part's share of the
+    whole batch's (the 1F1B pipeline's loss per microbatch)."""
+    return _counting(_Counts(list(counts)))
+
+
+def weighted_mean(values: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """``sum(values * weights) / max(sum(weights), 1)`` in fp32 (without weights: the mean); under
+    ``counts_given``, the sum over the given denominator instead. Every mean a loss or its metrics take goes
+    through here, so a loss computed microbatch by microbatch sums to the whole batch's."""
+    values = values.astype(jnp.float32)
+    if weights is None:
+        total, own = values.sum(), jnp.float32(values.size)
+    else:
+        weights = weights.astype(jnp.float32)
+        total, own = (values * weights).sum(), jnp.maximum(weights.sum(), 1.0)
+    counts = _COUNTS.get()
+    return total / (own if counts is None else counts.count(own))

@@ -38,7 +38,10 @@ scan of the layers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -47,6 +50,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from megajax.parallel import pipeline_1f1b
 from megajax.parallel.remat import pipeline_chunk
 from megajax.parallel.sharding import (
     PIPE_AXIS,
@@ -64,6 +68,9 @@ from megajax.parallel.sharding import (
     rules_remapped,
     spec_of,
 )
+
+GPIPE, CIRCULAR, ONE_F_ONE_B = "gpipe", "circular", "1f1b"
+SCHEDULES = (GPIPE, CIRCULAR, ONE_F_ONE_B)  # parallel.pipeline_schedule
 
 # A model's scan of its stacked layers, ``scan_layers(blocks, h, mask, layer_keys, remat_layers) -> h``: ``blocks``
 # (a stack of layers), ``h`` (B, S, H), ``layer_keys`` one dropout key per layer or None, ``remat_layers`` False where
@@ -220,6 +227,81 @@ def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any,
     return jnp.roll(out, -(((v - 1) * num_micro + p - 1) % k_cols), axis=1)
 
 
+@dataclasses.dataclass(frozen=True)
+class StackCall:
+    """A model's call of ``run_stack``, as a schedule that owns the loss takes it over (``handed_off``): the stacked
+    blocks (their graph and state), the model's scan of them, and the call's arguments."""
+
+    graphdef: nnx.GraphDef
+    state: nnx.State
+    scan_layers: ScanLayers
+    x: jax.Array
+    mask: Any
+    layer_keys: jax.Array | None
+
+
+class _HandOff:
+    """What ``run_stack`` does instead of running the stack: record its call (and return zeros), or return a
+    given output (the stack's output for the rows being traced)."""
+
+    def __init__(self, output: jax.Array | None = None):
+        self.output, self.call = output, None
+
+    def take(self, call: StackCall) -> jax.Array:
+        if self.output is not None:
+            return self.output
+        if self.call is not None:
+            raise ValueError("the 1F1B pipeline schedule runs one layer stack per model; this model ran two")
+        self.call = call
+        return jnp.zeros_like(call.x)
+
+
+_HAND_OFF: contextvars.ContextVar[_HandOff | None] = contextvars.ContextVar("megajax_pipeline_hand_off",
+                                                                            default=None)
+
+
+@contextlib.contextmanager
+def _handing(hand: _HandOff) -> Iterator[_HandOff]:
+    token = _HAND_OFF.set(hand)
+    try:
+        yield hand
+    finally:
+        _HAND_OFF.reset(token)
+
+
+def handed_off() -> contextlib.AbstractContextManager[_HandOff]:
+    """Traces a model whose ``run_stack`` records its call (``.call``, a ``StackCall``) and returns zeros: what
+    the 1F1B step reads of the model before its layers (the embedding's output, the stack's state)."""
+    return _handing(_HandOff())
+
+
+def handed_in(output: jax.Array) -> contextlib.AbstractContextManager[_HandOff]:
+    """Traces a model whose ``run_stack`` returns ``output``: the model after its layers (the loss's tail) as a
+    function of the stack's output."""
+    return _handing(_HandOff(output))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stages:
+    """A stack call laid out for a schedule: ``copies(state)`` (each stage's layers, one copy per data replica,
+    (p, v, d, L/(p v), ...)), the dropout keys in the stack's order (p, v, L/(p v)) or None, ``stage(params, h,
+    args)`` (one chunk on one microbatch: ``run``'s ``stage_fn``), the microbatches ``xs`` and their per-row
+    ``args`` in the stages' shares (p, K, mb, ...) with one microbatch's layouts, and ``to_io`` / ``from_io``
+    between (B, ...) rows and that layout."""
+
+    copies: Callable[[nnx.State], Any]
+    keys: jax.Array | None
+    stage: Callable[..., jax.Array]
+    xs: jax.Array
+    args: Any
+    x_spec: P
+    args_spec: Any
+    to_io: Callable[[jax.Array], jax.Array]
+    from_io: Callable[[jax.Array], jax.Array]
+    replicas: int
+    shared: Any  # the mask every row shares, or None
+
+
 def run_stack(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: Any,
               layer_keys: jax.Array | None) -> jax.Array:
     """``scan_layers``' result on ``x`` (B, S, H), the stacked ``blocks`` run as ``stages()`` stages of ``repeats()``
@@ -231,8 +313,21 @@ def run_stack(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: A
     with their microbatch; ``layer_keys``: the plain step's dropout keys, one per layer in model order, or None.
     Each stage's scan runs on one data replica's rows (``jax.vmap`` with ``spmd_axis_name`` 'data', so the rules map
     ``batch`` nowhere inside), with its parameters whole (``params_whole``) and its rows' indices in the step's
-    batch (``rows_of``: dropout draws the plain step's masks, for those rows only)."""
-    p, v, rows = stages(), repeats(), x.shape[0]
+    batch (``rows_of``: dropout draws the plain step's masks, for those rows only). Under ``handed_off`` /
+    ``handed_in`` (the 1F1B step, ``run_stack_1f1b``), records the call / returns the given output instead."""
+    graphdef, state = nnx.split(blocks)
+    call = StackCall(graphdef, state, scan_layers, x, mask, layer_keys)
+    hand = _HAND_OFF.get()
+    if hand is not None:
+        return hand.take(call)
+    plan = _stages(call)
+    ys = run(plan.stage, (plan.copies(state), plan.keys), plan.xs, plan.args, plan.x_spec, plan.args_spec)
+    return constrain(plan.from_io(ys), RESIDUAL)
+
+
+def _stages(call: StackCall) -> _Stages:
+    """``call`` laid out for the schedules (``run_stack``)."""
+    p, v, x, mask, rows = stages(), repeats(), call.x, call.mask, call.x.shape[0]
     split = replicas(rows)
     if split % p:
         raise ValueError(f"a pipelined batch of {rows} rows is not split over the {p} stages: each (data, pipe) shard "
@@ -242,21 +337,26 @@ def run_stack(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: A
     k_cols, r = m // p, rows // (d * m)  # microbatches per stage; one microbatch's rows on one data shard
     data_axes = tuple(a for a in entry_axes(axis_of("batch")) if a != PIPE_AXIS)
     data_axes = data_axes[0] if len(data_axes) == 1 else data_axes or None
-    graphdef, state = nnx.split(blocks)
-    if params_split():  # FSDP: the stage's layers gathered over `data` once per step, outside the tick loop (a
-        # gather per tick would repeat it T times); their gradients are split again here
-        state = jax.tree.map(lambda var: var.replace(param_at_use(var.get_value(), var.get_metadata()["out_sharding"])),
-                             state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    num_layers = jax.tree.leaves(state)[0].shape[0]
+    graphdef = call.graphdef
+    num_layers = jax.tree.leaves(call.state)[0].shape[0]
     per_chunk = num_layers // (p * v)
-    # each stage's chunks of layers, one copy per data replica (each device holds its own: nothing moves), so the
-    # tick loop sums each replica's gradient locally and the copies' gradients are reduced over `data` once, after
-    # the loop, not on every tick (as the tied embedding's copies are: VocabParallelEmbedding.replica_rows)
-    layers = jax.tree.map(lambda a: jnp.broadcast_to(a.reshape(p, v, 1, per_chunk, *a.shape[1:]),
-                                                     (p, v, d, per_chunk, *a.shape[1:])), state)
+
+    def copies(state: nnx.State) -> Any:
+        if params_split():  # FSDP: the stage's layers gathered over `data` once per step, outside the tick loop (a
+            # gather per tick would repeat it T times); their gradients are split again here
+            state = jax.tree.map(lambda var: var.replace(param_at_use(var.get_value(),
+                                                                      var.get_metadata()["out_sharding"])),
+                                 state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        # each stage's chunks of layers, one copy per data replica (each device holds its own: nothing moves), so
+        # the tick loop sums each replica's gradient locally and the copies' gradients are reduced over `data`
+        # once, after the loop, not on every tick (as the tied embedding's copies are:
+        # VocabParallelEmbedding.replica_rows)
+        return jax.tree.map(lambda a: jnp.broadcast_to(a.reshape(p, v, 1, per_chunk, *a.shape[1:]),
+                                                       (p, v, d, per_chunk, *a.shape[1:])), state)
+
     keys = None  # the plain step's dropout keys, one per layer, in the stack's order
-    if layer_keys is not None:
-        keys = layer_keys[layer_order(num_layers, p, v)].reshape(p, v, per_chunk)
+    if call.layer_keys is not None:
+        keys = call.layer_keys[layer_order(num_layers, p, v)].reshape(p, v, per_chunk)
 
     def to_io(a: jax.Array) -> jax.Array:  # (B, ...) -> (p, K, mb, ...): shard (data i, pipe j)'s rows
         # c r .. (c + 1) r - 1 are data shard i's part of stage j's column c
@@ -270,17 +370,18 @@ def run_stack(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: A
     # BERT's padding mask, a packed batch's mask and positions; not a mask every row shares
     per_row = mask is not None and rows > 1 and all(a.shape[0] == rows for a in jax.tree.leaves(mask))
 
-    def stage(params, h, args):
-        (copies, chunk_keys), (ids, row_mask) = params, args
+    def stage(params, h, args, shared=mask):  # shared: the mask every row shares (passed into a shard_map)
+        (own_copies, chunk_keys), (ids, row_mask) = params, args
 
         def replica(own, ids, h, row_mask):  # one data replica's rows of the microbatch, with its copy of the layers
             with rules_remapped(batch=None), rows_of(ids), params_whole():
                 # the circular schedule recomputes each chunk from its input (run): no second recomputation
-                return scan_layers(nnx.merge(graphdef, own), h, row_mask if per_row else mask, chunk_keys, v == 1)
+                return call.scan_layers(nnx.merge(graphdef, own), h, row_mask if per_row else shared, chunk_keys,
+                                        v == 1)
 
-        by_replica = lambda a: a.reshape(d, a.shape[0] // d, *a.shape[1:])  # noqa: E731
-        h = jax.vmap(replica, spmd_axis_name="data")(copies, by_replica(ids), by_replica(h),
-                                                     jax.tree.map(by_replica, row_mask) if per_row else None)
+        h = jax.vmap(replica, spmd_axis_name="data")(own_copies, _by_replica(ids, d), _by_replica(h, d),
+                                                     jax.tree.map(lambda a: _by_replica(a, d), row_mask)
+                                                     if per_row else None)
         return h.reshape(-1, *h.shape[2:])
 
     args = (to_io(batch_rows(rows)), jax.tree.map(to_io, mask) if per_row else None)
@@ -288,5 +389,51 @@ def run_stack(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: A
     args_spec = jax.tree.map(lambda a: P(data_axes, *(P.UNCONSTRAINED,) * (a.ndim - 3)), args)
     with rules_remapped(batch=data_axes):
         x_spec = spec_of(RESIDUAL)
-    ys = run(stage, (layers, keys), to_io(constrain(x, RESIDUAL)), args, x_spec, args_spec)
-    return constrain(from_io(ys), RESIDUAL)
+    return _Stages(copies, keys, stage, to_io(constrain(x, RESIDUAL)), args, x_spec, args_spec, to_io, from_io, d,
+                   None if per_row else mask)
+
+
+def _by_replica(a: jax.Array, d: int) -> jax.Array:
+    """(rows, ...) -> (d, rows / d, ...): one microbatch's rows by data replica."""
+    return a.reshape(d, a.shape[0] // d, *a.shape[1:])
+
+
+# the loss's tail on one data replica's rows of a microbatch, ``tail(tail_params, consts, h, fields) -> (seed,
+# aux)``: ``h`` the stack's output, ``fields`` the batch's fields for those rows; ``seed`` is differentiated, ``aux``
+# summed over the microbatches
+Tail = Callable[[Any, Any, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def run_stack_1f1b(call: StackCall, tail: Tail, tail_params: Any, consts: Any, fields: Any
+                   ) -> tuple[Any, nnx.State, Any, jax.Array]:
+    """The 1F1B schedule (``pipeline_1f1b.run``) over a recorded stack ``call`` (``handed_off``), each microbatch's
+    loss computed by ``tail`` on the last stage as it finishes; returns (the tail's ``aux`` summed over the
+    microbatches, the gradients of the stack's state, of ``tail_params``, of ``call.x``). ``fields``: the batch's
+    fields (B, ...), each microbatch's rows travelling with it to the last stage. ``tail_params`` are copied per data
+    replica, as the layers (``_stages``), so their gradients too are summed over `data` once."""
+    plan = _stages(call)
+    if repeats() != 1:
+        raise ValueError("the 1F1B schedule runs one chunk of layers per stage: set parallel.pipeline_repeats=1")
+    weights, pull_weights = jax.vjp(plan.copies, call.state)
+    d = plan.replicas
+    spread = lambda a: jnp.broadcast_to(a[None], (d, *a.shape))  # noqa: E731
+    copies, pull_tail = jax.vjp(lambda tree: jax.tree.map(spread, tree), tail_params)
+
+    def stage_fn(w, keys, shared, h, args):  # w: (1, d, L/p, ...), keys (1, L/p): the stage's one chunk
+        return plan.stage((jax.tree.map(lambda a: a[0], w), None if keys is None else keys[0]), h, args, shared)
+
+    def tail_fn(tp, consts, h, args, fields):
+        ids = args[0]
+
+        def replica(own, h, ids, fields):
+            with rules_remapped(batch=None), rows_of(ids), params_whole():
+                return tail(own, consts, h, fields)
+
+        seeds, aux = jax.vmap(replica, spmd_axis_name="data")(
+            tp, _by_replica(h, d), _by_replica(ids, d), jax.tree.map(lambda a: _by_replica(a, d), fields))
+        return seeds.sum(), jax.tree.map(lambda a: a.sum(0), aux)
+
+    aux, dw, d_copies, dxs = pipeline_1f1b.run(stage_fn, tail_fn, weights, plan.keys, plan.shared, copies, consts,
+                                               plan.xs, plan.args, jax.tree.map(plan.to_io, fields))
+    (d_state,), (d_tail,) = pull_weights(dw), pull_tail(d_copies)
+    return aux, d_state, d_tail, constrain(plan.from_io(dxs), RESIDUAL)

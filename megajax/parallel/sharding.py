@@ -189,17 +189,20 @@ class ParallelContext:
     parameters are stored split over ``data`` as well (``parallel.fsdp``), so ``param_at_use`` gathers them;
     ``pipeline_microbatches``: how many microbatches a pipelined layer stack cuts a batch into (0: one per stage);
     ``pipeline_repeats``: how many chunks of layers each pipeline stage holds (1: GPipe; more: the circular
-    schedule, ``megajax.parallel.pipeline``); ``rows``: which rows of the step's global batch the traced batch's
-    rows are (``rows_of``: a training step's micro-batch, a pipeline stage's share of its microbatch), whose
-    indices key ``layers.dropout``'s masks (None: rows 0, 1, ..); ``positions``: the traced sequence's tokens'
-    positions in the order the activations hold them (context parallelism's balanced order: ``positions_of``),
-    which key the masks too (None: 0, 1, ..). Traced values, so a context holding one keys no cache.
+    schedule, ``megajax.parallel.pipeline``); ``pipeline_schedule``: 'gpipe', 'circular' or '1f1b' (1F1B: the
+    step computes each microbatch's loss inside the schedule, ``megajax.training.pipelined``); ``rows``: which rows
+    of the step's global batch the traced batch's rows are (``rows_of``: a training step's micro-batch, a pipeline
+    stage's share of its microbatch), whose indices key ``layers.dropout``'s masks (None: rows 0, 1, ..);
+    ``positions``: the traced sequence's tokens' positions in the order the activations hold them (context
+    parallelism's balanced order: ``positions_of``), which key the masks too (None: 0, 1, ..). Traced values, so a
+    context holding one keys no cache.
     """
 
     rules: Rules | None
     params_split: bool = False
     pipeline_microbatches: int = 0
     pipeline_repeats: int = 1
+    pipeline_schedule: str = "gpipe"
     rows: jax.Array | None = None
     positions: jax.Array | None = None
 

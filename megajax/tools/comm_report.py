@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--mesh", default="1x1", help="DATAxMODEL or PIPExDATAxMODEL, then ,expert=E and / or "
                                                  ",context=C; --config.FIELD=V overrides a config field")
     p.add_argument("--pipeline_microbatches", type=int, default=None, help="parallel.pipeline_microbatches")
-    p.add_argument("--pipeline_repeats", type=int, default=None, help="parallel.pipeline_repeats (circular)")
+    p.add_argument("--pipeline_repeats", type=int, default=None,
+                   help="parallel.pipeline_repeats (> 1: the circular schedule)")
     p.add_argument("--batch", type=int, default=0, help="global batch (default: the config's)")
     p.add_argument("--cpu_devices", type=int, default=0)
     add_parallel_flags(p)
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> str:
     for name in ("pipeline_microbatches", "pipeline_repeats"):
         if getattr(args, name) is not None:
             config.parallel[name] = getattr(args, name)
+    if args.pipeline_repeats is not None:
+        config.parallel.pipeline_schedule = "circular" if args.pipeline_repeats > 1 else "gpipe"
     if args.batch:
         config.train.global_batch_size = args.batch
     apply_parallel_flags(args, config)

@@ -47,7 +47,7 @@ from flax import nnx
 
 from megajax.config import RunSpec, abstract_model_of, replanned
 from megajax.models.transformer import STACK, attention_reason
-from megajax.parallel import pipeline
+from megajax.parallel import pipeline, pipeline_1f1b
 from megajax.parallel.sharding import fsdp_spec, logical_to_spec, spec_axes
 from megajax.training.loop import batch_layout, setup_run
 
@@ -198,6 +198,8 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
             return Activations(ticks * layer_residual_bytes(run, rows, "full", gpu=gpu),
                                head_bytes(run, micro_batch // p, gpu), recompute)
         kept = layer_residual_bytes(run, rows, remat, gpu=gpu)
+        if run.pipeline_schedule == pipeline.ONE_F_ONE_B:
+            return _one_f_one_b(run, micro_batch, micro, kept, recompute, gpu)
         layers = ticks * m.num_layers // p * (kept + dropped_probability_bytes(run, rows, remat, gpu))
         # a tick's backward works on a copy of its layers' residuals, sliced out of the ticks' stack, beside one
         # layer's backward working set (its residuals again, or the recomputed layer's)
@@ -208,6 +210,20 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
         recompute += layer_residual_bytes(run, micro_batch, "none", gpu=gpu)
     layers = m.num_layers * layer_residual_bytes(run, micro_batch, gpu=gpu)
     return Activations(layers, head_bytes(run, micro_batch, gpu), recompute)
+
+
+def _one_f_one_b(run: RunSpec, micro_batch: int, micro: int, kept: int, recompute: int, gpu: bool) -> Activations:
+    """The 1F1B schedule's activations (``pipeline_1f1b``): the stage inputs it holds (a ring of 2p - 1
+    microbatches' and the two in flight), its share of the batch's inputs and their gradients (the io columns, M/p
+    microbatches each), and one microbatch at a time in its backward: the stage's L/p layers' residuals (the model's
+    remat policy) beside one layer's backward working set, or on the last stage beside the head on the microbatch."""
+    m, p = run.model, run.pipe
+    rows = micro_batch // micro
+    split = run.tensor if run.sequence else 1
+    one_input = _rows(run, rows) * m.max_seq_len * m.hidden_size * compute_bytes(run) // split
+    held = (pipeline_1f1b.held_inputs(p) + 2 + 2 * micro // p) * one_input
+    layers = held + m.num_layers // p * kept
+    return Activations(layers, head_bytes(run, rows, gpu), recompute or kept)
 
 
 def dropped_probability_bytes(run: RunSpec, rows: int, remat: str, gpu: bool = False) -> int:

@@ -286,7 +286,9 @@ def _on_mesh(run: RunSpec, tensor: int, data: int, pipeline: Pipeline, expert: i
     return replanned(run, {"mesh.pipe": pipeline.stages, "mesh.data": data, "mesh.model": tensor,
                            "mesh.expert": expert, "mesh.context": context,
                            "parallel.pipeline_microbatches": pipeline.microbatches if pipeline.stages > 1 else 0,
-                           "parallel.pipeline_repeats": pipeline.repeats, "train.precision": "bf16"}, training=False)
+                           "parallel.pipeline_repeats": pipeline.repeats,
+                           "parallel.pipeline_schedule": pipeline.config_schedule, "train.precision": "bf16"},
+                     training=False)
 
 
 def memory_bytes(run: RunSpec, tensor: int, micro_batch: int, data: int = 1, pipeline: Pipeline | None = None,

@@ -31,6 +31,7 @@ class Pipeline:
     microbatches: int = 1
     repeats: int = 1
     megatron: bool = False
+    one_f_one_b: bool = False  # megajax's 1F1B (``megajax.parallel.pipeline_1f1b``; repeats 1)
 
     def ticks(self) -> int:
         """Stage-ticks of L/(p v) layers: M v + p - 1 when M >= p; with fewer microbatches than stages a chunk's
@@ -60,14 +61,20 @@ class Pipeline:
         'interleaved'."""
         if self.stages == 1:
             return "-"
-        if self.megatron:
+        if self.megatron or self.one_f_one_b:
             return "1f1b" if self.repeats == 1 else "interleaved"
         return "gpipe" if self.repeats == 1 else "circular"
 
+    @property
+    def config_schedule(self) -> str:
+        """megajax's ``parallel.pipeline_schedule`` for this pipeline ('gpipe' without stages)."""
+        return "gpipe" if self.stages == 1 else self.schedule
+
     def flags(self) -> str:
-        """The config flags of this schedule (mesh.pipe is printed with the mesh): the repeats always (a config's
-        circular schedule must not outlive its stages), the microbatches with stages."""
-        repeats = f"--config.parallel.pipeline_repeats={self.repeats}"
+        """The config flags of this schedule (mesh.pipe is printed with the mesh): the repeats and the schedule
+        always (a config's circular schedule must not outlive its stages), the microbatches with stages."""
+        repeats = (f"--config.parallel.pipeline_repeats={self.repeats} "
+                   f"--config.parallel.pipeline_schedule={self.config_schedule}")
         return repeats if self.stages == 1 else f"--config.parallel.pipeline_microbatches={self.microbatches} {repeats}"
 
 

@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--context plans meshes without pipeline stages: drop --pipe")
     # the plan places the model on each mesh itself: resolved here once, on one GPU without stages
     config.mesh.update(pipe=1, data=1, model=1, expert=1)
-    config.parallel.pipeline_repeats = 1
+    config.parallel.update(pipeline_repeats=1, pipeline_schedule="gpipe")
     run = resolve(config, 1, training=False)
     if not run.model_spec.causal_lm:
         raise SystemExit(f"error: the scaling model covers causal language models (GPT configs); {args.config} is "

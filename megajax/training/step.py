@@ -17,8 +17,10 @@ import optax
 from flax import nnx, struct
 
 from megajax.models.objectives import Batch, Field, Metrics, Objective
-from megajax.parallel.sharding import constrain, rows_of
+from megajax.parallel.pipeline import ONE_F_ONE_B
+from megajax.parallel.sharding import constrain, parallel_context, rows_of
 from megajax.parallel.xla_options import traced_for_nvidia_gpu
+from megajax.training import pipelined
 from megajax.training.loss_scale import LossScale
 from megajax.training.optimizer import applied_updates
 
@@ -53,12 +55,13 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     """
 
     def micro_grads(params: Params, micro: Batch, key: jax.Array | None, scale: LossScale, share: jax.Array):
-        def loss_fn(p):
-            loss, metrics = objective.loss(nnx.merge(graphdef, p), micro, key)
+        def weigh(loss, metrics):
             loss, metrics = loss * share, jax.tree.map(lambda m: m * share, metrics)
             return scale.scale_loss(loss), (loss, metrics)
 
-        return jax.grad(loss_fn, has_aux=True)(params)
+        if parallel_context().pipeline_schedule == ONE_F_ONE_B:  # the loss per microbatch, inside the schedule
+            return pipelined.grads(objective, graphdef, params, micro, key, weigh)
+        return jax.grad(lambda p: weigh(*objective.loss(nnx.merge(graphdef, p), micro, key)), has_aux=True)(params)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)

@@ -1,0 +1,72 @@
+"""A training micro-batch's gradients under the 1F1B pipeline schedule (``parallel.pipeline_schedule='1f1b'``).
+
+Under ``jax.grad`` a pipelined model's loss is computed after its whole stack (GPipe, circular: the backward
+pipeline starts once every microbatch's forward has ended). 1F1B starts each microbatch's backward as soon as its
+forward leaves the last stage, so the loss of each microbatch is computed there, inside the tick loop, and the step
+takes its gradients from the schedule instead of from ``jax.grad``. The model is cut at its one ``run_stack`` call
+(``pipeline.handed_off`` / ``handed_in``), so no family says where its layers start or end:
+
+* the ends before the stack (the embeddings) are traced with the stack's output replaced by zeros: ``jax.vjp`` of
+  that gives the stack's input and state and, after the loop, their gradients' path back to the parameters;
+* the tail after it (final norm, head, loss) is the objective traced with the stack's output given: on the last
+  stage, on one microbatch's rows, each mean divided by the whole batch's count (``losses.counts_given``, counted
+  on the first trace), so the microbatches' losses sum to the plain step's loss;
+* the stack's and the tail's gradients, and the stack input's through the first trace, are summed per parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from megajax.models.objectives import Batch, Metrics, Objective
+from megajax.parallel import pipeline
+from megajax.parallel.losses import counts_given, counts_recorded
+
+Params = Any
+# (loss, metrics) -> (the value differentiated, (loss, metrics) as the step sums them): the step's weighting
+Weigh = Callable[[jax.Array, Metrics], tuple[jax.Array, tuple[jax.Array, Metrics]]]
+
+
+def grads(objective: Objective, graphdef: nnx.GraphDef, params: Params, batch: Batch, key: jax.Array | None,
+          weigh: Weigh) -> tuple[Params, tuple[jax.Array, Metrics]]:
+    """``jax.grad(lambda p: weigh(*objective.loss(model(p), batch, key)), has_aux=True)(params)``, computed by the
+    1F1B schedule (the model traced on the active mesh, whose ``pipe`` axis holds its stages)."""
+    leaves, treedef = jax.tree.flatten(params)
+    is_stack: list[bool] = []
+    static: dict[str, pipeline.StackCall] = {}
+
+    def ends(leaves: list[jax.Array]):
+        with pipeline.handed_off() as hand, counts_recorded() as counts:
+            objective.loss(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), batch, key)
+        if hand.call is None:
+            raise ValueError("the 1F1B pipeline schedule needs a model whose layers run as a pipelined stack")
+        call = hand.call
+        stack = {id(a) for a in jax.tree.leaves(call.state)}
+        is_stack.extend(id(a) in stack for a in leaves)
+        if sum(is_stack) != len(jax.tree.leaves(call.state)):
+            raise ValueError("the 1F1B pipeline schedule needs the stacked layers' parameters as the model holds them")
+        static["call"] = call  # its graph and scan; the traced values leave as outputs
+        return (call.x, call.state), (call.mask, call.layer_keys, counts.recorded)
+
+    (x, state), pull_ends, (mask, layer_keys, counts) = jax.vjp(ends, leaves, has_aux=True)
+    call = dataclasses.replace(static["call"], x=x, state=state, mask=mask, layer_keys=layer_keys)
+    rest = [a for a, stacked in zip(leaves, is_stack, strict=True) if not stacked]
+
+    def tail(rest: list[jax.Array], counts: list[jax.Array], h: jax.Array, rows: Batch):
+        own = iter(rest)  # the stack's parameters: unread (the stack's output is given), so zeros
+        full = [jnp.zeros(a.shape, a.dtype) if stacked else next(own) for a, stacked in zip(leaves, is_stack)]
+        with pipeline.handed_in(h), counts_given(counts):
+            loss, metrics = objective.loss(nnx.merge(graphdef, jax.tree.unflatten(treedef, full)), rows, key)
+        return weigh(loss, metrics)
+
+    (loss, metrics), d_state, d_rest, dx = pipeline.run_stack_1f1b(call, tail, rest, counts, batch)
+    (d_leaves,) = pull_ends((dx, d_state))
+    own = iter(d_rest)
+    total = [g if stacked else g + next(own) for g, stacked in zip(d_leaves, is_stack, strict=True)]
+    return jax.tree.unflatten(treedef, total), (loss, metrics)
