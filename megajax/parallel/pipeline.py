@@ -369,15 +369,17 @@ def _stages(call: StackCall) -> _Stages:
 
     # BERT's padding mask, a packed batch's mask and positions; not a mask every row shares
     per_row = mask is not None and rows > 1 and all(a.shape[0] == rows for a in jax.tree.leaves(mask))
+    # the circular schedule recomputes each chunk from its input (run): not its layers a second time. 1F1B recomputes
+    # each stage's forward from its held input in its backward (pipeline_1f1b), under the model's remat policy
+    recompute_layers = v == 1
 
     def stage(params, h, args, shared=mask):  # shared: the mask every row shares (passed into a shard_map)
         (own_copies, chunk_keys), (ids, row_mask) = params, args
 
         def replica(own, ids, h, row_mask):  # one data replica's rows of the microbatch, with its copy of the layers
             with rules_remapped(batch=None), rows_of(ids), params_whole():
-                # the circular schedule recomputes each chunk from its input (run): no second recomputation
                 return call.scan_layers(nnx.merge(graphdef, own), h, row_mask if per_row else shared, chunk_keys,
-                                        v == 1)
+                                        recompute_layers)
 
         h = jax.vmap(replica, spmd_axis_name="data")(own_copies, _by_replica(ids, d), _by_replica(h, d),
                                                      jax.tree.map(lambda a: _by_replica(a, d), row_mask)

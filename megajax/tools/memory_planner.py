@@ -215,9 +215,10 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
 def _one_f_one_b(run: RunSpec, micro_batch: int, micro: int, kept: int, recompute: int, gpu: bool) -> Activations:
     """The 1F1B schedule's activations (``pipeline_1f1b``): the stage inputs it holds (a ring of 2p - 1
     microbatches' and the two in flight), its share of the batch's inputs and their gradients (the io columns, M/p
-    microbatches each), and one microbatch at a time in its backward: the stage's L/p layers' residuals (the model's
-    remat policy) beside one layer's backward working set (its recomputed residuals and half the attention core's
-    backward working set, ``attention_backward_bytes``), or on the last stage beside the head on the microbatch. With
+    microbatches each), and one microbatch at a time in its backward: the stage's L/p layers' residuals (``kept``
+    under the model's remat policy, which applies inside the stage's recomputed forward) beside one layer's backward
+    working set (``recompute``, or its residuals again, and half the attention core's backward working set,
+    ``attention_backward_bytes``), or on the last stage beside the head on the microbatch. With
     attention dropout, XLA's attention draws the stage's L/p layers' masks ahead of its layer scan, in the forward
     half and again in the backward: 2 L/p probability-sized tensors. The terms beyond the inventories were measured on
     a 4-layer GPT on pipe 2 x data 2 x model 2 at s = 32 to 256 (compiled temp / formula 0.98 to 1.06)."""

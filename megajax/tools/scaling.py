@@ -315,6 +315,8 @@ def stage_memory_bytes(run: RunSpec, tensor: int, rows: int, data: int, pipeline
         return state + megatron_activation_bytes(placed, rows, pipeline)
     blocks = run.model.num_layers // pipeline.stages * layout(run, tensor).layer
     sums = stage_gradient_sums(placed) * 4 * blocks
+    if pipeline.one_f_one_b:  # the tail's gradients summed in the tick loop too (memory_planner.memory_report)
+        sums += 2 * 4 * (parameters_per_gpu(run, tensor, pipeline.stages)[1] - blocks)
     return state + activations(placed, rows, gpu).total + sums
 
 
@@ -384,7 +386,11 @@ def _pipeline_step(r: RunSpec, mesh, global_batch, cluster, micro_batch, grad_by
         raise ValueError(f"{p} stages x {v} repeats do not divide the {layers} layers")
     micro, chunk, ticks = rows // m, layers // (p * v), pipeline.ticks()
     extra = 0.0  # per layer, beyond the timed policy's recomputation
-    if not pipeline.megatron and (v > 1 or r.model.remat == "save_dots"):
+    if pipeline.one_f_one_b:  # the stage's backward runs its forward again from the held input (and under the
+        # model's remat policy its layers again inside it: timed as the policy)
+        extra = layer_s(with_choices(r, remat="full"), tensor, micro, cluster) - layer_s(
+            with_choices(r, remat="none"), tensor, micro, cluster)
+    elif not pipeline.megatron and (v > 1 or r.model.remat == "save_dots"):
         # in the vmapped stage every dot is batched, so save_dots recomputes what full does; the circular schedule
         # recomputes each chunk from its input whatever the policy, and under selective the attention core again
         if v > 1 and r.model.remat == "selective":
@@ -399,6 +405,10 @@ def _pipeline_step(r: RunSpec, mesh, global_batch, cluster, micro_batch, grad_by
     hop = 2 * p2p_s(message, tensor, pipeline, inter, cluster)  # forward, backward
     if pipeline.megatron:  # the last stage's head after each microbatch: the slowest stage sets the pace
         ends, ends_comm, ends_moves = m * head_s(r, tensor, micro, cluster), m * tensor_ends, 0.0
+    elif pipeline.one_f_one_b:  # the head on the last stage after each microbatch, the inputs and their gradients
+        # along the io columns each tick (the input column towards stage 0, the gradients' round the ring)
+        ends, ends_comm = m * head_s(r, tensor, micro, cluster), m * tensor_ends
+        ends_moves = pipeline.lockstep_ticks() * hop
     else:  # every stage runs the ends on its share of the batch; each tick the io column moves one microbatch
         # towards stage 0 and its gradient back (comm_budget's pipeline inputs/outputs), as large as the ring's hop
         ends = head_s(r, tensor, rows // p, cluster)
@@ -407,7 +417,7 @@ def _pipeline_step(r: RunSpec, mesh, global_batch, cluster, micro_batch, grad_by
     compute = num_micro * (ticks * chunk * (layer_s(r, tensor, micro, cluster) + extra) + ends)
     compute += OPTIMIZER_BYTES_PER_PARAM * parameters_per_gpu(r, tensor, p)[1] / cluster.hbm_bandwidth
     tensor_comm = num_micro * (ticks * chunk * tensor_layer + ends_comm)
-    pipe_comm = num_micro * (ticks * hop + ends_moves)
+    pipe_comm = num_micro * (pipeline.lockstep_ticks() * hop + ends_moves)
     if pipeline.megatron and layout(r, tensor).tied:  # the tied embedding's gradient: first and last stage
         pipe_comm += ring_allreduce_s(grad_bytes * r.model.padded_vocab_size * hidden / tensor, 2, *link)
     grads = data_comm_s(r, mesh, cluster, grad_bytes, p) / (2 if r.fsdp else 1)

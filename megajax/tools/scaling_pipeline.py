@@ -39,6 +39,14 @@ class Pipeline:
         p, m, v = self.stages, self.microbatches, self.repeats
         return (v - 1) * max(m, p) + m + p - 1  # megajax.parallel.pipeline.ticks where M is a multiple of p
 
+    def lockstep_ticks(self) -> int:
+        """The ticks the schedule's permutes run: ``ticks`` but megajax's 1F1B, M + 2p - 2 (``pipeline_1f1b.ticks``:
+        its first p - 1 ticks have forwards only and its last p - 1 backwards only, so it takes about ``ticks``' time).
+        """
+        if self.one_f_one_b:
+            return self.microbatches + 2 * (self.stages - 1)
+        return self.ticks()
+
     def bubble(self) -> float:
         """The idle share of the stage-ticks, (p - 1) / (M v + p - 1) for M >= p (megajax's
         ``pipeline.bubble_fraction`` at v = 1). Megatron-LM's (p - 1) / (v m) is the same idle time over the ideal

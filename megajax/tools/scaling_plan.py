@@ -107,10 +107,11 @@ def variants(run: RunSpec, mesh: tuple[int, int], choose: bool, pipe: int = 1) -
 
 
 def pipelines(model: TransformerConfig, stages: int, rows: int) -> list[Pipeline]:
-    """The schedules the planner tries on ``stages`` stages for a layer-stack batch of ``rows`` sequences: GPipe and
-    the circular schedule with every v up to ``MAX_REPEATS`` that splits the layers evenly, each at M = the smallest
-    multiple of p dividing ``rows`` from p, 2p, 4p, ... up, and all ``rows`` (one sequence per microbatch); none
-    where the rows are not a multiple of p (each stage's share of the batch holds whole microbatches)."""
+    """The schedules the planner tries on ``stages`` stages for a layer-stack batch of ``rows`` sequences: GPipe,
+    1F1B and the circular schedule with every v up to ``MAX_REPEATS`` that splits the layers evenly, each at M = the
+    smallest multiple of p dividing ``rows`` from p, 2p, 4p, ... up, and all ``rows`` (one sequence per
+    microbatch); none where the rows are not a multiple of p (each stage's share of the batch holds whole
+    microbatches)."""
     if stages == 1:
         return [Pipeline()]
     if rows % stages:
@@ -122,7 +123,8 @@ def pipelines(model: TransformerConfig, stages: int, rows: int) -> list[Pipeline
         want *= 2
     counts.add(rows)
     repeats = [v for v in range(1, MAX_REPEATS + 1) if model.num_layers % (stages * v) == 0]
-    return [Pipeline(stages, m, v) for v in repeats for m in sorted(counts)]
+    return [Pipeline(stages, m, v) for v in repeats for m in sorted(counts)] + [
+        Pipeline(stages, m, 1, one_f_one_b=True) for m in sorted(counts)]
 
 
 def recommend_mesh(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch: int,
