@@ -1,10 +1,11 @@
 """The 1F1B pipeline schedule (``parallel.pipeline_schedule='1f1b'``; ``megajax.parallel.pipeline_1f1b``): one
 training step computes the plain 1x1 step's loss (within 1e-6) and every parameter's gradient (within 1e-5) for
 GPT, BERT and Llama on (2,2,2), (4,1,2) and (8,1,1), and with dropout, accumulation, ZeRO-1, FSDP and sequence
-parallelism; a stage's idle halves are skipped (a stage that is NaN on zeros leaves the gradient finite); the
-compiled step runs M + 2p - 2 ticks with the schedule's four permutes each and reduces the gradients once; its temp
-grows with the microbatch count only by the microbatches' inputs, where GPipe's grows by their activations; the
-memory planner's estimate is within 10% of the compiled step's."""
+parallelism; a stage's idle halves are skipped (a stage that is NaN on zeros leaves the gradient finite; a
+callback sees each stage run only its microbatches); the compiled step runs M + 2p - 2 ticks with the schedule's
+four permutes each and reduces the gradients once; its temp grows with the microbatch count only by the
+microbatches' inputs, where GPipe's grows by their activations; the memory planner's estimate is within 10% of the
+compiled step's; stored configs from before the schedule field read their schedule from their repeats."""
 
 import jax
 import jax.numpy as jnp
@@ -162,3 +163,37 @@ def test_stored_circular_configs_read_as_circular():
     resolve(migrate_config(old), 8)
     with pytest.raises(ConfigError, match="1f1b needs pipeline stages"):
         resolve(_config("gpt", 1, 1, 1, schedule=ONE_F_ONE_B), 8)
+
+
+def test_each_stage_runs_only_its_microbatches():
+    """The bubble is skipped, not computed: a callback in the stage and the tail records which stage ran which
+    microbatch (its id rides in the activations). Over the M + 2p - 2 ticks, every stage but the last runs each of
+    the M microbatches twice (its forward, and again in its backward), the last once (forward, tail and backward in
+    one tick), the tail each once on the last stage; nothing runs on an idle half (whose input would carry id 0)."""
+    pipe, per_stage = 4, 2
+    num_micro = pipe * per_stage
+    calls = []
+
+    def stage_fn(w, keys, shared, x, args):
+        jax.debug.callback(lambda s, i: calls.append(("stage", int(s), int(i))), jax.lax.axis_index("pipe"),
+                           x[0, 0])
+        return x.at[:, 1:].multiply(w)
+
+    def tail_fn(tw, consts, y, args, f):
+        jax.debug.callback(lambda s, i: calls.append(("tail", int(s), int(i))), jax.lax.axis_index("pipe"), y[0, 0])
+        return jnp.sum(y[:, 1:] * tw), jnp.float32(0)
+
+    ids = jnp.arange(1, num_micro + 1, dtype=jnp.float32).reshape(pipe, per_stage, 1, 1)
+    xs = jnp.concatenate([jnp.broadcast_to(ids, (pipe, per_stage, 2, 1)), jnp.ones((pipe, per_stage, 2, 3))], -1)
+    # a mesh of `pipe` alone: jax.debug.callback fails inside a shard_map with automatic axes beside it (jax 0.10)
+    mesh = jax.make_mesh((pipe,), ("pipe",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:pipe])
+    with jax.set_mesh(mesh):
+        jax.block_until_ready(jax.jit(lambda w, t, x: pipeline_1f1b.run(
+            stage_fn, tail_fn, w, None, None, t, None, x, None, None))(jnp.full((pipe,), 0.5), jnp.ones(3), xs))
+    jax.effects_barrier()
+    everyone = set(range(1, num_micro + 1))
+    for s in range(pipe):
+        ran = sorted(i for kind, stage, i in calls if kind == "stage" and stage == s)
+        assert ran == sorted(list(everyone) * (1 if s == pipe - 1 else 2))
+    assert sorted(i for kind, stage, i in calls if kind == "tail" and stage == pipe - 1) == sorted(everyone)
+    assert not [c for c in calls if c[0] == "tail" and c[1] != pipe - 1]

@@ -456,6 +456,15 @@ def _num_micro(run: RunSpec, micro_batch: int) -> int:
     return max(steps, 1) if not rest else 1
 
 
+def tail_parameters(run: RunSpec) -> int:
+    """Parameters one device holds of what the loss's tail reads after the layer stack (the 1F1B schedule sums
+    their gradients in its tick loop: ``training.pipelined``): those outside the stack but an untied input word
+    embedding (of two (vocabulary, hidden) weights, the one the tail does not read)."""
+    ends = [p for p in parameters(run) if p.module != STACK]
+    vocab = [p.per_device for p in ends if len(p.shape) == 2 and run.model.padded_vocab_size in p.shape]
+    return sum(p.per_device for p in ends) - (min(vocab) if len(vocab) > 1 else 0)
+
+
 def stage_gradient_sums(run: RunSpec) -> int:
     """Copies of a stage's layer gradients the tick loop holds (0 without stages): an accumulator and each tick's
     contribution (its layer scan's stacked gradients); under the circular schedule a chunk of one layer adds its
@@ -479,8 +488,7 @@ def memory_report(run: RunSpec, micro_batch: int | None = None, num_micro: int |
     total, local = params_per_device(run, split_over_data=run.fsdp)  # FSDP: parameters split over data too
     stage = stage_gradient_sums(run) * FP32 * params_per_device(run, only=STACK)[1]
     if run.pipe > 1 and run.pipeline_schedule == pipeline.ONE_F_ONE_B:  # the tail's gradients summed in the tick
-        # loop too: an accumulator and each tick's contribution, as the stage's
-        stage += 2 * FP32 * (params_per_device(run)[1] - params_per_device(run, only=STACK)[1])
+        stage += 2 * FP32 * tail_parameters(run)  # loop too: an accumulator and each tick's contribution
     num_micro = num_micro or _num_micro(run, micro_batch)
     optimizer = 8 * local // (data if zero else 1)
     act = activations(run, micro_batch, gpu)

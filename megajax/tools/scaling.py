@@ -110,7 +110,7 @@ import functools
 from megajax.config import RunSpec, replanned
 from megajax.models.transformer import attention_reason
 from megajax.tools.comm_budget import minimum
-from megajax.tools.memory_planner import activations, stage_gradient_sums
+from megajax.tools.memory_planner import activations, stage_gradient_sums, tail_parameters
 from megajax.tools.scaling_clusters import (  # noqa: F401 (the clusters are this module's API too)
     CLUSTERS,
     DGX2H_V100,
@@ -316,7 +316,7 @@ def stage_memory_bytes(run: RunSpec, tensor: int, rows: int, data: int, pipeline
     blocks = run.model.num_layers // pipeline.stages * layout(run, tensor).layer
     sums = stage_gradient_sums(placed) * 4 * blocks
     if pipeline.one_f_one_b:  # the tail's gradients summed in the tick loop too (memory_planner.memory_report)
-        sums += 2 * 4 * (parameters_per_gpu(run, tensor, pipeline.stages)[1] - blocks)
+        sums += 2 * 4 * tail_parameters(placed)
     return state + activations(placed, rows, gpu).total + sums
 
 

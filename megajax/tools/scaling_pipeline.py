@@ -75,8 +75,11 @@ class Pipeline:
 
     @property
     def config_schedule(self) -> str:
-        """megajax's ``parallel.pipeline_schedule`` for this pipeline ('gpipe' without stages)."""
-        return "gpipe" if self.stages == 1 else self.schedule
+        """megajax's ``parallel.pipeline_schedule`` for this pipeline: 'gpipe' without stages, and for Megatron-LM's
+        (whose memory ``megatron_activation_bytes`` counts) the megajax schedule of the same layer layout."""
+        if self.one_f_one_b and not self.megatron:
+            return "1f1b"
+        return "circular" if self.repeats > 1 else "gpipe"
 
     def flags(self) -> str:
         """The config flags of this schedule (mesh.pipe is printed with the mesh): the repeats and the schedule

@@ -17,12 +17,13 @@ takes its gradients from the schedule instead of from ``jax.grad``. The model is
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public equivalent (jax 0.10)
 
 from megajax.models.objectives import Batch, Metrics, Objective
 from megajax.parallel import pipeline
@@ -56,17 +57,29 @@ def grads(objective: Objective, graphdef: nnx.GraphDef, params: Params, batch: B
 
     (x, state), pull_ends, (mask, layer_keys, counts) = jax.vjp(ends, leaves, has_aux=True)
     call = dataclasses.replace(static["call"], x=x, state=state, mask=mask, layer_keys=layer_keys)
-    rest = [a for a, stacked in zip(leaves, is_stack, strict=True) if not stacked]
+    in_tail = [not stacked for stacked in is_stack]
 
-    def tail(rest: list[jax.Array], counts: list[jax.Array], h: jax.Array, rows: Batch):
-        own = iter(rest)  # the stack's parameters: unread (the stack's output is given), so zeros
-        full = [jnp.zeros(a.shape, a.dtype) if stacked else next(own) for a, stacked in zip(leaves, is_stack)]
+    def tail(own: list[jax.Array], counts: list[jax.Array], h: jax.Array, rows: Batch):
+        # the parameters the tail does not read (the stack's, whose output is given; an untied embedding's): zeros
+        given = iter(own)
+        full = [next(given) if read else jnp.zeros(a.shape, a.dtype) for a, read in zip(leaves, in_tail)]
         with pipeline.handed_in(h), counts_given(counts):
             loss, metrics = objective.loss(nnx.merge(graphdef, jax.tree.unflatten(treedef, full)), rows, key)
         return weigh(loss, metrics)
 
-    (loss, metrics), d_state, d_rest, dx = pipeline.run_stack_1f1b(call, tail, rest, counts, batch)
+    # only what the tail reads gets a gradient accumulator in the tick loop (an untied embedding's would stay zero)
+    read = _read(lambda own: tail(own, counts, x, batch)[0], [a for a, r in zip(leaves, in_tail) if r])
+    in_tail = [r and next(read) for r in in_tail]
+    own = [a for a, r in zip(leaves, in_tail, strict=True) if r]
+    (loss, metrics), d_state, d_own, dx = pipeline.run_stack_1f1b(call, tail, own, counts, batch)
     (d_leaves,) = pull_ends((dx, d_state))
-    own = iter(d_rest)
-    total = [g if stacked else g + next(own) for g, stacked in zip(d_leaves, is_stack, strict=True)]
+    d_own = iter(d_own)
+    total = [g + next(d_own) if r else g for g, r in zip(d_leaves, in_tail, strict=True)]
     return jax.tree.unflatten(treedef, total), (loss, metrics)
+
+
+def _read(fn: Callable[[list[jax.Array]], jax.Array], leaves: list[jax.Array]) -> Iterator[bool]:
+    """Whether ``fn``'s output depends on each of ``leaves`` (its jaxpr with the dead code removed: the model's
+    embeddings run in the tail too, on values nothing reads)."""
+    closed = jax.make_jaxpr(fn)(leaves)
+    return iter(pe.dce_jaxpr(closed.jaxpr, [True])[1])
