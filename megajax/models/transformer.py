@@ -26,7 +26,7 @@ from megajax.parallel.layers import (
     scaled_init_std,
 )
 from megajax.parallel.remat import REMAT_POLICIES, layer_step, selective
-from megajax.parallel.sharding import RESIDUAL, constrain, on_shards, rows_of, sequence_positions
+from megajax.parallel.sharding import RESIDUAL, constrain, on_shards, partly_manual, rows_of, sequence_positions
 from megajax.parallel.xla_options import traced_for_nvidia_gpu
 
 LayerCache = tuple[jax.Array, jax.Array]  # one layer's (keys, values), (B, S_max, N_kv, D) each
@@ -297,8 +297,8 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, ke
         def cudnn(q, k, v, mask):
             return jax.nn.dot_product_attention(q, k, v.astype(q.dtype), mask=mask, implementation="cudnn")
 
-        if jax.sharding.get_abstract_mesh().manual_axes:  # inside a shard_map (the 1F1B stages'): cuDNN attention's
-            # partitioning rule fails on a partly manual mesh (jax 0.10), so it runs on each device's blocks
+        if partly_manual():  # inside the 1F1B stages' shard_map cuDNN attention's partitioning rule fails (jax
+            # 0.10), so it runs on each device's blocks
             names = ("batch", "seq", "heads", "head_dim")
             mask_names = ("batch" if mask.shape[0] > 1 else None, None, None, None)
             return on_shards(cudnn, (q, k, v, mask), (names, KV_NAMES, KV_NAMES, mask_names), names, check_vma=False)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 
-from megajax.parallel.sharding import constrain
+from megajax.parallel.sharding import constrain, partly_manual
 
 
 def mask_padded_vocab(logits: jax.Array, vocab_size: int) -> jax.Array:
@@ -41,11 +41,13 @@ def vocab_parallel_nll_and_hit(logits: jax.Array, labels: jax.Array) -> tuple[ja
     logits = constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
     top = jax.lax.stop_gradient(logits.max(axis=-1))  # (B, S)
     lse = top + jnp.log(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1))  # as jax.nn.logsumexp
-    # the label's logit as a masked sum over the vocabulary, not a gather along it: XLA's SPMD partitioner aborts on
-    # that gather, vocabulary split over `model` and rows over `data`, inside a shard_map manual over `pipe` (the 1F1B
-    # tail; jax 0.10). Each shard adds zeros but its own label's logit, so the sum is exact.
-    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    target = jnp.sum(jnp.where(ids == labels[..., None], logits, 0.0), axis=-1)  # (B, S)
+    if partly_manual():  # XLA's SPMD partitioner aborts on the gather below, the vocabulary split over `model` and
+        # the rows over `data`, inside a shard_map manual over `pipe` (the 1F1B tail; jax 0.10): there the label's
+        # logit is a masked sum over the vocabulary (each shard adds zeros but its own label's, so it is exact)
+        ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+        target = jnp.sum(jnp.where(ids == labels[..., None], logits, 0.0), axis=-1)  # (B, S)
+    else:
+        target = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]  # (B, S)
     return lse - target, target >= top
 
 

@@ -332,6 +332,13 @@ def sequence_positions(count: int) -> jax.Array:
     return jnp.arange(count) if positions is None else positions
 
 
+def partly_manual() -> bool:
+    """Whether the trace is inside a ``shard_map`` manual over some of the mesh's axes and automatic over the others
+    (the 1F1B stages', manual over ``pipe``), where two of XLA's and JAX's partitioning rules fail (jax 0.10)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and 0 < len(mesh.manual_axes) < len(mesh.axis_names)
+
+
 def batch_rows(count: int) -> jax.Array:
     """The active context's row indices, or rows 0 .. ``count`` - 1 outside a training step."""
     rows = parallel_context().rows

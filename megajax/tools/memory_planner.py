@@ -179,7 +179,9 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
     included), the head runs on the stage's share of the micro-batch (1/p of it), and a tick's backward pass works on
     a copy of its layers' residuals beside one layer's working set, for one microbatch.
     The circular schedule (v > 1) recomputes each chunk from its input (``pipeline.run``): each tick keeps that
-    input, and a tick's backward pass holds its chunk's residuals (no recomputation inside it) for one microbatch.
+    input, and a tick's backward pass holds its chunk's residuals (no recomputation inside it) for one microbatch and
+    the attention core's backward working set; with attention dropout the stage's masks (``stage_mask_bytes``).
+    The 1F1B schedule: ``_one_f_one_b``.
     Inside a stage every matmul carries the stages' vmapped dimension, so ``save_dots`` (dots without batch
     dimensions) keeps what ``full`` keeps.
     """
@@ -195,8 +197,9 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
             # set beside them (measured on the compiled steps of tests/test_pipeline.py)
             per_chunk = m.num_layers // (p * v)
             recompute = (per_chunk + (per_chunk > 1)) * layer_residual_bytes(run, rows, inner, gpu=gpu)
-            return Activations(ticks * layer_residual_bytes(run, rows, "full", gpu=gpu),
-                               head_bytes(run, micro_batch // p, gpu), recompute)
+            recompute += attention_backward_bytes(run, rows, gpu)
+            return Activations(ticks * layer_residual_bytes(run, rows, "full", gpu=gpu)
+                               + stage_mask_bytes(run, rows, gpu), head_bytes(run, micro_batch // p, gpu), recompute)
         kept = layer_residual_bytes(run, rows, remat, gpu=gpu)
         if run.pipeline_schedule == pipeline.ONE_F_ONE_B:
             return _one_f_one_b(run, micro_batch, micro, kept, recompute, gpu)
@@ -218,22 +221,30 @@ def _one_f_one_b(run: RunSpec, micro_batch: int, micro: int, kept: int, recomput
     microbatches each), and one microbatch at a time in its backward: the stage's L/p layers' residuals (``kept``
     under the model's remat policy, which applies inside the stage's recomputed forward) beside one layer's backward
     working set (``recompute``, or its residuals again, and half the attention core's backward working set,
-    ``attention_backward_bytes``), or on the last stage beside the head on the microbatch. With
-    attention dropout, XLA's attention draws the stage's L/p layers' masks ahead of its layer scan, in the forward
-    half and again in the backward: 2 L/p probability-sized tensors. The terms beyond the inventories were measured on
-    a 4-layer GPT on pipe 2 x data 2 x model 2 at s = 32 to 256 (compiled temp / formula 0.98 to 1.06)."""
+    ``attention_backward_bytes``), or on the last stage beside the head on the microbatch; with attention dropout
+    the stage's masks (``stage_mask_bytes``). The terms beyond the inventories were measured on a 4-layer GPT on pipe
+    2 x data 2 x model 2 at s = 32 to 256 (compiled temp / formula 0.96 to 1.09)."""
     m, p = run.model, run.pipe
     rows = micro_batch // micro
     split = run.tensor if run.sequence else 1
     one_input = _rows(run, rows) * m.max_seq_len * m.hidden_size * compute_bytes(run) // split
     held = (pipeline_1f1b.held_inputs(p) + 2 + 2 * micro // p) * one_input
-    masks = 0
-    if m.dropout > 0 and attention_for(run, gpu) == "xla":
-        masks = 2 * m.num_layers // p * m.num_heads * m.max_seq_len ** 2 * _rows(run, rows) * compute_bytes(run)
-        masks //= run.tensor
-    layers = held + m.num_layers // p * kept + masks
+    layers = held + m.num_layers // p * kept + stage_mask_bytes(run, rows, gpu)
     working = (recompute or kept) + attention_backward_bytes(run, rows, gpu) // 2
     return Activations(layers, head_bytes(run, rows, gpu), working)
+
+
+def stage_mask_bytes(run: RunSpec, rows: int, gpu: bool = False) -> int:
+    """What attention dropout costs a 1F1B or circular stage beyond its layers' inventory: XLA draws the masks of
+    the stage's L/p layers ahead of its layer scan, once for the forward and again for the recomputed one, 2 L/p
+    probability-sized tensors of one microbatch (measured on a 4-layer GPT on pipe 2 x data 2 x model 2 at s = 128
+    and 256: the compiled temp with dropout less without, 3.8 to 4.1 of them). 0 without dropout or with cuDNN's
+    attention (which has none)."""
+    m = run.model
+    if m.dropout == 0 or attention_for(run, gpu) != "xla":
+        return 0
+    per_layer = m.num_heads * m.max_seq_len ** 2 * _rows(run, rows) * compute_bytes(run) // run.tensor
+    return 2 * m.num_layers // run.pipe * per_layer
 
 
 def dropped_probability_bytes(run: RunSpec, rows: int, remat: str, gpu: bool = False) -> int:
