@@ -554,16 +554,17 @@ def test_cli_on_a_config_with_stages(tmp_path, capsys):
 
 
 def test_megajax_own_schedules_on_ptdp_rows():
-    """megajax's own pipeline (GPipe, circular, or 1F1B with full recomputation or none; the ends on each stage's
-    share) on PTD-P Table 1's pipelined rows, the fastest that fits 80 GB: every row fits; 76.1B and 145.6B on the
-    circular schedule within 7% of the published TFLOP/s; 39.1B, 310.1B, 529.6B and 1T only under 1F1B (the circular
-    schedule keeps every tick's chunk input), 10-28% below (1F1B's bubble is not divided by v as PTD-P's interleaved
-    schedule's is, and the stage's forward runs again in its backward). Before 1F1B, 39.1B to 1T did not fit."""
+    """megajax's own pipeline (GPipe, circular, or 1F1B with full, selective or no recomputation; the ends on each
+    stage's share) on PTD-P Table 1's pipelined rows, the fastest that fits 80 GB: every row fits; 76.1B on the
+    circular schedule within 7% of the published TFLOP/s; the others only under 1F1B (the circular schedule keeps
+    every tick's chunk input and, with attention dropout, its stage's masks twice), 9-26% below (1F1B's bubble is not
+    divided by v as PTD-P's interleaved schedule's is, and the stage's forward runs again in its backward). Before
+    1F1B, 39.1B and 310.1B to 1T did not fit."""
     rows = {row.name: row for row in scaling_papers.PTDP_TABLE1}
     names = ("39.1B", "76.1B", "145.6B", "310.1B", "529.6B", "1008.0B")
     got = {name: scaling_papers.ptdp_megajax_prediction(rows[name]) for name in names}
     relative = {n: scaling_papers.ptdp_tflops(rows[n], p) / rows[n].tflops - 1 for n, p in got.items()}
     assert all(got[n].fits for n in names)
-    assert all(got[n].pipeline.schedule == "circular" and abs(relative[n]) < 0.07 for n in ("76.1B", "145.6B"))
-    assert all(got[n].pipeline.one_f_one_b for n in ("39.1B", "310.1B", "529.6B", "1008.0B"))
-    assert all(-0.25 < relative[n] < -0.05 for n in ("39.1B", "310.1B", "529.6B", "1008.0B"))
+    assert got["76.1B"].pipeline.schedule == "circular" and abs(relative["76.1B"]) < 0.07
+    later = ("39.1B", "145.6B", "310.1B", "529.6B", "1008.0B")
+    assert all(got[n].pipeline.one_f_one_b and -0.27 < relative[n] < -0.05 for n in later)
