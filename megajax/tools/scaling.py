@@ -65,6 +65,10 @@ gather and AdamW cover one stage's parameters (``parameters_per_gpu``: L/p layer
 residuals or chunk input, bubble ticks included, the head on the stage's share, a tick's backward working set) and the
 tick loop's fp32 sums of the stage's layer gradients; Megatron-LM's, the residuals of the chunk-microbatches in
 flight (``Pipeline.in_flight``: 1F1B at most p, interleaved its warm-up), and the head on one microbatch.
+megajax's 1F1B (``Pipeline.one_f_one_b``): each microbatch-stage one forward more (the stage's forward again in its
+backward, under the model's remat policy), the head on the last stage after each microbatch, the permutes over M +
+2p - 2 lockstep ticks, its memory the planner's (held inputs, one microbatch's stage residuals, the tail's gradient
+sums).
 
 Tests pin ``transformer_flops`` and ``comm_budget.minimum`` equal to the compiled HLO's (ratio 1.00): the counted
 work is megajax's; what this module adds is how long it takes.

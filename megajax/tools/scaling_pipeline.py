@@ -4,9 +4,11 @@ point-to-point time, a stage's activations (the memory planner's terms), and the
 
 Both implementations the scaling model knows tick the same way: a schedule of p stages, M microbatches and v layer
 chunks per stage (v = 1: GPipe / 1F1B; v > 1: megajax's circular schedule, Megatron-LM's interleaved one) runs
-``ticks`` stage-ticks of L/(p v) layers on one microbatch each, forward and backward. megajax's SPMD loop runs every
-stage on every tick (an idle stage computes on garbage, so a tick costs the same either way); Megatron-LM's 1F1B
-idles instead, and takes as long (Narayanan et al. 2021: (m + (p-1)/v) x a microbatch's time through a stage).
+``ticks`` stage-ticks of L/(p v) layers on one microbatch each, forward and backward. megajax's GPipe and circular
+loops run every stage on every tick (an idle stage computes on zeros, so a tick costs the same either way); its 1F1B
+skips a stage's idle halves over M + 2p - 2 lockstep ticks (``lockstep_ticks``), about ``ticks``' time, and runs the
+stage's forward again in its backward; Megatron-LM's 1F1B idles, and takes as long (Narayanan et al. 2021:
+(m + (p-1)/v) x a microbatch's time through a stage).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ class Pipeline:
     2021: 1F1B / interleaved, the head on the last stage only, scatter/gather point-to-point, the tied embedding's
     gradient all-reduced between the first and last stage) instead of megajax's (``megajax.parallel.pipeline``:
     GPipe / circular in one SPMD program, the embeddings and head on every stage over its share of the batch, each
-    model-parallel GPU sending the whole microbatch, round the ring and along the io column)."""
+    model-parallel GPU sending the whole microbatch, round the ring and along the io column; with ``one_f_one_b``
+    its 1F1B, the head on the last stage per microbatch)."""
 
     stages: int = 1
     microbatches: int = 1
@@ -65,7 +68,7 @@ class Pipeline:
 
     @property
     def schedule(self) -> str:
-        """The schedule's name: '-' without stages; megajax's 'gpipe' / 'circular', Megatron-LM's '1f1b' /
+        """The schedule's name: '-' without stages; megajax's 'gpipe' / 'circular' / '1f1b', Megatron-LM's '1f1b' /
         'interleaved'."""
         if self.stages == 1:
             return "-"
