@@ -117,16 +117,15 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
             y = jax.lax.cond(f_on & ~last, forward_half, lambda x, a: jnp.zeros_like(x), x, a)
             xb, ab = jax.tree.map(lambda h: h[b % ring], held)
 
-            def backward_half(x, a, fl, xb, ab, g):
-                return jax.lax.cond(last, lambda: last_half(x, a, fl), lambda: middle_half(xb, ab, g))
+            def backward_half(sums, x, a, fl, xb, ab, g):  # the sums added to inside the branch: no second copy
+                dw, dtp, dx, aux = jax.lax.cond(last, lambda: last_half(x, a, fl), lambda: middle_half(xb, ab, g))
+                return jax.tree.map(jnp.add, sums, (dw, dtp, aux)), dx
 
-            def idle(*_):
-                return _zeros(weights), _zeros(tail_params), jnp.zeros_like(x), aux0
+            def idle(sums, *_):
+                return sums, jnp.zeros_like(x)
 
-            dw, dtp, dx, aux = jax.lax.cond(b_on, backward_half, idle, x, a, fl, xb, ab, grad_in)
-            dw_sum = jax.tree.map(jnp.add, dw_sum, dw)
-            dtp_sum = jax.tree.map(jnp.add, dtp_sum, dtp)
-            aux_sum = jax.tree.map(jnp.add, aux_sum, aux)
+            (dw_sum, dtp_sum, aux_sum), dx = jax.lax.cond(b_on, backward_half, idle, (dw_sum, dtp_sum, aux_sum), x, a,
+                                                          fl, xb, ab, grad_in)
             permute = lambda tree, pairs: jax.tree.map(  # noqa: E731
                 lambda v: jax.lax.ppermute(v, PIPE_AXIS, pairs), tree)
             inbox = permute((y, a, fl), forward)
