@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 
-from megajax.parallel.sharding import constrain, partly_manual
+from megajax.parallel.sharding import constrain, holding, partly_manual
 
 
 def mask_padded_vocab(logits: jax.Array, vocab_size: int) -> jax.Array:
@@ -76,25 +75,16 @@ class _Counts:
 _COUNTS: contextvars.ContextVar[_Counts | None] = contextvars.ContextVar("megajax_loss_counts", default=None)
 
 
-@contextlib.contextmanager
-def _counting(counts: _Counts) -> Iterator[_Counts]:
-    token = _COUNTS.set(counts)
-    try:
-        yield counts
-    finally:
-        _COUNTS.reset(token)
-
-
 def counts_recorded() -> contextlib.AbstractContextManager[_Counts]:
     """Traces a loss whose ``weighted_mean``s record their denominators (``.recorded``, in order)."""
-    return _counting(_Counts())
+    return holding(_COUNTS, _Counts())
 
 
 def counts_given(counts: list[jax.Array]) -> contextlib.AbstractContextManager[_Counts]:
     """Traces a loss whose ``weighted_mean``s divide by ``counts`` (recorded on the whole batch by
     ``counts_recorded``) rather than by their own: on a part of the batch, each mean is then that part's share of the
     whole batch's (the 1F1B pipeline's loss per microbatch)."""
-    return _counting(_Counts(list(counts)))
+    return holding(_COUNTS, _Counts(list(counts)))
 
 
 def weighted_mean(values: jax.Array, weights: jax.Array | None = None) -> jax.Array:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -59,6 +59,7 @@ from megajax.parallel.sharding import (
     batch_rows,
     constrain,
     entry_axes,
+    holding,
     parallel_context,
     param_at_use,
     params_split,
@@ -260,25 +261,16 @@ _HAND_OFF: contextvars.ContextVar[_HandOff | None] = contextvars.ContextVar("meg
                                                                             default=None)
 
 
-@contextlib.contextmanager
-def _handing(hand: _HandOff) -> Iterator[_HandOff]:
-    token = _HAND_OFF.set(hand)
-    try:
-        yield hand
-    finally:
-        _HAND_OFF.reset(token)
-
-
 def handed_off() -> contextlib.AbstractContextManager[_HandOff]:
     """Traces a model whose ``run_stack`` records its call (``.call``, a ``StackCall``) and returns zeros: what
     the 1F1B step reads of the model before its layers (the embedding's output, the stack's state)."""
-    return _handing(_HandOff())
+    return holding(_HAND_OFF, _HandOff())
 
 
 def handed_in(output: jax.Array) -> contextlib.AbstractContextManager[_HandOff]:
     """Traces a model whose ``run_stack`` returns ``output``: the model after its layers (the loss's tail) as a
     function of the stack's output."""
-    return _handing(_HandOff(output))
+    return holding(_HAND_OFF, _HandOff(output))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,8 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from megajax.errors import ShardingConfigError
+
+T = TypeVar("T")
 
 Rules = tuple[tuple[str, str | None], ...]
 
@@ -218,12 +220,17 @@ def parallel_context() -> ParallelContext:
 
 
 @contextlib.contextmanager
-def _holding(context: ParallelContext) -> Iterator[None]:
-    token = _CONTEXT.set(context)
+def holding(var: contextvars.ContextVar[T], value: T) -> Iterator[T]:
+    """``var`` set to ``value`` while the block runs (what a traced model reads of its run and of its caller)."""
+    token = var.set(value)
     try:
-        yield
+        yield value
     finally:
-        _CONTEXT.reset(token)
+        var.reset(token)
+
+
+def _holding(context: ParallelContext) -> contextlib.AbstractContextManager[ParallelContext]:
+    return holding(_CONTEXT, context)
 
 
 @contextlib.contextmanager

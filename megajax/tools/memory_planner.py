@@ -476,6 +476,14 @@ def tail_parameters(run: RunSpec) -> int:
     return sum(p.per_device for p in ends) - (min(vocab) if len(vocab) > 1 else 0)
 
 
+def tick_loop_gradient_bytes(run: RunSpec, stack: int) -> int:
+    """The fp32 gradient sums a pipelined step's tick loop holds beside the step's gradients, for a stage of
+    ``stack`` parameters per device: ``stage_gradient_sums`` copies of them, and under 1F1B two of what the loss's
+    tail reads (``tail_parameters``: an accumulator and each tick's contribution, as the stage's)."""
+    tail = 2 * tail_parameters(run) if run.pipe > 1 and run.pipeline_schedule == pipeline.ONE_F_ONE_B else 0
+    return FP32 * (stage_gradient_sums(run) * stack + tail)
+
+
 def stage_gradient_sums(run: RunSpec) -> int:
     """Copies of a stage's layer gradients the tick loop holds (0 without stages): an accumulator and each tick's
     contribution (its layer scan's stacked gradients); under the circular schedule a chunk of one layer adds its
@@ -497,9 +505,7 @@ def memory_report(run: RunSpec, micro_batch: int | None = None, num_micro: int |
     micro_batch = micro_batch or run.micro_batch
     zero = run.shard_optimizer and not run.fsdp  # ZeRO-1: the moments and gradients only
     total, local = params_per_device(run, split_over_data=run.fsdp)  # FSDP: parameters split over data too
-    stage = stage_gradient_sums(run) * FP32 * params_per_device(run, only=STACK)[1]
-    if run.pipe > 1 and run.pipeline_schedule == pipeline.ONE_F_ONE_B:  # the tail's gradients summed in the tick
-        stage += 2 * FP32 * tail_parameters(run)  # loop too: an accumulator and each tick's contribution
+    stage = tick_loop_gradient_bytes(run, params_per_device(run, only=STACK)[1])
     num_micro = num_micro or _num_micro(run, micro_batch)
     optimizer = 8 * local // (data if zero else 1)
     act = activations(run, micro_batch, gpu)

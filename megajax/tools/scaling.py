@@ -114,7 +114,7 @@ import functools
 from megajax.config import RunSpec, replanned
 from megajax.models.transformer import attention_reason
 from megajax.tools.comm_budget import minimum
-from megajax.tools.memory_planner import activations, stage_gradient_sums, tail_parameters
+from megajax.tools.memory_planner import activations, tick_loop_gradient_bytes
 from megajax.tools.scaling_clusters import (  # noqa: F401 (the clusters are this module's API too)
     CLUSTERS,
     DGX2H_V100,
@@ -311,17 +311,14 @@ def memory_bytes(run: RunSpec, tensor: int, micro_batch: int, data: int = 1, pip
 def stage_memory_bytes(run: RunSpec, tensor: int, rows: int, data: int, pipeline: Pipeline, gpu: bool = False) -> int:
     """One stage's memory: its state (``state_bytes``) and activations. megajax's are the memory planner's
     (``megajax.info``'s: ``activations`` of the run on the mesh with the stages, microbatches and repeats), plus the
-    tick loop's fp32 sums of the stage's layer gradients (the planner's ``stage_gradient_sums``); Megatron-LM's are
+    tick loop's fp32 gradient sums (the planner's ``tick_loop_gradient_bytes``); Megatron-LM's are
     ``megatron_activation_bytes``."""
     state = state_bytes(run, tensor, data, pipeline.stages)
     placed = _on_mesh(run, tensor, data, pipeline)
     if pipeline.megatron:
         return state + megatron_activation_bytes(placed, rows, pipeline)
     blocks = run.model.num_layers // pipeline.stages * layout(run, tensor).layer
-    sums = stage_gradient_sums(placed) * 4 * blocks
-    if pipeline.one_f_one_b:  # the tail's gradients summed in the tick loop too (memory_planner.memory_report)
-        sums += 2 * 4 * tail_parameters(placed)
-    return state + activations(placed, rows, gpu).total + sums
+    return state + activations(placed, rows, gpu).total + tick_loop_gradient_bytes(placed, blocks)
 
 
 def gather_params_s(run: RunSpec, mesh: tuple[int, int], cluster: Cluster, stages: int = 1,
