@@ -10,6 +10,12 @@ import os
 # flag moves). Tests that run many steps are marked `many_steps` and compile at COMPILE_FLAG's -O1 instead (at -O0
 # their steps run ~2x slower).
 COMPILE_FLAG = "--xla_backend_optimization_level=1"
+# XLA:CPU ends the process (SIGABRT) when a device waits 40 s at a collective for the other devices' threads: on a
+# loaded 2-core CI machine a pipelined step's stages (uneven work between permutes, 8 device threads, a second test
+# process) once did, and took its pytest worker down. A wait that long is a stall, not a deadlock, up to 10 minutes;
+# the warning at 60 s names the collective in the log.
+COLLECTIVE_FLAGS = ("--xla_cpu_collective_call_warn_stuck_timeout_seconds=60 "
+                    "--xla_cpu_collective_call_terminate_timeout_seconds=600")
 # a compiled step's state beyond parameters and moments: the step, the optimizer's two counts, the loss scale's
 # three fields, the dropout key (u32[2])
 SCALAR_STATE_BYTES = 32
@@ -17,13 +23,15 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_backend_optimization_level" not in _flags:
     _flags += " " + COMPILE_FLAG
+if "collective_call_terminate" not in _flags:
+    _flags += " " + COLLECTIVE_FLAGS
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
 
 def child_env() -> dict[str, str]:
     """The environment for a process a test starts: this one's (so its compile settings), without the 8 devices
     (the child's ``--cpu_devices`` sets its own)."""
-    return {**os.environ, "XLA_FLAGS": COMPILE_FLAG}
+    return {**os.environ, "XLA_FLAGS": f"{COMPILE_FLAG} {COLLECTIVE_FLAGS}"}
 
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
