@@ -1,6 +1,6 @@
 """The 1F1B pipeline schedule (``parallel.pipeline_schedule='1f1b'``; ``megajax.parallel.pipeline_1f1b``): one
 training step computes the plain 1x1 step's loss (within 1e-6) and every parameter's gradient (within 1e-5) for
-BERT on (2,2,2), Llama on (4,1,2) and GPT on (8,1,1), and with dropout, accumulation, FSDP and sequence
+GPT, BERT and Llama on (2,2,2), (4,1,2) and (8,1,1), and with dropout, accumulation, FSDP and sequence
 parallelism; a stage's idle halves are skipped (a stage that is NaN on zeros leaves the gradient finite; a
 callback sees each stage run only its microbatches); the compiled step runs M + 2p - 2 ticks with the schedule's
 four permutes each and reduces the gradients once; its temp grows with the microbatch count only by the
@@ -23,12 +23,12 @@ from megajax.tools.memory_planner import memory_report, run_memory
 from megajax.training.loop import setup
 
 ONE_F_ONE_B = "1f1b"
-# (name, pipe, data, model, microbatches): each family on one mesh, 2p microbatches where each data replica's
-# 8 / data rows allow it; the switches below run GPT and BERT on four more
-MESHES = [("bert", 2, 2, 2, 4), ("llama", 4, 1, 2, 8), ("gpt", 8, 1, 1, 8)]
+# (pipe, data, model, microbatches): 2p where each data replica's 8 / data rows allow it
+MESHES = [(2, 2, 2, 4), (4, 1, 2, 8), (8, 1, 1, 8)]
 
 
-@pytest.mark.parametrize("name, pipe, data, model, micro", MESHES)
+@pytest.mark.parametrize("name", ["gpt", "bert", "llama"])
+@pytest.mark.parametrize("pipe, data, model, micro", MESHES)
 def test_1f1b_step_equals_the_plain_step(name, pipe, data, model, micro):
     """Each microbatch's loss computed on the last stage as its forward ends (BERT's masked-LM mean over the whole
     batch's masked tokens: each microbatch divides by the batch's count), its backward started at once."""
