@@ -51,6 +51,17 @@ def test_1f1b_with_the_other_switches_equals_the_plain_step(name, pipe, data, mo
     assert_same_step(*_step(name, pipe, data, model, micro, schedule=ONE_F_ONE_B, **switches), *want)
 
 
+def test_1f1b_recomputing_the_stages_equals_the_plain_step():
+    """``parallel.pipeline_stage_recompute``: the stage inputs held and each stage's forward run again in its
+    backward, on (2,2,2) with 4 microbatches and dropout (its masks drawn again alike)."""
+    c = _config("gpt", 2, 2, 2, 4, schedule=ONE_F_ONE_B, gradient_step=True, remat="none")
+    c.model.dropout = 0.1
+    c.parallel.pipeline_stage_recompute = True
+    run = setup(c)
+    assert run.spec.parallel_context.pipeline_stage_recompute
+    assert_same_step(*_step("gpt", 2, 2, 2, 4, run=run), *_step("gpt", 1, 1, 1, dropout=0.1))
+
+
 @pytest.mark.parametrize("pipe, per_stage", [(2, 1), (2, 3), (4, 2)])
 def test_idle_halves_are_skipped(pipe, per_stage):
     """A stage ``y = w x + sqrt(x)`` whose gradient is NaN at x = 0 (where an idle stage-tick's zeros would put it)
@@ -114,37 +125,49 @@ def test_1f1b_exchanges_what_the_schedule_predicts(name, pipe, data, model, micr
     assert any(c.axes >= {"pipe"} for c in reduced)  # the ends' gradients, summed over the stages once
 
 
-def test_1f1b_holds_inputs_where_gpipe_holds_activations():
+def test_1f1b_memory_is_flat_in_the_microbatches():
     """At a fixed microbatch (2 rows of 128 tokens), 8 layers on 2 stages, remat=none: from 2 to 16 microbatches
-    GPipe's compiled temp grows with every tick's residuals (79 -> 334 MB), 1F1B's only by the microbatches' inputs
-    and input gradients in the stages' shares (26 -> 27 MB); the memory planner follows both within 10%."""
+    GPipe's compiled temp grows with every tick's residuals (79 -> 334 MB); 1F1B's holds min(2p - 1, M) = 3
+    microbatches' residuals from M = 3 on (M = 4 -> 16: 115.1 -> 115.9 MB), or with the stages recomputed their
+    inputs (M = 2 -> 16: 25.6 -> 26.6 MB), and grows only by the microbatches' inputs and input gradients in the
+    stages' shares; the memory planner follows all three within 10%."""
     temps = {}
-    for schedule in ("gpipe", ONE_F_ONE_B):
-        for micro in (2, 16):
+    for schedule, recompute, counts in (("gpipe", False, (2, 16)), (ONE_F_ONE_B, False, (4, 16)),
+                                        (ONE_F_ONE_B, True, (2, 16))):
+        for micro in counts:
             c = _config("gpt", 2, 1, 1, micro, schedule=schedule, gradient_step=True, remat="none")
             c.model.update(max_seq_len=128, num_layers=8)
             c.train.global_batch_size = 2 * micro
+            c.parallel.pipeline_stage_recompute = recompute
             run = setup(c)
-            temps[schedule, micro] = run_memory(run).temp
-            assert temps[schedule, micro] == pytest.approx(memory_report(run.spec, 2 * micro, num_micro=1).temp_bytes,
-                                                           rel=0.10)
-    gpipe_growth = temps["gpipe", 16] - temps["gpipe", 2]
-    growth = temps[ONE_F_ONE_B, 16] - temps[ONE_F_ONE_B, 2]
-    assert gpipe_growth > 3 * temps["gpipe", 2]  # linear in the ticks
-    assert growth < 0.05 * temps[ONE_F_ONE_B, 2]  # nearly flat
-    assert temps[ONE_F_ONE_B, 2] < temps["gpipe", 2] / 2
+            temps[schedule, recompute, micro] = run_memory(run).temp
+            assert temps[schedule, recompute, micro] == pytest.approx(
+                memory_report(run.spec, 2 * micro, num_micro=1).temp_bytes, rel=0.10)
+    gpipe = temps["gpipe", False, 2], temps["gpipe", False, 16]
+    assert gpipe[1] - gpipe[0] > 3 * gpipe[0]  # linear in the ticks
+    for recompute, first in ((False, 4), (True, 2)):  # nearly flat
+        assert temps[ONE_F_ONE_B, recompute, 16] - temps[ONE_F_ONE_B, recompute, first] < 0.05 * temps[
+            ONE_F_ONE_B, recompute, first]
+    assert temps[ONE_F_ONE_B, False, 16] < gpipe[1] / 2
+    assert temps[ONE_F_ONE_B, True, 2] < gpipe[0] / 2
 
 
-@pytest.mark.parametrize("name, pipe, data, model, micro, seq, dropout, remat", [
-    ("gpt", 2, 2, 2, 4, 32, 0.0, "none"), ("gpt", 2, 2, 2, 4, 128, 0.1, "none"), ("gpt", 2, 2, 2, 4, 256, 0.0, "none"),
-    ("gpt", 2, 2, 2, 4, 256, 0.1, "full"), ("gpt", 2, 2, 2, 4, 128, 0.0, "selective"),
-    ("bert", 4, 1, 2, 8, 32, 0.0, "none"), ("llama", 2, 2, 2, 4, 64, 0.0, "full")])
-def test_memory_planner_counts_1f1b(name, pipe, data, model, micro, seq, dropout, remat):
-    """The planner's temp and peak for a 1F1B step (the held inputs, one microbatch's stage residuals and a layer's
-    backward, the head on one microbatch, the tail's gradient sums; with dropout the stage's attention masks drawn
-    twice) within 10% of XLA's plan, s = 32 to 256, with and without dropout, every remat policy."""
-    c = _config(name, pipe, data, model, micro, schedule=ONE_F_ONE_B, gradient_step=True, remat=remat)
+@pytest.mark.parametrize("name, pipe, data, model, micro, seq, dropout, remat, recompute, choice", [
+    ("gpt", 2, 2, 2, 4, 32, 0.0, "none", False, None), ("gpt", 2, 2, 2, 4, 128, 0.1, "none", False, None),
+    ("gpt", 2, 2, 2, 4, 256, 0.0, "none", False, None), ("gpt", 2, 2, 2, 4, 256, 0.1, "full", False, None),
+    ("gpt", 2, 2, 2, 4, 128, 0.0, "selective", False, None), ("bert", 4, 1, 2, 8, 32, 0.0, "none", False, None),
+    ("llama", 2, 2, 2, 4, 64, 0.0, "full", False, None), ("gpt", 2, 2, 2, 4, 128, 0.0, "none", False, "sequence"),
+    ("gpt", 2, 2, 2, 4, 128, 0.1, "none", True, None), ("gpt", 2, 2, 2, 4, 256, 0.1, "full", True, None),
+    ("bert", 4, 1, 2, 8, 32, 0.0, "none", True, None), ("llama", 2, 2, 2, 4, 64, 0.0, "full", True, None),
+    ("gpt", 2, 2, 2, 4, 128, 0.0, "none", True, "sequence")])
+def test_memory_planner_counts_1f1b(name, pipe, data, model, micro, seq, dropout, remat, recompute, choice):
+    """The planner's temp and peak for a 1F1B step (the held microbatches' stage residuals, or with the stages
+    recomputed their inputs and one microbatch's residuals; a layer's backward, the head on one microbatch, the
+    tail's gradient sums; with dropout the stage's attention masks) within 10% of XLA's plan, s = 32 to 256, with
+    and without dropout, every remat policy, with sequence parallelism."""
+    c = _config(name, pipe, data, model, micro, choice, schedule=ONE_F_ONE_B, gradient_step=True, remat=remat)
     c.model.update(max_seq_len=seq, dropout=dropout, num_layers=4 if name == "gpt" else 8)
+    c.parallel.pipeline_stage_recompute = recompute
     run = setup(c)
     report = memory_report(run.spec, 8 // data, num_micro=1)
     compiled = run_memory(run)
@@ -164,11 +187,13 @@ def test_stored_circular_configs_read_as_circular():
         resolve(_config("gpt", 1, 1, 1, schedule=ONE_F_ONE_B), 8)
 
 
-def test_each_stage_runs_only_its_microbatches():
+@pytest.mark.parametrize("recompute", [False, True])
+def test_each_stage_runs_only_its_microbatches(recompute):
     """The bubble is skipped, not computed: a callback in the stage and the tail records which stage ran which
-    microbatch (its id rides in the activations). Over the M + 2p - 2 ticks, every stage but the last runs each of
-    the M microbatches twice (its forward, and again in its backward), the last once (forward, tail and backward in
-    one tick), the tail each once on the last stage; nothing runs on an idle half (whose input would carry id 0)."""
+    microbatch (its id rides in the activations). Over the M + 2p - 2 ticks, every stage runs each of the M
+    microbatches once (its backward works on the residuals its forward kept; the last stage's forward, tail and
+    backward are one tick), or with ``recompute`` every stage but the last twice (its forward, and again in its
+    backward); the tail each once on the last stage; nothing runs on an idle half (whose input would carry id 0)."""
     pipe, per_stage = 4, 2
     num_micro = pipe * per_stage
     calls = []
@@ -188,11 +213,12 @@ def test_each_stage_runs_only_its_microbatches():
     mesh = jax.make_mesh((pipe,), ("pipe",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:pipe])
     with jax.set_mesh(mesh):
         jax.block_until_ready(jax.jit(lambda w, t, x: pipeline_1f1b.run(
-            stage_fn, tail_fn, w, None, None, t, None, x, None, None))(jnp.full((pipe,), 0.5), jnp.ones(3), xs))
+            stage_fn, tail_fn, w, None, None, t, None, x, None, None, recompute))(jnp.full((pipe,), 0.5), jnp.ones(3),
+                                                                                  xs))
     jax.effects_barrier()
     everyone = set(range(1, num_micro + 1))
     for s in range(pipe):
         ran = sorted(i for kind, stage, i in calls if kind == "stage" and stage == s)
-        assert ran == sorted(list(everyone) * (1 if s == pipe - 1 else 2))
+        assert ran == sorted(list(everyone) * (2 if recompute and s < pipe - 1 else 1))
     assert sorted(i for kind, stage, i in calls if kind == "tail" and stage == pipe - 1) == sorted(everyone)
     assert not [c for c in calls if c[0] == "tail" and c[1] != pipe - 1]

@@ -48,7 +48,8 @@ def base_config(model: str = GPT) -> ml_collections.ConfigDict:
     # into parallel.pipeline_microbatches microbatches, run by parallel.pipeline_schedule: gpipe (each stage holds
     # contiguous layers; every microbatch's forward, then the backwards), circular (with parallel.pipeline_repeats =
     # v > 1: each stage holds v chunks; with M >= pipe the bubble's time shrinks v-fold) or 1f1b (GPipe's layers,
-    # each microbatch's backward as soon as its forward ends: at most 2 pipe - 1 microbatches' inputs held)
+    # each microbatch's backward as soon as its forward ends: at most 2 pipe - 1 microbatches' residuals held, or
+    # with parallel.pipeline_stage_recompute only their stage inputs, each stage's forward run again in its backward)
     # expert > 1: expert parallelism (a mixture-of-experts model's experts split over `expert` shards, which are data
     # shards for every other layer: the batch is split over data x expert)
     c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, pipe=1, expert=1, context=1))
@@ -63,6 +64,7 @@ def base_config(model: str = GPT) -> ml_collections.ConfigDict:
     c.parallel = ml_collections.ConfigDict(dict(shard_optimizer=False, sequence=False, fsdp=False,
                                                 pipeline_microbatches=0,  # 0: mesh.pipe of them
                                                 pipeline_schedule="gpipe",  # gpipe | circular | 1f1b
+                                                pipeline_stage_recompute=False,  # 1f1b only
                                                 pipeline_repeats=1))
     c.train = ml_collections.ConfigDict(dict(
         steps=300_000,

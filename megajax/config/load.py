@@ -54,7 +54,7 @@ def inference_config(path: str | pathlib.Path, data: int | None = None, model: i
     config.parallel.sequence = False
     config.mesh.pipe = 1  # inference runs on data x model (a pipelined run's stages are one resharding away)
     config.mesh.context = 1  # and on whole sequences
-    config.parallel.update(pipeline_repeats=1, pipeline_schedule="gpipe")
+    config.parallel.update(pipeline_repeats=1, pipeline_schedule="gpipe", pipeline_stage_recompute=False)
     config.mesh.data = -1 if data is None else data
     devices = jax.device_count() // data if data else jax.device_count()
     # a divisor of the saved split keeps every divisibility the saved run had

@@ -21,6 +21,7 @@ ADDED_FIELDS = {
     ("parallel", "pipeline_microbatches"): 0,
     ("parallel", "pipeline_repeats"): 1,
     ("parallel", "pipeline_schedule"): "gpipe",  # "circular" where pipeline_repeats > 1 (migrate_config)
+    ("parallel", "pipeline_stage_recompute"): False,  # the same step's values either way
     ("mesh", "pipe"): 1,
     ("mesh", "expert"): 1,
     ("mesh", "context"): 1,

@@ -233,6 +233,10 @@ def _check_pipeline(config: ml_collections.ConfigDict) -> None:
              "or pipeline_repeats=1")
     _require(schedule != ONE_F_ONE_B or p > 1, "parallel.pipeline_schedule=1f1b needs pipeline stages: set "
              "mesh.pipe > 1, or parallel.pipeline_schedule=gpipe")
+    _require(schedule == ONE_F_ONE_B or not config.parallel.pipeline_stage_recompute,
+             "parallel.pipeline_stage_recompute=True recomputes a 1F1B stage's forward in its backward; "
+             f"parallel.pipeline_schedule={schedule} has none to recompute: set pipeline_schedule=1f1b, or "
+             "pipeline_stage_recompute=False")
     _require(v == 1 or p > 1, f"parallel.pipeline_repeats={v} sets the circular pipeline schedule, which needs "
              "pipeline stages: set mesh.pipe > 1, or parallel.pipeline_repeats=1")
     if p == 1:
@@ -357,6 +361,7 @@ class RunSpec:
     pipeline_microbatches: int = 0  # microbatches per pipelined batch (0: pipe of them)
     pipeline_repeats: int = 1  # chunks of layers per stage (1: GPipe, 1F1B; more: the circular schedule)
     pipeline_schedule: str = "gpipe"  # gpipe | circular | 1f1b (megajax.parallel.pipeline.SCHEDULES)
+    pipeline_stage_recompute: bool = False  # 1F1B: hold stage inputs only, each stage's forward run again
     train: TrainSettings | None = None
     optimizer: OptimizerSettings | None = None
     loss_scale: LossScaleSettings | None = None
@@ -405,7 +410,8 @@ class RunSpec:
         """What a traced model reads under ``sharding.activate``: the rules, FSDP's split parameters and the
         pipeline's schedule; training and its validation both trace under this one object."""
         return ParallelContext(self.rules, params_split=self.fsdp, pipeline_microbatches=self.pipeline_microbatches,
-                               pipeline_repeats=self.pipeline_repeats, pipeline_schedule=self.pipeline_schedule)
+                               pipeline_repeats=self.pipeline_repeats, pipeline_schedule=self.pipeline_schedule,
+                               pipeline_stage_recompute=self.pipeline_stage_recompute)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -480,7 +486,8 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, training: bool 
                    pipe=config.mesh.pipe, expert=config.mesh.expert, context=config.mesh.context,
                    pipeline_microbatches=config.parallel.pipeline_microbatches,
                    pipeline_repeats=config.parallel.pipeline_repeats,
-                   pipeline_schedule=config.parallel.pipeline_schedule, dataset=data_settings(config),
+                   pipeline_schedule=config.parallel.pipeline_schedule,
+                   pipeline_stage_recompute=config.parallel.pipeline_stage_recompute, dataset=data_settings(config),
                    config_json=with_model_defaults(config).to_json(), **run)
 
 

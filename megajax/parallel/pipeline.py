@@ -361,8 +361,8 @@ def _stages(call: StackCall) -> _Stages:
 
     # BERT's padding mask, a packed batch's mask and positions; not a mask every row shares
     per_row = mask is not None and rows > 1 and all(a.shape[0] == rows for a in jax.tree.leaves(mask))
-    # the circular schedule recomputes each chunk from its input (run): not its layers a second time. 1F1B recomputes
-    # each stage's forward from its held input in its backward (pipeline_1f1b), under the model's remat policy
+    # the circular schedule recomputes each chunk from its input (run): not its layers a second time. 1F1B's stages
+    # keep what the model's remat policy keeps (pipeline_1f1b)
     recompute_layers = v == 1
 
     def stage(params, h, args, shared=mask):  # shared: the mask every row shares (passed into a shard_map)
@@ -428,6 +428,7 @@ def run_stack_1f1b(call: StackCall, tail: Tail, tail_params: Any, consts: Any, f
         return seeds.sum(), jax.tree.map(lambda a: a.sum(0), aux)
 
     aux, dw, d_copies, dxs = pipeline_1f1b.run(stage_fn, tail_fn, weights, plan.keys, plan.shared, copies, consts,
-                                               plan.xs, plan.args, jax.tree.map(plan.to_io, fields))
+                                               plan.xs, plan.args, jax.tree.map(plan.to_io, fields),
+                                               parallel_context().pipeline_stage_recompute)
     (d_state,), (d_tail,) = pull_weights(dw), pull_tail(d_copies)
     return aux, d_state, d_tail, constrain(plan.from_io(dxs), RESIDUAL)

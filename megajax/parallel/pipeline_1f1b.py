@@ -8,12 +8,16 @@ every microbatch's activations until the backward pipeline starts. Here the stag
 * on tick ``t`` stage ``s`` runs the forward of microbatch ``t - s`` and the backward of microbatch
   ``t - 2 (p - 1) + s``; each half runs under ``lax.cond``, so a stage with nothing to do skips it. M + 2p - 2
   ticks; the first p - 1 have forwards only and the last p - 1 backwards only, so the step takes about
-  (M + p - 1)(2F + B): GPipe's bubble, with the forward recomputed in the backward as under ``remat=full``.
+  (M + p - 1)(F + B): GPipe's bubble (F and B as the model's remat policy makes them).
 * the last stage runs its forward, the loss's tail (``tail_fn``: final norm, head and loss on the microbatch's
   rows) and both backwards in one tick: ``jax.vjp`` of the stage and the tail, seeded with the loss's weight.
-* every other stage's backward is ``jax.vjp`` of its forward at the input it held: the stage keeps its microbatches'
-  inputs (2 (p - 1 - s) + 1 of them at stage s, in a ring of 2p - 1 slots, one shape on every stage), not their
-  activations; one microbatch's activations exist at a time, inside its backward.
+* every other stage's forward is split from its backward (``_residuals``): the forward tick keeps the residuals
+  ``jax.vjp`` saves of the microbatch (what the remat policy keeps; what depends on the weights alone, such as their
+  half-precision copies, is computed again in the backward tick, not stored per microbatch) in a ring of
+  min(2p - 1, M) slots (stage s needs 2 (p - 1 - s) + 1; one shape on every stage), and the backward tick applies
+  the pullback to them. With ``recompute`` (``parallel.pipeline_stage_recompute``) the residuals are the stage's
+  inputs (one ``jax.checkpoint`` round the stage): the stage's forward runs again in its backward, and one
+  microbatch's activations exist at a time.
 * per tick, collective permutes over ``pipe``: outputs (with the rows' per-row arguments and batch fields) one stage
   on, input gradients one stage back, and two columns of the stages' shares of the batch (``pipeline.run``'s ``io``):
   one brings stage 0 its next input, the other takes stage 0's input gradient to the stage whose share it is.
@@ -24,11 +28,13 @@ function's and the tail's), so nothing is reduced per tick; the caller reduces t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public equivalent (jax 0.10)
 from jax.sharding import PartitionSpec as P
 
 from megajax.parallel.sharding import PIPE_AXIS
@@ -40,10 +46,71 @@ def ticks(num_micro: int, num_stages: int) -> int:
     return num_micro + 2 * (num_stages - 1)
 
 
-def held_inputs(num_stages: int) -> int:
-    """Stage inputs a stage holds between a microbatch's forward and its backward: stage s holds 2 (p - 1 - s) + 1;
-    the ring has stage 0's count on every stage (one program)."""
-    return 2 * num_stages - 1
+def held(num_micro: int, num_stages: int) -> int:
+    """Microbatches whose residuals a stage holds between their forward and their backward: stage s holds
+    2 (p - 1 - s) + 1, or all M if fewer; the ring has stage 0's count on every stage (one program)."""
+    return min(2 * num_stages - 1, num_micro)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Residuals:
+    """A stage's backward split from its forward: ``jax.vjp``'s residuals, those that depend on the microbatch
+    (``kept``: stored from the forward tick to the backward tick) and those that do not (the stage's weights, their
+    half-precision copies: computed again in the backward tick, never stored per microbatch)."""
+
+    forward: Any  # (weights, x, args) -> [y, *kept residuals]
+    rest: Any  # (weights) -> the other residuals
+    kept: list[bool]  # per residual leaf, in the pullback's order
+    tree: Any  # the pullback's tree structure
+    shapes: list[jax.ShapeDtypeStruct]  # of the kept residuals
+
+    def pullback(self, kept: list[jax.Array], rest: list[jax.Array]) -> Any:
+        kept, rest = iter(kept), iter(rest)
+        return jax.tree.unflatten(self.tree, [next(kept) if k else next(rest) for k in self.kept])
+
+
+def _program(closed: Any, used: list[bool]) -> tuple[Callable[..., list[jax.Array]], list[bool]]:
+    """``closed``'s jaxpr cut to the outputs ``used`` (dead code removed), as a function of the inputs it reads, and
+    which inputs those are."""
+    jaxpr, inputs = pe.dce_jaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), used)
+    consts = len(closed.consts)
+
+    def program(*args: jax.Array) -> list[jax.Array]:
+        flat = [*closed.consts, *args]
+        return jax.core.eval_jaxpr(jaxpr, [], *[a for a, u in zip(flat, inputs, strict=True) if u])
+
+    return program, inputs[consts:]
+
+
+def _residuals(fn: Callable[[Any, jax.Array, Any], jax.Array], weights: Any, x: jax.Array, args: Any) -> _Residuals:
+    """Split the vjp of ``fn(weights, x, args)`` (x and weights differentiated) into a forward that returns the
+    microbatch's residuals and a program that recomputes the rest from the weights (``_Residuals``). A residual is
+    the microbatch's where its jaxpr, dead code removed, reads ``x`` or ``args``."""
+    box = {}
+
+    def traced(w, x, a):
+        y, pull = jax.vjp(lambda w, x: fn(w, x, a), w, x)
+        leaves, box["tree"] = jax.tree.flatten(pull)
+        return [y, *leaves]
+
+    closed = jax.make_jaxpr(traced)(weights, x, args)
+    n_w = len(jax.tree.leaves(weights))
+    count = len(closed.jaxpr.outvars) - 1
+    kept = []
+    for i in range(count):
+        _, reads = _program(closed, [j == i + 1 for j in range(count + 1)])
+        kept.append(any(reads[n_w:]))
+    forward, _ = _program(closed, [True, *kept])
+    flat = lambda *trees: [a for t in trees for a in jax.tree.leaves(t)]  # noqa: E731
+    shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+              for v, k in zip(closed.jaxpr.outvars[1:], kept, strict=True) if k]
+    if all(kept):  # (a side effect that reads the microbatch is in every leaf's program: all are kept)
+        return _Residuals(lambda w, x, a: forward(*flat(w, x, a)), lambda w: [], kept, box["tree"], shapes)
+    rest, reads = _program(closed, [False, *(not k for k in kept)])
+    assert not any(reads[n_w:]), "a residual left to the backward reads the microbatch"
+    return _Residuals(lambda w, x, a: forward(*flat(w, x, a)),
+                      lambda w: rest(*flat(w, jnp.zeros_like(x), jax.tree.map(jnp.zeros_like, args))),
+                      kept, box["tree"], shapes)
 
 
 def _zeros(tree: Any) -> Any:
@@ -56,8 +123,8 @@ def _where(flag: jax.Array, a: Any, b: Any) -> Any:
 
 def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
         tail_fn: Callable[[Any, Any, jax.Array, Any, Any], tuple[jax.Array, Any]],
-        weights: Any, keys: Any, shared: Any, tail_params: Any, consts: Any, xs: jax.Array, args: Any, fields: Any
-        ) -> tuple[Any, Any, Any, jax.Array]:
+        weights: Any, keys: Any, shared: Any, tail_params: Any, consts: Any, xs: jax.Array, args: Any, fields: Any,
+        recompute: bool = False) -> tuple[Any, Any, Any, jax.Array]:
     """The 1F1B schedule over the M microbatches ``xs``; returns (the tail's summed outputs, the gradients of
     ``weights``, of ``tail_params``, of ``xs``).
 
@@ -69,11 +136,12 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
     microbatches and returned. ``tail_params``, ``consts``: whole on every stage. ``xs``, ``args``, ``fields``:
     (p, K, mb, ...) split over ``pipe``, stage j's share holding microbatches j K .. j K + K - 1 (as
     ``pipeline.run``). The gradients of ``tail_params`` are summed over the stages; those of ``weights`` and ``xs``
-    are laid out as their primals.
+    are laid out as their primals. ``recompute``: hold each microbatch's stage input instead of its residuals and run
+    the stage's forward again in its backward.
     """
     p, k_cols = xs.shape[:2]
     num_micro = p * k_cols
-    ring = held_inputs(p)
+    ring = held(num_micro, p)
     forward = [(s, s + 1) for s in range(p - 1)]
     backward = [(s + 1, s) for s in range(p - 1)]
     ring_down = [(s, (s - 1) % p) for s in range(p)]
@@ -88,8 +156,16 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
         aux0 = jax.eval_shape(lambda: tail_fn(tail_params, consts, x0, args0, fields0)[1])
         aux0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux0)
 
-        def forward_half(x, a):
-            return stage_fn(weights, keys, shared, x, a)
+        def stage(w, x, a):
+            return stage_fn(w, keys, shared, x, a)
+
+        # recompute: the stage's residuals are its inputs (one checkpoint round the whole stage)
+        split = _residuals(jax.checkpoint(stage) if recompute else stage, weights, x0, args0)
+
+        def forward_half(x, a, held, slot):  # the stage's output; the residuals its backward needs of this
+            # microbatch written into their slot of the ring
+            y, *kept = split.forward(weights, x, a)
+            return y, [h.at[slot].set(v) for h, v in zip(held, kept, strict=True)]
 
         def last_half(x, a, f):  # the last stage: forward, tail, both backwards
             def whole(w, tp, x):
@@ -99,9 +175,8 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
             dw, dtp, dx = pull(jnp.ones_like(seed))
             return dw, dtp, dx, aux
 
-        def middle_half(x, a, g):  # another stage: the forward again from its held input, then its backward
-            _, pull = jax.vjp(lambda w, x: stage_fn(w, keys, shared, x, a), weights, x)
-            dw, dx = pull(g)
+        def middle_half(kept, g):  # another stage: its backward from the residuals its forward kept
+            dw, dx = split.pullback(kept, split.rest(weights))(g)
             return dw, _zeros(tail_params), dx, aux0
 
         def tick(carry, t):
@@ -112,20 +187,20 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
             col = t % k_cols
             entry = jax.tree.map(lambda a: a[col], io)
             x, a, fl = _where(first, entry, inbox)
-            # a stage's input waits in the ring for its backward (the last stage's is used at once)
-            held = jax.tree.map(lambda h, v: jnp.where(f_on, h.at[f % ring].set(v), h), held, (x, a))
-            y = jax.lax.cond(f_on & ~last, forward_half, lambda x, a: jnp.zeros_like(x), x, a)
-            xb, ab = jax.tree.map(lambda h: h[b % ring], held)
+            # the residuals wait in the ring for the microbatch's backward (the last stage's are used at once)
+            y, held = jax.lax.cond(f_on & ~last, forward_half, lambda x, a, held, slot: (jnp.zeros_like(x), held),
+                                   x, a, held, f % ring)
+            kept_b = [h[b % ring] for h in held]
 
-            def backward_half(sums, x, a, fl, xb, ab, g):  # the sums added to inside the branch: no second copy
-                dw, dtp, dx, aux = jax.lax.cond(last, lambda: last_half(x, a, fl), lambda: middle_half(xb, ab, g))
+            def backward_half(sums, x, a, fl, kept_b, g):  # the sums added to inside the branch: no second copy
+                dw, dtp, dx, aux = jax.lax.cond(last, lambda: last_half(x, a, fl), lambda: middle_half(kept_b, g))
                 return jax.tree.map(jnp.add, sums, (dw, dtp, aux)), dx
 
             def idle(sums, *_):
                 return sums, jnp.zeros_like(x)
 
             (dw_sum, dtp_sum, aux_sum), dx = jax.lax.cond(b_on, backward_half, idle, (dw_sum, dtp_sum, aux_sum), x, a,
-                                                          fl, xb, ab, grad_in)
+                                                          fl, kept_b, grad_in)
             permute = lambda tree, pairs: jax.tree.map(  # noqa: E731
                 lambda v: jax.lax.ppermute(v, PIPE_AXIS, pairs), tree)
             inbox = permute((y, a, fl), forward)
@@ -137,7 +212,7 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
             io_grad = io_grad.at[col].set(permute(g_entry, ring_down))
             return (inbox, grad_in, held, io, io_grad, dw_sum, dtp_sum, aux_sum), None
 
-        held = jax.tree.map(lambda a: jnp.zeros((ring, *a.shape), a.dtype), (x0, args0))
+        held = [jnp.zeros((ring, *a.shape), a.dtype) for a in split.shapes]
         carry = ((x0, args0, fields0), x0, held, (xs, args, fields), jnp.zeros_like(xs), _zeros(weights),
                  _zeros(tail_params), aux0)
         carry, _ = jax.lax.scan(tick, carry, jnp.arange(ticks(num_micro, p)))

@@ -192,7 +192,9 @@ class ParallelContext:
     ``pipeline_microbatches``: how many microbatches a pipelined layer stack cuts a batch into (0: one per stage);
     ``pipeline_repeats``: how many chunks of layers each pipeline stage holds (1: GPipe; more: the circular
     schedule, ``megajax.parallel.pipeline``); ``pipeline_schedule``: 'gpipe', 'circular' or '1f1b' (1F1B: the
-    step computes each microbatch's loss inside the schedule, ``megajax.training.pipelined``); ``rows``: which rows
+    step computes each microbatch's loss inside the schedule, ``megajax.training.pipelined``);
+    ``pipeline_stage_recompute``: 1F1B holds each microbatch's stage input, not its residuals, and runs the stage's
+    forward again in its backward (``pipeline_1f1b.run``'s ``recompute``); ``rows``: which rows
     of the step's global batch the traced batch's rows are (``rows_of``: a training step's micro-batch, a pipeline
     stage's share of its microbatch), whose indices key ``layers.dropout``'s masks (None: rows 0, 1, ..);
     ``positions``: the traced sequence's tokens' positions in the order the activations hold them (context
@@ -205,6 +207,7 @@ class ParallelContext:
     pipeline_microbatches: int = 0
     pipeline_repeats: int = 1
     pipeline_schedule: str = "gpipe"
+    pipeline_stage_recompute: bool = False
     rows: jax.Array | None = None
     positions: jax.Array | None = None
 

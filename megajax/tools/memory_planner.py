@@ -216,20 +216,29 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
 
 
 def _one_f_one_b(run: RunSpec, micro_batch: int, micro: int, kept: int, recompute: int, gpu: bool) -> Activations:
-    """The 1F1B schedule's activations (``pipeline_1f1b``): the stage inputs it holds (a ring of 2p - 1
-    microbatches' and the two in flight), its share of the batch's inputs and their gradients (the io columns, M/p
-    microbatches each), and one microbatch at a time in its backward: the stage's L/p layers' residuals (``kept``
-    under the model's remat policy, which applies inside the stage's recomputed forward) beside one layer's backward
-    working set (``recompute``, or its residuals again, and half the attention core's backward working set,
-    ``attention_backward_bytes``), or on the last stage beside the head on the microbatch; with attention dropout
-    the stage's masks (``stage_mask_bytes``). The terms beyond the inventories were measured on a 4-layer GPT on pipe
-    2 x data 2 x model 2 at s = 32 to 256 (compiled temp / formula 0.96 to 1.09)."""
+    """The 1F1B schedule's activations (``pipeline_1f1b``): the microbatches it holds between their forward and
+    their backward (a ring of min(2p - 1, M), ``pipeline_1f1b.held``), the two in flight, its share of the batch's
+    inputs and their gradients (the io columns, M/p microbatches each), and one layer's backward working set
+    (``recompute``, or its residuals again, and half the attention core's backward working set,
+    ``attention_backward_bytes``), or on the last stage the head on the microbatch beside it; with attention dropout
+    the stage's masks (``stage_mask_bytes``). A held microbatch is its stage's L/p layers' residuals (``kept`` under
+    the model's remat policy), and three more such stacks are live: a forward's before it goes into the ring, a
+    backward's copy out of it, the last stage's forward-and-backward (XLA's plan: the compiled temp grows by one
+    stack per ring slot, and the rest is three stacks beyond the planner's other terms). With
+    ``parallel.pipeline_stage_recompute`` a held microbatch is its stage input, and the stage's residuals exist one
+    microbatch at a time, in its backward. The terms beyond the inventories were measured on a 4-layer GPT on pipe 2
+    x data 2 x model 2 at s = 32 to 256."""
     m, p = run.model, run.pipe
     rows = micro_batch // micro
     split = run.tensor if run.sequence else 1
     one_input = _rows(run, rows) * m.max_seq_len * m.hidden_size * compute_bytes(run) // split
-    held = (pipeline_1f1b.held_inputs(p) + 2 + 2 * micro // p) * one_input
-    layers = held + m.num_layers // p * kept + stage_mask_bytes(run, rows, gpu)
+    stage = m.num_layers // p * kept
+    held = pipeline_1f1b.held(micro, p)
+    if run.pipeline_stage_recompute:
+        layers = (held + 2 + 2 * micro // p) * one_input + stage
+    else:
+        layers = (held + 3) * stage + (2 + 2 * micro // p) * one_input
+    layers += stage_mask_bytes(run, rows, gpu)
     working = (recompute or kept) + attention_backward_bytes(run, rows, gpu) // 2
     return Activations(layers, head_bytes(run, rows, gpu), working)
 

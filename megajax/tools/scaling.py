@@ -65,10 +65,10 @@ gather and AdamW cover one stage's parameters (``parameters_per_gpu``: L/p layer
 residuals or chunk input, bubble ticks included, the head on the stage's share, a tick's backward working set) and the
 tick loop's fp32 sums of the stage's layer gradients; Megatron-LM's, the residuals of the chunk-microbatches in
 flight (``Pipeline.in_flight``: 1F1B at most p, interleaved its warm-up), and the head on one microbatch.
-megajax's 1F1B (``Pipeline.one_f_one_b``): each microbatch-stage one forward more (the stage's forward again in its
-backward, under the model's remat policy), the head on the last stage after each microbatch, the permutes over M +
-2p - 2 lockstep ticks, its memory the planner's (held inputs, one microbatch's stage residuals, the tail's gradient
-sums).
+megajax's 1F1B (``Pipeline.one_f_one_b``): the remat policy's work, the head on the last stage after each
+microbatch, the permutes over M + 2p - 2 lockstep ticks, its memory the planner's (min(2p - 1, M) microbatches'
+stage residuals, the tail's gradient sums); with ``stage_recompute`` each microbatch-stage one forward more (the
+stage's forward again in its backward, under the policy) and held stage inputs instead of residuals.
 
 Tests pin ``transformer_flops`` and ``comm_budget.minimum`` equal to the compiled HLO's (ratio 1.00): the counted
 work is megajax's; what this module adds is how long it takes.
@@ -291,7 +291,8 @@ def _on_mesh(run: RunSpec, tensor: int, data: int, pipeline: Pipeline, expert: i
                            "mesh.expert": expert, "mesh.context": context,
                            "parallel.pipeline_microbatches": pipeline.microbatches if pipeline.stages > 1 else 0,
                            "parallel.pipeline_repeats": pipeline.repeats,
-                           "parallel.pipeline_schedule": pipeline.config_schedule, "train.precision": "bf16"},
+                           "parallel.pipeline_schedule": pipeline.config_schedule,
+                           "parallel.pipeline_stage_recompute": pipeline.stage_recompute, "train.precision": "bf16"},
                      training=False)
 
 
@@ -387,8 +388,8 @@ def _pipeline_step(r: RunSpec, mesh, global_batch, cluster, micro_batch, grad_by
         raise ValueError(f"{p} stages x {v} repeats do not divide the {layers} layers")
     micro, chunk, ticks = rows // m, layers // (p * v), pipeline.ticks()
     extra = 0.0  # per layer, beyond the timed policy's recomputation
-    if pipeline.one_f_one_b:  # the stage's backward runs its forward again from the held input (and under the
-        # model's remat policy its layers again inside it: timed as the policy)
+    if pipeline.one_f_one_b and pipeline.stage_recompute:  # the stage's backward runs its forward again from the
+        # held input (and under the model's remat policy its layers again inside it: timed as the policy)
         extra = layer_s(with_choices(r, remat="full"), tensor, micro, cluster) - layer_s(
             with_choices(r, remat="none"), tensor, micro, cluster)
     elif not pipeline.megatron and (v > 1 or r.model.remat == "save_dots"):

@@ -6,9 +6,9 @@ Both implementations the scaling model knows tick the same way: a schedule of p 
 chunks per stage (v = 1: GPipe / 1F1B; v > 1: megajax's circular schedule, Megatron-LM's interleaved one) runs
 ``ticks`` stage-ticks of L/(p v) layers on one microbatch each, forward and backward. megajax's GPipe and circular
 loops run every stage on every tick (an idle stage computes on zeros, so a tick costs the same either way); its 1F1B
-skips a stage's idle halves over M + 2p - 2 lockstep ticks (``lockstep_ticks``), about ``ticks``' time, and runs the
-stage's forward again in its backward; Megatron-LM's 1F1B idles, and takes as long (Narayanan et al. 2021:
-(m + (p-1)/v) x a microbatch's time through a stage).
+skips a stage's idle halves over M + 2p - 2 lockstep ticks (``lockstep_ticks``), about ``ticks``' time (with
+``stage_recompute`` running the stage's forward again in its backward); Megatron-LM's 1F1B idles, and takes as long
+(Narayanan et al. 2021: (m + (p-1)/v) x a microbatch's time through a stage).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class Pipeline:
     repeats: int = 1
     megatron: bool = False
     one_f_one_b: bool = False  # megajax's 1F1B (``megajax.parallel.pipeline_1f1b``; repeats 1)
+    stage_recompute: bool = False  # its parallel.pipeline_stage_recompute: stage inputs held, forwards run again
 
     def ticks(self) -> int:
         """Stage-ticks of L/(p v) layers: M v + p - 1 when M >= p; with fewer microbatches than stages a chunk's
@@ -88,7 +89,8 @@ class Pipeline:
         """The config flags of this schedule (mesh.pipe is printed with the mesh): the repeats and the schedule
         always (a config's circular schedule must not outlive its stages), the microbatches with stages."""
         repeats = (f"--config.parallel.pipeline_repeats={self.repeats} "
-                   f"--config.parallel.pipeline_schedule={self.config_schedule}")
+                   f"--config.parallel.pipeline_schedule={self.config_schedule}"
+                   + " --config.parallel.pipeline_stage_recompute=True" * self.stage_recompute)
         return repeats if self.stages == 1 else f"--config.parallel.pipeline_microbatches={self.microbatches} {repeats}"
 
 

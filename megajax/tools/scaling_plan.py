@@ -124,7 +124,7 @@ def pipelines(model: TransformerConfig, stages: int, rows: int) -> list[Pipeline
     counts.add(rows)
     repeats = [v for v in range(1, MAX_REPEATS + 1) if model.num_layers % (stages * v) == 0]
     return [Pipeline(stages, m, v) for v in repeats for m in sorted(counts)] + [
-        Pipeline(stages, m, 1, one_f_one_b=True) for m in sorted(counts)]
+        Pipeline(stages, m, 1, one_f_one_b=True, stage_recompute=r) for m in sorted(counts) for r in (False, True)]
 
 
 def recommend_mesh(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch: int,
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--context plans meshes without pipeline stages: drop --pipe")
     # the plan places the model on each mesh itself: resolved here once, on one GPU without stages
     config.mesh.update(pipe=1, data=1, model=1, expert=1)
-    config.parallel.update(pipeline_repeats=1, pipeline_schedule="gpipe")
+    config.parallel.update(pipeline_repeats=1, pipeline_schedule="gpipe", pipeline_stage_recompute=False)
     run = resolve(config, 1, training=False)
     if not run.model_spec.causal_lm:
         raise SystemExit(f"error: the scaling model covers causal language models (GPT configs); {args.config} is "

@@ -186,6 +186,7 @@ def _start_record(run: Run, data, resumed_from: int | None) -> dict:
             "model": spec.model_name, "mesh": f"{spec.data}x{spec.tensor}",
             **({"expert": spec.expert} if spec.expert > 1 else {}),
             **({"pipe": spec.pipe, "pipeline_schedule": spec.pipeline_schedule,
+                **({"pipeline_stage_recompute": True} if spec.pipeline_stage_recompute else {}),
                 "pipeline_repeats": spec.pipeline_repeats,  # the microbatch count used:
                 "pipeline_microbatches": pipeline.microbatches_for(spec.micro_batch, spec.pipeline_microbatches,
                                                                     spec.pipe)}
