@@ -60,16 +60,18 @@ def ptdp_table() -> str:
 
 
 def ptdp_megajax_table() -> str:
-    """PTD-P Table 1's rows with megajax's own pipeline schedules (GPipe / 1F1B / circular), the fastest that fits
-    80 GB."""
-    lines = [f"{'PTD-P row':<10}{'schedule':>10}{'v':>3}{'remat':>6}{'published':>11}{'megajax':>9}{'rel':>8}{'GiB':>8}"
-             "  fits"]
-    for row in scaling_papers.PTDP_TABLE1:
-        p = scaling_papers.ptdp_megajax_prediction(row)
-        tflops = scaling_papers.ptdp_tflops(row, p)
-        lines.append(f"{row.name:<10}{p.pipeline.schedule:>10}{p.pipeline.repeats:>3}{p.run.model.remat:>6}"
-                     f"{row.tflops:>11.0f}{tflops:>9.1f}{tflops / row.tflops - 1:>+8.1%}"
-                     f"{p.memory_bytes / 2**30:>8.1f}  {p.fits}")
+    """PTD-P Table 1's rows with megajax's own pipeline schedules (GPipe / 1F1B holding residuals or recomputing the
+    stages / circular), the fastest that fits 80 GB, without sequence parallelism (the paper's setting) and with it."""
+    lines = [f"{'PTD-P row':<10}{'SP':>4}{'schedule':>10}{'v':>3}{'remat':>10}{'stage again':>12}{'published':>11}"
+             f"{'megajax':>9}{'rel':>8}{'GiB':>8}  fits"]
+    for sequence in (False, True):
+        for row in [r for r in scaling_papers.PTDP_TABLE1 if r.pipe > 1 or not sequence]:  # (pipelined rows only)
+            p = scaling_papers.ptdp_megajax_prediction(row, sequence=(sequence,))
+            tflops = scaling_papers.ptdp_tflops(row, p)
+            lines.append(f"{row.name:<10}{'yes' if p.run.sequence else 'no':>4}{p.pipeline.schedule:>10}"
+                         f"{p.pipeline.repeats:>3}{p.run.model.remat:>10}{str(p.pipeline.stage_recompute):>12}"
+                         f"{row.tflops:>11.0f}{tflops:>9.1f}{tflops / row.tflops - 1:>+8.1%}"
+                         f"{p.memory_bytes / 2**30:>8.1f}  {p.fits}")
     return "\n".join(lines)
 
 
