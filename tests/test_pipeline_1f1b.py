@@ -175,6 +175,15 @@ def test_memory_planner_counts_1f1b(name, pipe, data, model, micro, seq, dropout
     assert compiled.peak == pytest.approx(report.peak_bytes, rel=0.10)
 
 
+def test_1f1b_with_context_shards_and_dropout_is_refused():
+    """(without dropout, 1F1B on pipe 2 x context 2 equals the plain step: checked while building, not kept)"""
+    c = _config("gpt", 2, 1, 1, 2, schedule=ONE_F_ONE_B)
+    c.mesh.context = 2
+    c.model.dropout = 0.1
+    with pytest.raises(ConfigError, match="parallel.pipeline_schedule=1f1b does not run dropout with context shards"):
+        resolve(c, 8)
+
+
 def test_stored_circular_configs_read_as_circular():
     """A checkpoint's config from before ``parallel.pipeline_schedule``: its repeats chose the schedule."""
     old = _config("gpt", 2, 1, 1, repeats=2).to_dict()
