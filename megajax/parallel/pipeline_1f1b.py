@@ -160,11 +160,11 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
             return stage_fn(w, keys, shared, x, a)
 
         # recompute: the stage's residuals are its inputs (one checkpoint round the whole stage)
-        split = _residuals(jax.checkpoint(stage) if recompute else stage, weights, x0, args0)
+        halves = _residuals(jax.checkpoint(stage) if recompute else stage, weights, x0, args0)
 
         def forward_half(x, a, held, slot):  # the stage's output; the residuals its backward needs of this
             # microbatch written into their slot of the ring
-            y, *kept = split.forward(weights, x, a)
+            y, *kept = halves.forward(weights, x, a)
             return y, [h.at[slot].set(v) for h, v in zip(held, kept, strict=True)]
 
         def last_half(x, a, f):  # the last stage: forward, tail, both backwards
@@ -176,7 +176,7 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
             return dw, dtp, dx, aux
 
         def middle_half(kept, g):  # another stage: its backward from the residuals its forward kept
-            dw, dx = split.pullback(kept, split.rest(weights))(g)
+            dw, dx = halves.pullback(kept, halves.rest(weights))(g)
             return dw, _zeros(tail_params), dx, aux0
 
         def tick(carry, t):
@@ -212,7 +212,7 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
             io_grad = io_grad.at[col].set(permute(g_entry, ring_down))
             return (inbox, grad_in, held, io, io_grad, dw_sum, dtp_sum, aux_sum), None
 
-        held = [jnp.zeros((ring, *a.shape), a.dtype) for a in split.shapes]
+        held = [jnp.zeros((ring, *a.shape), a.dtype) for a in halves.shapes]
         carry = ((x0, args0, fields0), x0, held, (xs, args, fields), jnp.zeros_like(xs), _zeros(weights),
                  _zeros(tail_params), aux0)
         carry, _ = jax.lax.scan(tick, carry, jnp.arange(ticks(num_micro, p)))
