@@ -74,8 +74,9 @@ MESHES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 4), (4, 2)]
 # xdist hands whole modules to the two workers (--dist loadscope), in collection order. Longest first keeps both
 # busy to the end. The numbers are each module's worker seconds, roughly (docs/results.md has the suite's measured
 # times); they only decide how modules are shared out, so stale ones cost balance, never correctness.
-SLOWEST_FIRST = {"test_train_end_to_end.py": 135, "test_sharded_optimizer.py": 129, "test_finetune.py": 110,
-                 "test_checkpoint.py": 108, "test_communication_audit.py": 108, "test_bert_training.py": 94,
+SLOWEST_FIRST = {"test_pipeline_1f1b.py": 330, "test_train_end_to_end.py": 135, "test_sharded_optimizer.py": 129,
+                 "test_finetune.py": 110, "test_checkpoint.py": 108, "test_communication_audit.py": 108,
+                 "test_bert_training.py": 94,
                  "test_llama.py": 75, "test_training_step.py": 67, "test_pipeline.py": 150,
                  "test_sequence_parallel.py": 60, "test_faults.py": 51, "test_convert_llama.py": 41,
                  "test_bert_model.py": 40, "test_user_faults.py": 70, "test_gpu_target.py": 40,
