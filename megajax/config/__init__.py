@@ -9,7 +9,7 @@ from megajax.config.build import (
     model_factory,
     run_model_factory,
 )
-from megajax.config.defaults import base_config, bert_base_config, model_section, with_model_defaults
+from megajax.config.defaults import NO_SCHEDULE, base_config, bert_base_config, model_section, with_model_defaults
 from megajax.config.resolve import (
     TRAINING_ONLY_FIELDS,
     RunSpec,
@@ -43,9 +43,9 @@ from megajax.config.settings import (
 from megajax.errors import ConfigError
 from megajax.models.transformer import padded_vocab_size
 
-__all__ = ["TRAINING_ONLY_FIELDS", "ConfigError", "LossScaleSettings", "OptimizerSettings", "RunSpec", "StoredRun",
-           "TrainSettings", "abstract_model", "abstract_model_of", "base_config", "bert_base_config", "build_mesh",
-           "check_data_source", "check_run_data", "checkpoint_settings", "create_model", "data_settings",
+__all__ = ["NO_SCHEDULE", "TRAINING_ONLY_FIELDS", "ConfigError", "LossScaleSettings", "OptimizerSettings", "RunSpec",
+           "StoredRun", "TrainSettings", "abstract_model", "abstract_model_of", "base_config", "bert_base_config",
+           "build_mesh", "check_data_source", "check_run_data", "checkpoint_settings", "create_model", "data_settings",
            "describe_differences", "loss_scale_settings", "model_config", "model_differences",
            "model_factory", "model_section", "optimizer_settings", "padded_vocab_size", "replanned", "resolve",
            "resolve_precision", "rules_of", "run_model_factory", "sequence_parallel", "state_split", "stored_config",

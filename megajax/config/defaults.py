@@ -36,6 +36,11 @@ def with_model_defaults(config: ml_collections.ConfigDict) -> ml_collections.Con
     return config
 
 
+# the parallel.* fields of a run without a pipeline schedule (what a loader or a planner sets when it drops
+# mesh.pipe)
+NO_SCHEDULE = {"pipeline_repeats": 1, "pipeline_schedule": "gpipe", "pipeline_stage_recompute": False}
+
+
 def base_config(model: str = GPT) -> ml_collections.ConfigDict:
     """Defaults shared by every config (the paper's Section 4.2 where it says), with the ``model`` family's
     ``config.model`` section (``model_section``)."""

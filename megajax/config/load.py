@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 
 from megajax.checkpoint.manager import read_config, restore_params
 from megajax.config.build import abstract_model
+from megajax.config.defaults import NO_SCHEDULE
 from megajax.config.migrate import migrate_config
 from megajax.config.resolve import RunSpec, StoredRun, resolve, stored_config, stored_run
 from megajax.models.transformer import reorder_layers
@@ -54,7 +55,7 @@ def inference_config(path: str | pathlib.Path, data: int | None = None, model: i
     config.parallel.sequence = False
     config.mesh.pipe = 1  # inference runs on data x model (a pipelined run's stages are one resharding away)
     config.mesh.context = 1  # and on whole sequences
-    config.parallel.update(pipeline_repeats=1, pipeline_schedule="gpipe", pipeline_stage_recompute=False)
+    config.parallel.update(NO_SCHEDULE)
     config.mesh.data = -1 if data is None else data
     devices = jax.device_count() // data if data else jax.device_count()
     # a divisor of the saved split keeps every divisibility the saved run had

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import math
 
-from megajax.config import RunSpec, replanned
+from megajax.config import NO_SCHEDULE, RunSpec, replanned
 from megajax.errors import ConfigError
 from megajax.models.transformer import STACK
 from megajax.parallel.sharding import Rules, entry_axes, logical_to_spec
@@ -22,10 +22,10 @@ from megajax.tools.scaling_clusters import HALF
 
 EXPERTS = "experts"  # the logical axis a mixture of experts stacks its experts on (``models/moe.py``)
 # what a model's parameters do not depend on, set alike so that every choice of a model shares one layout
-_PARAMETERS_ONLY = {"mesh.pipe": 1, "mesh.data": 1, "mesh.expert": 1, "parallel.pipeline_repeats": 1,
-                    "parallel.pipeline_schedule": "gpipe", "parallel.pipeline_stage_recompute": False,
-                    "parallel.pipeline_microbatches": 0, "parallel.sequence": False,
-                    "parallel.shard_optimizer": False, "parallel.fsdp": False, "model.remat": "none"}
+_PARAMETERS_ONLY = {"mesh.pipe": 1, "mesh.data": 1, "mesh.expert": 1,
+                    **{f"parallel.{k}": v for k, v in NO_SCHEDULE.items()}, "parallel.pipeline_microbatches": 0,
+                    "parallel.sequence": False, "parallel.shard_optimizer": False, "parallel.fsdp": False,
+                    "model.remat": "none"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from megajax.cli import ArgumentParser, apply_config_overrides, load_config
-from megajax.config import RunSpec, resolve
+from megajax.config import NO_SCHEDULE, RunSpec, resolve
 from megajax.models import TransformerConfig
 from megajax.tools.scaling import CLUSTERS, Cluster, GiB, Prediction, flash_attention, memory_bytes, predict
 from megajax.tools.scaling_layout import (
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--context plans meshes without pipeline stages: drop --pipe")
     # the plan places the model on each mesh itself: resolved here once, on one GPU without stages
     config.mesh.update(pipe=1, data=1, model=1, expert=1)
-    config.parallel.update(pipeline_repeats=1, pipeline_schedule="gpipe", pipeline_stage_recompute=False)
+    config.parallel.update(NO_SCHEDULE)
     run = resolve(config, 1, training=False)
     if not run.model_spec.causal_lm:
         raise SystemExit(f"error: the scaling model covers causal language models (GPT configs); {args.config} is "
