@@ -472,11 +472,13 @@ def test_a_circular_pipe_2_run_resumes_exactly_and_on_pipe_4_and_restores_on_pip
     (dict(pipe=1, pipeline_repeats=2, pipeline_schedule="circular"), "needs pipeline stages: set mesh.pipe > 1"),
     (dict(pipeline_repeats=0), "parallel.pipeline_repeats must be >= 1"),
     (dict(pipeline_schedule="zb"), "parallel.pipeline_schedule='zb' is not one of gpipe, circular, 1f1b"),
-    (dict(pipeline_repeats=2), "parallel.pipeline_repeats=2 chunks of layers per stage is the circular schedule; "
-                               "parallel.pipeline_schedule=gpipe holds one: set pipeline_schedule=circular"),
+    (dict(pipeline_repeats=2), "parallel.pipeline_repeats=2 chunks of layers per stage is the circular or the "
+                               "interleaved 1F1B schedule; parallel.pipeline_schedule=gpipe holds one: set "
+                               "pipeline_schedule=circular or 1f1b"),
     (dict(pipeline_schedule="circular"), "parallel.pipeline_schedule=circular holds parallel.pipeline_repeats >= 2 "
                                          "chunks of layers per stage, got pipeline_repeats=1"),
-    (dict(pipeline_repeats=2, pipeline_schedule="1f1b"), "parallel.pipeline_schedule=1f1b holds one"),
+    (dict(pipeline_repeats=3, pipeline_schedule="1f1b"),
+     "mesh.pipe=2 x parallel.pipeline_repeats=3 splits model.num_layers=8 into equal"),
     (dict(pipe=1, pipeline_schedule="1f1b"), "parallel.pipeline_schedule=1f1b needs pipeline stages"),
     (dict(pipeline_stage_recompute=True), "parallel.pipeline_schedule=gpipe has none to recompute: set "
                                           "pipeline_schedule=1f1b"),

@@ -1,11 +1,13 @@
-"""The 1F1B pipeline schedule (``parallel.pipeline_schedule='1f1b'``; ``megajax.parallel.pipeline_1f1b``): one
-training step computes the plain 1x1 step's loss (within 1e-6) and every parameter's gradient (within 1e-5) for
-GPT, BERT and Llama on (2,2,2), (4,1,2) and (8,1,1), and with dropout, accumulation, FSDP and sequence
-parallelism; a stage's idle halves are skipped (a stage that is NaN on zeros leaves the gradient finite; a
-callback sees each stage run only its microbatches); the compiled step runs M + 2p - 2 ticks with the schedule's
-four permutes each and reduces the gradients once; its temp grows with the microbatch count only by the
-microbatches' inputs, where GPipe's grows by their activations; the memory planner's estimate is within 10% of the
-compiled step's; stored configs from before the schedule field read their schedule from their repeats."""
+"""The 1F1B pipeline schedule (``parallel.pipeline_schedule='1f1b'``; ``megajax.parallel.pipeline_1f1b``), plain
+and interleaved (``parallel.pipeline_repeats`` > 1): one training step computes the plain 1x1 step's loss (within
+1e-6) and every parameter's gradient (within 1e-5) for GPT, BERT and Llama on (2,2,2), (4,1,2) and (8,1,1), and
+with dropout, accumulation, FSDP and sequence parallelism; interleaved for the three families with 2 or 4 chunks;
+a stage's idle halves are skipped (a stage that is NaN on zeros leaves the gradient finite; a callback sees each
+stage run each chunk on each microbatch once); the compiled step runs M v + (v + 1) p - 2 ticks with the
+schedule's four permutes each (1/t of the activation from each model shard, gathered on arrival) and reduces the
+gradients once; its temp grows with the microbatch count only by the microbatches' inputs, where GPipe's grows by
+their activations; the memory planner's estimate is within 10% of the compiled step's; stored configs from before
+the schedule field read their schedule from their repeats."""
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +53,19 @@ def test_1f1b_with_the_other_switches_equals_the_plain_step(name, pipe, data, mo
     assert_same_step(*_step(name, pipe, data, model, micro, schedule=ONE_F_ONE_B, **switches), *want)
 
 
+@pytest.mark.parametrize("name, pipe, data, model, micro, repeats, switches", [
+    ("gpt", 2, 2, 2, 4, 2, {}), ("llama", 4, 1, 2, 8, 2, {}), ("bert", 2, 1, 4, 2, 4, {}),
+    ("gpt", 4, 2, 1, 4, 2, dict(dropout=0.1, remat="full")),  # each chunk's layers draw the plain step's masks
+])
+def test_interleaved_1f1b_equals_the_plain_step(name, pipe, data, model, micro, repeats, switches):
+    """v chunks of layers per stage (the circular schedule's layer order), 1F1B over them: the plain step's loss and
+    gradients, with 1 to 4 microbatches per stage and 2 or 4 chunks, with dropout under full recomputation."""
+    run = _run(name, pipe, data, model, micro, schedule=ONE_F_ONE_B, repeats=repeats, **switches)
+    assert run.spec.layer_layout == (pipe, repeats)
+    want = _step(name, 1, 1, 1, dropout=switches.get("dropout", 0.0))
+    assert_same_step(*_step(name, pipe, data, model, micro, schedule=ONE_F_ONE_B, repeats=repeats, run=run), *want)
+
+
 def test_1f1b_recomputing_the_stages_equals_the_plain_step():
     """``parallel.pipeline_stage_recompute``: the stage inputs held and each stage's forward run again in its
     backward, on (2,2,2) with 4 microbatches and dropout (its masks drawn again alike)."""
@@ -62,13 +77,15 @@ def test_1f1b_recomputing_the_stages_equals_the_plain_step():
     assert_same_step(*_step("gpt", 2, 2, 2, 4, run=run), *_step("gpt", 1, 1, 1, dropout=0.1))
 
 
-@pytest.mark.parametrize("pipe, per_stage", [(2, 1), (2, 3), (4, 2)])
-def test_idle_halves_are_skipped(pipe, per_stage):
-    """A stage ``y = w x + sqrt(x)`` whose gradient is NaN at x = 0 (where an idle stage-tick's zeros would put it)
+@pytest.mark.parametrize("pipe, per_stage, repeats", [(2, 1, 1), (2, 3, 1), (4, 2, 1), (2, 1, 2), (2, 3, 3),
+                                                      (3, 2, 2), (4, 1, 3)])
+def test_idle_halves_are_skipped(pipe, per_stage, repeats):
+    """A chunk ``y = w x + sqrt(x)`` whose gradient is NaN at x = 0 (where an idle stage-tick's zeros would put it)
     and a quadratic tail, on real inputs in [0.5, 1]: the schedule's loss and gradients (weights, tail, inputs) equal
-    ``jax.grad`` of the stages applied in order, microbatch by microbatch, and are finite."""
+    ``jax.grad`` of the chunks applied in order (chunk c of stage s is virtual stage c p + s), microbatch by
+    microbatch, and are finite; plain and interleaved, with 1 to 3 microbatches per stage."""
     rng = np.random.default_rng(0)
-    weights = jnp.asarray(rng.uniform(0.5, 1.0, (pipe,)), jnp.float32)
+    weights = jnp.asarray(rng.uniform(0.5, 1.0, (pipe, repeats)), jnp.float32)
     tail_w = jnp.asarray(rng.uniform(-1, 1, (3,)), jnp.float32)
     xs = jnp.asarray(rng.uniform(0.5, 1.0, (pipe, per_stage, 2, 3)), jnp.float32)
     fields = jnp.asarray(rng.uniform(-1, 1, (pipe, per_stage, 2, 3)), jnp.float32)
@@ -85,8 +102,9 @@ def test_idle_halves_are_skipped(pipe, per_stage):
         for j in range(pipe):
             for k in range(per_stage):
                 h = xs[j, k]
-                for s in range(pipe):
-                    h = stage_fn(weights[s], None, None, h, None)
+                for c in range(repeats):
+                    for s in range(pipe):
+                        h = stage_fn(weights[s, c], None, None, h, None)
                 total += tail_fn(tail_w, None, h, None, fields[j, k])[0]
         return total
 
@@ -101,24 +119,31 @@ def test_idle_halves_are_skipped(pipe, per_stage):
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name, pipe, data, model, micro", [("gpt", 2, 2, 2, 4), ("llama", 4, 1, 2, 8)])
-def test_1f1b_exchanges_what_the_schedule_predicts(name, pipe, data, model, micro):
-    """Over ``pipe``, per tick (M + 2p - 2 of them: ``pipeline_1f1b.ticks``) four permutes of one microbatch of this
-    device's rows: its output to the next stage, its input gradient to the one before, the io column towards stage
-    0 (the next input) and the input gradients' column round the ring (each back to the stage whose share it is);
+@pytest.mark.parametrize("name, pipe, data, model, micro, repeats", [("gpt", 2, 2, 2, 4, 1), ("llama", 4, 1, 2, 8, 1),
+                                                                     ("gpt", 2, 2, 2, 4, 2), ("gpt", 4, 2, 1, 4, 2)])
+def test_1f1b_exchanges_what_the_schedule_predicts(name, pipe, data, model, micro, repeats):
+    """Over ``pipe``, per tick (M v + (v + 1) p - 2 of them: ``pipeline_1f1b.ticks``) four permutes of one
+    microbatch of this device's rows: its output to the next stage, its input gradient to the one before (both round
+    the ring when interleaved: the last stage's chunk feeds stage 0's next), the io column towards stage 0 (the next
+    input) and the input gradients' column round the ring (each back to the stage whose share it is); with model
+    shards each sends its 1/t of the sequence, all-gathered over ``model`` on arrival (Megatron-LM's scatter/gather);
     the batch rows the tail reads travel with the microbatch (forward and along the io column). Every gradient is
     reduced once per step: the layers' over ``data``, the ends' (computed on the last stage, inside the loop) over
     ``pipe`` and ``data``, none inside the tick loop."""
-    run = _run(name, pipe, data, model, micro, schedule=ONE_F_ONE_B)
+    run = _run(name, pipe, data, model, micro, schedule=ONE_F_ONE_B, repeats=repeats)
     every = collectives(run.step_fn.as_text(), run.mesh)
-    ticks = pipeline_1f1b.ticks(micro, pipe)
-    assert ticks == micro + 2 * pipe - 2
+    ticks = pipeline_1f1b.ticks(micro, pipe, repeats)
+    assert ticks == micro * repeats + (repeats + 1) * pipe - 2
     rows = 8 // micro // data
     activation = (rows, 32, 64)  # inside the stages' shard_map: this device's rows
+    sent = (rows, 32 // model, 64)
     permutes = [c for c in every if c.op == "collective-permute"]
-    moved = sorted((c.cyclic, c.executions) for c in permutes if c.shape == activation)
-    assert moved == [(False, ticks)] * 3 + [(True, ticks)]
-    tokens = [c for c in permutes if c.shape != activation]
+    moved = sorted((c.cyclic, c.executions) for c in permutes if c.shape == sent)
+    assert moved == [(False, ticks)] * (3 if repeats == 1 else 1) + [(True, ticks)] * (1 if repeats == 1 else 3)
+    gathered = [c for c in every if c.op == "all-gather" and c.axes == {"model"} and c.shape == activation
+                and c.executions == ticks]
+    assert len(gathered) == (4 if model > 1 else 0)
+    tokens = [c for c in permutes if c.shape != sent]
     assert len(tokens) == 2 and all(c.elements == rows * 33 and c.executions == ticks for c in tokens)
     reduced = [c for c in every if c.op == "all-reduce" and c.elements > 1 and ({"data", "pipe"} & c.axes)]
     assert reduced and all(c.executions == 1 for c in reduced)
@@ -129,27 +154,28 @@ def test_1f1b_memory_is_flat_in_the_microbatches():
     """At a fixed microbatch (2 rows of 128 tokens), 8 layers on 2 stages, remat=none: from 2 to 16 microbatches
     GPipe's compiled temp grows with every tick's residuals (79 -> 334 MB); 1F1B's holds min(2p - 1, M) = 3
     microbatches' residuals from M = 3 on (M = 4 -> 16: 115.1 -> 115.9 MB), or with the stages recomputed their
-    inputs (M = 2 -> 16: 25.6 -> 26.6 MB), and grows only by the microbatches' inputs and input gradients in the
-    stages' shares; the memory planner follows all three within 10%."""
+    inputs (M = 2 -> 16: 25.6 -> 26.6 MB), interleaved over 2 chunks min(2 v p - 1, M v) = 7 chunk-microbatches'
+    (M = 4 -> 16: 97.6 -> 98.4 MB), and grows only by the microbatches' inputs and input gradients in the stages'
+    shares; the memory planner follows all four within 10%."""
     temps = {}
-    for schedule, recompute, counts in (("gpipe", False, (2, 16)), (ONE_F_ONE_B, False, (4, 16)),
-                                        (ONE_F_ONE_B, True, (2, 16))):
+    for schedule, recompute, repeats, counts in (("gpipe", False, 1, (2, 16)), (ONE_F_ONE_B, False, 1, (4, 16)),
+                                                 (ONE_F_ONE_B, True, 1, (2, 16)), (ONE_F_ONE_B, False, 2, (4, 16))):
         for micro in counts:
-            c = _config("gpt", 2, 1, 1, micro, schedule=schedule, gradient_step=True, remat="none")
+            c = _config("gpt", 2, 1, 1, micro, schedule=schedule, gradient_step=True, remat="none", repeats=repeats)
             c.model.update(max_seq_len=128, num_layers=8)
             c.train.global_batch_size = 2 * micro
             c.parallel.pipeline_stage_recompute = recompute
             run = setup(c)
-            temps[schedule, recompute, micro] = run_memory(run).temp
-            assert temps[schedule, recompute, micro] == pytest.approx(
+            temps[schedule, recompute, repeats, micro] = run_memory(run).temp
+            assert temps[schedule, recompute, repeats, micro] == pytest.approx(
                 memory_report(run.spec, 2 * micro, num_micro=1).temp_bytes, rel=0.10)
-    gpipe = temps["gpipe", False, 2], temps["gpipe", False, 16]
+    gpipe = temps["gpipe", False, 1, 2], temps["gpipe", False, 1, 16]
     assert gpipe[1] - gpipe[0] > 3 * gpipe[0]  # linear in the ticks
-    for recompute, first in ((False, 4), (True, 2)):  # nearly flat
-        assert temps[ONE_F_ONE_B, recompute, 16] - temps[ONE_F_ONE_B, recompute, first] < 0.05 * temps[
-            ONE_F_ONE_B, recompute, first]
-    assert temps[ONE_F_ONE_B, False, 16] < gpipe[1] / 2
-    assert temps[ONE_F_ONE_B, True, 2] < gpipe[0] / 2
+    for recompute, repeats, first in ((False, 1, 4), (True, 1, 2), (False, 2, 4)):  # nearly flat
+        flat = temps[ONE_F_ONE_B, recompute, repeats, first]
+        assert temps[ONE_F_ONE_B, recompute, repeats, 16] - flat < 0.05 * flat
+    assert temps[ONE_F_ONE_B, False, 1, 16] < gpipe[1] / 2
+    assert temps[ONE_F_ONE_B, True, 1, 2] < gpipe[0] / 2
 
 
 @pytest.mark.parametrize("name, pipe, data, model, micro, seq, dropout, remat, recompute, choice", [
@@ -165,8 +191,29 @@ def test_memory_planner_counts_1f1b(name, pipe, data, model, micro, seq, dropout
     recomputed their inputs and one microbatch's residuals; a layer's backward, the head on one microbatch, the
     tail's gradient sums; with dropout the stage's attention masks) within 10% of XLA's plan, s = 32 to 256, with
     and without dropout, every remat policy, with sequence parallelism."""
-    c = _config(name, pipe, data, model, micro, choice, schedule=ONE_F_ONE_B, gradient_step=True, remat=remat)
-    c.model.update(max_seq_len=seq, dropout=dropout, num_layers=4 if name == "gpt" else 8)
+    _planner_within_10_percent(name, pipe, data, model, micro, seq, dropout, remat, recompute, choice, 1,
+                               4 if name == "gpt" else 8)
+
+
+@pytest.mark.parametrize("seq, dropout, remat, recompute, choice, layers", [
+    (32, 0.0, "none", False, None, 8), (256, 0.1, "full", False, None, 8), (128, 0.0, "none", False, "sequence", 8),
+    (128, 0.1, "none", True, None, 8),
+    (128, 0.0, "none", False, None, 4),  # chunks of one layer: no layer scan, one stack beyond the ring
+])
+def test_memory_planner_counts_interleaved_1f1b(seq, dropout, remat, recompute, choice, layers):
+    """Interleaved (2 chunks per stage), GPT on (2,2,2) with 4 microbatches: the ring of min(2 v p - 1, M v)
+    chunk-microbatches, the stage's gradient sums and one chunk's, a chunk's attention masks, within 10% (and a
+    Llama under full recomputation)."""
+    _planner_within_10_percent("gpt", 2, 2, 2, 4, seq, dropout, remat, recompute, choice, 2, layers)
+    if layers == 8 and remat == "full":
+        _planner_within_10_percent("llama", 2, 2, 2, 4, 64, 0.0, "full", False, None, 2, 8)
+
+
+def _planner_within_10_percent(name, pipe, data, model, micro, seq, dropout, remat, recompute, choice, repeats,
+                               layers):
+    c = _config(name, pipe, data, model, micro, choice, schedule=ONE_F_ONE_B, gradient_step=True, remat=remat,
+                repeats=repeats)
+    c.model.update(max_seq_len=seq, dropout=dropout, num_layers=layers)
     c.parallel.pipeline_stage_recompute = recompute
     run = setup(c)
     report = memory_report(run.spec, 8 // data, num_micro=1)
@@ -196,38 +243,43 @@ def test_stored_circular_configs_read_as_circular():
         resolve(_config("gpt", 1, 1, 1, schedule=ONE_F_ONE_B), 8)
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_each_stage_runs_only_its_microbatches(recompute):
+@pytest.mark.parametrize("recompute, repeats", [(False, 1), (True, 1), (False, 2), (True, 2)])
+def test_each_stage_runs_only_its_microbatches(recompute, repeats):
     """The bubble is skipped, not computed: a callback in the stage and the tail records which stage ran which
-    microbatch (its id rides in the activations). Over the M + 2p - 2 ticks, every stage runs each of the M
-    microbatches once (its backward works on the residuals its forward kept; the last stage's forward, tail and
-    backward are one tick), or with ``recompute`` every stage but the last twice (its forward, and again in its
-    backward); the tail each once on the last stage; nothing runs on an idle half (whose input would carry id 0)."""
+    chunk on which microbatch (its id rides in the activations, the chunk's in its weight). Over the schedule's
+    ticks, every stage runs each of its v chunks on each of the M microbatches once (its backward works on the
+    residuals its forward kept; the last stage's last chunk's forward, tail and backward are one tick), or with
+    ``recompute`` twice but that last chunk (its forward, and again in its backward); the tail each once on the last
+    stage; nothing runs on an idle half (whose input would carry id 0)."""
     pipe, per_stage = 4, 2
     num_micro = pipe * per_stage
     calls = []
 
     def stage_fn(w, keys, shared, x, args):
-        jax.debug.callback(lambda s, i: calls.append(("stage", int(s), int(i))), jax.lax.axis_index("pipe"),
-                           x[0, 0])
+        jax.debug.callback(lambda s, w, i: calls.append(("stage", int(s), int(w) % 10, int(i))),
+                           jax.lax.axis_index("pipe"), w, x[0, 0])
         return x.at[:, 1:].multiply(w)
 
     def tail_fn(tw, consts, y, args, f):
-        jax.debug.callback(lambda s, i: calls.append(("tail", int(s), int(i))), jax.lax.axis_index("pipe"), y[0, 0])
+        jax.debug.callback(lambda s, i: calls.append(("tail", int(s), 0, int(i))), jax.lax.axis_index("pipe"),
+                           y[0, 0])
         return jnp.sum(y[:, 1:] * tw), jnp.float32(0)
 
     ids = jnp.arange(1, num_micro + 1, dtype=jnp.float32).reshape(pipe, per_stage, 1, 1)
     xs = jnp.concatenate([jnp.broadcast_to(ids, (pipe, per_stage, 2, 1)), jnp.ones((pipe, per_stage, 2, 3))], -1)
+    weights = 10.0 + jnp.arange(repeats, dtype=jnp.float32)[None].repeat(pipe, 0)  # chunk c's: 10 + c
     # a mesh of `pipe` alone: jax.debug.callback fails inside a shard_map with automatic axes beside it (jax 0.10)
     mesh = jax.make_mesh((pipe,), ("pipe",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:pipe])
     with jax.set_mesh(mesh):
         jax.block_until_ready(jax.jit(lambda w, t, x: pipeline_1f1b.run(
-            stage_fn, tail_fn, w, None, None, t, None, x, None, None, recompute))(jnp.full((pipe,), 0.5), jnp.ones(3),
-                                                                                  xs))
+            stage_fn, tail_fn, w, None, None, t, None, x, None, None, recompute))(weights, jnp.ones(3), xs))
     jax.effects_barrier()
     everyone = set(range(1, num_micro + 1))
     for s in range(pipe):
-        ran = sorted(i for kind, stage, i in calls if kind == "stage" and stage == s)
-        assert ran == sorted(list(everyone) * (2 if recompute and s < pipe - 1 else 1))
-    assert sorted(i for kind, stage, i in calls if kind == "tail" and stage == pipe - 1) == sorted(everyone)
+        for c in range(repeats):
+            ran = sorted(i for kind, stage, chunk, i in calls if kind == "stage" and stage == s and chunk == c)
+            once = s == pipe - 1 and c == repeats - 1
+            assert ran == sorted(list(everyone) * (2 if recompute and not once else 1))
+    assert len([c for c in calls if c[0] == "stage"]) == num_micro * (pipe * repeats * (1 + recompute) - recompute)
+    assert sorted(i for kind, stage, _, i in calls if kind == "tail" and stage == pipe - 1) == sorted(everyone)
     assert not [c for c in calls if c[0] == "tail" and c[1] != pipe - 1]

@@ -37,7 +37,7 @@ from megajax.data.settings import DataSettings
 from megajax.errors import ConfigError, ShardingConfigError
 from megajax.models import MODELS, ModelSpec, TransformerConfig, model_spec
 from megajax.models.objectives import Field
-from megajax.parallel.pipeline import CIRCULAR, ONE_F_ONE_B, SCHEDULES
+from megajax.parallel.pipeline import CIRCULAR, GPIPE, ONE_F_ONE_B, SCHEDULES
 from megajax.parallel.sharding import (
     CONTEXT_AXIS,
     EXPERT_AXIS,
@@ -228,9 +228,9 @@ def _check_pipeline(config: ml_collections.ConfigDict) -> None:
     _require(schedule != CIRCULAR or v > 1, "parallel.pipeline_schedule=circular holds parallel.pipeline_repeats "
              f">= 2 chunks of layers per stage, got pipeline_repeats={v}: set pipeline_repeats >= 2, or "
              "pipeline_schedule=gpipe")
-    _require(schedule == CIRCULAR or v == 1, f"parallel.pipeline_repeats={v} chunks of layers per stage is the "
-             f"circular schedule; parallel.pipeline_schedule={schedule} holds one: set pipeline_schedule=circular, "
-             "or pipeline_repeats=1")
+    _require(schedule != GPIPE or v == 1, f"parallel.pipeline_repeats={v} chunks of layers per stage is the "
+             f"circular or the interleaved 1F1B schedule; parallel.pipeline_schedule={schedule} holds one: set "
+             "pipeline_schedule=circular or 1f1b, or pipeline_repeats=1")
     _require(schedule != ONE_F_ONE_B or p > 1, "parallel.pipeline_schedule=1f1b needs pipeline stages: set "
              "mesh.pipe > 1, or parallel.pipeline_schedule=gpipe")
     # (the context-parallel attention's shard_map inside 1F1B's, whose other axes are automatic: jax 0.10's

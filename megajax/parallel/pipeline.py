@@ -363,7 +363,7 @@ def _stages(call: StackCall) -> _Stages:
     per_row = mask is not None and rows > 1 and all(a.shape[0] == rows for a in jax.tree.leaves(mask))
     # the circular schedule recomputes each chunk from its input (run): not its layers a second time. 1F1B's stages
     # keep what the model's remat policy keeps (pipeline_1f1b)
-    recompute_layers = v == 1
+    recompute_layers = v == 1 or parallel_context().pipeline_schedule == ONE_F_ONE_B
 
     def stage(params, h, args, shared=mask):  # shared: the mask every row shares (passed into a shard_map)
         (own_copies, chunk_keys), (ids, row_mask) = params, args
@@ -406,15 +406,13 @@ def run_stack_1f1b(call: StackCall, tail: Tail, tail_params: Any, consts: Any, f
     fields (B, ...), each microbatch's rows travelling with it to the last stage. ``tail_params`` are copied per data
     replica, as the layers (``_stages``), so their gradients too are summed over `data` once."""
     plan = _stages(call)
-    if repeats() != 1:
-        raise ValueError("the 1F1B schedule runs one chunk of layers per stage: set parallel.pipeline_repeats=1")
     weights, pull_weights = jax.vjp(plan.copies, call.state)
     d = plan.replicas
     spread = lambda a: jnp.broadcast_to(a[None], (d, *a.shape))  # noqa: E731
     copies, pull_tail = jax.vjp(lambda tree: jax.tree.map(spread, tree), tail_params)
 
-    def stage_fn(w, keys, shared, h, args):  # w: (1, d, L/p, ...), keys (1, L/p): the stage's one chunk
-        return plan.stage((jax.tree.map(lambda a: a[0], w), None if keys is None else keys[0]), h, args, shared)
+    def stage_fn(w, keys, shared, h, args):  # w: (d, L/(p v), ...), keys (L/(p v),): one chunk of the stage's
+        return plan.stage((w, keys), h, args, shared)
 
     def tail_fn(tp, consts, h, args, fields):
         ids = args[0]
@@ -427,8 +425,10 @@ def run_stack_1f1b(call: StackCall, tail: Tail, tail_params: Any, consts: Any, f
             tp, _by_replica(h, d), _by_replica(ids, d), jax.tree.map(lambda a: _by_replica(a, d), fields))
         return seeds.sum(), jax.tree.map(lambda a: a.sum(0), aux)
 
+    mesh = jax.sharding.get_abstract_mesh()
+    scatter = pipeline_1f1b.scattered(plan.x_spec, call.x.shape[1], dict(mesh.shape))
     aux, dw, d_copies, dxs = pipeline_1f1b.run(stage_fn, tail_fn, weights, plan.keys, plan.shared, copies, consts,
                                                plan.xs, plan.args, jax.tree.map(plan.to_io, fields),
-                                               parallel_context().pipeline_stage_recompute)
+                                               parallel_context().pipeline_stage_recompute, scatter)
     (d_state,), (d_tail,) = pull_weights(dw), pull_tail(d_copies)
     return aux, d_state, d_tail, constrain(plan.from_io(dxs), RESIDUAL)

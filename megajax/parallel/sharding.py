@@ -29,6 +29,7 @@ T = TypeVar("T")
 Rules = tuple[tuple[str, str | None], ...]
 
 MESH_AXES = ("data", "model")
+MODEL_AXIS = "model"  # tensor parallelism: Megatron's intra-layer split
 PIPE_AXIS = "pipe"  # pipeline stages (mesh.pipe > 1): outermost, so a stage may span hosts while `model` stays in one
 # expert parallelism (mesh.expert > 1): a mixture-of-experts layer's experts split over it, every other layer's
 # batch split over `data` and it together; between them, so `model` stays the innermost (fastest) axis

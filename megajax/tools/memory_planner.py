@@ -191,6 +191,9 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
         rows, remat = micro_batch // micro, "full" if m.remat == "save_dots" else m.remat
         recompute = layer_residual_bytes(run, rows, "none", gpu=gpu) if m.remat in ("full", "save_dots") else 0
         v, ticks = run.pipeline_repeats, pipeline.ticks(micro, p, run.pipeline_repeats)
+        if run.pipeline_schedule == pipeline.ONE_F_ONE_B:
+            return _one_f_one_b(run, micro_batch, micro, layer_residual_bytes(run, rows, remat, gpu=gpu), recompute,
+                                gpu)
         if v > 1:
             inner = "selective" if m.remat == "selective" else "none"
             # the recomputed chunk's residuals; a chunk of more than one layer also one layer's backward working
@@ -201,8 +204,6 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
             return Activations(ticks * layer_residual_bytes(run, rows, "full", gpu=gpu)
                                + stage_mask_bytes(run, rows, gpu), head_bytes(run, micro_batch // p, gpu), recompute)
         kept = layer_residual_bytes(run, rows, remat, gpu=gpu)
-        if run.pipeline_schedule == pipeline.ONE_F_ONE_B:
-            return _one_f_one_b(run, micro_batch, micro, kept, recompute, gpu)
         layers = ticks * m.num_layers // p * (kept + dropped_probability_bytes(run, rows, remat, gpu))
         # a tick's backward works on a copy of its layers' residuals, sliced out of the ticks' stack, beside one
         # layer's backward working set (its residuals again, or the recomputed layer's)
@@ -216,28 +217,31 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
 
 
 def _one_f_one_b(run: RunSpec, micro_batch: int, micro: int, kept: int, recompute: int, gpu: bool) -> Activations:
-    """The 1F1B schedule's activations (``pipeline_1f1b``): the microbatches it holds between their forward and
-    their backward (a ring of min(2p - 1, M), ``pipeline_1f1b.held``), the two in flight, its share of the batch's
-    inputs and their gradients (the io columns, M/p microbatches each), and one layer's backward working set
-    (``recompute``, or its residuals again, and half the attention core's backward working set,
-    ``attention_backward_bytes``), or on the last stage the head on the microbatch beside it; with attention dropout
-    the stage's masks (``stage_mask_bytes``). A held microbatch is its stage's L/p layers' residuals (``kept`` under
-    the model's remat policy), and three more such stacks are live: a forward's before it goes into the ring, a
-    backward's copy out of it, the last stage's forward-and-backward (XLA's plan: the compiled temp grows by one
-    stack per ring slot, and the rest is three stacks beyond the planner's other terms). With
-    ``parallel.pipeline_stage_recompute`` a held microbatch is its stage input, and the stage's residuals exist one
-    microbatch at a time, in its backward. The terms beyond the inventories were measured on a 4-layer GPT on pipe 2
-    x data 2 x model 2 at s = 32 to 256."""
+    """The 1F1B schedule's activations (``pipeline_1f1b``; interleaved with v = ``pipeline_repeats`` chunks): the
+    chunk-microbatches it holds between their forward and their backward (a ring of min(2 v p - 1, M v),
+    ``pipeline_1f1b.held``), the two in flight, its share of the batch's inputs and their gradients (the io columns,
+    M/p microbatches each), and one layer's backward working set (``recompute``, or its residuals again, and half
+    the attention core's backward working set, ``attention_backward_bytes``), or on the last stage the head on the
+    microbatch beside it; with attention dropout a chunk's masks (``stage_mask_bytes``). A held chunk-microbatch is
+    its chunk's L/(p v) layers' residuals (``kept`` under the model's remat policy), and three more such stacks are
+    live: a forward's before it goes into the ring, a backward's copy out of it, the last stage's
+    forward-and-backward (XLA's plan: the compiled temp grows by one stack per ring slot, and the rest is three
+    stacks beyond the planner's other terms); a chunk of one layer runs without a layer scan, and one stack is (GPT
+    on pipe 2, s = 128: 1.04 to 1.06 of the formula with one, 0.81 to 0.86 with three). With
+    ``parallel.pipeline_stage_recompute`` a held chunk-microbatch is its chunk's input, and the chunk's residuals
+    exist one microbatch at a time, in its backward. The terms beyond the inventories were measured on 4- and
+    8-layer GPTs on pipe 2 x data 2 x model 2 at s = 32 to 256."""
     m, p = run.model, run.pipe
     rows = micro_batch // micro
     split = run.tensor if run.sequence else 1
     one_input = _rows(run, rows) * m.max_seq_len * m.hidden_size * compute_bytes(run) // split
-    stage = m.num_layers // p * kept
-    held = pipeline_1f1b.held(micro, p)
+    per_chunk = m.num_layers // (p * run.pipeline_repeats)
+    stage = per_chunk * kept  # a chunk's
+    held = pipeline_1f1b.held(micro, p, run.pipeline_repeats)
     if run.pipeline_stage_recompute:
         layers = (held + 2 + 2 * micro // p) * one_input + stage
-    else:
-        layers = (held + 3) * stage + (2 + 2 * micro // p) * one_input
+    else:  # a chunk of one layer runs without a layer scan, and XLA keeps one stack beyond the ring
+        layers = (held + (3 if per_chunk > 1 else 1)) * stage + (2 + 2 * micro // p) * one_input
     layers += stage_mask_bytes(run, rows, gpu)
     working = (recompute or kept) + attention_backward_bytes(run, rows, gpu) // 2
     return Activations(layers, head_bytes(run, rows, gpu), working)
@@ -245,15 +249,16 @@ def _one_f_one_b(run: RunSpec, micro_batch: int, micro: int, kept: int, recomput
 
 def stage_mask_bytes(run: RunSpec, rows: int, gpu: bool = False) -> int:
     """What attention dropout costs a 1F1B or circular stage beyond its layers' inventory: XLA draws the masks of
-    the stage's L/p layers ahead of its layer scan, once for the forward and again for the recomputed one, 2 L/p
-    probability-sized tensors of one microbatch (measured on a 4-layer GPT on pipe 2 x data 2 x model 2 at s = 128
-    and 256: the compiled temp with dropout less without, 3.8 to 4.1 of them). 0 without dropout or with cuDNN's
-    attention (which has none)."""
+    the stage's L/p layers (1F1B's chunk's, L/(p v)) ahead of its layer scan, once for the forward and again for the
+    recomputed one, 2 L/p probability-sized tensors of one microbatch (measured on a 4-layer GPT on pipe 2 x data 2
+    x model 2 at s = 128 and 256: the compiled temp with dropout less without, 3.8 to 4.1 of them). 0 without
+    dropout or with cuDNN's attention (which has none)."""
     m = run.model
     if m.dropout == 0 or attention_for(run, gpu) != "xla":
         return 0
     per_layer = m.num_heads * m.max_seq_len ** 2 * _rows(run, rows) * compute_bytes(run) // run.tensor
-    return 2 * m.num_layers // run.pipe * per_layer
+    chunks = run.pipeline_repeats if run.pipeline_schedule == pipeline.ONE_F_ONE_B else 1  # 1F1B: a chunk's
+    return 2 * m.num_layers // (run.pipe * chunks) * per_layer
 
 
 def dropped_probability_bytes(run: RunSpec, rows: int, remat: str, gpu: bool = False) -> int:
@@ -487,10 +492,12 @@ def tail_parameters(run: RunSpec) -> int:
 
 def tick_loop_gradient_bytes(run: RunSpec, stack: int) -> int:
     """The fp32 gradient sums a pipelined step's tick loop holds beside the step's gradients, for a stage of
-    ``stack`` parameters per device: ``stage_gradient_sums`` copies of them, and under 1F1B two of what the loss's
-    tail reads (``tail_parameters``: an accumulator and each tick's contribution, as the stage's)."""
-    tail = 2 * tail_parameters(run) if run.pipe > 1 and run.pipeline_schedule == pipeline.ONE_F_ONE_B else 0
-    return FP32 * (stage_gradient_sums(run) * stack + tail)
+    ``stack`` parameters per device: ``stage_gradient_sums`` copies of them; under 1F1B the stage's sums and one
+    chunk's contribution (1/v of the stage), and two of what the loss's tail reads (``tail_parameters``: an
+    accumulator and each tick's contribution)."""
+    if run.pipe > 1 and run.pipeline_schedule == pipeline.ONE_F_ONE_B:  # the stage's sums and one chunk's
+        return FP32 * (stack + stack // run.pipeline_repeats + 2 * tail_parameters(run))
+    return FP32 * stage_gradient_sums(run) * stack
 
 
 def stage_gradient_sums(run: RunSpec) -> int:
