@@ -65,10 +65,11 @@ gather and AdamW cover one stage's parameters (``parameters_per_gpu``: L/p layer
 residuals or chunk input, bubble ticks included, the head on the stage's share, a tick's backward working set) and the
 tick loop's fp32 sums of the stage's layer gradients; Megatron-LM's, the residuals of the chunk-microbatches in
 flight (``Pipeline.in_flight``: 1F1B at most p, interleaved its warm-up), and the head on one microbatch.
-megajax's 1F1B (``Pipeline.one_f_one_b``): the remat policy's work, the head on the last stage after each
-microbatch, the permutes over M + 2p - 2 lockstep ticks, its memory the planner's (min(2p - 1, M) microbatches'
-stage residuals, the tail's gradient sums); with ``stage_recompute`` each microbatch-stage one forward more (the
-stage's forward again in its backward, under the policy) and held stage inputs instead of residuals.
+megajax's 1F1B (``Pipeline.one_f_one_b``; interleaved with v chunks per stage): the remat policy's work, the head
+on the last stage after each microbatch, the permutes over M v + (v + 1) p - 2 lockstep ticks, its memory the
+planner's (min(2 v p - 1, M v) chunk-microbatches' residuals, the tail's gradient sums); with ``stage_recompute``
+each chunk-microbatch one forward more (the chunk's forward again in its backward, under the policy) and held chunk
+inputs instead of residuals.
 
 Tests pin ``transformer_flops`` and ``comm_budget.minimum`` equal to the compiled HLO's (ratio 1.00): the counted
 work is megajax's; what this module adds is how long it takes.
@@ -392,7 +393,7 @@ def _pipeline_step(r: RunSpec, mesh, global_batch, cluster, micro_batch, grad_by
         # held input (and under the model's remat policy its layers again inside it: timed as the policy)
         extra = layer_s(with_choices(r, remat="full"), tensor, micro, cluster) - layer_s(
             with_choices(r, remat="none"), tensor, micro, cluster)
-    elif not pipeline.megatron and (v > 1 or r.model.remat == "save_dots"):
+    elif not pipeline.megatron and ((v > 1 and not pipeline.one_f_one_b) or r.model.remat == "save_dots"):
         # in the vmapped stage every dot is batched, so save_dots recomputes what full does; the circular schedule
         # recomputes each chunk from its input whatever the policy, and under selective the attention core again
         if v > 1 and r.model.remat == "selective":
@@ -404,7 +405,8 @@ def _pipeline_step(r: RunSpec, mesh, global_batch, cluster, micro_batch, grad_by
                                                                            cluster.intra_latency)
     tensor_layer, tensor_ends = _tensor_parts(r, tensor, micro, cluster)
     message = micro * seq * hidden * HALF / (tensor if r.sequence else 1)  # SP: 1/t of the positions
-    hop = 2 * p2p_s(message, tensor, pipeline, inter, cluster)  # forward, backward
+    # forward, backward (SP: split already, nothing scattered or gathered)
+    hop = 2 * p2p_s(message, 1 if r.sequence else tensor, pipeline, inter, cluster)
     if pipeline.megatron:  # the last stage's head after each microbatch: the slowest stage sets the pace
         ends, ends_comm, ends_moves = m * head_s(r, tensor, micro, cluster), m * tensor_ends, 0.0
     elif pipeline.one_f_one_b:  # the head on the last stage after each microbatch, the inputs and their gradients

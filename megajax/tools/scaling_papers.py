@@ -193,11 +193,11 @@ def ptdp_errors(predicted: dict[str, float], peak: float = DGX_A100.peak_flops) 
 
 def ptdp_megajax_prediction(row: PtdpRow, cluster: Cluster = DGX_A100,
                             sequence: tuple[bool, ...] = (False, True)) -> Prediction:
-    """A row's predicted step with megajax's own pipeline (GPipe, the circular schedule at each v, or 1F1B with the
-    row's full recomputation, none or selective, holding residuals or recomputing the stages: ``megajax.parallel.
-    pipeline``), with sequence parallelism or without (``sequence``: the choices tried; PTD-P's rows had none), at
-    the row's mesh, batch and microbatches: the fastest that fits the cluster's memory, else the fastest (its
-    ``fits`` False)."""
+    """A row's predicted step with megajax's own pipeline (GPipe, the circular schedule at each v, or 1F1B,
+    interleaved at each v, with full recomputation, none or selective, holding residuals or recomputing the chunks:
+    ``megajax.parallel.pipeline``), with sequence parallelism or without (``sequence``: the choices tried; PTD-P's
+    rows had none), at the row's mesh, batch and microbatches: the fastest that fits the cluster's memory, else the
+    fastest (its ``fits`` False)."""
     model, mesh = ptdp_model(row), (row.data, row.tensor)
     if row.pipe == 1:
         return predict(model, mesh, row.batch, cluster, row.micro_batch, PTDP_GRAD_BYTES)
@@ -207,10 +207,12 @@ def ptdp_megajax_prediction(row: PtdpRow, cluster: Cluster = DGX_A100,
         options += [predict(base, mesh, row.batch, cluster, None, PTDP_GRAD_BYTES,
                             pipeline=Pipeline(row.pipe, row.microbatches, v))
                     for v in range(1, row.layers // row.pipe + 1) if row.layers % (row.pipe * v) == 0]
-        # 1F1B holding its microbatches' residuals under each policy, or their stage inputs (stage_recompute: each
-        # stage's forward again in its backward, so remat=none recomputes as much as Megatron's full)
+        # 1F1B, interleaved at each v, holding its microbatches' residuals under each policy, or their chunk inputs
+        # (stage_recompute: each chunk's forward again in its backward, so remat=none recomputes as much as
+        # Megatron's full)
         options += [predict(with_choices(base, remat=remat), mesh, row.batch, cluster, None, PTDP_GRAD_BYTES,
-                            pipeline=Pipeline(row.pipe, row.microbatches, 1, one_f_one_b=True, stage_recompute=again))
+                            pipeline=Pipeline(row.pipe, row.microbatches, v, one_f_one_b=True, stage_recompute=again))
+                    for v in range(1, row.layers // row.pipe + 1) if row.layers % (row.pipe * v) == 0
                     for remat in ("full", "none", "selective") for again in (False, True)]
     fitting = [p for p in options if p.fits]
     return min(fitting or options, key=lambda p: p.step_s)

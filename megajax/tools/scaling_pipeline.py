@@ -6,9 +6,9 @@ Both implementations the scaling model knows tick the same way: a schedule of p 
 chunks per stage (v = 1: GPipe / 1F1B; v > 1: megajax's circular schedule, Megatron-LM's interleaved one) runs
 ``ticks`` stage-ticks of L/(p v) layers on one microbatch each, forward and backward. megajax's GPipe and circular
 loops run every stage on every tick (an idle stage computes on zeros, so a tick costs the same either way); its 1F1B
-skips a stage's idle halves over M + 2p - 2 lockstep ticks (``lockstep_ticks``), about ``ticks``' time (with
-``stage_recompute`` running the stage's forward again in its backward); Megatron-LM's 1F1B idles, and takes as long
-(Narayanan et al. 2021: (m + (p-1)/v) x a microbatch's time through a stage).
+(interleaved with v > 1) skips a stage's idle halves over M v + (v + 1) p - 2 lockstep ticks (``lockstep_ticks``),
+about ``ticks``' time (with ``stage_recompute`` running the chunk's forward again in its backward); Megatron-LM's
+1F1B idles, and takes as long (Narayanan et al. 2021: (m + (p-1)/v) x a microbatch's time through a stage).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ class Pipeline:
     microbatches: int = 1
     repeats: int = 1
     megatron: bool = False
-    one_f_one_b: bool = False  # megajax's 1F1B (``megajax.parallel.pipeline_1f1b``; repeats 1)
-    stage_recompute: bool = False  # its parallel.pipeline_stage_recompute: stage inputs held, forwards run again
+    one_f_one_b: bool = False  # megajax's 1F1B (``megajax.parallel.pipeline_1f1b``), interleaved with repeats > 1
+    stage_recompute: bool = False  # its parallel.pipeline_stage_recompute: chunk inputs held, forwards run again
 
     def ticks(self) -> int:
         """Stage-ticks of L/(p v) layers: M v + p - 1 when M >= p; with fewer microbatches than stages a chunk's
@@ -44,11 +44,11 @@ class Pipeline:
         return (v - 1) * max(m, p) + m + p - 1  # megajax.parallel.pipeline.ticks where M is a multiple of p
 
     def lockstep_ticks(self) -> int:
-        """The ticks the schedule's permutes run: ``ticks`` but megajax's 1F1B, M + 2p - 2 (``pipeline_1f1b.ticks``:
-        its first p - 1 ticks have forwards only and its last p - 1 backwards only, so it takes about ``ticks``' time).
-        """
+        """The ticks the schedule's permutes run: ``ticks`` but megajax's 1F1B, M v + (v + 1) p - 2
+        (``pipeline_1f1b.ticks``: its first v p - 1 ticks have forwards only and its last v p - 1 backwards only, so
+        it takes about ``ticks``' time)."""
         if self.one_f_one_b:
-            return self.microbatches + 2 * (self.stages - 1)
+            return self.microbatches * self.repeats + (self.repeats + 1) * self.stages - 2
         return self.ticks()
 
     def bubble(self) -> float:
@@ -103,11 +103,13 @@ def crosses_nodes(pipe: int, data: int, tensor: int, gpus_per_node: int) -> bool
 
 def p2p_s(nbytes: float, tensor: int, pipeline: Pipeline, inter: bool, cluster) -> float:
     """One stage-to-stage transfer of one microbatch's activations (``nbytes``, b s h in half precision) from one
-    GPU of a stage: megajax's collective permute sends all of it from every model-parallel GPU; Megatron-LM's
-    scatter/gather sends 1/t of it over the link and all-gathers the rest over NVLink (a ring of ``tensor``)."""
+    GPU of a stage: megajax's GPipe and circular collective permutes send all of it from every model-parallel GPU;
+    Megatron-LM's scatter/gather, and megajax's 1F1B (``pipeline_1f1b.scattered``), send 1/t of it over the link
+    and all-gather the rest over NVLink (a ring of ``tensor``). (With sequence parallelism ``nbytes`` is 1/t
+    already, and nothing is gathered.)"""
     bandwidth, latency = (cluster.inter_bandwidth, cluster.inter_latency) if inter else (cluster.intra_bandwidth,
                                                                                          cluster.intra_latency)
-    if not pipeline.megatron or tensor == 1:
+    if not (pipeline.megatron or pipeline.one_f_one_b) or tensor == 1:
         return nbytes / bandwidth + latency
     gather = (tensor - 1) / tensor * nbytes / cluster.intra_bandwidth + (tensor - 1) * cluster.intra_latency
     return nbytes / tensor / bandwidth + latency + gather

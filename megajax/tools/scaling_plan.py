@@ -107,8 +107,10 @@ def variants(run: RunSpec, mesh: tuple[int, int], choose: bool, pipe: int = 1) -
 
 
 def pipelines(model: TransformerConfig, stages: int, rows: int) -> list[Pipeline]:
-    """The schedules the planner tries on ``stages`` stages for a layer-stack batch of ``rows`` sequences: GPipe,
-    1F1B and the circular schedule with every v up to ``MAX_REPEATS`` that splits the layers evenly, each at M = the
+    """The schedules the planner tries on ``stages`` stages for a layer-stack batch of ``rows`` sequences: GPipe and
+    the circular schedule, and 1F1B holding residuals or recomputing the chunks, each with every v up to
+    ``MAX_REPEATS`` that splits the layers evenly (v = 1: GPipe, plain 1F1B; v > 1: circular, interleaved 1F1B), at
+    M = the
     smallest multiple of p dividing ``rows`` from p, 2p, 4p, ... up, and all ``rows`` (one sequence per
     microbatch); none where the rows are not a multiple of p (each stage's share of the batch holds whole
     microbatches)."""
@@ -123,8 +125,8 @@ def pipelines(model: TransformerConfig, stages: int, rows: int) -> list[Pipeline
         want *= 2
     counts.add(rows)
     repeats = [v for v in range(1, MAX_REPEATS + 1) if model.num_layers % (stages * v) == 0]
-    return [Pipeline(stages, m, v) for v in repeats for m in sorted(counts)] + [
-        Pipeline(stages, m, 1, one_f_one_b=True, stage_recompute=r) for m in sorted(counts) for r in (False, True)]
+    return [Pipeline(stages, m, v, one_f_one_b=f, stage_recompute=r) for v in repeats for m in sorted(counts)
+            for f, r in ((False, False), (True, False), (True, True))]
 
 
 def recommend_mesh(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch: int,
