@@ -74,21 +74,15 @@ MESHES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 4), (4, 2)]
 # xdist hands whole modules to the two workers (--dist loadscope), in collection order. Longest first keeps both
 # busy to the end. The numbers are each module's worker seconds, roughly (docs/results.md has the suite's measured
 # times); they only decide how modules are shared out, so stale ones cost balance, never correctness.
-# Measured with --durations=0 on the 2-core machine at 7f8fd34 (setup included; test_pipeline_1f1b.py with the
-# interleaved schedule's tests added): test_pipeline.py, test_context_parallel.py and test_moe.py were listed low
-# or not at all, and ran last.
-SLOWEST_FIRST = {"test_pipeline_1f1b.py": 526, "test_pipeline.py": 479, "test_context_parallel.py": 274,
-                 "test_moe.py": 225, "test_gpu_target.py": 132, "test_sharded_optimizer.py": 122,
-                 "test_checkpoint.py": 119, "test_memory_planner.py": 116, "test_document_masking.py": 102,
-                 "test_user_faults.py": 101, "test_llama.py": 92, "test_train_end_to_end.py": 90,
-                 "test_finetune.py": 88, "test_training_step.py": 83, "test_scaling_model.py": 82,
-                 "test_convert_moe.py": 73, "test_communication_audit.py": 72, "test_sequence_parallel.py": 66,
-                 "test_dropout_rows.py": 61, "test_bert_training.py": 54, "test_faults.py": 51,
-                 "test_bad_input.py": 49, "test_config_migration.py": 49, "test_bert_model.py": 48, "test_sft.py": 46,
-                 "test_fourth_family.py": 40, "test_convert_llama.py": 38, "test_evaluation.py": 36,
-                 "test_run_guards.py": 32, "test_convert_inputs.py": 29, "test_tensor_parallel_equivalence.py": 28,
-                 "test_downstream_eval.py": 27, "test_lm_eval_adapter.py": 21, "test_data_pipeline.py": 13,
-                 "test_convert_bert.py": 13, "test_official_squad_scores.py": 11, "test_bert_data.py": 10}
+SLOWEST_FIRST = {"test_pipeline_1f1b.py": 330, "test_train_end_to_end.py": 135, "test_sharded_optimizer.py": 129,
+                 "test_finetune.py": 110, "test_checkpoint.py": 108, "test_communication_audit.py": 108,
+                 "test_bert_training.py": 94,
+                 "test_llama.py": 75, "test_training_step.py": 67, "test_pipeline.py": 150,
+                 "test_sequence_parallel.py": 60, "test_faults.py": 51, "test_convert_llama.py": 41,
+                 "test_bert_model.py": 40, "test_user_faults.py": 70, "test_gpu_target.py": 40,
+                 "test_tensor_parallel_equivalence.py": 30, "test_evaluation.py": 29, "test_memory_planner.py": 29,
+                 "test_run_guards.py": 26, "test_downstream_eval.py": 22, "test_lm_eval_adapter.py": 18,
+                 "test_convert_bert.py": 17, "test_bert_data.py": 13, "test_convert.py": 9, "test_convert_inputs.py": 9}
 
 
 @pytest.fixture(autouse=True)
