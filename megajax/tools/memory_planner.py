@@ -457,14 +457,27 @@ def parameters(run: RunSpec, split_over_data: bool = False) -> list[Parameter]:
     mesh_shape = {"data": run.data, "model": run.tensor, **({"pipe": run.pipe} if run.pipe > 1 else {}),
                   **({"expert": run.expert} if run.expert > 1 else {})}
     out = []
-    for path, var in jax.tree_util.tree_leaves_with_path(nnx.state(abstract_model_of(run)),
-                                                        is_leaf=lambda x: isinstance(x, nnx.Variable)):
-        names = tuple(var.get_metadata()["out_sharding"])
-        spec = (fsdp_spec(names, var.shape, run.rules, mesh_shape) if split_over_data
+    for module, names, shape in _inventory(run):
+        spec = (fsdp_spec(names, shape, run.rules, mesh_shape) if split_over_data
                 else logical_to_spec(names, run.rules))
-        local = math.prod(var.shape) // math.prod(mesh_shape[a] for a in spec_axes(spec))
-        out.append(Parameter(jax.tree_util.keystr(path[:1], simple=True), names, tuple(var.shape), local))
+        local = math.prod(shape) // math.prod(mesh_shape[a] for a in spec_axes(spec))
+        out.append(Parameter(module, names, shape, local))
     return out
+
+
+_INVENTORIES: dict[tuple, tuple[tuple[str, tuple, tuple], ...]] = {}
+
+
+def _inventory(run: RunSpec) -> tuple[tuple[str, tuple, tuple], ...]:
+    """(top-level module, logical names, shape) of each parameter of ``run``'s abstract model, traced once per model
+    and rules (the mesh planners ask for it on thousands of candidate runs of one model)."""
+    key = (run.model_spec.module, run.model, run.rules)
+    if key not in _INVENTORIES:
+        state = nnx.state(abstract_model_of(run))
+        _INVENTORIES[key] = tuple(
+            (jax.tree_util.keystr(path[:1], simple=True), tuple(var.get_metadata()["out_sharding"]), tuple(var.shape))
+            for path, var in jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    return _INVENTORIES[key]
 
 
 def params_per_device(run: RunSpec, split_over_data: bool = False, only: str | None = None) -> tuple[int, int]:
