@@ -36,10 +36,12 @@ def child_env() -> dict[str, str]:
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One compilation cache for the session and the train.py processes it starts: many tests compile the same step.
+# The process that makes it (pytest's controller; its workers inherit the variable) removes it at the end (~100 MB).
+OWN_CACHE_DIR = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import tempfile
 
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="megajax-test-jax-cache-")
+    OWN_CACHE_DIR = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="megajax-test-jax-cache-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import megajax  # noqa: E402, F401, I001 - first: it imports jax without the CUDA plugin's notices (megajax.platform)
@@ -99,6 +101,14 @@ def _compile_level(request: pytest.FixtureRequest):
         yield
     finally:
         jax.config.update("jax_disable_most_optimizations", before)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Removes the session's compilation cache where this process made it."""
+    if OWN_CACHE_DIR is not None:
+        import shutil
+
+        shutil.rmtree(OWN_CACHE_DIR, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
