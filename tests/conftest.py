@@ -35,8 +35,11 @@ def child_env() -> dict[str, str]:
 
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One compilation cache for the session and the train.py processes it starts: many tests compile the same step.
-# The process that makes it (pytest's controller; its workers inherit the variable) removes it at the end (~100 MB).
+# One compilation cache for the train.py processes the tests start (a resume test's processes compile one step).
+# The test processes themselves do not use it (``jax_enable_compilation_cache`` off below): serializing an
+# executable into it aborted or crashed jaxlib in a pytest worker twice, after other modules' steps (docs/results.md),
+# and it saved them ~3% (test_communication_audit + test_sharded_optimizer, serial: 198 s with it, 204 s without).
+# The process that makes it (pytest's controller; its workers inherit the variable) removes it at the end.
 OWN_CACHE_DIR = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import tempfile
@@ -55,6 +58,7 @@ from flax import nnx  # noqa: E402
 
 from megajax.platform import quiet_cuda_notices  # noqa: E402
 
+jax.config.update("jax_enable_compilation_cache", False)  # this process only: its children inherit the variable
 with quiet_cuda_notices():  # the backends start here, once per test process
     jax.devices()
 
@@ -204,8 +208,8 @@ def choice_config(choice: str | None, data: int, model: int, steps: int = 3, nam
 
 @functools.cache
 def one_step_run(choice: str | None, data: int, model: int, name: str = "gpt", remat: str = "none"):
-    """``setup`` of ``choice_config(..., gradient_step=True)``: its step compiled once per process (and, through
-    the session's compilation cache, once for all the modules that use it)."""
+    """``setup`` of ``choice_config(..., gradient_step=True)``: its step compiled once per test process, for all
+    the modules there that use it."""
     from megajax.training.loop import setup
 
     return setup(choice_config(choice, data, model, name=name, remat=remat, gradient_step=True))

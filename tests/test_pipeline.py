@@ -40,9 +40,8 @@ _INITIAL = {}
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_steps():
-    """Frees this module's ~40 compiled steps when it ends. With them alive, jaxlib segfaulted serializing a later
-    module's step into the compilation cache (test_communication_audit after this module in one process: reproduced
-    three times, jax 0.10; either half of this module alone did not)."""
+    """Frees this module's ~40 compiled steps when it ends (memory: with them alive, jaxlib segfaulted serializing a
+    later module's step into the compilation cache, which the test processes no longer use: tests/conftest.py)."""
     yield
     _run.cache_clear()
     _fp16_run.cache_clear()
