@@ -75,6 +75,8 @@ def format_report(r: MemoryReport, device_memory_gb: float | None,
         f"  total              {_g(r.total_bytes)}",
         f"step peak (est.)     {_g(r.peak_bytes)}  (+ gradients as held {r.step_grad_bytes / GiB:.3f}, batch)",
     ]
+    if r.rough:
+        lines.append(f"rough estimate: {r.rough}")
     if device_memory_gb:
         lines.append(f"fits a {device_memory_gb:.4g} GiB device: {'yes' if r.fits(device_memory_gb * GiB) else 'NO'}")
         if largest is not None:
