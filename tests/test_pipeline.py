@@ -10,6 +10,7 @@ what the pipeline does not compute yet is refused before anything is built."""
 
 import functools
 import gc
+import math
 import re
 
 import jax
@@ -300,7 +301,9 @@ def test_the_ends_run_on_each_stages_share_of_the_batch():
 @pytest.mark.parametrize("name, pipe, data, model, micro, repeats", [(*CASES[1], 1), (*CASES[3], 1), CIRCULAR[3]])
 def test_stages_exchange_exactly_the_schedules_activations(name, pipe, data, model, micro, repeats):
     """Over ``pipe``: T = ``pipeline.ticks`` collective permutes round the ring forward (M + p - 1 for GPipe; each
-    stage's output to the next, one microbatch of this device's rows) and as many backward (the ring reversed), so
+    stage's output to the next, one microbatch of this device's rows; with t model shards each sends 1/t of the
+    sequence and the next stage all-gathers it over ``model``, Megatron's scatter/gather) and as many backward (the
+    ring reversed), so
     the idle share of the stage-ticks is ``bubble_fraction``, 1 - M v / T; and T along the io column each way (not
     a ring: towards stage 0), which bring each stage's share of the batch to stage 0 and the outputs back. No
     whole-batch transfer: the ends run on each stage's share. Besides them only the ends' gradients, reduced over
@@ -322,11 +325,15 @@ def test_stages_exchange_exactly_the_schedules_activations(name, pipe, data, mod
     colls = [c for c in every if "pipe" in c.axes]
     ticks = pipeline.ticks(micro, pipe, repeats)
     rows = 8 // micro // data  # the global batch of 8 rows, a microbatch of them, this device's share
-    activation = (1, rows, 32, 64)  # (stage, rows, seq, hidden) per device
+    # (stage, rows, seq, hidden) per device; with model shards each sends 1/t of the sequence, gathered on arrival
+    activation = (1, rows, 32 // model, 64)
     permutes = [c for c in colls if c.op == "collective-permute"]
     assert sorted((c.phase, c.cyclic, c.shape, c.executions) for c in permutes) == [
         ("backward", False, activation, ticks), ("backward", True, activation, ticks),
         ("forward", False, activation, ticks), ("forward", True, activation, ticks)]
+    gathers = [c for c in every if c.op == "all-gather" and c.axes == {"model"} and c.shape[1:] == (rows, 32, 64)]
+    assert sorted((c.shard_elements, c.executions) for c in gathers) == [(math.prod(activation), ticks)] * (
+        4 if model > 1 else 0)
     assert pipeline.bubble_fraction(micro, pipe, repeats) == pytest.approx(
         1 - micro * repeats / permutes[0].executions)  # idle share
     assert not [c for c in colls if c not in permutes and c not in ends and c.elements > 1]

@@ -47,6 +47,7 @@ class Collective:
     instruction: str
     group_size: int = 1  # devices per replica group (1 for collective-permute)
     cyclic: bool = False  # a collective-permute whose every target also sends (a ring; a shift along a line is not)
+    op_name: str = ""  # JAX's name for the op that made it (its named scopes, ``transpose(..)`` in the backward)
 
     @property
     def elements(self) -> int:
@@ -192,9 +193,11 @@ def collectives(hlo: str, mesh: Mesh) -> list[Collective]:
                     continue
                 axes = _axes_of(groups, mesh)
             op_name = _OP_NAME.search(line)
-            phase = "backward" if op_name and "transpose(" in op_name.group(1) else "forward"
+            name = op_name.group(1) if op_name else ""
+            phase = "backward" if "transpose(" in name else "forward"
             for dt, shape in shapes:
-                out.append(Collective(base, dt, shape, axes, mult[comp], phase, instr.group(2), group_size, cyclic))
+                out.append(Collective(base, dt, shape, axes, mult[comp], phase, instr.group(2), group_size, cyclic,
+                                      name))
     return out
 
 

@@ -8,8 +8,10 @@ microbatches j M/p .. (j + 1) M/p - 1. Each tick of a ``lax.scan``, every stage 
 it holds; then every stage's output moves one stage on with one collective permute over ``pipe`` (``ppermute`` in
 ``shard_map``; the wrap-around pair carries a microbatch from the last stage back to stage 0), and one column of the
 stages' shares moves one stage towards stage 0, which brings stage 0 its next input and each finished microbatch to
-the stage whose share it is (``run``): no whole-batch transfer. Autodiff of the loop is the backward pipeline: the
-permutes' transposes run the other way. The stage function is vmapped over the stages with
+the stage whose share it is (``run``): no whole-batch transfer. With model shards (and no sequence parallelism)
+each sends 1/t of an activation's sequence and the receiving stage all-gathers it over ``model``, Megatron-LM's
+scatter/gather (``pipeline_1f1b.send_scattered``). Autodiff of the loop is the backward pipeline: the permutes'
+transposes run the other way. The stage function is vmapped over the stages with
 ``spmd_axis_name='pipe'``, so its own layout constraints (tensor parallelism over ``model``, the batch over ``data``)
 hold inside every stage.
 
@@ -145,6 +147,11 @@ def relayout(a: jax.Array, saved: tuple[int, int], wanted: tuple[int, int]) -> j
     return jnp.swapaxes(natural.reshape(v, p, num_layers // (p * v), *rest), 0, 1).reshape(a.shape)
 
 
+# the named scopes of a scattered activation's transfers (``pipeline_1f1b.send_scattered``): round the ring, along
+# the io column
+RING_SCOPE, IO_SCOPE = "pipeline_ring", "pipeline_io"
+
+
 def _shift(x: Any, pairs: list[tuple[int, int]]) -> Any:
     """Each leaf of ``x`` (stages, ...) moved between stages by ``pairs`` (source, destination) over ``pipe``; a
     stage no pair sends to receives zeros."""
@@ -154,7 +161,7 @@ def _shift(x: Any, pairs: list[tuple[int, int]]) -> Any:
 
 
 def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any, xs: jax.Array, args: Any,
-        x_spec: P, args_spec: Any) -> jax.Array:
+        x_spec: P, args_spec: Any, scatter: P | None = None) -> jax.Array:
     """Runs the microbatches ``xs`` through the stages' chunks in order and returns their outputs, laid out as ``xs``.
 
     ``xs`` (p, K, mb, ...) split over ``pipe``: stage j holds microbatches j K .. j K + K - 1 (M = p K of them), the
@@ -170,7 +177,9 @@ def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any,
     microbatch i K + c = t; the output of microbatch k leaves the last stage on tick k + p - 1 (its last round) and
     moves on at each of the column's later visits, p - 1 - k div K of them: it ends on stage k div K, its input's,
     in column (k + p - 1 + (v - 1) M) mod K (rolled back at the end, on each device). So no whole-batch transfer:
-    each tick each stage sends one microbatch to the next and one to the one before.
+    each tick each stage sends one microbatch to the next and one to the one before. ``scatter``: a microbatch's layout
+    where each model shard sends 1/t of an activation's sequence across a stage boundary, gathered over ``model`` on
+    arrival (``pipeline_1f1b.scattered``: Megatron-LM's scatter/gather); None: all of it.
     """
     p, k_cols = xs.shape[:2]
     num_micro = p * k_cols
@@ -184,6 +193,12 @@ def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any,
     first, last = stage == 0, stage == p - 1
     forward = [(s, (s + 1) % p) for s in range(p)]  # each stage's output to the next; the last's to stage 0
     back = [(s + 1, s) for s in range(p - 1)]  # the io column towards stage 0
+
+    def send(a: jax.Array, pairs: list[tuple[int, int]], scope: str) -> jax.Array:  # an activation (stages, mb,
+        # seq, hidden)
+        if scatter is None:
+            return _shift(a, pairs)
+        return pipeline_1f1b.send_scattered(a, tuple(pairs), scatter, scope)
 
     def chunk(params, x, r, busy, args):  # one stage's chunk r (its own: r differs between stages)
         # an idle stage-tick (before its first item, past its last) computes on zeros, not on what its row holds (a
@@ -207,9 +222,9 @@ def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any,
         busy = (item >= 0) & (item < v * num_micro)
         r = jnp.clip(item // num_micro, 0, v - 1)
         y = jax.vmap(chunk, spmd_axis_name=PIPE_AXIS)(stage_params, x, r, busy, x_args)
-        moved = pin(_shift((y, x_args), forward), on_stages)
+        moved = pin((send(y, forward, RING_SCOPE), _shift(x_args, forward)), on_stages)
         # the column one stage on towards stage 0, the last stage's output put in (only its last round's stays)
-        column = _shift(column, back)
+        column = (send(column[0], back, IO_SCOPE), _shift(column[1], back))
         column = (jnp.where(at(last, y), y, column[0]), column[1])
         io = pin(jax.tree.map(lambda a, c: a.at[:, t % k_cols].set(c), io, column), in_io)
         if v > 1:  # the item the last stage finished, now at stage 0, waits in its slot for its next round
@@ -313,7 +328,8 @@ def run_stack(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: A
     if hand is not None:
         return hand.take(call)
     plan = _stages(call)
-    ys = run(plan.stage, (plan.copies(state), plan.keys), plan.xs, plan.args, plan.x_spec, plan.args_spec)
+    scatter = pipeline_1f1b.scattered(plan.x_spec, x.shape[1], dict(jax.sharding.get_abstract_mesh().shape))
+    ys = run(plan.stage, (plan.copies(state), plan.keys), plan.xs, plan.args, plan.x_spec, plan.args_spec, scatter)
     return constrain(plan.from_io(ys), RESIDUAL)
 
 

@@ -39,6 +39,7 @@ function's and the tail's), so nothing is reduced per tick; the caller reduces t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -151,6 +152,43 @@ def scattered(x_spec: P, seq: int, mesh_shape: dict[str, int]) -> P | None:
     return None if tensor == 1 or MODEL_AXIS in _axes(x_spec) or local % tensor else x_spec
 
 
+def _split_send_gather(a: jax.Array, pairs: Any, axis: int) -> jax.Array:
+    """Inside a ``shard_map`` manual over ``pipe`` and ``model``: this model shard's 1/t of ``a`` along ``axis`` (the
+    sequence) sent to the stages ``pairs`` name, and the pieces all-gathered over ``model`` on arrival."""
+    piece = a.shape[axis] // jax.lax.axis_size(MODEL_AXIS)
+    mine = jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(MODEL_AXIS) * piece, piece, axis=axis)
+    return jax.lax.all_gather(jax.lax.ppermute(mine, PIPE_AXIS, list(pairs)), MODEL_AXIS, axis=axis, tiled=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def send_scattered(a: jax.Array, pairs: tuple[tuple[int, int], ...], scatter: P, scope: str) -> jax.Array:
+    """``a`` (stages, rows, seq, hidden), split over ``pipe`` and laid out as ``P(pipe, *scatter)``, moved between
+    stages by ``pairs`` (source, destination) as Megatron-LM moves an activation (``scattered``): each model shard
+    sends 1/t of the sequence, gathered over ``model`` on arrival; a stage no pair sends to receives zeros. Its
+    gradient goes back the same way (the pairs reversed): autodiff would reduce-scatter a cotangent every model shard
+    holds whole, t times over. ``scope``: a named scope round both directions' collectives (which schedule transfer
+    they are, for ``comm_budget``)."""
+    spec = P(PIPE_AXIS, *scatter)
+
+    def send(b):
+        with jax.named_scope(scope):
+            return _split_send_gather(b, pairs, 2)
+
+    return jax.shard_map(send, in_specs=spec, out_specs=spec, axis_names={PIPE_AXIS, MODEL_AXIS, *_axes(scatter)},
+                         check_vma=False)(a)
+
+
+def _send_forward(a, pairs, scatter, scope):
+    return send_scattered(a, pairs, scatter, scope), None
+
+
+def _send_backward(pairs, scatter, scope, _, g):
+    return (send_scattered(g, tuple((d, s) for s, d in pairs), scatter, scope),)
+
+
+send_scattered.defvjp(_send_forward, _send_backward)
+
+
 def _axes(spec: P) -> set[str]:
     return {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
 
@@ -201,13 +239,8 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
         if scatter is None:
             return jax.lax.ppermute(a, PIPE_AXIS, pairs)
 
-        def split(a):
-            piece = a.shape[1] // jax.lax.axis_size(MODEL_AXIS)
-            mine = jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(MODEL_AXIS) * piece, piece, axis=1)
-            return jax.lax.all_gather(jax.lax.ppermute(mine, PIPE_AXIS, pairs), MODEL_AXIS, axis=1, tiled=True)
-
-        return jax.shard_map(split, in_specs=scatter, out_specs=scatter, axis_names={MODEL_AXIS, *_axes(scatter)},
-                             check_vma=False)(a)
+        return jax.shard_map(lambda b: _split_send_gather(b, pairs, 1), in_specs=scatter, out_specs=scatter,
+                             axis_names={MODEL_AXIS, *_axes(scatter)}, check_vma=False)(a)
 
     def body(weights, keys, shared, tail_params, consts, xs, args, fields):
         own = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731  (this stage's block)

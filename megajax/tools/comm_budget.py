@@ -68,11 +68,15 @@ With pipeline stages (``mesh.pipe`` = p > 1; ``megajax.parallel.pipeline``) the 
   by a permute; with replicated key/value heads too, the layer's replicated parameters less those heads (counted in
   their own category). Not counted yet: context shards under stages (``check_countable``).
 * pipeline point-to-point: per tick one collective permute of m x s x h forward round the ring (each stage's
-  output to the next) and one backward (its gradient): 2 T; forward, the microbatch's per-row arguments go with it
+  output to the next) and one backward (its gradient): 2 T; with t > 1 model shards and no sequence parallelism
+  Megatron's scatter/gather, each a permute of m x s x h / t and an all-gather over ``model`` of that shard (the
+  gathers found by their named scope, ``pipeline.RING_SCOPE``, ``IO_SCOPE``); forward, the microbatch's per-row
+  arguments go with it
   (its rows' indices where dropout keys on them, 4 bytes a row; a packed decoder's segments and positions, 8 bytes
   a position; an encoder's padding mask, 1 byte a position), T of them.
 * pipeline inputs/outputs: per tick one permute of m x s x h along the stages towards stage 0 (the io column: the
-  inputs reach stage 0, the outputs the stage whose share of the batch they are) and one backward: 2 T; forward
+  inputs reach stage 0, the outputs the stage whose share of the batch they are) and one backward: 2 T (scattered
+  and gathered as round the ring); forward
   the per-row arguments again. Megatron keeps the embedding on the first stage and the head on the last; here every
   stage runs them on its share, and the tied embedding's gradient is reduced with the other replicated
   parameters' (the ends' gradients over data x pipe, the stage's layers' over data).
@@ -160,6 +164,7 @@ class Shape:
     stage_grad_elements: int = 0  # of local_grad_elements, the stage's layers' (reduced over data only)
     pipe_layers: int = 0  # layers a stage runs per tick, L/(p v)
     pipe_circular: bool = False  # the circular schedule (recomputes whole chunks)
+    pipe_scatter: bool = False  # activations cross stage boundaries 1/t from each model shard, gathered on arrival
     expert: int = 1  # expert shards (mesh.expert): data shards outside the routed layers
     expert_grad_elements: int = 0  # of local_grad_elements, the experts' (split over expert, reduced over data)
     num_experts: int = 0  # a mixture of experts' experts per layer (0: dense)
@@ -184,8 +189,11 @@ def minimum(shape: Shape) -> dict[str, int]:
     if shape.pipe > 1:
         tick = shape.pipe_rows * s * h * shape.activation_bytes * n  # one microbatch, every micro-batch
         args = shape.pipe_ticks * shape.pipe_rows * shape.pipe_arg_bytes * n
-        out["pipeline point-to-point"] = 2 * shape.pipe_ticks * tick // split + args
-        out["pipeline inputs/outputs"] = 2 * shape.pipe_ticks * tick // split + args
+        # scattered: each permute carries 1/t, and an all-gather over model of 1/t shards follows it
+        sent = 2 * shape.pipe_ticks * tick // (shape.tensor if shape.pipe_scatter else split)
+        sent *= 2 if shape.pipe_scatter else 1
+        out["pipeline point-to-point"] = sent + args
+        out["pipeline inputs/outputs"] = sent + args
     if shape.tensor > 1 and shape.pipe > 1:
         act, runs = b * s * h * shape.activation_bytes * n, shape.pipe_ticks * shape.pipe_layers
         if shape.pipe_circular:  # per tick: the chunk's all-reduces but its last
@@ -264,7 +272,11 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
             continue
         size = c.shard_elements * DTYPE_BYTES.get(c.dtype, 4) * c.executions
         over_model = c.axes == {"model"}
-        if over_model and shape.kv_head_elements and c.phase == "backward" and c.shape[-2:] == (2, shape.head_dim) \
+        if shape.pipe_scatter and c.op == "all-gather" and over_model and (pipeline.RING_SCOPE in c.op_name or
+                                                                           pipeline.IO_SCOPE in c.op_name):
+            # a scattered activation gathered after its stage boundary
+            out["pipeline point-to-point" if pipeline.RING_SCOPE in c.op_name else "pipeline inputs/outputs"] += size
+        elif over_model and shape.kv_head_elements and c.phase == "backward" and c.shape[-2:] == (2, shape.head_dim) \
                 and ((c.op == "all-reduce" and c.elements == shape.kv_head_elements) or
                      (c.op == "all-gather" and c.shard_elements == shape.kv_head_elements)):
             out["replicated key/value heads"] += size  # the one head's (h, 2, head_dim) weight gradient
@@ -454,8 +466,11 @@ def _pipeline_shape(spec) -> dict[str, int | bool]:
     packed = spec.dataset is not None and spec.dataset.packed
     per_position = (8 if packed else 0) if spec.model_spec.causal_lm else 1
     arg_bytes = (4 if spec.model.dropout > 0 and rows > 1 else 0) + per_position * spec.model.max_seq_len
+    # Megatron's scatter/gather at the boundary (``pipeline_1f1b.scattered``): where nothing splits the sequence
+    # over the model shards yet and it divides
+    scatter = spec.tensor > 1 and not spec.sequence and spec.model.max_seq_len % spec.tensor == 0
     return dict(pipe=p, pipe_ticks=pipeline.ticks(micro, p, v), pipe_rows=rows, pipe_arg_bytes=arg_bytes,
-                pipe_layers=spec.model.num_layers // (p * v), pipe_circular=v > 1)
+                pipe_layers=spec.model.num_layers // (p * v), pipe_circular=v > 1, pipe_scatter=scatter)
 
 
 def gathered_shard_elements(run) -> int:

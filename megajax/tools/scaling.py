@@ -48,8 +48,8 @@ Pipeline stages (``Pipeline``, ``scaling_pipeline.py``; p = 1 is the step above,
 batch (a micro-batch's rows) is cut into M microbatches; the schedule runs ``Pipeline.ticks`` stage-ticks, M v + p - 1
 (M >= p; v = 1: GPipe / 1F1B, v > 1: circular / interleaved), each L/(p v) layers of one microbatch: compute and
 tensor-parallel all-reduces of those layers, and two point-to-point transfers (its activations forward, their
-gradient backward; ``p2p_s``: b s h half-precision bytes from every model-parallel GPU in megajax (1/t with
-sequence parallelism), 1/t over the link plus an NVLink all-gather with Megatron-LM's scatter/gather), on the
+gradient backward; ``p2p_s``: of b s h half-precision bytes, 1/t over the link plus an NVLink all-gather, Megatron-LM's
+scatter/gather, as megajax's schedules send them; with sequence parallelism 1/t, nothing gathered), on the
 InfiniBand link where a stage boundary crosses nodes (``crosses_nodes``: pipe is the mesh's outermost axis), not
 overlapped. Idle ticks cost as much as busy ones: the bubble, (p - 1)/(M v + p - 1) of them. megajax's circular
 schedule recomputes each chunk from its input whatever the remat policy (timed as ``full``, with ``selective``'s

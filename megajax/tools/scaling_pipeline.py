@@ -26,9 +26,9 @@ class Pipeline:
     pipeline_repeats, v: layer chunks per stage). ``megatron``: Megatron-LM PTD-P's implementation (Narayanan et al.
     2021: 1F1B / interleaved, the head on the last stage only, scatter/gather point-to-point, the tied embedding's
     gradient all-reduced between the first and last stage) instead of megajax's (``megajax.parallel.pipeline``:
-    GPipe / circular in one SPMD program, the embeddings and head on every stage over its share of the batch, each
-    model-parallel GPU sending the whole microbatch, round the ring and along the io column; with ``one_f_one_b``
-    its 1F1B, the head on the last stage per microbatch)."""
+    GPipe / circular in one SPMD program, the embeddings and head on every stage over its share of the batch, the
+    activations round the ring and along the io column scattered and gathered as Megatron-LM's; with
+    ``one_f_one_b`` its 1F1B, the head on the last stage per microbatch)."""
 
     stages: int = 1
     microbatches: int = 1
@@ -103,13 +103,12 @@ def crosses_nodes(pipe: int, data: int, tensor: int, gpus_per_node: int) -> bool
 
 def p2p_s(nbytes: float, tensor: int, pipeline: Pipeline, inter: bool, cluster) -> float:
     """One stage-to-stage transfer of one microbatch's activations (``nbytes``, b s h in half precision) from one
-    GPU of a stage: megajax's GPipe and circular collective permutes send all of it from every model-parallel GPU;
-    Megatron-LM's scatter/gather, and megajax's 1F1B (``pipeline_1f1b.scattered``), send 1/t of it over the link
-    and all-gather the rest over NVLink (a ring of ``tensor``). (With sequence parallelism ``nbytes`` is 1/t
-    already, and nothing is gathered.)"""
+    GPU of a stage: Megatron-LM's scatter/gather, as megajax's schedules do it (``pipeline_1f1b.scattered``), sends
+    1/t of it over the link and all-gathers the rest over NVLink (a ring of ``tensor``). (With sequence parallelism
+    ``nbytes`` is 1/t already, and nothing is gathered: ``tensor`` 1.) ``pipeline``: every schedule sends alike."""
     bandwidth, latency = (cluster.inter_bandwidth, cluster.inter_latency) if inter else (cluster.intra_bandwidth,
                                                                                          cluster.intra_latency)
-    if not (pipeline.megatron or pipeline.one_f_one_b) or tensor == 1:
+    if tensor == 1:
         return nbytes / bandwidth + latency
     gather = (tensor - 1) / tensor * nbytes / cluster.intra_bandwidth + (tensor - 1) * cluster.intra_latency
     return nbytes / tensor / bandwidth + latency + gather
