@@ -1,6 +1,7 @@
 """Test setup: 8 simulated CPU devices (set before jax is imported) and shared small models."""
 
 import functools
+import gc
 import os
 
 # Compiling dominates the suite; the test programs mostly run in milliseconds. So the tests compile with
@@ -105,6 +106,17 @@ def _compile_level(request: pytest.FixtureRequest):
         yield
     finally:
         jax.config.update("jax_disable_most_optimizations", before)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _clear_jit_caches_after_each_module():
+    """Drops jax's caches of compiled programs when a module ends (its own cached fixtures keep theirs). A pytest
+    worker compiles hundreds of programs; XLA:CPU crashed inside one after many others three times (twice writing the
+    persistent cache, once compiling test_convert_moe's generation step: docs/results.md), and freeing test_pipeline's
+    steps at its end had stopped one such crash."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
