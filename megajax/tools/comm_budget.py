@@ -117,10 +117,10 @@ from megajax.config import RunSpec
 from megajax.errors import ConfigError
 from megajax.models import ModelSpec, TransformerConfig
 from megajax.models.transformer import STACK
-from megajax.parallel import pipeline
+from megajax.parallel import pipeline, pipeline_1f1b
 from megajax.parallel.hlo_audit import Collective, collectives
 from megajax.parallel.partition import over_data
-from megajax.parallel.sharding import spec_axes
+from megajax.parallel.sharding import RESIDUAL, logical_to_spec, spec_axes
 from megajax.tools.memory_planner import parameters
 
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "pred": 1}
@@ -466,9 +466,10 @@ def _pipeline_shape(spec) -> dict[str, int | bool]:
     packed = spec.dataset is not None and spec.dataset.packed
     per_position = (8 if packed else 0) if spec.model_spec.causal_lm else 1
     arg_bytes = (4 if spec.model.dropout > 0 and rows > 1 else 0) + per_position * spec.model.max_seq_len
-    # Megatron's scatter/gather at the boundary (``pipeline_1f1b.scattered``): where nothing splits the sequence
-    # over the model shards yet and it divides
-    scatter = spec.tensor > 1 and not spec.sequence and spec.model.max_seq_len % spec.tensor == 0
+    # Megatron's scatter/gather at the boundary, where the step does it (asked as the step asks)
+    mesh_shape = dict(data=spec.data, model=spec.tensor, pipe=p, expert=spec.expert, context=spec.context)
+    scatter = pipeline_1f1b.scattered(logical_to_spec(RESIDUAL, spec.rules), spec.model.max_seq_len,
+                                      mesh_shape) is not None
     return dict(pipe=p, pipe_ticks=pipeline.ticks(micro, p, v), pipe_rows=rows, pipe_arg_bytes=arg_bytes,
                 pipe_layers=spec.model.num_layers // (p * v), pipe_circular=v > 1, pipe_scatter=scatter)
 
