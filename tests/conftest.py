@@ -29,10 +29,18 @@ if "collective_call_terminate" not in _flags:
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
 
+# XLA:CPU's fusion emitters (its default) take about a third of the suite's compile time; without them the same
+# HLO compiles to the same results (the suite passes either way) but its fusions, and so XLA's memory plan, differ
+# (temp 6-19% lower on four pipelined steps). So the tests compile without them but where they read a memory plan
+# (marked ``memory_plan``: the plan of the program train.py compiles), and so do the processes they start.
+FAST_CODEGEN = {"xla_cpu_use_fusion_emitters": False}
+
+
 def child_env() -> dict[str, str]:
     """The environment for a process a test starts: this one's (so its compile settings), without the 8 devices
     (the child's ``--cpu_devices`` sets its own)."""
-    return {**os.environ, "XLA_FLAGS": f"{COMPILE_FLAG} {COLLECTIVE_FLAGS}"}
+    fast = " ".join(f"--{k}={str(v).lower()}" for k, v in FAST_CODEGEN.items())
+    return {**os.environ, "XLA_FLAGS": f"{COMPILE_FLAG} {COLLECTIVE_FLAGS} {fast}"}
 
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -60,6 +68,36 @@ from flax import nnx  # noqa: E402
 from megajax.platform import quiet_cuda_notices  # noqa: E402
 
 jax.config.update("jax_enable_compilation_cache", False)  # this process only: its children inherit the variable
+
+# FAST_CODEGEN on this process's CPU compiles, but in tests marked ``memory_plan`` (``_compile_level``). XLA reads it
+# per compile, from the options jax builds there (jax has no public default for them; without this hook the suite
+# only runs slower).
+_fast_codegen = [True]
+
+
+def _with_fast_codegen(build):
+    @functools.wraps(build)
+    def options(*args, **kwargs):
+        backend = kwargs.get("backend")
+        if _fast_codegen[0] and backend is not None and backend.platform == "cpu":
+            kwargs["env_options_overrides"] = {**FAST_CODEGEN, **(kwargs.get("env_options_overrides") or {})}
+        return build(*args, **kwargs)
+
+    return options
+
+
+try:
+    from jax._src import compiler as _jax_compiler
+
+    _jax_compiler.get_compile_options = _with_fast_codegen(_jax_compiler.get_compile_options)
+except (ImportError, AttributeError):
+    pass
+
+
+def memory_plans() -> bool:
+    """Whether this test compiles as train.py does (marked ``memory_plan``): a key for cached compiled runs, so
+    that a test reading a memory plan never gets a run another test compiled without the fusion emitters."""
+    return not _fast_codegen[0]
 with quiet_cuda_notices():  # the backends start here, once per test process
     jax.devices()
 
@@ -81,31 +119,46 @@ MESHES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 4), (4, 2)]
 # xdist hands whole modules to the two workers (--dist loadscope), in collection order. Longest first keeps both
 # busy to the end. The numbers are each module's worker seconds, roughly (docs/results.md has the suite's measured
 # times); they only decide how modules are shared out, so stale ones cost balance, never correctness.
-SLOWEST_FIRST = {"test_pipeline_1f1b.py": 330, "test_train_end_to_end.py": 135, "test_sharded_optimizer.py": 129,
-                 "test_finetune.py": 110, "test_checkpoint.py": 108, "test_communication_audit.py": 108,
-                 "test_bert_training.py": 94,
-                 "test_llama.py": 75, "test_training_step.py": 67, "test_pipeline.py": 150,
-                 "test_sequence_parallel.py": 60, "test_faults.py": 51, "test_convert_llama.py": 41,
-                 "test_bert_model.py": 40, "test_user_faults.py": 70, "test_gpu_target.py": 40,
-                 "test_tensor_parallel_equivalence.py": 30, "test_evaluation.py": 29, "test_memory_planner.py": 29,
-                 "test_run_guards.py": 26, "test_downstream_eval.py": 22, "test_lm_eval_adapter.py": 18,
-                 "test_convert_bert.py": 17, "test_bert_data.py": 13, "test_convert.py": 9, "test_convert_inputs.py": 9}
+SLOWEST_FIRST = {"test_pipeline.py": 595, "test_pipeline_1f1b.py": 505, "test_context_parallel.py": 208,
+                 "test_moe.py": 178, "test_sharded_optimizer.py": 135, "test_training_step.py": 130,
+                 "test_checkpoint.py": 128, "test_user_faults.py": 109, "test_gpu_target.py": 97,
+                 "test_train_end_to_end.py": 93, "test_finetune.py": 92, "test_document_masking.py": 86,
+                 "test_memory_planner.py": 79, "test_communication_audit.py": 78, "test_llama.py": 72,
+                 "test_convert_moe.py": 69, "test_bert_training.py": 69, "test_config_migration.py": 68,
+                 "test_sequence_parallel.py": 66, "test_dropout_rows.py": 52, "test_bert_model.py": 49,
+                 "test_evaluation.py": 44, "test_bad_input.py": 44, "test_sft.py": 43, "test_faults.py": 40,
+                 "test_run_guards.py": 33, "test_fourth_family.py": 31, "test_downstream_eval.py": 27,
+                 "test_tensor_parallel_equivalence.py": 27, "test_convert_llama.py": 27, "test_scaling_model.py": 19,
+                 "test_convert.py": 15, "test_lm_eval_adapter.py": 15, "test_optimizer.py": 12,
+                 "test_data_pipeline.py": 11, "test_convert_bert.py": 11, "test_official_squad_scores.py": 11,
+                 "test_array_digest.py": 9, "test_bert_data.py": 9}
 
 
 @pytest.fixture(autouse=True)
 def _compile_level(request: pytest.FixtureRequest):
-    """Tests marked ``many_steps`` compile at -O1 (COMPILE_FLAG), the rest with most optimizations off (above). The
-    flag is read when a program compiles and is not part of jit's in-memory cache key: a program compiled before the
-    test (a module fixture's, ``one_step_run``'s) runs as it was compiled."""
-    if request.node.get_closest_marker("many_steps") is None:
-        yield
-        return
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", False)
+    """Tests marked ``many_steps`` compile at -O1 (COMPILE_FLAG), the rest with most optimizations off (above); tests
+    marked ``memory_plan`` with XLA:CPU's fusion emitters (FAST_CODEGEN). Both are read when a program compiles and
+    are not part of jit's in-memory cache key: a program compiled before the test (a module fixture's,
+    ``one_step_run``'s) runs as it was compiled (``memory_plans`` keys the cached runs memory tests read)."""
+    many, plan = (request.node.get_closest_marker(m) is not None for m in ("many_steps", "memory_plan"))
+    before, fast = jax.config.read("jax_disable_most_optimizations"), _fast_codegen[0]
+    if many:
+        jax.config.update("jax_disable_most_optimizations", False)
+    _fast_codegen[0] = not plan
     try:
         yield
     finally:
         jax.config.update("jax_disable_most_optimizations", before)
+        _fast_codegen[0] = fast
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_codegen(request: pytest.FixtureRequest):
+    """A module marked ``memory_plan`` (``pytestmark``) compiles its module fixtures with the fusion emitters too
+    (they are built before any of its tests' fixtures)."""
+    _fast_codegen[0] = request.node.get_closest_marker("memory_plan") is None
+    yield
+    _fast_codegen[0] = True
 
 
 @pytest.fixture(autouse=True, scope="module")

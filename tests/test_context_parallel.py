@@ -147,6 +147,7 @@ def _memory(name: str, data: int, model: int, context: int, remat: str, seq: int
     return memory_report(run, rows, num_micro=1), compiled_memory(run, rows, 1)
 
 
+@pytest.mark.memory_plan
 def test_compiled_temp_falls_as_one_over_context_at_4096():
     """gpt_tiny (one layer, remat=selective) at s=4096: the compiled step's temp per device falls with the context
     shards as 1/C (the attention core's s/C x s scores dominate), and the planner follows it within 10%."""
@@ -159,6 +160,7 @@ def test_compiled_temp_falls_as_one_over_context_at_4096():
         assert temp[context] / temp[1] < 1.1 / context, temp
 
 
+@pytest.mark.memory_plan
 @pytest.mark.parametrize("case", ["gpt_tiny,1,1,2,none", "gpt_tiny,1,1,4,none", "gpt_tiny,2,1,2,selective",
                                   "gpt_tiny,1,2,4,full", "llama_tiny,1,1,4,none", "llama_tiny,1,2,2,selective"])
 def test_memory_planner_counts_the_context_shards(case):

@@ -176,6 +176,7 @@ def test_layer_residuals_are_what_autodiff_keeps(remat, precision, dropout, acti
         traced_layer_residual_bytes(resolve(config, 1, training=False), 2)
 
 
+@pytest.mark.memory_plan
 @pytest.mark.parametrize("mesh,remat", [((4, 2), "none"), ((2, 4), "selective")])
 def test_memory_planner_within_10_percent_of_the_compiled_step(mesh, remat):
     run = resolve(small(*mesh, remat=remat), math.prod(mesh), training=False)
@@ -198,6 +199,7 @@ def test_communicates_the_minimum_its_spec_states(mesh, remat):
         assert counts[("all-reduce", ("model",), phase, b * s * h)] == layers + 1
 
 
+@pytest.mark.memory_plan
 @pytest.mark.parametrize("remat", ["none", "selective"])
 def test_scaling_model_within_10_percent_of_the_compiled_step(remat):
     """The scaling model's GEMMs (read from the abstract model) add up to the spec's FLOPs, and its memory per GPU

@@ -41,6 +41,8 @@ from megajax.tools.memory_planner import (
 )
 from megajax.tools.scaling_layout import parameters_per_gpu
 
+pytestmark = pytest.mark.memory_plan  # its module fixture compiles the steps whose plans it reads
+
 MICRO_BATCH = 4
 CASES = {  # name -> (config, data, model, remat, parallel flags ('+'-joined: shard_optimizer (ZeRO-1), fsdp,
     #          sequence) or None, micro-batches per step)

@@ -16,7 +16,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from conftest import assert_same_step, choice_config
+from conftest import assert_same_step, choice_config, memory_plans
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -44,7 +44,7 @@ def _release_compiled_steps():
     """Frees this module's ~40 compiled steps when it ends (memory: with them alive, jaxlib segfaulted serializing a
     later module's step into the compilation cache, which the test processes no longer use: tests/conftest.py)."""
     yield
-    _run.cache_clear()
+    _cached_run.cache_clear()
     _fp16_run.cache_clear()
     _INITIAL.clear()
     jax.clear_caches()
@@ -62,9 +62,16 @@ def _config(name: str, pipe: int, data: int, model: int, micro: int = 0, choice:
     return c
 
 
-@functools.cache
 def _run(name: str, pipe: int, data: int, model: int, micro: int = 0, accumulate: int = 0,
          choice: str | None = None, dropout: float = 0.0, remat: str = "none", repeats: int = 1, schedule: str = ""):
+    """The run of these settings, compiled once (for a test that reads a memory plan, once more: conftest)."""
+    return _cached_run(name, pipe, data, model, micro, accumulate, choice, dropout, remat, repeats, schedule,
+                       memory_plans())
+
+
+@functools.cache
+def _cached_run(name: str, pipe: int, data: int, model: int, micro: int, accumulate: int, choice: str | None,
+                dropout: float, remat: str, repeats: int, schedule: str, _plans: bool):
     c = _config(name, pipe, data, model, micro, choice, repeats, schedule, gradient_step=True, remat=remat)
     c.model.dropout = dropout
     c.train.micro_batch_size = accumulate  # sequences per data shard per accumulation step (0: the whole batch)
@@ -404,6 +411,7 @@ def test_the_circular_schedule_idles_one_repeat_th_of_gpipes_layer_time():
     assert idle[1] == 3 * LAYERS // 4  # (p - 1) ticks of L/p layers
 
 
+@pytest.mark.memory_plan
 @pytest.mark.parametrize("name, pipe, data, model, micro, repeats, choice",
                          [(*CASES[3], 1, None), (*CASES[4], 1, None), (*CASES[5], 1, None), (*CASES[6], 1, None),
                           *[(*c, None) for c in CIRCULAR],
@@ -496,6 +504,7 @@ def test_what_the_pipeline_does_not_compute_is_refused(change, message):
         resolve(c, 8)
 
 
+@pytest.mark.memory_plan
 @pytest.mark.parametrize("seq,repeats,dropout", [(128, 1, 0.1), (256, 1, 0.1), (256, 1, 0.0), (128, 2, 0.1),
                                                  (256, 2, 0.1), (256, 2, 0.0)])
 def test_memory_planner_at_longer_sequences(seq, repeats, dropout):

@@ -150,6 +150,7 @@ def test_1f1b_exchanges_what_the_schedule_predicts(name, pipe, data, model, micr
     assert any(c.axes >= {"pipe"} for c in reduced)  # the ends' gradients, summed over the stages once
 
 
+@pytest.mark.memory_plan
 def test_1f1b_memory_is_flat_in_the_microbatches():
     """At a fixed microbatch (2 rows of 128 tokens), 8 layers on 2 stages, remat=none: from 2 to 16 microbatches
     GPipe's compiled temp grows with every tick's residuals (79 -> 334 MB); 1F1B's holds min(2p - 1, M) = 3
@@ -178,6 +179,7 @@ def test_1f1b_memory_is_flat_in_the_microbatches():
     assert temps[ONE_F_ONE_B, True, 1, 2] < gpipe[0] / 2
 
 
+@pytest.mark.memory_plan
 @pytest.mark.parametrize("name, pipe, data, model, micro, seq, dropout, remat, recompute, choice", [
     ("gpt", 2, 2, 2, 4, 32, 0.0, "none", False, None), ("gpt", 2, 2, 2, 4, 128, 0.1, "none", False, None),
     ("gpt", 2, 2, 2, 4, 256, 0.1, "full", False, None), ("gpt", 2, 2, 2, 4, 128, 0.0, "selective", False, None),
@@ -193,6 +195,7 @@ def test_memory_planner_counts_1f1b(name, pipe, data, model, micro, seq, dropout
                                4 if name == "gpt" else 8)
 
 
+@pytest.mark.memory_plan
 @pytest.mark.parametrize("seq, dropout, remat, recompute, choice, layers", [
     (32, 0.0, "none", False, None, 8), (256, 0.1, "full", False, None, 8), (128, 0.0, "none", False, "sequence", 8),
     (128, 0.1, "none", True, None, 8),

@@ -112,6 +112,7 @@ def test_remat_gives_same_loss_and_gradients(policy):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.memory_plan
 @pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp"])
 def test_selective_recomputation_keeps_no_attention_matrix(fsdp):
     """remat=selective recomputes the attention core: the compiled backward keeps at least one (B, N, S, S) fp32
