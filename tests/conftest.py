@@ -6,10 +6,10 @@ import os
 
 # Compiling dominates the suite; the test programs mostly run in milliseconds. So the tests compile with
 # jax_disable_most_optimizations: LLVM at -O0 without its expensive passes. XLA's HLO passes (SPMD partitioning,
-# fusion, buffer assignment) all run as usual, so the collectives and the memory plans the tests read are those of
-# the production program (what this saves: bench/README.md). Numerics are unchanged up to rounding (no fast-math
-# flag moves). Tests that run many steps are marked `many_steps` and compile at COMPILE_FLAG's -O1 instead (at -O0
-# their steps run ~2x slower).
+# buffer assignment) all run as usual, so the collectives the tests read are those of the production program (what
+# this saves: bench/README.md); so are the memory plans, read in tests that compile with XLA:CPU's fusion emitters
+# (FAST_CODEGEN below). Numerics are unchanged up to rounding (no fast-math flag moves). Tests that run many steps
+# are marked `many_steps` and compile at COMPILE_FLAG's -O1 instead (at -O0 their steps run ~2x slower).
 COMPILE_FLAG = "--xla_backend_optimization_level=1"
 # XLA:CPU ends the process (SIGABRT) when a device waits 40 s at a collective for the other devices' threads: on a
 # loaded 2-core CI machine a pipelined step's stages (uneven work between permutes, 8 device threads, a second test

@@ -423,22 +423,17 @@ def test_memory_planner_counts_the_stages(name, pipe, data, model, micro, repeat
     residuals of its layers for one microbatch under GPipe, every tick's chunk input and one chunk's residuals under
     the circular schedule; the head on the stage's share of the batch) against XLA's plan of the same compiled steps
     (GPipe, all six circular ones, FSDP under both, sequence parallelism under GPipe for GPT, BERT and Llama and under
-    the circular schedule): state
-    exact (but the step's scalars), temp and peak within 10% but on one case where the formula undercounts the temp
-    by 11% (circular chunks of one layer with 4 stages and 2 model shards: ``UNDER``)."""
+    the circular schedule): state exact (but the step's scalars), temp and peak within 10%. (The circular case of
+    one-layer chunks on 4 stages x 2 model shards was 1.11 until the tick loop stopped keeping each tick's select
+    flag broadcast to an activation, ``pipeline._select``: 1.07; GPipe on 8 one-layer stages 0.90 until the planner
+    dropped the residuals' copy a layer scan makes: 0.95.)"""
     run = _run(name, pipe, data, model, micro, choice=choice, repeats=repeats)
     rows = 8 // data
     report = memory_report(run.spec, rows, num_micro=1)
     compiled = run_memory(run)
     assert compiled.state - report.state_bytes == 32  # step, the optimizer's counts, the loss scale, the key
-    under = (name, pipe, data, model, micro, repeats, choice) in UNDER
-    assert compiled.temp == pytest.approx(report.temp_bytes, rel=0.20 if under else 0.10)
-    assert compiled.peak == pytest.approx(report.peak_bytes, rel=0.20 if under else 0.10)
-
-
-# where the planner's temp undercounts the compiled one by more than 10% (compiled / formula 1.11, the peak 1.06;
-# before the circular stage counted its attention core's backward working set: 1.17, and (4,1,1) 1.12)
-UNDER = {("gpt", 4, 1, 2, 4, 2, None)}
+    assert compiled.temp == pytest.approx(report.temp_bytes, rel=0.10)
+    assert compiled.peak == pytest.approx(report.peak_bytes, rel=0.10)
 
 
 def test_a_circular_pipe_2_run_resumes_exactly_and_on_pipe_4_and_restores_on_pipe_1(tmp_path):

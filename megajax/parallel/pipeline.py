@@ -160,6 +160,31 @@ def _shift(x: Any, pairs: list[tuple[int, int]]) -> Any:
     return shift(x)
 
 
+@jax.custom_vjp
+def _select(flag: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``jnp.where(flag, a, b)`` whose gradient keeps ``flag`` as it is: autodiff of ``jnp.where`` keeps it
+    broadcast to ``a``'s shape, and inside the tick loop, for a flag that changes with the tick, a byte per element
+    of an activation for every tick (a quarter of the ticks' fp32 inputs again)."""
+    return jnp.where(flag, a, b)
+
+
+def _select_fwd(flag: jax.Array, a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return jnp.where(flag, a, b), flag
+
+
+def _select_bwd(flag: jax.Array, g: jax.Array) -> tuple[None, jax.Array, jax.Array]:
+    zeros = jnp.zeros_like(g)
+    return None, jnp.where(flag, g, zeros), jnp.where(flag, zeros, g)
+
+
+_select.defvjp(_select_fwd, _select_bwd)
+
+
+def _choose(flag: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``_select`` for an activation; ``jnp.where`` for integer arguments (nothing to differentiate)."""
+    return _select(flag, a, b) if jnp.issubdtype(a.dtype, jnp.inexact) else jnp.where(flag, a, b)
+
+
 def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any, xs: jax.Array, args: Any,
         x_spec: P, args_spec: Any, scatter: P | None = None) -> jax.Array:
     """Runs the microbatches ``xs`` through the stages' chunks in order and returns their outputs, laid out as ``xs``.
@@ -205,7 +230,7 @@ def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any,
         # finished microbatch, another's output): its result is thrown away, and a value outside the layers' domain
         # there would make the gradient through it NaN. Masked inside the chunk, so a recomputed chunk keeps its
         # input as before, not a masked copy too
-        x = jnp.where(busy, x, jnp.zeros_like(x))
+        x = _select(busy, x, jnp.zeros_like(x))
         return stage_fn(jax.tree.map(lambda a: a[r] if v > 1 else a[0], params), x, args)
 
     if v > 1:  # each tick's chunk is a slice of the parameters that depends on the tick
@@ -216,7 +241,7 @@ def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any,
         column = jax.tree.map(lambda a: a[:, t % k_cols], io)
         fresh = column
         if v > 1:  # rounds after the first take what came back round the ring (slot t mod M)
-            fresh = jax.tree.map(lambda a, b: jnp.where(t < num_micro, a, b[:, t % num_micro]), column, held)
+            fresh = jax.tree.map(lambda a, b: _choose(t < num_micro, a, b[:, t % num_micro]), column, held)
         x, x_args = pin(jax.tree.map(lambda a, b: jnp.where(at(first, a), a, b), fresh, current), on_stages)
         item = t - stage
         busy = (item >= 0) & (item < v * num_micro)
@@ -230,8 +255,8 @@ def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any,
         if v > 1:  # the item the last stage finished, now at stage 0, waits in its slot for its next round
             done = t - (p - 1)
             slot = done % num_micro
-            held = pin(jax.tree.map(lambda h, m: h.at[:, slot].set(jnp.where(at(first & (done >= 0), m), m,
-                                                                             h[:, slot])), held, moved), in_io)
+            held = pin(jax.tree.map(lambda h, m: h.at[:, slot].set(_choose(at(first & (done >= 0), m), m,
+                                                                           h[:, slot])), held, moved), in_io)
         return (moved, io, held), None
 
     io = pin((xs, args), in_io)

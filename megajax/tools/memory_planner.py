@@ -206,8 +206,10 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
         kept = layer_residual_bytes(run, rows, remat, gpu=gpu)
         layers = ticks * m.num_layers // p * (kept + dropped_probability_bytes(run, rows, remat, gpu))
         # a tick's backward works on a copy of its layers' residuals, sliced out of the ticks' stack, beside one
-        # layer's backward working set (its residuals again, or the recomputed layer's)
-        tick = (m.num_layers // p) * kept + (recompute or kept)
+        # layer's backward working set (its residuals again, or the recomputed layer's); a stage of one layer runs
+        # without a layer scan and makes no copy (GPT on 8 stages: compiled / formula 0.90 with the copy, 0.95 without)
+        per_stage = m.num_layers // p
+        tick = (per_stage * kept if per_stage > 1 else 0) + (recompute or kept)
         return Activations(layers, head_bytes(run, micro_batch // p, gpu), tick)
     recompute = attention_backward_bytes(run, micro_batch, gpu)
     if m.remat in ("full", "save_dots"):
