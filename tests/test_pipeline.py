@@ -169,6 +169,28 @@ def test_idle_ticks_compute_on_zeros(num_micro, repeats):
     np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-5)
 
 
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_the_tick_loop_keeps_no_per_tick_flag_of_an_activations_shape(repeats):
+    """The selects on a flag that changes with the tick (an idle tick's input zeroed; the circular schedule's
+    returning item kept) keep only the flag for the backward pass (``pipeline._select``): the compiled gradient holds
+    no boolean stack of T activations (autodiff of ``jnp.where`` kept the flag broadcast to the activation, a byte per
+    element on every tick: 11% of a circular stage's compiled temp on (4,1,2))."""
+    p, num_micro = 2, 4
+    mesh = make_mesh(1, 1, jax.devices()[:p], pipe=p)
+    ticks = pipeline.ticks(num_micro, p, repeats)
+
+    def loss(weights, xs):
+        return pipeline.run(lambda w, x, args: x * w, weights.reshape(p, repeats),
+                            xs.reshape(p, -1, *xs.shape[1:]), None, P(), None).sum()
+
+    with jax.set_mesh(mesh):
+        text = jax.jit(jax.grad(loss)).lower(jax.numpy.ones(p * repeats), jax.numpy.ones((num_micro, 4, 3))) \
+            .compile().as_text()
+    shapes = [tuple(map(int, s.split(","))) for s in re.findall(r"pred\[([\d,]+)\]", text)]
+    stacks = [s for s in shapes if s[0] == ticks and math.prod(s[1:]) > 1]  # a per-stage flag per tick is fine
+    assert not stacks, f"per-tick boolean stacks of an activation's shape: {sorted(set(stacks))}"
+
+
 def test_layer_order_puts_each_stages_chunks_on_its_devices():
     """An independent count: chunk c of the model's p v chunks runs on stage c mod p, as its round c div p; the
     stack's positions of stage s (a contiguous block of L/p, what the ``pipe`` split gives it) hold exactly those
