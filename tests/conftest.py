@@ -98,6 +98,8 @@ def memory_plans() -> bool:
     """Whether this test compiles as train.py does (marked ``memory_plan``): a key for cached compiled runs, so
     that a test reading a memory plan never gets a run another test compiled without the fusion emitters."""
     return not _fast_codegen[0]
+
+
 with quiet_cuda_notices():  # the backends start here, once per test process
     jax.devices()
 
