@@ -1,8 +1,10 @@
 """Test setup: 8 simulated CPU devices (set before jax is imported) and shared small models."""
 
+import faulthandler
 import functools
 import gc
 import os
+import threading
 
 # Compiling dominates the suite; the test programs mostly run in milliseconds. So the tests compile with
 # jax_disable_most_optimizations: LLVM at -O0 without its expensive passes. XLA's HLO passes (SPMD partitioning,
@@ -185,6 +187,36 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Modules longest first (a stable sort: the tests of a module keep their order)."""
     items.sort(key=lambda item: -SLOWEST_FIRST.get(item.path.name, 0))
+
+
+# A test that runs longer than this has stalled: twice in CI a worker waited forever inside XLA:CPU's executor (every
+# runtime thread parked, no collective running) and the run sat until CI's 90-minute limit with no name on it. The
+# slowest test takes ~2 minutes on CI's contended 2 cores, module fixtures included.
+STALL_SECONDS = float(os.environ.get("MEGAJAX_TEST_STALL_SECONDS", 600))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    """Ends this test process when a test (setup, call and teardown) runs past STALL_SECONDS, after writing the test's
+    name and every thread's Python stack to the terminal: the run reports the test as crashed (pytest-xdist's worker
+    restart runs the rest of its module) instead of hanging. A stalled native wait cannot be interrupted."""
+    capture = item.config.pluginmanager.getplugin("capturemanager")
+
+    def stalled():
+        if capture is not None:
+            capture.suspend_global_capture(in_=True)
+        os.write(2, f"\n{item.nodeid} ran past {STALL_SECONDS:.0f} s (MEGAJAX_TEST_STALL_SECONDS): a stall; this "
+                    f"test process ends. Its threads' stacks:\n".encode())
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(70)
+
+    watchdog = threading.Timer(STALL_SECONDS, stalled)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        yield
+    finally:
+        watchdog.cancel()
 
 
 def host_batch(loader) -> dict:
