@@ -147,9 +147,7 @@ def relayout(a: jax.Array, saved: tuple[int, int], wanted: tuple[int, int]) -> j
     return jnp.swapaxes(natural.reshape(v, p, num_layers // (p * v), *rest), 0, 1).reshape(a.shape)
 
 
-# the named scopes of a scattered activation's transfers (``pipeline_1f1b.send_scattered``): round the ring, along
-# the io column
-RING_SCOPE, IO_SCOPE = "pipeline_ring", "pipeline_io"
+RING_SCOPE, IO_SCOPE = pipeline_1f1b.RING_SCOPE, pipeline_1f1b.IO_SCOPE  # a scattered transfer's named scopes
 
 
 def _shift(x: Any, pairs: list[tuple[int, int]]) -> Any:
@@ -445,12 +443,13 @@ def run_stack_1f1b(call: StackCall, tail: Tail, tail_params: Any, consts: Any, f
     loss computed by ``tail`` on the last stage as it finishes; returns (the tail's ``aux`` summed over the
     microbatches, the gradients of the stack's state, of ``tail_params``, of ``call.x``). ``fields``: the batch's
     fields (B, ...), each microbatch's rows travelling with it to the last stage. ``tail_params`` are copied per data
-    replica, as the layers (``_stages``), so their gradients too are summed over `data` once."""
+    replica, as the layers (``_stages``); their gradients, one per stage and copy, are summed over `pipe` and `data`
+    in one all-reduce (summed over the stages, then over the copies, XLA reduced each over its axis)."""
     plan = _stages(call)
     weights, pull_weights = jax.vjp(plan.copies, call.state)
     d = plan.replicas
     spread = lambda a: jnp.broadcast_to(a[None], (d, *a.shape))  # noqa: E731
-    copies, pull_tail = jax.vjp(lambda tree: jax.tree.map(spread, tree), tail_params)
+    copies = jax.tree.map(spread, tail_params)
 
     def stage_fn(w, keys, shared, h, args):  # w: (d, L/(p v), ...), keys (L/(p v),): one chunk of the stage's
         return plan.stage((w, keys), h, args, shared)
@@ -471,5 +470,6 @@ def run_stack_1f1b(call: StackCall, tail: Tail, tail_params: Any, consts: Any, f
     aux, dw, d_copies, dxs = pipeline_1f1b.run(stage_fn, tail_fn, weights, plan.keys, plan.shared, copies, consts,
                                                plan.xs, plan.args, jax.tree.map(plan.to_io, fields),
                                                parallel_context().pipeline_stage_recompute, scatter)
-    (d_state,), (d_tail,) = pull_weights(dw), pull_tail(d_copies)
+    # (stages, copies, ...) -> one dimension over pipe x data, summed
+    (d_state,), d_tail = pull_weights(dw), jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]).sum(0), d_copies)
     return aux, d_state, d_tail, constrain(plan.from_io(dxs), RESIDUAL)

@@ -51,6 +51,12 @@ from jax.sharding import PartitionSpec as P
 
 from megajax.parallel.sharding import MODEL_AXIS, PIPE_AXIS
 
+# named scopes round a tick's parts, for ``comm_budget``: an activation's (or its gradient's) transfer round the ring
+# of stages and along the io column (``send_scattered``'s, ``run``'s), and 1F1B's three halves, each run on its own
+# count of ticks per stage (a collective inside one runs on those ticks only)
+RING_SCOPE, IO_SCOPE = "pipeline_ring", "pipeline_io"
+FORWARD_SCOPE, TAIL_SCOPE, BACKWARD_SCOPE = "pipeline_forward", "pipeline_tail", "pipeline_backward"
+
 
 def ticks(num_micro: int, num_stages: int, num_repeats: int = 1) -> int:
     """The schedule's lockstep ticks, M v + (v + 1) p - 2 (M + 2p - 2 without chunks): the last forward reaches the
@@ -215,8 +221,9 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
     ``seed`` is what is differentiated (the loss contribution times its scale), ``aux`` is summed over the
     microbatches and returned. ``tail_params``, ``consts``: whole on every stage. ``xs``, ``args``, ``fields``:
     (p, K, mb, ...) split over ``pipe``, stage j's share holding microbatches j K .. j K + K - 1 (as
-    ``pipeline.run``). The gradients of ``tail_params`` are summed over the stages; those of ``weights`` and ``xs``
-    are laid out as their primals. ``recompute``: hold each microbatch's stage input instead of its residuals and run
+    ``pipeline.run``). The gradients of ``tail_params`` are returned per stage (leading p, split over ``pipe``: the
+    caller sums them, in one reduction with any other sum it needs); those of ``weights`` and ``xs`` are laid out as
+    their primals. ``recompute``: hold each microbatch's stage input instead of its residuals and run
     the stage's forward again in its backward. ``scatter``: one microbatch's layout (rows, seq, hidden) where each
     model shard sends its 1/t of the sequence of an activation or gradient across a stage boundary, all-gathered
     over ``model`` on arrival (``scattered``); None: all of it.
@@ -233,14 +240,15 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
     toward_first = [(s + 1, s) for s in range(p - 1)]
     ring_down = [(s, (s - 1) % p) for s in range(p)]
 
-    def cross(a: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:  # an activation or its gradient (rows,
-        # seq, hidden) to the stages ``pairs`` name: each model shard sends its 1 / scatter of the sequence, gathered
-        # again on arrival (manual over ``model``, so that XLA neither sends it whole nor carries the split on)
-        if scatter is None:
-            return jax.lax.ppermute(a, PIPE_AXIS, pairs)
-
-        return jax.shard_map(lambda b: _split_send_gather(b, pairs, 1), in_specs=scatter, out_specs=scatter,
-                             axis_names={MODEL_AXIS, *_axes(scatter)}, check_vma=False)(a)
+    def cross(a: jax.Array, pairs: list[tuple[int, int]], scope: str) -> jax.Array:  # an activation or its
+        # gradient (rows, seq, hidden) to the stages ``pairs`` name: each model shard sends its 1 / scatter of the
+        # sequence, gathered again on arrival (manual over ``model``, so that XLA neither sends it whole nor carries
+        # the split on)
+        with jax.named_scope(scope):
+            if scatter is None:
+                return jax.lax.ppermute(a, PIPE_AXIS, pairs)
+            return jax.shard_map(lambda b: _split_send_gather(b, pairs, 1), in_specs=scatter, out_specs=scatter,
+                                 axis_names={MODEL_AXIS, *_axes(scatter)}, check_vma=False)(a)
 
     def body(weights, keys, shared, tail_params, consts, xs, args, fields):
         own = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731  (this stage's block)
@@ -264,11 +272,13 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
         halves = _residuals(jax.checkpoint(stage) if recompute else stage, chunk(weights, 0), x0,
                             (args0, chunk(keys, 0)))
 
+        @jax.named_scope(FORWARD_SCOPE)
         def forward_half(x, a, held, slot, c):  # the chunk's output; the residuals its backward needs of this
             # microbatch written into their slot of the ring
             y, *kept = halves.forward(chunk(weights, c), x, (a, chunk(keys, c)))
             return y, [h.at[slot].set(r) for h, r in zip(held, kept, strict=True)]
 
+        @jax.named_scope(TAIL_SCOPE)
         def last_half(x, a, f):  # the last stage's last chunk: forward, tail, both backwards
             c_keys = chunk(keys, v - 1)
 
@@ -279,6 +289,7 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
             dw, dtp, dx = pull(jnp.ones_like(seed))
             return dw, dtp, dx, aux
 
+        @jax.named_scope(BACKWARD_SCOPE)
         def middle_half(kept, g, c):  # any other chunk: its backward from the residuals its forward kept
             dw, dx = halves.pullback(kept, halves.rest(chunk(weights, c)))(g)
             return dw, _zeros(tail_params), dx, aux0
@@ -323,8 +334,8 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
                                                           fl, kept_b, grad_in, c_b)
             permute = lambda tree, pairs: jax.tree.map(  # noqa: E731
                 lambda a: jax.lax.ppermute(a, PIPE_AXIS, pairs), tree)
-            inbox = (cross(y, forward), *permute((a, fl), forward))
-            grad_in = cross(dx, backward)
+            inbox = (cross(y, forward, RING_SCOPE), *permute((a, fl), forward))
+            grad_in = cross(dx, backward, RING_SCOPE)
 
             # the input column one stage towards stage 0, kept where stage 0 took from it; stage 0's input gradient
             # put in its column, which then turns one stage down the ring, kept where stage 0 gave one: microbatch
@@ -332,11 +343,11 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
             # a branch taken on some ticks stalled XLA:CPU's device threads under pytest); what they carry is kept
             # on M ticks each
             x_in, *rest = entry  # (the microbatch's input, its args and fields)
-            moved = (cross(x_in, toward_first), *permute(rest, toward_first))
+            moved = (cross(x_in, toward_first, IO_SCOPE), *permute(rest, toward_first))
             io = _where(takes, jax.tree.map(lambda a, c: a.at[col].set(c), io, moved), io)
             g_col = (m_out + 2 * (p - 1)) % k_cols
             g_entry = jnp.where(first, dx, io_grad[g_col])
-            io_grad = jnp.where(gives, io_grad.at[g_col].set(cross(g_entry, ring_down)), io_grad)
+            io_grad = jnp.where(gives, io_grad.at[g_col].set(cross(g_entry, ring_down, IO_SCOPE)), io_grad)
             return (inbox, grad_in, held, io, io_grad, dw_sum, dtp_sum, aux_sum), None
 
         held = [jnp.zeros((ring, *a.shape), a.dtype) for a in halves.shapes]
@@ -352,5 +363,4 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
     aux, dw, dtp, dxs = jax.shard_map(
         body, in_specs=(split, split, P(), P(), P(), split, split, split), out_specs=(split, split, split, split),
         axis_names={PIPE_AXIS}, check_vma=False)(weights, keys, shared, tail_params, consts, xs, args, fields)
-    total = lambda tree: jax.tree.map(lambda a: a.sum(0), tree)  # noqa: E731  (the stages' sums)
-    return total(aux), dw, total(dtp), dxs
+    return jax.tree.map(lambda a: a.sum(0), aux), dw, dtp, dxs
