@@ -9,6 +9,8 @@ gradients once; its temp grows with the microbatch count only by the microbatche
 their activations; the memory planner's estimate is within 10% of the compiled step's; stored configs from before
 the schedule field read their schedule from their repeats."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ from megajax.config.migrate import migrate_config
 from megajax.parallel import pipeline_1f1b
 from megajax.parallel.hlo_audit import collectives
 from megajax.parallel.sharding import make_mesh
+from megajax.tools.comm_budget import step_budget, step_shape
 from megajax.tools.memory_planner import memory_report, run_memory
 from megajax.training.loop import setup
 
@@ -66,15 +69,44 @@ def test_interleaved_1f1b_equals_the_plain_step(name, pipe, data, model, micro, 
     assert_same_step(*_step(name, pipe, data, model, micro, schedule=ONE_F_ONE_B, repeats=repeats, run=run), *want)
 
 
+@functools.cache
+def _recomputing_run(repeats: int = 1):
+    c = _config("gpt", 2, 2, 2, 4, schedule=ONE_F_ONE_B, gradient_step=True, remat="none", repeats=repeats)
+    c.model.dropout = 0.1
+    c.parallel.pipeline_stage_recompute = True
+    return setup(c)
+
+
 def test_1f1b_recomputing_the_stages_equals_the_plain_step():
     """``parallel.pipeline_stage_recompute``: the stage inputs held and each stage's forward run again in its
     backward, on (2,2,2) with 4 microbatches and dropout (its masks drawn again alike)."""
-    c = _config("gpt", 2, 2, 2, 4, schedule=ONE_F_ONE_B, gradient_step=True, remat="none")
-    c.model.dropout = 0.1
-    c.parallel.pipeline_stage_recompute = True
-    run = setup(c)
+    run = _recomputing_run()
     assert run.spec.parallel_context.pipeline_stage_recompute
     assert_same_step(*_step("gpt", 2, 2, 2, 4, run=run), *_step("gpt", 1, 1, 1, dropout=0.1))
+
+
+@pytest.mark.parametrize("name, pipe, data, model, micro, repeats, switches", [
+    ("gpt", 2, 2, 2, 4, 1, {}), ("bert", 2, 2, 2, 4, 1, {}), ("llama", 4, 1, 2, 8, 2, {}),
+    ("bert", 2, 1, 4, 2, 4, {}),  # chunks of one layer
+    ("bert", 2, 1, 4, 2, 1, dict(dropout=0.1)),  # each microbatch's row indices go with it
+    ("gpt", 2, 2, 2, 4, 1, dict(choice="fsdp")), ("gpt", 4, 2, 1, 4, 2, dict(dropout=0.1, remat="full")),
+    ("llama", 2, 1, 4, 4, 1, {}),  # its 2 key/value heads replicated over model=4
+    ("gpt", 2, 2, 2, 4, 0, {}),  # recomputing the stages (0 here: _recomputing_run)
+])
+def test_the_budget_counts_1f1b_exactly(name, pipe, data, model, micro, repeats, switches):
+    """``comm_budget`` beside the compiled 1F1B step on its last stage's device, every category exact: the layers'
+    all-reduces once per chunk and microbatch each way (idle halves skipped; the halves' collectives run on the ticks
+    the schedule gives them), again under remat=full and for the stages' recomputed chunks; the head's input gradient
+    and the loss's three all-reduces on every microbatch of the data shard (the last stage runs the tail); the
+    lookup's on the stage's share; four transfers per tick, the fields the loss reads going with the microbatch (GPT's
+    tokens, BERT's labels and weights, not its inputs); a tied word embedding's gradient reduced twice (the lookup's,
+    the head's) and under FSDP gathered twice; Llama's replicated key/value heads per backward chunk."""
+    run = _recomputing_run() if repeats == 0 else _run(name, pipe, data, model, micro, schedule=ONE_F_ONE_B,
+                                                        repeats=repeats, **switches)
+    budget, shape = step_budget(run), step_shape(run)
+    assert shape.pipe_1f1b and budget.compiled["pipeline point-to-point"] > 0
+    assert budget.compiled["other"] == 0
+    assert budget.compiled == budget.minimum
 
 
 @pytest.mark.parametrize("pipe, per_stage, repeats", [(2, 1, 1), (2, 3, 1), (4, 2, 1), (2, 1, 2), (2, 3, 3),

@@ -240,15 +240,13 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
     toward_first = [(s + 1, s) for s in range(p - 1)]
     ring_down = [(s, (s - 1) % p) for s in range(p)]
 
-    def cross(a: jax.Array, pairs: list[tuple[int, int]], scope: str) -> jax.Array:  # an activation or its
-        # gradient (rows, seq, hidden) to the stages ``pairs`` name: each model shard sends its 1 / scatter of the
-        # sequence, gathered again on arrival (manual over ``model``, so that XLA neither sends it whole nor carries
-        # the split on)
-        with jax.named_scope(scope):
-            if scatter is None:
-                return jax.lax.ppermute(a, PIPE_AXIS, pairs)
-            return jax.shard_map(lambda b: _split_send_gather(b, pairs, 1), in_specs=scatter, out_specs=scatter,
-                                 axis_names={MODEL_AXIS, *_axes(scatter)}, check_vma=False)(a)
+    def cross(a: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:  # an activation or its gradient (rows,
+        # seq, hidden) to the stages ``pairs`` name: each model shard sends its 1 / scatter of the sequence, gathered
+        # again on arrival (manual over ``model``, so that XLA neither sends it whole nor carries the split on)
+        if scatter is None:
+            return jax.lax.ppermute(a, PIPE_AXIS, pairs)
+        return jax.shard_map(lambda b: _split_send_gather(b, pairs, 1), in_specs=scatter, out_specs=scatter,
+                             axis_names={MODEL_AXIS, *_axes(scatter)}, check_vma=False)(a)
 
     def body(weights, keys, shared, tail_params, consts, xs, args, fields):
         own = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731  (this stage's block)
@@ -334,8 +332,9 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
                                                           fl, kept_b, grad_in, c_b)
             permute = lambda tree, pairs: jax.tree.map(  # noqa: E731
                 lambda a: jax.lax.ppermute(a, PIPE_AXIS, pairs), tree)
-            inbox = (cross(y, forward, RING_SCOPE), *permute((a, fl), forward))
-            grad_in = cross(dx, backward, RING_SCOPE)
+            with jax.named_scope(RING_SCOPE):  # the output one stage on, the input gradient one back
+                inbox = (cross(y, forward), *permute((a, fl), forward))
+                grad_in = cross(dx, backward)
 
             # the input column one stage towards stage 0, kept where stage 0 took from it; stage 0's input gradient
             # put in its column, which then turns one stage down the ring, kept where stage 0 gave one: microbatch
@@ -343,11 +342,13 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
             # a branch taken on some ticks stalled XLA:CPU's device threads under pytest); what they carry is kept
             # on M ticks each
             x_in, *rest = entry  # (the microbatch's input, its args and fields)
-            moved = (cross(x_in, toward_first, IO_SCOPE), *permute(rest, toward_first))
-            io = _where(takes, jax.tree.map(lambda a, c: a.at[col].set(c), io, moved), io)
             g_col = (m_out + 2 * (p - 1)) % k_cols
             g_entry = jnp.where(first, dx, io_grad[g_col])
-            io_grad = jnp.where(gives, io_grad.at[g_col].set(cross(g_entry, ring_down, IO_SCOPE)), io_grad)
+            with jax.named_scope(IO_SCOPE):
+                moved = (cross(x_in, toward_first), *permute(rest, toward_first))
+                g_moved = cross(g_entry, ring_down)
+            io = _where(takes, jax.tree.map(lambda a, c: a.at[col].set(c), io, moved), io)
+            io_grad = jnp.where(gives, io_grad.at[g_col].set(g_moved), io_grad)
             return (inbox, grad_in, held, io, io_grad, dw_sum, dtp_sum, aux_sum), None
 
         held = [jnp.zeros((ring, *a.shape), a.dtype) for a in halves.shapes]

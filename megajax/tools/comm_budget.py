@@ -81,6 +81,23 @@ With pipeline stages (``mesh.pipe`` = p > 1; ``megajax.parallel.pipeline``) the 
   stage runs them on its share, and the tied embedding's gradient is reduced with the other replicated
   parameters' (the ends' gradients over data x pipe, the stage's layers' over data).
 
+Under the 1F1B schedule (``parallel.pipeline_schedule=1f1b``; ``pipeline_1f1b``) the ends run apart: the embeddings
+on each stage's share, the tail (final norm, head, loss) on the last stage, microbatch by microbatch. Its devices
+differ, so the budget is the last stage's, which communicates what every stage does and the tail's share: a stage
+runs each chunk once per microbatch each way (T ticks, idle halves skipped: the audit counts a collective inside
+one of the halves' branches on the ticks the schedule runs it, ``_executions``), so per layer of the stage a
+all-reduces of m x s x h each way on each of the M microbatches (M L/p runs; ``remat=full`` r more; with
+``pipeline_stage_recompute`` a chunk's forward again in the backward of each of the M (v - 1) chunk-microbatches
+whose backward is not the tail's); the lookup's all-reduce on the stage's share (b/p rows); the head's input
+gradient and the loss's three all-reduces on each of the M microbatches (b rows, p times GPipe's per stage); per
+tick the four transfers as above, each microbatch carrying the batch fields the loss reads
+(``pipelined.tail_fields``: GPT's tokens, BERT's labels and weights) along the ring and the io column; the tail's
+gradients reduced over data x pipe once, and a tied word embedding's (``TransformerConfig.output_tied``) twice, the
+lookup's and the head's, as Megatron-LM reduces its embedding group's (under FSDP it is gathered twice too). With
+one-layer chunks under ``remat=full`` XLA names some forward all-reduces of the fused tail after the recomputation
+it merged with them, so the forward and backward categories trade bytes (measured on (4,1,2), v = 2: 0.76 / 1.14;
+their sum exact). Not counted yet: sequence parallelism under 1F1B (``check_countable``).
+
 A mixture of experts (``TransformerConfig.routed_experts``: E experts, k per token; ``models/moe.py``) adds, per
 micro-batch and routed layer (``routed_layers``: all of them but Qwen3-MoE's dense ones), with n = b x s x k
 assignments on one data (and expert) shard:
@@ -112,16 +129,19 @@ import math
 
 import jax
 import numpy as np
+from flax import nnx
 
 from megajax.config import RunSpec
+from megajax.config.build import abstract_model_of
 from megajax.errors import ConfigError
 from megajax.models import ModelSpec, TransformerConfig
 from megajax.models.transformer import STACK
 from megajax.parallel import pipeline, pipeline_1f1b
 from megajax.parallel.hlo_audit import Collective, collectives
 from megajax.parallel.partition import over_data
-from megajax.parallel.sharding import RESIDUAL, logical_to_spec, spec_axes
+from megajax.parallel.sharding import RESIDUAL, activate, logical_to_spec, spec_axes
 from megajax.tools.memory_planner import parameters
+from megajax.training import pipelined
 
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "pred": 1}
 CATEGORIES = ("tensor-parallel forward", "tensor-parallel backward", "loss", "data-parallel gradients",
@@ -165,6 +185,11 @@ class Shape:
     pipe_layers: int = 0  # layers a stage runs per tick, L/(p v)
     pipe_circular: bool = False  # the circular schedule (recomputes whole chunks)
     pipe_scatter: bool = False  # activations cross stage boundaries 1/t from each model shard, gathered on arrival
+    pipe_1f1b: bool = False  # the 1F1B schedule: counted on the last stage's device (it runs the tail)
+    pipe_micro: int = 0  # pipeline microbatches, M
+    pipe_repeats: int = 1  # chunks per stage, v
+    pipe_recompute: bool = False  # 1F1B's stages run a chunk's forward again in its backward
+    tied_elements: int = 0  # 1F1B: the word embedding's elements on a device where the output layer is it
     expert: int = 1  # expert shards (mesh.expert): data shards outside the routed layers
     expert_grad_elements: int = 0  # of local_grad_elements, the experts' (split over expert, reduced over data)
     num_experts: int = 0  # a mixture of experts' experts per layer (0: dense)
@@ -194,12 +219,22 @@ def minimum(shape: Shape) -> dict[str, int]:
         sent *= 2 if shape.pipe_scatter else 1
         out["pipeline point-to-point"] = sent + args
         out["pipeline inputs/outputs"] = sent + args
+    # 1F1B's last stage runs the tail (head, loss) on every microbatch of its data shard, p times a stage's share
+    tail = shape.pipe if shape.pipe_1f1b else 1
+    # a stage's layer runs each way: under 1F1B each chunk once per microbatch (its idle halves skipped), else on
+    # every tick; without stages each layer once
+    if shape.pipe_1f1b:
+        runs = shape.pipe_micro * shape.pipe_repeats * shape.pipe_layers
+    else:
+        runs = shape.pipe_ticks * shape.pipe_layers if shape.pipe > 1 else shape.layers
     if shape.tensor > 1 and shape.pipe > 1:
-        act, runs = b * s * h * shape.activation_bytes * n, shape.pipe_ticks * shape.pipe_layers
+        act = b * s * h * shape.activation_bytes * n
         if shape.pipe_circular:  # per tick: the chunk's all-reduces but its last
             recompute = shape.pipe_ticks * (a * shape.pipe_layers - 1)
         else:
             recompute = r * runs if shape.remat in ("full", "save_dots") else 0
+        if shape.pipe_recompute:  # the chunks whose backward is not the tail's: their forward again
+            recompute += a * shape.pipe_micro * (shape.pipe_repeats - 1) * shape.pipe_layers
         if shape.sequence:  # each all-reduce -> a reduce-scatter + an all-gather of one shard
             pairs = 2 * (a * runs * tick + act) // split
             if shape.pipe_circular:  # the recomputed chunk's all-reduces are pairs too
@@ -214,8 +249,8 @@ def minimum(shape: Shape) -> dict[str, int]:
             out["sequence-parallel extra"] = per_tick * 4 * n
         else:
             out["tensor-parallel forward"] = a * runs * tick + act
-            out["tensor-parallel backward"] = (a * runs + recompute) * tick + act
-        out["loss"] = 3 * b * s * 4 * n
+            out["tensor-parallel backward"] = (a * runs + recompute) * tick + tail * act
+        out["loss"] = 3 * tail * b * s * 4 * n
     elif shape.tensor > 1:
         act = b * s * h * shape.activation_bytes * n
         if shape.sequence:  # each all-reduce -> a reduce-scatter + an all-gather of one shard
@@ -232,11 +267,11 @@ def minimum(shape: Shape) -> dict[str, int]:
     if shape.tensor > 1:
         # per layer: the grouped all-reduce of the shard's head, the all-gather of one head per group (fp32); under
         # stages, per stage-tick of each of its layers (the stage reduces its head's gradient on every tick)
-        runs = shape.pipe_ticks * shape.pipe_layers if shape.pipe > 1 else shape.layers
         out["replicated key/value heads"] = 2 * runs * shape.kv_head_elements * 4 * n
     # the dense parameters' gradients reduced over the batch's shards (data x expert x pipe), the experts' over
     # data, the stage's layers' over data (x context)
-    dense = shape.local_grad_elements - shape.expert_grad_elements - shape.stage_grad_elements
+    # (1F1B: a tied word embedding's again, the head's gradient reduced apart from the lookup's)
+    dense = shape.local_grad_elements - shape.expert_grad_elements - shape.stage_grad_elements + shape.tied_elements
     out["data-parallel gradients"] = 4 * ((dense if shape.data * shape.expert * shape.context * shape.pipe > 1 else 0)
                                           + (shape.expert_grad_elements if shape.data > 1 else 0)
                                           + (shape.stage_grad_elements if shape.data * shape.context > 1 else 0))
@@ -267,12 +302,18 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
     tokens = shape.micro_batch * shape.seq
     out, scalars = dict.fromkeys(CATEGORIES, 0), 0
     for c in colls:
+        c = dataclasses.replace(c, executions=_executions(c, shape))
         if c.elements == 1:
             scalars += c.executions
             continue
         size = c.shard_elements * DTYPE_BYTES.get(c.dtype, 4) * c.executions
         over_model = c.axes == {"model"}
-        if shape.pipe_scatter and c.op == "all-gather" and over_model and (pipeline.RING_SCOPE in c.op_name or
+        if shape.pipe_1f1b and c.axes == {"pipe"} and c.op == "collective-permute":  # ring or io, by its scope
+            out["pipeline point-to-point" if pipeline.RING_SCOPE in c.op_name else "pipeline inputs/outputs"] += size
+        elif shape.pipe_1f1b and over_model and c.op == "all-reduce" and pipeline_1f1b.TAIL_SCOPE in c.op_name \
+                and c.elements == shape.pipe_rows * shape.seq:
+            out["loss"] += size  # a microbatch's (m, s) on the last stage
+        elif shape.pipe_scatter and c.op == "all-gather" and over_model and (pipeline.RING_SCOPE in c.op_name or
                                                                            pipeline.IO_SCOPE in c.op_name):
             # a scattered activation gathered after its stage boundary
             out["pipeline point-to-point" if pipeline.RING_SCOPE in c.op_name else "pipeline inputs/outputs"] += size
@@ -323,6 +364,21 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
         else:
             out["other"] += size
     return out, scalars
+
+
+def _executions(c: Collective, shape: Shape) -> int:
+    """How often ``c`` runs on the device the budget counts. The audit counts a collective inside a conditional on
+    every pass of its loop; 1F1B's halves run on some ticks only: on the last stage, of its T ticks, M (v - 1) run a
+    chunk's forward and as many a chunk's backward, M the last chunk's forward, tail and backward."""
+    if not shape.pipe_1f1b:
+        return c.executions
+    m, v = shape.pipe_micro, shape.pipe_repeats
+    for scope, runs in ((pipeline_1f1b.TAIL_SCOPE, m), (pipeline_1f1b.FORWARD_SCOPE, m * (v - 1)),
+                        (pipeline_1f1b.BACKWARD_SCOPE, m * (v - 1))):
+        if scope in c.op_name:
+            assert c.executions % shape.pipe_ticks == 0, c
+            return c.executions // shape.pipe_ticks * runs
+    return c.executions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,12 +434,12 @@ def step_budget(run) -> Budget:
 
 def check_countable(spec) -> None:
     """Raises ConfigError for a run (its ``RunSpec``) whose communication the budget does not count yet: context
-    shards under pipeline stages, the 1F1B schedule (the step itself is right; its permutes and single gradient
-    reductions are checked by tests/test_pipeline_1f1b.py)."""
-    if spec.pipe > 1 and spec.pipeline_schedule == pipeline.ONE_F_ONE_B:
-        raise ConfigError("the communication budget does not count the 1F1B pipeline schedule yet (its ends run "
-                          "on the last stage, microbatch by microbatch); read the budget of the same mesh with "
-                          "parallel.pipeline_schedule=gpipe, whose layers communicate alike")
+    shards under pipeline stages, sequence parallelism under the 1F1B schedule (the step itself is right: its
+    permutes and single gradient reductions are checked by tests/test_pipeline_1f1b.py)."""
+    if spec.pipe > 1 and spec.pipeline_schedule == pipeline.ONE_F_ONE_B and spec.sequence:
+        raise ConfigError("the communication budget does not count sequence parallelism under the 1F1B schedule "
+                          "yet; read the budget of the same mesh with parallel.sequence=False, or with "
+                          "parallel.pipeline_schedule=gpipe")
     if spec.pipe > 1 and spec.context > 1:
         raise ConfigError("the communication budget does not count context shards under pipeline stages yet (each "
                           "stage-tick's key/value all-gathers on a microbatch); drop mesh.pipe or mesh.context to "
@@ -430,7 +486,20 @@ def step_shape(run) -> Shape:
                  context_kv_elements=spec.micro_batch * cfg.max_seq_len // c * kv_local * cfg.head_dim
                  if c > 1 else 0, context_key_bytes=(8 if spec.dataset is not None and spec.dataset.packed else 4)
                  if model.causal_lm else 1,
-                 stage_grad_elements=stage if spec.pipe > 1 else 0, **_pipeline_shape(spec))
+                 stage_grad_elements=stage if spec.pipe > 1 else 0, tied_elements=tied_elements(spec, model),
+                 **_pipeline_shape(spec, run.mesh))
+
+
+def tied_elements(spec: RunSpec, model: ModelSpec) -> int:
+    """Under the 1F1B schedule, where the output layer over the vocabulary is the word embedding
+    (``TransformerConfig.output_tied``), that embedding's elements on a device: its gradient is reduced twice, the
+    lookup's (every stage's share of the batch) and the head's (the last stage's tail, inside the tick loop), as
+    Megatron-LM reduces its embedding group's; 0 otherwise."""
+    cfg = spec.model
+    if spec.pipe == 1 or spec.pipeline_schedule != pipeline.ONE_F_ONE_B or not cfg.output_tied or \
+            not model.head_memory.vocab_logit_copies:
+        return 0
+    return cfg.padded_vocab_size * cfg.hidden_size // spec.tensor
 
 
 def head_norm_elements(run: RunSpec) -> int:
@@ -454,7 +523,7 @@ def data_gradient_elements(cfg: TransformerConfig, local: int, layers: int, kv_h
     return local - layers * kv_head * (cfg.kv_heads - 1) if kv_head else local
 
 
-def _pipeline_shape(spec) -> dict[str, int | bool]:
+def _pipeline_shape(spec: RunSpec, mesh: jax.sharding.Mesh) -> dict[str, int | bool]:
     """The pipeline schedule's part of ``Shape`` (nothing without stages)."""
     p, v = spec.pipe, spec.pipeline_repeats
     if p == 1:
@@ -466,19 +535,38 @@ def _pipeline_shape(spec) -> dict[str, int | bool]:
     packed = spec.dataset is not None and spec.dataset.packed
     per_position = (8 if packed else 0) if spec.model_spec.causal_lm else 1
     arg_bytes = (4 if spec.model.dropout > 0 and rows > 1 else 0) + per_position * spec.model.max_seq_len
+    one_f_one_b = spec.pipeline_schedule == pipeline.ONE_F_ONE_B
+    if one_f_one_b:  # the rows' fields the loss reads go with the microbatch too, to the last stage's tail (but
+        # a scalar, outside the ratio: one row's label)
+        fields = spec.batch_fields
+        arg_bytes += sum(math.prod(fields[k].row_shape) * np.dtype(fields[k].dtype).itemsize
+                         for k in _tail_fields(spec, fields, mesh) if rows * math.prod(fields[k].row_shape) > 1)
     # Megatron's scatter/gather at the boundary, where the step does it (asked as the step asks)
     mesh_shape = dict(data=spec.data, model=spec.tensor, pipe=p, expert=spec.expert, context=spec.context)
     scatter = pipeline_1f1b.scattered(logical_to_spec(RESIDUAL, spec.rules), spec.model.max_seq_len,
                                       mesh_shape) is not None
-    return dict(pipe=p, pipe_ticks=pipeline.ticks(micro, p, v), pipe_rows=rows, pipe_arg_bytes=arg_bytes,
-                pipe_layers=spec.model.num_layers // (p * v), pipe_circular=v > 1, pipe_scatter=scatter)
+    ticks = pipeline_1f1b.ticks(micro, p, v) if one_f_one_b else pipeline.ticks(micro, p, v)
+    return dict(pipe=p, pipe_ticks=ticks, pipe_rows=rows, pipe_arg_bytes=arg_bytes,
+                pipe_layers=spec.model.num_layers // (p * v), pipe_circular=v > 1 and not one_f_one_b,
+                pipe_scatter=scatter, pipe_1f1b=one_f_one_b, pipe_micro=micro, pipe_repeats=v,
+                pipe_recompute=one_f_one_b and spec.pipeline_stage_recompute)
+
+
+def _tail_fields(spec: RunSpec, fields: dict, mesh: jax.sharding.Mesh) -> list[str]:
+    """The batch fields the model's loss reads besides its stack's output (``pipelined.tail_fields``)."""
+    graphdef, params = nnx.split(abstract_model_of(spec))
+    rows = spec.global_batch // spec.num_micro  # one accumulation micro-batch, every data shard's
+    batch = {k: jax.ShapeDtypeStruct((rows, *f.row_shape), f.dtype) for k, f in fields.items()}
+    with activate(mesh, spec.parallel_context):
+        return pipelined.tail_fields(spec.model_spec.objective, graphdef, params, batch)
 
 
 def gathered_shard_elements(run) -> int:
     """The parameter shards a step all-gathers over ``data``, as ZeRO and FSDP define it: with
     ``parallel.shard_optimizer`` (ZeRO-1) each updated parameter whose moments are split, once; with
     ``parallel.fsdp`` each split parameter twice, for the forward and again for the backward pass, or under pipeline
-    stages once (each stage's layers are gathered once per step, outside the tick loop, and kept)."""
+    stages once (each stage's layers are gathered once per step, outside the tick loop, and kept; under 1F1B a tied
+    word embedding twice, for the lookup and for the head)."""
     spec, total = run.spec, 0
     if spec.data == 1 or not spec.shard_optimizer:
         return 0
@@ -487,6 +575,8 @@ def gathered_shard_elements(run) -> int:
         stored = a.sharding if spec.fsdp else over_data(a.sharding, a.shape)
         if "data" in spec_axes(stored.spec):
             total += times * model_shard_elements(a) // spec.data
+    if spec.fsdp:  # 1F1B gathers a tied word embedding for the lookup and again for the head (its tail)
+        total += tied_elements(spec, spec.model_spec) // spec.data
     return total
 
 

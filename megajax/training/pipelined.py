@@ -78,6 +78,28 @@ def grads(objective: Objective, graphdef: nnx.GraphDef, params: Params, batch: B
     return jax.tree.unflatten(treedef, total), (loss, metrics)
 
 
+def tail_fields(objective: Objective, graphdef: nnx.GraphDef, params: Params, batch: Batch) -> list[str]:
+    """The batch fields the loss's tail reads (``grads``' tail, the stack's output given): what the 1F1B schedule
+    sends with each microbatch to the last stage (the rest, read by the ends alone, XLA drops from the tick loop).
+    Traced abstractly; call it on the run's mesh (``sharding.activate``)."""
+    names, out = sorted(batch), []
+
+    def trace(params: Params, batch: Batch) -> None:
+        with pipeline.handed_off() as hand, counts_recorded() as counts:
+            objective.loss(nnx.merge(graphdef, params), batch, None)
+        if hand.call is None:
+            raise ValueError("the 1F1B pipeline schedule needs a model whose layers run as a pipelined stack")
+
+        def tail(leaves: list[jax.Array]) -> jax.Array:
+            with pipeline.handed_in(hand.call.x), counts_given(counts.recorded):
+                return objective.loss(nnx.merge(graphdef, params), dict(zip(names, leaves)), None)[0]
+
+        out.extend(n for n, read in zip(names, _read(tail, [batch[n] for n in names]), strict=True) if read)
+
+    jax.eval_shape(trace, params, batch)
+    return out
+
+
 def _read(fn: Callable[[list[jax.Array]], jax.Array], leaves: list[jax.Array]) -> Iterator[bool]:
     """Whether ``fn``'s output depends on each of ``leaves`` (its jaxpr with the dead code removed: the model's
     embeddings run in the tail too, on values nothing reads)."""
