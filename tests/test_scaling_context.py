@@ -11,7 +11,7 @@ from conftest import run_on
 
 from megajax.cli import check_config_overrides, load_config
 from megajax.tools import scaling, scaling_context, scaling_plan
-from megajax.tools.comm_budget import minimum
+from megajax.tools.comm_minimum import minimum
 from megajax.tools.memory_planner import activations
 from megajax.tools.scaling import DGX_A100, DGX_H100, predict
 from megajax.tools.scaling_clusters import HALF, group_allreduce_s

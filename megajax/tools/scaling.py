@@ -11,7 +11,7 @@ megajax already describes it, never from a second description of the block:
   and model-parallel degree, so the mesh search builds each once);
 * model FLOPs: the spec's ``flops`` (the metrics' MFU numerator);
 * activations: the memory planner (``activations``: the spec's per-layer residuals and head);
-* tensor- and data-parallel communication: ``comm_budget.minimum`` of the spec's all-reduces per layer
+* tensor- and data-parallel communication: ``comm_minimum.minimum`` of the spec's all-reduces per layer
   (``ModelSpec.tensor_all_reduces``, ``recomputed_all_reduces``), the bytes the compiled step is audited against;
 * which model-parallel degrees fit the model: ``config.validate``'s checks of ``mesh.model``; whether key/value
   heads are replicated: ``TransformerConfig.kv_replicated``.
@@ -33,11 +33,11 @@ Per GPU, with t-way model, d-way data parallelism and p pipeline stages:
   cross-entropy, and AdamW once per step. The GEMM shapes' FLOPs add up to the spec's model FLOPs (tests pin it
   for GPT-2's ``transformer_flops`` and Llama's); a thin shard (h/t small) or the s x s GEMMs of narrow heads
   fall below the ridge and run at HBM speed: that is the model's GEMM efficiency as a function of size.
-* Tensor-parallel: ``comm_budget.minimum``'s all-reduces (aL + 1 of b x s x h each way, a the spec's
+* Tensor-parallel: ``comm_minimum.minimum``'s all-reduces (aL + 1 of b x s x h each way, a the spec's
   ``tensor_all_reduces``, GPT's 2; rL more with ``remat=full``, r its ``recomputed_all_reduces``, GPT's 1; 3
   per-token ones for the loss), each a ring in the node, ``2 (t-1)/t bytes / bandwidth + 2 (t-1) latency``, not
   overlapped (Megatron's f and g block the layer).
-* Data-parallel: ``comm_budget.minimum``'s gradient elements at ``grad_bytes``, all-reduced hierarchically (ring
+* Data-parallel: ``comm_minimum.minimum``'s gradient elements at ``grad_bytes``, all-reduced hierarchically (ring
   among the group's GPUs in a node, then across nodes on each GPU's share of the node's InfiniBand, 1/members of
   it per GPU); ``dp_overlap`` of it hides behind the backward pass.
 * Step = micro-batches x (compute + tensor-parallel) + optimizer + exposed data-parallel. TFLOP/s per GPU are
@@ -71,7 +71,7 @@ planner's (min(2 v p - 1, M v) chunk-microbatches' residuals, the tail's gradien
 each chunk-microbatch one forward more (the chunk's forward again in its backward, under the policy) and held chunk
 inputs instead of residuals.
 
-Tests pin ``transformer_flops`` and ``comm_budget.minimum`` equal to the compiled HLO's (ratio 1.00): the counted
+Tests pin ``transformer_flops`` and ``comm_minimum.minimum`` equal to the compiled HLO's (ratio 1.00): the counted
 work is megajax's; what this module adds is how long it takes.
 
 Counted, not fitted (Megatron-LM 2019's eager PyTorch step; a pass reads or writes the tensor once): b*s*h work
@@ -114,7 +114,7 @@ import functools
 
 from megajax.config import RunSpec, replanned
 from megajax.models.transformer import attention_reason
-from megajax.tools.comm_budget import minimum
+from megajax.tools.comm_minimum import minimum
 from megajax.tools.memory_planner import activations, tick_loop_gradient_bytes
 from megajax.tools.scaling_clusters import (  # noqa: F401 (the clusters are this module's API too)
     CLUSTERS,
@@ -240,7 +240,7 @@ def head_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster) -> flo
 
 
 def tensor_comm_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster, layers: int | None = None) -> float:
-    """Tensor-parallel all-reduces of one micro-batch (comm_budget.minimum's bytes, the model's spec's all-reduces
+    """Tensor-parallel all-reduces of one micro-batch (comm_minimum.minimum's bytes, the model's spec's all-reduces
     per layer), each a ring over ``tensor``; ``layers``: of that many layers (default the model's; 0: the ends')."""
     if tensor == 1:
         return 0.0

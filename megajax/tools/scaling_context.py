@@ -6,7 +6,7 @@ dense GEMMs, element-wise passes, attention scores (b a/t s/C s), head and tenso
 b/C sequences on one GPU, so ``scaling.predict`` times them at a micro-batch of b/C. Beyond that, per layer and
 micro-batch, the keys' and values' all-gathers over the context group (again where ``remat`` recomputes the layer)
 and their gradients' reduce-scatters: the communication budget's ``context key/value`` bytes
-(``comm_budget.minimum``, the compiled step's exactly), each collective half a hierarchical ring all-reduce of the C
+(``comm_minimum.minimum``, the compiled step's exactly), each collective half a hierarchical ring all-reduce of the C
 chunks over the group (``scaling_clusters.group_allreduce_s``; the group's GPUs are ``model`` apart, within a node
 where C x t fits one), not overlapped. The gradients are reduced over data x context. Not modelled: context with
 pipeline stages or expert shards (refused, as training refuses the first), and the balanced order's effect on a
@@ -16,7 +16,7 @@ causal kernel (XLA's dense attention computes the whole s/C x s block: the model
 from __future__ import annotations
 
 from megajax.config import RunSpec
-from megajax.tools.comm_budget import minimum
+from megajax.tools.comm_minimum import minimum
 from megajax.tools.scaling_clusters import HALF, Cluster, group_allreduce_s
 from megajax.tools.scaling_layout import comm_shape
 

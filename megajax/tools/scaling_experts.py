@@ -19,7 +19,7 @@ batch is split over data x expert), k of E experts per token, n = b s k assignme
   and their scatter back), 9 of n x h (the tokens gathered into it and the outputs gathered, ordered and weighted
   back) and 2.5 of e m x 2F/t (the gate and up outputs' padding, the SwiGLU product); backward twice,
   recomputation once more (as the dense layer's). At HBM bandwidth.
-* All-to-all (``expert_comm_s``): ``comm_budget.minimum``'s ``expert all-to-all`` bytes (the e m x h blocks there
+* All-to-all (``expert_comm_s``): ``comm_minimum.minimum``'s ``expert all-to-all`` bytes (the e m x h blocks there
   and back, forward and backward, and their expert ids; ``remat=full`` the forward's again), each an all-to-all
   over the e GPUs of an expert group (t apart on the mesh: NVLink among those in a node, InfiniBand for the rest),
   not overlapped: the experts wait for their rows and the layer for their outputs. The routing statistics as ring
@@ -39,7 +39,7 @@ them (``MoEConfig.check_mesh``), so the planner gives it none.
 from __future__ import annotations
 
 from megajax.config import RunSpec
-from megajax.tools.comm_budget import minimum
+from megajax.tools.comm_minimum import minimum
 from megajax.tools.scaling_clusters import HALF, Cluster, all_to_all_s, gemm_s, group_allreduce_s, ring_allreduce_s
 from megajax.tools.scaling_layout import comm_shape, layout
 

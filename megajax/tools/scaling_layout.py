@@ -16,7 +16,7 @@ from megajax.config import NO_SCHEDULE, RunSpec, replanned
 from megajax.errors import ConfigError
 from megajax.models.transformer import STACK
 from megajax.parallel.sharding import Rules, entry_axes, logical_to_spec
-from megajax.tools.comm_budget import Shape, data_gradient_elements, kv_head_elements
+from megajax.tools.comm_minimum import Shape, data_gradient_elements, kv_head_elements
 from megajax.tools.memory_planner import parameters
 from megajax.tools.scaling_clusters import HALF
 
