@@ -91,6 +91,8 @@ def test_1f1b_recomputing_the_stages_equals_the_plain_step():
     ("bert", 2, 1, 4, 2, 1, dict(dropout=0.1)),  # each microbatch's row indices go with it
     ("gpt", 2, 2, 2, 4, 1, dict(choice="fsdp")), ("gpt", 4, 2, 1, 4, 2, dict(dropout=0.1, remat="full")),
     ("llama", 2, 1, 4, 4, 1, {}),  # its 2 key/value heads replicated over model=4
+    ("gpt", 2, 1, 4, 2, 1, dict(choice="sequence")),
+    ("bert", 2, 1, 4, 4, 2, dict(choice="sequence")),  # the pooled first tokens, whole, on the tail's rows
     ("gpt", 2, 2, 2, 4, 0, {}),  # recomputing the stages (0 here: _recomputing_run)
 ])
 def test_the_budget_counts_1f1b_exactly(name, pipe, data, model, micro, repeats, switches):
@@ -100,7 +102,9 @@ def test_the_budget_counts_1f1b_exactly(name, pipe, data, model, micro, repeats,
     and the loss's three all-reduces on every microbatch of the data shard (the last stage runs the tail); the
     lookup's on the stage's share; four transfers per tick, the fields the loss reads going with the microbatch (GPT's
     tokens, BERT's labels and weights, not its inputs); a tied word embedding's gradient reduced twice (the lookup's,
-    the head's) and under FSDP gathered twice; Llama's replicated key/value heads per backward chunk."""
+    the head's) and under FSDP gathered twice; Llama's replicated key/value heads per backward chunk; under sequence
+    parallelism the pairs of one shard, the head's input gathered on the tail's rows, the tail's replicated
+    parameters' gradients summed over model on every microbatch, BERT's pooled tokens all-reduced there."""
     run = _recomputing_run() if repeats == 0 else _run(name, pipe, data, model, micro, schedule=ONE_F_ONE_B,
                                                         repeats=repeats, **switches)
     budget, shape = step_budget(run), step_shape(run)

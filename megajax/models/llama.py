@@ -85,10 +85,6 @@ class LlamaConfig(TransformerConfig):
     rope_original_max_len: int = 8192
     tie_embeddings: bool = False  # True: the output layer is the word embedding; False: its own vocab-parallel rows
 
-    @property
-    def output_tied(self) -> bool:
-        return self.tie_embeddings
-
     def __post_init__(self):
         super().__post_init__()
         if self.num_kv_heads < 0:

@@ -111,14 +111,6 @@ class TransformerConfig:
         return 0
 
     @property
-    def output_tied(self) -> bool:
-        """Whether the output layer over the vocabulary, where the model has one, is the word embedding (GPT-2's and
-        BERT's are; Llama's config chooses): under the 1F1B schedule its gradient is then reduced twice, as the
-        lookup's on every stage and the head's on the last (the communication budget counts both, as Megatron-LM's
-        embedding group does)."""
-        return True
-
-    @property
     def ffn_size(self) -> int:
         """The MLP's hidden width."""
         return self.ffn_hidden_size or self.mlp_ratio * self.hidden_size

@@ -43,7 +43,7 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
         if shape.pipe_1f1b and c.axes == {"pipe"} and c.op == "collective-permute":  # ring or io, by its scope
             out["pipeline point-to-point" if pipeline.RING_SCOPE in c.op_name else "pipeline inputs/outputs"] += size
         elif shape.pipe_1f1b and over_model and c.op == "all-reduce" and pipeline_1f1b.TAIL_SCOPE in c.op_name \
-                and c.elements == shape.pipe_rows * shape.seq:
+                and c.elements == shape.pipe_rows * shape.seq and c.shape[-2:] == (shape.pipe_rows, shape.seq):
             out["loss"] += size  # a microbatch's (m, s) on the last stage
         elif shape.pipe_scatter and c.op == "all-gather" and over_model and (pipeline.RING_SCOPE in c.op_name or
                                                                            pipeline.IO_SCOPE in c.op_name):
@@ -67,6 +67,9 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
         elif shape.sequence and c.op == "all-reduce" and over_model and c.phase == "forward" and \
                 c.elements == shape.pooled_rows * shape.hidden:
             out["tensor-parallel forward"] += size
+        elif shape.sequence and shape.pipe_1f1b and c.op == "all-reduce" and over_model and \
+                pipeline_1f1b.TAIL_SCOPE in c.op_name and c.shape[-3:] == (shape.pipe_rows, 1, shape.hidden):
+            out[f"tensor-parallel {c.phase}"] += size  # a microbatch's pooled first tokens, and their gradient
         elif shape.sequence and shape.pipe > 1 and c.op == "collective-permute" and over_model and \
                 c.phase == "backward" and c.elements == shape.pooled_rows * shape.hidden:
             out["tensor-parallel backward"] += size  # the pooled token's gradient back to the shard holding it
@@ -166,12 +169,7 @@ def step_budget(run) -> Budget:
 
 def check_countable(spec) -> None:
     """Raises ConfigError for a run (its ``RunSpec``) whose communication the budget does not count yet: context
-    shards under pipeline stages, sequence parallelism under the 1F1B schedule (the step itself is right: its
-    permutes and single gradient reductions are checked by tests/test_pipeline_1f1b.py)."""
-    if spec.pipe > 1 and spec.pipeline_schedule == pipeline.ONE_F_ONE_B and spec.sequence:
-        raise ConfigError("the communication budget does not count sequence parallelism under the 1F1B schedule "
-                          "yet; read the budget of the same mesh with parallel.sequence=False, or with "
-                          "parallel.pipeline_schedule=gpipe")
+    shards under pipeline stages."""
     if spec.pipe > 1 and spec.context > 1:
         raise ConfigError("the communication budget does not count context shards under pipeline stages yet (each "
                           "stage-tick's key/value all-gathers on a microbatch); drop mesh.pipe or mesh.context to "
@@ -183,6 +181,9 @@ def step_shape(run) -> Shape:
     all-reduces) and its parameters' layout."""
     spec, model = run.spec, run.spec.model_spec
     params = run.abstract_state.params
+    reads = one_f_one_b_reads(run)
+    # 1F1B: the tail's replicated parameters' gradients are summed over model on every microbatch
+    tail = {name: params[name] for name in reads.tail if name != STACK} if reads is not None else {}
     cfg = spec.model
     kv_head = kv_head_elements(cfg, spec.tensor)
     kv_weight = cfg.num_layers * kv_head * cfg.kv_heads  # replicated over model, reduced in its own category
@@ -218,20 +219,19 @@ def step_shape(run) -> Shape:
                  context_kv_elements=spec.micro_batch * cfg.max_seq_len // c * kv_local * cfg.head_dim
                  if c > 1 else 0, context_key_bytes=(8 if spec.dataset is not None and spec.dataset.packed else 4)
                  if model.causal_lm else 1,
-                 stage_grad_elements=stage if spec.pipe > 1 else 0, tied_elements=tied_elements(spec, model),
-                 **_pipeline_shape(spec, run.mesh))
+                 stage_grad_elements=stage if spec.pipe > 1 else 0, tied_elements=tied_elements(params, reads),
+                 sequence_tail_elements=sequence_grad_elements(tail, spec.tensor, model) if spec.sequence else 0,
+                 **_pipeline_shape(spec, reads))
 
 
-def tied_elements(spec: RunSpec, model: ModelSpec) -> int:
-    """Under the 1F1B schedule, where the output layer over the vocabulary is the word embedding
-    (``TransformerConfig.output_tied``), that embedding's elements on a device: its gradient is reduced twice, the
-    lookup's (every stage's share of the batch) and the head's (the last stage's tail, inside the tick loop), as
-    Megatron-LM reduces its embedding group's; 0 otherwise."""
-    cfg = spec.model
-    if spec.pipe == 1 or spec.pipeline_schedule != pipeline.ONE_F_ONE_B or not cfg.output_tied or \
-            not model.head_memory.vocab_logit_copies:
+def tied_elements(params: dict, reads: pipelined.Reads | None) -> int:
+    """Under the 1F1B schedule, the elements on a device of the parameters both its tail and its ends read (a tied
+    word embedding): their gradient is reduced twice, the lookup's (every stage's share of the batch) and the
+    head's (the last stage's tail, inside the tick loop), as Megatron-LM reduces its embedding group's; 0
+    otherwise."""
+    if reads is None:
         return 0
-    return cfg.padded_vocab_size * cfg.hidden_size // spec.tensor
+    return sum(model_shard_elements(a) for name in reads.tail & reads.ends for a in jax.tree.leaves(params[name]))
 
 
 def head_norm_elements(run: RunSpec) -> int:
@@ -241,8 +241,9 @@ def head_norm_elements(run: RunSpec) -> int:
     return sum(math.prod(p.shape) for p in parameters(run) if p.names == ("layers", "head_dim"))
 
 
-def _pipeline_shape(spec: RunSpec, mesh: jax.sharding.Mesh) -> dict[str, int | bool]:
-    """The pipeline schedule's part of ``Shape`` (nothing without stages)."""
+def _pipeline_shape(spec: RunSpec, reads: pipelined.Reads | None) -> dict[str, int | bool]:
+    """The pipeline schedule's part of ``Shape`` (nothing without stages); ``reads``: a 1F1B run's
+    (``one_f_one_b_reads``)."""
     p, v = spec.pipe, spec.pipeline_repeats
     if p == 1:
         return {}
@@ -253,12 +254,12 @@ def _pipeline_shape(spec: RunSpec, mesh: jax.sharding.Mesh) -> dict[str, int | b
     packed = spec.dataset is not None and spec.dataset.packed
     per_position = (8 if packed else 0) if spec.model_spec.causal_lm else 1
     arg_bytes = (4 if spec.model.dropout > 0 and rows > 1 else 0) + per_position * spec.model.max_seq_len
-    one_f_one_b = spec.pipeline_schedule == pipeline.ONE_F_ONE_B
+    one_f_one_b = reads is not None
     if one_f_one_b:  # the rows' fields the loss reads go with the microbatch too, to the last stage's tail (but
         # a scalar, outside the ratio: one row's label)
         fields = spec.batch_fields
         arg_bytes += sum(math.prod(fields[k].row_shape) * np.dtype(fields[k].dtype).itemsize
-                         for k in _tail_fields(spec, fields, mesh) if rows * math.prod(fields[k].row_shape) > 1)
+                         for k in reads.fields if rows * math.prod(fields[k].row_shape) > 1)
     # Megatron's scatter/gather at the boundary, where the step does it (asked as the step asks)
     mesh_shape = dict(data=spec.data, model=spec.tensor, pipe=p, expert=spec.expert, context=spec.context)
     scatter = pipeline_1f1b.scattered(logical_to_spec(RESIDUAL, spec.rules), spec.model.max_seq_len,
@@ -270,13 +271,17 @@ def _pipeline_shape(spec: RunSpec, mesh: jax.sharding.Mesh) -> dict[str, int | b
                 pipe_recompute=one_f_one_b and spec.pipeline_stage_recompute)
 
 
-def _tail_fields(spec: RunSpec, fields: dict, mesh: jax.sharding.Mesh) -> list[str]:
-    """The batch fields the model's loss reads besides its stack's output (``pipelined.tail_fields``)."""
-    graphdef, params = nnx.split(abstract_model_of(spec))
+def one_f_one_b_reads(run) -> pipelined.Reads | None:
+    """What a 1F1B run's tail and ends read (``pipelined.reads``); None for another schedule."""
+    spec = run.spec
+    if spec.pipe == 1 or spec.pipeline_schedule != pipeline.ONE_F_ONE_B:
+        return None
+    graphdef, _ = nnx.split(abstract_model_of(spec))
     rows = spec.global_batch // spec.num_micro  # one accumulation micro-batch, every data shard's
-    batch = {k: jax.ShapeDtypeStruct((rows, *f.row_shape), f.dtype) for k, f in fields.items()}
-    with activate(mesh, spec.parallel_context):
-        return pipelined.tail_fields(spec.model_spec.objective, graphdef, params, batch)
+    batch = {k: jax.ShapeDtypeStruct((rows, *f.row_shape), f.dtype) for k, f in spec.batch_fields.items()}
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), run.abstract_state.params)
+    with activate(run.mesh, spec.parallel_context):
+        return pipelined.reads(spec.model_spec.objective, graphdef, params, batch)
 
 
 def gathered_shard_elements(run) -> int:
@@ -294,7 +299,7 @@ def gathered_shard_elements(run) -> int:
         if "data" in spec_axes(stored.spec):
             total += times * model_shard_elements(a) // spec.data
     if spec.fsdp:  # 1F1B gathers a tied word embedding for the lookup and again for the head (its tail)
-        total += tied_elements(spec, spec.model_spec) // spec.data
+        total += tied_elements(run.abstract_state.params, one_f_one_b_reads(run)) // spec.data
     return total
 
 

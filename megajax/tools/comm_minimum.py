@@ -92,12 +92,14 @@ all-reduces of m x s x h each way on each of the M microbatches (M L/p runs; ``r
 whose backward is not the tail's); the lookup's all-reduce on the stage's share (b/p rows); the head's input
 gradient and the loss's three all-reduces on each of the M microbatches (b rows, p times GPipe's per stage); per
 tick the four transfers as above, each microbatch carrying the batch fields the loss reads
-(``pipelined.tail_fields``: GPT's tokens, BERT's labels and weights) along the ring and the io column; the tail's
-gradients reduced over data x pipe once, and a tied word embedding's (``TransformerConfig.output_tied``) twice, the
-lookup's and the head's, as Megatron-LM reduces its embedding group's (under FSDP it is gathered twice too). With
-one-layer chunks under ``remat=full`` XLA names some forward all-reduces of the fused tail after the recomputation
-it merged with them, so the forward and backward categories trade bytes (measured on (4,1,2), v = 2: 0.76 / 1.14;
-their sum exact). Not counted yet: sequence parallelism under 1F1B (``check_countable``).
+(``pipelined.reads``: GPT's tokens, BERT's labels and weights) along the ring and the io column; the tail's
+gradients reduced over data x pipe once, and those of what the tail and the ends both read (a tied word embedding)
+twice, the lookup's and the head's, as Megatron-LM reduces its embedding group's (under FSDP gathered twice too).
+With sequence parallelism the layers' pairs as above per run, the lookup's reduce-scatter on the stage's share and
+the head's all-gather on the tail's rows (and their transposes), and the tail's replicated parameters' gradients
+summed over model on every microbatch. With one-layer chunks under ``remat=full`` XLA names some forward
+all-reduces of the fused tail after the recomputation it merged with them, so the forward and backward categories
+trade bytes (measured on (4,1,2), v = 2: 0.76 / 1.14; their sum exact).
 
 A mixture of experts (``TransformerConfig.routed_experts``: E experts, k per token; ``models/moe.py``) adds, per
 micro-batch and routed layer (``routed_layers``: all of them but Qwen3-MoE's dense ones), with n = b x s x k
@@ -173,7 +175,8 @@ class Shape:
     pipe_micro: int = 0  # pipeline microbatches, M
     pipe_repeats: int = 1  # chunks per stage, v
     pipe_recompute: bool = False  # 1F1B's stages run a chunk's forward again in its backward
-    tied_elements: int = 0  # 1F1B: the word embedding's elements on a device where the output layer is it
+    tied_elements: int = 0  # 1F1B: elements on a device of what the tail and the ends both read (a tied embedding)
+    sequence_tail_elements: int = 0  # 1F1B: of sequence_grad_elements, the tail's (reduced on every microbatch)
     expert: int = 1  # expert shards (mesh.expert): data shards outside the routed layers
     expert_grad_elements: int = 0  # of local_grad_elements, the experts' (split over expert, reduced over data)
     num_experts: int = 0  # a mixture of experts' experts per layer (0: dense)
@@ -219,17 +222,20 @@ def minimum(shape: Shape) -> dict[str, int]:
             recompute = r * runs if shape.remat in ("full", "save_dots") else 0
         if shape.pipe_recompute:  # the chunks whose backward is not the tail's: their forward again
             recompute += a * shape.pipe_micro * (shape.pipe_repeats - 1) * shape.pipe_layers
-        if shape.sequence:  # each all-reduce -> a reduce-scatter + an all-gather of one shard
-            pairs = 2 * (a * runs * tick + act) // split
+        if shape.sequence:  # each all-reduce -> a reduce-scatter + an all-gather of one shard (the lookup's
+            # reduce-scatter and the head's input all-gather, on the tail's rows, and their transposes)
+            pairs = (2 * a * runs * tick + (1 + tail) * act) // split
             if shape.pipe_circular:  # the recomputed chunk's all-reduces are pairs too
                 redone = 2 * recompute
             else:  # as without stages: the recomputed forward's collectives, one shard each
                 redone = (a + r) * runs if shape.remat in ("full", "save_dots") else 0
-            pooled = shape.pooled_rows * h * shape.activation_bytes * n  # the pooled first token, whole, and back
+            # the pooled first token, whole, and back (1F1B: on the tail's rows)
+            pooled = tail * shape.pooled_rows * h * shape.activation_bytes * n
             out["tensor-parallel forward"] = pairs + pooled
             out["tensor-parallel backward"] = pairs + redone * tick // split + pooled
             # a stage sums its layers' replicated parameters' gradients over model on every tick
-            per_tick = shape.sequence_grad_elements + (runs - shape.layers) * shape.sequence_layer_elements
+            per_tick = (shape.sequence_grad_elements + (runs - shape.layers) * shape.sequence_layer_elements
+                        + (shape.pipe_micro - 1) * shape.sequence_tail_elements)  # (1F1B: the tail's, per microbatch)
             out["sequence-parallel extra"] = per_tick * 4 * n
         else:
             out["tensor-parallel forward"] = a * runs * tick + act

@@ -78,26 +78,48 @@ def grads(objective: Objective, graphdef: nnx.GraphDef, params: Params, batch: B
     return jax.tree.unflatten(treedef, total), (loss, metrics)
 
 
-def tail_fields(objective: Objective, graphdef: nnx.GraphDef, params: Params, batch: Batch) -> list[str]:
-    """The batch fields the loss's tail reads (``grads``' tail, the stack's output given): what the 1F1B schedule
-    sends with each microbatch to the last stage (the rest, read by the ends alone, XLA drops from the tick loop).
-    Traced abstractly; call it on the run's mesh (``sharding.activate``)."""
-    names, out = sorted(batch), []
+@dataclasses.dataclass(frozen=True)
+class Reads:
+    """What the 1F1B schedule's two ends read, by top-level parameter name and batch field."""
 
-    def trace(params: Params, batch: Batch) -> None:
+    fields: tuple[str, ...]  # the batch fields the tail reads: sent with each microbatch to the last stage
+    tail: frozenset[str]  # the parameters the tail reads (their gradients: the last stage's, every microbatch)
+    ends: frozenset[str]  # the parameters the stack's input is computed from (the embeddings)
+
+
+def reads(objective: Objective, graphdef: nnx.GraphDef, params: dict, batch: Batch) -> Reads:
+    """What ``grads``' tail (the loss with the stack's output given) and its ends (the stack's input) read of
+    ``params`` (a pure dict) and ``batch``; the rest of the fields, read by the ends alone, XLA drops from the tick
+    loop. Traced abstractly; call it on the run's mesh (``sharding.activate``)."""
+    names = sorted(batch)
+    leaves, treedef = jax.tree.flatten(params)
+    tops = [jax.tree_util.keystr(path[:1], simple=True) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+    out = {}
+
+    def trace(leaves: list[jax.Array], batch: Batch) -> None:
+        model = lambda own: nnx.merge(graphdef, jax.tree.unflatten(treedef, own))  # noqa: E731
         with pipeline.handed_off() as hand, counts_recorded() as counts:
-            objective.loss(nnx.merge(graphdef, params), batch, None)
+            objective.loss(model(leaves), batch, None)
         if hand.call is None:
             raise ValueError("the 1F1B pipeline schedule needs a model whose layers run as a pipelined stack")
 
-        def tail(leaves: list[jax.Array]) -> jax.Array:
+        def tail(own: list[jax.Array], rows: Batch) -> jax.Array:
             with pipeline.handed_in(hand.call.x), counts_given(counts.recorded):
-                return objective.loss(nnx.merge(graphdef, params), dict(zip(names, leaves)), None)[0]
+                return objective.loss(model(own), rows, None)[0]
 
-        out.extend(n for n, read in zip(names, _read(tail, [batch[n] for n in names]), strict=True) if read)
+        def stack_input(own: list[jax.Array]) -> jax.Array:
+            with pipeline.handed_off() as given:
+                objective.loss(model(own), batch, None)
+            return given.call.x
 
-    jax.eval_shape(trace, params, batch)
-    return out
+        by_field = _read(lambda own: tail(leaves, dict(zip(names, own, strict=True))), [batch[n] for n in names])
+        out["fields"] = tuple(n for n, read in zip(names, by_field, strict=True) if read)
+        out["tail"] = frozenset(t for t, read in zip(tops, _read(lambda own: tail(own, batch), leaves), strict=True)
+                                if read)
+        out["ends"] = frozenset(t for t, read in zip(tops, _read(stack_input, leaves), strict=True) if read)
+
+    jax.eval_shape(trace, leaves, batch)
+    return Reads(**out)
 
 
 def _read(fn: Callable[[list[jax.Array]], jax.Array], leaves: list[jax.Array]) -> Iterator[bool]:
