@@ -146,9 +146,13 @@ def word_embedding_grad_bytes(run: RunSpec) -> int:
     micro-batch 1: temp 0.87 -> 0.99 of the compiled). With ``full`` / ``save_dots`` the compiled peak comes later,
     in the layers' backward, after it is written (leaving it out there undercounts by 8-12%). Under context
     parallelism the compiled step writes it before the head's peak (gpt_tiny and llama_tiny at s=256, context 4:
-    the 2 MiB gradient was the whole gap, 1.12x). 0 for the task models, which have no output layer over the
-    vocabulary."""
-    if not run.model_spec.head_memory.vocab_output or run.model.remat in ("full", "save_dots") or run.context > 1:
+    the 2 MiB gradient was the whole gap, 1.12x). Under GPipe stages with any policy (the head's backward, on the
+    stage's share, ends before the tick loop's: an 8-layer GPT on (4,1,2) under ``full`` at s = 128 with 4x the
+    vocabulary, compiled temp +1.50 MB for the head's +1.57 MB, this gradient the difference). 0 for the task
+    models, which have no output layer over the vocabulary."""
+    gpipe = run.pipe > 1 and run.pipeline_schedule == pipeline.GPIPE
+    if not run.model_spec.head_memory.vocab_output or run.context > 1 or \
+            (run.model.remat in ("full", "save_dots") and not gpipe):
         return 0
     rows = run.model.padded_vocab_size // run.tensor
     return FP32 * rows * run.model.hidden_size // (run.data if run.shard_optimizer else 1)
@@ -206,10 +210,14 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
         kept = layer_residual_bytes(run, rows, remat, gpu=gpu)
         layers = ticks * m.num_layers // p * (kept + dropped_probability_bytes(run, rows, remat, gpu))
         # a tick's backward works on a copy of its layers' residuals, sliced out of the ticks' stack, beside one
-        # layer's backward working set (its residuals again, or the recomputed layer's); a stage of one layer runs
-        # without a layer scan and makes no copy (GPT on 8 stages: compiled / formula 0.90 with the copy, 0.95 without)
+        # layer's backward working set (its residuals again, or the recomputed layer's, and the attention core's);
+        # a stage of one layer runs without a layer scan and makes no copy (GPT on 8 stages: compiled / formula 0.90
+        # with the copy, 0.95 without), nor does a stage that keeps its dropped probabilities apart (measured on
+        # 4- and 8-layer GPTs on (2,2,2) and (4,1,2) at s = 128 and 256 under none with dropout: 0.83 to 0.90 with
+        # the copy, 0.89 to 1.02 without; without dropout 0.99 with it, 0.86 without)
         per_stage = m.num_layers // p
-        tick = (per_stage * kept if per_stage > 1 else 0) + (recompute or kept)
+        copy = per_stage > 1 and not dropped_probability_bytes(run, rows, remat, gpu)
+        tick = (per_stage * kept if copy else 0) + (recompute or kept) + attention_backward_bytes(run, rows, gpu)
         return Activations(layers, head_bytes(run, micro_batch // p, gpu), tick)
     recompute = attention_backward_bytes(run, micro_batch, gpu)
     if m.remat in ("full", "save_dots"):
@@ -394,6 +402,7 @@ class MemoryReport:
     expert: int = 1  # expert shards: data shards outside a mixture of experts' routed layers
     context: int = 1  # context shards: each device holds s / C positions of every sequence
     rough: str = ""  # where the estimate is known to miss the compiled step by more than 10%: by how much, measured
+    tick_loop_after_head: bool = False  # GPipe: the stage's sums are not live yet at the head's peak (it is first)
 
     @property
     def total_bytes(self) -> int:
@@ -410,11 +419,15 @@ class MemoryReport:
         """What the step allocates besides its arguments (compare ``CompiledMemory.temp``): the gradients and the
         layers' activations, then the larger of the head at the start of the backward pass (before the tied word
         embedding's gradient is written) and one recomputed layer, each with what FSDP gathers for it; with
-        pipeline stages, the tick loop's sums of the stage's layer gradients (two under GPipe, one circular)."""
+        pipeline stages, the tick loop's sums of the stage's layer gradients (two under GPipe, one circular) beside a
+        tick's backward, and beside the head but under GPipe (whose head's backward ends before the tick loop's
+        starts: an 8-layer GPT on (2,2,2) and (4,1,2) under ``full`` at s = 64, compiled / formula 0.85 and 0.80
+        with them there, 0.97 without)."""
         a = self.activations
         head = a.head - self.late_grad_bytes + self.gathered_head_bytes
-        recompute = a.recompute + self.gathered_layer_bytes if a.recompute else 0
-        return self.step_grad_bytes + self.stage_grad_bytes + a.layers + max(head, recompute) + self.workspace_bytes
+        head += 0 if self.tick_loop_after_head else self.stage_grad_bytes
+        recompute = a.recompute + self.gathered_layer_bytes + self.stage_grad_bytes if a.recompute else 0
+        return self.step_grad_bytes + a.layers + max(head, recompute) + self.workspace_bytes
 
     @property
     def peak_bytes(self) -> int:
@@ -548,7 +561,8 @@ def memory_report(run: RunSpec, micro_batch: int | None = None, num_micro: int |
     return MemoryReport(total, local, FP32 * local, FP32 * local, optimizer, act.total, data, model, act,
                         gradient_bytes(local, data, zero, num_micro), batch, run.sequence, run.fsdp,
                         word_embedding_grad_bytes(run), head, layer, stage, pipe, GPU_GEMM_WORKSPACE if gpu else 0,
-                        run.model_spec.active_parameters(run.model, total), run.expert, run.context, _rough(run))
+                        run.model_spec.active_parameters(run.model, total), run.expert, run.context, _rough(run),
+                        tick_loop_after_head=pipe > 1 and run.pipeline_schedule == pipeline.GPIPE)
 
 
 def _rough(run: RunSpec) -> str:
