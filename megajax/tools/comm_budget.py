@@ -210,7 +210,7 @@ def step_shape(run) -> Shape:
                  if spec.sequence else 0, pooled_rows=model.pooled_rows * rows,
                  sequence_layer_elements=(sequence_grad_elements({STACK: params[STACK]}, spec.tensor, model)
                                           - kv_weight) // cfg.num_layers if spec.sequence and STACK in params else 0,
-                 gathered_shard_elements=gathered_shard_elements(run), kv_head_elements=kv_head,
+                 gathered_shard_elements=gathered_shard_elements(run, reads), kv_head_elements=kv_head,
                  expert=spec.expert, expert_grad_elements=expert_grad, num_experts=experts,
                  routed_rows=spec.micro_batch * cfg.max_seq_len // spec.context * per_token,
                  exchange_rows=cfg.exchange_rows(spec.micro_batch, spec.expert),
@@ -284,12 +284,13 @@ def one_f_one_b_reads(run) -> pipelined.Reads | None:
         return pipelined.reads(spec.model_spec.objective, graphdef, params, batch)
 
 
-def gathered_shard_elements(run) -> int:
+def gathered_shard_elements(run, reads: pipelined.Reads | None = None) -> int:
     """The parameter shards a step all-gathers over ``data``, as ZeRO and FSDP define it: with
     ``parallel.shard_optimizer`` (ZeRO-1) each updated parameter whose moments are split, once; with
     ``parallel.fsdp`` each split parameter twice, for the forward and again for the backward pass, or under pipeline
-    stages once (each stage's layers are gathered once per step, outside the tick loop, and kept; under 1F1B a tied
-    word embedding twice, for the lookup and for the head)."""
+    stages once (each stage's layers are gathered once per step, outside the tick loop, and kept; under 1F1B, given
+    its ``reads`` (``one_f_one_b_reads``), what both its tail and its ends read twice: a tied word embedding, for the
+    lookup and for the head)."""
     spec, total = run.spec, 0
     if spec.data == 1 or not spec.shard_optimizer:
         return 0
@@ -299,7 +300,7 @@ def gathered_shard_elements(run) -> int:
         if "data" in spec_axes(stored.spec):
             total += times * model_shard_elements(a) // spec.data
     if spec.fsdp:  # 1F1B gathers a tied word embedding for the lookup and again for the head (its tail)
-        total += tied_elements(run.abstract_state.params, one_f_one_b_reads(run)) // spec.data
+        total += tied_elements(run.abstract_state.params, reads) // spec.data
     return total
 
 
