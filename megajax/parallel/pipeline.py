@@ -443,8 +443,8 @@ def run_stack_1f1b(call: StackCall, tail: Tail, tail_params: Any, consts: Any, f
     loss computed by ``tail`` on the last stage as it finishes; returns (the tail's ``aux`` summed over the
     microbatches, the gradients of the stack's state, of ``tail_params``, of ``call.x``). ``fields``: the batch's
     fields (B, ...), each microbatch's rows travelling with it to the last stage. ``tail_params`` are copied per data
-    replica, as the layers (``_stages``); their gradients, one per stage and copy, are summed over `pipe` and `data`
-    in one all-reduce (summed over the stages, then over the copies, XLA reduced each over its axis)."""
+    replica, as the layers (``_stages``); their gradients, one per stage and copy, are summed as one dimension over
+    `pipe` x `data`: one all-reduce (a sum over the stages, then one over the copies, compiled to one each)."""
     plan = _stages(call)
     weights, pull_weights = jax.vjp(plan.copies, call.state)
     d = plan.replicas
