@@ -208,16 +208,17 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
             return Activations(ticks * layer_residual_bytes(run, rows, "full", gpu=gpu)
                                + stage_mask_bytes(run, rows, gpu), head_bytes(run, micro_batch // p, gpu), recompute)
         kept = layer_residual_bytes(run, rows, remat, gpu=gpu)
-        layers = ticks * m.num_layers // p * (kept + dropped_probability_bytes(run, rows, remat, gpu))
+        layers = ticks * m.num_layers // p * kept
         # a tick's backward works on a copy of its layers' residuals, sliced out of the ticks' stack, beside one
         # layer's backward working set (its residuals again, or the recomputed layer's, and the attention core's);
         # a stage of one layer runs without a layer scan and makes no copy (GPT on 8 stages: compiled / formula 0.90
-        # with the copy, 0.95 without), nor does a stage that keeps its dropped probabilities apart (measured on
-        # 4- and 8-layer GPTs on (2,2,2) and (4,1,2) at s = 128 and 256 under none with dropout: 0.83 to 0.90 with
-        # the copy, 0.89 to 1.02 without; without dropout 0.99 with it, 0.86 without)
+        # with the copy, 0.95 without). With attention dropout under `none` the ticks' stacks hold the inventory
+        # (probabilities, dropped probabilities, masks) and nothing more: 13 GPipe steps of 4- and 8-layer GPTs on
+        # (2,1,1), (8,1,1), (2,2,2) and (4,1,2) at s = 32 to 256, 0.99 to 1.05 (a third probability-sized term per
+        # layer, counted until 2026-11-28, made them 0.84 to 1.09)
         per_stage = m.num_layers // p
-        copy = per_stage > 1 and not dropped_probability_bytes(run, rows, remat, gpu)
-        tick = (per_stage * kept if copy else 0) + (recompute or kept) + attention_backward_bytes(run, rows, gpu)
+        tick = (per_stage * kept if per_stage > 1 else 0) + (recompute or kept)
+        tick += attention_backward_bytes(run, rows, gpu)
         return Activations(layers, head_bytes(run, micro_batch // p, gpu), tick)
     recompute = attention_backward_bytes(run, micro_batch, gpu)
     if m.remat in ("full", "save_dots"):
@@ -269,18 +270,6 @@ def stage_mask_bytes(run: RunSpec, rows: int, gpu: bool = False) -> int:
     per_layer = m.num_heads * m.max_seq_len ** 2 * _rows(run, rows) * compute_bytes(run) // run.tensor
     chunks = run.pipeline_repeats if run.pipeline_schedule == pipeline.ONE_F_ONE_B else 1  # 1F1B: a chunk's
     return 2 * m.num_layers // (run.pipe * chunks) * per_layer
-
-
-def dropped_probability_bytes(run: RunSpec, rows: int, remat: str, gpu: bool = False) -> int:
-    """What a GPipe stage's tick keeps beyond the layer's inventory: with attention dropout and no recomputation of
-    the core, XLA keeps the dropped probabilities (the AV GEMM's input, compute dtype) apart from the probabilities
-    inside the stages' scan, where the traced gradient recomputes them from the two (gpt on pipe 2 x data 2 x model
-    2 with dropout 0.1: the compiled temp 1.06 and 1.18 of the formula at s = 128 and 256 without them, 0.93 and 0.96
-    with them)."""
-    m = run.model
-    if m.dropout == 0 or remat in ("full", "selective") or attention_for(run, gpu) != "xla":
-        return 0
-    return m.num_heads * m.max_seq_len ** 2 * rows * compute_bytes(run) // run.tensor
 
 
 def attention_backward_bytes(run: RunSpec, micro_batch: int, gpu: bool = False) -> int:
