@@ -217,33 +217,34 @@ def test_1f1b_memory_is_flat_in_the_microbatches():
 
 
 @pytest.mark.memory_plan
-@pytest.mark.parametrize("name, pipe, data, model, micro, seq, dropout, remat, recompute, choice", [
-    ("gpt", 2, 2, 2, 4, 32, 0.0, "none", False, None), ("gpt", 2, 2, 2, 4, 128, 0.1, "none", False, None),
-    ("gpt", 2, 2, 2, 4, 256, 0.1, "full", False, None), ("gpt", 2, 2, 2, 4, 128, 0.0, "selective", False, None),
-    ("llama", 2, 2, 2, 4, 64, 0.0, "full", False, None), ("gpt", 2, 2, 2, 4, 128, 0.0, "none", False, "sequence"),
-    ("gpt", 2, 2, 2, 4, 256, 0.1, "full", True, None), ("bert", 4, 1, 2, 8, 32, 0.0, "none", True, None),
-    ("gpt", 2, 2, 2, 4, 128, 0.0, "none", True, "sequence")])
-def test_memory_planner_counts_1f1b(name, pipe, data, model, micro, seq, dropout, remat, recompute, choice):
+@pytest.mark.parametrize("name, pipe, data, model, micro, seq, dropout, remat, recompute, choice, layers", [
+    ("gpt", 2, 2, 2, 4, 32, 0.0, "none", False, None, 4), ("gpt", 2, 2, 2, 4, 128, 0.1, "none", False, None, 4),
+    ("gpt", 2, 2, 2, 4, 256, 0.1, "full", False, None, 8), ("gpt", 2, 2, 2, 4, 128, 0.0, "selective", False, None, 4),
+    ("llama", 2, 2, 2, 4, 64, 0.0, "full", False, None, 8),
+    ("gpt", 2, 2, 2, 4, 128, 0.0, "none", False, "sequence", 4), ("gpt", 2, 2, 2, 4, 256, 0.1, "full", True, None, 4),
+    ("bert", 4, 1, 2, 8, 32, 0.0, "none", True, None, 8), ("gpt", 2, 2, 2, 4, 128, 0.0, "none", True, "sequence", 4)])
+def test_memory_planner_counts_1f1b(name, pipe, data, model, micro, seq, dropout, remat, recompute, choice, layers):
     """The planner's temp and peak for a 1F1B step (the held microbatches' stage residuals, or with the stages
     recomputed their inputs and one microbatch's residuals; a layer's backward, the head on one microbatch, the
-    tail's gradient sums; with dropout the stage's attention masks) within 10% of XLA's plan, s = 32 to 256, with
-    and without dropout, every remat policy, with sequence parallelism."""
-    _planner_within_10_percent(name, pipe, data, model, micro, seq, dropout, remat, recompute, choice, 1,
-                               4 if name == "gpt" else 8)
+    tail's gradient sums; with dropout a mask's bits) within 10% of XLA's plan, s = 32 to 256, with
+    and without dropout, every remat policy, with sequence parallelism. (8 layers under full with dropout at s = 256:
+    0.71 when the planner counted the stage's 2 L/p masks, whatever its layers; 1.04 with a mask's bits.)"""
+    _planner_within_10_percent(name, pipe, data, model, micro, seq, dropout, remat, recompute, choice, 1, layers)
 
 
 @pytest.mark.memory_plan
 @pytest.mark.parametrize("seq, dropout, remat, recompute, choice, layers", [
-    (32, 0.0, "none", False, None, 8), (256, 0.1, "full", False, None, 8), (128, 0.0, "none", False, "sequence", 8),
+    (32, 0.0, "full", False, None, 8), (256, 0.1, "full", False, None, 8), (128, 0.0, "none", False, "sequence", 8),
     (128, 0.1, "none", True, None, 8),
     (128, 0.0, "none", False, None, 4),  # chunks of one layer: no layer scan, one stack beyond the ring
 ])
 def test_memory_planner_counts_interleaved_1f1b(seq, dropout, remat, recompute, choice, layers):
     """Interleaved (2 chunks per stage), GPT on (2,2,2) with 4 microbatches: the ring of min(2 v p - 1, M v)
-    chunk-microbatches, the stage's gradient sums and one chunk's, a chunk's attention masks, within 10% (and a
-    Llama under full recomputation)."""
+    chunk-microbatches, two copies of the stage's gradient sums, a mask's bits, within 10% (and a Llama under full
+    recomputation). At s = 32 under full: 1.22 while each tick added a chunk's gradients by a dynamic update of the
+    stage's sums (a copy of them), 1.00 since it adds elementwise."""
     _planner_within_10_percent("gpt", 2, 2, 2, 4, seq, dropout, remat, recompute, choice, 2, layers)
-    if layers == 8 and remat == "full":
+    if layers == 8 and remat == "full" and dropout:
         _planner_within_10_percent("llama", 2, 2, 2, 4, 64, 0.0, "full", False, None, 2, 8)
 
 

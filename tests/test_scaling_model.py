@@ -340,7 +340,8 @@ def test_pipe_one_predicts_what_it_did_before_stages():
     """With one stage every term is the step's without the pipe dimension (values from before it existed)."""
     before = [  # (model, mesh, batch, cluster, micro, choices) -> step, compute, TP, DP, TFLOP/s, memory
         (("8.3B", (64, 8), DGX2H_V100, None, dict(remat="full")),
-         (2.379230791419276, 1.683842587195276, 0.2227884736, 0.47259973062400007, 22.63168633499039, 21859975168)),
+         # memory 21859975168 until a dropout mask's random bits were counted (2026-11-28)
+         (2.379230791419276, 1.683842587195276, 0.2227884736, 0.47259973062400007, 22.63168633499039, 22186500096)),
         (("1.2B", (4, 8), scaling.DGX_H100, 1, dict(remat="save_dots", sequence=True, shard_optimizer=True)),
          (4.521429044881942, 3.6542677668446086, 0.8450376226133334, 0.022123655423999994, 29.06735856141952,
           1996811264)),
@@ -562,16 +563,20 @@ def test_megajax_own_schedules_on_ptdp_rows():
     """megajax's own pipeline (GPipe, circular, or 1F1B plain or interleaved with full, selective or no
     recomputation, holding residuals or recomputing the chunks; the ends on each stage's share; 1F1B's stage
     boundary scattered over the model shards) on PTD-P Table 1's pipelined rows, the fastest that fits 80 GB.
-    Without sequence parallelism (the paper's setting) every row fits under interleaved 1F1B within 5% of the
-    published TFLOP/s (-4.6% to +1.7%; before interleaving, 5.5-21% below). With sequence parallelism (the stage
-    boundary's message and the held activations 1/t, beyond the paper) every row fits and is predicted 4-9% above
-    the published figures."""
+    Without sequence parallelism (the paper's setting) every row fits, five within 5% of the published TFLOP/s
+    (-4.6% to +1.5%; interleaved 1F1B or, at 76.1B, circular; before interleaving, 5.5-21% below) and the 1T row
+    5.4% below: interleaved 1F1B no longer fits it once the planner counts two copies of the stage's gradient sums
+    and a dropout mask's bits, as the compiled CPU steps hold them (it fitted at -2.9% before, 2026-11-28), so plain
+    1F1B runs. With sequence parallelism (the stage boundary's message and the held activations 1/t, beyond the
+    paper) every row fits and is predicted 4-9% above the published figures."""
     rows = {row.name: row for row in scaling_papers.PTDP_TABLE1}
     names = ("39.1B", "76.1B", "145.6B", "310.1B", "529.6B", "1008.0B")
     got = {name: scaling_papers.ptdp_megajax_prediction(rows[name], sequence=(False,)) for name in names}
     relative = {n: scaling_papers.ptdp_tflops(rows[n], p) / rows[n].tflops - 1 for n, p in got.items()}
-    assert all(got[n].fits and got[n].pipeline.schedule == "interleaved" for n in names)
-    assert all(abs(r) < 0.05 for r in relative.values()), relative
+    assert all(got[n].fits for n in names)
+    assert {got[n].pipeline.schedule for n in names[:-1]} <= {"interleaved", "circular"}
+    assert all(abs(relative[n]) < 0.05 for n in names[:-1]), relative
+    assert got["1008.0B"].pipeline.schedule == "1f1b" and -0.06 < relative["1008.0B"] < -0.05
     with_sp = {name: scaling_papers.ptdp_megajax_prediction(rows[name]) for name in names}
     assert all(p.fits for p in with_sp.values())
     assert all(0.03 < scaling_papers.ptdp_tflops(rows[n], p) / rows[n].tflops - 1 < 0.09 for n, p in with_sp.items())

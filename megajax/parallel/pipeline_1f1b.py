@@ -292,10 +292,12 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
             dw, dx = halves.pullback(kept, halves.rest(chunk(weights, c)))(g)
             return dw, _zeros(tail_params), dx, aux0
 
-        def add(sums, c, grads):  # into chunk c's gradient sums
+        def add(sums, c, grads):  # into chunk c's gradient sums, elementwise (a dynamic update of chunk c's held
+            # another copy: compiled temp +0.2 MB, half the stage's fp32 gradients, 8-layer GPT on (2,2,2), v = 2)
             if v == 1:
                 return jax.tree.map(lambda a, g: a + g[None], sums, grads)
-            return jax.tree.map(lambda a, g: jax.lax.dynamic_update_index_in_dim(a, a[c] + g, c, 0), sums, grads)
+            at_c = jnp.arange(v) == c
+            return jax.tree.map(lambda a, g: a + jnp.where(at_c.reshape(-1, *[1] * g.ndim), g[None], 0), sums, grads)
 
         def tick(carry, t):
             inbox, grad_in, held, io, io_grad, dw_sum, dtp_sum, aux_sum = carry

@@ -238,10 +238,11 @@ def _holding(context: ParallelContext) -> contextlib.AbstractContextManager[Para
 
 
 @contextlib.contextmanager
-def activate(mesh: Mesh, context: ParallelContext) -> Iterator[None]:
+def activate(mesh: Mesh | jax.sharding.AbstractMesh, context: ParallelContext) -> Iterator[None]:
     """Sets the mesh and the settings (``ParallelContext``) that ``constrain`` and the layers read while a model is
-    traced."""
-    with _holding(context), jax.set_mesh(mesh):
+    traced (an ``AbstractMesh``: for tracing only, without devices)."""
+    use = jax.sharding.use_abstract_mesh if isinstance(mesh, jax.sharding.AbstractMesh) else jax.set_mesh
+    with _holding(context), use(mesh):
         yield
 
 

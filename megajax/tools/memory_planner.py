@@ -48,7 +48,8 @@ from flax import nnx
 from megajax.config import RunSpec, abstract_model_of, replanned
 from megajax.models.transformer import STACK, attention_reason
 from megajax.parallel import pipeline, pipeline_1f1b
-from megajax.parallel.sharding import fsdp_spec, logical_to_spec, spec_axes
+from megajax.parallel.sharding import MESH_AXES, PIPE_AXIS, activate, fsdp_spec, logical_to_spec, spec_axes
+from megajax.training import pipelined
 from megajax.training.loop import batch_layout, setup_run
 
 FP32 = 4
@@ -57,6 +58,10 @@ MAX_MICRO_BATCH = 1 << 16  # the search for the largest micro-batch stops here
 # XLA:GPU's cuBLAS workspace, one GEMM's live at a time: 4 MiB per GEMM custom call as compiled for an H100 without
 # the device (no autotuning; the real device may pick larger ones)
 GPU_GEMM_WORKSPACE = 4 * 2**20
+# 32-bit tensors of attention dropout bits (``dropout_bits_bytes``) drawing a layer's mask holds beside the working
+# set at the peak, those a circular stage holds beside all it keeps (measured, XLA's attention on the CPU), and those
+# as compiled for an H100 (compiled, not measured; the circular stage's not examined there)
+DRAWN_BITS, CIRCULAR_BITS, GPU_DRAWN_BITS = 3, 4, 1
 
 
 def compute_bytes(run: RunSpec) -> int:
@@ -184,7 +189,7 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
     a copy of its layers' residuals beside one layer's working set, for one microbatch.
     The circular schedule (v > 1) recomputes each chunk from its input (``pipeline.run``): each tick keeps that
     input, and a tick's backward pass holds its chunk's residuals (no recomputation inside it) for one microbatch and
-    the attention core's backward working set; with attention dropout the stage's masks (``stage_mask_bytes``).
+    the attention core's backward working set; with attention dropout the masks' bits (``dropout_bits_bytes``).
     The 1F1B schedule: ``_one_f_one_b``.
     Inside a stage every matmul carries the stages' vmapped dimension, so ``save_dots`` (dots without batch
     dimensions) keeps what ``full`` keeps.
@@ -206,7 +211,8 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
             recompute = (per_chunk + (per_chunk > 1)) * layer_residual_bytes(run, rows, inner, gpu=gpu)
             recompute += attention_backward_bytes(run, rows, gpu)
             return Activations(ticks * layer_residual_bytes(run, rows, "full", gpu=gpu)
-                               + stage_mask_bytes(run, rows, gpu), head_bytes(run, micro_batch // p, gpu), recompute)
+                               + dropout_bits_bytes(run, rows, gpu, circular=True),
+                               head_bytes(run, micro_batch // p, gpu), recompute)
         kept = layer_residual_bytes(run, rows, remat, gpu=gpu)
         layers = ticks * m.num_layers // p * kept
         # a tick's backward works on a copy of its layers' residuals, sliced out of the ticks' stack, beside one
@@ -218,9 +224,9 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
         # layer, counted until 2026-11-28, made them 0.84 to 1.09)
         per_stage = m.num_layers // p
         tick = (per_stage * kept if per_stage > 1 else 0) + (recompute or kept)
-        tick += attention_backward_bytes(run, rows, gpu)
+        tick += attention_backward_bytes(run, rows, gpu) + dropout_bits_bytes(run, rows, gpu)
         return Activations(layers, head_bytes(run, micro_batch // p, gpu), tick)
-    recompute = attention_backward_bytes(run, micro_batch, gpu)
+    recompute = attention_backward_bytes(run, micro_batch, gpu) + dropout_bits_bytes(run, micro_batch, gpu)
     if m.remat in ("full", "save_dots"):
         recompute += layer_residual_bytes(run, micro_batch, "none", gpu=gpu)
     layers = m.num_layers * layer_residual_bytes(run, micro_batch, gpu=gpu)
@@ -233,7 +239,7 @@ def _one_f_one_b(run: RunSpec, micro_batch: int, micro: int, kept: int, recomput
     ``pipeline_1f1b.held``), the two in flight, its share of the batch's inputs and their gradients (the io columns,
     M/p microbatches each), and one layer's backward working set (``recompute``, or its residuals again, and half
     the attention core's backward working set, ``attention_backward_bytes``), or on the last stage the head on the
-    microbatch beside it; with attention dropout a chunk's masks (``stage_mask_bytes``). A held chunk-microbatch is
+    microbatch beside it; with attention dropout a mask's bits (``dropout_bits_bytes``). A held chunk-microbatch is
     its chunk's L/(p v) layers' residuals (``kept`` under the model's remat policy), and three more such stacks are
     live: a forward's before it goes into the ring, a backward's copy out of it, the last stage's
     forward-and-backward (XLA's plan: the compiled temp grows by one stack per ring slot, and the rest is three
@@ -253,23 +259,29 @@ def _one_f_one_b(run: RunSpec, micro_batch: int, micro: int, kept: int, recomput
         layers = (held + 2 + 2 * micro // p) * one_input + stage
     else:  # a chunk of one layer runs without a layer scan, and XLA keeps one stack beyond the ring
         layers = (held + (3 if per_chunk > 1 else 1)) * stage + (2 + 2 * micro // p) * one_input
-    layers += stage_mask_bytes(run, rows, gpu)
     working = (recompute or kept) + attention_backward_bytes(run, rows, gpu) // 2
+    working += dropout_bits_bytes(run, rows, gpu)
     return Activations(layers, head_bytes(run, rows, gpu), working)
 
 
-def stage_mask_bytes(run: RunSpec, rows: int, gpu: bool = False) -> int:
-    """What attention dropout costs a 1F1B or circular stage beyond its layers' inventory: XLA draws the masks of
-    the stage's L/p layers (1F1B's chunk's, L/(p v)) ahead of its layer scan, once for the forward and again for the
-    recomputed one, 2 L/p probability-sized tensors of one microbatch (measured on a 4-layer GPT on pipe 2 x data 2
-    x model 2 at s = 128 and 256: the compiled temp with dropout less without, 3.8 to 4.1 of them). 0 without
-    dropout or with cuDNN's attention (which has none)."""
+def dropout_bits_bytes(run: RunSpec, rows: int, gpu: bool = False, circular: bool = False) -> int:
+    """What drawing attention dropout masks holds on one device (``rows`` sequences), in 32-bit tensors of the
+    probabilities' shape (b x a/t x s/C x s, whatever the compute dtype): drawing a layer's mask about three (the
+    bits and threefry's intermediates, ``DRAWN_BITS``) beside the working set where the peak is (a layer's
+    backward; under 1F1B a forward half beside a backward); with ``circular``, four the stage holds beside all it
+    keeps (``CIRCULAR_BITS``). Measured as compiled temp less the formula without them, in such tensors, at s = 256
+    (8 heads, h = 64, where they dominate): the plain step 3.4 under `none` and `selective`; GPipe under `full` /
+    `selective` 2.3 to 2.5; 1F1B 3.5 (4.7 under `selective`), the circular schedule 2.9 to 4.3, whatever the layers
+    per stage (4 to 16 layers; counting the stage's 2 L/p masks had made 1F1B and circular 0.53 to 0.78 at 8 and 16
+    layers; GPipe under `full` without them 1.27 to 1.34). As compiled for an H100 (``gpu``) one tensor
+    (``GPU_DRAWN_BITS``; gpt_tiny on 2 x 4 at s = 1024 and 2048 under `none`: compiled / formula 1.08 and 1.02 with
+    one, 0.89 and 0.82 with three, 1.20 and 1.17 with none). 0 without dropout or with cuDNN's attention (which has
+    none)."""
     m = run.model
     if m.dropout == 0 or attention_for(run, gpu) != "xla":
         return 0
-    per_layer = m.num_heads * m.max_seq_len ** 2 * _rows(run, rows) * compute_bytes(run) // run.tensor
-    chunks = run.pipeline_repeats if run.pipeline_schedule == pipeline.ONE_F_ONE_B else 1  # 1F1B: a chunk's
-    return 2 * m.num_layers // (run.pipe * chunks) * per_layer
+    tensors = GPU_DRAWN_BITS if gpu else CIRCULAR_BITS if circular else DRAWN_BITS
+    return tensors * m.num_heads * (m.max_seq_len // run.context) * m.max_seq_len * _rows(run, rows) * 4 // run.tensor
 
 
 def attention_backward_bytes(run: RunSpec, micro_batch: int, gpu: bool = False) -> int:
@@ -499,22 +511,34 @@ def _num_micro(run: RunSpec, micro_batch: int) -> int:
     return max(steps, 1) if not rest else 1
 
 
+_TAILS: dict[tuple, frozenset[str]] = {}
+
+
 def tail_parameters(run: RunSpec) -> int:
     """Parameters one device holds of what the loss's tail reads after the layer stack (the 1F1B schedule sums
-    their gradients in its tick loop: ``training.pipelined``): those outside the stack but an untied input word
-    embedding (of two (vocabulary, hidden) weights, the one the tail does not read)."""
-    ends = [p for p in parameters(run) if p.module != STACK]
-    vocab = [p.per_device for p in ends if len(p.shape) == 2 and run.model.padded_vocab_size in p.shape]
-    return sum(p.per_device for p in ends) - (min(vocab) if len(vocab) > 1 else 0)
+    their gradients in its tick loop): the top-level modules ``pipelined.reads`` finds in the tail's traced jaxpr
+    (a tied word embedding, not an untied input one), traced once per model."""
+    key = (run.model_spec.module, run.model_spec.objective, run.model)
+    if key not in _TAILS:
+        graphdef, state = nnx.split(abstract_model_of(run))
+        params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(state))
+        batch = {k: jax.ShapeDtypeStruct((2, *f.row_shape), f.dtype) for k, f in run.batch_fields.items()}
+        # traced on two stages of one device each: what the tail reads does not depend on the mesh
+        stages = jax.sharding.AbstractMesh((2, 1, 1), (PIPE_AXIS, *MESH_AXES))
+        with activate(stages, run.parallel_context):
+            _TAILS[key] = pipelined.reads(run.model_spec.objective, graphdef, params, batch).tail
+    return sum(p.per_device for p in parameters(run) if p.module in _TAILS[key] and p.module != STACK)
 
 
 def tick_loop_gradient_bytes(run: RunSpec, stack: int) -> int:
     """The fp32 gradient sums a pipelined step's tick loop holds beside the step's gradients, for a stage of
-    ``stack`` parameters per device: ``stage_gradient_sums`` copies of them; under 1F1B the stage's sums and one
-    chunk's contribution (1/v of the stage), and two of what the loss's tail reads (``tail_parameters``: an
+    ``stack`` parameters per device: ``stage_gradient_sums`` copies of them; under 1F1B two copies of the stage's
+    sums (what the backward branch reads and what it writes; interleaved too, where each chunk's sums are added to
+    elementwise: a dynamic update of one chunk's held one more, 1.11 -> 1.22 of this at s = 32 under `full`, half a
+    stage's gradients in the layout measured), and two of what the loss's tail reads (``tail_parameters``: an
     accumulator and each tick's contribution)."""
-    if run.pipe > 1 and run.pipeline_schedule == pipeline.ONE_F_ONE_B:  # the stage's sums and one chunk's
-        return FP32 * (stack + stack // run.pipeline_repeats + 2 * tail_parameters(run))
+    if run.pipe > 1 and run.pipeline_schedule == pipeline.ONE_F_ONE_B:
+        return FP32 * (2 * stack + 2 * tail_parameters(run))
     return FP32 * stage_gradient_sums(run) * stack
 
 
@@ -561,8 +585,8 @@ def _rough(run: RunSpec) -> str:
     if run.pipe > 1 and run.pipeline_schedule == pipeline.ONE_F_ONE_B and v > 1 and \
             run.model.num_layers == run.pipe * v:
         return ("interleaved 1F1B with one-layer chunks: the compiled temp measured 0.70 to 1.42 times this estimate "
-                "(CPU, 4-layer models on pipe 2, V = 2); read the compiled step's (--compiled), or use chunks of two "
-                "layers or more (pipeline_repeats <= num_layers / (2 pipe))")
+                "(CPU, 4-layer models on pipe 2, V = 2; 0.91 to 1.25 for 8 layers on pipe 4); read the compiled "
+                "step's (--compiled), or use chunks of two layers or more (pipeline_repeats <= num_layers / (2 pipe))")
     return ""
 
 
