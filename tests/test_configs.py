@@ -13,7 +13,7 @@ from megajax.config.resolve import FROM_INIT
 from megajax.data.blend import parse_blend
 from megajax.errors import ShardingConfigError
 from megajax.models import model_spec
-from megajax.tools.memory_planner import params_per_device
+from megajax.tools.memory_terms import params_per_device
 
 CONFIGS = sorted(p.stem for p in CONFIGS_DIR.glob("*.py"))
 

@@ -40,7 +40,8 @@ from megajax.parallel.remat import selective
 from megajax.parallel.sharding import RESIDUAL, constrain
 from megajax.tools import scaling
 from megajax.tools.comm_budget import step_budget
-from megajax.tools.memory_planner import compiled_memory, memory_report, traced_layer_residual_bytes
+from megajax.tools.memory_planner import compiled_memory, memory_report
+from megajax.tools.memory_terms import traced_layer_residual_bytes
 from megajax.training.loop import setup, train
 
 NAME = "parallel_gpt"

@@ -30,15 +30,8 @@ from conftest import SCALAR_STATE_BYTES, run_on
 
 from megajax.cli import load_config
 from megajax.tools.info import main
-from megajax.tools.memory_planner import (
-    GiB,
-    compiled_memory,
-    largest_micro_batch,
-    layer_residual_bytes,
-    memory_report,
-    params_per_device,
-    traced_layer_residual_bytes,
-)
+from megajax.tools.memory_planner import GiB, compiled_memory, largest_micro_batch, memory_report
+from megajax.tools.memory_terms import layer_residual_bytes, params_per_device, traced_layer_residual_bytes
 from megajax.tools.scaling_layout import parameters_per_gpu
 
 pytestmark = pytest.mark.memory_plan  # its module fixture compiles the steps whose plans it reads

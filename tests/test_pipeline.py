@@ -31,7 +31,8 @@ from megajax.parallel.partition import shardings
 from megajax.parallel.sharding import make_mesh
 from megajax.tools.comm_budget import step_budget, step_shape
 from megajax.tools.comm_report import main as comm_report_main
-from megajax.tools.memory_planner import memory_report, params_per_device, run_memory
+from megajax.tools.memory_planner import memory_report, run_memory
+from megajax.tools.memory_terms import params_per_device
 from megajax.training.data import make_loader
 from megajax.training.loop import setup, train
 

@@ -12,7 +12,8 @@ from megajax.cli import check_config_overrides, load_config
 from megajax.config import validate
 from megajax.tools import scaling, scaling_experts, scaling_layout, scaling_plan
 from megajax.tools.comm_minimum import minimum
-from megajax.tools.memory_planner import memory_report, params_per_device
+from megajax.tools.memory_planner import memory_report
+from megajax.tools.memory_terms import params_per_device
 from megajax.tools.scaling import DGX_H100, predict
 from megajax.tools.scaling_layout import with_choices
 

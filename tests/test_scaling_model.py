@@ -121,7 +121,8 @@ def test_llama_flops_are_its_specs(name, tensor):
                                          ("llama_tiny", 4)])
 def test_parameters_and_memory_match_info(name, tensor):
     """GPT-2's shape, and Llama's (untied, tied, and llama_tiny's 2 key/value heads whole on each of 4 shards)."""
-    from megajax.tools.memory_planner import memory_report, params_per_device
+    from megajax.tools.memory_planner import memory_report
+    from megajax.tools.memory_terms import params_per_device
 
     config = load_config(name)
     assert scaling_layout.parameters_per_gpu(run_on(config), tensor) == params_per_device(run_on(config, 1, tensor))
@@ -380,7 +381,7 @@ def test_point_to_point_by_hand():
 def test_stage_parameters_are_the_planners(name, pipe, tensor):
     """A stage holds L/p layers and the ends (replicated over pipe), as the memory planner counts through the
     sharding rules."""
-    from megajax.tools.memory_planner import params_per_device
+    from megajax.tools.memory_terms import params_per_device
 
     config = load_config(name)
     part = scaling_layout.parameters_per_gpu(run_on(config), tensor, Pipeline(pipe, pipe).stages)

@@ -36,7 +36,7 @@ def decoder_flops(batch: int, seq: int, layers: int, hidden: int, kv_width: int,
 
 @dataclasses.dataclass(frozen=True)
 class HeadMemory:
-    """What the model's output head holds when the backward pass starts (``tools.memory_planner.head_bytes``)."""
+    """What the model's output head holds when the backward pass starts (``tools.memory_terms.head_bytes``)."""
 
     vocab_logit_copies: int  # fp32 (b, s, V/t) tensors: logits, exponentials, gradient (+ biased logits); 0: none
     hidden_tensors: int  # fp32 (b, s, h) tensors of the embeddings, the final LayerNorm and the head

@@ -23,7 +23,7 @@ from megajax.parallel.hlo_audit import Collective, collectives
 from megajax.parallel.partition import over_data
 from megajax.parallel.sharding import RESIDUAL, activate, logical_to_spec, spec_axes
 from megajax.tools.comm_minimum import CATEGORIES, Shape, data_gradient_elements, kv_head_elements, minimum
-from megajax.tools.memory_planner import parameters
+from megajax.tools.memory_terms import parameters
 from megajax.training import pipelined
 
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "pred": 1}

@@ -115,7 +115,8 @@ import functools
 from megajax.config import RunSpec, replanned
 from megajax.models.transformer import attention_reason
 from megajax.tools.comm_minimum import minimum
-from megajax.tools.memory_planner import activations, tick_loop_gradient_bytes
+from megajax.tools.memory_planner import activations
+from megajax.tools.memory_stages import tick_loop_gradient_bytes
 from megajax.tools.scaling_clusters import (  # noqa: F401 (the clusters are this module's API too)
     CLUSTERS,
     DGX2H_V100,

@@ -17,7 +17,7 @@ from megajax.errors import ConfigError
 from megajax.models.transformer import STACK
 from megajax.parallel.sharding import Rules, entry_axes, logical_to_spec
 from megajax.tools.comm_minimum import Shape, data_gradient_elements, kv_head_elements
-from megajax.tools.memory_planner import parameters
+from megajax.tools.memory_terms import parameters
 from megajax.tools.scaling_clusters import HALF
 
 EXPERTS = "experts"  # the logical axis a mixture of experts stacks its experts on (``models/moe.py``)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from megajax.config import RunSpec
-from megajax.tools.memory_planner import head_bytes, layer_residual_bytes
+from megajax.tools.memory_terms import head_bytes, layer_residual_bytes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,224 @@
+"""The memory planner's terms on one device of a run's mesh: one layer's residuals and the output head's (asked of
+the model's spec), the attention core's backward working set, what drawing dropout masks holds, and the parameters
+as the sharding rules lay them out. ``memory_planner`` adds them up for a step, ``memory_stages`` for a pipelined
+one; every function reads a resolved run (``config.RunSpec``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+from flax import nnx
+
+from megajax.config import RunSpec, abstract_model_of
+from megajax.models.transformer import STACK, attention_reason
+from megajax.parallel.sharding import fsdp_spec, logical_to_spec, spec_axes
+
+FP32 = 4
+# 32-bit tensors of attention dropout bits (``dropout_bits_bytes``) drawing a layer's mask holds beside the working
+# set at the peak, those a circular stage holds beside all it keeps (measured, XLA's attention on the CPU), and those
+# as compiled for an H100 (compiled, not measured; the circular stage's not examined there)
+DRAWN_BITS, CIRCULAR_BITS, GPU_DRAWN_BITS = 3, 4, 1
+
+
+def compute_bytes(run: RunSpec) -> int:
+    """Bytes of one activation value in the compute dtype: 4 (fp32) or 2 (bf16 / fp16)."""
+    return FP32 if run.precision == "fp32" else 2
+
+
+def attention_for(run: RunSpec, gpu: bool) -> str:
+    """The attention core's implementation in the compiled step: 'cudnn' on an NVIDIA GPU where the model allows
+    it (``transformer.attention_reason``), else 'xla'."""
+    return "cudnn" if gpu and not attention_reason(run.model) else "xla"
+
+
+def trunk_rows(run: RunSpec, micro_batch: int) -> int:
+    """Sequences the trunk runs per micro-batch (the model's rows per example: multiple choice, one per option)."""
+    return micro_batch * run.model_spec.rows_per_example
+
+
+def layer_residual_bytes(run: RunSpec, micro_batch: int, remat: str | None = None, gpu: bool = False) -> int:
+    """Bytes one transformer layer keeps for its backward pass on one device of ``run``'s mesh (``remat`` defaults
+    to the model's; ``gpu``: as compiled for an NVIDIA GPU, where cuDNN's attention keeps less, ``attention_for``):
+    the model's own inventory (``ModelSpec.layer_residuals``; the trunk's block: ``models.block_memory``)."""
+    split = run.tensor if run.sequence else 1  # the residual stream's share on one device
+    # the expert shards only where there are any: only a mixture of experts accepts them (``check_mesh``)
+    experts = {"expert": run.expert} if run.expert > 1 else {}
+    remat, rows, attention = remat or run.model.remat, trunk_rows(run, micro_batch), attention_for(run, gpu)
+    local = dataclasses.replace(run.model, max_seq_len=run.model.max_seq_len // run.context)
+    kept = run.model_spec.layer_residuals(local, rows, run.tensor, split, remat, compute_bytes(run), attention,
+                                          **experts)
+    return kept + context_attention_bytes(run, rows, remat, attention)
+
+
+def context_attention_bytes(run: RunSpec, rows: int, remat: str, attention: str) -> int:
+    """What a layer keeps under context parallelism beyond its inventory at one device's s / C positions: the
+    attention core's queries against every key, not only the device's (its (b, a, s/C, s) residuals, C times those
+    at s / C), and the keys and values all-gathered whole, which the core keeps as its inputs (the local chunks are
+    in the inventory). Nothing with ``full`` (the layer's input only) or ``save_dots`` (the gathered keys and
+    values are recomputed); 0 without context shards."""
+    c, cfg = run.context, run.model
+    if c == 1 or remat in ("full", "save_dots"):
+        return 0
+    s = cfg.max_seq_len // c  # one device's queries
+    core = 0
+    if remat != "selective" and attention == "xla":  # the (s/C x s) probabilities' copies and dropout mask
+        per_score = 4 + compute_bytes(run) + (1 if cfg.dropout > 0 else 0)
+        core = (c - 1) * cfg.num_heads * s * s * rows * per_score // run.tensor
+    heads = 1 if cfg.kv_replicated(run.tensor) else cfg.kv_heads // run.tensor
+    gathered = 2 * rows * (cfg.max_seq_len - s) * heads * cfg.head_dim * compute_bytes(run)
+    return core + gathered
+
+
+def head_bytes(run: RunSpec, micro_batch: int, gpu: bool = False) -> int:
+    """Bytes of the output head live when the backward pass starts, on one device: what the model's spec says its
+    head holds (``ModelSpec.head_memory``).
+
+    ``vocab_logit_copies`` fp32 (b, s, V/t) tensors (GPT's and Llama's 3: the logits, their exponentials and their
+    gradient; BERT's MLM head 4, its biased logits too; 0 for a head without vocabulary logits, the task models'),
+    with 16-bit compute the compute-dtype logits too, plus ``hidden_tensors`` (b, s, h) fp32 tensors of the
+    embeddings, the final norm and the head (GPT's 8; BERT's 16, with the MLM transform's dense, GeLU and
+    LayerNorm). With ``parallel.sequence`` those run on the split sequence (1/t of them) and the output layer keeps
+    its all-gathered input, one whole (b, s, h) tensor in the compute dtype.
+
+    ``gpu``: XLA:GPU fuses the exponentials, the normalisation and the LayerNorms into the reductions and GEMMs
+    that read them; what the head holds at the peak is the logits as the output GEMM writes them (compute dtype)
+    and their fp32 gradient (compared with steps compiled for an H100 in tests/test_gpu_target.py and
+    bench/README.md).
+    """
+    m, tp = run.model, run.tensor
+    cd, s, b, h = compute_bytes(run), m.max_seq_len // run.context, trunk_rows(run, micro_batch), m.hidden_size
+    head = run.model_spec.head_memory
+    vocab = head.vocab_logit_copies  # fp32 (b, s, V/t) copies
+    logits = s * b * m.padded_vocab_size // tp
+    if gpu:
+        return logits * (FP32 + cd) if vocab else 0
+    extra_cd = cd if vocab and cd < FP32 else 0
+    hidden = head.hidden_tensors * s * b * h * FP32
+    if run.sequence:
+        hidden = hidden // tp + s * b * h * cd
+    return logits * (vocab * FP32 + extra_cd) + hidden
+
+
+@dataclasses.dataclass(frozen=True)
+class Activations:
+    """Activation bytes on one device for one micro-batch."""
+
+    layers: int  # L layers' residuals, kept from the forward pass to their backward
+    head: int  # the output head at the start of the backward pass
+    # one layer's residuals recomputed in the backward pass (full / save_dots), and the attention core's backward
+    # working set (attention_backward_bytes); under pipeline stages a tick's backward working set
+    recompute: int
+
+    @property
+    def total(self) -> int:
+        return self.layers + max(self.head, self.recompute)  # the head is gone before the first layer's backward
+
+
+def dropout_bits_bytes(run: RunSpec, rows: int, gpu: bool = False, circular: bool = False) -> int:
+    """What drawing attention dropout masks holds on one device (``rows`` sequences), in 32-bit tensors of the
+    probabilities' shape (b x a/t x s/C x s, whatever the compute dtype): drawing a layer's mask about three (the
+    bits and threefry's intermediates, ``DRAWN_BITS``) beside the working set where the peak is (a layer's
+    backward; under 1F1B a forward half beside a backward); with ``circular``, four the stage holds beside all it
+    keeps (``CIRCULAR_BITS``). Measured as compiled temp less the formula without them, in such tensors, at s = 256
+    (8 heads, h = 64, where they dominate): the plain step 3.4 under `none` and `selective`; GPipe under `full` /
+    `selective` 2.3 to 2.5; 1F1B 3.5 (4.7 under `selective`), the circular schedule 2.9 to 4.3, whatever the layers
+    per stage (4 to 16 layers; counting the stage's 2 L/p masks had made 1F1B and circular 0.53 to 0.78 at 8 and 16
+    layers; GPipe under `full` without them 1.27 to 1.34). As compiled for an H100 (``gpu``) one tensor
+    (``GPU_DRAWN_BITS``; gpt_tiny on 2 x 4 at s = 1024 and 2048 under `none`: compiled / formula 1.08 and 1.02 with
+    one, 0.89 and 0.82 with three, 1.20 and 1.17 with none). 0 without dropout or with cuDNN's attention (which has
+    none)."""
+    m = run.model
+    if m.dropout == 0 or attention_for(run, gpu) != "xla":
+        return 0
+    tensors = GPU_DRAWN_BITS if gpu else CIRCULAR_BITS if circular else DRAWN_BITS
+    per_tensor = m.num_heads * (m.max_seq_len // run.context) * m.max_seq_len * trunk_rows(run, rows) * 4
+    return tensors * per_tensor // run.tensor
+
+
+def attention_backward_bytes(run: RunSpec, micro_batch: int, gpu: bool = False) -> int:
+    """The attention core's working set in a layer's backward pass beyond what the layer kept, on one device: with
+    XLA's attention the gradients of the probabilities and of the scores (fp32, b x a/t x s/C x s each), and under
+    ``remat=selective`` the recomputed scores and probabilities too (two more); nothing with cuDNN's flash
+    attention (it never makes them). What dominates at long sequences (s=4096: 4 of them, 1.08 GB of gpt_tiny's
+    compiled 1.08 GB at one layer)."""
+    if attention_for(run, gpu) != "xla":
+        return 0
+    m = run.model
+    copies = 4 if m.remat == "selective" else 2
+    scores = m.num_heads * (m.max_seq_len // run.context) * m.max_seq_len * trunk_rows(run, micro_batch) // run.tensor
+    return copies * scores * FP32
+
+
+def traced_layer_residual_bytes(run: RunSpec, micro_batch: int) -> int:
+    """One layer's residuals on a single device, read from the traced gradient (abstract values only).
+
+    Sums the per-layer slices of the forward layer scan's stacked outputs in ``jax.make_jaxpr(jax.grad(loss))``,
+    leaving out the stacked weights that full / save_dots recomputation passes through (those are the
+    parameters, not activations). The check behind ``layer_residual_bytes``.
+    """
+    graphdef, state = nnx.split(abstract_model_of(run))
+    params = nnx.to_pure_dict(state)
+    objective = run.model_spec.objective
+    batch = {k: jax.ShapeDtypeStruct((micro_batch, *f.row_shape), f.dtype)
+             for k, f in run.batch_fields.items()}
+    key = jax.random.key(0) if run.model.dropout > 0 else None
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p, x: objective.loss(nnx.merge(graphdef, p), x, key)[0]))(params, batch)
+    forward = next(e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan")  # the layer stack's forward pass
+    layer_weights = {v.shape[1:] for v in jax.tree.leaves(params[STACK])}
+    total = 0
+    for v in forward.outvars[forward.params["num_carry"]:]:
+        shape, dtype = v.aval.shape[1:], v.aval.dtype
+        if jax.numpy.issubdtype(dtype, jax.dtypes.prng_key) or (shape in layer_weights and dtype == jax.numpy.float32):
+            continue  # dropout keys; fp32 weights passed through the scan
+        total += math.prod(shape) * dtype.itemsize
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Parameter:
+    """One parameter of the abstract model as a mesh holds it."""
+
+    module: str  # its top-level module (``transformer.STACK``: the stacked layers)
+    names: tuple[str | None, ...]  # its logical axis names (the stacked layers' lead with ``layers``)
+    shape: tuple[int, ...]
+    per_device: int  # elements one device holds
+
+
+def parameters(run: RunSpec, split_over_data: bool = False) -> list[Parameter]:
+    """Every parameter of ``run``'s abstract model (``nnx.eval_shape``: no memory) as its rules lay it out on its
+    mesh (a stage's layers with pipeline stages), or with ``split_over_data`` as ``parallel.fsdp`` stores it
+    (``sharding.fsdp_spec``)."""
+    mesh_shape = {"data": run.data, "model": run.tensor, **({"pipe": run.pipe} if run.pipe > 1 else {}),
+                  **({"expert": run.expert} if run.expert > 1 else {})}
+    out = []
+    for module, names, shape in _inventory(run):
+        spec = (fsdp_spec(names, shape, run.rules, mesh_shape) if split_over_data
+                else logical_to_spec(names, run.rules))
+        local = math.prod(shape) // math.prod(mesh_shape[a] for a in spec_axes(spec))
+        out.append(Parameter(module, names, shape, local))
+    return out
+
+
+_INVENTORIES: dict[tuple, tuple[tuple[str, tuple, tuple], ...]] = {}
+
+
+def _inventory(run: RunSpec) -> tuple[tuple[str, tuple, tuple], ...]:
+    """(top-level module, logical names, shape) of each parameter of ``run``'s abstract model, traced once per model
+    and rules (the mesh planners ask for it on thousands of candidate runs of one model)."""
+    key = (run.model_spec.module, run.model, run.rules)
+    if key not in _INVENTORIES:
+        state = nnx.state(abstract_model_of(run))
+        _INVENTORIES[key] = tuple(
+            (jax.tree_util.keystr(path[:1], simple=True), tuple(var.get_metadata()["out_sharding"]), tuple(var.shape))
+            for path, var in jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    return _INVENTORIES[key]
+
+
+def params_per_device(run: RunSpec, split_over_data: bool = False, only: str | None = None) -> tuple[int, int]:
+    """(total parameters, parameters held by one device of ``run``'s mesh) as its rules lay them out, or with
+    ``split_over_data`` as ``parallel.fsdp`` stores them (``parameters``); ``only``: those of one top-level module
+    (``blocks``)."""
+    held = [p for p in parameters(run, split_over_data) if only is None or p.module == only]
+    return sum(math.prod(p.shape) for p in held), sum(p.per_device for p in held)
