@@ -190,23 +190,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 # A test that runs longer than this has stalled: twice in CI a worker waited forever inside XLA:CPU's executor (every
-# runtime thread parked, no collective running) and the run sat until CI's 90-minute limit with no name on it. The
-# slowest test takes ~2 minutes on CI's contended 2 cores, module fixtures included.
+# runtime thread parked, no collective running) and the run sat until CI's 90-minute limit with no name on it; a third
+# time (2026-11-28, a fresh-clone run) this named it: tests/test_sft.py's training loop, waiting in a compiled step's
+# call. The slowest test takes ~2 minutes on CI's contended 2 cores, module fixtures included.
 STALL_SECONDS = float(os.environ.get("MEGAJAX_TEST_STALL_SECONDS", 600))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
     """Ends this test process when a test (setup, call and teardown) runs past STALL_SECONDS, after writing the test's
-    name and every thread's Python stack to the terminal: the run reports the test as crashed (pytest-xdist's worker
-    restart runs the rest of its module) instead of hanging. A stalled native wait cannot be interrupted."""
+    name, the end of its stderr and every thread's Python stack to the terminal: pytest-xdist reports the test as
+    crashed and ends the run (``--max-worker-restart=0``, pyproject.toml) instead of hanging. A stalled native wait
+    cannot be interrupted."""
     capture = item.config.pluginmanager.getplugin("capturemanager")
 
     def stalled():
-        if capture is not None:
+        err = ""
+        if capture is not None:  # what the test wrote (XLA warns of a collective stuck past 60 s on stderr)
+            err = capture.read_global_capture()[1]
             capture.suspend_global_capture(in_=True)
         os.write(2, f"\n{item.nodeid} ran past {STALL_SECONDS:.0f} s (MEGAJAX_TEST_STALL_SECONDS): a stall; this "
-                    f"test process ends. Its threads' stacks:\n".encode())
+                    f"test process ends. The end of its stderr:\n{err[-4000:]}\nIts threads' stacks:\n".encode())
         faulthandler.dump_traceback(all_threads=True)
         os._exit(70)
 
