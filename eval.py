@@ -40,6 +40,10 @@ def main(argv=None):
     p.add_argument("--null_score_diff_threshold", type=float, default=None,
                    help="squad2: answer \"\" where the null score minus the best span's score exceeds this "
                         "(BERT's run_squad.py flag; default 0)")
+    for flag, what in (("sft_skip_bad_rows", "skip rows that make no example (counted)"),
+                       ("sft_truncate", "cut examples longer than the model's rows (counted)")):
+        p.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None,
+                       help=f"sft: {what}; default: as the checkpoint's run trained (its data.{flag})")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--stride", type=int, default=None,
                    help="wikitext103/ppl: windows start every STRIDE tokens and each one after the first scores "
@@ -83,7 +87,7 @@ def main(argv=None):
             batch_size=args.batch_size, stride=args.stride,
             max_new_tokens=args.max_new_tokens, seed=args.seed, output=args.output, sampling=sampling,
             predictions=args.predictions, null_score_diff_threshold=args.null_score_diff_threshold,
-            overwrite=args.overwrite)
+            overwrite=args.overwrite, sft_skip_bad_rows=args.sft_skip_bad_rows, sft_truncate=args.sft_truncate)
     except InputError as e:  # raised before the model is loaded: usage, not a traceback
         p.error(str(e))
     except USER_ERRORS as e:  # a path, a checkpoint, a config: what to change, not a traceback

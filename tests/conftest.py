@@ -4,7 +4,11 @@ import faulthandler
 import functools
 import gc
 import os
+import pathlib
+import subprocess
+import sys
 import threading
+import time
 
 # Compiling dominates the suite; the test programs mostly run in milliseconds. So the tests compile with
 # jax_disable_most_optimizations: LLVM at -O0 without its expensive passes. XLA's HLO passes (SPMD partitioning,
@@ -399,3 +403,40 @@ def assert_greedy_matches_hf(model, checkpoint, prompt: np.ndarray, meshes: list
         loaded = megajax.load_model(checkpoint, **mesh)
         got = generate(loaded.model, loaded.mesh, loaded.spec.rules, prompt, 8, Sampling(greedy=True))
         np.testing.assert_array_equal(got, out.sequences.numpy(), err_msg=str(mesh))
+
+
+# The commands users type, run as processes (the fault tests): every refusal is one ``error:`` line.
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+COMMANDS_AT_ONCE = 4  # processes at a time: CI's two cores, and memory for each interpreter's jax
+
+
+def tree_of(root: pathlib.Path) -> dict[str, bytes | None]:
+    """Every path under ``root`` (directories as None, files as their bytes)."""
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+def run_commands(cases: dict, cwd: pathlib.Path) -> dict[str, tuple[int, str]]:
+    """Runs ``{name: (argv after python, env overrides)}`` at most COMMANDS_AT_ONCE at a time; (exit status,
+    stderr) each."""
+    base = {**child_env(), "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    pending, running, results = list(cases.items()), {}, {}
+    while pending or running:
+        while pending and len(running) < COMMANDS_AT_ONCE:
+            name, (argv, env) = pending.pop(0)
+            running[name] = subprocess.Popen([sys.executable, *argv], cwd=cwd, env={**base, **env},
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for name, proc in list(running.items()):
+            if proc.poll() is not None:
+                results[name] = (proc.returncode, proc.stderr.read())
+                del running[name]
+        time.sleep(0.05)
+    return results
+
+
+def assert_one_error_line(results: dict, wanted: dict[str, str]) -> None:
+    """Each command failed with a last stderr line ``error: ...`` holding ``wanted[name]``, and no traceback."""
+    for name, (rc, stderr) in results.items():
+        lines = stderr.strip().splitlines()
+        assert rc != 0 and lines and lines[-1].startswith("error: "), (name, rc, stderr[-3000:])
+        assert wanted[name] in lines[-1], (name, wanted[name], lines[-1])
+        assert "Traceback" not in stderr and "cannot schedule new futures" not in stderr, (name, stderr[-3000:])

@@ -17,8 +17,9 @@ import megajax
 from megajax.cli import load_config
 from megajax.config import resolve
 from megajax.config.load import read_run_config
-from megajax.data.sft import DEFAULT_TEMPLATE, chat_template, compile_template, load_sft, read_examples
+from megajax.data.sft import default_seq_len, load_sft, read_examples
 from megajax.data.tokenizer import load_tokenizer, train_tokenizer
+from megajax.data.tokenizer_folder import DEFAULT_SOURCE, DEFAULT_TEMPLATE, ChatTemplate, read_chat_template
 from megajax.errors import ConfigError
 from megajax.evaluation.runner import run
 from megajax.models.objectives import LM
@@ -78,7 +79,8 @@ def _config(files, **data):
     config = read_run_config(mj)
     config.init_from = str(mj)
     config.data.update(source="sft", path=str(root / "train.jsonl"), tokenizer=str(root / "tok" / "tokenizer.json"),
-                       valid_fraction=0.0, **data)
+                       valid_fraction=0.0)
+    config.data.update(data)
     config.model.max_seq_len = 64
     config.train.update(global_batch_size=2, precision="fp32")
     return config
@@ -127,17 +129,27 @@ def _hf_loss(files, examples):
     return float(out.loss)
 
 
-def test_chat_rows_render_as_transformers_renders_them(files):
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "saved by transformers"])
+def test_chat_rows_render_as_transformers_renders_them(files, tmp_path, where):
     """The prompt and completion ids of each chat row equal transformers' apply_chat_template of the conversation
-    without its answer (with the generation prompt) and the rest of the whole conversation's ids."""
+    without its answer (with the generation prompt) and the rest of the whole conversation's ids, whether the
+    template is in tokenizer_config.json or in the chat_template.jinja transformers 5's save_pretrained writes; the
+    two give the same packed rows (so the same loss), and the start record names the file."""
     root, _, _ = files
     hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(root / "tok" / "tokenizer.json"),
                                                   bos_token="<|begin|>", eos_token="<|endoftext|>")
     hf_tok.chat_template = TEMPLATE
-    tok = load_tokenizer(root / "tok" / "tokenizer.json")
-    text, specials = chat_template(root / "tok" / "tokenizer.json")
-    assert text == TEMPLATE and specials["bos_token"] == "<|begin|>"
-    examples, skipped = read_examples(root / "train.jsonl", tok, compile_template(text), specials, False)
+    folder = root / "tok"
+    if where != "tokenizer_config.json":
+        folder = tmp_path / "saved"
+        hf_tok.save_pretrained(folder)
+        assert "chat_template" not in json.loads((folder / "tokenizer_config.json").read_text())
+    tok = load_tokenizer(folder / "tokenizer.json")
+    template = read_chat_template(folder / "tokenizer.json")
+    assert template.text == TEMPLATE and template.specials["bos_token"] == "<|begin|>"
+    assert template.source.startswith(str(folder / ("tokenizer_config.json" if folder == root / "tok"
+                                                    else "chat_template.jinja")))
+    examples, skipped = read_examples(root / "train.jsonl", tok, template, False)
     assert not skipped and len(examples) == len(ROWS)
     for row, ex in zip(ROWS, examples):
         if "messages" not in row:
@@ -149,6 +161,11 @@ def test_chat_rows_render_as_transformers_renders_them(files):
         assert list(ex.completion) == hf_tok(whole[len(prompt):], add_special_tokens=False)["input_ids"] + [
             tok.eod_id]
         assert tok.decode(ex.prompt).startswith("<|begin|><|start|>user\n")
+    data = load_sft(resolve(_config(files, tokenizer=str(folder / "tokenizer.json")), 1).dataset)
+    reference = load_sft(resolve(_config(files), 1).dataset)
+    for k, v in reference.train.fields.items():
+        np.testing.assert_array_equal(data.train.fields[k], v)
+    assert data.report["chat_template"] == template.source
 
 
 def test_sft_loss_equals_transformers_with_prompt_labels_ignored(files):
@@ -160,8 +177,7 @@ def test_sft_loss_equals_transformers_with_prompt_labels_ignored(files):
     assert len(data.train) < len(ROWS) and data.report["examples"] == len(ROWS)  # some rows hold several
     root, _, _ = files
     tok = load_tokenizer(root / "tok" / "tokenizer.json")
-    text, specials = chat_template(root / "tok" / "tokenizer.json")
-    examples, _ = read_examples(root / "train.jsonl", tok, compile_template(text), specials, False)
+    examples, _ = read_examples(root / "train.jsonl", tok, read_chat_template(root / "tok"), False)
     want = _hf_loss(files, examples)
     packed, grad = _sft_loss(files, data.train)
     np.testing.assert_allclose(float(packed), want, rtol=1e-4)
@@ -181,9 +197,11 @@ def test_sft_loss_equals_transformers_with_prompt_labels_ignored(files):
     ('{"prompt": "a"}\n', r"line 2: a row holds \"prompt\" and \"completion\" strings"),
     ('{"prompt": "a", "completion": ""}\n', r"line 2: the completion is empty"),
     ('{"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}, '
-     '{"role": "assistant", "content": "z"}]}\n', r"line 2: the chat template refuses the conversation \(roles must "
+     '{"role": "assistant", "content": "z"}]}\n', r"line 2: the chat template \(.*tokenizer_config.json "
+                                                  r"\('chat_template'\)\) refuses the conversation \(roles must "
                                                   r"alternate"),
     ('{"messages": [{"role": "user", "content": "x"}]}\n', r"line 2: the last message is the 'user' one"),
+    ('{"prompt": "a", "completion": "b", "messages": []}\n', r'line 2: the row holds both "messages" and "prompt"'),
 ])
 def test_bad_rows_are_refused_with_their_line_or_skipped(files, tmp_path, line, want):
     path = tmp_path / "bad.jsonl"
@@ -203,19 +221,25 @@ def test_long_examples_are_refused_or_cut(files, tmp_path):
                     + json.dumps(ROWS[0]) + "\n")
     config = _config(files)
     config.data.path = str(path)
-    with pytest.raises(ConfigError, match=r"line 1: the example has \d+ tokens and a row 65.*sft_truncate=True"):
+    with pytest.raises(ConfigError, match=r"line 1: the example has \d+ tokens, more than a row's 65 .*raise "
+                                          r"model.max_seq_len, or pass --config.data.sft_truncate=True"):
         load_sft(resolve(config, 1).dataset)
     config.data.sft_truncate = True
     data = load_sft(resolve(config, 1).dataset)
     assert data.report["truncated"] == 1 and data.train.fields["tokens"].shape[1] == 65
 
 
-def test_default_template_and_refusals(files):
-    """Without a tokenizer_config.json the documented default renders a chat; sft needs a decoder, a file and a
-    tokenizer."""
-    template = compile_template(DEFAULT_TEMPLATE)
-    assert template.render(messages=[{"role": "user", "content": "hi"}], add_generation_prompt=True) == (
+def test_default_template_and_refusals(files, tmp_path):
+    """Without a chat template beside the tokenizer the documented default renders a chat, and says so; sft needs a
+    decoder, a file and a tokenizer; max_seq_len=0 means the longest example rounded up, at most the model's."""
+    root, _, _ = files
+    (tmp_path / "tokenizer.json").write_bytes((root / "tok" / "tokenizer.json").read_bytes())
+    template = read_chat_template(tmp_path / "tokenizer.json")
+    assert (template.text, template.source) == (DEFAULT_TEMPLATE, DEFAULT_SOURCE)
+    assert template.compiled().render(messages=[{"role": "user", "content": "hi"}], add_generation_prompt=True) == (
         "user: hi\nassistant: ")
+    with pytest.raises(ConfigError, match=r"the chat template in x.jinja does not compile: line 2: "):
+        ChatTemplate("{% for m in messages %}\n{{ m['content'] }\n", "x.jinja", {}).compiled()
     config = _config(files)
     config.data.tokenizer = ""
     with pytest.raises(ConfigError, match="data.source=sft needs --config.data.tokenizer"):
@@ -224,6 +248,11 @@ def test_default_template_and_refusals(files):
     config.data.source = "sft"
     with pytest.raises(ConfigError, match="model.name=bert reads none: fine-tune a decoder"):
         resolve(config, 1)
+    path, tokenizer = str(root / "train.jsonl"), str(root / "tok" / "tokenizer.json")
+    longest = max(len(e.prompt) + len(e.completion) for e in read_examples(
+        path, load_tokenizer(tokenizer), read_chat_template(tokenizer), False)[0])
+    assert 1 < longest <= 129 and default_seq_len(path, tokenizer, False, 131072) == (128, longest)
+    assert default_seq_len(path, tokenizer, False, 64) == (64, longest)  # capped at the model's positions
 
 
 def _task_rows(seed: int, n: int) -> str:
@@ -247,6 +276,8 @@ def test_a_short_fine_tune_learns_the_task(files, tmp_path):
     config.init_from = str(mj)
     config.data.update(path=str(tmp_path / "train.jsonl"), tokenizer=tokenizer)
     config.model.update(max_seq_len=32, remat="none")
+    # one device: the XLA:CPU stall that struck this loop three times (docs/results.md) waited on 8 devices' threads
+    config.mesh.data = 1
     config.train.update(steps=200, global_batch_size=8, log_every=50, eval_every=0, precision="fp32")
     config.optimizer.update(lr=3e-3, min_lr=3e-4, warmup_steps=10)
     megajax.train(config, tmp_path / "run")

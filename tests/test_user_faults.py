@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import child_env, train_config
+from conftest import ROOT, assert_one_error_line, child_env, run_commands, train_config, tree_of
 from downstream_fixtures import wordpiece_tokenizer
 
 from megajax.config import bert_base_config, stored_run
@@ -25,39 +25,6 @@ from megajax.evaluation.generate import Sampling
 from megajax.evaluation.inputs import InputError
 from megajax.evaluation.runner import read_inputs
 from megajax.training.loop import train
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-PARALLEL = 4  # processes at a time: CI's two cores, and memory for each interpreter's jax
-
-
-def _tree(root: pathlib.Path) -> dict[str, bytes | None]:
-    """Every path under ``root`` (directories as None, files as their bytes)."""
-    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
-
-
-def _run_all(cases: dict, cwd: pathlib.Path) -> dict[str, tuple[int, str]]:
-    """Runs ``{name: (argv after python, env overrides)}`` at most PARALLEL at a time; (exit status, stderr) each."""
-    base = {**child_env(), "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    pending, running, results = list(cases.items()), {}, {}
-    while pending or running:
-        while pending and len(running) < PARALLEL:
-            name, (argv, env) = pending.pop(0)
-            running[name] = subprocess.Popen([sys.executable, *argv], cwd=cwd, env={**base, **env},
-                                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for name, proc in list(running.items()):
-            if proc.poll() is not None:
-                results[name] = (proc.returncode, proc.stderr.read())
-                del running[name]
-        time.sleep(0.05)
-    return results
-
-
-def _assert_one_error_line(results: dict, wanted: dict[str, str]) -> None:
-    for name, (rc, stderr) in results.items():
-        lines = stderr.strip().splitlines()
-        assert rc != 0 and lines and lines[-1].startswith("error: "), (name, rc, stderr[-3000:])
-        assert wanted[name] in lines[-1], (name, wanted[name], lines[-1])
-        assert "Traceback" not in stderr and "cannot schedule new futures" not in stderr, (name, stderr[-3000:])
 
 
 @pytest.fixture(scope="module")
@@ -132,10 +99,10 @@ def test_no_command_writes_on_an_input_or_on_what_training_made(world):
         "train above its data": ([str(ROOT / "train.py"), "--config=gpt_tiny", "--workdir=d",
                                   "--config.data.source=indexed", "--config.data.path=d/small"], "holds the input"),
     }
-    before = _tree(w)
-    results = _run_all({name: (argv, {}) for name, (argv, _) in cases.items()}, cwd=w)
-    _assert_one_error_line(results, {name: message for name, (_, message) in cases.items()})
-    assert _tree(w) == before  # nothing new anywhere, every byte the same
+    before = tree_of(w)
+    results = run_commands({name: (argv, {}) for name, (argv, _) in cases.items()}, cwd=w)
+    assert_one_error_line(results, {name: message for name, (_, message) in cases.items()})
+    assert tree_of(w) == before  # nothing new anywhere, every byte the same
 
 
 def test_inputs_once_handled_poorly_or_found_after_the_workdir(world, tmp_path):
@@ -274,15 +241,15 @@ def test_inputs_once_handled_poorly_or_found_after_the_workdir(world, tmp_path):
     (tmp_path / "lm" / "run").mkdir()
     (tmp_path / "lm" / "run" / "metrics.jsonl").write_text("{}\n")
     (tmp_path / "run").symlink_to(w / "run")
-    before, world_before = _tree(tmp_path), _tree(w)
+    before, world_before = tree_of(tmp_path), tree_of(w)
     try:
-        results = _run_all({name: (argv, env) for name, (argv, env, _) in cases.items()}, cwd=tmp_path)
+        results = run_commands({name: (argv, env) for name, (argv, env, _) in cases.items()}, cwd=tmp_path)
     finally:
         if immutable:
             subprocess.run(["chattr", "-i", str(tmp_path / "sealed" / "metrics.jsonl")], check=True)
-    _assert_one_error_line(results, {name: message for name, (_, _, message) in cases.items()})
+    assert_one_error_line(results, {name: message for name, (_, _, message) in cases.items()})
     assert "train:" not in results["metrics not writable"][1]  # refused before compiling, not after
-    assert _tree(tmp_path) == before and _tree(w) == world_before  # no workdir, lock or output left
+    assert tree_of(tmp_path) == before and tree_of(w) == world_before  # no workdir, lock or output left
 
 
 def test_mlm_and_ppl_check_a_tokenizer_given_against_the_checkpoint(world, tmp_path):

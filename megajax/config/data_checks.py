@@ -26,12 +26,17 @@ def check_packing(spec: ModelSpec, d: DataSettings | ml_collections.ConfigDict) 
 
 def check_data(spec: ModelSpec, d: DataSettings | ml_collections.ConfigDict) -> None:
     """ConfigError where the model and its data (``config.data`` or the run's ``DataSettings``) do not fit: a
-    tokenizer the source would not read, a blend or corpus for a task model, a task another model trains, a
-    source without the sentences the model's examples need."""
+    tokenizer the source would not read, document masking of a source without documents, a blend or corpus for a
+    task model, a task another model trains, a source without the sentences the model's examples need."""
     if d.tokenizer and d.source not in ("tfds", "task", "sft"):  # it would be silently unused
         raise ConfigError(f"data.tokenizer={d.tokenizer!r} is read with data.source=tfds, task or sft; data.source="
                           f"{d.source} brings its own (a preprocessed dataset's PREFIX.tokenizer.json, the default "
                           "corpus's): leave data.tokenizer empty")
+    if d.document_masking and d.source in ("random", "sft"):  # it would change nothing
+        raise ConfigError("data.document_masking masks attention at a corpus's document ends; " + (
+            "data.source=random draws uniform tokens with no documents" if d.source == "random" else
+            "data.source=sft packs each example as a document of its row already") + ": set "
+            "data.document_masking=False")
     if d.blend:
         if spec.examples is None:
             raise ConfigError(f"data.blend mixes pretraining corpora, but model.name={spec.name} fine-tunes on "

@@ -18,6 +18,7 @@ from megajax.config.migrate import migrate_config
 from megajax.config.resolve import RunSpec, StoredRun, resolve, stored_config, stored_run
 from megajax.models.transformer import reorder_layers
 from megajax.parallel.partition import shardings
+from megajax.parallel.sharding import check_degrees
 
 
 class LoadedModel(NamedTuple):
@@ -51,6 +52,7 @@ def inference_config(path: str | pathlib.Path, data: int | None = None, model: i
     ``model``; ``mesh.expert`` likewise (a mixture of experts'); every remaining device on ``data`` (or ``data``);
     no pipeline stages; sequence parallelism off (it saves training memory, and a decoding step of one token has no
     sequence to split; the parameters are laid out the same)."""
+    check_degrees(-1 if data is None else data, 1 if model is None else model, expert=1 if expert is None else expert)
     config = read_run_config(path)
     config.parallel.sequence = False
     config.mesh.pipe = 1  # inference runs on data x model (a pipelined run's stages are one resharding away)

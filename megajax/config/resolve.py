@@ -34,6 +34,7 @@ from megajax.config.settings import (
     train_settings,
 )
 from megajax.data.settings import DataSettings
+from megajax.data.sft import default_seq_len
 from megajax.errors import ConfigError, ShardingConfigError
 from megajax.models import MODELS, ModelSpec, TransformerConfig, model_spec
 from megajax.models.objectives import Field
@@ -45,6 +46,7 @@ from megajax.parallel.sharding import (
     SEQUENCE_PARALLEL_NAME,
     ParallelContext,
     Rules,
+    check_degrees,
     entry_axes,
     make_mesh,
     mesh_axes,
@@ -178,8 +180,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     Runs before any allocation, so a bad config fails in milliseconds with a message that says what to change.
     """
     tp, dp = config.mesh.model, config.mesh.data
-    if tp < 1:
-        raise ConfigError(f"mesh.model must be >= 1, got {tp}")  # before the divisibility checks below
+    m = config.mesh  # every degree before anything divides by one
+    check_degrees(m.data, m.model, m.pipe, m.expert, m.context)
     # name, sizes >= 1, hidden % heads, dropout, precision, remat, activation: before anything divides by them
     cfg = model_config(config)
     if cfg.num_heads % tp:
@@ -220,9 +222,12 @@ def _check_pipeline(config: ml_collections.ConfigDict) -> None:
     switches (what the pipeline does not compute yet is refused, naming the field to change)."""
     p, v, m = config.mesh.pipe, config.parallel.pipeline_repeats, config.model
     schedule = config.parallel.pipeline_schedule
-    _require(p >= 1, f"mesh.pipe must be >= 1 (1: no pipeline), got {p}")
     _require(config.parallel.pipeline_microbatches >= 0, "parallel.pipeline_microbatches must be >= 0 (0: mesh.pipe "
              f"of them), got {config.parallel.pipeline_microbatches}")
+    _require(p > 1 or config.parallel.pipeline_microbatches == 0, "parallel.pipeline_microbatches="
+             f"{config.parallel.pipeline_microbatches} cuts the batch for pipeline stages: set mesh.pipe > 1 "
+             "(--mesh=PIPExDATAxMODEL), or leave pipeline_microbatches=0 (train.micro_batch_size sets the "
+             "micro-batches of gradient accumulation)")
     _require(v >= 1, f"parallel.pipeline_repeats must be >= 1 (1: GPipe), got {v}")
     _require(schedule in SCHEDULES, f"parallel.pipeline_schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
     _require(schedule != CIRCULAR or v > 1, "parallel.pipeline_schedule=circular holds parallel.pipeline_repeats "
@@ -256,7 +261,6 @@ def _check_context(config: ml_collections.ConfigDict, cfg: TransformerConfig) ->
     """mesh.context against the sequence: each device holds two chunks of every sequence (load balance:
     ``megajax.parallel.context``), so 2 x context x (model under sequence parallelism) divides it."""
     c = config.mesh.context
-    _require(c >= 1, f"mesh.context must be >= 1 (1: no context parallelism), got {c}")
     if c == 1:
         return
     split = 2 * c * (config.mesh.model if sequence_parallel(config) else 1)
@@ -451,7 +455,9 @@ FROM_INIT = "init_from"
 def model_from_init(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """``config``, or where its ``model.name`` is ``FROM_INIT`` a copy whose model section is its ``init_from``
     checkpoint's (a converted model's, a pretraining run's), with the section's ``max_seq_len`` (where > 0),
-    ``dropout`` and ``remat``: a fine-tuning config need not restate the model. ConfigError without a checkpoint."""
+    ``dropout`` and ``remat``: a fine-tuning config need not restate the model. ``max_seq_len=0`` keeps the
+    checkpoint's, but for fine-tuning files (``data.source=sft``) means the longest example rounded up
+    (``data.sft.default_seq_len``), at most the checkpoint's. ConfigError without a checkpoint."""
     if config.model.name != FROM_INIT:
         return config
     if not config.init_from:
@@ -465,8 +471,12 @@ def model_from_init(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
     given = config.model
     config = config.copy_and_resolve_references()
     config.model = stored.model
-    config.model.update(dropout=given.dropout, remat=given.remat,
-                        **({"max_seq_len": given.max_seq_len} if given.max_seq_len > 0 else {}))
+    config.model.update(dropout=given.dropout, remat=given.remat)
+    if given.max_seq_len > 0:
+        config.model.max_seq_len = given.max_seq_len
+    elif config.data.source == "sft":  # rows as long as the file needs, not the model's whole context (131K)
+        config.model.max_seq_len = default_seq_len(config.data.path, config.data.tokenizer,
+                                                   config.data.sft_skip_bad_rows, stored.model.max_seq_len)[0]
     return config
 
 

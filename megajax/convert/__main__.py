@@ -36,8 +36,9 @@ from megajax.config import RunSpec, model_config
 from megajax.config.load import inference_config, restore_model
 from megajax.convert import hf_io, megatron_bert, megatron_gpt
 from megajax.convert.paths import existing_input, staged_output
-from megajax.data.sources import CONVERTED
+from megajax.data.sources import CONVERTED, trained_tokenizer
 from megajax.data.tokenizer import load_tokenizer
+from megajax.data.tokenizer_folder import write_folder
 from megajax.outputs import Kind, absolute, checked_name
 
 INPUT_FLAGS = {"hf-to-megajax": "hf", "megatron-to-megajax": "megatron", "megajax-to-hf": "checkpoint",
@@ -129,7 +130,18 @@ def _tokenizer_fingerprint(source: pathlib.Path, vocab_size: int) -> str:
 def _megajax_to_hf(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     params, _, run = host_params(source)
     converter = hf_io.writer_for(run.model_name)
-    hf_io.write(out, converter.params_to_hf(params, run.model), converter.hf_config(run.model))
+    hf = converter.hf_config(run.model)
+    hf_io.write(out, converter.params_to_hf(params, run.model), hf)
+    try:  # the run's tokenizer beside the weights, so AutoTokenizer.from_pretrained(out) reads it
+        tokenizer = trained_tokenizer(run.dataset, run.model_spec.examples)
+        ids = write_folder(tokenizer, out) if tokenizer else None
+    except (OSError, ValueError, KeyError) as e:
+        tokenizer, ids = f"{tokenizer} ({e})", None
+    if ids is None:
+        print(f"note: {source} names no tokenizer megajax can read{f': {tokenizer}' if tokenizer else ''}; copy the "
+              f"model's tokenizer files into {args.output} by hand", file=sys.stderr)
+    elif run.model_spec.causal_lm:  # generation stops at the tokenizer's end id
+        hf_io.write_config(out, {**hf, **ids})
     return out
 
 

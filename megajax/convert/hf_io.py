@@ -100,4 +100,9 @@ def write(directory: str | pathlib.Path, sd: dict[str, np.ndarray], hf: dict) ->
     require_empty(d, "the HF output directory")
     d.mkdir(parents=True, exist_ok=True)
     save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
-    (d / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    write_config(d, hf)
+
+
+def write_config(directory: str | pathlib.Path, hf: dict) -> None:
+    """Writes (or replaces) an HF model directory's ``config.json``."""
+    (pathlib.Path(directory) / "config.json").write_text(json.dumps(hf, indent=2) + "\n")

@@ -2,9 +2,10 @@
 rows with the loss on the completions only.
 
 A row of the file is ``{"prompt": str, "completion": str}`` or a chat, ``{"messages": [{"role", "content"}, ...]}``
-whose last message is the assistant's answer. A chat is rendered with the chat template of the tokenizer's
-``tokenizer_config.json`` (beside ``data.tokenizer``) as transformers renders it (jinja2, the same environment
-options); without one, with ``DEFAULT_TEMPLATE``. Its prompt is the conversation before the answer with the
+whose last message is the assistant's answer (a row with both is refused). A chat is rendered with the chat
+template of ``data.tokenizer``'s folder, found and rendered as transformers does (``megajax.data.tokenizer_folder``);
+without one, with its default, which the start record names. The file may be gzip- or zstandard-compressed
+(``megajax.data.text_files``). Its prompt is the conversation before the answer with the
 generation prompt; its completion, the rest of the whole conversation's text. Each example's ids are
 ``encode(prompt) + encode(completion) + [end-of-document id]``, each text encoded alone with no special tokens
 added (a template's own special tokens are in its text). The loss counts the completion's ids and the end id (a
@@ -12,31 +13,30 @@ token-weighted mean over the step's batch: ``megajax.training.step``). Examples 
 rows of ``max_seq_len + 1`` tokens (``data.sft_packing``; else one per row), each a document of the row
 (``megajax.data.documents``: attention within it, positions from 0), the rest of a row padding that counts for
 nothing. A bad row is refused with its line number, or skipped and counted with ``data.sft_skip_bad_rows``; an
-example longer than a row is refused, or cut to it with ``data.sft_truncate`` (counted).
+example longer than a row is refused, or cut to it with ``data.sft_truncate`` (counted). Where the model's
+``max_seq_len`` is left at 0 (``configs/sft.py``), a row is as long as the longest example, rounded up
+(``default_seq_len``), not the converted model's whole context.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
+import functools
 import hashlib
 import json
 import pathlib
+from collections.abc import Callable
 
 import grain
 import jinja2
 import numpy as np
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from megajax.data.documents import packed_row
 from megajax.data.settings import DataSettings
+from megajax.data.text_files import check_file, text_lines
 from megajax.data.tokenizer import TextTokenizer, load_tokenizer
+from megajax.data.tokenizer_folder import ChatTemplate, read_chat_template
 from megajax.errors import ConfigError
-
-# A documented default for tokenizers without a chat template: one "role: content" line per message, and
-# "assistant: " as the generation prompt.
-DEFAULT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                    "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,34 +48,9 @@ class Example:
     line: int  # its line in the file, from 1
 
 
-def chat_template(tokenizer_path: str | pathlib.Path) -> tuple[str | None, dict[str, str]]:
-    """The chat template of the ``tokenizer_config.json`` beside a tokenizer (its default one where it names
-    several) and the special tokens' texts a template reads (``bos_token``, ``eos_token``, ...); (None, {}) where
-    there is none."""
-    p = pathlib.Path(tokenizer_path)
-    config = (p if p.is_dir() else p.parent) / "tokenizer_config.json"
-    if not config.is_file():
-        return None, {}
-    data = json.loads(config.read_text(encoding="utf-8"))
-    template = data.get("chat_template")
-    if isinstance(template, list):  # [{"name": ..., "template": ...}]: the default one
-        template = {t["name"]: t["template"] for t in template}.get("default")
-    specials = {k: (v["content"] if isinstance(v, dict) else v) for k, v in data.items()
-                if k.endswith("_token") and isinstance(v, (str, dict))}
-    return template, specials
-
-
-def compile_template(template: str):
-    """A jinja2 template in the environment transformers renders chat templates in (sandboxed, blocks trimmed,
-    loop controls, ``raise_exception``, ``strftime_now``, a ``tojson`` that leaves non-ASCII as it is)."""
-    def raise_exception(message: str):
-        raise jinja2.exceptions.TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.datetime.now().strftime(f))
-    return env.from_string(template)
+# model.max_seq_len=0 rounds the longest example's inputs up to a multiple of this (divisible by the mesh's usual
+# model, context and sequence-parallel splits)
+SEQ_MULTIPLE = 128
 
 
 class BadRow(ValueError):
@@ -99,42 +74,57 @@ def render_chat(messages: list, template, specials: dict[str, str]) -> tuple[str
     return prompt, whole[len(prompt):]
 
 
-def read_examples(path: str | pathlib.Path, tok: TextTokenizer, template, specials: dict[str, str],
-                  skip_bad: bool) -> tuple[list[Example], list[str]]:
+def training_flag(name: str) -> str:
+    """How train.py spells turning on ``data.NAME``."""
+    return f"--config.data.{name}=True"
+
+
+def read_examples(path: str | pathlib.Path, tok: TextTokenizer, template: ChatTemplate, skip_bad: bool,
+                  what: str = "", flag: Callable[[str], str] = training_flag) -> tuple[list[Example], list[str]]:
     """The file's examples in order and, with ``skip_bad``, why each skipped row was (else ConfigError on the
-    first bad row, naming its line)."""
+    first bad row, naming its line). ``what`` names the file as the user gave it (default ``data.path=PATH``);
+    ``flag`` spells the command's option that skips bad rows."""
+    what = what or f"data.path={path}"
+    compiled = template.compiled()
     examples, skipped = [], []
-    with open(path, encoding="utf-8") as f:
-        for line, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            try:
-                try:
-                    row = json.loads(text)
-                except json.JSONDecodeError as e:
-                    raise BadRow(f"not JSON ({e.msg})") from None
-                if not isinstance(row, dict):
-                    raise BadRow("not a JSON object")
-                if "messages" in row:
-                    try:
-                        prompt, completion = render_chat(row["messages"], template, specials)
-                    except jinja2.TemplateError as e:  # the template's own refusal (raise_exception) or a fault
-                        raise BadRow(f"the chat template refuses the conversation ({e})") from None
-                elif isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
-                    prompt, completion = row["prompt"], row["completion"]
-                else:
-                    raise BadRow('a row holds "prompt" and "completion" strings, or "messages"')
-                if not completion:
-                    raise BadRow("the completion is empty: there is nothing to learn")
-            except BadRow as e:
-                if not skip_bad:
-                    raise ConfigError(f"data.path={path}, line {line}: {e}; fix the row, or pass "
-                                      "--config.data.sft_skip_bad_rows=True to skip such rows (counted)") from None
-                skipped.append(f"line {line}: {e}")
-                continue
-            p, c = tok.encode_batch([prompt, completion])
-            examples.append(Example(tuple(p), tuple(c) + (tok.eod_id,), line))
+    for line, text in text_lines(path, what):
+        if not text.strip():
+            continue
+        try:
+            prompt, completion = _texts(text, compiled, template)
+        except BadRow as e:
+            if not skip_bad:
+                raise ConfigError(f"{what}, line {line}: {e}; fix the row, or pass {flag('sft_skip_bad_rows')} to "
+                                  "skip such rows (counted)") from None
+            skipped.append(f"line {line}: {e}")
+            continue
+        p, c = tok.encode_batch([prompt, completion])
+        examples.append(Example(tuple(p), tuple(c) + (tok.eod_id,), line))
     return examples, skipped
+
+
+def _texts(text: str, compiled, template: ChatTemplate) -> tuple[str, str]:
+    """(prompt, completion) of one row's JSON text; BadRow saying why it makes no example."""
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadRow(f"not JSON ({e.msg})") from None
+    if not isinstance(row, dict):
+        raise BadRow("not a JSON object")
+    if "messages" in row:
+        if "prompt" in row or "completion" in row:
+            raise BadRow('the row holds both "messages" and "prompt" / "completion": keep one of them')
+        try:
+            prompt, completion = render_chat(row["messages"], compiled, template.specials)
+        except jinja2.TemplateError as e:  # the template's own refusal (raise_exception) or a fault
+            raise BadRow(f"the chat template ({template.source}) refuses the conversation ({e})") from None
+    elif isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+        prompt, completion = row["prompt"], row["completion"]
+    else:
+        raise BadRow('a row holds "prompt" and "completion" strings, or "messages"')
+    if not completion:
+        raise BadRow("the completion is empty: there is nothing to learn")
+    return prompt, completion
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,18 +139,20 @@ class PackedRows:
         return len(self.fields["tokens"])
 
 
-def pack(examples: list[Example], seq_len: int, pad_id: int, packing: bool, truncate: bool,
-         path: str = "") -> PackedRows:
+def pack(examples: list[Example], seq_len: int, pad_id: int, packing: bool, truncate: bool, what: str = "",
+         flag: Callable[[str], str] = training_flag) -> PackedRows:
     """``examples`` in order into rows of ``seq_len + 1`` tokens: as many whole examples as fit (one where not
-    ``packing``), the rest padding. An example longer than a row is cut to it where ``truncate``, else refused."""
+    ``packing``), the rest padding. An example longer than a row is cut to it where ``truncate``, else refused
+    (``what`` and ``flag`` as ``read_examples`` takes them)."""
     width, rows, row, used, truncated = seq_len + 1, [], [], 0, 0
     for ex in examples:
         n = len(ex.prompt) + len(ex.completion)
         if n > width:
             if not truncate:
-                raise ConfigError(f"data.path={path}, line {ex.line}: the example has {n} tokens and a row "
-                                  f"{width} (model.max_seq_len + 1): raise model.max_seq_len, shorten the row, or "
-                                  "pass --config.data.sft_truncate=True to cut such examples to the row (counted)")
+                longer = "raise model.max_seq_len, " if flag is training_flag else ""
+                raise ConfigError(f"{what}, line {ex.line}: the example has {n} tokens, more than a row's {width} "
+                                  f"(model.max_seq_len={seq_len} + 1): shorten the row, {longer}or pass "
+                                  f"{flag('sft_truncate')} to cut such examples to the row (counted)")
             truncated += 1
         if row and (not packing or used + n > width):
             rows.append(row)
@@ -202,41 +194,71 @@ class SFTData:
     tokenizer_fingerprint: str
     fingerprint: str  # of the training rows' ids
     skipped: list[str]
+    chat_template: str  # the file that rendered chat rows (ChatTemplate.source)
+    max_seq_len: int  # a row's inputs
+    longest_example: int  # tokens, the end-of-document id included
 
     @property
     def report(self) -> dict:
-        """What the start record says of the file (examples, rows, what was cut or skipped)."""
+        """What the start record says of the file (examples, rows, what was cut or skipped, the row length beside
+        the longest example, and which chat template rendered chat rows)."""
         return {"examples": self.train.examples + self.valid.examples, "train_rows": len(self.train),
                 "valid_rows": len(self.valid), "truncated": self.train.truncated + self.valid.truncated,
-                "skipped": len(self.skipped), **({"first_skipped": self.skipped[:3]} if self.skipped else {})}
+                "skipped": len(self.skipped), **({"first_skipped": self.skipped[:3]} if self.skipped else {}),
+                "max_seq_len": self.max_seq_len, "longest_example": self.longest_example,
+                "chat_template": self.chat_template}
+
+
+def _file(path: str, tokenizer: str, skip_bad: bool) -> tuple[TextTokenizer, ChatTemplate, list[Example], list[str]]:
+    """The tokenizer, the chat template and the file's examples (and skipped rows); read once per file state, since
+    resolving a run (``default_seq_len``) and loading its data both need them."""
+    if not path:
+        raise ConfigError("data.source=sft reads a JSONL file: set --config.data.path=FILE.jsonl")
+    p = check_file(path, f"data.path={path}")
+    if not tokenizer:
+        raise ConfigError("data.source=sft needs --config.data.tokenizer=tokenizer.json (the model's tokenizer; its "
+                          "folder's chat template renders chat rows)")
+    stat = p.stat()
+    return _read_file(str(p.resolve()), stat.st_mtime_ns, stat.st_size, path, tokenizer, skip_bad)
+
+
+@functools.lru_cache(maxsize=2)
+def _read_file(resolved: str, mtime: int, size: int, path: str, tokenizer: str, skip_bad: bool):
+    try:
+        tok = load_tokenizer(tokenizer)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.tokenizer={tokenizer!r}: {e}") from None
+    template = read_chat_template(tokenizer)
+    examples, skipped = read_examples(path, tok, template, skip_bad)
+    return tok, template, tuple(examples), tuple(skipped)
+
+
+def default_seq_len(path: str, tokenizer: str, skip_bad: bool, limit: int) -> tuple[int, int]:
+    """(the sequence length ``model.max_seq_len=0`` means for a fine-tuning file, the longest example's tokens):
+    the longest example's inputs (its tokens less the last) rounded up to a multiple of ``SEQ_MULTIPLE``, at most
+    ``limit`` (the model's own; an example longer than that is refused or cut when the rows are packed)."""
+    examples = _file(path, tokenizer, skip_bad)[2]
+    longest = max((len(ex.prompt) + len(ex.completion) for ex in examples), default=1)
+    return min(limit, -(-(longest - 1) // SEQ_MULTIPLE) * SEQ_MULTIPLE or SEQ_MULTIPLE), longest
 
 
 def load_sft(d: DataSettings) -> SFTData:
     """``data.path``'s examples with ``data.tokenizer``, the last ``data.valid_fraction`` of them for validation,
     packed for the model's ``max_seq_len``; ConfigError naming the field or line to change."""
-    if not d.path or not pathlib.Path(d.path).is_file():
-        raise ConfigError(f"data.source=sft reads a JSONL file: set --config.data.path=FILE.jsonl (got {d.path!r})")
-    if not d.tokenizer:
-        raise ConfigError("data.source=sft needs --config.data.tokenizer=tokenizer.json (the model's tokenizer; a "
-                          "tokenizer_config.json beside it gives the chat template)")
-    try:
-        tok = load_tokenizer(d.tokenizer)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"data.tokenizer={d.tokenizer!r}: {e}") from None
+    tok, template, examples, skipped = _file(d.path, d.tokenizer, d.sft_skip_bad_rows)
     if tok.vocab_size > d.vocab_size:
         raise ConfigError(f"data.tokenizer has {tok.vocab_size} ids but model.vocab_size={d.vocab_size}: use the "
                           "model's tokenizer")
-    text, specials = chat_template(d.tokenizer)
-    examples, skipped = read_examples(d.path, tok, compile_template(text or DEFAULT_TEMPLATE), specials,
-                                      d.sft_skip_bad_rows)
     valid = round(len(examples) * d.valid_fraction) if d.valid_fraction > 0 else 0
-    train_ex, valid_ex = examples[:len(examples) - valid], examples[len(examples) - valid:]
+    train_ex, valid_ex = list(examples[:len(examples) - valid]), list(examples[len(examples) - valid:])
     if not train_ex:
         raise ConfigError(f"data.path={d.path} holds no example to train on ({len(skipped)} rows skipped)")
-    args = (d.max_seq_len, tok.eod_id, d.sft_packing, d.sft_truncate, d.path)
+    args = (d.max_seq_len, tok.eod_id, d.sft_packing, d.sft_truncate, f"data.path={d.path}")
     train = pack(train_ex, *args)
     digest = hashlib.sha256(train.fields["tokens"].tobytes() + train.fields["loss_weights"].tobytes()).hexdigest()
-    return SFTData(train, pack(valid_ex, *args), tok.fingerprint, digest[:16], skipped)
+    longest = max(len(ex.prompt) + len(ex.completion) for ex in examples)
+    return SFTData(train, pack(valid_ex, *args), tok.fingerprint, digest[:16], list(skipped), template.source,
+                   d.max_seq_len, longest)
 
 
 class SFTBatches:

@@ -11,6 +11,8 @@ batch). Whether the model and the source fit each other is checked with the conf
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 
 import numpy as np
 
@@ -18,7 +20,7 @@ from megajax.data.blend import BlendedBatches, BlendSpec, parse_blend
 from megajax.data.default_corpus import cache_root
 from megajax.data.formats import ExampleFormat
 from megajax.data.gpt_dataset import split_by_documents
-from megajax.data.indexed import IndexedTokens
+from megajax.data.indexed import META, IndexedTokens
 from megajax.data.loader import Batches, Loader
 from megajax.data.settings import DataSettings
 from megajax.data.sft import SFTBatches, SFTData, load_sft
@@ -114,6 +116,19 @@ def load_dataset(d: DataSettings, examples: ExampleFormat | None) -> Data:
     return data
 
 
+def trained_tokenizer(d: DataSettings, examples: ExampleFormat | None) -> str:
+    """The path of the tokenizer a run's data was made with (``d``: a checkpoint's data settings; ``examples``: its
+    model's format), or "" where the data names none (random tokens, a converted model without one, Megatron-LM's).
+    KeyError / OSError / ValueError where the data's record of it cannot be read."""
+    if d.source == "default" and examples is not None:  # the model's own offline corpus
+        return str(examples.default_corpus(d.vocab_size)[1])
+    if d.source in (CONVERTED, "tfds", "sft", "task"):
+        return d.tokenizer
+    if d.source == "indexed" and d.path:  # the sidecar names the tokenizer; the token files are not needed
+        return json.loads(pathlib.Path(f"{d.path}{META}").read_text())["tokenizer"]
+    return ""
+
+
 def tokenizer_fingerprint(data: Data) -> str:
     """The vocabulary fingerprint of the tokenizer that made ``data`` (``tokenizer.vocabulary_fingerprint``; a
     blend's datasets share one), or "" when unknown (random tokens, synthetic tasks, older datasets)."""
@@ -147,10 +162,12 @@ def make_loader(d: DataSettings, examples: ExampleFormat | None, split: str = "t
     if isinstance(data, SFTData):  # packed examples, shuffled per epoch (validation reads its first batches)
         rows = data.train if split == "train" else data.valid
         if len(rows) < (d.global_batch_size if split == "train" else 1):
-            raise ConfigError(f"data.path={d.path}: the {split} split packs into {len(rows)} rows and one step "
-                              f"needs train.global_batch_size={d.global_batch_size}; "
+            raise ConfigError(f"data.path={d.path}: the {split} split's {rows.examples} examples pack into "
+                              f"{len(rows)} rows of {d.max_seq_len + 1} tokens (model.max_seq_len={d.max_seq_len} "
+                              f"+ 1) and one step needs train.global_batch_size={d.global_batch_size}; "
                               + (_split_hint(split, d) if split == "valid" else "use more examples or a smaller "
-                                 "train.global_batch_size"))
+                                 "train.global_batch_size (or, with several examples a row, a smaller "
+                                 "model.max_seq_len)"))
         return Loader(SFTBatches(rows, d.global_batch_size, d.seed, data.fingerprint))
     if isinstance(data, BlendedData):  # each dataset split alike, then mixed by weight
         parts = [_corpus_batches(d, examples, part, split, f"data.blend's dataset {path}")

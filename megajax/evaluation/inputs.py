@@ -13,7 +13,8 @@ import numpy as np
 
 from megajax.config import StoredRun
 from megajax.data.indexed import META, IndexedTokens
-from megajax.data.sources import CONVERTED, make_loader
+from megajax.data.sources import CONVERTED, make_loader, trained_tokenizer
+from megajax.data.text_files import text_lines
 from megajax.data.tokenizer import TextTokenizer, load_tokenizer
 from megajax.errors import ConfigError, UserError
 from megajax.evaluation.detokenize import original_token_count, wikitext_detokenize
@@ -34,14 +35,9 @@ def tokenizer_for(stored: StoredRun, explicit: str | None) -> TextTokenizer:
         raise InputError("this checkpoint was converted from a model directory that held no tokenizer megajax reads "
                          "(tokenizer.json, vocab.json + merges.txt, or vocab.txt); pass --tokenizer=PATH")
     try:
-        if d.source == CONVERTED:  # the tokenizer that came with the converted weights
-            return load_tokenizer(d.tokenizer)
-        if d.source == "default":  # the model's own offline corpus
-            return load_tokenizer(stored.model_spec.examples.default_corpus(stored.model.vocab_size)[1])
-        if d.source in ("tfds", "sft") and d.tokenizer:
-            return load_tokenizer(d.tokenizer)
-        if d.source == "indexed" and d.path:  # the sidecar names the tokenizer; the token files are not needed
-            return load_tokenizer(json.loads(pathlib.Path(f"{d.path}{META}").read_text())["tokenizer"])
+        path = trained_tokenizer(d, stored.model_spec.examples)
+        if path:
+            return load_tokenizer(path)
     except (OSError, ValueError, KeyError) as e:
         raise InputError(f"the tokenizer this checkpoint was trained with cannot be loaded (config.data.source="
                          f"{d.source!r}; the training data may have moved or been deleted): {e}; pass --tokenizer="
@@ -72,14 +68,10 @@ def check_tokenizer(tokenizer: TextTokenizer, stored: StoredRun) -> None:
 
 
 def read_text(path: str | pathlib.Path) -> str:
-    """A UTF-8 data file that holds more than whitespace."""
+    """A UTF-8 data file (plain or compressed: ``megajax.data.text_files``) that holds more than whitespace, its
+    lines each ended by a newline."""
     p = pathlib.Path(path)
-    if not p.is_file():
-        raise InputError(f"--data={p}: no such file")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"--data={p} is not UTF-8 text (byte {e.start})") from e
+    text = "".join(line + "\n" for _, line in text_lines(p, f"--data={p}"))
     if not text.strip():
         raise InputError(f"--data={p} is empty (or only whitespace): nothing to evaluate")
     return text

@@ -32,6 +32,9 @@ class Request:
     seed: int = 0
     null_score_diff_threshold: float | None = None
     predictions: str | None = None  # where to write each example's prediction (tasks with ``predictions``)
+    # fine-tuning rows (tasks with ``sft_rows``): skip bad rows, cut over-long examples; None: as the run trained
+    sft_skip_bad_rows: bool | None = None
+    sft_truncate: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +58,9 @@ class EvalTask:
     ``default_stride(seq_len)``: the sliding windows' default stride, for tasks that score windows (None: the task
     takes no ``--stride``).
     ``predictions``: the task writes ``--predictions``, and ``extra_files(path)`` names (path, what it is) of the
-    files it writes beside it. ``null_threshold``: it takes ``--null_score_diff_threshold``. ``streams``: it prints
-    its own output as it goes, and its results are not printed as JSON.
+    files it writes beside it. ``null_threshold``: it takes ``--null_score_diff_threshold``. ``sft_rows``: it reads
+    fine-tuning rows and takes ``--sft_skip_bad_rows`` / ``--sft_truncate``. ``streams``: it prints its own output
+    as it goes, and its results are not printed as JSON.
     """
 
     name: str
@@ -66,6 +70,7 @@ class EvalTask:
     predictions: bool = False
     extra_files: Callable[[str | pathlib.Path], list[tuple[pathlib.Path, str]]] = lambda path: []
     null_threshold: bool = False
+    sft_rows: bool = False
     streams: bool = False
 
     def stride(self, given: int | None, seq_len: int) -> int | None:

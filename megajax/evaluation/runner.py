@@ -18,7 +18,7 @@ from megajax.evaluation.generate import Sampling
 from megajax.evaluation.registry import EVAL_TASKS, EvalTask, Loaded, Request, names_where
 from megajax.models import eval_task_models
 from megajax.outputs import Kind, OutputPathError, claim_file, write_json
-from megajax.parallel.sharding import mesh_spelling
+from megajax.parallel.sharding import check_degrees, mesh_spelling
 
 TASKS = tuple(eval_task_models())  # every model's eval tasks (models/: each spec lists its own), all registered
 
@@ -59,7 +59,8 @@ def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | No
         mesh_expert: int | None = None,
         batch_size: int = 8, stride: int | None = None, max_new_tokens: int = 64, sampling: Sampling | None = None,
         seed: int = 0, output: str | None = None, predictions: str | None = None,
-        null_score_diff_threshold: float | None = None, overwrite: bool = False) -> dict:
+        null_score_diff_threshold: float | None = None, overwrite: bool = False,
+        sft_skip_bad_rows: bool | None = None, sft_truncate: bool | None = None) -> dict:
     """Runs ``task`` on ``checkpoint``; prints and (with ``output``) writes the JSON results.
 
     ``stride`` (wikitext103 and ppl only): windows start every ``stride`` tokens and each window after the first
@@ -68,19 +69,25 @@ def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | No
     ``predictions`` (fine-tuning tasks only): also write each example's prediction there as JSON: SQuAD's official
     ``{question id: answer text}`` ("" = no answer; squad2 also writes its null odds beside it, named in the results'
     ``null_odds_file``), other tasks per split (id -> label or option letter). ``null_score_diff_threshold``
-    (squad2, default 0): answer "" where the null odds exceed it. The output files go where
-    ``megajax.outputs.claim_file`` allows (never on or in an input, a checkpoint or a dataset; an existing results
-    file only with ``overwrite``). Input mistakes raise ``InputError`` before the model is loaded.
+    (squad2, default 0): answer "" where the null odds exceed it. ``sft_skip_bad_rows`` / ``sft_truncate``
+    (``--task=sft``; None: as the checkpoint's run trained): skip bad rows, cut over-long examples. The output
+    files go where ``megajax.outputs.claim_file`` allows (never on or in an input, a checkpoint or a dataset; an
+    existing results file only with ``overwrite``). Input mistakes raise ``InputError`` before the model is loaded.
     """
     request = Request(data, prompt, tokenizer, stride, batch_size, max_new_tokens, sampling or Sampling(), seed,
-                      null_score_diff_threshold, predictions)
+                      null_score_diff_threshold, predictions, sft_skip_bad_rows, sft_truncate)
     try:
+        check_degrees(-1 if mesh_data is None else mesh_data, 1 if mesh_model is None else mesh_model,
+                      expert=1 if mesh_expert is None else mesh_expert)  # before any input is read
         chosen = task_named(task)
         if predictions and not chosen.predictions:
             raise inputs.InputError(f"--predictions applies to --task={'|'.join(names_where(_predicts))}")
         if null_score_diff_threshold is not None and not chosen.null_threshold:
             takes = " or ".join(names_where(lambda t: t.null_threshold))
             raise inputs.InputError(f"--null_score_diff_threshold applies to --task={takes}")
+        for flag, value in (("sft_skip_bad_rows", sft_skip_bad_rows), ("sft_truncate", sft_truncate)):
+            if value is not None and not chosen.sft_rows:
+                raise inputs.InputError(f"--{flag} applies to --task={' or '.join(names_where(lambda t: t.sft_rows))}")
         stored = read_stored_run(checkpoint)  # its model and training data, for every check below
         # what the task reads: the flags', and the data the checkpoint was trained on (a task's default data)
         trained_on = stored.dataset

@@ -1,7 +1,9 @@
 """``eval.py --task=sft``: a fine-tuned decoder on held-out prompt / completion (or chat) JSONL rows, read, rendered
 and packed as training reads them (``megajax.data.sft``): the loss over the completions' tokens (the training
 loss's token-weighted mean) and the exact-match rate of greedy answers (each prompt extended until its completion's
-length; a match is every id of the completion, the end-of-document id included)."""
+length; a match is every id of the completion, the end-of-document id included). Bad rows are skipped and
+over-long examples cut as the checkpoint's run trained (its ``data.sft_skip_bad_rows`` / ``data.sft_truncate``)
+unless ``--sft_skip_bad_rows`` / ``--sft_truncate`` (or their ``--no-`` forms) say otherwise."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from megajax.config import StoredRun
-from megajax.data.sft import DEFAULT_TEMPLATE, Example, chat_template, compile_template, pack, read_examples
+from megajax.data.sft import Example, pack, read_examples
 from megajax.data.tokenizer import TextTokenizer
+from megajax.data.tokenizer_folder import read_chat_template
 from megajax.evaluation import inputs
 from megajax.evaluation.evaluator import Evaluator
 from megajax.evaluation.generate import Sampling, generate
@@ -23,11 +26,19 @@ from megajax.parallel.losses import vocab_parallel_cross_entropy
 
 @dataclasses.dataclass(frozen=True)
 class SFTInput:
-    """The held-out file's examples, its path and the tokenizer that encoded them."""
+    """The held-out file's examples, its path, the tokenizer that encoded them, whether over-long ones are cut,
+    the rows skipped and the chat template's file."""
 
     examples: list[Example]
     path: str
     tokenizer: TextTokenizer
+    truncate: bool
+    skipped: int
+    chat_template: str
+
+
+def _flag(name: str) -> str:
+    return f"--{name}"
 
 
 def _read(stored: StoredRun, request: Request) -> SFTInput:
@@ -35,12 +46,16 @@ def _read(stored: StoredRun, request: Request) -> SFTInput:
         raise inputs.InputError("--task=sft needs --data=FILE.jsonl (prompt / completion or chat rows)")
     tok = inputs.tokenizer_for(stored, request.tokenizer)
     inputs.check_tokenizer(tok, stored)
-    text, specials = chat_template(tok.source)
-    examples, _ = read_examples(request.data, tok, compile_template(text or DEFAULT_TEMPLATE), specials, False)
+    trained = stored.dataset  # read as the run read its training file, unless the flags say otherwise
+    skip = trained.sft_skip_bad_rows if request.sft_skip_bad_rows is None else request.sft_skip_bad_rows
+    truncate = trained.sft_truncate if request.sft_truncate is None else request.sft_truncate
+    template = read_chat_template(tok.source)
+    what = f"--data={request.data}"
+    examples, skipped = read_examples(request.data, tok, template, skip, what, _flag)
     if not examples:
-        raise inputs.InputError(f"--data={request.data} holds no rows")
-    pack(examples, stored.model.max_seq_len, tok.eod_id, True, False, request.data)  # refuses what does not fit
-    return SFTInput(examples, request.data, tok)
+        raise inputs.InputError(f"{what} holds no example ({len(skipped)} rows skipped)")
+    pack(examples, stored.model.max_seq_len, tok.eod_id, True, truncate, what, _flag)  # refuses what does not fit
+    return SFTInput(examples, request.data, tok, truncate, len(skipped), template.source)
 
 
 def _row_sums(model, batch) -> dict:
@@ -52,7 +67,7 @@ def _row_sums(model, batch) -> dict:
 
 
 def _run(loaded: Loaded, task_input: SFTInput, request: Request) -> dict:
-    rows = pack(task_input.examples, loaded.seq_len, task_input.tokenizer.eod_id, True, False, task_input.path)
+    rows = pack(task_input.examples, loaded.seq_len, task_input.tokenizer.eod_id, True, task_input.truncate)
     evaluate, state = Evaluator.of(loaded.model, _row_sums, loaded.mesh, loaded.rules)
     sums = evaluate.map_rows(state, {k: jnp.asarray(v) for k, v in rows.fields.items()}, request.batch_size)
     tokens = float(np.sum(sums["tokens"]))
@@ -70,7 +85,8 @@ def _run(loaded: Loaded, task_input: SFTInput, request: Request) -> dict:
                        for row, ex in zip(out, group))
     return {"task": "sft", "data": task_input.path, "examples": len(task_input.examples),
             "loss": float(np.sum(sums["nll"])) / max(tokens, 1.0), "tokens": int(tokens),
-            "exact_match": matches / len(task_input.examples)}
+            "exact_match": matches / len(task_input.examples), "truncated": rows.truncated,
+            "skipped": task_input.skipped, "chat_template": task_input.chat_template}
 
 
-register(EvalTask("sft", _read, _run))
+register(EvalTask("sft", _read, _run, sft_rows=True))

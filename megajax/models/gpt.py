@@ -89,4 +89,4 @@ register(ModelSpec(
                                                    cfg.padded_vocab_size),
     head_memory=HeadMemory(vocab_logit_copies=3, hidden_tensors=8),
     eval_tasks=("wikitext103", "lambada", "ppl", "generate", "sft"), sequence_rows=("wpe",), perplexity_of="loss",
-    causal_lm=True))
+    causal_lm=True, pretrained_trunk=GPT))  # init_from: a converted GPT-2 (or another run's GPT) fine-tuned (SFT)

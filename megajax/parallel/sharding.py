@@ -91,18 +91,27 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> P:
     return P(*axes)
 
 
+_DEGREE_MEANING = {"pipe": "no pipeline", "expert": "no expert parallelism", "context": "no context parallelism"}
+
+
+def check_degrees(data: int, model: int, pipe: int = 1, expert: int = 1, context: int = 1) -> None:
+    """The one check that every mesh degree is a whole number >= 1 (``data`` may be -1: the devices left), made
+    before anything divides by one; ShardingConfigError naming the degree and how ``--mesh`` spells it."""
+    for name, value in (("data", data), ("model", model), ("pipe", pipe), ("expert", expert), ("context", context)):
+        ok = isinstance(value, int) and not isinstance(value, bool) and (value >= 1 or name == "data" and value == -1)
+        if not ok:
+            extra = {"data": " or -1 (all the devices left)", **{k: f" (1: {v})" for k, v in _DEGREE_MEANING.items()}}
+            spelled = {"data": "DATA in --mesh=DATAxMODEL", "model": "MODEL in --mesh=DATAxMODEL",
+                       "pipe": "PIPE in --mesh=PIPExDATAxMODEL"}.get(name, f"E in --mesh=DATAxMODEL,{name}=E")
+            raise ShardingConfigError(f"mesh.{name} must be a whole number >= 1{extra.get(name, '')}, got "
+                                      f"{value!r}: set {spelled} (or --config.mesh.{name})")
+
+
 def resolve_mesh_shape(data: int, model: int, num_devices: int, pipe: int = 1, expert: int = 1,
                        context: int = 1) -> tuple[int, int]:
     """(data, model) with ``data=-1`` resolved to all devices left after ``pipe`` x ``expert`` x ``context`` x
     ``model``; checked against the devices, the messages naming the whole mesh as ``--mesh`` spells it."""
-    if model < 1:
-        raise ShardingConfigError(f"mesh.model must be >= 1, got {model}")
-    if context < 1:
-        raise ShardingConfigError(f"mesh.context must be >= 1 (1: no context parallelism), got {context}")
-    if pipe < 1:
-        raise ShardingConfigError(f"mesh.pipe must be >= 1 (1: no pipeline), got {pipe}")
-    if expert < 1:
-        raise ShardingConfigError(f"mesh.expert must be >= 1 (1: no expert parallelism), got {expert}")
+    check_degrees(data, model, pipe, expert, context)
     others = pipe * expert * context * model
     if data == -1:
         if num_devices % others:
@@ -111,8 +120,6 @@ def resolve_mesh_shape(data: int, model: int, num_devices: int, pipe: int = 1, e
             raise ShardingConfigError(f"{axes} does not divide the {num_devices} devices present; set mesh.data, "
                                       "or pick sizes whose product divides them")
         data = num_devices // others
-    if data < 1:
-        raise ShardingConfigError(f"mesh.data must be >= 1 or -1, got {data}")
     if data * others > num_devices:
         spelled = mesh_spelling(data, model, pipe, expert, context)
         raise ShardingConfigError(f"mesh {spelled} needs {data * others} devices but {num_devices} are present; "
