@@ -122,7 +122,7 @@ def test_info_compiles_for_an_h100_as_a_user_runs_it(tmp_path):
 def test_bad_targets_are_one_error_line(tmp_path, monkeypatch):
     env = {**child_env(), "PYTHONPATH": str(ROOT)}
     cases = {("--target=h900",): "argument --target: invalid choice: 'h900'",
-             ("--target=h100", "--compiled", "--mesh=4x4"): "mesh 1x4x4 needs 16 GPUs; --hosts=1 x 8 has 8",
+             ("--target=h100", "--compiled", "--mesh=4x4"): "mesh 4x4 needs 16 GPUs; --hosts=1 x 8 has 8",
              ("--hlo=x.hlo",): "--hlo writes the step compiled for a GPU: give it with --target=... --compiled"}
     for flags, message in cases.items():
         run = subprocess.run([sys.executable, "-m", "megajax.info", "--config=gpt_tiny", *flags], cwd=tmp_path,

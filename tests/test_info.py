@@ -1,8 +1,9 @@
 """The memory tool reproduces the paper's accounting without allocating anything."""
 
+import pytest
 from conftest import run_on
 
-from megajax.cli import load_config
+from megajax.cli import exit_on_user_error, load_config
 from megajax.tools.info import main
 from megajax.tools.memory_planner import memory_report
 
@@ -32,3 +33,23 @@ def test_the_report_says_where_it_is_rough(capsys):
     for layers, repeats in ((8, 2), (4, 1)):
         main([*flags, f"--config.model.num_layers={layers}", f"--config.parallel.pipeline_repeats={repeats}"])
         assert "rough estimate" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--target=h100", "--hosts=0"], "--hosts=0: give 1 or more hosts (of 8 GPUs each)"),
+    (["--target=h100", "--hosts=-1"], "--hosts=-1: give 1 or more hosts"),
+    (["--hosts=2"], "--hosts=2 counts hosts of 8 GPUs of a --target: give --target=a100/h100/h200 with it"),
+    (["--target=h100", "--mesh=4x4"], "mesh 4x4 needs 16 GPUs; --hosts=1 x 8 has 8: raise --hosts or shrink"),
+    (["--target=a100", "--hosts=2", "--mesh=2x4x4"], "mesh 2x4x4 (pipe x data x model) needs 32 GPUs; --hosts=2 x 8 "
+                                                     "has 16"),
+    (["--target=h100", "--mesh=2x4,context=2"], "mesh 2x4,context=2 needs 16 GPUs; --hosts=1 x 8 has 8"),
+])
+def test_hosts_and_a_mesh_the_target_cannot_hold_are_one_error_line(flags, message, tmp_path, monkeypatch, capsys):
+    """As ``python -m megajax.info`` runs: refused before anything is planned or compiled, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        exit_on_user_error(lambda: main(["--config=gpt_tiny", *flags]))
+    out, err = capsys.readouterr()
+    text = exit_info.value.code if isinstance(exit_info.value.code, str) else err  # sys.exit(message) or argparse's
+    assert exit_info.value.code not in (0, None) and out == "" and list(tmp_path.iterdir()) == []
+    assert text.strip().count("\n") == 0 and text.startswith("error: ") and message in text, text

@@ -113,6 +113,18 @@ def target_of(name: str) -> GpuTarget:
     return TARGETS[name]
 
 
+def check_hosts(run: RunSpec, hosts: int = 1, gpus_per_host: int = 8) -> None:
+    """GpuTargetError unless ``hosts`` x ``gpus_per_host`` GPUs (both >= 1) hold ``run``'s mesh: checked before
+    anything is planned or compiled."""
+    if hosts < 1 or gpus_per_host < 1:
+        raise GpuTargetError(f"--hosts={hosts} and {gpus_per_host} GPUs per host: both must be >= 1")
+    used = run.pipe * run.data * run.expert * run.context * run.tensor
+    if used > hosts * gpus_per_host:
+        mesh = mesh_spelling(run.data, run.tensor, run.pipe, run.expert, run.context)
+        raise GpuTargetError(f"mesh {mesh} needs {used} GPUs; --hosts={hosts} x {gpus_per_host} has "
+                             f"{hosts * gpus_per_host}: raise --hosts or shrink the mesh")
+
+
 def gpu_devices(name: str, hosts: int = 1, gpus_per_host: int = 8) -> list[jax.Device]:
     """Compile-only devices of ``hosts`` x ``gpus_per_host`` GPUs ``name``; GpuTargetError saying what to install
     where the CUDA plugin or ptxas is missing."""
@@ -183,12 +195,9 @@ def compile_step(run: RunSpec, target: str = "h100", hosts: int = 1, gpus_per_ho
     shards), under megajax's XLA options for the platform (``options``: others, ``{}`` for none). Nothing is
     allocated."""
     gpu = target_of(target)
+    check_hosts(run, hosts, gpus_per_host)
     devices = gpu_devices(target, hosts, gpus_per_host)
     used = run.pipe * run.data * run.expert * run.context * run.tensor
-    if used > len(devices):
-        mesh = f"{run.pipe}x{run.data}x{run.tensor}" + mesh_spelling(1, 1, 1, run.expert, run.context)[3:]
-        raise GpuTargetError(f"mesh {mesh} needs {used} GPUs; --hosts={hosts} x {gpus_per_host} has {len(devices)}: "
-                             "raise --hosts or shrink the mesh")
     micro_batch = micro_batch or max(run.global_batch // (run.data * run.expert), 1)
     planned = with_batch(run, micro_batch)
     options = compiler_options(devices) if options is None else options

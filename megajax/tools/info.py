@@ -36,7 +36,7 @@ from megajax.cli import (
 from megajax.config import resolve
 from megajax.models.transformer import attention_reason
 from megajax.outputs import claim_file
-from megajax.tools.gpu_target import EXTRA, TARGETS, GpuStep, compile_step
+from megajax.tools.gpu_target import EXTRA, TARGETS, GpuStep, check_hosts, compile_step
 from megajax.tools.gpu_target import overlap as gpu_overlap
 from megajax.tools.memory_planner import (
     CompiledMemory,
@@ -153,12 +153,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--target", choices=sorted(TARGETS), default=None,
                    help="an NVIDIA GPU: its memory (and with --compiled, the step compiled for it on this host, "
                         f"no GPU needed; needs pip install 'megajax[{EXTRA}]')")
-    p.add_argument("--hosts", type=int, default=1, help="--target: hosts of 8 GPUs (mesh.data=-1 takes them all)")
+    p.add_argument("--hosts", type=int, default=None, help="--target: hosts of 8 GPUs (default 1; mesh.data=-1 "
+                                                               "takes them all)")
     p.add_argument("--hlo", default=None, help="--target --compiled: write the optimized GPU HLO to this file")
     add_parallel_flags(p)
     args, overrides = p.parse_known_args(argv)
     if args.hlo and not (args.target and args.compiled):
         p.error("--hlo writes the step compiled for a GPU: give it with --target=... --compiled")
+    if args.hosts is not None and not args.target:
+        p.error(f"--hosts={args.hosts} counts hosts of 8 GPUs of a --target: give --target="
+                f"{'/'.join(sorted(TARGETS))} with it, or leave --hosts out")
+    if args.hosts is not None and args.hosts < 1:
+        p.error(f"--hosts={args.hosts}: give 1 or more hosts (of 8 GPUs each)")
+    args.hosts = args.hosts or 1
     claim_file(args.hlo, flag="hlo", overwrite=True)
     use_cpu_devices(args.cpu_devices)
     start_backend()
@@ -186,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     # the planned mesh's devices, however many this host has; the micro-batch is planned as given, so the training
     # checks of the config's own batch are not made
     run = resolve(config, devices, training=False)
+    if args.target:
+        check_hosts(run, args.hosts)
     gpu = bool(args.target)  # planned as the step compiles for that GPU
     report = memory_report(run, micro, num_micro=1 if args.compiled else None, gpu=gpu)
     largest = largest_micro_batch(run, args.device_memory_gb * GiB, gpu=gpu) if args.device_memory_gb else None
