@@ -39,6 +39,8 @@ DATASET_SUFFIXES = (TOKENS, INDEX, SENTENCES, DOC_SENTENCES, TOKENIZER, META)  #
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 # A Hugging Face model directory: config.json beside one of these weight files (or their .index.json).
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+# ``megajax.info --hlo``'s first line: an HLO comment (XLA's parser skips it), by which a later run knows its file.
+HLO_HEADER = "// megajax.info --hlo: "
 
 
 class OutputPathError(UserError, ValueError):
@@ -57,6 +59,7 @@ class Kind(enum.Enum):
     DATASET = "part of a preprocessed dataset"
     RESULTS = "a JSON results file"
     PREDICTIONS = "a JSON predictions file"
+    HLO = "a compiled step's HLO text"
 
 
 # Never replaced nor written into, whatever the flags: what training made and what it reads.
@@ -114,6 +117,15 @@ def kind_of(path: str | pathlib.Path) -> Kind | None:
                                              for w in HF_WEIGHTS):
         return Kind.HF_MODEL
     return None
+
+
+def hlo_kind(path: pathlib.Path) -> Kind | None:
+    """``Kind.HLO`` where the file begins with ``HLO_HEADER`` (what ``megajax.info --hlo`` writes), else None."""
+    try:
+        with open(path, "rb") as f:
+            return Kind.HLO if f.read(len(HLO_HEADER)) == HLO_HEADER.encode() else None
+    except OSError:
+        return None
 
 
 def json_kind(path: pathlib.Path) -> Kind | None:
@@ -264,22 +276,23 @@ def claim_workdir(path: str | pathlib.Path, inputs: Iterable[str | pathlib.Path 
 def claim_file(path: str | pathlib.Path | None, *, flag: str = "output",
                inputs: Iterable[str | pathlib.Path | None] = (), overwrite: bool = False,
                label: str | None = None, kind: Kind = Kind.RESULTS) -> pathlib.Path | None:
-    """Checks that a command may write a JSON results file at ``path`` (given as ``--flag``; None: not asked for)
+    """Checks that a command may write a file of ``kind`` at ``path`` (given as ``--flag``; None: not asked for)
     before the work starts: not a directory, in an existing writable directory, not an input, not inside a
     workdir, checkpoint or model directory, not a dataset's file; an existing file of ``kind`` (results or
-    predictions, ``json_kind``) needs ``overwrite``, any other is refused. ``label`` names the file in messages
-    (default ``--flag=path``). Returns it absolute and normalised. Writes nothing."""
+    predictions, ``json_kind``; HLO text, ``hlo_kind``) needs ``overwrite``, any other is refused. ``label`` names
+    the file in messages (default ``--flag=path``). Returns it absolute and normalised. Writes nothing."""
     if path is None:
         return None
-    text = checked_name(path, flag, f"a file name, e.g. --{flag}=results.json")
+    example = "step.hlo" if kind is Kind.HLO else "results.json"
+    text = checked_name(path, flag, f"a file name, e.g. --{flag}={example}")
     output = absolute(text)
     label = label or f"--{flag}={path}"
     if text.endswith(os.sep) or output.is_dir():
-        raise OutputPathError(f"{label} is a directory; give a file name, e.g. --{flag}={output / 'results.json'}")
+        raise OutputPathError(f"{label} is a directory; give a file name, e.g. --{flag}={output / example}")
     _check_inputs(output, label, inputs)
     _check_not_inside_recognised(output, label)
     if output.is_file():
-        found = kind_of(output) or json_kind(output) or "a file megajax did not write"
+        found = kind_of(output) or hlo_kind(output) or json_kind(output) or "a file megajax did not write"
         _refuse_existing(label, found, kind, overwrite)
     if not output.parent.is_dir():
         raise OutputPathError(f"{label}: the directory {output.parent} does not exist; create it first")
@@ -321,13 +334,19 @@ def claim_dataset(prefix: str | pathlib.Path, *, flag: str = "output_prefix",
 
 
 def write_json(path: str | pathlib.Path, value: object) -> pathlib.Path:
-    """Writes ``value`` as indented JSON to ``path`` (claimed before the work with ``claim_file``) through a
-    temporary file beside it, so a kill mid-write leaves the old file or none, never half of one."""
+    """Writes ``value`` as indented JSON to ``path`` (claimed before the work with ``claim_file``), as
+    ``write_text`` does."""
+    return write_text(path, json.dumps(value, indent=1) + "\n")
+
+
+def write_text(path: str | pathlib.Path, text: str) -> pathlib.Path:
+    """Writes ``text`` to ``path`` (claimed before the work with ``claim_file``) through a temporary file beside
+    it, so a kill mid-write leaves the old file or none, never half of one."""
     path = pathlib.Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.partial-", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(value, indent=1) + "\n")
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         pathlib.Path(tmp).unlink(missing_ok=True)

@@ -16,6 +16,7 @@ from conftest import SCALAR_STATE_BYTES, child_env, run_on
 from megajax.cli import load_config
 from megajax.config import model_config
 from megajax.models.transformer import attention_reason
+from megajax.outputs import HLO_HEADER
 from megajax.tools import gpu_target
 from megajax.tools.comm_budget import step_shape
 
@@ -105,31 +106,51 @@ def test_collectives_overlap_compute_under_megajaxs_options(steps):
 
 
 def test_info_compiles_for_an_h100_as_a_user_runs_it(tmp_path):
+    """--overwrite replaces the HLO an earlier run wrote, which a run without it refuses."""
     hlo = tmp_path / "step.hlo"
+    hlo.write_text(f"{HLO_HEADER}an earlier run\nHloModule old\n")
     env = {**child_env(), "PYTHONPATH": str(ROOT)}
     env.pop("JAX_PLATFORMS", None)  # megajax picks the CPU itself where there is no GPU
-    run = subprocess.run([sys.executable, "-m", "megajax.info", "--config=llama_tiny", "--target=h100", "--compiled",
-                          "--mesh=2x4", f"--hlo={hlo}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+    command = [sys.executable, "-m", "megajax.info", "--config=llama_tiny", "--target=h100", "--compiled",
+               "--mesh=2x4", f"--hlo={hlo}"]
+    run = subprocess.run([*command, "--overwrite"], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "the step compiled for NVIDIA H100 80GB HBM3 (mesh 2x4" in run.stdout
     assert "attention            cudnn" in run.stdout and "fits one NVIDIA H100 80GB HBM3" in run.stdout
     assert "all-reduce" in run.stdout and "overlap" in run.stdout
-    assert "__cudnn$fmha" in hlo.read_text()
+    written = hlo.read_bytes()
+    assert written.startswith(HLO_HEADER.encode()) and b"__cudnn$fmha" in written
     assert "Traceback" not in run.stderr and "cudart_stub" not in run.stderr  # quiet on a host without a GPU
+    again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode != 0 and again.stdout == "" and "Traceback" not in again.stderr
+    assert again.stderr.strip().splitlines() == [f"error: --hlo={hlo} already exists (a compiled step's HLO text): "
+                                                 "pass --overwrite to replace it (the old one is removed only once "
+                                                 "the new one is complete), or write the output elsewhere"]
+    assert hlo.read_bytes() == written and sorted(p.name for p in tmp_path.iterdir()) == ["step.hlo"]
 
 
 def test_bad_targets_are_one_error_line(tmp_path, monkeypatch):
+    """Each refused before compiling, the processes side by side: no traceback, no new file, a file megajax did not
+    write left as it was."""
     env = {**child_env(), "PYTHONPATH": str(ROOT)}
-    cases = {("--target=h900",): "argument --target: invalid choice: 'h900'",
-             ("--target=h100", "--compiled", "--mesh=4x4"): "mesh 4x4 needs 16 GPUs; --hosts=1 x 8 has 8",
-             ("--hlo=x.hlo",): "--hlo writes the step compiled for a GPU: give it with --target=... --compiled"}
-    for flags, message in cases.items():
-        run = subprocess.run([sys.executable, "-m", "megajax.info", "--config=gpt_tiny", *flags], cwd=tmp_path,
-                             env=env, capture_output=True, text=True, timeout=600)
-        last = run.stderr.strip().splitlines()[-1]
-        assert run.returncode != 0 and last.startswith("error: ") and message in last, (flags, run.stderr[-2000:])
-        assert "Traceback" not in run.stderr
+    (tmp_path / "notes.hlo").write_text("my notes\n")
+    compiled = ("--target=h100", "--compiled")
+    cases = {("--target=h900",): ({}, "argument --target: invalid choice: 'h900'"),
+             (*compiled, "--mesh=4x4"): ({}, "mesh 4x4 needs 16 GPUs; --hosts=1 x 8 has 8"),
+             ("--hlo=x.hlo",): ({}, "--hlo writes the step compiled for a GPU: give it with --target=... --compiled"),
+             (*compiled, "--hlo=notes.hlo", "--overwrite"): ({}, "--hlo=notes.hlo already holds a file megajax did "
+                                                                 "not write, not a compiled step's HLO text")}
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    runs = {flags: subprocess.Popen([sys.executable, "-m", "megajax.info", "--config=gpt_tiny", *flags], cwd=tmp_path,
+                                    env={**env, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for flags, (extra, _) in cases.items()}
+    for flags, run in runs.items():
+        out, err = run.communicate(timeout=600)
+        last = err.strip().splitlines()[-1]
+        assert run.returncode != 0 and last.startswith("error: ") and cases[flags][1] in last, (flags, err[-2000:])
+        assert err.strip().splitlines() == [last] and out == "", (flags, err[-2000:])
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     monkeypatch.setattr(gpu_target.importlib.util, "find_spec", lambda name: None)  # as without the extra
     with pytest.raises(gpu_target.GpuTargetError, match=r"pip install 'megajax\[gpu-compile\]'"):
         gpu_target.gpu_devices("h100")

@@ -18,7 +18,6 @@ split over ``model`` too. ``--config.FIELD=VALUE`` overrides a field of the conf
 
 from __future__ import annotations
 
-import pathlib
 import sys
 
 import jax
@@ -35,7 +34,7 @@ from megajax.cli import (
 )
 from megajax.config import resolve
 from megajax.models.transformer import attention_reason
-from megajax.outputs import claim_file
+from megajax.outputs import HLO_HEADER, Kind, claim_file, write_text
 from megajax.tools.gpu_target import EXTRA, TARGETS, GpuStep, check_hosts, compile_step
 from megajax.tools.gpu_target import overlap as gpu_overlap
 from megajax.tools.memory_planner import (
@@ -156,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hosts", type=int, default=None, help="--target: hosts of 8 GPUs (default 1; mesh.data=-1 "
                                                                "takes them all)")
     p.add_argument("--hlo", default=None, help="--target --compiled: write the optimized GPU HLO to this file")
+    p.add_argument("--overwrite", action="store_true", help="--hlo: replace the file an earlier run wrote there")
     add_parallel_flags(p)
     args, overrides = p.parse_known_args(argv)
     if args.hlo and not (args.target and args.compiled):
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.hosts is not None and args.hosts < 1:
         p.error(f"--hosts={args.hosts}: give 1 or more hosts (of 8 GPUs each)")
     args.hosts = args.hosts or 1
-    claim_file(args.hlo, flag="hlo", overwrite=True)
+    hlo = claim_file(args.hlo, flag="hlo", overwrite=args.overwrite, kind=Kind.HLO)
     use_cpu_devices(args.cpu_devices)
     start_backend()
     config = load_config(args.config)
@@ -202,8 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.compiled and args.target:
         step = compile_step(run, args.target, args.hosts, micro_batch=micro)
         print(format_gpu_step(step, model_flops_per_step(step.run.spec, step.run.spec.model.max_seq_len)))
-        if args.hlo:
-            pathlib.Path(args.hlo).write_text(step.hlo)
+        if hlo:  # marked as megajax's, so that a later run may replace it with --overwrite
+            write_text(hlo, f"{HLO_HEADER}{args.config} compiled for {step.target.kind} (mesh {_mesh(step)})\n"
+                       + step.hlo)
             print(f"wrote {args.hlo}", file=sys.stderr)
     elif args.compiled:
         if devices > jax.device_count():
