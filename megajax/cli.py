@@ -334,9 +334,11 @@ def backend_error(error: BaseException, cause: str | None = None) -> BackendErro
                         "unset JAX_PLATFORMS or set it to cpu")
 
 
-def start_backend() -> None:
+def start_backend(compiles_for_gpu: bool = False) -> None:
     """Starts jax's backends now (after ``--cpu_devices`` and a multi-host start), quietly (``quiet_cuda_notices``),
-    so that a platform which cannot start is one ``error:`` line naming the fix (``backend_error``)."""
+    so that a platform which cannot start is one ``error:`` line naming the fix (``backend_error``).
+    ``compiles_for_gpu``: the command needs JAX's CUDA plugin though the CPU runs it (``info --target
+    --compiled``), so the plugin failing to start is an error line too, not its logged traceback."""
     logger = logging.getLogger("jax._src.xla_bridge")  # a plugin that fails logs its traceback here
     held: list[logging.LogRecord] = []
     handler = logging.Handler()
@@ -354,6 +356,13 @@ def start_backend() -> None:
     finally:
         logger.removeHandler(handler)
         logger.propagate = propagate
+    cuda = [r for r in held if "jax_plugins.xla_cuda" in r.getMessage()]
+    if compiles_for_gpu and cuda:
+        cause = cuda[0].exc_info[1] if cuda[0].exc_info else cuda[0].getMessage()
+        asked = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
+        raise BackendError(f"JAX's CUDA plugin did not start ({cause}): "
+                           f"{f'JAX_PLATFORMS={asked}' if asked else 'JAX_PLATFORMS unset'} makes it check this "
+                           "host's CUDA, which failed; to compile for a GPU without one, set JAX_PLATFORMS=cpu")
     for record in held:  # the backend started: whatever the plugins said, as they said it
         logger.handle(record)
 

@@ -47,10 +47,11 @@ def quiet_cuda_notices() -> Iterator[None]:
 
 def cpu_without_a_gpu() -> None:
     """With the CUDA plugin installed and no NVIDIA driver, jax would print an "Unable to load CUDA" traceback when
-    it starts, and the plugin its notices: megajax asks for the CPU (unless ``JAX_PLATFORMS`` says otherwise) and
+    it starts, and the plugin its notices: megajax asks for the CPU (unless ``JAX_PLATFORMS`` names platforms) and
     imports jax with the notices left out. Nothing happens where jax started before megajax was imported."""
     if "jax" in sys.modules or has_nvidia_driver() or not cuda_plugin_installed():
         return
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if not os.environ.get("JAX_PLATFORMS"):  # empty is unset to jax too: every platform, CUDA's check failing
+        os.environ["JAX_PLATFORMS"] = "cpu"
     with quiet_cuda_notices():
         import jax  # noqa: F401 - the import that loads the plugin

@@ -106,11 +106,11 @@ def test_collectives_overlap_compute_under_megajaxs_options(steps):
 
 
 def test_info_compiles_for_an_h100_as_a_user_runs_it(tmp_path):
-    """--overwrite replaces the HLO an earlier run wrote, which a run without it refuses."""
+    """With an empty JAX_PLATFORMS (unset, to jax) megajax picks the CPU itself where there is no GPU; --overwrite
+    replaces the HLO an earlier run wrote, which a run without it refuses."""
     hlo = tmp_path / "step.hlo"
     hlo.write_text(f"{HLO_HEADER}an earlier run\nHloModule old\n")
-    env = {**child_env(), "PYTHONPATH": str(ROOT)}
-    env.pop("JAX_PLATFORMS", None)  # megajax picks the CPU itself where there is no GPU
+    env = {**child_env(), "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": ""}
     command = [sys.executable, "-m", "megajax.info", "--config=llama_tiny", "--target=h100", "--compiled",
                "--mesh=2x4", f"--hlo={hlo}"]
     run = subprocess.run([*command, "--overwrite"], cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -140,7 +140,10 @@ def test_bad_targets_are_one_error_line(tmp_path, monkeypatch):
              (*compiled, "--mesh=4x4"): ({}, "mesh 4x4 needs 16 GPUs; --hosts=1 x 8 has 8"),
              ("--hlo=x.hlo",): ({}, "--hlo writes the step compiled for a GPU: give it with --target=... --compiled"),
              (*compiled, "--hlo=notes.hlo", "--overwrite"): ({}, "--hlo=notes.hlo already holds a file megajax did "
-                                                                 "not write, not a compiled step's HLO text")}
+                                                                 "not write, not a compiled step's HLO text"),
+             compiled: ({"JAX_PLATFORMS": "cpu,cuda"}, "JAX's CUDA plugin did not start (Unable to load CUDA. Is it "
+                        "installed?): JAX_PLATFORMS=cpu,cuda makes it check this host's CUDA, which failed; to compile "
+                        "for a GPU without one, set JAX_PLATFORMS=cpu")}
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     runs = {flags: subprocess.Popen([sys.executable, "-m", "megajax.info", "--config=gpt_tiny", *flags], cwd=tmp_path,
                                     env={**env, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

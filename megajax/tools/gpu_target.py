@@ -144,9 +144,10 @@ def gpu_devices(name: str, hosts: int = 1, gpus_per_host: int = 8) -> list[jax.D
                                                 target_config=target_config(target))
     except Exception as e:  # noqa: BLE001 - the plugin's own error, as one line
         hint = ""
-        if "not implemented for cuda" in str(e):  # the plugin failed to start: jax began without megajax's platform
-            hint = ("; JAX's CUDA plugin did not start (jax was imported before megajax on a host without a GPU): "
-                    "import megajax before jax, or set JAX_PLATFORMS=cpu")
+        if "not implemented for cuda" in str(e):  # the plugin failed its CUDA check when jax's backends started
+            asked = jax.config.jax_platforms or "unset"
+            hint = (f"; JAX's CUDA plugin did not start: without a GPU it starts only under JAX_PLATFORMS=cpu (jax "
+                    f"started with {asked}; megajax sets cpu when imported before jax): set JAX_PLATFORMS=cpu")
         raise GpuTargetError(f"JAX's CUDA plugin cannot describe {hosts} x {gpus_per_host} {target.kind}: {e}{hint}") \
             from None
     return list(topology.devices)

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     args.hosts = args.hosts or 1
     hlo = claim_file(args.hlo, flag="hlo", overwrite=args.overwrite, kind=Kind.HLO)
     use_cpu_devices(args.cpu_devices)
-    start_backend()
+    start_backend(compiles_for_gpu=bool(args.target and args.compiled))
     config = load_config(args.config)
     apply_config_overrides(config, overrides)
     apply_parallel_flags(args, config)
