@@ -175,6 +175,13 @@ def test_every_other_command_reports_bad_input_as_one_error_line(tmp_path):
     hf.mkdir()
     (hf / "config.json").write_text('{"model_type": "gpt2"}')
     (tmp_path / "doc.jsonl").write_text('{"text": "a b c"}\n')
+    mixtral = tmp_path / "mixtral"  # a converted Mixtral's config.json with a null top-k
+    mixtral.mkdir()
+    (mixtral / "config.json").write_text(json.dumps({
+        "model_type": "mixtral", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "num_local_experts": 4,
+        "num_experts_per_tok": None, "max_position_embeddings": 64}))
+    inputs = {p: p.read_bytes() for p in (hf / "config.json", mixtral / "config.json", tmp_path / "doc.jsonl")}
     cases = {  # name: (command, what the error line says)
         "info config name": (["-m", "megajax.info", "--config=gpt_tiyn"], "config 'gpt_tiyn' not found"),
         "comm_report config name": (["-m", "megajax.comm_report", "--config=gpt_tiyn"], "config 'gpt_tiyn' not found"),
@@ -189,6 +196,11 @@ def test_every_other_command_reports_bad_input_as_one_error_line(tmp_path):
         "preprocess language": (["-m", "megajax.data.preprocess", f"--input={tmp_path / 'doc.jsonl'}",
                                  "--tokenizer=t.json", f"--output_prefix={tmp_path / 'o'}", "--language=xx"],
                                 "--language: invalid choice: 'xx'"),
+        "convert a null in config.json": (["-m", "megajax.convert", "hf-to-megajax", f"--hf={mixtral}",
+                                           f"--output={tmp_path / 'moe'}"],
+                                          f"{mixtral / 'config.json'} num_experts_per_tok=null, where a whole number "
+                                          ">= 1 is needed (transformers refuses null there too): write the model's "
+                                          "value there"),
     }
     env = {**child_env(), "PYTHONPATH": str(ROOT)}
     with _read_only(tmp_path / "sealed"):
@@ -203,4 +215,5 @@ def test_every_other_command_reports_bad_input_as_one_error_line(tmp_path):
         assert rc != 0 and "error: " in last and cases[name][1] in last, (name, stderr[-3000:])
         assert "Traceback" not in stderr, (name, stderr[-3000:])
     assert list((tmp_path / "sealed").iterdir()) == [] and not list(tmp_path.glob("o.*"))
+    assert not (tmp_path / "moe").exists() and {p: p.read_bytes() for p in inputs} == inputs
     assert debug.returncode != 0 and "Traceback" in debug_out and "FileNotFoundError: config 'gpt_tiyn'" in debug_out

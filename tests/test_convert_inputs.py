@@ -257,6 +257,48 @@ def test_other_hf_architectures_name_the_supported_ones(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 64}
+MOE = {**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+QWEN = {**MOE, "model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 48}
+GPT2 = {"model_type": "gpt2", "vocab_size": 100, "n_embd": 16, "n_layer": 2, "n_head": 4, "n_positions": 8}
+BERT = {"model_type": "bert", "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("hf, change, problem", [
+    (MOE, {"num_experts_per_tok": None}, "num_experts_per_tok=null, where a whole number >= 1 is needed"),
+    (QWEN, {"num_experts_per_tok": None}, "num_experts_per_tok=null"),
+    (QWEN, {"decoder_sparse_step": None}, "decoder_sparse_step=null"),
+    (MOE, {"num_local_experts": "8"}, 'num_local_experts="8" is not a whole number >= 1'),
+    (MOE, {"num_experts_per_tok": 0}, "num_experts_per_tok=0: num_experts_per_tok must be a whole number >= 1"),
+    (LLAMA, {"hidden_size": 64.0}, "hidden_size=64.0 is not a whole number >= 1"),
+    (LLAMA, {"max_position_embeddings": None}, "max_position_embeddings=null"),
+    (GPT2, {"n_layer": None}, "n_layer=null"),
+    (BERT, {"type_vocab_size": True}, "type_vocab_size=true is not a whole number >= 1"),
+])
+def test_a_config_json_number_that_is_null_or_not_whole_is_named(tmp_path, hf, change, problem):
+    """Every converter reads config.json's numbers through one rule (``convert.config_json.number``): null where
+    transformers refuses it, a string, a fraction, true, a count of 0: the field and the file named, nothing
+    written, the input as it was."""
+    (tmp_path / "hf").mkdir()
+    config = tmp_path / "hf" / "config.json"
+    config.write_text(json.dumps({**hf, **change}))
+    before = config.read_bytes()
+    with pytest.raises(ValueError) as error:
+        convert("hf-to-megajax", f"--hf={tmp_path / 'hf'}", f"--output={tmp_path / 'out'}")
+    assert str(error.value).startswith(f"{config} {problem}"), str(error.value)
+    assert config.read_bytes() == before and sorted(tmp_path.iterdir()) == [tmp_path / "hf"]
+
+
+def test_a_null_transformers_reads_as_derived_keeps_its_meaning():
+    """Fields transformers types ``int | None``: null is the heads' key/value heads, hidden_size / heads wide heads,
+    GPT-2's 4 x n_embd inner width."""
+    llama = hf_io.CONVERTERS["llama"].config_from_hf({**LLAMA, "num_key_value_heads": None, "head_dim": None}).model
+    assert (llama.num_kv_heads, llama.hidden_size // llama.num_heads) == (8, 8)
+    assert hf_gpt2.config_from_hf({**GPT2, "n_inner": None}).model.mlp_ratio == 4
+
+
 @pytest.fixture(scope="module")
 def hf_state(tiny):
     params, config = tiny

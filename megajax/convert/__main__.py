@@ -35,6 +35,7 @@ from megajax.cli import ArgumentParser, fail, load_config, start_backend
 from megajax.config import RunSpec, model_config
 from megajax.config.load import inference_config, restore_model
 from megajax.convert import hf_io, megatron_bert, megatron_gpt
+from megajax.convert.config_json import ConfigJsonError
 from megajax.convert.paths import existing_input, staged_output
 from megajax.data.sources import CONVERTED, trained_tokenizer
 from megajax.data.tokenizer import load_tokenizer
@@ -102,7 +103,10 @@ def _hf_to_megajax(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Pat
     hf = hf_io.read_config(source)
     converter = hf_io.converter_for(hf, source)  # before reading weights, which may be large
     pad = args.make_vocab_size_divisible_by
-    config = converter.config_from_hf(hf) if pad is None else converter.config_from_hf(hf, pad)
+    try:
+        config = converter.config_from_hf(hf) if pad is None else converter.config_from_hf(hf, pad)
+    except ConfigJsonError as e:  # the field, and which config.json
+        raise e.at(source / "config.json") from None
     model = model_config(config)  # its checks, too, before the weights are read
     params = converter.params_from_hf(hf_io.read_weights(source, args.allow_pickle), model)
     fingerprint = _tokenizer_fingerprint(source, model.vocab_size)

@@ -20,6 +20,7 @@ import ml_collections
 import numpy as np
 
 from megajax.config import base_config
+from megajax.convert.config_json import number
 from megajax.convert.hf_tensors import HFTensors
 from megajax.models.bert import BertConfig
 
@@ -53,17 +54,20 @@ def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 1024) -> ml_col
     for flag, want in (("is_decoder", False), ("add_cross_attention", False), ("tie_word_embeddings", True)):
         _refuse(hf.get(flag, want) == want, f"config.json {flag}={hf.get(flag)!r} is not supported (megajax's BERT "
                                             f"is a bidirectional encoder with a tied MLM output: {flag}={want})")
-    h, inner = hf["hidden_size"], hf.get("intermediate_size", 4 * hf["hidden_size"])
+    h = number(hf, "hidden_size")
+    inner = number(hf, "intermediate_size", default=4 * h)
     _refuse(inner % h == 0, f"config.json intermediate_size={inner} is not a multiple of hidden_size={h}")
-    types = hf.get("type_vocab_size", 2)
-    _refuse(types >= 1, f"config.json type_vocab_size={types}: megajax's BERT needs at least one token type")
+    types = number(hf, "type_vocab_size", default=2)  # megajax's BERT needs at least one token type
+    fraction = dict(whole=False, minimum=0)
     c = base_config("bert")
-    c.model.update(vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                   num_layers=hf["num_hidden_layers"], hidden_size=h, num_heads=hf["num_attention_heads"],
-                   max_seq_len=hf["max_position_embeddings"], mlp_ratio=inner // h, num_token_types=types,
-                   dropout=hf.get("hidden_dropout_prob", 0.1), init_std=hf.get("initializer_range", 0.02),
-                   layernorm_eps=hf.get("layer_norm_eps", 1e-12), activation=HF_ACTIVATIONS[act],
-                   post_layernorm=MODEL_TYPES[model_type])
+    c.model.update(vocab_size=number(hf, "vocab_size"), make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                   num_layers=number(hf, "num_hidden_layers"), hidden_size=h,
+                   num_heads=number(hf, "num_attention_heads"), max_seq_len=number(hf, "max_position_embeddings"),
+                   mlp_ratio=inner // h, num_token_types=types,
+                   dropout=number(hf, "hidden_dropout_prob", default=0.1, **fraction),
+                   init_std=number(hf, "initializer_range", default=0.02, **fraction),
+                   layernorm_eps=number(hf, "layer_norm_eps", default=1e-12, **fraction),
+                   activation=HF_ACTIVATIONS[act], post_layernorm=MODEL_TYPES[model_type])
     return c
 
 

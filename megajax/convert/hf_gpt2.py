@@ -12,6 +12,7 @@ import ml_collections
 import numpy as np
 
 from megajax.config import base_config
+from megajax.convert.config_json import number
 from megajax.models.gpt import GPTConfig
 
 Params = dict
@@ -26,15 +27,18 @@ def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 1024) -> ml_col
                        ("reorder_and_upcast_attn", False), ("tie_word_embeddings", True)):
         if hf.get(flag, want) != want:
             raise ValueError(f"HF config {flag}={hf[flag]} is not supported (megajax computes {flag}={want})")
-    h = hf["n_embd"]
-    inner = hf.get("n_inner") or 4 * h
+    h = number(hf, "n_embd")
+    inner = number(hf, "n_inner", default=4 * h, null=4 * h)  # transformers: null is 4 x n_embd
     if inner % h:
         raise ValueError(f"n_inner={inner} is not a multiple of n_embd={h}")
     c = base_config()
-    c.model.update(vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                   num_layers=hf["n_layer"], hidden_size=h, num_heads=hf["n_head"], max_seq_len=hf["n_positions"],
-                   mlp_ratio=inner // h, dropout=hf.get("resid_pdrop", 0.1),
-                   layernorm_eps=hf.get("layer_norm_epsilon", 1e-5), init_std=hf.get("initializer_range", 0.02))
+    fraction = dict(whole=False, minimum=0)
+    c.model.update(vocab_size=number(hf, "vocab_size"), make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                   num_layers=number(hf, "n_layer"), hidden_size=h, num_heads=number(hf, "n_head"),
+                   max_seq_len=number(hf, "n_positions"), mlp_ratio=inner // h,
+                   dropout=number(hf, "resid_pdrop", default=0.1, **fraction),
+                   layernorm_eps=number(hf, "layer_norm_epsilon", default=1e-5, **fraction),
+                   init_std=number(hf, "initializer_range", default=0.02, **fraction))
     return c
 
 

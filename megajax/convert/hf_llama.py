@@ -21,6 +21,7 @@ import ml_collections
 import numpy as np
 
 from megajax.config import base_config
+from megajax.convert.config_json import number
 from megajax.convert.hf_tensors import HFTensors
 from megajax.models import llama
 from megajax.models.transformer import STACK
@@ -55,21 +56,21 @@ def _rope(hf: dict) -> dict:
                                 f"not linear, dynamic, yarn or longrope")
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     _refuse(partial == 1.0, f"config.json partial_rotary_factor={partial}: megajax rotates the whole head")
-    fields = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", HF_DEFAULTS["rope_theta"]))),
-              "rope_scaling": ROPE_TYPES[kind]}
+    real = dict(whole=False, minimum=None)
+    theta = number(rope, "rope_theta", default=number(hf, "rope_theta", **real), **real)
+    fields = {"rope_theta": float(theta), "rope_scaling": ROPE_TYPES[kind]}
     if kind == "llama3":
         missing = [k for k in LLAMA3_KEYS if k not in rope]
         _refuse(not missing, f"config.json rope_scaling (llama3) has no {', '.join(missing)}")
-        factor, low, high = (float(rope[k]) for k in LLAMA3_KEYS)
+        factor, low, high = (float(number(rope, k, **real)) for k in LLAMA3_KEYS)
         _refuse(factor > 0 and high > low > 0, f"config.json llama3 rope scaling factor={factor}, low_freq_factor="
                                                f"{low}, high_freq_factor={high}: needs factor > 0 and "
                                                "high_freq_factor > low_freq_factor > 0")
         # transformers falls back to max_position_embeddings where original_max_position_embeddings is absent
-        original = rope.get("original_max_position_embeddings", hf.get(
-            "original_max_position_embeddings", hf.get("max_position_embeddings", HF_DEFAULTS[
-                "max_position_embeddings"])))
+        key = "original_max_position_embeddings"
+        original = number(rope, key, default=number(hf, key, default=hf["max_position_embeddings"]))
         fields.update(rope_factor=factor, rope_low_freq_factor=low, rope_high_freq_factor=high,
-                      rope_original_max_len=int(original))
+                      rope_original_max_len=original)
     return fields
 
 
@@ -90,17 +91,18 @@ def decoder_fields(hf: dict, make_vocab_size_divisible_by: int, head_dim_free: b
     """The ``config.model`` fields of a Llama-trunk ``config.json`` (sizes, key/value heads, norms, rotary
     positions, tying), its variants megajax does not implement refused (ValueError). ``head_dim_free``: the family
     has a head size of its own (``kv_channels``) rather than hidden_size / num_attention_heads."""
-    missing = [k for k in REQUIRED if k not in hf]
-    _refuse(not missing, f"config.json has no {', '.join(missing)}: give the config.json save_pretrained wrote")
-    hf = {**HF_DEFAULTS, **{k: v for k, v in hf.items() if v is not None or k not in HF_DEFAULTS}}
+    sizes = {k: number(hf, k) for k in REQUIRED}
+    h, heads = sizes["hidden_size"], sizes["num_attention_heads"]
+    kv_heads = number(hf, "num_key_value_heads", default=heads, null=heads)  # transformers: null is the heads'
+    head_dim = number(hf, "head_dim", default=h // heads, null=h // heads)
+    max_len = number(hf, "max_position_embeddings", default=HF_DEFAULTS["max_position_embeddings"])
+    hf = {**HF_DEFAULTS, **{k: v for k, v in hf.items() if v is not None or k not in HF_DEFAULTS},
+          "max_position_embeddings": max_len}
     _refuse(hf["hidden_act"] == "silu", f"config.json hidden_act={hf['hidden_act']!r}: megajax's Llama MLP is "
                                         "SwiGLU (silu)")
     for flag in ("attention_bias", "mlp_bias"):
         _refuse(not hf[flag], f"config.json {flag}={hf[flag]!r}: megajax's Llama has no biases")
-    h, heads = hf["hidden_size"], hf["num_attention_heads"]
-    kv_heads = hf.get("num_key_value_heads") or heads
     _refuse(h % heads == 0, f"config.json hidden_size={h} is not a multiple of num_attention_heads={heads}")
-    head_dim = hf.get("head_dim") or h // heads
     _refuse(head_dim_free or head_dim == h // heads, f"config.json head_dim={head_dim}: megajax's Llama heads are "
                                                      f"hidden_size / num_attention_heads = {h // heads} wide")
     _refuse(heads % kv_heads == 0, f"config.json num_key_value_heads={kv_heads} does not divide "
@@ -108,9 +110,9 @@ def decoder_fields(hf: dict, make_vocab_size_divisible_by: int, head_dim_free: b
     tied = hf["tie_word_embeddings"]
     _refuse(isinstance(tied, bool), f"config.json tie_word_embeddings={tied!r} is not true or false")
     return dict(
-        vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-        num_layers=hf["num_hidden_layers"], hidden_size=h, num_heads=heads,
-        num_kv_heads=kv_heads, ffn_hidden_size=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
+        vocab_size=sizes["vocab_size"], make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        num_layers=sizes["num_hidden_layers"], hidden_size=h, num_heads=heads,
+        num_kv_heads=kv_heads, ffn_hidden_size=sizes["intermediate_size"], max_seq_len=max_len,
         dropout=0.0, init_std=hf.get("initializer_range") or 0.02, layernorm_eps=float(hf["rms_norm_eps"]),
         tie_embeddings=tied, **_rope(hf), **({"kv_channels": head_dim} if head_dim_free else {}))
 

@@ -16,6 +16,7 @@ import ml_collections
 import numpy as np
 
 from megajax.config import base_config, model_config
+from megajax.convert.config_json import number
 from megajax.convert.hf_llama import (
     DecoderTensors,
     Params,
@@ -55,23 +56,27 @@ def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 1) -> ml_collec
     _refuse(kind in HF_CLASSES, f"config.json model_type={kind!r}: hf_moe converts "
                                 f"{', '.join(f'{k} ({v})' for k, v in HF_CLASSES.items())}")
     qwen = kind == "qwen3_moe"
-    experts = hf.get("num_experts", hf.get("num_local_experts"))
-    _refuse(experts is not None and "num_experts_per_tok" in hf,
-            "config.json has no num_experts / num_local_experts or num_experts_per_tok")
-    window = hf.get("sliding_window") if (not qwen or hf.get("use_sliding_window")) else None
-    _refuse(window is None or window >= hf.get("max_position_embeddings", 0),
+    names = ("num_experts", "num_local_experts") if qwen else ("num_local_experts", "num_experts")  # either spelling
+    experts = number(hf, next((k for k in names if k in hf), names[0]))
+    top_k = number(hf, "num_experts_per_tok")
+    fields = decoder_fields(hf, make_vocab_size_divisible_by, head_dim_free=qwen)
+    window = number(hf, "sliding_window", default=None, null=None) if (not qwen or hf.get("use_sliding_window")) \
+        else None
+    _refuse(window is None or window >= fields["max_seq_len"],
             f"config.json sliding_window={window}: megajax's attention sees the whole sequence")
     _refuse(not hf.get("router_jitter_noise"), f"config.json router_jitter_noise={hf.get('router_jitter_noise')}: "
                                                "megajax's router draws no noise")
-    fields = decoder_fields(hf, make_vocab_size_divisible_by, head_dim_free=qwen)
     if qwen:  # dense layers among the routed ones: transformers' rule, ``MoEConfig.routed_layers``
-        fields.update(decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
-                      mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
-    expert_width = hf["moe_intermediate_size"] if qwen else hf["intermediate_size"]
+        dense = hf.get("mlp_only_layers") or []
+        _refuse(isinstance(dense, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in dense),
+                f"config.json mlp_only_layers={dense!r}: give a list of layer numbers")
+        fields.update(decoder_sparse_step=number(hf, "decoder_sparse_step", default=1), mlp_only_layers=tuple(dense))
+    expert_width = number(hf, "moe_intermediate_size" if qwen else "intermediate_size")
+    aux = number(hf, "router_aux_loss_coef", default=0.001, whole=False, minimum=0)
     c = base_config(moe.NAME)
-    c.model.update(fields, num_experts=experts, experts_per_token=hf["num_experts_per_tok"],
-                   moe_ffn_hidden_size=expert_width, norm_topk_prob=bool(hf.get("norm_topk_prob", False)) or not qwen,
-                   qk_norm=qwen, router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+    c.model.update(fields, num_experts=experts, experts_per_token=top_k, moe_ffn_hidden_size=expert_width,
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)) or not qwen, qk_norm=qwen,
+                   router_aux_loss_coef=float(aux))
     model_config(c)  # the family's own checks (its layers' kinds, top-k within the experts) before any tensor is read
     return c
 
