@@ -1,11 +1,12 @@
-"""Train a GPT, BERT or Llama with Megatron-style tensor + data (+ pipeline) parallelism.
+"""Train a GPT, BERT, Llama or mixture of experts with Megatron-style tensor + data parallelism (and pipeline,
+sequence, expert and context parallelism), or fine-tune one (BERT's tasks; a decoder's prompt / completion rows).
 
     python train.py --config=configs/gpt_tiny.py --workdir=/tmp/tiny
     python train.py --config=gpt_2p5b.py --config.train.steps=1000 --mesh=1x2
     python train.py --config=bert_tiny --workdir=/tmp/bert
     python train.py --config=finetune.py:mnli,336m --config.init_from=runs/bert_336m ...
     python train.py --config=sft.py --config.init_from=CONVERTED --config.data.path=train.jsonl \
-        --config.data.tokenizer=tokenizer.json
+        --config.data.tokenizer=CONVERTED_HF/
 
 ``--mesh=DATAxMODEL`` sets ``config.mesh`` (the spelling every megajax command takes; ``PIPExDATAxMODEL`` adds
 pipeline stages, a trailing ``,expert=E`` expert shards, ``,context=C`` context shards); ``--cpu_devices=N``
