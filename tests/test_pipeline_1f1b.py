@@ -262,7 +262,8 @@ def _planner_within_10_percent(name, pipe, data, model, micro, seq, dropout, rem
 
 
 def test_1f1b_with_context_shards_and_dropout_is_refused():
-    """(without dropout, 1F1B on pipe 2 x context 2 equals the plain step: checked while building, not kept)"""
+    """(without dropout, 1F1B on pipe 2 x context 2 x model 2 over packed rows equals the plain step:
+    ``test_context_parallel.test_composes_with_sequence_parallelism_fsdp_and_packed_rows``)"""
     c = _config("gpt", 2, 1, 1, 2, schedule=ONE_F_ONE_B)
     c.mesh.context = 2
     c.model.dropout = 0.1

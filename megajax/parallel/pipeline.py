@@ -467,6 +467,10 @@ def run_stack_1f1b(call: StackCall, tail: Tail, tail_params: Any, consts: Any, f
 
     mesh = jax.sharding.get_abstract_mesh()
     scatter = pipeline_1f1b.scattered(plan.x_spec, call.x.shape[1], dict(mesh.shape))
+    # the tail's fields whole on each row: a packed batch's are split over `context`, and the tail's objective
+    # reorders them (context.balanced) on the last stage inside a branch, where XLA's partitioner aborts on that
+    # gather with model shards (jax 0.10) and a move between context shards is a collective no other stage joins
+    fields = jax.tree.map(lambda a: constrain(a, ("batch", *(None,) * (a.ndim - 1))), fields)
     aux, dw, d_copies, dxs = pipeline_1f1b.run(stage_fn, tail_fn, weights, plan.keys, plan.shared, copies, consts,
                                                plan.xs, plan.args, jax.tree.map(plan.to_io, fields),
                                                parallel_context().pipeline_stage_recompute, scatter)
