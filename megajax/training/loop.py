@@ -185,6 +185,7 @@ def _start_record(run: Run, data, resumed_from: int | None) -> dict:
     return {"step": resumed_from or 0, "event": "resume" if resumed_from is not None else "start",
             "model": spec.model_name, "mesh": f"{spec.data}x{spec.tensor}",
             **({"expert": spec.expert} if spec.expert > 1 else {}),
+            **({"context": spec.context} if spec.context > 1 else {}),
             **({"pipe": spec.pipe, "pipeline_schedule": spec.pipeline_schedule,
                 **({"pipeline_stage_recompute": True} if spec.pipeline_stage_recompute else {}),
                 "pipeline_repeats": spec.pipeline_repeats,  # the microbatch count used:
