@@ -41,20 +41,22 @@ def check_file(path: str | pathlib.Path, what: str) -> pathlib.Path:
     return p
 
 
-def text_lines(path: str | pathlib.Path, what: str) -> Iterator[tuple[int, str]]:
-    """(line number from 1, text without its line end) for each line of ``path`` (decompressed by its suffix).
-    ``what`` names the file as the user gave it (``data.path=train.jsonl``, ``--data=held_out.jsonl``)."""
+def text_lines(path: str | pathlib.Path, what: str, keep_ends: bool = False) -> Iterator[tuple[int, str]]:
+    """(line number from 1, text without its line end, or with it where ``keep_ends``) for each line of ``path``
+    (decompressed by its suffix). ``what`` names the file as the user gave it (``data.path=train.jsonl``,
+    ``--data=held_out.jsonl``)."""
     p = check_file(path, what)
     line = 0
     try:
         with _open_binary(p, what) as f:
             for line, raw in enumerate(f, 1):
                 try:
-                    yield line, raw.decode("utf-8").rstrip("\r\n")
+                    text = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
                     raise DataFileError(
                         f"{what}, line {line}: byte {raw[e.start]:#04x} at column {e.start + 1} is not UTF-8; save "
                         "the file as UTF-8 (e.g. iconv -f latin1 -t utf-8), or drop the line") from None
+                yield line, text if keep_ends else text.rstrip("\r\n")
     except DataFileError:
         raise
     except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError

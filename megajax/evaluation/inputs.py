@@ -68,10 +68,9 @@ def check_tokenizer(tokenizer: TextTokenizer, stored: StoredRun) -> None:
 
 
 def read_text(path: str | pathlib.Path) -> str:
-    """A UTF-8 data file (plain or compressed: ``megajax.data.text_files``) that holds more than whitespace, its
-    lines each ended by a newline."""
+    """A UTF-8 data file (plain or compressed: ``megajax.data.text_files``) that holds more than whitespace."""
     p = pathlib.Path(path)
-    text = "".join(line + "\n" for _, line in text_lines(p, f"--data={p}"))
+    text = "".join(line for _, line in text_lines(p, f"--data={p}", keep_ends=True))
     if not text.strip():
         raise InputError(f"--data={p} is empty (or only whitespace): nothing to evaluate")
     return text
