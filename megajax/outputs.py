@@ -39,6 +39,10 @@ DATASET_SUFFIXES = (TOKENS, INDEX, SENTENCES, DOC_SENTENCES, TOKENIZER, META)  #
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 # A Hugging Face model directory: config.json beside one of these weight files (or their .index.json).
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+# ... and the tokenizer files megajax-to-hf writes beside them (transformers' names; the named chat templates' folder)
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                      "chat_template.json", "processor_config.json")
+HF_TEMPLATE_DIR = "additional_chat_templates"
 # ``megajax.info --hlo``'s first line: an HLO comment (XLA's parser skips it), by which a later run knows its file.
 HLO_HEADER = "// megajax.info --hlo: "
 
@@ -148,7 +152,9 @@ def json_kind(path: pathlib.Path) -> Kind | None:
 
 
 # What a command writes into each kind of directory: ``--overwrite`` never deletes anything else that is in one.
-WRITTEN = {Kind.MODEL: re.compile(r"\d+"), Kind.HF_MODEL: re.compile(r"config\.json|model\.safetensors"),
+WRITTEN = {Kind.MODEL: re.compile(r"\d+"),
+           Kind.HF_MODEL: re.compile("|".join(map(re.escape, ("config.json", "model.safetensors", *HF_TOKENIZER_FILES,
+                                                              HF_TEMPLATE_DIR)))),
            Kind.MEGATRON: re.compile(rf"{re.escape(MEGATRON_TRACKER)}|iter_\d+|release")}
 
 

@@ -72,7 +72,8 @@ def test_gpt2_fine_tunes_evaluates_as_trained_and_exports_its_tokenizer(gpt2, tm
     """configs/sft.py on the converted GPT-2: with max_seq_len left at 0 a row is the longest example rounded up to
     128 tokens (not the model's 256); trained at 64 with over-long examples cut, the loss falls; eval.py's sft task
     reads the run's own training file as the run did (cut) and refuses it when told not to cut; the HF export holds
-    the tokenizer (AutoTokenizer encodes and renders chats as the original) and its end-of-text id."""
+    the tokenizer (AutoTokenizer encodes and renders chats as the original) and its end-of-text id, and --overwrite
+    replaces it whole."""
     root, hf_tok = gpt2
     config = load_config("sft.py")
     config.init_from = str(root / "mj")
@@ -104,6 +105,8 @@ def test_gpt2_fine_tunes_evaluates_as_trained_and_exports_its_tokenizer(gpt2, tm
         run(str(tmp_path / "run"), "sft", data=str(root / "train.jsonl"), sft_truncate=False)
 
     convert_main(["megajax-to-hf", f"--checkpoint={tmp_path / 'run'}", f"--output={tmp_path / 'hf'}"])
+    convert_main(["megajax-to-hf", f"--checkpoint={tmp_path / 'run'}", f"--output={tmp_path / 'hf'}",
+                  "--overwrite"])  # its own tokenizer files are megajax's to replace
     exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     text, chat = "first of tiger river ocean is apple", _rows(2, 2)[1]["messages"]
     assert exported(text)["input_ids"] == hf_tok(text)["input_ids"]

@@ -23,6 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from megajax.data.tokenizer import load_tokenizer
 from megajax.errors import ConfigError
+from megajax.outputs import HF_TEMPLATE_DIR, HF_TOKENIZER_FILES
 
 # A documented default for tokenizers without a chat template: one "role: content" line per message, and
 # "assistant: " as the generation prompt.
@@ -31,10 +32,9 @@ DEFAULT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\
 DEFAULT_SOURCE = "megajax's default ('role: content' lines): no chat template beside the tokenizer"
 
 TEMPLATE_FILE = "chat_template.jinja"
-TEMPLATE_DIR = "additional_chat_templates"
+TEMPLATE_DIR = HF_TEMPLATE_DIR
 # the files of a tokenizer folder a chat template or the special tokens' texts are read from (an export copies them)
-CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", TEMPLATE_FILE, "chat_template.json",
-                "processor_config.json")
+CONFIG_FILES = tuple(name for name in HF_TOKENIZER_FILES if name != "tokenizer.json")
 
 
 @dataclasses.dataclass(frozen=True)
