@@ -37,8 +37,9 @@ def with_model_defaults(config: ml_collections.ConfigDict) -> ml_collections.Con
 
 
 # the parallel.* fields of a run without a pipeline schedule (what a loader or a planner sets when it drops
-# mesh.pipe)
-NO_SCHEDULE = {"pipeline_repeats": 1, "pipeline_schedule": "gpipe", "pipeline_stage_recompute": False}
+# mesh.pipe: microbatches without stages are refused)
+NO_SCHEDULE = {"pipeline_microbatches": 0, "pipeline_repeats": 1, "pipeline_schedule": "gpipe",
+               "pipeline_stage_recompute": False}
 
 
 def base_config(model: str = GPT) -> ml_collections.ConfigDict:

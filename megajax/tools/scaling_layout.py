@@ -23,7 +23,7 @@ from megajax.tools.scaling_clusters import HALF
 EXPERTS = "experts"  # the logical axis a mixture of experts stacks its experts on (``models/moe.py``)
 # what a model's parameters do not depend on, set alike so that every choice of a model shares one layout
 _PARAMETERS_ONLY = {"mesh.pipe": 1, "mesh.data": 1, "mesh.expert": 1,
-                    **{f"parallel.{k}": v for k, v in NO_SCHEDULE.items()}, "parallel.pipeline_microbatches": 0,
+                    **{f"parallel.{k}": v for k, v in NO_SCHEDULE.items()},
                     "parallel.sequence": False, "parallel.shard_optimizer": False, "parallel.fsdp": False,
                     "model.remat": "none"}
 
