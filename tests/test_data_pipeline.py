@@ -1,5 +1,6 @@
 """Tokenizers, preprocessing, the indexed format and the GPT loader: round trips, filters, determinism, bad input."""
 
+import gzip
 import json
 import os
 import pathlib
@@ -45,7 +46,9 @@ def _jsonl(path: pathlib.Path, texts) -> pathlib.Path:
 
 
 def test_round_trip_reproduces_documents(tmp_path, corpus_texts, tokenizer):
-    a = _jsonl(tmp_path / "a.jsonl", corpus_texts[:30])
+    """A gzip-compressed .jsonl and a plain .txt, document for document."""
+    a = tmp_path / "a.jsonl.gz"
+    a.write_bytes(gzip.compress(_jsonl(tmp_path / "a.jsonl", corpus_texts[:30]).read_bytes()))
     txt = tmp_path / "b.txt"
     txt.write_text(corpus_texts[30])
     counts = preprocess([str(a), str(txt)], tokenizer, tmp_path / "out", min_tokens=0)
@@ -221,9 +224,12 @@ def test_token_file_of_partial_ids_is_refused(tmp_path, corpus_texts, tokenizer)
 
 def test_cli_input_errors_print_a_message_not_a_traceback(tmp_path, corpus_texts, tokenizer):
     src = _jsonl(tmp_path / "in.jsonl", corpus_texts[:2])
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(src.read_bytes())[:30])
     for args, message in [([f"--input={src}", f"--tokenizer={tmp_path / 'nope.json'}"], "nope.json does not exist"),
                           ([f"--input={tmp_path / 'missing.jsonl'}", f"--tokenizer={tmp_path / 'tok.json'}"],
-                           "missing.jsonl")]:
+                           "missing.jsonl"),
+                          ([f"--input={tmp_path / 'cut.jsonl.gz'}", f"--tokenizer={tmp_path / 'tok.json'}"],
+                           "cut.jsonl.gz: the gzip data is damaged")]:
         tokenizer.save(tmp_path / "tok.json")
         with pytest.raises(SystemExit) as exit_info:
             preprocess_main([*args, f"--output_prefix={tmp_path / 'o'}", "--workers=1"])

@@ -4,7 +4,8 @@
         [--json_key=text] [--min_tokens=128] [--dedup] [--dedup_threshold=0.7] [--dtype=auto] [--workers=N] \
         [--split_sentences [--language=en]]
 
-Inputs: ``.jsonl`` (one JSON object per line, the text in ``--json_key``) or ``.txt`` (one document per file).
+Inputs: ``.jsonl`` (one JSON object per line, the text in ``--json_key``) or ``.txt`` (one document per file), either
+possibly gzip- or zstandard-compressed (``.jsonl.gz``, ``.txt.zst``: ``megajax.data.text_files``).
 Each kept document is followed by the tokenizer's end-of-document id. Documents shorter than ``min_tokens``
 (paper: 128) are dropped, then exact and (with ``--dedup``) near duplicates (MinHash LSH, Jaccard > 0.7).
 Lines that are not valid UTF-8 or not valid JSON, and empty documents, are skipped and counted in the sidecar.
@@ -29,6 +30,7 @@ from megajax.data.dedup import Deduplicator, minhash
 from megajax.data.indexed import IndexedWriter, choose_dtype
 from megajax.data.sentences import LANGUAGES
 from megajax.data.sentences import split_sentences as sentences_of
+from megajax.data.text_files import data_suffix, read_bytes
 from megajax.data.tokenizer import TextTokenizer, load_tokenizer
 from megajax.outputs import claim_dataset
 
@@ -61,8 +63,9 @@ def _expand(inputs: Sequence[str]) -> list[pathlib.Path]:
                 raise ValueError(f"input {p} is a directory: give its files, e.g. --input='{p / '*.jsonl'}'")
             if not (p.is_file() or p.is_fifo()):  # a named pipe streams a corpus without a copy on disk
                 raise FileNotFoundError(f"input file {p} does not exist")
-            if p.suffix not in (".jsonl", ".txt"):
-                raise ValueError(f"input {p}: expected .jsonl (one JSON document per line) or .txt")
+            if data_suffix(p) not in (".jsonl", ".txt"):
+                raise ValueError(f"input {p}: expected .jsonl (one JSON document per line) or .txt, either possibly "
+                                 "compressed (.gz, .zst)")
             paths.append(p)
     return paths
 
@@ -71,11 +74,11 @@ def read_documents(paths: Sequence[pathlib.Path], json_key: str, counts: Counts)
     """Yields document texts; counts what it skips instead of failing mid-corpus."""
     for path in paths:
         counts.files += 1
-        raw = path.read_bytes()
+        raw, jsonl = read_bytes(path, f"input {path}"), data_suffix(path) == ".jsonl"
         counts.bytes += len(raw)
-        chunks = raw.splitlines() if path.suffix == ".jsonl" else [raw]
+        chunks = raw.splitlines() if jsonl else [raw]
         for chunk in chunks:
-            if path.suffix == ".jsonl" and not chunk.strip():
+            if jsonl and not chunk.strip():
                 continue  # blank line between records
             counts.documents_read += 1
             try:
@@ -83,7 +86,7 @@ def read_documents(paths: Sequence[pathlib.Path], json_key: str, counts: Counts)
             except UnicodeDecodeError:
                 counts.skipped_invalid_utf8 += 1
                 continue
-            if path.suffix == ".jsonl":
+            if jsonl:
                 try:
                     text = json.loads(text)[json_key]
                 except (json.JSONDecodeError, KeyError, TypeError):
