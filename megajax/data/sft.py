@@ -85,7 +85,7 @@ def read_examples(path: str | pathlib.Path, tok: TextTokenizer, template: ChatTe
     first bad row, naming its line). ``what`` names the file as the user gave it (default ``data.path=PATH``);
     ``flag`` spells the command's option that skips bad rows."""
     what = what or f"data.path={path}"
-    compiled = template.compiled()
+    compiled = functools.cache(template.compiled)  # at the first chat row: prompt / completion files need none
     examples, skipped = [], []
     for line, text in text_lines(path, what):
         if not text.strip():
@@ -103,7 +103,7 @@ def read_examples(path: str | pathlib.Path, tok: TextTokenizer, template: ChatTe
     return examples, skipped
 
 
-def _texts(text: str, compiled, template: ChatTemplate) -> tuple[str, str]:
+def _texts(text: str, compiled: Callable[[], jinja2.Template], template: ChatTemplate) -> tuple[str, str]:
     """(prompt, completion) of one row's JSON text; BadRow saying why it makes no example."""
     try:
         row = json.loads(text)
@@ -115,7 +115,7 @@ def _texts(text: str, compiled, template: ChatTemplate) -> tuple[str, str]:
         if "prompt" in row or "completion" in row:
             raise BadRow('the row holds both "messages" and "prompt" / "completion": keep one of them')
         try:
-            prompt, completion = render_chat(row["messages"], compiled, template.specials)
+            prompt, completion = render_chat(row["messages"], compiled(), template.specials)
         except jinja2.TemplateError as e:  # the template's own refusal (raise_exception) or a fault
             raise BadRow(f"the chat template ({template.source}) refuses the conversation ({e})") from None
     elif isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
@@ -194,7 +194,7 @@ class SFTData:
     tokenizer_fingerprint: str
     fingerprint: str  # of the training rows' ids
     skipped: list[str]
-    chat_template: str  # the file that rendered chat rows (ChatTemplate.source)
+    chat_template: str  # the file whose template renders the chat rows, if any (ChatTemplate.source)
     max_seq_len: int  # a row's inputs
     longest_example: int  # tokens, the end-of-document id included
 
