@@ -33,6 +33,10 @@ def test_the_report_says_where_it_is_rough(capsys):
     for layers, repeats in ((8, 2), (4, 1)):
         main([*flags, f"--config.model.num_layers={layers}", f"--config.parallel.pipeline_repeats={repeats}"])
         assert "rough estimate" not in capsys.readouterr().out
+    # with context shards too: the tail's reads are traced with the axes the rules name (a KeyError: 'context' before)
+    main(["--config=gpt_tiny", "--mesh=2x1x2,context=2", "--config.parallel.pipeline_schedule=1f1b",
+          "--config.model.dropout=0"])
+    assert "step peak (est.)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("flags,message", [

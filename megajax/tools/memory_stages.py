@@ -10,7 +10,7 @@ from flax import nnx
 from megajax.config import RunSpec, abstract_model_of
 from megajax.models.transformer import STACK
 from megajax.parallel import pipeline, pipeline_1f1b
-from megajax.parallel.sharding import MESH_AXES, PIPE_AXIS, activate
+from megajax.parallel.sharding import PIPE_AXIS, activate, mesh_axes
 from megajax.tools.memory_terms import (
     FP32,
     Activations,
@@ -115,8 +115,10 @@ def tail_parameters(run: RunSpec) -> int:
         graphdef, state = nnx.split(abstract_model_of(run))
         params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(state))
         batch = {k: jax.ShapeDtypeStruct((2, *f.row_shape), f.dtype) for k, f in run.batch_fields.items()}
-        # traced on two stages of one device each: what the tail reads does not depend on the mesh
-        stages = jax.sharding.AbstractMesh((2, 1, 1), (PIPE_AXIS, *MESH_AXES))
+        # traced on two stages of one device each, with every axis the run's rules name (expert, context): what the
+        # tail reads does not depend on the mesh's sizes
+        names = mesh_axes(2, run.expert, run.context)
+        stages = jax.sharding.AbstractMesh(tuple(2 if n == PIPE_AXIS else 1 for n in names), names)
         with activate(stages, run.parallel_context):
             _TAILS[key] = pipelined.reads(run.model_spec.objective, graphdef, params, batch).tail
     return sum(p.per_device for p in parameters(run) if p.module in _TAILS[key] and p.module != STACK)
