@@ -177,11 +177,14 @@ def test_cudnn_attention_with_packed_rows_and_context_shards(packed, context):
 
 
 def test_cudnn_attention_inside_the_1f1b_stages():
-    """llama_tiny on pipe 2 x data 2 x model 2 under the 1F1B schedule compiled for H100s: cuDNN's flash attention,
-    forward and backward, inside the stages' shard_map (on each device's blocks: its partitioning rule fails on a
-    partly manual mesh), and the schedule's permutes over `pipe`."""
+    """llama_tiny on pipe 2 x data 2 x model 2 under the 1F1B schedule compiled for H100s, over packed rows:
+    cuDNN's flash attention, forward and backward, inside the stages' shard_map (on each device's blocks: its
+    partitioning rule fails on a partly manual mesh; the per-row mask over every head, split over `model` as the
+    heads are: under the stages' vmap jax's cuDNN batching rule fails on a mask broadcast over the heads), and the
+    schedule's permutes over `pipe`."""
     config = _config("llama_tiny", (2, 2))
     config.parallel.pipeline_schedule = "1f1b"
+    config.data.document_masking = True
     step = gpu_target.compile_step(run_on(config, 2, 2, pipe=2), "h100", micro_batch=4)
     assert step.attention == "cudnn"
     kernels = set(re.findall(r'custom_call_target="(__cudnn\$fmha\w*)"', step.hlo))

@@ -292,7 +292,10 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, ke
     keeping (cuDNN's flash attention, where ``attention_implementation`` picks it, never makes them)."""
     dropout_on = key is not None and rate > 0.0  # (a key, or context.AttentionDropout's)
     if attention_implementation(q.dtype, q.shape[-1], dropout_on, (q.shape[1], k.shape[1])) == "cudnn":
-        mask = jnp.broadcast_to(mask, (*mask.shape[:2], q.shape[1], k.shape[1]))
+        # a per-row mask (packed rows) over every head: under a pipeline's vmap jax 0.10's cuDNN batching rule
+        # reshapes the bias as if it held every head, and fails on a broadcast one
+        heads = q.shape[2] if mask.shape[0] > 1 else mask.shape[1]
+        mask = jnp.broadcast_to(mask, (mask.shape[0], heads, q.shape[1], k.shape[1]))
 
         def cudnn(q, k, v, mask):
             return jax.nn.dot_product_attention(q, k, v.astype(q.dtype), mask=mask, implementation="cudnn")
@@ -300,7 +303,7 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, ke
         if partly_manual():  # inside the 1F1B stages' shard_map cuDNN attention's partitioning rule fails (jax
             # 0.10), so it runs on each device's blocks
             names = ("batch", "seq", "heads", "head_dim")
-            mask_names = ("batch" if mask.shape[0] > 1 else None, None, None, None)
+            mask_names = ("batch", "heads", None, None) if mask.shape[0] > 1 else (None, None, None, None)
             return on_shards(cudnn, (q, k, v, mask), (names, KV_NAMES, KV_NAMES, mask_names), names, check_vma=False)
         return cudnn(q, k, v, mask)
     scale = jnp.sqrt(q.shape[-1]).astype(jnp.float32)
