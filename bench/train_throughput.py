@@ -42,9 +42,9 @@ def measure(config, steps: int, warmup: int = 1, options: dict | None = None) ->
     step_s = (time.perf_counter() - t) / steps
     seq = config.model.max_seq_len
     flops = model_flops_per_step(run.spec, seq)
-    devices = run.spec.data * run.spec.tensor  # the mesh's, not every device jax sees
+    devices = run.spec.mesh.data * run.spec.mesh.model  # the mesh's, not every device jax sees
     return {"device": jax.devices()[0].device_kind, "devices": devices,
-            "mesh": f"{run.spec.data}x{run.spec.tensor}", "global_batch": run.spec.global_batch, "seq": seq,
+            "mesh": f"{run.spec.mesh.data}x{run.spec.mesh.model}", "global_batch": run.spec.global_batch, "seq": seq,
             "precision": run.spec.precision, "remat": run.spec.model.remat, "params": run.num_params,
             "setup_and_compile_s": round(compile_s, 1), "step_s": round(step_s, 4),
             "tokens_per_s": round(sequences_per_step(run.spec) * seq / step_s, 1),

@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 from megajax.config import build_mesh, create_model, rules_of
 from megajax.parallel.hlo_audit import _parse_groups, collectives, summary
 from megajax.parallel.losses import lm_loss
-from megajax.parallel.sharding import ParallelContext, activate, make_mesh
+from megajax.parallel.mesh import MeshShape
+from megajax.parallel.sharding import ParallelContext, activate
 from megajax.tools.comm_budget import step_budget
 
 L, B, S, H = 3, 4, 16, 64
@@ -83,7 +84,7 @@ def test_2x4_model_axis_and_data_gradient_reduction(audit_2x4):
 
 def test_trip_counts_multiply_loop_bodies():
     """A scan of 5 matmuls with a model-sharded contraction: one all-reduce in the body, 5 executions."""
-    mesh = make_mesh(1, 4)
+    mesh = MeshShape(1, 4).make()
     w = jax.device_put(jnp.ones((5, 8, 8)), NamedSharding(mesh, P(None, "model", None)))
     x = jax.device_put(jnp.ones((2, 8)), NamedSharding(mesh, P(None, "model")))
 

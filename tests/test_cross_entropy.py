@@ -9,7 +9,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from megajax.parallel.losses import mask_padded_vocab, vocab_parallel_cross_entropy
-from megajax.parallel.sharding import MEGATRON_RULES, ParallelContext, activate, make_mesh
+from megajax.parallel.mesh import MeshShape
+from megajax.parallel.sharding import MEGATRON_RULES, ParallelContext, activate
 
 V_TRUE, V_PAD = 1000, 1024
 
@@ -19,7 +20,7 @@ def test_matches_optax(data, model_axis):
     rng = np.random.default_rng(1)
     logits = jnp.asarray(rng.normal(0, 3, (4, 16, V_PAD)).astype(np.float32))
     labels = jnp.asarray(rng.integers(0, V_TRUE, (4, 16)))
-    mesh = make_mesh(data, model_axis)
+    mesh = MeshShape(data, model_axis).make()
     sharded = jax.device_put(logits, NamedSharding(mesh, P("data", None, "model")))
 
     def ours(x):

@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from megajax.config import base_config, rules_of
 from megajax.parallel.layers import dropout
-from megajax.parallel.sharding import ParallelContext, activate, constrain, make_mesh, rows_of
+from megajax.parallel.mesh import MeshShape
+from megajax.parallel.sharding import ParallelContext, activate, constrain, rows_of
 
 STEPS = 3
 RATE = 0.1
@@ -36,7 +37,7 @@ def test_a_rows_mask_is_its_own_whatever_the_batch_around_it():
 
 def test_each_device_draws_only_its_own_rows():
     """On 8 data shards the compiled program's largest random-bits array is one device's 2 of the 16 rows."""
-    mesh, rules = make_mesh(8, 1), rules_of(base_config())
+    mesh, rules = MeshShape(8, 1).make(), rules_of(base_config())
     x = jax.device_put(jnp.ones((16, 32, 64)), NamedSharding(mesh, P("data")))
     names = ("batch", "seq", "embed")
     with activate(mesh, ParallelContext(rules)):

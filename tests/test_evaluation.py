@@ -26,7 +26,7 @@ from megajax.evaluation.scoring import Scorer, sliding_windows, stream_log_likel
 from megajax.evaluation.tasks import lambada
 from megajax.models.gpt import GPT
 from megajax.parallel.losses import mask_padded_vocab
-from megajax.parallel.sharding import make_mesh
+from megajax.parallel.mesh import MeshShape
 
 
 def megatron_context_starts(num_tokens: int, seq_len: int, stride: int) -> dict[int, int]:
@@ -110,7 +110,7 @@ def naive_nll(tiny_model):
 @pytest.fixture(scope="module")
 def one_device_scorer(tiny_model):
     model, config = tiny_model
-    return Scorer(model, make_mesh(1, 1), rules_of(config), batch_size=8, seq_len=config.model.max_seq_len)
+    return Scorer(model, MeshShape(1, 1).make(), rules_of(config), batch_size=8, seq_len=config.model.max_seq_len)
 
 
 @pytest.mark.parametrize("stride", [1, 7, 16])
@@ -138,7 +138,7 @@ def test_evaluator_maps_every_row_once_in_order_and_drops_padding():
         seen.append(batch["x"].shape)  # traced once: the batch shape
         return m(batch["x"]), batch["i"] * 2
 
-    evaluator, state = Evaluator.of(model, fn, make_mesh(2, 1), rules_of(small_config()))
+    evaluator, state = Evaluator.of(model, fn, MeshShape(2, 1).make(), rules_of(small_config()))
     y, twice = evaluator.map_rows(state, rows, batch_size=3)
     assert seen == [(4, 3)] and y.shape == (10, 2) and twice.shape == (10,)
     np.testing.assert_array_equal(twice, 2 * np.arange(10))
@@ -226,7 +226,7 @@ def test_generation_with_cache_equals_without(tiny_model, mesh):
     cached = generate(sharded, m, rules_of(config), prompt, 10, greedy)
     plain = generate(sharded, m, rules_of(config), prompt, 10, greedy, use_cache=False)
     np.testing.assert_array_equal(cached, plain)
-    ref = generate(model, make_mesh(1, 1), rules_of(config), prompt, 10, Sampling(temperature=0.0))  # greedy too
+    ref = generate(model, MeshShape(1, 1).make(), rules_of(config), prompt, 10, Sampling(temperature=0.0))  # greedy too
     np.testing.assert_array_equal(cached, ref)
     sampled = generate(sharded, m, rules_of(config), prompt, 10, Sampling(temperature=0.8, top_k=50, top_p=0.9),
                        seed=4)
@@ -243,7 +243,7 @@ def test_generation_pads_a_batch_the_data_shards_do_not_divide(tiny_model):
     seen = []
     got = generate(nnx.merge(graphdef, state), m, rules_of(config), prompt, 6, Sampling(greedy=True),
                    on_token=seen.append)
-    want = generate(model, make_mesh(1, 1), rules_of(config), prompt, 6, Sampling(greedy=True))
+    want = generate(model, MeshShape(1, 1).make(), rules_of(config), prompt, 6, Sampling(greedy=True))
     np.testing.assert_array_equal(got, want)
     assert got.shape == (1, 11) and all(column.shape == (1,) for column in seen)
 

@@ -29,7 +29,8 @@ from megajax.data.tokenizer import train_tokenizer  # noqa: E402
 from megajax.evaluation.generate import Sampling, generate  # noqa: E402
 from megajax.evaluation.lm_eval_adapter import MegajaxLM  # noqa: E402
 from megajax.evaluation.scoring import Scorer, cloze_rows  # noqa: E402
-from megajax.parallel.sharding import ParallelContext, activate, make_mesh  # noqa: E402
+from megajax.parallel.mesh import MeshShape
+from megajax.parallel.sharding import ParallelContext, activate  # noqa: E402
 
 SEQ_LEN = 16
 CORPUS = [f"the cat {w} on the mat . a dog ran {w} far away ; blue sky {i}" for i, w in
@@ -101,7 +102,7 @@ def _forward(model):
 
 def full_logits(model, ids) -> np.ndarray:
     """float64 logits over the real vocabulary for one row of up to SEQ_LEN tokens (1x1 mesh)."""
-    with activate(make_mesh(1, 1), ParallelContext(rules_of(small_config()))):
+    with activate(MeshShape(1, 1).make(), ParallelContext(rules_of(small_config()))):
         logits = _forward(model)(np.asarray([list(ids) + [0] * (SEQ_LEN - len(ids))], np.int32))
     return np.asarray(logits[0, :len(ids), :model.cfg.vocab_size], np.float64)
 
@@ -135,7 +136,7 @@ def reference(checkpoint):
     """What the adapter must return, computed once on the in-memory model (1x1): megajax's scorer and a naive
     float64 softmax for the log-likelihoods, megajax's greedy generation for the continuations."""
     _, model, tok = checkpoint
-    scorer = Scorer(model, make_mesh(1, 1), rules_of(small_config()), 4, SEQ_LEN)
+    scorer = Scorer(model, MeshShape(1, 1).make(), rules_of(small_config()), 4, SEQ_LEN)
     encoded = [encode_pair(tok, *pair) for pair in PAIRS]
     assert len(encoded[3][0]) > SEQ_LEN  # the long context is cut from the left
     inputs, labels, mask = (np.stack(x) for x in zip(*[cloze_rows(c, t, SEQ_LEN) for c, t in encoded]))
@@ -145,7 +146,7 @@ def reference(checkpoint):
     rolling = [lm_eval_rolling(model, tok.encode_batch([d])[0], tok.eod_id) for d in DOCS]
     assert [n for _, n in rolling] == [1, 3, 5, 1, 0]
     prompts = np.asarray(tok.encode_batch(CONTEXTS), np.int32)  # equal lengths: one batch, one compile
-    out = generate(model, make_mesh(1, 1), rules_of(small_config()), prompts, 6, Sampling(temperature=0.0))
+    out = generate(model, MeshShape(1, 1).make(), rules_of(small_config()), prompts, 6, Sampling(temperature=0.0))
     full = [tok.decode(row[prompts.shape[1]:].tolist()) for row in out]
     return {"pairs": pairs, "rolling": rolling, "generated": full, "scorer": scorer}
 

@@ -27,8 +27,8 @@ from megajax.config.load import in_layout, read_stored_run
 from megajax.models.transformer import STACK, reorder_layers
 from megajax.parallel import pipeline
 from megajax.parallel.hlo_audit import collectives
+from megajax.parallel.mesh import MeshShape
 from megajax.parallel.partition import shardings
-from megajax.parallel.sharding import make_mesh
 from megajax.tools.comm_budget import step_budget, step_shape
 from megajax.tools.comm_report import main as comm_report_main
 from megajax.tools.memory_planner import memory_report, run_memory
@@ -141,7 +141,7 @@ def test_idle_ticks_compute_on_zeros(num_micro, repeats):
     p, chunks = 2, 2 * repeats
     w = np.array([0.3] * (chunks - 1) + [1.0])  # one weight per chunk, in the model's order: only the last crosses 1
     xs = np.random.default_rng(0).uniform(0.05, 0.1, (num_micro, 4, 3))
-    mesh = make_mesh(1, 1, jax.devices()[:p], pipe=p)
+    mesh = MeshShape(pipe=p).make(jax.devices()[:p])
     order = pipeline.layer_order(chunks, p, repeats)  # the stack's position -> model chunk
 
     def stage_fn(weight, x, args):
@@ -177,7 +177,7 @@ def test_the_tick_loop_keeps_no_per_tick_flag_of_an_activations_shape(repeats):
     no boolean stack of T activations (autodiff of ``jnp.where`` kept the flag broadcast to the activation, a byte per
     element on every tick: 11% of a circular stage's compiled temp on (4,1,2))."""
     p, num_micro = 2, 4
-    mesh = make_mesh(1, 1, jax.devices()[:p], pipe=p)
+    mesh = MeshShape(pipe=p).make(jax.devices()[:p])
     ticks = pipeline.ticks(num_micro, p, repeats)
 
     def loss(weights, xs):
@@ -478,7 +478,7 @@ def test_a_circular_pipe_2_run_resumes_exactly_and_on_pipe_4_and_restores_on_pip
     assert again == piped[2:]
     c.mesh.pipe, c.train.eval_batches = 4, 2  # circular on 4 stages: another order than the checkpoint's
     graphdef, abstract = nnx.split(abstract_model(c))
-    mesh = make_mesh(1, 1, pipe=4)
+    mesh = MeshShape(pipe=4).make()
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nnx.to_pure_dict(abstract),
                           nnx.to_pure_dict(shardings(abstract, mesh, rules_of(c))))
     saved = read_stored_run(tmp_path / "piped" / "checkpoints" / "2")

@@ -22,7 +22,7 @@ from megajax.config import ConfigError, resolve
 from megajax.config.migrate import migrate_config
 from megajax.parallel import pipeline_1f1b
 from megajax.parallel.hlo_audit import collectives
-from megajax.parallel.sharding import make_mesh
+from megajax.parallel.mesh import MeshShape
 from megajax.tools.comm_budget import step_budget, step_shape
 from megajax.tools.memory_planner import memory_report, run_memory
 from megajax.training.loop import setup
@@ -145,7 +145,7 @@ def test_idle_halves_are_skipped(pipe, per_stage, repeats):
         return total
 
     want_loss, want = jax.value_and_grad(plain, argnums=(0, 1, 2))(weights, tail_w, xs)
-    with jax.set_mesh(make_mesh(1, 1, jax.devices()[:pipe], pipe=pipe)):
+    with jax.set_mesh(MeshShape(pipe=pipe).make(jax.devices()[:pipe])):
         loss, dw, dt, dx = jax.jit(lambda w, t, x: pipeline_1f1b.run(
             stage_fn, tail_fn, w, None, None, t, None, x, None, fields))(weights, tail_w, xs)
     dt = dt.sum(0)  # the tail's gradient per stage

@@ -13,6 +13,7 @@ from megajax.cli import check_config_overrides, load_config
 from megajax.config import validate
 from megajax.models.spec import transformer_flops
 from megajax.parallel import pipeline as megajax_pipeline
+from megajax.parallel.mesh import MeshShape
 from megajax.tools import scaling, scaling_layout, scaling_papers, scaling_pipeline, scaling_plan
 from megajax.tools.scaling import DGX2H_V100, DGX_A100, predict
 from megajax.tools.scaling_layout import with_choices
@@ -192,7 +193,7 @@ def test_cli_prints_the_table_and_recommendation(capsys):
     config = load_config("gpt_8p3b")
     check_config_overrides(["--config=gpt_8p3b", *flags], "gpt_8p3b")
     _apply(config, flags)
-    assert validate(config, 512) == (64, 2)
+    assert validate(config, 512) == MeshShape(64, 2, pipe=4)
 
 
 def test_planner_turns_on_what_makes_a_model_fit_and_nothing_slower():
@@ -542,7 +543,7 @@ def test_recommend_mesh_picks_stages_where_only_they_fit(tmp_path, capsys):
     config = load_config(str(path))
     check_config_overrides([f"--config={path}", *flags], str(path))
     _apply(config, flags)
-    assert validate(config, 64) == (best.mesh[0], best.mesh[1]) and config.mesh.pipe == best.pipeline.stages
+    assert validate(config, 64) == MeshShape(best.mesh[0], best.mesh[1], pipe=best.pipeline.stages)
 
 
 def test_cli_on_a_config_with_stages(tmp_path, capsys):

@@ -20,22 +20,23 @@ from jax.sharding import PartitionSpec as P
 
 from megajax.config import resolve
 from megajax.parallel.hlo_audit import collectives
+from megajax.parallel.mesh import MeshShape
 from megajax.parallel.partition import over_data, shardings
-from megajax.parallel.sharding import MEGATRON_RULES, entry_axes, make_mesh, spec_axes
+from megajax.parallel.sharding import MEGATRON_RULES, entry_axes, spec_axes
 from megajax.tools.comm_budget import model_shard_elements, step_budget
 from megajax.training.data import make_loader
 from megajax.training.loop import batch_layout, train
 
 
 def test_over_data_splits_the_first_free_divisible_dimension():
-    mesh = make_mesh(4, 2)
+    mesh = MeshShape(4, 2).make()
     s = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
     assert over_data(s(None, "model"), (64, 128)).spec == P("data", "model")
     assert over_data(s("model", None), (2, 3, 8)).spec == P("model", None, "data")  # 3 is not divisible by 4
     assert over_data(s(None, "model"), (2, 256)).spec == P(None, ("model", "data"))  # 2 does not divide by 4
     assert over_data(s(), (6,)).spec == P()  # nothing fits: stays replicated over data
     assert over_data(s("data"), (8,)).spec == P("data")
-    assert over_data(NamedSharding(make_mesh(1, 8), P(None)), (8,)).spec == P(None)  # data axis of size 1
+    assert over_data(NamedSharding(MeshShape(1, 8).make(), P(None)), (8,)).spec == P(None)  # data axis of size 1
 
 
 def _moment_bytes(run) -> int:
@@ -146,7 +147,7 @@ def test_fsdp_splits_no_parameter_on_its_layers_dimension():
 
     config = choice_config("fsdp", 2, 4)
     state = nnx.state(abstract_model(config))
-    mesh = make_mesh(2, 4)
+    mesh = MeshShape(2, 4).make()
     split, whole = (nnx.to_pure_dict(shardings(state, mesh, MEGATRON_RULES, split_over_data=f)) for f in (True, False))
     blocks = split["blocks"]
     assert blocks["mlp"]["up"]["kernel"].spec == P(None, "data", "model")  # (layers, embed, mlp)
@@ -162,8 +163,8 @@ def test_fsdp_splits_no_parameter_on_its_layers_dimension():
         assert "data" in spec_axes(s.spec)
         assert without_data(s.spec) == list(w.spec) + [None] * (len(s.spec) - len(w.spec))
     # data of size 1 (1x1, 1x4): the layout, and so the compiled step, is the plain one
-    one = nnx.to_pure_dict(shardings(state, make_mesh(1, 4), MEGATRON_RULES, split_over_data=True))
-    assert jax.tree.leaves(one) == jax.tree.leaves(nnx.to_pure_dict(shardings(state, make_mesh(1, 4),
+    one = nnx.to_pure_dict(shardings(state, MeshShape(1, 4).make(), MEGATRON_RULES, split_over_data=True))
+    assert jax.tree.leaves(one) == jax.tree.leaves(nnx.to_pure_dict(shardings(state, MeshShape(1, 4).make(),
                                                                               MEGATRON_RULES)))
 
 

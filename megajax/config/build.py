@@ -18,14 +18,12 @@ from megajax.config.resolve import RunSpec, model_config, rules_of, validate
 from megajax.errors import ConfigError
 from megajax.models import TransformerConfig, model_spec
 from megajax.parallel.partition import init_sharded, partition_specs
-from megajax.parallel.sharding import make_mesh
 
 
 def build_mesh(config: ml_collections.ConfigDict, devices: list[jax.Device] | None = None) -> Mesh:
     """The mesh of ``config.mesh``, after ``validate``."""
     devices = list(jax.devices() if devices is None else devices)
-    dp, tp = validate(config, len(devices))
-    return make_mesh(dp, tp, devices, pipe=config.mesh.pipe, expert=config.mesh.expert, context=config.mesh.context)
+    return validate(config, len(devices)).make(devices)
 
 
 def model_factory(config: ml_collections.ConfigDict) -> Callable[[int], nnx.Module]:

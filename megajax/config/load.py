@@ -17,8 +17,8 @@ from megajax.config.defaults import NO_SCHEDULE
 from megajax.config.migrate import migrate_config
 from megajax.config.resolve import RunSpec, StoredRun, resolve, stored_config, stored_run
 from megajax.models.transformer import reorder_layers
+from megajax.parallel.mesh import MeshShape
 from megajax.parallel.partition import shardings
-from megajax.parallel.sharding import check_degrees
 
 
 class LoadedModel(NamedTuple):
@@ -52,7 +52,7 @@ def inference_config(path: str | pathlib.Path, data: int | None = None, model: i
     ``model``; ``mesh.expert`` likewise (a mixture of experts'); every remaining device on ``data`` (or ``data``);
     no pipeline stages; sequence parallelism off (it saves training memory, and a decoding step of one token has no
     sequence to split; the parameters are laid out the same)."""
-    check_degrees(-1 if data is None else data, 1 if model is None else model, expert=1 if expert is None else expert)
+    MeshShape(-1 if data is None else data, 1 if model is None else model, expert=1 if expert is None else expert)
     config = read_run_config(path)
     config.parallel.sequence = False
     config.mesh.pipe = 1  # inference runs on data x model (a pipelined run's stages are one resharding away)
@@ -70,7 +70,7 @@ def inference_config(path: str | pathlib.Path, data: int | None = None, model: i
 def restore_model(path: str | pathlib.Path, config: ml_collections.ConfigDict) -> LoadedModel:
     """The checkpoint at ``path`` on the mesh of ``config`` (``inference_config``), digests verified."""
     spec = resolve(config, jax.device_count(), training=False)
-    mesh = spec.make_mesh()
+    mesh = spec.mesh.make()
     graphdef, abstract = nnx.split(abstract_model(config))
     target_shardings = nnx.to_pure_dict(shardings(abstract, mesh, spec.rules))
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 import ml_collections
-from jax.sharding import Mesh
 
 from megajax.checkpoint.manager import CheckpointSettings, read_config
 from megajax.config.data_checks import check_data, check_packing
@@ -38,6 +37,7 @@ from megajax.data.sft import default_seq_len
 from megajax.errors import ConfigError, ShardingConfigError
 from megajax.models import MODELS, ModelSpec, TransformerConfig, model_spec
 from megajax.models.objectives import Field
+from megajax.parallel.mesh import MeshShape
 from megajax.parallel.pipeline import CIRCULAR, GPIPE, ONE_F_ONE_B, SCHEDULES
 from megajax.parallel.sharding import (
     CONTEXT_AXIS,
@@ -46,11 +46,7 @@ from megajax.parallel.sharding import (
     SEQUENCE_PARALLEL_NAME,
     ParallelContext,
     Rules,
-    check_degrees,
     entry_axes,
-    make_mesh,
-    mesh_axes,
-    resolve_mesh_shape,
 )
 
 _PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -152,7 +148,7 @@ def rules_of(config: ml_collections.ConfigDict) -> Rules:
         rules = tuple((k, CONTEXT_AXIS if k == "seq" else (CONTEXT_AXIS, *entry_axes(v))
                        if k == SEQUENCE_PARALLEL_NAME else v) for k, v in rules)
         rules = tuple((k, v[0] if isinstance(v, tuple) and len(v) == 1 else v) for k, v in rules)
-    axes = mesh_axes(config.mesh.pipe, config.mesh.expert, config.mesh.context)
+    axes = MeshShape.of(config.mesh).axes
     for name, axis in rules:
         if any(a not in axes for a in entry_axes(axis)):
             raise ShardingConfigError(f"sharding rule ({name!r}, {axis!r}) names no mesh axis; use one of "
@@ -174,14 +170,13 @@ def state_split(config: ml_collections.ConfigDict) -> tuple[bool, bool]:
     return bool(config.parallel.shard_optimizer) or fsdp, fsdp
 
 
-def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int]:
-    """Checks a config against the device count; returns the resolved (data, model) mesh shape.
+def validate(config: ml_collections.ConfigDict, num_devices: int) -> MeshShape:
+    """Checks a config against the device count; returns its mesh shape, ``data=-1`` resolved.
 
     Runs before any allocation, so a bad config fails in milliseconds with a message that says what to change.
     """
-    tp, dp = config.mesh.model, config.mesh.data
-    m = config.mesh  # every degree before anything divides by one
-    check_degrees(m.data, m.model, m.pipe, m.expert, m.context)
+    mesh = MeshShape.of(config.mesh)  # every degree checked before anything divides by one
+    tp = mesh.model
     # name, sizes >= 1, hidden % heads, dropout, precision, remat, activation: before anything divides by them
     cfg = model_config(config)
     if cfg.num_heads % tp:
@@ -206,7 +201,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
                           f"mesh.model from its divisors, or set parallel.sequence=False")
     _check_pipeline(config)
     _check_context(config, cfg)
-    dp, tp = resolve_mesh_shape(dp, tp, num_devices, config.mesh.pipe, config.mesh.expert, config.mesh.context)
+    mesh = mesh.resolved(num_devices)
     rules_of(config)
     if config.checkpoint.keep < 0:
         raise ConfigError(f"checkpoint.keep={config.checkpoint.keep}; use 0 to keep every checkpoint or K > 0 "
@@ -214,7 +209,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     if config.checkpoint.restore_step < 0:
         raise ConfigError(f"checkpoint.restore_step={config.checkpoint.restore_step}; use 0 for the latest step "
                           "or a step number listed in WORKDIR/checkpoints")
-    return dp, tp
+    return mesh
 
 
 def _check_pipeline(config: ml_collections.ConfigDict) -> None:
@@ -356,17 +351,13 @@ class RunSpec:
     model_name: str
     model: TransformerConfig
     rules: Rules
-    data: int  # mesh shape
-    tensor: int
+    mesh: MeshShape  # data=-1 resolved
     precision: str  # fp32 | bf16 | fp16 (``auto`` resolved)
     global_batch: int
     num_micro: int  # accumulation steps per optimizer step
     shard_optimizer: bool = False  # ZeRO-1: AdamW's moments also split over `data`
     sequence: bool = False  # sequence parallelism: the residual stream's sequence split over `model` (in ``rules``)
     fsdp: bool = False  # ZeRO-3: parameters (and so gradients and moments) also split over `data`
-    pipe: int = 1  # pipeline stages (mesh.pipe)
-    expert: int = 1  # expert shards (mesh.expert): a mixture of experts' experts split, the batch too
-    context: int = 1  # context shards (mesh.context): every sequence split over them
     pipeline_microbatches: int = 0  # microbatches per pipelined batch (0: pipe of them)
     pipeline_repeats: int = 1  # chunks of layers per stage (1: GPipe, 1F1B; more: the circular schedule)
     pipeline_schedule: str = "gpipe"  # gpipe | circular | 1f1b (megajax.parallel.pipeline.SCHEDULES)
@@ -375,7 +366,7 @@ class RunSpec:
     optimizer: OptimizerSettings | None = None
     loss_scale: LossScaleSettings | None = None
     checkpoint: CheckpointSettings | None = None
-    dataset: DataSettings | None = None  # config.data (``data`` is the mesh's data-parallel size)
+    dataset: DataSettings | None = None  # config.data
     init_from: str = ""  # a checkpoint whose trunk starts the run ("": none)
     # the config (with every field of its model's family) as JSON text: stored with each checkpoint, and read back
     # only by ``replanned``
@@ -388,14 +379,10 @@ class RunSpec:
         return dataclasses.replace(self, dataset=dataclasses.replace(self.dataset, tokenizer_fingerprint=fingerprint),
                                    config_json=json.dumps(stored))
 
-    def make_mesh(self, devices: list[jax.Device] | None = None) -> Mesh:
-        """The run's mesh over ``devices`` (default: this host's)."""
-        return make_mesh(self.data, self.tensor, devices, pipe=self.pipe, expert=self.expert, context=self.context)
-
     @property
     def layer_layout(self) -> tuple[int, int]:
         """(stages, repeats): how the stacked layers are ordered in memory (``pipeline.layer_order``)."""
-        return self.pipe, self.pipeline_repeats
+        return self.mesh.pipe, self.pipeline_repeats
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -411,8 +398,8 @@ class RunSpec:
 
     @property
     def micro_batch(self) -> int:
-        """Sequences per data shard (data x expert shards) per accumulation step."""
-        return self.global_batch // (self.data * self.expert * self.num_micro)
+        """Sequences per batch shard (data x expert shards) per accumulation step."""
+        return self.global_batch // (self.mesh.batch_shards * self.num_micro)
 
     @property
     def parallel_context(self) -> ParallelContext:
@@ -485,20 +472,19 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, training: bool 
     loaded for inference) skips the fields only training reads; the batch is then the config's, in one step. A
     config whose model is its ``init_from`` checkpoint's reads it first (``model_from_init``)."""
     config = model_from_init(config)
-    dp, tp = validate(config, num_devices)
+    mesh = validate(config, num_devices)
     check_packing(model_spec(config.model.name), config.data)
-    num_micro = validate_training(config, dp * config.mesh.expert) if training else 1
+    num_micro = validate_training(config, mesh.batch_shards) if training else 1
     if training:
-        _check_pipeline_microbatches(config, config.train.global_batch_size // (dp * num_micro))
+        _check_pipeline_microbatches(config, config.train.global_batch_size // (mesh.batch_shards * num_micro))
     shard_optimizer, fsdp = state_split(config)
     run = {} if not training else dict(
         train=train_settings(config), optimizer=optimizer_settings(config), loss_scale=loss_scale_settings(config),
         checkpoint=checkpoint_settings(config), init_from=config.init_from)
-    return RunSpec(model_name=config.model.name, model=model_config(config), rules=rules_of(config), data=dp,
-                   tensor=tp, precision=resolve_precision(config.train.precision),
+    return RunSpec(model_name=config.model.name, model=model_config(config), rules=rules_of(config), mesh=mesh,
+                   precision=resolve_precision(config.train.precision),
                    global_batch=config.train.global_batch_size, num_micro=num_micro,
                    shard_optimizer=shard_optimizer, sequence=sequence_parallel(config), fsdp=fsdp,
-                   pipe=config.mesh.pipe, expert=config.mesh.expert, context=config.mesh.context,
                    pipeline_microbatches=config.parallel.pipeline_microbatches,
                    pipeline_repeats=config.parallel.pipeline_repeats,
                    pipeline_schedule=config.parallel.pipeline_schedule,
@@ -513,8 +499,7 @@ def replanned(run: RunSpec, changes: dict[str, Any], num_devices: int | None = N
     kept where not changed; ``num_devices``: the devices the new mesh is checked against (default: as many as it
     takes; ``mesh.data=-1`` then keeps the run's device count). ConfigError as ``resolve`` raises it."""
     config = ml_collections.ConfigDict(json.loads(run.config_json))
-    m = config.mesh
-    m.data, m.model, m.pipe, m.expert, m.context = run.data, run.tensor, run.pipe, run.expert, run.context
+    config.mesh.update(dataclasses.asdict(run.mesh))
     for dotted, value in changes.items():
         *sections, field = dotted.split(".")
         parent = config
@@ -523,8 +508,7 @@ def replanned(run: RunSpec, changes: dict[str, Any], num_devices: int | None = N
         if field not in parent:
             raise ConfigError(f"{dotted} is not a config field")
         parent[field] = value
-    devices = (run.data * run.tensor * run.pipe * run.expert * run.context if m.data == -1
-               else m.pipe * m.data * m.expert * m.context * m.model)
+    devices = run.mesh.devices if config.mesh.data == -1 else MeshShape.of(config.mesh).devices
     return resolve(config, devices if num_devices is None else num_devices, training)
 
 

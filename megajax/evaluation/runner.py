@@ -18,7 +18,7 @@ from megajax.evaluation.generate import Sampling
 from megajax.evaluation.registry import EVAL_TASKS, EvalTask, Loaded, Request, names_where
 from megajax.models import eval_task_models
 from megajax.outputs import Kind, OutputPathError, claim_file, write_json
-from megajax.parallel.sharding import check_degrees, mesh_spelling
+from megajax.parallel.mesh import MeshShape
 
 TASKS = tuple(eval_task_models())  # every model's eval tasks (models/: each spec lists its own), all registered
 
@@ -77,8 +77,8 @@ def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | No
     request = Request(data, prompt, tokenizer, stride, batch_size, max_new_tokens, sampling or Sampling(), seed,
                       null_score_diff_threshold, predictions, sft_skip_bad_rows, sft_truncate)
     try:
-        check_degrees(-1 if mesh_data is None else mesh_data, 1 if mesh_model is None else mesh_model,
-                      expert=1 if mesh_expert is None else mesh_expert)  # before any input is read
+        MeshShape(-1 if mesh_data is None else mesh_data, 1 if mesh_model is None else mesh_model,
+                  expert=1 if mesh_expert is None else mesh_expert)  # its degrees checked before any input is read
         chosen = task_named(task)
         if predictions and not chosen.predictions:
             raise inputs.InputError(f"--predictions applies to --task={'|'.join(names_where(_predicts))}")
@@ -107,7 +107,7 @@ def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | No
                                 f"leave --mesh out to use them all (e.g. --mesh={n}x1)") from None
     loaded = Loaded(model, mesh, spec.rules, spec.model_spec.objective, spec.model.max_seq_len)
     result = chosen.run(loaded, task_input, request)
-    result.update(checkpoint=str(checkpoint), mesh=mesh_spelling(spec.data, spec.tensor, expert=spec.expert))
+    result.update(checkpoint=str(checkpoint), mesh=spec.mesh.spelling)
     if not chosen.streams:
         print(json.dumps(result, indent=1))
     if output:

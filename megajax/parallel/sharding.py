@@ -17,9 +17,8 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from megajax.errors import ShardingConfigError
@@ -28,7 +27,6 @@ T = TypeVar("T")
 
 Rules = tuple[tuple[str, str | None], ...]
 
-MESH_AXES = ("data", "model")
 MODEL_AXIS = "model"  # tensor parallelism: Megatron's intra-layer split
 PIPE_AXIS = "pipe"  # pipeline stages (mesh.pipe > 1): outermost, so a stage may span hosts while `model` stays in one
 # expert parallelism (mesh.expert > 1): a mixture-of-experts layer's experts split over it, every other layer's
@@ -89,76 +87,6 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> P:
     if len(used) != len(set(used)):
         raise ShardingConfigError(f"logical axes {tuple(names)} map two dimensions onto one mesh axis: {axes}")
     return P(*axes)
-
-
-_DEGREE_MEANING = {"pipe": "no pipeline", "expert": "no expert parallelism", "context": "no context parallelism"}
-
-
-def check_degrees(data: int, model: int, pipe: int = 1, expert: int = 1, context: int = 1) -> None:
-    """The one check that every mesh degree is a whole number >= 1 (``data`` may be -1: the devices left), made
-    before anything divides by one; ShardingConfigError naming the degree and how ``--mesh`` spells it."""
-    for name, value in (("data", data), ("model", model), ("pipe", pipe), ("expert", expert), ("context", context)):
-        ok = isinstance(value, int) and not isinstance(value, bool) and (value >= 1 or name == "data" and value == -1)
-        if not ok:
-            extra = {"data": " or -1 (all the devices left)", **{k: f" (1: {v})" for k, v in _DEGREE_MEANING.items()}}
-            spelled = {"data": "DATA in --mesh=DATAxMODEL", "model": "MODEL in --mesh=DATAxMODEL",
-                       "pipe": "PIPE in --mesh=PIPExDATAxMODEL"}.get(name, f"E in --mesh=DATAxMODEL,{name}=E")
-            raise ShardingConfigError(f"mesh.{name} must be a whole number >= 1{extra.get(name, '')}, got "
-                                      f"{value!r}: set {spelled} (or --config.mesh.{name})")
-
-
-def resolve_mesh_shape(data: int, model: int, num_devices: int, pipe: int = 1, expert: int = 1,
-                       context: int = 1) -> tuple[int, int]:
-    """(data, model) with ``data=-1`` resolved to all devices left after ``pipe`` x ``expert`` x ``context`` x
-    ``model``; checked against the devices, the messages naming the whole mesh as ``--mesh`` spells it."""
-    check_degrees(data, model, pipe, expert, context)
-    others = pipe * expert * context * model
-    if data == -1:
-        if num_devices % others:
-            axes = " x ".join(f"mesh.{n}={v}" for n, v in (("pipe", pipe), ("expert", expert), ("context", context),
-                                                            ("model", model)) if v > 1 or n == "model")
-            raise ShardingConfigError(f"{axes} does not divide the {num_devices} devices present; set mesh.data, "
-                                      "or pick sizes whose product divides them")
-        data = num_devices // others
-    if data * others > num_devices:
-        spelled = mesh_spelling(data, model, pipe, expert, context)
-        raise ShardingConfigError(f"mesh {spelled} needs {data * others} devices but {num_devices} are present; "
-                                  "lower a mesh size (on a CPU host, --cpu_devices simulates more)")
-    return data, model
-
-
-def mesh_spelling(data: int, model: int, pipe: int = 1, expert: int = 1, context: int = 1) -> str:
-    """The mesh as ``--mesh`` spells it: DATAxMODEL, PIPExDATAxMODEL with stages (named so), ``,expert=E`` with
-    experts split, ``,context=C`` with sequences split."""
-    shape = f"{pipe}x{data}x{model} (pipe x data x model)" if pipe > 1 else f"{data}x{model}"
-    return shape + (f",expert={expert}" if expert > 1 else "") + (f",context={context}" if context > 1 else "")
-
-
-def mesh_axes(pipe: int = 1, expert: int = 1, context: int = 1) -> tuple[str, ...]:
-    """The mesh's axis names: ('data', 'model'), with 'pipe' first where there are stages, 'expert' after 'data'
-    where experts are split and 'context' just outside 'model' where sequences are (an axis of size 1 is left out,
-    so such a mesh compiles as it did without)."""
-    return (*((PIPE_AXIS,) if pipe > 1 else ()), "data", *((EXPERT_AXIS,) if expert > 1 else ()),
-            *((CONTEXT_AXIS,) if context > 1 else ()), "model")
-
-
-def make_mesh(data: int, model: int, devices: Sequence[jax.Device] | None = None, pipe: int = 1,
-              expert: int = 1, context: int = 1) -> Mesh:
-    """A ``Mesh(('data', 'model'))``; ``data=-1`` takes all devices left after the other axes. With ``pipe`` > 1
-    'pipe' comes first (outermost, ``megajax.parallel.pipeline``), with ``expert`` > 1 'expert' between 'data' and
-    'model', with ``context`` > 1 'context' just outside 'model' (``mesh_axes``); with all three 1 the mesh, so the
-    compiled step, is the two-axis one.
-
-    Axes are ``Auto``: XLA's SPMD partitioner propagates shardings from the parameters and the few activations we
-    pin, which is how Megatron's f/g all-reduces appear without hand-written collectives.
-    """
-    devices = list(jax.devices() if devices is None else devices)
-    data, model = resolve_mesh_shape(data, model, len(devices), pipe, expert, context)
-    axes = mesh_axes(pipe, expert, context)
-    sizes = {PIPE_AXIS: pipe, "data": data, EXPERT_AXIS: expert, CONTEXT_AXIS: context, "model": model}
-    shape = tuple(sizes[a] for a in axes)
-    grid = np.asarray(devices[: math.prod(shape)]).reshape(shape)
-    return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
 
 
 def entry_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:

@@ -170,7 +170,7 @@ def step_budget(run) -> Budget:
 def check_countable(spec) -> None:
     """Raises ConfigError for a run (its ``RunSpec``) whose communication the budget does not count yet: context
     shards under pipeline stages."""
-    if spec.pipe > 1 and spec.context > 1:
+    if spec.mesh.pipe > 1 and spec.mesh.context > 1:
         raise ConfigError("the communication budget does not count context shards under pipeline stages yet (each "
                           "stage-tick's key/value all-gathers on a microbatch); drop mesh.pipe or mesh.context to "
                           "read a budget")
@@ -185,42 +185,42 @@ def step_shape(run) -> Shape:
     # 1F1B: the tail's replicated parameters' gradients are summed over model on every microbatch
     tail = {name: params[name] for name in reads.tail if name != STACK} if reads is not None else {}
     cfg = spec.model
-    kv_head = kv_head_elements(cfg, spec.tensor)
+    kv_head = kv_head_elements(cfg, spec.mesh.model)
     kv_weight = cfg.num_layers * kv_head * cfg.kv_heads  # replicated over model, reduced in its own category
-    layers = cfg.num_layers // spec.pipe  # a stage's
+    layers = cfg.num_layers // spec.mesh.pipe  # a stage's
     local = data_gradient_elements(cfg, sum(model_shard_elements(a) for a in jax.tree.leaves(params)), layers,
                                    kv_head)
     stage = data_gradient_elements(cfg, sum(model_shard_elements(a) for a in jax.tree.leaves(params)
                                             if "pipe" in spec_axes(a.sharding.spec)), layers, kv_head)
-    rows = spec.micro_batch // spec.pipe  # a device's share of the batch at the ends
-    if spec.sequence and spec.pipe > 1:  # under stages the positions' gradient is reduced over data as its shard
-        local -= sum(a.size - a.size // spec.tensor for name, a in params.items() if name in model.sequence_rows
+    rows = spec.micro_batch // spec.mesh.pipe  # a device's share of the batch at the ends
+    if spec.sequence and spec.mesh.pipe > 1:  # under stages the positions' gradient is reduced over data as its shard
+        local -= sum(a.size - a.size // spec.mesh.model for name, a in params.items() if name in model.sequence_rows
                      for a in jax.tree.leaves(a))
     experts, per_token = cfg.routed_experts
     expert_grad = sum(model_shard_elements(a) for a in jax.tree.leaves(params)
                       if "expert" in spec_axes(a.sharding.spec))
-    c = spec.context
-    kv_local = cfg.kv_heads // spec.tensor if not cfg.kv_replicated(spec.tensor) else 1
+    c = spec.mesh.context
+    kv_local = cfg.kv_heads // spec.mesh.model if not cfg.kv_replicated(spec.mesh.model) else 1
     return Shape(micro_batch=rows, num_micro=spec.num_micro, seq=cfg.max_seq_len // c,
-                 hidden=cfg.hidden_size, layers=cfg.num_layers, tensor=spec.tensor, data=spec.data,
+                 hidden=cfg.hidden_size, layers=cfg.num_layers, tensor=spec.mesh.model, data=spec.mesh.data,
                  activation_bytes=np.dtype(cfg.compute_dtype).itemsize, local_grad_elements=local,
                  tensor_all_reduces=model.tensor_all_reduces, recomputed_all_reduces=model.recomputed_all_reduces,
                  remat=cfg.remat, sequence=spec.sequence,
-                 sequence_grad_elements=sequence_grad_elements(params, spec.tensor, model) - kv_weight
+                 sequence_grad_elements=sequence_grad_elements(params, spec.mesh.model, model) - kv_weight
                  if spec.sequence else 0, pooled_rows=model.pooled_rows * rows,
-                 sequence_layer_elements=(sequence_grad_elements({STACK: params[STACK]}, spec.tensor, model)
+                 sequence_layer_elements=(sequence_grad_elements({STACK: params[STACK]}, spec.mesh.model, model)
                                           - kv_weight) // cfg.num_layers if spec.sequence and STACK in params else 0,
                  gathered_shard_elements=gathered_shard_elements(run, reads), kv_head_elements=kv_head,
-                 expert=spec.expert, expert_grad_elements=expert_grad, num_experts=experts,
-                 routed_rows=spec.micro_batch * cfg.max_seq_len // spec.context * per_token,
-                 exchange_rows=cfg.exchange_rows(spec.micro_batch, spec.expert),
+                 expert=spec.mesh.expert, expert_grad_elements=expert_grad, num_experts=experts,
+                 routed_rows=spec.micro_batch * cfg.max_seq_len // spec.mesh.context * per_token,
+                 exchange_rows=cfg.exchange_rows(spec.micro_batch, spec.mesh.expert),
                  routed_layers=len(cfg.routed_layers), head_norm_elements=head_norm_elements(spec),
                  head_dim=cfg.head_dim, context=c,
                  context_kv_elements=spec.micro_batch * cfg.max_seq_len // c * kv_local * cfg.head_dim
                  if c > 1 else 0, context_key_bytes=(8 if spec.dataset is not None and spec.dataset.packed else 4)
                  if model.causal_lm else 1,
-                 stage_grad_elements=stage if spec.pipe > 1 else 0, tied_elements=tied_elements(params, reads),
-                 sequence_tail_elements=sequence_grad_elements(tail, spec.tensor, model) if spec.sequence else 0,
+                 stage_grad_elements=stage if spec.mesh.pipe > 1 else 0, tied_elements=tied_elements(params, reads),
+                 sequence_tail_elements=sequence_grad_elements(tail, spec.mesh.model, model) if spec.sequence else 0,
                  **_pipeline_shape(spec, reads))
 
 
@@ -244,7 +244,7 @@ def head_norm_elements(run: RunSpec) -> int:
 def _pipeline_shape(spec: RunSpec, reads: pipelined.Reads | None) -> dict[str, int | bool]:
     """The pipeline schedule's part of ``Shape`` (nothing without stages); ``reads``: a 1F1B run's
     (``one_f_one_b_reads``)."""
-    p, v = spec.pipe, spec.pipeline_repeats
+    p, v = spec.mesh.pipe, spec.pipeline_repeats
     if p == 1:
         return {}
     micro = pipeline.microbatches_for(spec.micro_batch, spec.pipeline_microbatches, p)
@@ -261,7 +261,7 @@ def _pipeline_shape(spec: RunSpec, reads: pipelined.Reads | None) -> dict[str, i
         arg_bytes += sum(math.prod(fields[k].row_shape) * np.dtype(fields[k].dtype).itemsize
                          for k in reads.fields if rows * math.prod(fields[k].row_shape) > 1)
     # Megatron's scatter/gather at the boundary, where the step does it (asked as the step asks)
-    mesh_shape = dict(data=spec.data, model=spec.tensor, pipe=p, expert=spec.expert, context=spec.context)
+    mesh_shape = spec.mesh.sizes
     scatter = pipeline_1f1b.scattered(logical_to_spec(RESIDUAL, spec.rules), spec.model.max_seq_len,
                                       mesh_shape) is not None
     ticks = pipeline_1f1b.ticks(micro, p, v) if one_f_one_b else pipeline.ticks(micro, p, v)
@@ -274,7 +274,7 @@ def _pipeline_shape(spec: RunSpec, reads: pipelined.Reads | None) -> dict[str, i
 def one_f_one_b_reads(run) -> pipelined.Reads | None:
     """What a 1F1B run's tail and ends read (``pipelined.reads``); None for another schedule."""
     spec = run.spec
-    if spec.pipe == 1 or spec.pipeline_schedule != pipeline.ONE_F_ONE_B:
+    if spec.mesh.pipe == 1 or spec.pipeline_schedule != pipeline.ONE_F_ONE_B:
         return None
     graphdef, _ = nnx.split(abstract_model_of(spec))
     rows = spec.global_batch // spec.num_micro  # one accumulation micro-batch, every data shard's
@@ -292,15 +292,15 @@ def gathered_shard_elements(run, reads: pipelined.Reads | None = None) -> int:
     its ``reads`` (``one_f_one_b_reads``), what both its tail and its ends read twice: a tied word embedding, for the
     lookup and for the head)."""
     spec, total = run.spec, 0
-    if spec.data == 1 or not spec.shard_optimizer:
+    if spec.mesh.data == 1 or not spec.shard_optimizer:
         return 0
-    times = 1 if not spec.fsdp or spec.pipe > 1 else 2
+    times = 1 if not spec.fsdp or spec.mesh.pipe > 1 else 2
     for a in jax.tree.leaves(run.abstract_state.params):
         stored = a.sharding if spec.fsdp else over_data(a.sharding, a.shape)
         if "data" in spec_axes(stored.spec):
-            total += times * model_shard_elements(a) // spec.data
+            total += times * model_shard_elements(a) // spec.mesh.data
     if spec.fsdp:  # 1F1B gathers a tied word embedding for the lookup and again for the head (its tail)
-        total += tied_elements(run.abstract_state.params, reads) // spec.data
+        total += tied_elements(run.abstract_state.params, reads) // spec.mesh.data
     return total
 
 

@@ -30,7 +30,6 @@ import jax
 from megajax.config import RunSpec
 from megajax.errors import UserError
 from megajax.parallel import hlo_audit
-from megajax.parallel.sharding import mesh_spelling
 from megajax.parallel.xla_options import compiler_options
 from megajax.platform import quiet_cuda_notices
 from megajax.tools.memory_planner import CompiledMemory, MemoryReport, memory_report, run_memory, with_batch
@@ -118,10 +117,9 @@ def check_hosts(run: RunSpec, hosts: int = 1, gpus_per_host: int = 8) -> None:
     anything is planned or compiled."""
     if hosts < 1 or gpus_per_host < 1:
         raise GpuTargetError(f"--hosts={hosts} and {gpus_per_host} GPUs per host: both must be >= 1")
-    used = run.pipe * run.data * run.expert * run.context * run.tensor
+    used = run.mesh.devices
     if used > hosts * gpus_per_host:
-        mesh = mesh_spelling(run.data, run.tensor, run.pipe, run.expert, run.context)
-        raise GpuTargetError(f"mesh {mesh} needs {used} GPUs; --hosts={hosts} x {gpus_per_host} has "
+        raise GpuTargetError(f"mesh {run.mesh.spelling} needs {used} GPUs; --hosts={hosts} x {gpus_per_host} has "
                              f"{hosts * gpus_per_host}: raise --hosts or shrink the mesh")
 
 
@@ -198,8 +196,8 @@ def compile_step(run: RunSpec, target: str = "h100", hosts: int = 1, gpus_per_ho
     gpu = target_of(target)
     check_hosts(run, hosts, gpus_per_host)
     devices = gpu_devices(target, hosts, gpus_per_host)
-    used = run.pipe * run.data * run.expert * run.context * run.tensor
-    micro_batch = micro_batch or max(run.global_batch // (run.data * run.expert), 1)
+    used = run.mesh.devices
+    micro_batch = micro_batch or max(run.global_batch // run.mesh.batch_shards, 1)
     planned = with_batch(run, micro_batch)
     options = compiler_options(devices) if options is None else options
     with cudnn_probes_answered(gpu), quiet_cuda_notices():

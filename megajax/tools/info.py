@@ -35,6 +35,7 @@ from megajax.cli import (
 from megajax.config import resolve
 from megajax.models.transformer import attention_reason
 from megajax.outputs import HLO_HEADER, Kind, claim_file, write_text
+from megajax.parallel.mesh import MeshShape
 from megajax.tools.gpu_target import EXTRA, TARGETS, GpuStep, check_hosts, compile_step
 from megajax.tools.gpu_target import overlap as gpu_overlap
 from megajax.tools.memory_planner import (
@@ -59,9 +60,7 @@ def format_report(r: MemoryReport, device_memory_gb: float | None,
     lines = [
         f"parameters           {r.num_params:,} ({r.num_params / 1e9:.3f} B)"
         + (f", {r.active_params:,} active per token" if r.active_params != r.num_params else ""),
-        f"mesh                 {f'pipe={r.pipe} x ' if r.pipe > 1 else ''}data={r.data} x "
-        f"{f'expert={r.expert} x ' if r.expert > 1 else ''}{f'context={r.context} x ' if r.context > 1 else ''}"
-        f"model={r.model} ({r.pipe * r.data * r.expert * r.context * r.model} devices)",
+        f"mesh                 {' x '.join(f'{a}={n}' for a, n in r.mesh.sizes.items())} ({r.mesh.devices} devices)",
         f"params per device    {r.params_per_device:,}" + ("  (split over data: parallel.fsdp)" if r.fsdp else ""),
         f"  fp32 parameters    {_g(r.param_bytes)}",
         f"  fp32 gradients     {_g(r.grad_bytes)}",
@@ -175,12 +174,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.mesh:
         apply_mesh(config, args.mesh)
     gpus = 8 * args.hosts if args.target else None
-    if gpus and config.mesh.data == -1:  # every GPU of the hosts left after pipe x model
-        others = config.mesh.pipe * config.mesh.expert * config.mesh.context * config.mesh.model
-        config.mesh.data = max(gpus // others, 1)
+    if gpus and config.mesh.data == -1:  # every GPU of the hosts left after the other axes
+        config.mesh.data = max(gpus // MeshShape.of(config.mesh).others, 1)
     config.mesh.data = max(config.mesh.data, 1)  # without a target, the config's mesh.data=-1 plans one shard
-    data, model, pipe, expert = config.mesh.data, config.mesh.model, config.mesh.pipe, config.mesh.expert
-    devices = pipe * data * expert * config.mesh.context * model
+    mesh = MeshShape.of(config.mesh)
     if args.precision:
         config.train.precision = args.precision
     elif args.target and config.train.precision == "auto":  # what auto resolves to on the GPU
@@ -188,11 +185,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.target and args.device_memory_gb is None:
         args.device_memory_gb = TARGETS[args.target].memory_bytes / GiB
     # the config's micro-batch; with no accumulation (0) each data shard runs its share of the global batch
-    shards = data * expert  # the batch's
-    micro = args.micro_batch or config.train.micro_batch_size or max(config.train.global_batch_size // shards, 1)
+    micro = args.micro_batch or config.train.micro_batch_size or \
+        max(config.train.global_batch_size // mesh.batch_shards, 1)
     # the planned mesh's devices, however many this host has; the micro-batch is planned as given, so the training
     # checks of the config's own batch are not made
-    run = resolve(config, devices, training=False)
+    run = resolve(config, mesh.devices, training=False)
     if args.target:
         check_hosts(run, args.hosts)
     gpu = bool(args.target)  # planned as the step compiles for that GPU
@@ -207,8 +204,8 @@ def main(argv: list[str] | None = None) -> None:
                        + step.hlo)
             print(f"wrote {args.hlo}", file=sys.stderr)
     elif args.compiled:
-        if devices > jax.device_count():
-            raise SystemExit(f"--compiled needs {devices} devices, this host has {jax.device_count()}; "
-                             f"add --cpu_devices={devices}")
+        if mesh.devices > jax.device_count():
+            raise SystemExit(f"--compiled needs {mesh.devices} devices, this host has {jax.device_count()}; "
+                             f"add --cpu_devices={mesh.devices}")
         print(f"\nthe compiled step (micro-batch {micro}, no accumulation):")
         print(format_comparison(report, compiled_memory(run, micro)))

@@ -46,6 +46,7 @@ import math
 from megajax.config import RunSpec, replanned
 from megajax.models.transformer import STACK
 from megajax.parallel import pipeline
+from megajax.parallel.mesh import MeshShape
 from megajax.tools.memory_stages import stage_activations, tick_loop_gradient_bytes
 from megajax.tools.memory_terms import (
     FP32,
@@ -77,12 +78,12 @@ def word_embedding_grad_bytes(run: RunSpec) -> int:
     stage's share, ends before the tick loop's: an 8-layer GPT on (4,1,2) under ``full`` at s = 128 with 4x the
     vocabulary, compiled temp +1.50 MB for the head's +1.57 MB, this gradient the difference). 0 for the task
     models, which have no output layer over the vocabulary."""
-    gpipe = run.pipe > 1 and run.pipeline_schedule == pipeline.GPIPE
-    if not run.model_spec.head_memory.vocab_output or run.context > 1 or \
+    gpipe = run.mesh.pipe > 1 and run.pipeline_schedule == pipeline.GPIPE
+    if not run.model_spec.head_memory.vocab_output or run.mesh.context > 1 or \
             (run.model.remat in ("full", "save_dots") and not gpipe):
         return 0
-    rows = run.model.padded_vocab_size // run.tensor
-    return FP32 * rows * run.model.hidden_size // (run.data if run.shard_optimizer else 1)
+    rows = run.model.padded_vocab_size // run.mesh.model
+    return FP32 * rows * run.model.hidden_size // (run.mesh.data if run.shard_optimizer else 1)
 
 
 def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activations:
@@ -90,7 +91,7 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
     for an NVIDIA GPU): the layers' residuals, the head and one layer's backward working set; with pipeline stages,
     the schedule's (``memory_stages.stage_activations``)."""
     m = run.model
-    if run.pipe > 1:
+    if run.mesh.pipe > 1:
         return stage_activations(run, micro_batch, gpu)
     recompute = attention_backward_bytes(run, micro_batch, gpu) + dropout_bits_bytes(run, micro_batch, gpu)
     if m.remat in ("full", "save_dots"):
@@ -127,7 +128,7 @@ class CompiledMemory:
 def with_batch(run: RunSpec, micro_batch: int, num_micro: int = 1) -> RunSpec:
     """``run`` training ``micro_batch`` sequences per data shard in each of ``num_micro`` accumulation steps (its
     global batch micro_batch x data x num_micro), resolved again (``config.replanned``)."""
-    return replanned(run, {"train.global_batch_size": micro_batch * run.data * run.expert * num_micro,
+    return replanned(run, {"train.global_batch_size": micro_batch * run.mesh.data * run.mesh.expert * num_micro,
                            "train.micro_batch_size": micro_batch if num_micro > 1 else 0})
 
 
@@ -144,7 +145,7 @@ def run_memory(run) -> CompiledMemory:
     if analysis is None:
         raise RuntimeError("this backend's compiled step reports no memory_analysis()")
     fields, _ = batch_layout(run.spec, run.mesh)
-    rows = run.spec.micro_batch * run.spec.num_micro // run.spec.pipe  # this device's sequences per step (a data
+    rows = run.spec.micro_batch * run.spec.num_micro // run.spec.mesh.pipe  # this device's sequences per step (a data
     # shard's, split over the stages too)
     batch = rows * sum(math.prod(f.row_shape) * f.dtype.itemsize for f in fields.values())
     return CompiledMemory(analysis.argument_size_in_bytes, analysis.output_size_in_bytes,
@@ -153,7 +154,7 @@ def run_memory(run) -> CompiledMemory:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
-    """Per-device memory in bytes for one (data, model) mesh and micro-batch."""
+    """Per-device memory in bytes for one mesh and micro-batch."""
 
     num_params: int
     params_per_device: int
@@ -161,8 +162,7 @@ class MemoryReport:
     grad_bytes: int  # fp32, one per parameter held (the paper's accounting)
     optimizer_bytes: int  # AdamW m and v, fp32 (split over data with parallel.shard_optimizer or fsdp)
     activation_bytes: int  # one micro-batch: activations.total
-    data: int
-    model: int
+    mesh: MeshShape  # with pipeline stages the parameters and activations here are one stage's
     activations: Activations  # the activation estimate's parts
     step_grad_bytes: int  # gradients as the compiled step holds them (split over data with ZeRO-1, FSDP)
     batch_bytes: int  # the step's input batch on this device
@@ -173,11 +173,8 @@ class MemoryReport:
     gathered_layer_bytes: int = 0  # FSDP: one gathered layer's parameters and unreduced gradients
     # pipeline stages: the backward loop over ticks sums its stage's layer gradients beside the gradients themselves
     stage_grad_bytes: int = 0
-    pipe: int = 1  # pipeline stages: the parameters and activations above are one stage's
     workspace_bytes: int = 0  # the GPU's GEMM workspace (GPU_GEMM_WORKSPACE); 0 on the CPU
     active_params: int = 0  # the parameters one token uses (``ModelSpec.active_parameters``: a mixture of experts')
-    expert: int = 1  # expert shards: data shards outside a mixture of experts' routed layers
-    context: int = 1  # context shards: each device holds s / C positions of every sequence
     rough: str = ""  # where the estimate is known to miss the compiled step by more than 10%: by how much, measured
     tick_loop_after_head: bool = False  # GPipe: the stage's sums are not live yet at the head's peak (it is first)
 
@@ -226,16 +223,16 @@ def gathered_bytes(run: RunSpec) -> tuple[int, int]:
     layer of the abstract model's stacked layers, as the rules split it). A model whose head reads no vocabulary
     (``HeadMemory.vocab_output``: the task models) has no head part."""
     m = run.model
-    embedding = m.padded_vocab_size // run.tensor * m.hidden_size
-    layer = params_per_device(run, only=STACK)[1] // (m.num_layers // run.pipe)  # a stage holds L / pipe layers
-    copies = 2 if run.pipe > 1 else 1  # the gathered layer, and under stages its gradient
+    embedding = m.padded_vocab_size // run.mesh.model * m.hidden_size
+    layer = params_per_device(run, only=STACK)[1] // (m.num_layers // run.mesh.pipe)  # a stage holds L / pipe layers
+    copies = 2 if run.mesh.pipe > 1 else 1  # the gathered layer, and under stages its gradient
     head = copies * FP32 * embedding if run.model_spec.head_memory.vocab_output else 0
     return head, 2 * FP32 * layer
 
 
 def _num_micro(run: RunSpec, micro_batch: int) -> int:
     """Accumulation steps the run's global batch implies at this micro-batch (1 if it does not divide)."""
-    steps, rest = divmod(run.global_batch, micro_batch * run.data * run.expert)
+    steps, rest = divmod(run.global_batch, micro_batch * run.mesh.data * run.mesh.expert)
     return max(steps, 1) if not rest else 1
 
 
@@ -245,7 +242,7 @@ def memory_report(run: RunSpec, micro_batch: int | None = None, num_micro: int |
     accumulation step (default: the run's), ``num_micro`` steps (default: what the run's global batch implies at
     that micro-batch); ``gpu``: as the step compiles for an NVIDIA GPU (cuDNN's attention where the model allows it,
     XLA:GPU's fusions, the GEMM workspace), else as on the CPU."""
-    data, model, pipe = run.data, run.tensor, run.pipe
+    data, pipe = run.mesh.data, run.mesh.pipe
     micro_batch = micro_batch or run.micro_batch
     zero = run.shard_optimizer and not run.fsdp  # ZeRO-1: the moments and gradients only
     total, local = params_per_device(run, split_over_data=run.fsdp)  # FSDP: parameters split over data too
@@ -257,10 +254,10 @@ def memory_report(run: RunSpec, micro_batch: int | None = None, num_micro: int |
     # the batch's rows split over the stages too (the ends run on each stage's share)
     batch = micro_batch * num_micro * sum(math.prod(f.row_shape) * f.dtype.itemsize for f in fields) // pipe
     head, layer = gathered_bytes(run) if run.fsdp else (0, 0)
-    return MemoryReport(total, local, FP32 * local, FP32 * local, optimizer, act.total, data, model, act,
+    return MemoryReport(total, local, FP32 * local, FP32 * local, optimizer, act.total, run.mesh, act,
                         gradient_bytes(local, data, zero, num_micro), batch, run.sequence, run.fsdp,
-                        word_embedding_grad_bytes(run), head, layer, stage, pipe, GPU_GEMM_WORKSPACE if gpu else 0,
-                        run.model_spec.active_parameters(run.model, total), run.expert, run.context, _rough(run),
+                        word_embedding_grad_bytes(run), head, layer, stage, GPU_GEMM_WORKSPACE if gpu else 0,
+                        run.model_spec.active_parameters(run.model, total), _rough(run),
                         tick_loop_after_head=pipe > 1 and run.pipeline_schedule == pipeline.GPIPE)
 
 
@@ -268,8 +265,8 @@ def _rough(run: RunSpec) -> str:
     """What ``MemoryReport.rough`` says of ``run``: interleaved 1F1B with chunks of one layer (no layer scan; its
     plan does not follow the remat policy's terms: docs/parallelism.md)."""
     v = run.pipeline_repeats
-    if run.pipe > 1 and run.pipeline_schedule == pipeline.ONE_F_ONE_B and v > 1 and \
-            run.model.num_layers == run.pipe * v:
+    if run.mesh.pipe > 1 and run.pipeline_schedule == pipeline.ONE_F_ONE_B and v > 1 and \
+            run.model.num_layers == run.mesh.pipe * v:
         return ("interleaved 1F1B with one-layer chunks: the compiled temp measured 0.70 to 1.42 times this estimate "
                 "(CPU, 4-layer models on pipe 2, V = 2; 0.91 to 1.25 for 8 layers on pipe 4); read the compiled "
                 "step's (--compiled), or use chunks of two layers or more (pipeline_repeats <= num_layers / (2 pipe))")
@@ -280,7 +277,7 @@ def largest_micro_batch(run: RunSpec, device_bytes: float, gpu: bool = False) ->
     """The largest micro-batch whose step peak on ``run``'s mesh (by formula, no accumulation; ``gpu``: as compiled
     for an NVIDIA GPU) fits ``device_bytes``; 0 if none. Under pipeline stages a multiple of them (each stage's share
     of the batch holds whole microbatches)."""
-    unit = run.pipe
+    unit = run.mesh.pipe
     one = memory_report(run, unit, num_micro=1, gpu=gpu)  # only the activations and the batch grow
 
     def fits(units: int) -> bool:

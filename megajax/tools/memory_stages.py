@@ -10,7 +10,7 @@ from flax import nnx
 from megajax.config import RunSpec, abstract_model_of
 from megajax.models.transformer import STACK
 from megajax.parallel import pipeline, pipeline_1f1b
-from megajax.parallel.sharding import PIPE_AXIS, activate, mesh_axes
+from megajax.parallel.sharding import PIPE_AXIS, activate
 from megajax.tools.memory_terms import (
     FP32,
     Activations,
@@ -39,7 +39,7 @@ def stage_activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Acti
     Inside a stage every matmul carries the stages' vmapped dimension, so ``save_dots`` (dots without batch
     dimensions) keeps what ``full`` keeps.
     """
-    m, p = run.model, run.pipe
+    m, p = run.model, run.mesh.pipe
     micro = pipeline.microbatches_for(micro_batch, run.pipeline_microbatches, p)
     rows, remat = micro_batch // micro, "full" if m.remat == "save_dots" else m.remat
     recompute = layer_residual_bytes(run, rows, "none", gpu=gpu) if m.remat in ("full", "save_dots") else 0
@@ -87,9 +87,9 @@ def _one_f_one_b(run: RunSpec, micro_batch: int, micro: int, kept: int, recomput
     ``parallel.pipeline_stage_recompute`` a held chunk-microbatch is its chunk's input, and the chunk's residuals
     exist one microbatch at a time, in its backward. The terms beyond the inventories were measured on 4- and
     8-layer GPTs on pipe 2 x data 2 x model 2 at s = 32 to 256."""
-    m, p = run.model, run.pipe
+    m, p = run.model, run.mesh.pipe
     rows = micro_batch // micro
-    split = run.tensor if run.sequence else 1
+    split = run.mesh.model if run.sequence else 1
     one_input = trunk_rows(run, rows) * m.max_seq_len * m.hidden_size * compute_bytes(run) // split
     per_chunk = m.num_layers // (p * run.pipeline_repeats)
     stage = per_chunk * kept  # a chunk's
@@ -117,7 +117,7 @@ def tail_parameters(run: RunSpec) -> int:
         batch = {k: jax.ShapeDtypeStruct((2, *f.row_shape), f.dtype) for k, f in run.batch_fields.items()}
         # traced on two stages of one device each, with every axis the run's rules name (expert, context): what the
         # tail reads does not depend on the mesh's sizes
-        names = mesh_axes(2, run.expert, run.context)
+        names = run.mesh.replace(pipe=2).axes
         stages = jax.sharding.AbstractMesh(tuple(2 if n == PIPE_AXIS else 1 for n in names), names)
         with activate(stages, run.parallel_context):
             _TAILS[key] = pipelined.reads(run.model_spec.objective, graphdef, params, batch).tail
@@ -131,7 +131,7 @@ def tick_loop_gradient_bytes(run: RunSpec, stack: int) -> int:
     elementwise: a dynamic update of one chunk's held one more, 1.11 -> 1.22 of this at s = 32 under `full`, half a
     stage's gradients in the layout measured), and two of what the loss's tail reads (``tail_parameters``: an
     accumulator and each tick's contribution)."""
-    if run.pipe > 1 and run.pipeline_schedule == pipeline.ONE_F_ONE_B:
+    if run.mesh.pipe > 1 and run.pipeline_schedule == pipeline.ONE_F_ONE_B:
         return FP32 * (2 * stack + 2 * tail_parameters(run))
     return FP32 * stage_gradient_sums(run) * stack
 
@@ -141,7 +141,7 @@ def stage_gradient_sums(run: RunSpec) -> int:
     contribution (its layer scan's stacked gradients); under the circular schedule a chunk of one layer adds its
     gradient into the accumulator. Measured on the compiled steps of tests/test_pipeline.py and at h = 256, 8 layers
     on 2 stages (compiled temp 45.0, 45.6, 32.4 MB for GPipe, V = 2, V = 4; a copy 12.6 MB)."""
-    if run.pipe == 1:
+    if run.mesh.pipe == 1:
         return 0
-    per_chunk = run.model.num_layers // (run.pipe * run.pipeline_repeats)
+    per_chunk = run.model.num_layers // (run.mesh.pipe * run.pipeline_repeats)
     return 2 if run.pipeline_repeats == 1 or per_chunk > 1 else 1

@@ -42,12 +42,12 @@ def layer_residual_bytes(run: RunSpec, micro_batch: int, remat: str | None = Non
     """Bytes one transformer layer keeps for its backward pass on one device of ``run``'s mesh (``remat`` defaults
     to the model's; ``gpu``: as compiled for an NVIDIA GPU, where cuDNN's attention keeps less, ``attention_for``):
     the model's own inventory (``ModelSpec.layer_residuals``; the trunk's block: ``models.block_memory``)."""
-    split = run.tensor if run.sequence else 1  # the residual stream's share on one device
+    split = run.mesh.model if run.sequence else 1  # the residual stream's share on one device
     # the expert shards only where there are any: only a mixture of experts accepts them (``check_mesh``)
-    experts = {"expert": run.expert} if run.expert > 1 else {}
+    experts = {"expert": run.mesh.expert} if run.mesh.expert > 1 else {}
     remat, rows, attention = remat or run.model.remat, trunk_rows(run, micro_batch), attention_for(run, gpu)
-    local = dataclasses.replace(run.model, max_seq_len=run.model.max_seq_len // run.context)
-    kept = run.model_spec.layer_residuals(local, rows, run.tensor, split, remat, compute_bytes(run), attention,
+    local = dataclasses.replace(run.model, max_seq_len=run.model.max_seq_len // run.mesh.context)
+    kept = run.model_spec.layer_residuals(local, rows, run.mesh.model, split, remat, compute_bytes(run), attention,
                                           **experts)
     return kept + context_attention_bytes(run, rows, remat, attention)
 
@@ -58,15 +58,15 @@ def context_attention_bytes(run: RunSpec, rows: int, remat: str, attention: str)
     at s / C), and the keys and values all-gathered whole, which the core keeps as its inputs (the local chunks are
     in the inventory). Nothing with ``full`` (the layer's input only) or ``save_dots`` (the gathered keys and
     values are recomputed); 0 without context shards."""
-    c, cfg = run.context, run.model
+    c, cfg = run.mesh.context, run.model
     if c == 1 or remat in ("full", "save_dots"):
         return 0
     s = cfg.max_seq_len // c  # one device's queries
     core = 0
     if remat != "selective" and attention == "xla":  # the (s/C x s) probabilities' copies and dropout mask
         per_score = 4 + compute_bytes(run) + (1 if cfg.dropout > 0 else 0)
-        core = (c - 1) * cfg.num_heads * s * s * rows * per_score // run.tensor
-    heads = 1 if cfg.kv_replicated(run.tensor) else cfg.kv_heads // run.tensor
+        core = (c - 1) * cfg.num_heads * s * s * rows * per_score // run.mesh.model
+    heads = 1 if cfg.kv_replicated(run.mesh.model) else cfg.kv_heads // run.mesh.model
     gathered = 2 * rows * (cfg.max_seq_len - s) * heads * cfg.head_dim * compute_bytes(run)
     return core + gathered
 
@@ -87,8 +87,8 @@ def head_bytes(run: RunSpec, micro_batch: int, gpu: bool = False) -> int:
     and their fp32 gradient (compared with steps compiled for an H100 in tests/test_gpu_target.py and
     bench/README.md).
     """
-    m, tp = run.model, run.tensor
-    cd, s, b, h = compute_bytes(run), m.max_seq_len // run.context, trunk_rows(run, micro_batch), m.hidden_size
+    m, tp = run.model, run.mesh.model
+    cd, s, b, h = compute_bytes(run), m.max_seq_len // run.mesh.context, trunk_rows(run, micro_batch), m.hidden_size
     head = run.model_spec.head_memory
     vocab = head.vocab_logit_copies  # fp32 (b, s, V/t) copies
     logits = s * b * m.padded_vocab_size // tp
@@ -133,8 +133,8 @@ def dropout_bits_bytes(run: RunSpec, rows: int, gpu: bool = False, circular: boo
     if m.dropout == 0 or attention_for(run, gpu) != "xla":
         return 0
     tensors = GPU_DRAWN_BITS if gpu else CIRCULAR_BITS if circular else DRAWN_BITS
-    per_tensor = m.num_heads * (m.max_seq_len // run.context) * m.max_seq_len * trunk_rows(run, rows) * 4
-    return tensors * per_tensor // run.tensor
+    per_tensor = m.num_heads * (m.max_seq_len // run.mesh.context) * m.max_seq_len * trunk_rows(run, rows) * 4
+    return tensors * per_tensor // run.mesh.model
 
 
 def attention_backward_bytes(run: RunSpec, micro_batch: int, gpu: bool = False) -> int:
@@ -147,7 +147,8 @@ def attention_backward_bytes(run: RunSpec, micro_batch: int, gpu: bool = False) 
         return 0
     m = run.model
     copies = 4 if m.remat == "selective" else 2
-    scores = m.num_heads * (m.max_seq_len // run.context) * m.max_seq_len * trunk_rows(run, micro_batch) // run.tensor
+    scores = m.num_heads * (m.max_seq_len // run.mesh.context) * m.max_seq_len * trunk_rows(run, micro_batch) \
+        // run.mesh.model
     return copies * scores * FP32
 
 
@@ -190,8 +191,7 @@ def parameters(run: RunSpec, split_over_data: bool = False) -> list[Parameter]:
     """Every parameter of ``run``'s abstract model (``nnx.eval_shape``: no memory) as its rules lay it out on its
     mesh (a stage's layers with pipeline stages), or with ``split_over_data`` as ``parallel.fsdp`` stores it
     (``sharding.fsdp_spec``)."""
-    mesh_shape = {"data": run.data, "model": run.tensor, **({"pipe": run.pipe} if run.pipe > 1 else {}),
-                  **({"expert": run.expert} if run.expert > 1 else {})}
+    mesh_shape = run.mesh.sizes
     out = []
     for module, names, shape in _inventory(run):
         spec = (fsdp_spec(names, shape, run.rules, mesh_shape) if split_over_data

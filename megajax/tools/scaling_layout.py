@@ -77,9 +77,9 @@ def _layout(run: RunSpec, unsplit: Rules) -> Layout:
     stacked = [p for p in params if p.module == STACK]
     layer = sum(p.per_device for p in stacked) // layers
     routed = [p for p in stacked if EXPERTS in p.names]  # (layers, experts, ...): each expert's GEMMs alone
-    gemms = tuple(_gemm(p.names[1:], p.shape[1:], unsplit, run.tensor) for p in stacked
+    gemms = tuple(_gemm(p.names[1:], p.shape[1:], unsplit, run.mesh.model) for p in stacked
                   if p not in routed and _is_kernel(p.names[1:]))
-    expert_gemms = tuple(_gemm(p.names[2:], p.shape[2:], unsplit, run.tensor) for p in routed
+    expert_gemms = tuple(_gemm(p.names[2:], p.shape[2:], unsplit, run.mesh.model) for p in routed
                          if _is_kernel(p.names[2:]))
     vocab = [p for p in params if "vocab" in p.names and "embed" in p.names]
     return Layout(total=sum(math.prod(p.shape) for p in params), ends=sum(p.per_device for p in params) -

@@ -119,7 +119,7 @@ def setup_run(spec: RunSpec, devices: list[jax.Device] | None = None, options: d
               model: nnx.Module | None = None) -> Run:
     """``setup`` of a resolved run; ``model``: its abstract model (``abstract_model_of(spec)``) if already built."""
     devices = list(jax.devices() if devices is None else devices)
-    mesh = spec.make_mesh(devices)
+    mesh = spec.mesh.make(devices)
     graphdef, abstract_params = nnx.split(abstract_model_of(spec) if model is None else model)
     # FSDP (ZeRO-3): stored split over data; each layer gathers its parameters at use (sharding.param_at_use)
     param_shardings = nnx.to_pure_dict(shardings(abstract_params, mesh, spec.rules, split_over_data=spec.fsdp))
@@ -183,15 +183,15 @@ def _start_record(run: Run, data, resumed_from: int | None) -> dict:
         train_end = split_by_documents(data.offsets, spec.dataset.valid_fraction)[0][1]
         entropy = unigram_entropy(data.tokens[:min(train_end, ENTROPY_SAMPLE_TOKENS)])
     return {"step": resumed_from or 0, "event": "resume" if resumed_from is not None else "start",
-            "model": spec.model_name, "mesh": f"{spec.data}x{spec.tensor}",
-            **({"expert": spec.expert} if spec.expert > 1 else {}),
-            **({"context": spec.context} if spec.context > 1 else {}),
-            **({"pipe": spec.pipe, "pipeline_schedule": spec.pipeline_schedule,
+            "model": spec.model_name, "mesh": f"{spec.mesh.data}x{spec.mesh.model}",
+            **({"expert": spec.mesh.expert} if spec.mesh.expert > 1 else {}),
+            **({"context": spec.mesh.context} if spec.mesh.context > 1 else {}),
+            **({"pipe": spec.mesh.pipe, "pipeline_schedule": spec.pipeline_schedule,
                 **({"pipeline_stage_recompute": True} if spec.pipeline_stage_recompute else {}),
                 "pipeline_repeats": spec.pipeline_repeats,  # the microbatch count used:
                 "pipeline_microbatches": pipeline.microbatches_for(spec.micro_batch, spec.pipeline_microbatches,
-                                                                    spec.pipe)}
-               if spec.pipe > 1 else {}),
+                                                                    spec.mesh.pipe)}
+               if spec.mesh.pipe > 1 else {}),
             "devices": jax.device_count(),
             "processes": jax.process_count(), "device_kind": dev.device_kind, "num_params": run.num_params,
             "precision": spec.precision, "param_bytes_per_device": param_bytes,
@@ -336,7 +336,7 @@ def _train_with(spec: RunSpec, model: nnx.Module, workdir: pathlib.Path, data, c
     if is_main:
         print(" ".join(f"{k}={v}" for k, v in start.items() if k not in ("step", "event")), file=sys.stderr)
         if (used := run.mesh.devices.size) < jax.device_count():
-            print(f"note: mesh {_mesh_text(run.spec)} uses {used} of the {jax.device_count()} devices present; the "
+            print(f"note: mesh {run.spec.mesh.spelling} uses {used} of the {jax.device_count()} devices present; the "
                   f"other {jax.device_count() - used} stay idle (mesh.data=-1 takes every device left)",
                   file=sys.stderr)
     try:
@@ -355,10 +355,6 @@ def _train_with(spec: RunSpec, model: nnx.Module, workdir: pathlib.Path, data, c
     if is_main:
         print(f"done: {summary}", file=sys.stderr)
     return records
-
-
-def _mesh_text(spec: RunSpec) -> str:
-    return f"{spec.pipe}x{spec.data}x{spec.tensor}" if spec.pipe > 1 else f"{spec.data}x{spec.tensor}"
 
 
 def _summary(start: dict, records: list[dict], done: int, steps: int, first: int, seconds: float, spec: RunSpec,
