@@ -86,7 +86,7 @@ def test_every_gradient_element_is_reduced_over_data_once(steps):
         reduced = sum(c.elements * c.executions for c in step.collectives
                       if c.axes == {"data"} and c.op == "all-reduce" and c.elements > 1)
         # every local gradient element once; XLA concatenates the step's scalars (GPT: the loss; BERT: its two
-        # losses, two accuracies and the masked tokens' count, which losses.weighted_mean divides by) into the buffers
+        # losses, two accuracies and the masked tokens' count, which losses.Means divides by) into the buffers
         assert 0 <= reduced - step_shape(step.run).local_grad_elements <= 5, name
 
 

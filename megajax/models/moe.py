@@ -41,7 +41,7 @@ from megajax.models.llama import Attention, Llama, LlamaBlock, LlamaConfig, RMSN
 from megajax.models.spec import HeadMemory, ModelSpec, register
 from megajax.models.transformer import make_blocks, run_blocks
 from megajax.parallel.layers import dropout, make_param, scaled_init_std
-from megajax.parallel.losses import vocab_parallel_cross_entropy, weighted_mean
+from megajax.parallel.losses import OWN, Means, vocab_parallel_cross_entropy
 from megajax.parallel.sharding import RESIDUAL, axis_of, constrain, entry_axes, on_shards, param_at_use, positions_of
 
 NAME = "moe"  # config.model.name
@@ -366,7 +366,7 @@ def router_losses(stats: Stats, tokens: int, cfg: MoEConfig) -> dict[str, jax.Ar
             "dropped_fraction": stats["dropped"].sum() / (layers * tokens * cfg.experts_per_token)}
 
 
-def _moe_lm(model: MoEDecoder, batch: objectives.Batch, key: jax.Array | None):
+def _moe_lm(model: MoEDecoder, batch: objectives.Batch, key: jax.Array | None, means: Means = OWN):
     """Next-token cross-entropy plus the weighted router losses; each part logged (``lm_loss`` is what the
     perplexity is of)."""
     rows = objectives.next_tokens(batch)
@@ -374,7 +374,7 @@ def _moe_lm(model: MoEDecoder, batch: objectives.Batch, key: jax.Array | None):
         logits, stats = model.routed(rows["inputs"], dropout_key=key, **objectives.documents(rows))
     losses = vocab_parallel_cross_entropy(logits, rows["targets"])
     weights = rows.get("loss_weights")  # packed rows: a mean weighted as LM's
-    lm = weighted_mean(losses, weights)
+    lm = means.mean(losses, weights)
     cfg = model.cfg
     metrics = {"lm_loss": lm, **router_losses(stats, rows["inputs"].size, cfg)}
     loss = lm + cfg.router_aux_loss_coef * metrics["balance_loss"] + cfg.router_z_loss_coef * metrics["z_loss"]

@@ -19,7 +19,7 @@ from flax import nnx
 
 from megajax.data.tasks.race import NUM_OPTIONS as NUM_CHOICES
 from megajax.parallel.context import balanced
-from megajax.parallel.losses import lm_loss, vocab_parallel_nll_and_hit, weighted_mean
+from megajax.parallel.losses import OWN, Means, lm_loss, vocab_parallel_nll_and_hit
 from megajax.parallel.sharding import positions_of
 
 Batch = dict[str, jax.Array]
@@ -37,9 +37,11 @@ class Field:
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-    """``loss(model, batch, dropout_key) -> (scalar loss, metrics)`` and the batch it reads."""
+    """``loss(model, batch, dropout_key, means=OWN) -> (scalar loss, metrics)`` and the batch it reads; every mean
+    the loss and its metrics take is ``means.mean`` (``parallel.losses.Means``: the 1F1B step divides a microbatch's
+    by the whole batch's counts)."""
 
-    loss: Callable[[nnx.Module, Batch, jax.Array | None], tuple[jax.Array, Metrics]]
+    loss: Callable[[nnx.Module, Batch, jax.Array | None, Means], tuple[jax.Array, Metrics]]
     fields: Callable[[int], dict[str, Field]]  # seq_len -> the batch's fields
     # seq_len -> the fields of packed rows (``megajax.data.documents``), which the loss reads where they are in the
     # batch; None: the objective takes no packed rows
@@ -77,12 +79,12 @@ def next_tokens(batch: Batch) -> Batch:
     return balanced(rows)
 
 
-def _lm(model: nnx.Module, batch: Batch, key: jax.Array | None) -> tuple[jax.Array, Metrics]:
+def _lm(model: nnx.Module, batch: Batch, key: jax.Array | None, means: Means = OWN) -> tuple[jax.Array, Metrics]:
     """Mean next-token cross-entropy; over packed rows a mean weighted by ``loss_weights``."""
     rows = next_tokens(batch)
     with positions_of(rows.pop("order", None)):  # context parallelism's order keys dropout by true position
         return lm_loss(model, rows["inputs"], rows["targets"], dropout_key=key, loss_mask=rows.get("loss_weights"),
-                       **documents(rows)), {}
+                       means=means, **documents(rows)), {}
 
 
 def _lm_fields(seq_len: int) -> dict[str, Field]:
@@ -100,16 +102,16 @@ def packed_lm_fields(seq_len: int) -> dict[str, Field]:
 BERT_FIELDS = ("tokens", "token_types", "padding_mask", "mlm_labels", "mlm_weights")
 
 
-def _mlm_sop(model: nnx.Module, batch: Batch, key: jax.Array | None) -> tuple[jax.Array, Metrics]:
+def _mlm_sop(model: nnx.Module, batch: Batch, key: jax.Array | None, means: Means = OWN) -> tuple[jax.Array, Metrics]:
     """MLM mean over the masked tokens + SOP cross-entropy (Lan et al. 2019), both logged."""
     mlm_logits, sop_logits = model(batch["tokens"], batch["token_types"], batch["padding_mask"], dropout_key=key)
     nll, hit = vocab_parallel_nll_and_hit(mlm_logits, batch["mlm_labels"])  # (B, S) each
     weights = batch["mlm_weights"]
-    mlm = weighted_mean(nll, weights)
+    mlm = means.mean(nll, weights)
     sop_logits = sop_logits.astype(jnp.float32)
-    sop = weighted_mean(optax.softmax_cross_entropy_with_integer_labels(sop_logits, batch["sop_labels"]))
-    return mlm + sop, {"mlm_loss": mlm, "sop_loss": sop, "mlm_accuracy": weighted_mean(hit, weights),
-                       "sop_accuracy": _accuracy(sop_logits, batch["sop_labels"])}
+    sop = means.mean(optax.softmax_cross_entropy_with_integer_labels(sop_logits, batch["sop_labels"]))
+    return mlm + sop, {"mlm_loss": mlm, "sop_loss": sop, "mlm_accuracy": means.mean(hit, weights),
+                       "sop_accuracy": _accuracy(sop_logits, batch["sop_labels"], means)}
 
 
 def _mlm_sop_fields(seq_len: int) -> dict[str, Field]:
@@ -120,25 +122,27 @@ def _mlm_sop_fields(seq_len: int) -> dict[str, Field]:
 PAIR_FIELDS = ("tokens", "token_types", "padding_mask")  # the encoder's inputs, as BERT pretraining
 
 
-def _accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    return weighted_mean(logits.argmax(-1) == labels)
+def _accuracy(logits: jax.Array, labels: jax.Array, means: Means) -> jax.Array:
+    return means.mean(logits.argmax(-1) == labels)
 
 
-def _choice_loss(model: nnx.Module, batch: Batch, key: jax.Array | None) -> tuple[jax.Array, Metrics]:
+def _choice_loss(model: nnx.Module, batch: Batch, key: jax.Array | None, means: Means = OWN
+                 ) -> tuple[jax.Array, Metrics]:
     """Cross-entropy over classes (classifier) or options (multiple choice: logits (B, C)) + accuracy."""
     logits = model(*(batch[k] for k in PAIR_FIELDS), dropout_key=key).astype(jnp.float32)
     labels = batch["labels"]
-    return weighted_mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels)), {
-        "accuracy": _accuracy(logits, labels)}
+    return means.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels)), {
+        "accuracy": _accuracy(logits, labels, means)}
 
 
-def _span_loss(model: nnx.Module, batch: Batch, key: jax.Array | None) -> tuple[jax.Array, Metrics]:
+def _span_loss(model: nnx.Module, batch: Batch, key: jax.Array | None, means: Means = OWN
+               ) -> tuple[jax.Array, Metrics]:
     """Mean of the start and end cross-entropies over positions; accuracy = both positions exact."""
     start, end = (x.astype(jnp.float32) for x in model(*(batch[k] for k in PAIR_FIELDS), dropout_key=key))
     s, e = batch["start_positions"], batch["end_positions"]
     ce = optax.softmax_cross_entropy_with_integer_labels
     exact = (start.argmax(-1) == s) & (end.argmax(-1) == e)
-    return (weighted_mean(ce(start, s)) + weighted_mean(ce(end, e))) / 2, {"accuracy": weighted_mean(exact)}
+    return (means.mean(ce(start, s)) + means.mean(ce(end, e))) / 2, {"accuracy": means.mean(exact)}
 
 
 def _label() -> Field:

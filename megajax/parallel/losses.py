@@ -7,13 +7,10 @@ audit in the tests checks that this stays true.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import jax
 import jax.numpy as jnp
 
-from megajax.parallel.sharding import constrain, holding, partly_manual
+from megajax.parallel.sharding import constrain, partly_manual
 
 
 def mask_padded_vocab(logits: jax.Array, vocab_size: int) -> jax.Array:
@@ -50,52 +47,56 @@ def vocab_parallel_nll_and_hit(logits: jax.Array, labels: jax.Array) -> tuple[ja
     return lse - target, target >= top
 
 
+class Means:
+    """How a loss divides its means: ``mean(values, weights)`` is ``sum(values * weights) / max(sum(weights), 1)`` in
+    fp32 (without weights: the mean). Every mean a loss or its metrics take goes through the ``Means`` the loss is
+    given, so a loss computed microbatch by microbatch can sum to the whole batch's (``Counted``, ``Given``)."""
+
+    def mean(self, values: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+        """The weighted mean of ``values``, divided by ``divide(own count)``."""
+        values = values.astype(jnp.float32)
+        if weights is None:
+            total, own = values.sum(), jnp.float32(values.size)
+        else:
+            weights = weights.astype(jnp.float32)
+            total, own = (values * weights).sum(), jnp.maximum(weights.sum(), 1.0)
+        return total / self.divide(own)
+
+    def divide(self, own: jax.Array) -> jax.Array:
+        """The denominator of a mean whose own count is ``own``: itself."""
+        return own
+
+
+OWN = Means()  # every mean over its own values: the plain step, evaluation
+
+
+class Counted(Means):
+    """Means over their own counts, each count recorded (``counts``, in the order the loss takes them): the 1F1B step
+    traces the loss on the whole batch so."""
+
+    def __init__(self) -> None:
+        self.counts: list[jax.Array] = []
+
+    def divide(self, own: jax.Array) -> jax.Array:
+        self.counts.append(own)
+        return own
+
+
+class Given(Means):
+    """Means divided by given counts, in order (``Counted``'s, of the whole batch): on a part of the batch each mean
+    is then that part's share of the whole batch's (the 1F1B pipeline's loss per microbatch)."""
+
+    def __init__(self, counts: list[jax.Array]) -> None:
+        self._counts = iter(counts)
+
+    def divide(self, own: jax.Array) -> jax.Array:
+        return next(self._counts)
+
+
 def lm_loss(model, tokens: jax.Array, labels: jax.Array, *, dropout_key: jax.Array | None = None,
-            loss_mask: jax.Array | None = None, **documents: jax.Array) -> jax.Array:
+            loss_mask: jax.Array | None = None, means: Means = OWN, **documents: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy of a language model over the tokens, weighted by ``loss_mask`` (B, S) where
-    given; ``documents``: a packed batch's ``segments`` and ``positions``, passed to the model."""
+    given (a mean ``means`` takes); ``documents``: a packed batch's ``segments`` and ``positions``, passed to the
+    model."""
     losses = vocab_parallel_cross_entropy(model(tokens, dropout_key=dropout_key, **documents), labels)  # (B, S)
-    return weighted_mean(losses, loss_mask)
-
-
-class _Counts:
-    """The denominators of a traced loss's means, in the order it takes them: recorded, or given back."""
-
-    def __init__(self, given: list[jax.Array] | None = None):
-        self.recorded: list[jax.Array] = []
-        self.given = None if given is None else iter(given)
-
-    def count(self, own: jax.Array) -> jax.Array:
-        if self.given is None:
-            self.recorded.append(own)
-            return own
-        return next(self.given)
-
-
-_COUNTS: contextvars.ContextVar[_Counts | None] = contextvars.ContextVar("megajax_loss_counts", default=None)
-
-
-def counts_recorded() -> contextlib.AbstractContextManager[_Counts]:
-    """Traces a loss whose ``weighted_mean``s record their denominators (``.recorded``, in order)."""
-    return holding(_COUNTS, _Counts())
-
-
-def counts_given(counts: list[jax.Array]) -> contextlib.AbstractContextManager[_Counts]:
-    """Traces a loss whose ``weighted_mean``s divide by ``counts`` (recorded on the whole batch by
-    ``counts_recorded``) rather than by their own: on a part of the batch, each mean is then that part's share of the
-    whole batch's (the 1F1B pipeline's loss per microbatch)."""
-    return holding(_COUNTS, _Counts(list(counts)))
-
-
-def weighted_mean(values: jax.Array, weights: jax.Array | None = None) -> jax.Array:
-    """``sum(values * weights) / max(sum(weights), 1)`` in fp32 (without weights: the mean); under
-    ``counts_given``, the sum over the given denominator instead. Every mean a loss or its metrics take goes
-    through here, so a loss computed microbatch by microbatch sums to the whole batch's."""
-    values = values.astype(jnp.float32)
-    if weights is None:
-        total, own = values.sum(), jnp.float32(values.size)
-    else:
-        weights = weights.astype(jnp.float32)
-        total, own = (values * weights).sum(), jnp.maximum(weights.sum(), 1.0)
-    counts = _COUNTS.get()
-    return total / (own if counts is None else counts.count(own))
+    return means.mean(losses, loss_mask)

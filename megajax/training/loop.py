@@ -142,7 +142,7 @@ def setup_run(spec: RunSpec, devices: list[jax.Device] | None = None, options: d
     objective = spec.model_spec.objective
     fields, batch_shardings = batch_layout(spec, mesh)
     step = make_train_step(graphdef, optimizer, schedule, objective, fields, num_micro=spec.num_micro,
-                           dropout=spec.model.dropout > 0)
+                           dropout=spec.model.dropout > 0, pipeline_schedule=spec.pipeline_schedule)
     abstract_batch = {k: jax.ShapeDtypeStruct((spec.global_batch, *f.row_shape), f.dtype,
                                               sharding=batch_shardings[k]) for k, f in fields.items()}
     context = spec.parallel_context  # one set of settings: the step and validation trace alike

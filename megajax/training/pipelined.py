@@ -9,8 +9,8 @@ takes its gradients from the schedule instead of from ``jax.grad``. The model is
 * the ends before the stack (the embeddings) are traced with the stack's output replaced by zeros: ``jax.vjp`` of
   that gives the stack's input and state and, after the loop, their gradients' path back to the parameters;
 * the tail after it (final norm, head, loss) is the objective traced with the stack's output given: on the last
-  stage, on one microbatch's rows, each mean divided by the whole batch's count (``losses.counts_given``, counted
-  on the first trace), so the microbatches' losses sum to the plain step's loss;
+  stage, on one microbatch's rows, each mean divided by the whole batch's count (the objective given
+  ``losses.Given`` those the first trace ``Counted``), so the microbatches' losses sum to the plain step's loss;
 * the stack's and the tail's gradients, and the stack input's through the first trace, are summed per parameter.
 """
 
@@ -27,7 +27,7 @@ from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public equ
 
 from megajax.models.objectives import Batch, Metrics, Objective
 from megajax.parallel import pipeline
-from megajax.parallel.losses import counts_given, counts_recorded
+from megajax.parallel.losses import Counted, Given
 
 Params = Any
 # (loss, metrics) -> (the value differentiated, (loss, metrics) as the step sums them): the step's weighting
@@ -43,8 +43,9 @@ def grads(objective: Objective, graphdef: nnx.GraphDef, params: Params, batch: B
     static: dict[str, pipeline.StackCall] = {}
 
     def ends(leaves: list[jax.Array]):
-        with pipeline.handed_off() as hand, counts_recorded() as counts:
-            objective.loss(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), batch, key)
+        counts = Counted()
+        with pipeline.handed_off() as hand:
+            objective.loss(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), batch, key, counts)
         if hand.call is None:
             raise ValueError("the 1F1B pipeline schedule needs a model whose layers run as a pipelined stack")
         call = hand.call
@@ -53,7 +54,7 @@ def grads(objective: Objective, graphdef: nnx.GraphDef, params: Params, batch: B
         if sum(is_stack) != len(jax.tree.leaves(call.state)):
             raise ValueError("the 1F1B pipeline schedule needs the stacked layers' parameters as the model holds them")
         static["call"] = call  # its graph and scan; the traced values leave as outputs
-        return (call.x, call.state), (call.mask, call.layer_keys, counts.recorded)
+        return (call.x, call.state), (call.mask, call.layer_keys, counts.counts)
 
     (x, state), pull_ends, (mask, layer_keys, counts) = jax.vjp(ends, leaves, has_aux=True)
     call = dataclasses.replace(static["call"], x=x, state=state, mask=mask, layer_keys=layer_keys)
@@ -63,8 +64,9 @@ def grads(objective: Objective, graphdef: nnx.GraphDef, params: Params, batch: B
         # the parameters the tail does not read (the stack's, whose output is given; an untied embedding's): zeros
         given = iter(own)
         full = [next(given) if read else jnp.zeros(a.shape, a.dtype) for a, read in zip(leaves, in_tail)]
-        with pipeline.handed_in(h), counts_given(counts):
-            loss, metrics = objective.loss(nnx.merge(graphdef, jax.tree.unflatten(treedef, full)), rows, key)
+        with pipeline.handed_in(h):
+            loss, metrics = objective.loss(nnx.merge(graphdef, jax.tree.unflatten(treedef, full)), rows, key,
+                                           Given(counts))
         return weigh(loss, metrics)
 
     # only what the tail reads gets a gradient accumulator in the tick loop (an untied embedding's would stay zero)
@@ -98,14 +100,15 @@ def reads(objective: Objective, graphdef: nnx.GraphDef, params: dict, batch: Bat
 
     def trace(leaves: list[jax.Array], batch: Batch) -> None:
         model = lambda own: nnx.merge(graphdef, jax.tree.unflatten(treedef, own))  # noqa: E731
-        with pipeline.handed_off() as hand, counts_recorded() as counts:
-            objective.loss(model(leaves), batch, None)
+        counts = Counted()
+        with pipeline.handed_off() as hand:
+            objective.loss(model(leaves), batch, None, counts)
         if hand.call is None:
             raise ValueError("the 1F1B pipeline schedule needs a model whose layers run as a pipelined stack")
 
         def tail(own: list[jax.Array], rows: Batch) -> jax.Array:
-            with pipeline.handed_in(hand.call.x), counts_given(counts.recorded):
-                return objective.loss(model(own), rows, None)[0]
+            with pipeline.handed_in(hand.call.x):
+                return objective.loss(model(own), rows, None, Given(counts.counts))[0]
 
         def stack_input(own: list[jax.Array]) -> jax.Array:
             with pipeline.handed_off() as given:

@@ -17,8 +17,8 @@ import optax
 from flax import nnx, struct
 
 from megajax.models.objectives import Batch, Field, Metrics, Objective
-from megajax.parallel.pipeline import ONE_F_ONE_B
-from megajax.parallel.sharding import constrain, parallel_context, rows_of
+from megajax.parallel.pipeline import GPIPE, ONE_F_ONE_B
+from megajax.parallel.sharding import constrain, rows_of
 from megajax.parallel.xla_options import traced_for_nvidia_gpu
 from megajax.training import pipelined
 from megajax.training.loss_scale import LossScale
@@ -46,9 +46,11 @@ def split_micro(batch: Batch, fields: dict[str, Field], num_micro: int) -> Batch
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                    objective: Objective, fields: dict[str, Field], *, num_micro: int, dropout: bool
-                    ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
-    """Builds ``step(state, batch) -> (state, metrics)``; jit it with shardings and donation.
+                    objective: Objective, fields: dict[str, Field], *, num_micro: int, dropout: bool,
+                    pipeline_schedule: str = GPIPE) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+    """Builds ``step(state, batch) -> (state, metrics)``; jit it with shardings and donation. Under
+    ``pipeline_schedule`` 1f1b (``parallel.pipeline``) each micro-batch's gradients come from that schedule
+    (``training.pipelined``), the loss computed per pipeline microbatch inside it; otherwise from ``jax.grad``.
 
     A step whose loss or gradient norm is inf/nan applies no update (``metrics['skipped']``); ``nonfinite`` marks
     the skipped steps that are not routine fp16 overflows.
@@ -59,7 +61,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
             loss, metrics = loss * share, jax.tree.map(lambda m: m * share, metrics)
             return scale.scale_loss(loss), (loss, metrics)
 
-        if parallel_context().pipeline_schedule == ONE_F_ONE_B:  # the loss per microbatch, inside the schedule
+        if pipeline_schedule == ONE_F_ONE_B:  # the loss per microbatch, inside the schedule
             return pipelined.grads(objective, graphdef, params, micro, key, weigh)
         return jax.grad(lambda p: weigh(*objective.loss(nnx.merge(graphdef, p), micro, key)), has_aux=True)(params)
 
