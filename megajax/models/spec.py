@@ -52,10 +52,13 @@ class HeadMemory:
 class ModelSpec:
     """A model family's facts: its module, how it trains, what it costs, what it is evaluated on.
 
-    The costs the tools read (``tools.memory_planner``, ``tools.comm_budget``, ``tools.scaling``) are here or in the
-    abstract model, never in a tool: parameters (per device, per layer, the layer's GEMM shapes) come from
+    The costs the tools read (``tools.memory_planner``, ``tools.comm_budget``, ``tools.scaling``) of a family's
+    layers are here or in the abstract model: parameters (per device, per layer, the layer's GEMM shapes) come from
     ``nnx.eval_shape`` of ``module`` and the sharding rules; the rest a family states below, or inherits the
-    defaults, which are the trunk's ``transformer.Block``'s (GPT-2's, BERT's, Llama's communication):
+    defaults, which are the trunk's ``transformer.Block``'s (GPT-2's, BERT's, Llama's communication). Not yet here:
+    the attention core's, dropout's and the head's byte formulas (``tools.memory_terms``), the element-wise pass
+    counts the scaling model times every family's layer with (GPT's block's, ``tools.scaling``) and a mixture's
+    routed-layer timing (``tools.scaling_experts``):
 
     * ``flops``: model FLOPs of a step, the metrics' MFU numerator and the scaling model's TFLOP/s;
     * ``layer_residuals``: the bytes one layer keeps for its backward pass on one device (the memory planner's

@@ -3,8 +3,9 @@ communication.
 
 ``python -m megajax.scaling`` (``scaling_plan.py``) runs it over every (pipe, data, model) mesh of a cluster and
 recommends one; ``scaling_papers.py`` checks it against Megatron-LM's published measurements. The model is a
-resolved megajax run (``config.RunSpec``; the papers' models are runs too), and what it costs comes from where
-megajax already describes it, never from a second description of the block:
+resolved megajax run (``config.RunSpec``; the papers' models are runs too), and most of what it costs comes from
+where megajax already describes it (the exceptions: the element-wise pass counts below, GPT's block's, and
+``scaling_experts``' routed layer):
 
 * parameters per GPU and per layer, and the layer's GEMM shapes: the abstract model (``nnx.eval_shape`` of the
   spec's module, the memory planner's ``parameters``) through the sharding rules (``layout``, built once per model
