@@ -38,7 +38,7 @@ def test_1f1b_step_equals_the_plain_step(name, pipe, data, model, micro):
     """Each microbatch's loss computed on the last stage as its forward ends (BERT's masked-LM mean over the whole
     batch's masked tokens: each microbatch divides by the batch's count), its backward started at once."""
     run = _run(name, pipe, data, model, micro, schedule=ONE_F_ONE_B)
-    assert run.spec.parallel_context.pipeline_schedule == ONE_F_ONE_B
+    assert run.spec.pipeline.schedule == ONE_F_ONE_B
     assert_same_step(*_step(name, pipe, data, model, micro, schedule=ONE_F_ONE_B), *_step(name, 1, 1, 1))
 
 
@@ -81,7 +81,7 @@ def test_1f1b_recomputing_the_stages_equals_the_plain_step():
     """``parallel.pipeline_stage_recompute``: the stage inputs held and each stage's forward run again in its
     backward, on (2,2,2) with 4 microbatches and dropout (its masks drawn again alike)."""
     run = _recomputing_run()
-    assert run.spec.parallel_context.pipeline_stage_recompute
+    assert run.spec.pipeline.stage_recompute
     assert_same_step(*_step("gpt", 2, 2, 2, 4, run=run), *_step("gpt", 1, 1, 1, dropout=0.1))
 
 

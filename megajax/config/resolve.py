@@ -45,6 +45,7 @@ from megajax.parallel.sharding import (
     PIPE_AXIS,
     SEQUENCE_PARALLEL_NAME,
     ParallelContext,
+    PipelineSettings,
     Rules,
     entry_axes,
 )
@@ -358,10 +359,7 @@ class RunSpec:
     shard_optimizer: bool = False  # ZeRO-1: AdamW's moments also split over `data`
     sequence: bool = False  # sequence parallelism: the residual stream's sequence split over `model` (in ``rules``)
     fsdp: bool = False  # ZeRO-3: parameters (and so gradients and moments) also split over `data`
-    pipeline_microbatches: int = 0  # microbatches per pipelined batch (0: pipe of them)
-    pipeline_repeats: int = 1  # chunks of layers per stage (1: GPipe, 1F1B; more: the circular schedule)
-    pipeline_schedule: str = "gpipe"  # gpipe | circular | 1f1b (megajax.parallel.pipeline.SCHEDULES)
-    pipeline_stage_recompute: bool = False  # 1F1B: hold stage inputs only, each stage's forward run again
+    pipeline: PipelineSettings = PipelineSettings()  # how the pipelined layer stack runs (parallel.pipeline_*)
     train: TrainSettings | None = None
     optimizer: OptimizerSettings | None = None
     loss_scale: LossScaleSettings | None = None
@@ -382,7 +380,7 @@ class RunSpec:
     @property
     def layer_layout(self) -> tuple[int, int]:
         """(stages, repeats): how the stacked layers are ordered in memory (``pipeline.layer_order``)."""
-        return self.mesh.pipe, self.pipeline_repeats
+        return self.mesh.pipe, self.pipeline.repeats
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -405,9 +403,7 @@ class RunSpec:
     def parallel_context(self) -> ParallelContext:
         """What a traced model reads under ``sharding.activate``: the rules, FSDP's split parameters and the
         pipeline's schedule; training and its validation both trace under this one object."""
-        return ParallelContext(self.rules, params_split=self.fsdp, pipeline_microbatches=self.pipeline_microbatches,
-                               pipeline_repeats=self.pipeline_repeats, pipeline_schedule=self.pipeline_schedule,
-                               pipeline_stage_recompute=self.pipeline_stage_recompute)
+        return ParallelContext(self.rules, params_split=self.fsdp, pipeline=self.pipeline)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -485,10 +481,9 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, training: bool 
                    precision=resolve_precision(config.train.precision),
                    global_batch=config.train.global_batch_size, num_micro=num_micro,
                    shard_optimizer=shard_optimizer, sequence=sequence_parallel(config), fsdp=fsdp,
-                   pipeline_microbatches=config.parallel.pipeline_microbatches,
-                   pipeline_repeats=config.parallel.pipeline_repeats,
-                   pipeline_schedule=config.parallel.pipeline_schedule,
-                   pipeline_stage_recompute=config.parallel.pipeline_stage_recompute, dataset=data_settings(config),
+                   pipeline=PipelineSettings(config.parallel.pipeline_schedule, config.parallel.pipeline_microbatches,
+                                             config.parallel.pipeline_repeats,
+                                             config.parallel.pipeline_stage_recompute), dataset=data_settings(config),
                    config_json=with_model_defaults(config).to_json(), **run)
 
 

@@ -90,7 +90,7 @@ def stages() -> int:
 def microbatches(rows: int, replicas: int) -> int:
     """How many microbatches a batch of ``rows`` (split over ``replicas`` data shards) is cut into
     (``microbatches_for``, with the active ``ParallelContext``'s ``pipeline_microbatches``)."""
-    return microbatches_for(rows // replicas, parallel_context().pipeline_microbatches, stages())
+    return microbatches_for(rows // replicas, parallel_context().pipeline.microbatches, stages())
 
 
 def microbatches_for(rows_per_replica: int, configured: int, num_stages: int) -> int:
@@ -106,7 +106,7 @@ def microbatches_for(rows_per_replica: int, configured: int, num_stages: int) ->
 
 def repeats() -> int:
     """Chunks of layers per stage under the active schedule (1: GPipe)."""
-    return parallel_context().pipeline_repeats
+    return parallel_context().pipeline.repeats
 
 
 def ticks(num_micro: int, num_stages: int, num_repeats: int = 1) -> int:
@@ -402,7 +402,7 @@ def _stages(call: StackCall) -> _Stages:
     per_row = mask is not None and rows > 1 and all(a.shape[0] == rows for a in jax.tree.leaves(mask))
     # the circular schedule recomputes each chunk from its input (run): not its layers a second time. 1F1B's stages
     # keep what the model's remat policy keeps (pipeline_1f1b)
-    recompute_layers = v == 1 or parallel_context().pipeline_schedule == ONE_F_ONE_B
+    recompute_layers = v == 1 or parallel_context().pipeline.schedule == ONE_F_ONE_B
 
     def stage(params, h, args, shared=mask):  # shared: the mask every row shares (passed into a shard_map)
         (own_copies, chunk_keys), (ids, row_mask) = params, args
@@ -473,7 +473,7 @@ def run_stack_1f1b(call: StackCall, tail: Tail, tail_params: Any, consts: Any, f
     fields = jax.tree.map(lambda a: constrain(a, ("batch", *(None,) * (a.ndim - 1))), fields)
     aux, dw, d_copies, dxs = pipeline_1f1b.run(stage_fn, tail_fn, weights, plan.keys, plan.shared, copies, consts,
                                                plan.xs, plan.args, jax.tree.map(plan.to_io, fields),
-                                               parallel_context().pipeline_stage_recompute, scatter)
+                                               parallel_context().pipeline.stage_recompute, scatter)
     # (stages, copies, ...) -> one dimension over pipe x data, summed
     (d_state,), d_tail = pull_weights(dw), jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]).sum(0), d_copies)
     return aux, d_state, d_tail, constrain(plan.from_io(dxs), RESIDUAL)

@@ -119,18 +119,28 @@ def spec_over_data(spec: P, shape: tuple[int, ...], mesh_shape: Mapping[str, int
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineSettings:
+    """How a pipelined layer stack runs (``megajax.parallel.pipeline``), one value for the run (``RunSpec.pipeline``)
+    and the traced model (``ParallelContext.pipeline``): ``schedule`` 'gpipe', 'circular' or '1f1b' (1F1B: the step
+    computes each microbatch's loss inside the schedule, ``megajax.training.pipelined``); ``microbatches``: how many
+    microbatches a pipelined batch is cut into (0: one per stage); ``repeats``: chunks of layers per stage (1: GPipe
+    and 1F1B; more: circular or interleaved 1F1B); ``stage_recompute``: 1F1B holds each microbatch's stage input, not
+    its residuals, and runs the stage's forward again in its backward (``pipeline_1f1b.run``'s ``recompute``)."""
+
+    schedule: str = "gpipe"
+    microbatches: int = 0
+    repeats: int = 1
+    stage_recompute: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class ParallelContext:
     """The run's settings that a traced model reads while ``activate`` holds them (built by
     ``config.resolve.RunSpec.parallel_context``). Frozen and hashable, so it can also key a jit cache.
 
     ``rules``: logical name -> mesh axis (None: outside ``activate``, nothing pinned); ``params_split``: the
     parameters are stored split over ``data`` as well (``parallel.fsdp``), so ``param_at_use`` gathers them;
-    ``pipeline_microbatches``: how many microbatches a pipelined layer stack cuts a batch into (0: one per stage);
-    ``pipeline_repeats``: how many chunks of layers each pipeline stage holds (1: GPipe; more: the circular
-    schedule, ``megajax.parallel.pipeline``); ``pipeline_schedule``: 'gpipe', 'circular' or '1f1b' (1F1B: the
-    step computes each microbatch's loss inside the schedule, ``megajax.training.pipelined``);
-    ``pipeline_stage_recompute``: 1F1B holds each microbatch's stage input, not its residuals, and runs the stage's
-    forward again in its backward (``pipeline_1f1b.run``'s ``recompute``); ``rows``: which rows
+    ``pipeline``: how a pipelined layer stack runs (``PipelineSettings``); ``rows``: which rows
     of the step's global batch the traced batch's rows are (``rows_of``: a training step's micro-batch, a pipeline
     stage's share of its microbatch), whose indices key ``layers.dropout``'s masks (None: rows 0, 1, ..);
     ``positions``: the traced sequence's tokens' positions in the order the activations hold them (context
@@ -140,10 +150,7 @@ class ParallelContext:
 
     rules: Rules | None
     params_split: bool = False
-    pipeline_microbatches: int = 0
-    pipeline_repeats: int = 1
-    pipeline_schedule: str = "gpipe"
-    pipeline_stage_recompute: bool = False
+    pipeline: PipelineSettings = PipelineSettings()
     rows: jax.Array | None = None
     positions: jax.Array | None = None
 

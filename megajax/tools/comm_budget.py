@@ -244,10 +244,10 @@ def head_norm_elements(run: RunSpec) -> int:
 def _pipeline_shape(spec: RunSpec, reads: pipelined.Reads | None) -> dict[str, int | bool]:
     """The pipeline schedule's part of ``Shape`` (nothing without stages); ``reads``: a 1F1B run's
     (``one_f_one_b_reads``)."""
-    p, v = spec.mesh.pipe, spec.pipeline_repeats
+    p, v = spec.mesh.pipe, spec.pipeline.repeats
     if p == 1:
         return {}
-    micro = pipeline.microbatches_for(spec.micro_batch, spec.pipeline_microbatches, p)
+    micro = pipeline.microbatches_for(spec.micro_batch, spec.pipeline.microbatches, p)
     rows = spec.micro_batch // micro
     # per row: its index where dropout keys on it (one row on a device: a scalar, outside the ratio); per position
     # a packed decoder's segments and positions (int32), an encoder's padding mask (a byte)
@@ -268,13 +268,13 @@ def _pipeline_shape(spec: RunSpec, reads: pipelined.Reads | None) -> dict[str, i
     return dict(pipe=p, pipe_ticks=ticks, pipe_rows=rows, pipe_arg_bytes=arg_bytes,
                 pipe_layers=spec.model.num_layers // (p * v), pipe_circular=v > 1 and not one_f_one_b,
                 pipe_scatter=scatter, pipe_1f1b=one_f_one_b, pipe_micro=micro, pipe_repeats=v,
-                pipe_recompute=one_f_one_b and spec.pipeline_stage_recompute)
+                pipe_recompute=one_f_one_b and spec.pipeline.stage_recompute)
 
 
 def one_f_one_b_reads(run) -> pipelined.Reads | None:
     """What a 1F1B run's tail and ends read (``pipelined.reads``); None for another schedule."""
     spec = run.spec
-    if spec.mesh.pipe == 1 or spec.pipeline_schedule != pipeline.ONE_F_ONE_B:
+    if spec.mesh.pipe == 1 or spec.pipeline.schedule != pipeline.ONE_F_ONE_B:
         return None
     graphdef, _ = nnx.split(abstract_model_of(spec))
     rows = spec.global_batch // spec.num_micro  # one accumulation micro-batch, every data shard's

@@ -78,7 +78,7 @@ def word_embedding_grad_bytes(run: RunSpec) -> int:
     stage's share, ends before the tick loop's: an 8-layer GPT on (4,1,2) under ``full`` at s = 128 with 4x the
     vocabulary, compiled temp +1.50 MB for the head's +1.57 MB, this gradient the difference). 0 for the task
     models, which have no output layer over the vocabulary."""
-    gpipe = run.mesh.pipe > 1 and run.pipeline_schedule == pipeline.GPIPE
+    gpipe = run.mesh.pipe > 1 and run.pipeline.schedule == pipeline.GPIPE
     if not run.model_spec.head_memory.vocab_output or run.mesh.context > 1 or \
             (run.model.remat in ("full", "save_dots") and not gpipe):
         return 0
@@ -258,14 +258,14 @@ def memory_report(run: RunSpec, micro_batch: int | None = None, num_micro: int |
                         gradient_bytes(local, data, zero, num_micro), batch, run.sequence, run.fsdp,
                         word_embedding_grad_bytes(run), head, layer, stage, GPU_GEMM_WORKSPACE if gpu else 0,
                         run.model_spec.active_parameters(run.model, total), _rough(run),
-                        tick_loop_after_head=pipe > 1 and run.pipeline_schedule == pipeline.GPIPE)
+                        tick_loop_after_head=pipe > 1 and run.pipeline.schedule == pipeline.GPIPE)
 
 
 def _rough(run: RunSpec) -> str:
     """What ``MemoryReport.rough`` says of ``run``: interleaved 1F1B with chunks of one layer (no layer scan; its
     plan does not follow the remat policy's terms: docs/parallelism.md)."""
-    v = run.pipeline_repeats
-    if run.mesh.pipe > 1 and run.pipeline_schedule == pipeline.ONE_F_ONE_B and v > 1 and \
+    v = run.pipeline.repeats
+    if run.mesh.pipe > 1 and run.pipeline.schedule == pipeline.ONE_F_ONE_B and v > 1 and \
             run.model.num_layers == run.mesh.pipe * v:
         return ("interleaved 1F1B with one-layer chunks: the compiled temp measured 0.70 to 1.42 times this estimate "
                 "(CPU, 4-layer models on pipe 2, V = 2; 0.91 to 1.25 for 8 layers on pipe 4); read the compiled "

@@ -40,11 +40,11 @@ def stage_activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Acti
     dimensions) keeps what ``full`` keeps.
     """
     m, p = run.model, run.mesh.pipe
-    micro = pipeline.microbatches_for(micro_batch, run.pipeline_microbatches, p)
+    micro = pipeline.microbatches_for(micro_batch, run.pipeline.microbatches, p)
     rows, remat = micro_batch // micro, "full" if m.remat == "save_dots" else m.remat
     recompute = layer_residual_bytes(run, rows, "none", gpu=gpu) if m.remat in ("full", "save_dots") else 0
-    v, ticks = run.pipeline_repeats, pipeline.ticks(micro, p, run.pipeline_repeats)
-    if run.pipeline_schedule == pipeline.ONE_F_ONE_B:
+    v, ticks = run.pipeline.repeats, pipeline.ticks(micro, p, run.pipeline.repeats)
+    if run.pipeline.schedule == pipeline.ONE_F_ONE_B:
         return _one_f_one_b(run, micro_batch, micro, layer_residual_bytes(run, rows, remat, gpu=gpu), recompute,
                             gpu)
     if v > 1:
@@ -91,10 +91,10 @@ def _one_f_one_b(run: RunSpec, micro_batch: int, micro: int, kept: int, recomput
     rows = micro_batch // micro
     split = run.mesh.model if run.sequence else 1
     one_input = trunk_rows(run, rows) * m.max_seq_len * m.hidden_size * compute_bytes(run) // split
-    per_chunk = m.num_layers // (p * run.pipeline_repeats)
+    per_chunk = m.num_layers // (p * run.pipeline.repeats)
     stage = per_chunk * kept  # a chunk's
-    held = pipeline_1f1b.held(micro, p, run.pipeline_repeats)
-    if run.pipeline_stage_recompute:
+    held = pipeline_1f1b.held(micro, p, run.pipeline.repeats)
+    if run.pipeline.stage_recompute:
         layers = (held + 2 + 2 * micro // p) * one_input + stage
     else:  # a chunk of one layer runs without a layer scan, and XLA keeps one stack beyond the ring
         layers = (held + (3 if per_chunk > 1 else 1)) * stage + (2 + 2 * micro // p) * one_input
@@ -131,7 +131,7 @@ def tick_loop_gradient_bytes(run: RunSpec, stack: int) -> int:
     elementwise: a dynamic update of one chunk's held one more, 1.11 -> 1.22 of this at s = 32 under `full`, half a
     stage's gradients in the layout measured), and two of what the loss's tail reads (``tail_parameters``: an
     accumulator and each tick's contribution)."""
-    if run.mesh.pipe > 1 and run.pipeline_schedule == pipeline.ONE_F_ONE_B:
+    if run.mesh.pipe > 1 and run.pipeline.schedule == pipeline.ONE_F_ONE_B:
         return FP32 * (2 * stack + 2 * tail_parameters(run))
     return FP32 * stage_gradient_sums(run) * stack
 
@@ -143,5 +143,5 @@ def stage_gradient_sums(run: RunSpec) -> int:
     on 2 stages (compiled temp 45.0, 45.6, 32.4 MB for GPipe, V = 2, V = 4; a copy 12.6 MB)."""
     if run.mesh.pipe == 1:
         return 0
-    per_chunk = run.model.num_layers // (run.mesh.pipe * run.pipeline_repeats)
-    return 2 if run.pipeline_repeats == 1 or per_chunk > 1 else 1
+    per_chunk = run.model.num_layers // (run.mesh.pipe * run.pipeline.repeats)
+    return 2 if run.pipeline.repeats == 1 or per_chunk > 1 else 1

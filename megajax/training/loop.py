@@ -142,7 +142,7 @@ def setup_run(spec: RunSpec, devices: list[jax.Device] | None = None, options: d
     objective = spec.model_spec.objective
     fields, batch_shardings = batch_layout(spec, mesh)
     step = make_train_step(graphdef, optimizer, schedule, objective, fields, num_micro=spec.num_micro,
-                           dropout=spec.model.dropout > 0, pipeline_schedule=spec.pipeline_schedule)
+                           dropout=spec.model.dropout > 0, pipeline_schedule=spec.pipeline.schedule)
     abstract_batch = {k: jax.ShapeDtypeStruct((spec.global_batch, *f.row_shape), f.dtype,
                                               sharding=batch_shardings[k]) for k, f in fields.items()}
     context = spec.parallel_context  # one set of settings: the step and validation trace alike
@@ -186,10 +186,10 @@ def _start_record(run: Run, data, resumed_from: int | None) -> dict:
             "model": spec.model_name, "mesh": f"{spec.mesh.data}x{spec.mesh.model}",
             **({"expert": spec.mesh.expert} if spec.mesh.expert > 1 else {}),
             **({"context": spec.mesh.context} if spec.mesh.context > 1 else {}),
-            **({"pipe": spec.mesh.pipe, "pipeline_schedule": spec.pipeline_schedule,
-                **({"pipeline_stage_recompute": True} if spec.pipeline_stage_recompute else {}),
-                "pipeline_repeats": spec.pipeline_repeats,  # the microbatch count used:
-                "pipeline_microbatches": pipeline.microbatches_for(spec.micro_batch, spec.pipeline_microbatches,
+            **({"pipe": spec.mesh.pipe, "pipeline_schedule": spec.pipeline.schedule,
+                **({"pipeline_stage_recompute": True} if spec.pipeline.stage_recompute else {}),
+                "pipeline_repeats": spec.pipeline.repeats,  # the microbatch count used:
+                "pipeline_microbatches": pipeline.microbatches_for(spec.micro_batch, spec.pipeline.microbatches,
                                                                     spec.mesh.pipe)}
                if spec.mesh.pipe > 1 else {}),
             "devices": jax.device_count(),
