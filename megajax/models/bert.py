@@ -28,6 +28,7 @@ from megajax.models.transformer import (
     padding_mask,
     run_blocks,
 )
+from megajax.parallel import pipeline
 from megajax.parallel.layers import ACTIVATIONS, Dense, LayerNorm, VocabParallelEmbedding, dropout, make_param
 from megajax.parallel.losses import mask_padded_vocab
 from megajax.parallel.sharding import RESIDUAL, constrain, param_at_use
@@ -75,9 +76,11 @@ class BERTEncoder(nnx.Module):
         self.pooler = Dense(h, (h,), ("embed", "embed_out"), std=std, dtype=dt, rngs=rngs)
 
     def encode(self, tokens: jax.Array, token_types: jax.Array | None = None, valid: jax.Array | None = None,
-               *, dropout_key: jax.Array | None = None, word_rows: jax.Array | None = None) -> jax.Array:
+               *, dropout_key: jax.Array | None = None, word_rows: jax.Array | None = None,
+               stack: pipeline.StackRunner = pipeline.run_stack) -> jax.Array:
         """The trunk's final hidden states (B, S, H); ``valid`` is the (B, S) 1/0 padding mask; ``word_rows``: the
-        word embedding's ``replica_rows``, when the caller uses them again (the tied MLM output layer)."""
+        word embedding's ``replica_rows``, when the caller uses them again (the tied MLM output layer); ``stack``: how
+        the pipelined layer stack runs (``transformer.run_blocks``)."""
         cfg = self.cfg
         b, s = tokens.shape
         if s > cfg.max_seq_len:
@@ -94,7 +97,7 @@ class BERTEncoder(nnx.Module):
         if self.ln_emb is not None:
             x = self.ln_emb(x)
         x = constrain(dropout(x, cfg.dropout, k_emb), RESIDUAL)
-        x, _ = run_blocks(self.blocks, cfg, x, padding_mask(valid), k_layers)
+        x, _ = run_blocks(self.blocks, cfg, x, padding_mask(valid), k_layers, stack=stack)
         return x if self.ln_f is None else self.ln_f(x)
 
     def pool(self, x: jax.Array) -> jax.Array:
@@ -115,10 +118,11 @@ class BERT(BERTEncoder):
         self.sop = Dense(h, (NUM_SOP_CLASSES,), ("embed", "classes"), std=std, dtype=dt, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, token_types: jax.Array | None = None, valid: jax.Array | None = None,
-                 *, dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """MLM logits (padded ids masked) and SOP logits."""
+                 *, dropout_key: jax.Array | None = None, stack: pipeline.StackRunner = pipeline.run_stack
+                 ) -> tuple[jax.Array, jax.Array]:
+        """MLM logits (padded ids masked) and SOP logits; ``stack`` as ``encode``."""
         rows = self.wte.replica_rows(tokens.shape[0])  # one read for both uses: one gradient reduction
-        x = self.encode(tokens, token_types, valid, dropout_key=dropout_key, word_rows=rows)
+        x = self.encode(tokens, token_types, valid, dropout_key=dropout_key, word_rows=rows, stack=stack)
         return self.mlm_logits(x, rows), self.sop(self.pool(x))
 
     def mlm_logits(self, x: jax.Array, word_rows: jax.Array | None = None) -> jax.Array:

@@ -24,6 +24,7 @@ from megajax.models.transformer import (
     make_blocks,
     run_blocks,
 )
+from megajax.parallel import pipeline
 from megajax.parallel.layers import LayerNorm, VocabParallelEmbedding, dropout, make_param
 from megajax.parallel.losses import mask_padded_vocab
 from megajax.parallel.sharding import RESIDUAL, constrain, param_at_use
@@ -56,7 +57,7 @@ class GPT(CausalDecoder):
         self.blocks = make_blocks(cfg, rngs, self.block_class)
         self.ln_f = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
 
-    def _forward(self, tokens, dropout_key, cache, index, documents=None):
+    def _forward(self, tokens, dropout_key, cache, index, documents=None, stack=pipeline.run_stack):
         cfg = self.cfg
         b, s = tokens.shape
         tokens = self._tokens(tokens)
@@ -75,7 +76,7 @@ class GPT(CausalDecoder):
         kv_len = s if cache is None else cache[0].shape[2]
         # (1, 1, S, S_kv); packed rows: (B, 1, S, S), within each document
         mask = causal_mask(index + jnp.arange(s), kv_len) if documents is None else documents.mask()
-        x, cache = run_blocks(self.blocks, cfg, x, mask, k_layers, cache, index)
+        x, cache = run_blocks(self.blocks, cfg, x, mask, k_layers, cache, index, stack=stack)
         logits = self.wte.attend(self.ln_f(x), rows)  # (B, S, V_padded)
         return mask_padded_vocab(logits, cfg.vocab_size), cache
 

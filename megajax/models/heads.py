@@ -17,6 +17,7 @@ from megajax.data.tasks.race import NUM_OPTIONS
 from megajax.models import objectives
 from megajax.models.bert import BertConfig, BERTEncoder
 from megajax.models.spec import HeadMemory, ModelSpec, register, transformer_flops
+from megajax.parallel import pipeline
 from megajax.parallel.layers import Dense, dropout
 from megajax.parallel.sharding import constrain
 
@@ -50,9 +51,10 @@ class BERTClassifier(BERTEncoder):
                                 dtype=cfg.compute_dtype, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, token_types: jax.Array | None = None, valid: jax.Array | None = None,
-                 *, dropout_key: jax.Array | None = None) -> jax.Array:
+                 *, dropout_key: jax.Array | None = None,
+                 stack: pipeline.StackRunner = pipeline.run_stack) -> jax.Array:
         k_trunk, k_head = _keys(dropout_key)
-        pooled = self.pool(self.encode(tokens, token_types, valid, dropout_key=k_trunk))  # (B, H)
+        pooled = self.pool(self.encode(tokens, token_types, valid, dropout_key=k_trunk, stack=stack))  # (B, H)
         logits = self.classifier(dropout(pooled, self.cfg.dropout, k_head))
         return constrain(logits, ("batch", "classes"))
 
@@ -67,11 +69,13 @@ class BERTMultipleChoice(BERTEncoder):
                             rngs=rngs)
 
     def __call__(self, tokens: jax.Array, token_types: jax.Array | None = None, valid: jax.Array | None = None,
-                 *, dropout_key: jax.Array | None = None) -> jax.Array:
+                 *, dropout_key: jax.Array | None = None,
+                 stack: pipeline.StackRunner = pipeline.run_stack) -> jax.Array:
         b, c, s = tokens.shape
         flat = lambda x: None if x is None else x.reshape(b * c, s)  # noqa: E731 - (B, C, S) -> (B*C, S)
         k_trunk, k_head = _keys(dropout_key)
-        pooled = self.pool(self.encode(flat(tokens), flat(token_types), flat(valid), dropout_key=k_trunk))
+        pooled = self.pool(self.encode(flat(tokens), flat(token_types), flat(valid), dropout_key=k_trunk,
+                                           stack=stack))
         scores = self.scorer(dropout(pooled, self.cfg.dropout, k_head))  # (B*C, 1)
         return constrain(scores.reshape(b, c), ("batch", "classes"))
 
@@ -86,8 +90,9 @@ class BERTSpan(BERTEncoder):
                           dtype=cfg.compute_dtype, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, token_types: jax.Array | None = None, valid: jax.Array | None = None,
-                 *, dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        x = self.encode(tokens, token_types, valid, dropout_key=dropout_key)  # (B, S, H)
+                 *, dropout_key: jax.Array | None = None,
+                 stack: pipeline.StackRunner = pipeline.run_stack) -> tuple[jax.Array, jax.Array]:
+        x = self.encode(tokens, token_types, valid, dropout_key=dropout_key, stack=stack)  # (B, S, H)
         logits = constrain(self.span(x), ("batch", "seq", "classes"))  # (B, S, 2)
         return logits[..., 0], logits[..., 1]
 

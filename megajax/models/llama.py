@@ -42,7 +42,7 @@ from megajax.models.transformer import (
     make_blocks,
     run_blocks,
 )
-from megajax.parallel import context
+from megajax.parallel import context, pipeline
 from megajax.parallel.context import KV_NAMES
 from megajax.parallel.layers import (
     ColumnParallelLinear,
@@ -303,19 +303,20 @@ class Llama(CausalDecoder):
         """The key/value heads only (one per shard where the shards replicate them), not the query heads."""
         return kv_copies(self.cfg)
 
-    def _forward(self, tokens, dropout_key, cache, index, documents=None):
-        return self._logits(tokens, dropout_key, cache, index, documents)
+    def _forward(self, tokens, dropout_key, cache, index, documents=None, stack=pipeline.run_stack):
+        return self._logits(tokens, dropout_key, cache, index, documents, stack)
 
     def _make_layers(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
         """The layer stack: ``cfg.num_layers`` of ``block_class`` (``make_blocks``)."""
         self.blocks = make_blocks(cfg, rngs, self.block_class)
 
-    def _run_layers(self, x: jax.Array, mask: jax.Array, dropout_key: jax.Array | None, cache, index):
+    def _run_layers(self, x: jax.Array, mask: jax.Array, dropout_key: jax.Array | None, cache, index,
+                    stack: pipeline.StackRunner = pipeline.run_stack):
         """The layer stack over ``x``: its output and what the blocks return beside it (``run_blocks``)."""
-        return run_blocks(self.blocks, self.cfg, x, mask, dropout_key, cache, index)
+        return run_blocks(self.blocks, self.cfg, x, mask, dropout_key, cache, index, stack=stack)
 
     def _logits(self, tokens: jax.Array, dropout_key: jax.Array | None, cache, index: jax.Array | int,
-                documents: Documents | None = None):
+                documents: Documents | None = None, stack: pipeline.StackRunner = pipeline.run_stack):
         """(logits, what the blocks return beside their output, stacked over the layers: the key/value cache for
         Llama's blocks, which ``_forward`` returns)."""
         cfg = self.cfg
@@ -328,7 +329,7 @@ class Llama(CausalDecoder):
         mask = causal_mask(index + jnp.arange(s), kv_len)  # (1, 1, S, S_kv)
         if documents is not None:  # packed rows: within each document, at its positions
             mask = Positioned(documents.mask(), documents.positions)
-        x, layers_out = self._run_layers(x, mask, k_layers, cache, index)
+        x, layers_out = self._run_layers(x, mask, k_layers, cache, index, stack)
         head = self.wte if self.lm_head is None else self.lm_head
         head_rows = rows if self.lm_head is None else self.lm_head.replica_rows(b)
         logits = head.attend(self.ln_f(x), head_rows)  # (B, S, V_padded)

@@ -40,6 +40,7 @@ from megajax.models import llama, objectives
 from megajax.models.llama import Attention, Llama, LlamaBlock, LlamaConfig, RMSNorm
 from megajax.models.spec import HeadMemory, ModelSpec, register
 from megajax.models.transformer import make_blocks, run_blocks
+from megajax.parallel import pipeline
 from megajax.parallel.layers import dropout, make_param, scaled_init_std
 from megajax.parallel.losses import OWN, Means, vocab_parallel_cross_entropy
 from megajax.parallel.sharding import RESIDUAL, axis_of, constrain, entry_axes, on_shards, param_at_use, positions_of
@@ -321,18 +322,18 @@ class MoEDecoder(Llama):
         dense = cfg.num_layers - len(cfg.routed_layers)
         self.dense_blocks = make_blocks(cfg, rngs, DenseBlock, count=dense) if dense else None
 
-    def _run_layers(self, x, mask, dropout_key, cache, index):
+    def _run_layers(self, x, mask, dropout_key, cache, index, stack=pipeline.run_stack):
         """All-routed: the one stack. Else each run of one kind (``MoEConfig.segments``) from its stack's slice in
         turn, each layer with its own dropout key and cache slice; the caches joined in layer order, the routing
         statistics stacked over the routed layers."""
         cfg = self.cfg
         if self.dense_blocks is None:
-            return run_blocks(self.blocks, cfg, x, mask, dropout_key, cache, index)
+            return run_blocks(self.blocks, cfg, x, mask, dropout_key, cache, index, stack=stack)
         caches, stats = [], []
         for routed, layers, first in cfg.segments():
-            stack = _stack_slice(self.blocks if routed else self.dense_blocks, first, first + len(layers))
+            layer_stack = _stack_slice(self.blocks if routed else self.dense_blocks, first, first + len(layers))
             part = None if cache is None else tuple(c[layers.start:layers.stop] for c in cache)
-            x, out = run_blocks(stack, cfg, x, mask, dropout_key, part, index, layers)
+            x, out = run_blocks(layer_stack, cfg, x, mask, dropout_key, part, index, layers, stack=stack)
             if routed:
                 out, layer_stats = out
                 stats.append(layer_stats)
@@ -340,14 +341,16 @@ class MoEDecoder(Llama):
         joined = None if cache is None else tuple(jnp.concatenate(c) for c in zip(*caches))
         return x, (joined, jax.tree.map(lambda *xs: jnp.concatenate(xs), *stats))
 
-    def _forward(self, tokens, dropout_key, cache, index, documents=None):
-        logits, (cache, _) = self._logits(tokens, dropout_key, cache, index, documents)
+    def _forward(self, tokens, dropout_key, cache, index, documents=None, stack=pipeline.run_stack):
+        logits, (cache, _) = self._logits(tokens, dropout_key, cache, index, documents, stack)
         return logits, cache
 
     def routed(self, tokens: jax.Array, dropout_key: jax.Array | None = None, segments: jax.Array | None = None,
-               positions: jax.Array | None = None) -> tuple[jax.Array, Stats]:
-        """(logits (B, S, padded_vocab), each layer's routing statistics, (L, ...)); packed rows as ``__call__``."""
-        logits, (_, stats) = self._logits(tokens, dropout_key, None, 0, self._documents(segments, positions))
+               positions: jax.Array | None = None, stack: pipeline.StackRunner = pipeline.run_stack
+               ) -> tuple[jax.Array, Stats]:
+        """(logits (B, S, padded_vocab), each layer's routing statistics, (L, ...)); packed rows and ``stack`` as
+        ``__call__``."""
+        logits, (_, stats) = self._logits(tokens, dropout_key, None, 0, self._documents(segments, positions), stack)
         return logits, stats
 
 
@@ -366,12 +369,13 @@ def router_losses(stats: Stats, tokens: int, cfg: MoEConfig) -> dict[str, jax.Ar
             "dropped_fraction": stats["dropped"].sum() / (layers * tokens * cfg.experts_per_token)}
 
 
-def _moe_lm(model: MoEDecoder, batch: objectives.Batch, key: jax.Array | None, means: Means = OWN):
+def _moe_lm(model: MoEDecoder, batch: objectives.Batch, key: jax.Array | None, means: Means = OWN,
+            stack: pipeline.StackRunner = pipeline.run_stack):
     """Next-token cross-entropy plus the weighted router losses; each part logged (``lm_loss`` is what the
     perplexity is of)."""
     rows = objectives.next_tokens(batch)
     with positions_of(rows.pop("order", None)):  # context parallelism's order keys dropout by true position
-        logits, stats = model.routed(rows["inputs"], dropout_key=key, **objectives.documents(rows))
+        logits, stats = model.routed(rows["inputs"], dropout_key=key, stack=stack, **objectives.documents(rows))
     losses = vocab_parallel_cross_entropy(logits, rows["targets"])
     weights = rows.get("loss_weights")  # packed rows: a mean weighted as LM's
     lm = means.mean(losses, weights)

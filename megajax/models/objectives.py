@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 from megajax.data.tasks.race import NUM_OPTIONS as NUM_CHOICES
+from megajax.parallel import pipeline
 from megajax.parallel.context import balanced
 from megajax.parallel.losses import OWN, Means, lm_loss, vocab_parallel_nll_and_hit
 from megajax.parallel.sharding import positions_of
@@ -37,11 +38,12 @@ class Field:
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-    """``loss(model, batch, dropout_key, means=OWN) -> (scalar loss, metrics)`` and the batch it reads; every mean
-    the loss and its metrics take is ``means.mean`` (``parallel.losses.Means``: the 1F1B step divides a microbatch's
-    by the whole batch's counts)."""
+    """``loss(model, batch, dropout_key, means=OWN, stack=run_stack) -> (scalar loss, metrics)`` and the batch it
+    reads; every mean the loss and its metrics take is ``means.mean`` (``parallel.losses.Means``: the 1F1B step
+    divides a microbatch's by the whole batch's counts), and the model's pipelined layer stack runs by ``stack``
+    (``pipeline.StackRunner``: the 1F1B step's record the stack's call, or give its output)."""
 
-    loss: Callable[[nnx.Module, Batch, jax.Array | None, Means], tuple[jax.Array, Metrics]]
+    loss: Callable[[nnx.Module, Batch, jax.Array | None, Means, pipeline.StackRunner], tuple[jax.Array, Metrics]]
     fields: Callable[[int], dict[str, Field]]  # seq_len -> the batch's fields
     # seq_len -> the fields of packed rows (``megajax.data.documents``), which the loss reads where they are in the
     # batch; None: the objective takes no packed rows
@@ -79,12 +81,13 @@ def next_tokens(batch: Batch) -> Batch:
     return balanced(rows)
 
 
-def _lm(model: nnx.Module, batch: Batch, key: jax.Array | None, means: Means = OWN) -> tuple[jax.Array, Metrics]:
+def _lm(model: nnx.Module, batch: Batch, key: jax.Array | None, means: Means = OWN,
+        stack: pipeline.StackRunner = pipeline.run_stack) -> tuple[jax.Array, Metrics]:
     """Mean next-token cross-entropy; over packed rows a mean weighted by ``loss_weights``."""
     rows = next_tokens(batch)
     with positions_of(rows.pop("order", None)):  # context parallelism's order keys dropout by true position
         return lm_loss(model, rows["inputs"], rows["targets"], dropout_key=key, loss_mask=rows.get("loss_weights"),
-                       means=means, **documents(rows)), {}
+                       means=means, stack=stack, **documents(rows)), {}
 
 
 def _lm_fields(seq_len: int) -> dict[str, Field]:
@@ -102,9 +105,11 @@ def packed_lm_fields(seq_len: int) -> dict[str, Field]:
 BERT_FIELDS = ("tokens", "token_types", "padding_mask", "mlm_labels", "mlm_weights")
 
 
-def _mlm_sop(model: nnx.Module, batch: Batch, key: jax.Array | None, means: Means = OWN) -> tuple[jax.Array, Metrics]:
+def _mlm_sop(model: nnx.Module, batch: Batch, key: jax.Array | None, means: Means = OWN,
+             stack: pipeline.StackRunner = pipeline.run_stack) -> tuple[jax.Array, Metrics]:
     """MLM mean over the masked tokens + SOP cross-entropy (Lan et al. 2019), both logged."""
-    mlm_logits, sop_logits = model(batch["tokens"], batch["token_types"], batch["padding_mask"], dropout_key=key)
+    mlm_logits, sop_logits = model(batch["tokens"], batch["token_types"], batch["padding_mask"], dropout_key=key,
+                                   stack=stack)
     nll, hit = vocab_parallel_nll_and_hit(mlm_logits, batch["mlm_labels"])  # (B, S) each
     weights = batch["mlm_weights"]
     mlm = means.mean(nll, weights)
@@ -126,19 +131,20 @@ def _accuracy(logits: jax.Array, labels: jax.Array, means: Means) -> jax.Array:
     return means.mean(logits.argmax(-1) == labels)
 
 
-def _choice_loss(model: nnx.Module, batch: Batch, key: jax.Array | None, means: Means = OWN
-                 ) -> tuple[jax.Array, Metrics]:
+def _choice_loss(model: nnx.Module, batch: Batch, key: jax.Array | None, means: Means = OWN,
+                 stack: pipeline.StackRunner = pipeline.run_stack) -> tuple[jax.Array, Metrics]:
     """Cross-entropy over classes (classifier) or options (multiple choice: logits (B, C)) + accuracy."""
-    logits = model(*(batch[k] for k in PAIR_FIELDS), dropout_key=key).astype(jnp.float32)
+    logits = model(*(batch[k] for k in PAIR_FIELDS), dropout_key=key, stack=stack).astype(jnp.float32)
     labels = batch["labels"]
     return means.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels)), {
         "accuracy": _accuracy(logits, labels, means)}
 
 
-def _span_loss(model: nnx.Module, batch: Batch, key: jax.Array | None, means: Means = OWN
-               ) -> tuple[jax.Array, Metrics]:
+def _span_loss(model: nnx.Module, batch: Batch, key: jax.Array | None, means: Means = OWN,
+               stack: pipeline.StackRunner = pipeline.run_stack) -> tuple[jax.Array, Metrics]:
     """Mean of the start and end cross-entropies over positions; accuracy = both positions exact."""
-    start, end = (x.astype(jnp.float32) for x in model(*(batch[k] for k in PAIR_FIELDS), dropout_key=key))
+    start, end = (x.astype(jnp.float32) for x in model(*(batch[k] for k in PAIR_FIELDS), dropout_key=key,
+                                                       stack=stack))
     s, e = batch["start_positions"], batch["end_positions"]
     ce = optax.softmax_cross_entropy_with_integer_labels
     exact = (start.argmax(-1) == s) & (end.argmax(-1) == e)

@@ -415,13 +415,14 @@ def reorder_layers(tree: Any, saved: tuple[int, int], wanted: tuple[int, int]) -
 
 def run_blocks(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask: jax.Array, dropout_key: jax.Array | None,
                cache: KVCache | None = None, index: jax.Array | int = 0,
-               layers: range | None = None) -> tuple[jax.Array, KVCache | None]:
+               layers: range | None = None, stack: pipeline.StackRunner = pipeline.run_stack
+               ) -> tuple[jax.Array, KVCache | None]:
     """Runs the stacked blocks over ``x`` (B, S, H) with ``nnx.scan`` (each step under ``remat.layer_step``); on a
-    mesh with pipeline stages, the same scan as a pipeline's stages (``pipeline.run_stack``; not for incremental
-    decoding). Layer ``i`` draws its dropout from the ``i``-th of ``cfg.num_layers`` splits of ``dropout_key``;
-    ``layers``: which of the model's layers the blocks are (default all of them, in order). Returns the output and
-    what each block returns beside its own (its key/value cache; a mixture-of-experts block adds its routing
-    statistics), stacked over the layers (None under pipeline stages)."""
+    mesh with pipeline stages, the same scan as a pipeline's stages, run by ``stack`` (``pipeline.run_stack``, or
+    the 1F1B step's runners; not for incremental decoding). Layer ``i`` draws its dropout from the ``i``-th of
+    ``cfg.num_layers`` splits of ``dropout_key``; ``layers``: which of the model's layers the blocks are (default
+    all of them, in order). Returns the output and what each block returns beside its own (its key/value cache; a
+    mixture-of-experts block adds its routing statistics), stacked over the layers (None under pipeline stages)."""
     layer_keys = None if dropout_key is None else jax.random.split(dropout_key, cfg.num_layers)
     if layers is not None and layer_keys is not None:
         layer_keys = layer_keys[layers.start:layers.stop]
@@ -430,7 +431,7 @@ def run_blocks(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask: j
                         remat_layers: bool) -> jax.Array:
             return _scan_blocks(blocks, cfg, h, mask, keys, remat_layers=remat_layers)[0]
 
-        return pipeline.run_stack(blocks, scan_layers, x, mask, layer_keys), None
+        return stack(blocks, scan_layers, x, mask, layer_keys), None
     if pipeline.stages() > 1 and pipeline.repeats() > 1:
         raise ValueError("incremental decoding reads the layers in model order; a circular pipeline's stack is not "
                          "(decode on a mesh without pipeline stages: megajax.config.load_model does)")
@@ -453,18 +454,19 @@ def _scan_blocks(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask:
 class CausalDecoder(nnx.Module):
     """What every decoder language model shares for training, scoring and generation: the forward pass and the
     key/value cache of incremental decoding. A subclass sets ``self.cfg`` and defines ``_forward(tokens,
-    dropout_key, cache, index, documents) -> (logits, cache)`` (``documents``: a packed batch's layout, or None);
-    ``cache_heads`` is how many key/value heads a step computes."""
+    dropout_key, cache, index, documents, stack) -> (logits, cache)`` (``documents``: a packed batch's layout, or
+    None; ``stack``: how its pipelined layer stack runs, ``run_blocks``); ``cache_heads`` is how many key/value heads
+    a step computes."""
 
     cfg: TransformerConfig
 
     def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, segments: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
+                 positions: jax.Array | None = None, stack: pipeline.StackRunner = pipeline.run_stack) -> jax.Array:
         """Training / scoring forward: (B, S) int ids -> (B, S, padded_vocab) logits. ``positions`` (B, S): each
         token's (a packed row's, restarting at each document; a row in context parallelism's order); with them a
         token attends to the keys at its position or before, and with packed rows' ``segments`` (B, S) only within
-        its document (``Documents``)."""
-        return self._forward(tokens, dropout_key, None, 0, self._documents(segments, positions))[0]
+        its document (``Documents``). ``stack``: how the pipelined layer stack runs (``run_blocks``)."""
+        return self._forward(tokens, dropout_key, None, 0, self._documents(segments, positions), stack)[0]
 
     @staticmethod
     def _documents(segments: jax.Array | None, positions: jax.Array | None) -> Documents | None:
@@ -497,5 +499,6 @@ class CausalDecoder(nnx.Module):
         return constrain(tokens, ("batch", "seq"))
 
     def _forward(self, tokens: jax.Array, dropout_key: jax.Array | None, cache: KVCache | None,
-                 index: jax.Array | int, documents: Documents | None = None) -> tuple[jax.Array, KVCache | None]:
+                 index: jax.Array | int, documents: Documents | None = None,
+                 stack: pipeline.StackRunner = pipeline.run_stack) -> tuple[jax.Array, KVCache | None]:
         raise NotImplementedError

@@ -94,9 +94,9 @@ class Given(Means):
 
 
 def lm_loss(model, tokens: jax.Array, labels: jax.Array, *, dropout_key: jax.Array | None = None,
-            loss_mask: jax.Array | None = None, means: Means = OWN, **documents: jax.Array) -> jax.Array:
+            loss_mask: jax.Array | None = None, means: Means = OWN, **inputs) -> jax.Array:
     """Mean next-token cross-entropy of a language model over the tokens, weighted by ``loss_mask`` (B, S) where
-    given (a mean ``means`` takes); ``documents``: a packed batch's ``segments`` and ``positions``, passed to the
-    model."""
-    losses = vocab_parallel_cross_entropy(model(tokens, dropout_key=dropout_key, **documents), labels)  # (B, S)
+    given (a mean ``means`` takes); ``inputs``: the model's other keyword arguments (a packed batch's ``segments``
+    and ``positions``, how its layer stack runs)."""
+    losses = vocab_parallel_cross_entropy(model(tokens, dropout_key=dropout_key, **inputs), labels)  # (B, S)
     return means.mean(losses, loss_mask)

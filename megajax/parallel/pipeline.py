@@ -40,8 +40,6 @@ scan of the layers.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -61,7 +59,6 @@ from megajax.parallel.sharding import (
     batch_rows,
     constrain,
     entry_axes,
-    holding,
     parallel_context,
     param_at_use,
     params_split,
@@ -79,6 +76,9 @@ SCHEDULES = (GPIPE, CIRCULAR, ONE_F_ONE_B)  # parallel.pipeline_schedule
 # (a stack of layers), ``h`` (B, S, H), ``layer_keys`` one dropout key per layer or None, ``remat_layers`` False where
 # the caller recomputes the layers already (a circular pipeline's chunk).
 ScanLayers = Callable[[nnx.Module, jax.Array, Any, jax.Array | None, bool], jax.Array]
+# how a model runs its pipelined layer stack, ``runner(blocks, scan_layers, x, mask, layer_keys) -> output``: given to
+# the model by its caller (``run_stack``, or the 1F1B step's recording and replaying runners)
+StackRunner = Callable[[nnx.Module, ScanLayers, jax.Array, Any, jax.Array | None], jax.Array]
 
 
 def stages() -> int:
@@ -268,8 +268,9 @@ def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any,
 
 @dataclasses.dataclass(frozen=True)
 class StackCall:
-    """A model's call of ``run_stack``, as a schedule that owns the loss takes it over (``handed_off``): the stacked
-    blocks (their graph and state), the model's scan of them, and the call's arguments."""
+    """A model's call of its pipelined layer stack (the arguments of a ``StackRunner``), as a schedule that owns the
+    loss takes it over (``training.pipelined``): the stacked blocks (their graph and state), the model's scan of
+    them, and the call's arguments."""
 
     graphdef: nnx.GraphDef
     state: nnx.State
@@ -277,38 +278,6 @@ class StackCall:
     x: jax.Array
     mask: Any
     layer_keys: jax.Array | None
-
-
-class _HandOff:
-    """What ``run_stack`` does instead of running the stack: record its call (and return zeros), or return a
-    given output (the stack's output for the rows being traced)."""
-
-    def __init__(self, output: jax.Array | None = None):
-        self.output, self.call = output, None
-
-    def take(self, call: StackCall) -> jax.Array:
-        if self.output is not None:
-            return self.output
-        if self.call is not None:
-            raise ValueError("the 1F1B pipeline schedule runs one layer stack per model; this model ran two")
-        self.call = call
-        return jnp.zeros_like(call.x)
-
-
-_HAND_OFF: contextvars.ContextVar[_HandOff | None] = contextvars.ContextVar("megajax_pipeline_hand_off",
-                                                                            default=None)
-
-
-def handed_off() -> contextlib.AbstractContextManager[_HandOff]:
-    """Traces a model whose ``run_stack`` records its call (``.call``, a ``StackCall``) and returns zeros: what
-    the 1F1B step reads of the model before its layers (the embedding's output, the stack's state)."""
-    return holding(_HAND_OFF, _HandOff())
-
-
-def handed_in(output: jax.Array) -> contextlib.AbstractContextManager[_HandOff]:
-    """Traces a model whose ``run_stack`` returns ``output``: the model after its layers (the loss's tail) as a
-    function of the stack's output."""
-    return holding(_HAND_OFF, _HandOff(output))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,14 +312,11 @@ def run_stack(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: A
     with their microbatch; ``layer_keys``: the plain step's dropout keys, one per layer in model order, or None.
     Each stage's scan runs on one data replica's rows (``jax.vmap`` with ``spmd_axis_name`` 'data', so the rules map
     ``batch`` nowhere inside), with its parameters whole (``params_whole``) and its rows' indices in the step's
-    batch (``rows_of``: dropout draws the plain step's masks, for those rows only). Under ``handed_off`` /
-    ``handed_in`` (the 1F1B step, ``run_stack_1f1b``), records the call / returns the given output instead."""
+    batch (``rows_of``: dropout draws the plain step's masks, for those rows only). The default ``StackRunner`` a
+    model is given; the 1F1B step gives it others (``training.pipelined``), which record the call or return a given
+    output, and runs the recorded call with ``run_stack_1f1b``."""
     graphdef, state = nnx.split(blocks)
-    call = StackCall(graphdef, state, scan_layers, x, mask, layer_keys)
-    hand = _HAND_OFF.get()
-    if hand is not None:
-        return hand.take(call)
-    plan = _stages(call)
+    plan = _stages(StackCall(graphdef, state, scan_layers, x, mask, layer_keys))
     scatter = pipeline_1f1b.scattered(plan.x_spec, x.shape[1], dict(jax.sharding.get_abstract_mesh().shape))
     ys = run(plan.stage, (plan.copies(state), plan.keys), plan.xs, plan.args, plan.x_spec, plan.args_spec, scatter)
     return constrain(plan.from_io(ys), RESIDUAL)
@@ -439,7 +405,7 @@ Tail = Callable[[Any, Any, jax.Array, Any], tuple[jax.Array, Any]]
 
 def run_stack_1f1b(call: StackCall, tail: Tail, tail_params: Any, consts: Any, fields: Any
                    ) -> tuple[Any, nnx.State, Any, jax.Array]:
-    """The 1F1B schedule (``pipeline_1f1b.run``) over a recorded stack ``call`` (``handed_off``), each microbatch's
+    """The 1F1B schedule (``pipeline_1f1b.run``) over a recorded stack ``call``, each microbatch's
     loss computed by ``tail`` on the last stage as it finishes; returns (the tail's ``aux`` summed over the
     microbatches, the gradients of the stack's state, of ``tail_params``, of ``call.x``). ``fields``: the batch's
     fields (B, ...), each microbatch's rows travelling with it to the last stage. ``tail_params`` are copied per data

@@ -3,12 +3,15 @@
 Under ``jax.grad`` a pipelined model's loss is computed after its whole stack (GPipe, circular: the backward
 pipeline starts once every microbatch's forward has ended). 1F1B starts each microbatch's backward as soon as its
 forward leaves the last stage, so the loss of each microbatch is computed there, inside the tick loop, and the step
-takes its gradients from the schedule instead of from ``jax.grad``. The model is cut at its one ``run_stack`` call
-(``pipeline.handed_off`` / ``handed_in``), so no family says where its layers start or end:
+takes its gradients from the schedule instead of from ``jax.grad``. The model is cut where it runs its pipelined
+layer stack: the objective is given the ``pipeline.StackRunner`` the model runs its stack with (``stack=``), so
+no family says where its layers start or end:
 
-* the ends before the stack (the embeddings) are traced with the stack's output replaced by zeros: ``jax.vjp`` of
-  that gives the stack's input and state and, after the loop, their gradients' path back to the parameters;
-* the tail after it (final norm, head, loss) is the objective traced with the stack's output given: on the last
+* the ends before the stack (the embeddings) are traced with a runner that records the stack's call and returns
+  zeros (``_Recorder``): ``jax.vjp`` of that gives the stack's input and state and, after the loop, their
+  gradients' path back to the parameters;
+* the tail after it (final norm, head, loss) is the objective traced with a runner that returns the stack's output
+  given (``_given``): on the last
   stage, on one microbatch's rows, each mean divided by the whole batch's count (the objective given
   ``losses.Given`` those the first trace ``Counted``), so the microbatches' losses sum to the plain step's loss;
 * the stack's and the tail's gradients, and the stack input's through the first trace, are summed per parameter.
@@ -30,6 +33,34 @@ from megajax.parallel import pipeline
 from megajax.parallel.losses import Counted, Given
 
 Params = Any
+
+
+class _Recorder:
+    """A ``pipeline.StackRunner`` that records the model's stack call (``call``) and returns zeros in place of the
+    stack's output: what the 1F1B step reads of the model before its layers."""
+
+    def __init__(self) -> None:
+        self.call: pipeline.StackCall | None = None
+
+    def __call__(self, blocks: nnx.Module, scan_layers: pipeline.ScanLayers, x: jax.Array, mask: Any,
+                 layer_keys: jax.Array | None) -> jax.Array:
+        if self.call is not None:
+            raise ValueError("the 1F1B pipeline schedule runs one layer stack per model; this model ran two")
+        graphdef, state = nnx.split(blocks)
+        self.call = pipeline.StackCall(graphdef, state, scan_layers, x, mask, layer_keys)
+        return jnp.zeros_like(x)
+
+    def recorded(self) -> pipeline.StackCall:
+        """The call, or ValueError where the model ran no pipelined stack."""
+        if self.call is None:
+            raise ValueError("the 1F1B pipeline schedule needs a model whose layers run as a pipelined stack")
+        return self.call
+
+
+def _given(output: jax.Array) -> pipeline.StackRunner:
+    """A ``pipeline.StackRunner`` that returns ``output`` as the stack's: the model after its layers (the loss's
+    tail) as a function of the stack's output."""
+    return lambda blocks, scan_layers, x, mask, layer_keys: output
 # (loss, metrics) -> (the value differentiated, (loss, metrics) as the step sums them): the step's weighting
 Weigh = Callable[[jax.Array, Metrics], tuple[jax.Array, tuple[jax.Array, Metrics]]]
 
@@ -43,12 +74,9 @@ def grads(objective: Objective, graphdef: nnx.GraphDef, params: Params, batch: B
     static: dict[str, pipeline.StackCall] = {}
 
     def ends(leaves: list[jax.Array]):
-        counts = Counted()
-        with pipeline.handed_off() as hand:
-            objective.loss(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), batch, key, counts)
-        if hand.call is None:
-            raise ValueError("the 1F1B pipeline schedule needs a model whose layers run as a pipelined stack")
-        call = hand.call
+        counts, recorder = Counted(), _Recorder()
+        objective.loss(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), batch, key, counts, recorder)
+        call = recorder.recorded()
         stack = {id(a) for a in jax.tree.leaves(call.state)}
         is_stack.extend(id(a) in stack for a in leaves)
         if sum(is_stack) != len(jax.tree.leaves(call.state)):
@@ -64,9 +92,8 @@ def grads(objective: Objective, graphdef: nnx.GraphDef, params: Params, batch: B
         # the parameters the tail does not read (the stack's, whose output is given; an untied embedding's): zeros
         given = iter(own)
         full = [next(given) if read else jnp.zeros(a.shape, a.dtype) for a, read in zip(leaves, in_tail)]
-        with pipeline.handed_in(h):
-            loss, metrics = objective.loss(nnx.merge(graphdef, jax.tree.unflatten(treedef, full)), rows, key,
-                                           Given(counts))
+        loss, metrics = objective.loss(nnx.merge(graphdef, jax.tree.unflatten(treedef, full)), rows, key,
+                                       Given(counts), _given(h))
         return weigh(loss, metrics)
 
     # only what the tail reads gets a gradient accumulator in the tick loop (an untied embedding's would stay zero)
@@ -100,20 +127,17 @@ def reads(objective: Objective, graphdef: nnx.GraphDef, params: dict, batch: Bat
 
     def trace(leaves: list[jax.Array], batch: Batch) -> None:
         model = lambda own: nnx.merge(graphdef, jax.tree.unflatten(treedef, own))  # noqa: E731
-        counts = Counted()
-        with pipeline.handed_off() as hand:
-            objective.loss(model(leaves), batch, None, counts)
-        if hand.call is None:
-            raise ValueError("the 1F1B pipeline schedule needs a model whose layers run as a pipelined stack")
+        counts, recorder = Counted(), _Recorder()
+        objective.loss(model(leaves), batch, None, counts, recorder)
+        x = recorder.recorded().x
 
         def tail(own: list[jax.Array], rows: Batch) -> jax.Array:
-            with pipeline.handed_in(hand.call.x):
-                return objective.loss(model(own), rows, None, Given(counts.counts))[0]
+            return objective.loss(model(own), rows, None, Given(counts.counts), _given(x))[0]
 
         def stack_input(own: list[jax.Array]) -> jax.Array:
-            with pipeline.handed_off() as given:
-                objective.loss(model(own), batch, None)
-            return given.call.x
+            given = _Recorder()
+            objective.loss(model(own), batch, None, stack=given)
+            return given.recorded().x
 
         by_field = _read(lambda own: tail(leaves, dict(zip(names, own, strict=True))), [batch[n] for n in names])
         out["fields"] = tuple(n for n, read in zip(names, by_field, strict=True) if read)
