@@ -43,7 +43,7 @@ def row(name: str, hosts: int, mesh: tuple[int, int]) -> dict:
     spec = step.run.spec
     devices = step.run.mesh.devices.size
     flops = model_flops_per_step(spec, spec.model.max_seq_len) / devices
-    prediction = predict(run, mesh, micro * mesh[0], DGX_H100, micro) if spec.model_spec.causal_lm else None
+    prediction = predict(run, run.mesh, micro * mesh[0], DGX_H100, micro) if spec.model_spec.causal_lm else None
     return {"config": name, "hosts": hosts, "mesh": f"{mesh[0]}x{mesh[1]}", "remat": spec.model.remat,
             "micro_batch": micro, "largest_micro_batch_planned": largest, "attention": step.attention,
             "compiled_peak_gib": step.compiled.peak / 2**30, "planned_peak_gib": step.planned.peak_bytes / 2**30,

@@ -17,6 +17,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from megajax.parallel.mesh import MeshShape  # noqa: E402
 from megajax.tools import scaling, scaling_papers  # noqa: E402
 
 UNITS = {"baseline TFLOP/s": "TFLOP/s", "table 8": "x"}  # the rest are weak-scaling efficiencies in %
@@ -80,7 +81,7 @@ def breakdown() -> list[tuple[str, scaling.Prediction]]:
     out = []
     for t, (name, model) in zip((1, 2, 4, 8), scaling_papers.PAPER_MODELS.items()):
         for data, batch in ((1, 8), (64, 512)):
-            p = scaling.predict(model, (data, t), batch, scaling.DGX2H_V100, grad_bytes=2, memory=False)
+            p = scaling.predict(model, MeshShape(data, t), batch, scaling.DGX2H_V100, grad_bytes=2, memory=False)
             out.append((f"{name}\n{data}x{t}", p))
     return out
 

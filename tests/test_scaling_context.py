@@ -10,6 +10,7 @@ import pytest
 from conftest import run_on
 
 from megajax.cli import check_config_overrides, load_config
+from megajax.parallel.mesh import MeshShape
 from megajax.tools import scaling, scaling_context, scaling_plan
 from megajax.tools.comm_minimum import minimum
 from megajax.tools.memory_planner import activations
@@ -52,7 +53,7 @@ def test_key_value_time_is_the_budgets_bytes_over_the_group(remat):
     want = collectives * group_allreduce_s(c * chunk, c, t, DGX_H100) / 2 + \
         group_allreduce_s(c * positions, c, t, DGX_H100) / 2
     assert scaling_context.context_comm_s(run, (1, t), b, c, DGX_H100) == pytest.approx(want, rel=1e-12)
-    p = predict(run, (2, t), 4, DGX_H100, context=c, memory=False)
+    p = predict(run, MeshShape(2, t, context=c), 4, DGX_H100, memory=False)
     # 2 sequences a data shard, in one micro-batch: the collectives carry both
     assert p.gpus == 2 * c * t and p.context_comm_s == scaling_context.context_comm_s(run, (2, t), 2, c, DGX_H100)
 
@@ -61,13 +62,13 @@ def test_memory_is_the_planners_on_the_context_mesh_and_h100s_run_flash_attentio
     """The memory of a data 2 x context 4 x model 8 mesh is the state plus the memory planner's activations of the run
     placed there (with cuDNN's attention on an H100: XLA's keeps 4x more, its s/C x s scores)."""
     run = _llama()
-    need = scaling.memory_bytes(run, 8, 1, 2, context=4, gpu=True)
+    need = scaling.memory_bytes(run, MeshShape(2, 8, context=4), 1, gpu=True)
     assert need - scaling.state_bytes(run, 8, 2) == scaling.activations(
-        scaling._on_mesh(run, 8, 2, scaling.Pipeline(), 1, 4), 1, True).total
+        scaling._on_mesh(run, MeshShape(2, 8, context=4), scaling.Pipeline()), 1, True).total
     assert scaling.flash_attention(run, DGX_H100) and not scaling.flash_attention(run, DGX_A100)
-    on_h100 = predict(run, (2, 8), 4, DGX_H100, micro_batch=1, context=4)
+    on_h100 = predict(run, MeshShape(2, 8, context=4), 4, DGX_H100, micro_batch=1)
     assert on_h100.memory_bytes == need
-    xla = activations(scaling._on_mesh(run, 8, 2, scaling.Pipeline(), 1, 4), 1).total
+    xla = activations(scaling._on_mesh(run, MeshShape(2, 8, context=4), scaling.Pipeline()), 1).total
     assert xla > 4 * (need - scaling.state_bytes(run, 8, 2))  # the s/C x s scores XLA's attention keeps
 
 

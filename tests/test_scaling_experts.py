@@ -10,6 +10,7 @@ from conftest import run_on
 
 from megajax.cli import check_config_overrides, load_config
 from megajax.config import validate
+from megajax.parallel.mesh import MeshShape
 from megajax.tools import scaling, scaling_experts, scaling_layout, scaling_plan
 from megajax.tools.comm_minimum import minimum
 from megajax.tools.memory_planner import memory_report
@@ -101,14 +102,14 @@ def test_expert_shards_split_the_batch_and_cost_their_exchange():
     """data x expert shards split the batch (the same FLOPs per GPU as data alone); the exchange is the difference
     in communication, and the padded dispatch more compute."""
     run = with_choices(run_on(MIXTRAL), remat="full")
-    data_only = predict(run, (64, 1), 1024, DGX_H100, micro_batch=1, memory=False)
-    experts = predict(run, (8, 1), 1024, DGX_H100, micro_batch=1, memory=False, expert=8)
+    data_only = predict(run, MeshShape(64, 1), 1024, DGX_H100, micro_batch=1, memory=False)
+    experts = predict(run, MeshShape(8, 1, expert=8), 1024, DGX_H100, micro_batch=1, memory=False)
     assert experts.gpus == data_only.gpus == 64 and experts.num_micro == data_only.num_micro == 16
     assert experts.expert_comm_s > 0 and experts.tensor_comm_s == data_only.tensor_comm_s == 0
     assert experts.compute_s > data_only.compute_s  # e n rows of dispatch buffers per GPU
     assert experts.data_comm_s < data_only.data_comm_s  # the experts' gradients over 8 GPUs, not 64
     with pytest.raises(ValueError, match="batch shards"):
-        predict(run, (8, 1), 1000, DGX_H100, micro_batch=1, memory=False, expert=8)
+        predict(run, MeshShape(8, 1, expert=8), 1000, DGX_H100, micro_batch=1, memory=False)
 
 
 def test_candidates_take_the_models_mesh_rules():
@@ -116,10 +117,10 @@ def test_candidates_take_the_models_mesh_rules():
     shards."""
     run = run_on(MIXTRAL)
     meshes = scaling_plan.candidate_meshes(run, 64, DGX_H100, 1024, 1)
-    assert {m[2] for m in meshes} == {1, 2, 4, 8} and {m[0] for m in meshes} == {1}
-    assert all(math.prod(m) == 64 for m in meshes)
+    assert {m.expert for m in meshes} == {1, 2, 4, 8} and {m.pipe for m in meshes} == {1}
+    assert all(m.pipe * m.data * m.expert * m.model == 64 for m in meshes)
     dense = scaling_plan.candidate_meshes(run_on(load_config("llama3_8b")), 64, DGX_H100, 1024, 1)
-    assert {m[2] for m in dense} == {1} and {m[0] for m in dense} > {1}
+    assert {m.expert for m in dense} == {1} and {m.pipe for m in dense} > {1}
 
 
 def test_cli_plans_mixtral_8x7b_on_64_h100s(capsys):

@@ -100,7 +100,7 @@ def test_flops_are_transformer_flops(name, tensor):
     dense, attention, logits = scaling.gemms(model, tensor, 8)  # one GPU's forward GEMMs, (batch, m, k, n) each
     gemm_flops = 3 * (sum(2 * math.prod(g) for g in dense + attention) * m.num_layers + 2 * math.prod(logits))
     assert gemm_flops * tensor == pytest.approx(want, rel=1e-12)  # the GEMM shapes
-    p = predict(model, (2, tensor), 16, DGX2H_V100, memory=False)
+    p = predict(model, MeshShape(2, tensor), 16, DGX2H_V100, memory=False)
     assert p.tflops_per_gpu * 1e12 * p.step_s * 2 * tensor == pytest.approx(2 * want, rel=1e-12)
     assert p.mfu == pytest.approx(p.tflops_per_gpu * 1e12 / DGX2H_V100.peak_flops)
 
@@ -141,7 +141,7 @@ def test_parameters_and_memory_match_info(name, tensor):
 
 
 def test_one_gpu_has_no_communication():
-    p = predict(PAPER_MODELS["1.2B"], (1, 1), 8, DGX2H_V100, memory=False)
+    p = predict(PAPER_MODELS["1.2B"], MeshShape(), 8, DGX2H_V100, memory=False)
     assert p.tensor_comm_s == 0 and p.data_comm_s == 0
     assert p.step_s == pytest.approx(p.compute_s) and p.efficiency == pytest.approx(1.0)
 
@@ -149,8 +149,8 @@ def test_one_gpu_has_no_communication():
 def test_recommend_mesh_skips_indivisible_meshes():
     model = PAPER_MODELS["2.5B"]  # 20 heads: 8- and 16-way cannot hold whole heads; 54 layers: 2 stages, not 4
     best, table = recommend_mesh(model, 16, DGX2H_V100, global_batch=16)
-    assert sorted((p.pipeline.stages, *p.mesh) for p in table) == [(1, 4, 4), (1, 8, 2), (1, 16, 1), (2, 2, 4),
-                                                                   (2, 4, 2), (2, 8, 1)]
+    assert sorted((p.mesh.pipe, p.mesh.data, p.mesh.model) for p in table) == [(1, 4, 4), (1, 8, 2), (1, 16, 1),
+                                                                               (2, 2, 4), (2, 4, 2), (2, 8, 1)]
     assert best in table and best.fits
     assert [p.step_s for p in table] == sorted(p.step_s for p in table)
 
@@ -161,11 +161,11 @@ def test_recommend_mesh_never_picks_a_mesh_that_does_not_fit():
     1F1B (plain or interleaved) fits, at 1/4 GiB nothing."""
     model = PAPER_MODELS["8.3B"]
     best, table = recommend_mesh(model, 512, DGX2H_V100, global_batch=512, pipe=1)
-    assert best.mesh == (64, 8) and best.pipeline.stages == 1  # the paper's choice; 128 x 4 is faster, > 32 GiB
+    assert best.mesh == MeshShape(64, 8)  # the paper's choice; 128 x 4 is faster, > 32 GiB
     assert any(not p.fits and p.step_s < best.step_s for p in table)
     assert all(p.memory_bytes > DGX2H_V100.hbm_bytes for p in table if not p.fits)
     best, table = recommend_mesh(model, 512, DGX2H_V100, global_batch=512)
-    assert (best.pipeline.stages, *best.mesh) == (4, 64, 2) and best.pipeline.schedule == "circular"
+    assert best.mesh == MeshShape(64, 2, pipe=4) and best.pipeline.schedule == "circular"
     assert all(not p.fits for p in table if p.step_s < best.step_s)
     small = dataclasses.replace(DGX2H_V100, hbm_bytes=4 * scaling.GiB)  # only 1F1B's flat activations fit
     best, table = recommend_mesh(model, 512, small, global_batch=512)
@@ -209,11 +209,12 @@ def test_planner_turns_on_what_makes_a_model_fit_and_nothing_slower():
     for p in table:  # each row: the fastest of its mesh's choices that fits, else the one that needs least memory
         stages = p.pipeline.stages
         options = [predict(m, p.mesh, 512, DGX2H_V100, pipeline=pl)
-                   for pl in scaling_plan.pipelines(model.model, stages, 512 // p.mesh[0])
-                   for m in scaling_plan.variants(model, p.mesh, True, stages)]
-        choices = len(scaling_plan.pipelines(model.model, stages, 512 // p.mesh[0]))
+                   for pl in scaling_plan.pipelines(model.model, stages, 512 // p.mesh.data)
+                   for m in scaling_plan.variants(model, p.mesh, True)]
+        choices = len(scaling_plan.pipelines(model.model, stages, 512 // p.mesh.data))
         # with stages: remat none / selective / full (save_dots is full's there), no SP or FSDP
-        assert len(options) == choices * (4 * (1 + (p.mesh[1] > 1)) * 3 if stages == 1 else 3 * (1 + (p.mesh[0] > 1)))
+        assert len(options) == choices * (4 * (1 + (p.mesh.model > 1)) * 3 if stages == 1 else
+                                          3 * (1 + (p.mesh.data > 1)))
         fitting = [o for o in options if o.fits]
         if fitting:
             assert p.fits and p.step_s == min(o.step_s for o in fitting)
@@ -233,8 +234,8 @@ def test_planner_turns_on_what_makes_a_model_fit_and_nothing_slower():
     # data-parallel mesh in ~2 GiB and is faster than 1 x 16.
     tighter = dataclasses.replace(DGX2H_V100, hbm_bytes=int(2.5 * scaling.GiB))
     best, table = recommend_mesh(small, 16, tighter, global_batch=16, choose=True, pipe=1)
-    assert best.run.fsdp and best.mesh[0] > 1
-    assert [p.mesh for p in table if p.fits and not p.run.fsdp] == [(1, 16)]
+    assert best.run.fsdp and best.mesh.data > 1
+    assert [p.mesh for p in table if p.fits and not p.run.fsdp] == [MeshShape(1, 16)]
 
 
 def test_zero1_and_sequence_parallel_costs_by_hand():
@@ -247,9 +248,9 @@ def test_zero1_and_sequence_parallel_costs_by_hand():
     assert gather == pytest.approx(scaling.ring_allreduce_s(4 * local, 4, DGX2H_V100.intra_bandwidth,
                                                             DGX2H_V100.intra_latency) / 2)
     assert scaling.gather_params_s(model, (4, 2), DGX2H_V100) == 0
-    assert predict(zero, (4, 2), 8, DGX2H_V100).step_s == pytest.approx(
-        predict(model, (4, 2), 8, DGX2H_V100).step_s + gather)
-    saved = scaling.memory_bytes(model, 2, 1, data=4) - scaling.memory_bytes(zero, 2, 1, data=4)
+    assert predict(zero, MeshShape(4, 2), 8, DGX2H_V100).step_s == pytest.approx(
+        predict(model, MeshShape(4, 2), 8, DGX2H_V100).step_s + gather)
+    saved = scaling.memory_bytes(model, MeshShape(4, 2), 1) - scaling.memory_bytes(zero, MeshShape(4, 2), 1)
     assert saved == 8 * local - 8 * local // 4
     sp = with_choices(model, sequence=True)
     tokens, h = 8 * model.model.max_seq_len, model.model.hidden_size
@@ -258,7 +259,7 @@ def test_zero1_and_sequence_parallel_costs_by_hand():
     assert scaling.compute_s(model, 2, 8, DGX2H_V100) - scaling.compute_s(sp, 2, 8, DGX2H_V100) == pytest.approx(
         model.model.num_layers * scaling.HALF * passes / DGX2H_V100.hbm_bandwidth)
     assert scaling.compute_s(sp, 1, 8, DGX2H_V100) == scaling.compute_s(model, 1, 8, DGX2H_V100)
-    assert scaling.memory_bytes(sp, 2, 8) < scaling.memory_bytes(model, 2, 8)
+    assert scaling.memory_bytes(sp, MeshShape(1, 2), 8) < scaling.memory_bytes(model, MeshShape(1, 2), 8)
 
 
 def test_fsdp_costs_by_hand():
@@ -270,15 +271,15 @@ def test_fsdp_costs_by_hand():
     ring = scaling.ring_allreduce_s(4 * local, 4, DGX2H_V100.intra_bandwidth, DGX2H_V100.intra_latency)
     assert scaling.gather_params_s(fsdp, mesh, DGX2H_V100) == pytest.approx(ring)  # two halves
     grads = (1 - DGX2H_V100.dp_overlap) * scaling.data_comm_s(model, mesh, DGX2H_V100)
-    assert predict(fsdp, mesh, 8, DGX2H_V100).data_comm_s == pytest.approx(grads / 2 + ring)
-    assert scaling.memory_bytes(model, 2, 1, data=4) - scaling.memory_bytes(fsdp, 2, 1, data=4) == \
+    assert predict(fsdp, MeshShape(*mesh), 8, DGX2H_V100).data_comm_s == pytest.approx(grads / 2 + ring)
+    assert scaling.memory_bytes(model, MeshShape(4, 2), 1) - scaling.memory_bytes(fsdp, MeshShape(4, 2), 1) == \
         16 * local - 16 * (local // 4)
     assert "--config.parallel.fsdp=True" in scaling_layout.choice_flags(fsdp)
 
 
 def test_larger_model_parallel_means_less_memory():
     model = PAPER_MODELS["8.3B"]
-    mem = [scaling.memory_bytes(model, t, 8) for t in (1, 2, 4, 8)]
+    mem = [scaling.memory_bytes(model, MeshShape(1, t), 8) for t in (1, 2, 4, 8)]
     assert mem == sorted(mem, reverse=True)
     assert math.isclose(scaling_layout.parameters_per_gpu(model, 8)[0], 8.3e9, rel_tol=0.01)
 
@@ -353,7 +354,7 @@ def test_pipe_one_predicts_what_it_did_before_stages():
     for (name, mesh, cluster, micro, choices), want in before:
         model = with_choices(PAPER_MODELS[name], **choices)
         for pipeline in (None, Pipeline()):
-            p = predict(model, mesh, 512, cluster, micro, pipeline=pipeline)
+            p = predict(model, MeshShape(*mesh), 512, cluster, micro, pipeline=pipeline)
             got = (p.step_s, p.compute_s, p.tensor_comm_s, p.data_comm_s, p.tflops_per_gpu, p.memory_bytes)
             assert got == pytest.approx(want, rel=1e-12) and p.pipe_comm_s == 0 and p.bubble == 0
 
@@ -373,7 +374,7 @@ def test_point_to_point_by_hand():
     # in a step: two transfers (forward, backward) per tick, M v + p - 1 ticks
     model = gpt_model(8192, 48, 64, seq=2048, remat="full")
     pipeline = Pipeline(2, 8, 3, megatron=True)
-    p = predict(model, (4, 8), 4 * 16, c, None, 2, memory=False, pipeline=pipeline)
+    p = predict(model, MeshShape(4, 8, pipe=2), 4 * 16, c, None, 2, memory=False, pipeline=pipeline)
     embedding = scaling.ring_allreduce_s(2 * model.model.vocab_size * model.model.hidden_size / 8, 2, 25e9, 5e-6)
     assert p.pipe_comm_s == pytest.approx(pipeline.ticks() * 2 * megatron + embedding)
 
@@ -407,7 +408,7 @@ def test_stage_memory_is_the_planners(pipe, micro, repeats, remat):
     run = run_on(config, 2, 2, pipe)
     report = memory_report(run, micro_batch=4, num_micro=1)
     want = report.total_bytes + report.stage_grad_bytes
-    assert scaling.memory_bytes(run, 2, 4, data=2, pipeline=Pipeline(pipe, micro, repeats)) == want
+    assert scaling.memory_bytes(run, MeshShape(2, 2, pipe=pipe), 4, Pipeline(pipe, micro, repeats)) == want
     assert Pipeline(4, 16, megatron=True).in_flight() == 4 and Pipeline(4, 2, megatron=True).in_flight() == 2
     assert Pipeline(4, 16, 2, megatron=True).in_flight() == 2 * 3 + 4 + 1
 
@@ -418,7 +419,8 @@ def test_pipeline_step_counts_ticks_and_stage_terms():
     pipe)."""
     c, model = DGX_A100, gpt_model(4096, 32, 32, seq=2048, remat="full")
     pipeline = Pipeline(4, 8, 2)
-    p = predict(model, (2, 4), 2 * 32, c, 16, pipeline=pipeline, memory=False)  # 2 accumulation steps of 16 rows
+    # 2 accumulation steps of 16 rows
+    p = predict(model, MeshShape(2, 4, pipe=4), 2 * 32, c, 16, pipeline=pipeline, memory=False)
     micro, chunk, ticks = 2, 4, pipeline.ticks()
     layer = scaling.layer_s(model, 4, micro, c)
     compute = 2 * (ticks * chunk * layer + scaling.head_s(model, 4, 16 // 4, c))  # the ends on the stage's share
@@ -438,11 +440,11 @@ def test_pipeline_step_counts_ticks_and_stage_terms():
     hop = scaling_pipeline.p2p_s(micro * 2048 * 4096 * 2, 4, pipeline, True, c)
     assert p.pipe_comm_s == pytest.approx(2 * ticks * 4 * hop, rel=1e-12)
     with pytest.raises(ValueError, match="do not divide the 32 layers"):
-        predict(model, (2, 4), 64, c, 16, pipeline=Pipeline(4, 8, 3), memory=False)
+        predict(model, MeshShape(2, 4, pipe=4), 64, c, 16, pipeline=Pipeline(4, 8, 3), memory=False)
     with pytest.raises(ValueError, match="microbatches do not divide"):
-        predict(model, (2, 4), 64, c, 16, pipeline=Pipeline(4, 5), memory=False)
+        predict(model, MeshShape(2, 4, pipe=4), 64, c, 16, pipeline=Pipeline(4, 5), memory=False)
     with pytest.raises(ValueError, match="not a multiple of the 4 stages"):
-        predict(model, (2, 4), 64, c, 16, pipeline=Pipeline(4, 2), memory=False)
+        predict(model, MeshShape(2, 4, pipe=4), 64, c, 16, pipeline=Pipeline(4, 2), memory=False)
 
 
 # PTD-P Table 1 (Narayanan et al. 2021). DGX_A100's gemm_efficiency and layer_overhead_s were fitted to PTDP_FITTED
@@ -504,7 +506,7 @@ def test_ptdp_flops_and_rows():
         assert row.microbatches % row.pipe == 0 and row.layers % row.pipe == 0
         p = scaling_papers.ptdp_prediction(row)
         assert p.pipeline.megatron == (row.pipe > 1) and p.gpus == row.gpus
-        need = scaling.memory_bytes(p.run, row.tensor, p.micro_batch, row.data, p.pipeline)
+        need = scaling.memory_bytes(p.run, row.mesh, p.micro_batch, p.pipeline)
         assert need <= DGX_A100.hbm_bytes, (row.name, need / scaling.GiB)
 
 
@@ -534,16 +536,16 @@ def test_recommend_mesh_picks_stages_where_only_they_fit(tmp_path, capsys):
                     "    c.train.update(global_batch_size=512, micro_batch_size=8)\n    return c\n")
     scaling_plan.main([f"--config={path}", "--gpus=64", "--cluster=dgx_a100", "--keep_choices"])
     out = capsys.readouterr().out.splitlines()
-    assert out[-2].startswith(f"recommendation: pipe={best.pipeline.stages} x data={best.mesh[0]} x "
-                              f"model={best.mesh[1]} (")
+    assert out[-2].startswith(f"recommendation: pipe={best.pipeline.stages} x data={best.mesh.data} x "
+                              f"model={best.mesh.model} (")
     flags = out[-1].split()
-    assert flags[:3] == [f"--config.mesh.pipe={best.pipeline.stages}", f"--config.mesh.data={best.mesh[0]}",
-                         f"--config.mesh.model={best.mesh[1]}"]
+    assert flags[:3] == [f"--config.mesh.pipe={best.pipeline.stages}", f"--config.mesh.data={best.mesh.data}",
+                         f"--config.mesh.model={best.mesh.model}"]
     assert f"--config.parallel.pipeline_microbatches={best.pipeline.microbatches}" in flags
     config = load_config(str(path))
     check_config_overrides([f"--config={path}", *flags], str(path))
     _apply(config, flags)
-    assert validate(config, 64) == MeshShape(best.mesh[0], best.mesh[1], pipe=best.pipeline.stages)
+    assert validate(config, 64) == best.mesh
 
 
 def test_cli_on_a_config_with_stages(tmp_path, capsys):

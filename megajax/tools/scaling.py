@@ -115,6 +115,7 @@ import functools
 
 from megajax.config import RunSpec, replanned
 from megajax.models.transformer import attention_reason
+from megajax.parallel.mesh import MeshShape
 from megajax.tools.comm_minimum import minimum
 from megajax.tools.memory_planner import activations
 from megajax.tools.memory_stages import tick_loop_gradient_bytes
@@ -155,7 +156,7 @@ class Prediction:
     """One mesh's predicted step (seconds per step; memory per GPU)."""
 
     run: RunSpec  # the model with the remat / sequence / state-split choices it is for
-    mesh: tuple[int, int]  # (data, model); the pipe axis is ``pipeline.stages``
+    mesh: MeshShape  # its pipe degree is ``pipeline.stages``
     global_batch: int
     micro_batch: int
     num_micro: int
@@ -170,14 +171,12 @@ class Prediction:
     fits: bool
     pipeline: Pipeline = Pipeline()  # the stages, schedule and microbatches (1 stage: none)
     pipe_comm_s: float = 0.0  # point-to-point between stages, and the ends' transfers over pipe
-    expert: int = 1  # expert shards (mesh.expert): data shards outside a mixture's routed layers
     expert_comm_s: float = 0.0  # the routed layers' all-to-alls and routing statistics
-    context: int = 1  # context shards (mesh.context): every sequence split over them
     context_comm_s: float = 0.0  # the keys' and values' all-gathers and their gradients' reduce-scatters
 
     @property
     def gpus(self) -> int:
-        return self.pipeline.stages * self.mesh[0] * self.expert * self.context * self.mesh[1]
+        return self.mesh.devices
 
     @property
     def bubble(self) -> float:
@@ -286,12 +285,10 @@ def state_bytes(run: RunSpec, tensor: int, data: int = 1, stages: int = 1, exper
 
 
 @functools.lru_cache(maxsize=4096)
-def _on_mesh(run: RunSpec, tensor: int, data: int, pipeline: Pipeline, expert: int = 1, context: int = 1) -> RunSpec:
-    """``run`` on a (data, model) mesh of ``pipeline.stages`` stages with its schedule, ``expert`` expert shards and
-    ``context`` context shards, in half precision (what the memory planner reads of them), resolved again
-    (``config.replanned``)."""
-    return replanned(run, {"mesh.pipe": pipeline.stages, "mesh.data": data, "mesh.model": tensor,
-                           "mesh.expert": expert, "mesh.context": context,
+def _on_mesh(run: RunSpec, mesh: MeshShape, pipeline: Pipeline) -> RunSpec:
+    """``run`` on ``mesh`` with ``pipeline``'s schedule, in half precision (what the memory planner reads of them),
+    resolved again (``config.replanned``)."""
+    return replanned(run, {**{f"mesh.{axis}": n for axis, n in dataclasses.asdict(mesh).items()},
                            "parallel.pipeline_microbatches": pipeline.microbatches if pipeline.stages > 1 else 0,
                            "parallel.pipeline_repeats": pipeline.repeats,
                            "parallel.pipeline_schedule": pipeline.config_schedule,
@@ -299,26 +296,35 @@ def _on_mesh(run: RunSpec, tensor: int, data: int, pipeline: Pipeline, expert: i
                      training=False)
 
 
-def memory_bytes(run: RunSpec, tensor: int, micro_batch: int, data: int = 1, pipeline: Pipeline | None = None,
-                 expert: int = 1, context: int = 1, gpu: bool = False) -> int:
+def memory_bytes(run: RunSpec, mesh: MeshShape, micro_batch: int, pipeline: Pipeline | None = None,
+                 gpu: bool = False) -> int:
     """Per-GPU training memory as ``megajax.info``'s total: ``state_bytes`` plus the memory planner's activations
     (``memory_planner.activations`` of the run on the mesh in half precision, ``_on_mesh``: the spec's per-layer
     residuals and head) for one micro-batch. Not counted: FSDP's one gathered layer at a time. With pipeline stages,
     one stage's (``stage_memory_bytes``)."""
-    pipeline = pipeline or Pipeline()
+    pipeline = _pipeline_of(mesh, pipeline)
     if pipeline.stages > 1:
-        return stage_memory_bytes(run, tensor, micro_batch, data, pipeline, gpu)
-    placed = _on_mesh(run, tensor, data, pipeline, expert, context)
-    return state_bytes(run, tensor, data, 1, expert) + activations(placed, micro_batch, gpu).total
+        return stage_memory_bytes(run, mesh, micro_batch, pipeline, gpu)
+    placed = _on_mesh(run, mesh, pipeline)
+    return state_bytes(run, mesh.model, mesh.data, 1, mesh.expert) + activations(placed, micro_batch, gpu).total
 
 
-def stage_memory_bytes(run: RunSpec, tensor: int, rows: int, data: int, pipeline: Pipeline, gpu: bool = False) -> int:
+def _pipeline_of(mesh: MeshShape, pipeline: Pipeline | None) -> Pipeline:
+    """``pipeline``, or none on a mesh without stages; ValueError where its stages are not the mesh's."""
+    pipeline = pipeline or Pipeline()
+    if pipeline.stages != mesh.pipe:
+        raise ValueError(f"the pipeline's {pipeline.stages} stages are not the mesh's pipe={mesh.pipe}")
+    return pipeline
+
+
+def stage_memory_bytes(run: RunSpec, mesh: MeshShape, rows: int, pipeline: Pipeline, gpu: bool = False) -> int:
     """One stage's memory: its state (``state_bytes``) and activations. megajax's are the memory planner's
     (``megajax.info``'s: ``activations`` of the run on the mesh with the stages, microbatches and repeats), plus the
     tick loop's fp32 gradient sums (the planner's ``tick_loop_gradient_bytes``); Megatron-LM's are
     ``megatron_activation_bytes``."""
-    state = state_bytes(run, tensor, data, pipeline.stages)
-    placed = _on_mesh(run, tensor, data, pipeline)
+    tensor = mesh.model
+    state = state_bytes(run, tensor, mesh.data, pipeline.stages)
+    placed = _on_mesh(run, mesh, pipeline)
     if pipeline.megatron:
         return state + megatron_activation_bytes(placed, rows, pipeline)
     blocks = run.model.num_layers // pipeline.stages * layout(run, tensor).layer
@@ -338,9 +344,9 @@ def gather_params_s(run: RunSpec, mesh: tuple[int, int], cluster: Cluster, stage
     return (2 if run.fsdp else 1) * group_allreduce_s(4 * local, data, expert * tensor, cluster) / 2
 
 
-def _rows(mesh, global_batch, micro_batch, expert: int = 1) -> tuple[int, int]:
+def _rows(mesh: MeshShape, global_batch: int, micro_batch: int | None) -> tuple[int, int]:
     """(sequences per batch shard (data x expert) per accumulation step, accumulation steps)."""
-    data = mesh[0] * expert
+    data = mesh.batch_shards
     if global_batch % data:
         raise ValueError(f"global batch {global_batch} is not divisible by the {data} batch shards (data x expert)")
     per_replica = global_batch // data
@@ -350,22 +356,23 @@ def _rows(mesh, global_batch, micro_batch, expert: int = 1) -> tuple[int, int]:
     return micro, per_replica // micro
 
 
-def _step(r: RunSpec, mesh, global_batch, cluster, micro_batch, grad_bytes,
-          expert: int = 1, context: int = 1) -> tuple[float, float, float, float, float, int]:
+def _step(r: RunSpec, mesh: MeshShape, global_batch, cluster, micro_batch, grad_bytes
+          ) -> tuple[float, float, float, float, float, int]:
     """(compute, tensor-parallel, exposed data-parallel, expert or context, step, rows) without stages (module
     docstring; ``scaling_context``: a GPU of ``context`` shards does the work of micro-batch / context sequences)."""
-    data, tensor = mesh
-    micro, num_micro = _rows(mesh, global_batch, micro_batch, expert)
+    data, tensor, expert, context = mesh.data, mesh.model, mesh.expert, mesh.context
+    micro, num_micro = _rows(mesh, global_batch, micro_batch)
     share = micro / context  # the sequences' worth one GPU computes
     compute = num_micro * compute_s(r, tensor, share, cluster, expert)
     compute += OPTIMIZER_BYTES_PER_PARAM * parameters_per_gpu(r, tensor, 1, expert)[1] / cluster.hbm_bandwidth
     tensor_comm = num_micro * tensor_comm_s(r, tensor, share, cluster)
-    other = num_micro * (expert_comm_s(r, mesh, micro, expert, cluster) + context_comm_s(r, mesh, micro, context,
-                                                                                          cluster))
+    group = (data, tensor)  # the (data, model) shape the collectives' models take
+    other = num_micro * (expert_comm_s(r, group, micro, expert, cluster) + context_comm_s(r, group, micro, context,
+                                                                                           cluster))
     # FSDP reduces the gradients onto their shards: a reduce-scatter, half the all-reduce; with context shards the
     # gradients are reduced over data x context (the group's members `model` apart)
     grads = data_comm_s(r, (data * context, tensor), cluster, grad_bytes, 1, expert) / (2 if r.fsdp else 1)
-    data_comm = (1 - cluster.dp_overlap) * grads + gather_params_s(r, mesh, cluster, 1, expert)
+    data_comm = (1 - cluster.dp_overlap) * grads + gather_params_s(r, group, cluster, 1, expert)
     return compute, tensor_comm, data_comm, other, compute + tensor_comm + data_comm + other, micro
 
 
@@ -376,9 +383,9 @@ def _tensor_parts(r: RunSpec, tensor: int, micro_batch: int, cluster: Cluster) -
     return (tensor_comm_s(r, tensor, micro_batch, cluster) - ends) / r.model.num_layers, ends
 
 
-def _pipeline_step(r: RunSpec, mesh, global_batch, cluster, micro_batch, grad_bytes, pipeline: Pipeline):
+def _pipeline_step(r: RunSpec, mesh: MeshShape, global_batch, cluster, micro_batch, grad_bytes, pipeline: Pipeline):
     """(compute, tensor-parallel, exposed data-parallel, pipe, step, rows) with pipeline stages (module docstring)."""
-    data, tensor = mesh
+    data, tensor = mesh.data, mesh.model
     p, m, v = pipeline.stages, pipeline.microbatches, pipeline.repeats
     layers, seq, hidden = r.model.num_layers, r.model.max_seq_len, r.model.hidden_size
     rows, num_micro = _rows(mesh, global_batch, micro_batch)
@@ -426,58 +433,57 @@ def _pipeline_step(r: RunSpec, mesh, global_batch, cluster, micro_batch, grad_by
     pipe_comm = num_micro * (pipeline.lockstep_ticks() * hop + ends_moves)
     if pipeline.megatron and layout(r, tensor).tied:  # the tied embedding's gradient: first and last stage
         pipe_comm += ring_allreduce_s(grad_bytes * r.model.padded_vocab_size * hidden / tensor, 2, *link)
-    grads = data_comm_s(r, mesh, cluster, grad_bytes, p) / (2 if r.fsdp else 1)
+    grads = data_comm_s(r, (data, tensor), cluster, grad_bytes, p) / (2 if r.fsdp else 1)
     if not pipeline.megatron:  # the ends' gradients (every stage computes part of them) over data x pipe, not data
         ends_bytes = grad_bytes * (parameters_per_gpu(r, tensor, p)[1] - layers // p * layout(r, tensor).layer)
         grads += group_allreduce_s(ends_bytes, data * p, tensor, cluster) - (
             group_allreduce_s(ends_bytes, data, tensor, cluster) if data > 1 else 0.0)
-    data_comm = (1 - cluster.dp_overlap) * grads + gather_params_s(r, mesh, cluster, p)
+    data_comm = (1 - cluster.dp_overlap) * grads + gather_params_s(r, (data, tensor), cluster, p)
     return compute, tensor_comm, data_comm, pipe_comm, compute + tensor_comm + data_comm + pipe_comm, rows
 
 
-def predict(run: RunSpec, mesh: tuple[int, int], global_batch: int, cluster: Cluster,
+def predict(run: RunSpec, mesh: MeshShape, global_batch: int, cluster: Cluster,
             micro_batch: int | None = None, grad_bytes: int = 4, baseline_tflops: float | None = None,
-            memory: bool = True, pipeline: Pipeline | None = None, expert: int = 1, context: int = 1) -> Prediction:
+            memory: bool = True, pipeline: Pipeline | None = None) -> Prediction:
     """The predicted step of ``run``'s model with its choices (``choices``: remat, sequence parallelism, the state
-    split over data) on a (data, model) ``mesh`` (times ``pipeline.stages``, times ``expert`` shards for a mixture
-    of experts) with ``global_batch`` sequences per step; the run's own mesh, batch and pipeline are not read.
+    split over data) on ``mesh`` with ``global_batch`` sequences per step; the run's own mesh, batch and pipeline
+    are not read. ``pipeline``: the schedule of ``mesh.pipe`` > 1 stages (its ``stages`` are the mesh's).
 
     ``micro_batch``: sequences per batch shard (data x expert) per accumulation step (None: the whole shard at
     once); with stages, each is the layer stack's batch, cut into ``pipeline.microbatches``.
     ``grad_bytes``: bytes per gradient element all-reduced over ``data`` (megajax: 4; Megatron-LM 2019: 2).
     ``baseline_tflops``: the efficiency's reference (default: this model on 1 GPU with one shard's batch).
     ``memory=False`` skips the memory estimate (the memory planner's): memory_bytes 0, fits True.
-    ``context``: context shards (``scaling_context``), each sequence split over them; the GPUs are then
-    stages x data x expert x context x model."""
-    data, tensor = mesh
-    pipeline = pipeline or Pipeline()
-    if expert > 1 and pipeline.stages > 1:
+    Expert shards (``scaling_experts``) are timed without stages, context shards (``scaling_context``) without
+    stages or expert shards."""
+    pipeline = _pipeline_of(mesh, pipeline)
+    if mesh.expert > 1 and mesh.pipe > 1:
         raise ValueError("the scaling model times expert shards without pipeline stages only (a mixture of experts "
                          "does not run in stages)")
-    if context > 1 and (pipeline.stages > 1 or expert > 1):
+    if mesh.context > 1 and (mesh.pipe > 1 or mesh.expert > 1):
         raise ValueError("the scaling model times context shards without pipeline stages or expert shards only")
     context_comm = 0.0
-    if pipeline.stages == 1:
+    if mesh.pipe == 1:
         compute, tensor_comm, data_comm, expert_comm, step, micro = _step(run, mesh, global_batch, cluster,
-                                                                          micro_batch, grad_bytes, expert, context)
+                                                                          micro_batch, grad_bytes)
         pipe_comm = 0.0
-        if context > 1:
+        if mesh.context > 1:
             expert_comm, context_comm = 0.0, expert_comm
     else:
         compute, tensor_comm, data_comm, pipe_comm, step, micro = _pipeline_step(
             run, mesh, global_batch, cluster, micro_batch, grad_bytes, pipeline)
         expert_comm = 0.0
-    shards = data * expert  # the batch's
+    shards = mesh.batch_shards
     work = flops(run, global_batch)
-    tflops = work / step / (pipeline.stages * shards * context * tensor) / 1e12
+    tflops = work / step / mesh.devices / 1e12
     if baseline_tflops is None:
-        base = _step(run, (1, 1), global_batch // shards, cluster, micro_batch, grad_bytes)[4]
+        base = _step(run, MeshShape(), global_batch // shards, cluster, micro_batch, grad_bytes)[4]
         baseline_tflops = work / shards / base / 1e12
     flash = flash_attention(run, cluster)
-    need = memory_bytes(run, tensor, micro, data, pipeline, expert, context, flash) if memory else 0
+    need = memory_bytes(run, mesh, micro, pipeline, flash) if memory else 0
     return Prediction(run=run, mesh=mesh, global_batch=global_batch, micro_batch=micro,
                       num_micro=global_batch // shards // micro, compute_s=compute, tensor_comm_s=tensor_comm,
                       data_comm_s=data_comm, step_s=step, tflops_per_gpu=tflops,
                       mfu=tflops * 1e12 / cluster.peak_flops, efficiency=tflops / baseline_tflops,
                       memory_bytes=need, fits=need <= cluster.hbm_bytes, pipeline=pipeline, pipe_comm_s=pipe_comm,
-                      expert=expert, expert_comm_s=expert_comm, context=context, context_comm_s=context_comm)
+                      expert_comm_s=expert_comm, context_comm_s=context_comm)

@@ -52,6 +52,7 @@ import functools
 
 from megajax.config import RunSpec, base_config, replanned, resolve
 from megajax.models import TransformerConfig
+from megajax.parallel.mesh import MeshShape
 from megajax.tools.scaling import DGX2H_V100, DGX_A100, Cluster, Prediction, predict
 from megajax.tools.scaling_layout import with_choices
 from megajax.tools.scaling_pipeline import Pipeline
@@ -91,8 +92,8 @@ PAPER_PUBLISHED = {
 
 def paper_predictions(cluster: Cluster = DGX2H_V100) -> dict[str, dict[int, float]]:
     """The model's values for ``PAPER_PUBLISHED``'s keys (efficiencies in %, relative to the 1.2B 1-GPU run)."""
-    def predicted(model: RunSpec, mesh: tuple[int, int], batch: int) -> Prediction:
-        return predict(model, mesh, batch, cluster, grad_bytes=2, baseline_tflops=1.0, memory=False)
+    def predicted(model: RunSpec, mesh: tuple[int, int], batch: int) -> Prediction:  # (data, model)
+        return predict(model, MeshShape(*mesh), batch, cluster, grad_bytes=2, baseline_tflops=1.0, memory=False)
 
     base = predicted(PAPER_MODELS["1.2B"], (1, 1), 8)
     weak = lambda p: 100 * p.tflops_per_gpu / base.tflops_per_gpu  # noqa: E731
@@ -126,6 +127,11 @@ class PtdpRow:
     @property
     def data(self) -> int:
         return self.gpus // (self.tensor * self.pipe)
+
+    @property
+    def mesh(self) -> MeshShape:
+        """The row's mesh: pipe x data x tensor."""
+        return MeshShape(self.data, self.tensor, pipe=self.pipe)
 
     @property
     def microbatches(self) -> int:
@@ -165,7 +171,7 @@ def ptdp_model(row: PtdpRow) -> RunSpec:
 def ptdp_prediction(row: PtdpRow, cluster: Cluster = DGX_A100, repeats: int | None = None) -> Prediction:
     """A row's predicted step: Megatron-LM's 1F1B (``repeats=1``) or interleaved schedule (``repeats=v``; None: the
     fastest v that splits the layers evenly)."""
-    model, mesh = ptdp_model(row), (row.data, row.tensor)
+    model, mesh = ptdp_model(row), row.mesh
     if row.pipe == 1:
         return predict(model, mesh, row.batch, cluster, row.micro_batch, PTDP_GRAD_BYTES, memory=False)
     options = [repeats] if repeats else [v for v in range(1, row.layers // row.pipe + 1)
@@ -198,7 +204,7 @@ def ptdp_megajax_prediction(row: PtdpRow, cluster: Cluster = DGX_A100,
     ``megajax.parallel.pipeline``), with sequence parallelism or without (``sequence``: the choices tried; PTD-P's
     rows had none), at the row's mesh, batch and microbatches: the fastest that fits the cluster's memory, else the
     fastest (its ``fits`` False)."""
-    model, mesh = ptdp_model(row), (row.data, row.tensor)
+    model, mesh = ptdp_model(row), row.mesh
     if row.pipe == 1:
         return predict(model, mesh, row.batch, cluster, row.micro_batch, PTDP_GRAD_BYTES)
     options = []

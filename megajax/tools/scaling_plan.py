@@ -31,6 +31,7 @@ import dataclasses
 from megajax.cli import ArgumentParser, apply_config_overrides, load_config
 from megajax.config import NO_SCHEDULE, RunSpec, resolve
 from megajax.models import TransformerConfig
+from megajax.parallel.mesh import MeshShape
 from megajax.tools.scaling import CLUSTERS, Cluster, GiB, Prediction, flash_attention, memory_bytes, predict
 from megajax.tools.scaling_layout import (
     choice_flags,
@@ -43,8 +44,8 @@ from megajax.tools.scaling_pipeline import Pipeline
 
 
 def candidate_meshes(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch: int,
-                     micro_batch: int | None = None, pipe: int | None = None) -> list[tuple[int, int, int, int]]:
-    """(pipe, data, expert, model) factorizations of ``num_gpus`` with model parallelism within a node that the model
+                     micro_batch: int | None = None, pipe: int | None = None) -> list[MeshShape]:
+    """The meshes (pipe x data x expert x model) of ``num_gpus`` with model parallelism within a node that the model
     allows (``scaling_layout.splits_evenly``: whole heads and equal hidden / MLP / vocabulary slices per shard),
     expert shards of whole experts and stages of whole layers where the model runs them (``check_mesh`` of its
     config: a dense model has no experts, a mixture of experts no stages), and the batch split evenly over data x
@@ -64,7 +65,7 @@ def candidate_meshes(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch
                     continue
                 if micro_batch and (global_batch // (data * expert)) % micro_batch:
                     continue
-                out.append((stages, data, expert, tensor))
+                out.append(MeshShape(data, tensor, pipe=stages, expert=expert))
     return out
 
 
@@ -84,17 +85,17 @@ SPLIT_CHOICES = ((False, False), (True, False), (True, True))  # (shard_optimize
 MAX_REPEATS = 8  # the circular schedule's chunks per stage the planner tries (every divisor of L/p up to this)
 
 
-def variants(run: RunSpec, mesh: tuple[int, int], choose: bool, pipe: int = 1) -> list[RunSpec]:
+def variants(run: RunSpec, mesh: MeshShape, choose: bool) -> list[RunSpec]:
     """The run as given, or (``choose``) the run with every remat policy x sequence parallelism (model-parallel
     meshes whose t divides the sequence) x the state split over data (none, ZeRO-1, FSDP: data-parallel meshes)
     that could run on ``mesh`` (``with_choices``); a run whose sequence parallelism the mesh cannot split (t not
-    dividing the sequence) has none there, as ``config.validate`` refuses it. With ``pipe`` > 1 stages the step
+    dividing the sequence) has none there, as ``config.validate`` refuses it. With stages (``mesh.pipe`` > 1) the step
     model does not cover sequence parallelism or FSDP (megajax runs both under stages, FSDP gathering each stage's
     layers once per step: not modelled yet), so a run that asks for them has no pipelined variant; ``save_dots``
     keeps and recomputes what ``full`` does (so it is not tried)."""
-    data, tensor = mesh
+    data, tensor = mesh.data, mesh.model
     splits_sequence = run.model.max_seq_len % tensor == 0
-    if pipe > 1:
+    if mesh.pipe > 1:
         if not choose:
             return [] if run.sequence or run.fsdp else [run]
         return [with_choices(run, remat=r, sequence=False, shard_optimizer=z, fsdp=False)
@@ -134,7 +135,7 @@ def recommend_mesh(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch: 
                    pipe: int | None = None, context: int = 1) -> tuple[Prediction | None, list[Prediction]]:
     """(the fastest mesh that fits in HBM or None, one prediction per candidate mesh, fastest first).
 
-    Meshes are (pipe, data, expert, model) (``candidate_meshes``; ``pipe``: only that many stages); those that do not
+    Meshes are pipe x data x expert x model (``candidate_meshes``; ``pipe``: only that many stages); those that do not
     divide the model or the batch are not candidates; those over HBM are listed, never recommended. With stages, every
     schedule and microbatch count of ``pipelines`` is tried. ``choose``: besides the mesh, pick the remat policy,
     sequence parallelism and ZeRO-1 / FSDP (each mesh's row is its fastest choice that fits, else its least memory);
@@ -142,17 +143,16 @@ def recommend_mesh(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch: 
     no stages)."""
     table = []
     meshes = candidate_meshes(run, num_gpus // context, cluster, global_batch, micro_batch, 1 if context > 1 else pipe)
-    for stages, data, expert, tensor in meshes:
-        mesh = (data, tensor)
-        rows = micro_batch or global_batch // (data * expert)
-        options = sorted((predict(c, mesh, global_batch, cluster, micro_batch, grad_bytes, memory=False, pipeline=pl,
-                                  expert=expert, context=context)
-                          for pl in pipelines(run.model, stages, rows) for c in variants(run, mesh, choose, stages)
-                          if context == 1 or c.model.max_seq_len % (2 * context * (tensor if c.sequence else 1)) == 0),
+    for mesh in (m.replace(context=context) for m in meshes):
+        rows = micro_batch or global_batch // mesh.batch_shards
+        options = sorted((predict(c, mesh, global_batch, cluster, micro_batch, grad_bytes, memory=False, pipeline=pl)
+                          for pl in pipelines(run.model, mesh.pipe, rows) for c in variants(run, mesh, choose)
+                          if context == 1 or
+                          c.model.max_seq_len % (2 * context * (mesh.model if c.sequence else 1)) == 0),
                          key=lambda p: p.step_s)
         row = None
         for option in options:  # fastest first: the first that fits is the row; else the one needing least memory
-            need = memory_bytes(option.run, tensor, option.micro_batch, data, option.pipeline, expert, context,
+            need = memory_bytes(option.run, mesh, option.micro_batch, option.pipeline,
                                 flash_attention(option.run, cluster))
             option = dataclasses.replace(option, memory_bytes=need, fits=need <= cluster.hbm_bytes)
             if option.fits:
@@ -169,7 +169,7 @@ def format_table(table: list[Prediction], best: Prediction | None) -> str:
     """The CLI's table of meshes and its recommendation (a mixture of experts' with the expert shards and the time
     of their all-to-alls)."""
     routed = any(p.run.model.routed_experts[0] for p in table)
-    contexts = any(p.context > 1 for p in table)
+    contexts = any(p.mesh.context > 1 for p in table)
     lines = [f"{'pipe':>4} {'mesh':>8} {'expert':>6} " * routed + f"{'pipe':>4} {'mesh':>8} " * (not routed) +
              f"{'ctx':>4} " * contexts +
              f"{'sched':>7} {'M':>4} {'micro':>5} {'remat':>9} {'SP':>3} {'ZeRO':>4} "
@@ -180,8 +180,8 @@ def format_table(table: list[Prediction], best: Prediction | None) -> str:
     for p in table:
         (remat, sequence, shard_optimizer, fsdp), pl = choices(p.run), p.pipeline
         zero = "3" if fsdp else "1" if shard_optimizer else "-"
-        lines.append(f"{pl.stages:>4} {p.mesh[0]:>4}x{p.mesh[1]:<3} " + f"{p.expert:>6} " * routed +
-                     f"{p.context:>4} " * contexts + f"{_schedule(pl):>7} "
+        lines.append(f"{pl.stages:>4} {p.mesh.data:>4}x{p.mesh.model:<3} " + f"{p.mesh.expert:>6} " * routed +
+                     f"{p.mesh.context:>4} " * contexts + f"{_schedule(pl):>7} "
                      f"{pl.microbatches if pl.stages > 1 else '-':>4} {p.micro_batch:>5} {remat:>9} "
                      f"{yes(sequence):>3} {zero:>4} {p.step_s:8.3f} {p.compute_s:8.3f} {p.tensor_comm_s:8.3f} "
                      f"{p.pipe_comm_s:8.3f} {p.data_comm_s:8.3f} " + f"{p.expert_comm_s:8.3f} " * routed +
@@ -196,9 +196,9 @@ def format_table(table: list[Prediction], best: Prediction | None) -> str:
         schedule = (f" ({pl.schedule}{f' v={pl.repeats}' if pl.repeats > 1 else ''}, {pl.microbatches} "
                     f"microbatches, bubble {pl.bubble():.1%})" if pl.stages > 1 else "")
         remat, sequence, _, _ = choices(best.run)
-        experts = f" x expert={best.expert}" if best.run.model.routed_experts[0] else ""
-        experts += f" x context={best.context}" if best.context > 1 else ""
-        lines.append(f"recommendation: pipe={pl.stages} x data={best.mesh[0]}{experts} x model={best.mesh[1]}"
+        experts = f" x expert={best.mesh.expert}" if best.run.model.routed_experts[0] else ""
+        experts += f" x context={best.mesh.context}" if best.mesh.context > 1 else ""
+        lines.append(f"recommendation: pipe={pl.stages} x data={best.mesh.data}{experts} x model={best.mesh.model}"
                      f"{schedule}, "
                      f"remat={remat}, sequence parallelism {'on' if sequence else 'off'}, "
                      f"state split over data: {_split_name(best.run)}: {best.step_s:.3f} s/step, "
@@ -208,10 +208,10 @@ def format_table(table: list[Prediction], best: Prediction | None) -> str:
 
 def flags(prediction: Prediction) -> str:
     """The train.py flags of a prediction's mesh, schedule and choices."""
-    pl, (data, tensor) = prediction.pipeline, prediction.mesh
-    experts = f" --config.mesh.expert={prediction.expert}" if prediction.run.model.routed_experts[0] else ""
-    experts += f" --config.mesh.context={prediction.context}" if prediction.context > 1 else ""
-    mesh = f"--config.mesh.pipe={pl.stages} --config.mesh.data={data}{experts} --config.mesh.model={tensor}"
+    pl, m = prediction.pipeline, prediction.mesh
+    experts = f" --config.mesh.expert={m.expert}" if prediction.run.model.routed_experts[0] else ""
+    experts += f" --config.mesh.context={m.context}" if m.context > 1 else ""
+    mesh = f"--config.mesh.pipe={m.pipe} --config.mesh.data={m.data}{experts} --config.mesh.model={m.model}"
     return " ".join(f for f in (mesh, pl.flags(), choice_flags(prediction.run)) if f)
 
 
