@@ -21,11 +21,9 @@ import pytest
 from flax import nnx
 
 from megajax.config import base_config, model_config, resolve
-from megajax.data import formats
 from megajax.errors import ConfigError
-from megajax.models import objectives
 from megajax.models.gpt import GPT, GPTConfig
-from megajax.models.spec import MODELS, HeadMemory, ModelSpec, register, transformer_flops
+from megajax.models.spec import MODELS, decoder_spec, register, transformer_flops
 from megajax.models.transformer import attention_core, attention_core_residual_bytes
 from megajax.parallel.hlo_audit import collectives, summary
 from megajax.parallel.layers import (
@@ -36,6 +34,7 @@ from megajax.parallel.layers import (
     dropout,
     scaled_init_std,
 )
+from megajax.parallel.mesh import MeshShape
 from megajax.parallel.remat import selective
 from megajax.parallel.sharding import RESIDUAL, constrain
 from megajax.tools import scaling
@@ -116,12 +115,9 @@ def layer_residual_bytes(cfg: ParallelGPTConfig, rows: int, tp: int, split: int,
     return kept
 
 
-SPEC = ModelSpec(
-    name=NAME, config=ParallelGPTConfig, module=ParallelGPT, objective=objectives.LM, examples=formats.WINDOWS,
-    flops=lambda cfg, rows, seq: transformer_flops(rows, seq, cfg.num_layers, cfg.hidden_size,
-                                                   cfg.padded_vocab_size),
-    head_memory=HeadMemory(vocab_logit_copies=3, hidden_tensors=8), sequence_rows=("wpe",), perplexity_of="loss",
-    causal_lm=True, layer_residuals=layer_residual_bytes, tensor_all_reduces=1, recomputed_all_reduces=0)
+SPEC = decoder_spec(NAME, ParallelGPTConfig, ParallelGPT, lambda cfg, rows, seq: transformer_flops(
+    rows, seq, cfg.num_layers, cfg.hidden_size, cfg.padded_vocab_size), sequence_rows=("wpe",), eval_tasks=(),
+    pretrained_trunk=None, layer_residuals=layer_residual_bytes, tensor_all_reduces=1, recomputed_all_reduces=0)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -213,4 +209,4 @@ def test_scaling_model_within_10_percent_of_the_compiled_step(remat):
     gemm_flops = 3 * (sum(2 * math.prod(g) for g in dense + attention) * cfg.num_layers + 2 * math.prod(logits))
     assert gemm_flops * 2 == pytest.approx(SPEC.flops(cfg, 8, cfg.max_seq_len), rel=1e-12)
     compiled = compiled_memory(run, micro_batch=4)
-    assert scaling.memory_bytes(run, tensor=2, micro_batch=4, data=4) == pytest.approx(compiled.peak, rel=0.10)
+    assert scaling.memory_bytes(run, MeshShape(4, 2), 4) == pytest.approx(compiled.peak, rel=0.10)

@@ -12,9 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from megajax.data import formats
-from megajax.models import objectives
-from megajax.models.spec import HeadMemory, ModelSpec, register, transformer_flops
+from megajax.models.spec import decoder_spec, register, transformer_flops
 from megajax.models.transformer import (
     Block,
     CausalDecoder,
@@ -83,11 +81,6 @@ class GPT(CausalDecoder):
 
 NAME = "gpt"  # config.model.name
 
-register(ModelSpec(
-    name=NAME, config=GPTConfig, module=GPT, objective=objectives.LM, examples=formats.WINDOWS,
-    # the output layer over the padded vocabulary at every position
-    flops=lambda cfg, rows, seq: transformer_flops(rows, seq, cfg.num_layers, cfg.hidden_size,
-                                                   cfg.padded_vocab_size),
-    head_memory=HeadMemory(vocab_logit_copies=3, hidden_tensors=8),
-    eval_tasks=("wikitext103", "lambada", "ppl", "generate", "sft"), sequence_rows=("wpe",), perplexity_of="loss",
-    causal_lm=True, pretrained_trunk=GPT))  # init_from: a converted GPT-2 (or another run's GPT) fine-tuned (SFT)
+# init_from: a converted GPT-2 (or another run's GPT) fine-tuned (SFT)
+register(decoder_spec(NAME, GPTConfig, GPT, lambda cfg, rows, seq: transformer_flops(
+    rows, seq, cfg.num_layers, cfg.hidden_size, cfg.padded_vocab_size), sequence_rows=("wpe",)))

@@ -25,9 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from megajax.data import formats
-from megajax.models import objectives
-from megajax.models.spec import HeadMemory, ModelSpec, decoder_flops, register
+from megajax.models.spec import decoder_flops, decoder_spec, register
 from megajax.models.transformer import (
     Block,
     CausalDecoder,
@@ -374,9 +372,5 @@ def layer_residual_bytes(cfg: LlamaConfig, rows: int, tp: int, split: int, remat
     return kept
 
 
-register(ModelSpec(
-    name=NAME, config=LlamaConfig, module=Llama, objective=objectives.LM, examples=formats.WINDOWS, flops=flops,
-    head_memory=HeadMemory(vocab_logit_copies=3, hidden_tensors=8),
-    eval_tasks=("wikitext103", "lambada", "ppl", "generate", "sft"), perplexity_of="loss", causal_lm=True,
-    layer_residuals=layer_residual_bytes,
-    pretrained_trunk=Llama))  # init_from: a converted (or another run's) Llama continues training
+# init_from: a converted (or another run's) Llama continues training
+register(decoder_spec(NAME, LlamaConfig, Llama, flops, layer_residuals=layer_residual_bytes))

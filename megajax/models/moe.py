@@ -35,10 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from megajax.data import formats
 from megajax.models import llama, objectives
 from megajax.models.llama import Attention, Llama, LlamaBlock, LlamaConfig, RMSNorm
-from megajax.models.spec import HeadMemory, ModelSpec, register
+from megajax.models.spec import decoder_spec, register
 from megajax.models.transformer import make_blocks, run_blocks
 from megajax.parallel import pipeline
 from megajax.parallel.layers import dropout, make_param, scaled_init_std
@@ -479,8 +478,5 @@ def reference_moe(x: np.ndarray, router: np.ndarray, gate: np.ndarray, up: np.nd
     return out, kept
 
 
-register(ModelSpec(
-    name=NAME, config=MoEConfig, module=MoEDecoder, objective=MOE_LM, examples=formats.WINDOWS, flops=flops,
-    head_memory=HeadMemory(vocab_logit_copies=3, hidden_tensors=8),
-    eval_tasks=("wikitext103", "lambada", "ppl", "generate", "sft"), perplexity_of="lm_loss", causal_lm=True,
-    layer_residuals=layer_residual_bytes, pretrained_trunk=MoEDecoder, active_parameters=active_parameters))
+register(decoder_spec(NAME, MoEConfig, MoEDecoder, flops, objective=MOE_LM, perplexity_of="lm_loss",
+                      layer_residuals=layer_residual_bytes, active_parameters=active_parameters))

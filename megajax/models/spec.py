@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 from flax import nnx
 
-from megajax.data.formats import ExampleFormat
+from megajax.data.formats import WINDOWS, ExampleFormat
 from megajax.errors import ConfigError
 from megajax.models.block_memory import block_residual_bytes
-from megajax.models.objectives import Objective
+from megajax.models.objectives import LM, Objective
 from megajax.models.transformer import TransformerConfig
 
 
@@ -102,6 +102,21 @@ class ModelSpec:
     # attention output, the MLP's input); a parallel block: 0. Under sequence parallelism the recomputation redoes
     # the ``tensor_all_reduces`` all-gathers of the GEMMs' inputs besides these reduce-scatters.
     recomputed_all_reduces: int = 1
+
+
+# the eval.py tasks of a causal language model's checkpoints
+DECODER_EVAL_TASKS = ("wikitext103", "lambada", "ppl", "generate", "sft")
+
+
+def decoder_spec(name: str, config: type[TransformerConfig], module: type[nnx.Module],
+                 flops: Callable[[TransformerConfig, int, int], float], **fields) -> ModelSpec:
+    """A causal language model's spec, what every decoder family shares given once: next-token prediction
+    (``objectives.LM``) on a corpus's windows, the output layer's memory over the padded vocabulary at every
+    position, the decoders' eval tasks, the perplexity of ``loss``, and ``init_from`` a checkpoint of this module;
+    ``fields``: the family's own (its residuals, all-reduces, objective, ...), over these."""
+    shared = dict(objective=LM, examples=WINDOWS, head_memory=HeadMemory(vocab_logit_copies=3, hidden_tensors=8),
+                  eval_tasks=DECODER_EVAL_TASKS, perplexity_of="loss", causal_lm=True, pretrained_trunk=module)
+    return ModelSpec(name=name, config=config, module=module, flops=flops, **{**shared, **fields})
 
 
 MODELS: dict[str, ModelSpec] = {}
