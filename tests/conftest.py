@@ -1,5 +1,6 @@
 """Test setup: 8 simulated CPU devices (set before jax is imported) and shared small models."""
 
+import contextlib
 import faulthandler
 import functools
 import gc
@@ -104,6 +105,19 @@ def memory_plans() -> bool:
     """Whether this test compiles as train.py does (marked ``memory_plan``): a key for cached compiled runs, so
     that a test reading a memory plan never gets a run another test compiled without the fusion emitters."""
     return not _fast_codegen[0]
+
+
+@contextlib.contextmanager
+def compiled_as_train_py():
+    """Compiles with XLA:CPU's fusion emitters (as train.py and the tests marked ``memory_plan`` do) whatever the
+    test's marks: a module's cached run that a memory-plan test reads and other tests run is compiled once, for
+    both (the fusion emitters change the program's fusions and memory plan, not its results or collectives)."""
+    before = _fast_codegen[0]
+    _fast_codegen[0] = False
+    try:
+        yield
+    finally:
+        _fast_codegen[0] = before
 
 
 with quiet_cuda_notices():  # the backends start here, once per test process

@@ -25,16 +25,17 @@ FLAGS = ["--config=gpt_tiny", "--config.data.source=random", "--config.train.log
          "--config.model.dropout=0.1", "--config.train.global_batch_size=8"]
 
 
-# The schedule is part of the compiled step: with one decay length for both runs of this module, the SIGTERM run
-# loads the step the SIGKILL run compiled from the shared cache.
+# The schedule is part of the compiled step: with one decay length for every run of this module, the reference
+# run compiles the step and the SIGKILL and SIGTERM runs load it from the session's compilation cache.
 SCHEDULE = ["--config.optimizer.decay_steps=24"]
 
 
 def _launch(workdir, *extra):
-    # One CPU device and a shared compilation cache: the processes of a test compile the step once between them.
+    # One CPU device and the session's compilation cache (child_env: tests/conftest.py), shared by all the processes
+    # of this module: they compile the step once between them (a cache beside each test's workdir compiled it in
+    # the reference run and again in each test).
     env = child_env()
-    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_COMPILATION_CACHE_DIR=str(pathlib.Path(workdir).parent / "jax_cache"))
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     return subprocess.Popen([sys.executable, str(ROOT / "train.py"), f"--workdir={workdir}", *FLAGS, *extra],
                             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
