@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +22,6 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from megajax.errors import ShardingConfigError
-
-T = TypeVar("T")
 
 Rules = tuple[tuple[str, str | None], ...]
 
@@ -166,17 +164,13 @@ def parallel_context() -> ParallelContext:
 
 
 @contextlib.contextmanager
-def holding(var: contextvars.ContextVar[T], value: T) -> Iterator[T]:
-    """``var`` set to ``value`` while the block runs (what a traced model reads of its run and of its caller)."""
-    token = var.set(value)
+def _holding(context: ParallelContext) -> Iterator[ParallelContext]:
+    """``context`` held while the block runs (what a traced model reads of its run and of its caller)."""
+    token = _CONTEXT.set(context)
     try:
-        yield value
+        yield context
     finally:
-        var.reset(token)
-
-
-def _holding(context: ParallelContext) -> contextlib.AbstractContextManager[ParallelContext]:
-    return holding(_CONTEXT, context)
+        _CONTEXT.reset(token)
 
 
 @contextlib.contextmanager
