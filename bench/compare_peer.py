@@ -92,7 +92,7 @@ def build_torch(torch, transformers, config, params: dict) -> tuple[Any, Callabl
         hf_io.write(directory, writer.params_to_hf(params, cfg), writer.hf_config(cfg))
         model = transformers.AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32)
     model.train()  # dropout is 0 in the config; train mode keeps autograd's usual path
-    routed = cfg.routed_experts[0] > 0
+    routed = hasattr(cfg, "num_experts")  # a mixture of experts' config (models/moe.py)
     aux_coef = cfg.router_aux_loss_coef if routed else 0.0
     o = config.optimizer
     decay = [p for p in model.parameters() if p.ndim >= 2]  # megajax's mask: matrices and embeddings decay

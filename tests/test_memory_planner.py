@@ -56,7 +56,7 @@ CASES = {  # name -> (config, data, model, remat, parallel flags ('+'-joined: sh
     "moe_2x1_expert4_none_capped": ("mixtral_tiny:capped", 2, 1, "none", None, 1, 4),
     "moe_2x2_expert2_selective": ("mixtral_tiny", 2, 2, "selective", None, 1, 2),
     "moe_8x1_full": ("mixtral_tiny", 8, 1, "full", None, 1),
-    # dense layers among the routed ones (every other layer routed): the mean of the two kinds' residuals
+    # dense layers among the routed ones (every other layer routed): each stack's count of its kind's residuals
     "moe_2x2_expert2_none_dense": ("mixtral_tiny:dense", 2, 2, "none", None, 1, 2),
 }
 

@@ -32,8 +32,8 @@ def test_gemms_add_up_to_the_specs_active_flops(name, tensor, expert):
     m = run.model
     dense, attention, logits = scaling.gemms(run, tensor, 8)
     routed = scaling_experts.routed_gemms(run, tensor, 8, expert)
-    assert routed and all(g[0] == m.routed_experts[0] // expert for g in routed)
-    router = [g for g in dense if g[2:] == (m.hidden_size, m.routed_experts[0])]
+    assert routed and all(g[0] == run.routed_experts[0] // expert for g in routed)
+    router = [g for g in dense if g[2:] == (m.hidden_size, run.routed_experts[0])]
     assert len(router) == 1
     layer = sum(2 * math.prod(g) for g in dense + attention + routed)
     per_gpu = 3 * (m.num_layers * layer + 2 * math.prod(logits))
@@ -166,3 +166,24 @@ def test_cli_refusals_say_what_to_change(capsys):
     with pytest.raises(SystemExit, match=r"no \(data, expert, model\) mesh of 12 GPUs divides the model \(its "
                                          r"layers, heads, experts\) and the global batch of 1024"):
         scaling_plan.main(["--config=mixtral_8x7b", "--gpus=12", "--cluster=dgx_h100"])
+
+
+def test_dense_layers_among_the_routed_ones_are_timed_as_their_own_stack():
+    """A mixture with every other layer dense (Qwen3-MoE's ``decoder_sparse_step=2``): the scaling model reads its two
+    stacks apart (the routed layers with their router and experts, the dense ones with Llama's SwiGLU), and their
+    GEMMs add up to the spec's FLOPs (it refused such a model while it timed one stack of alike layers); the plan
+    is finite and its memory the planner's state plus activations."""
+    config = load_config("mixtral_tiny")
+    config.model.decoder_sparse_step = 2
+    run = run_on(config)
+    m, stacks = run.model, scaling_layout.layout(run, 1).stacks
+    assert [(st.count, st.routed) for st in stacks] == [(m.num_layers // 2, True), (m.num_layers // 2, False)]
+    per_gpu = 0.0
+    for i, st in enumerate(stacks):
+        dense, attention, logits = scaling.gemms(run, 1, 8, i)
+        routed = scaling_experts.routed_gemms(run, 1, 8, 1) if st.routed else []
+        per_gpu += 3 * st.count * sum(2 * math.prod(g) for g in dense + attention + routed)
+    per_gpu += 3 * 2 * math.prod(logits)
+    assert per_gpu == pytest.approx(run.model_spec.flops(m, 8, m.max_seq_len), rel=1e-12)
+    prediction = scaling.predict(run, MeshShape(2, 1, expert=2), 16, DGX_H100, micro_batch=2)
+    assert 0 < prediction.step_s < math.inf and 0 < prediction.memory_bytes

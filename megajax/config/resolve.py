@@ -37,6 +37,7 @@ from megajax.data.sft import default_seq_len
 from megajax.errors import ConfigError, ShardingConfigError
 from megajax.models import MODELS, ModelSpec, TransformerConfig, model_spec
 from megajax.models.objectives import Field
+from megajax.models.spec import Stack
 from megajax.parallel.mesh import MeshShape
 from megajax.parallel.pipeline import CIRCULAR, GPIPE, ONE_F_ONE_B, SCHEDULES
 from megajax.parallel.sharding import (
@@ -187,6 +188,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> MeshShape:
         raise ConfigError(f"model.hidden_size={cfg.hidden_size} is not divisible by mesh.model={tp}")
     if cfg.ffn_size % tp:
         raise ConfigError(f"the MLP width {cfg.ffn_size} is not divisible by mesh.model={tp}")
+    if mesh.expert > 1 and not any(stack.kind.routed for stack in model_spec(config.model.name).stacks(cfg)):
+        raise ConfigError(f"mesh.expert={mesh.expert} splits a mixture-of-experts model's experts, and this model has "
+                          "none: set mesh.expert=1")
     try:
         cfg.check_mesh(tp, config.mesh.pipe, config.mesh.expert)
     except ValueError as e:
@@ -247,10 +251,15 @@ def _check_pipeline(config: ml_collections.ConfigDict) -> None:
              "pipeline stages: set mesh.pipe > 1, or parallel.pipeline_repeats=1")
     if p == 1:
         return
-    _require(m.num_layers % p == 0, f"mesh.pipe={p} splits model.num_layers={m.num_layers} into equal stages: pick "
-             f"mesh.pipe from the divisors of {m.num_layers}")
-    _require(m.num_layers % (p * v) == 0, f"mesh.pipe={p} x parallel.pipeline_repeats={v} splits "
-             f"model.num_layers={m.num_layers} into equal chunks: pick a product that divides {m.num_layers}")
+    # the layers the stages split: every layer but those of stacks run whole on each stage (``Stack.pipelined``)
+    staged = [stack.count for stack in model_spec(m.name).stacks(model_config(config)) if stack.pipelined]
+    layers = staged[0] if len(staged) == 1 else m.num_layers
+    what = "model.num_layers" if layers == m.num_layers else "the pipelined stack's layers (model.num_layers less " \
+        f"the {m.num_layers - layers} run whole on each stage)"
+    _require(layers % p == 0, f"mesh.pipe={p} splits {what}={layers} into equal stages: pick "
+             f"mesh.pipe from the divisors of {layers}")
+    _require(layers % (p * v) == 0, f"mesh.pipe={p} x parallel.pipeline_repeats={v} splits "
+             f"{what}={layers} into equal chunks: pick a product that divides {layers}")
 
 
 def _check_context(config: ml_collections.ConfigDict, cfg: TransformerConfig) -> None:
@@ -386,6 +395,29 @@ class RunSpec:
     def model_spec(self) -> ModelSpec:
         """The model family's spec (``megajax.models.spec``)."""
         return model_spec(self.model_name)
+
+    @property
+    def stacks(self) -> tuple[Stack, ...]:
+        """The model's layer stacks (``ModelSpec.stacks``): what the tools iterate."""
+        return self.model_spec.stacks(self.model)
+
+    @property
+    def routed_experts(self) -> tuple[int, int]:
+        """(experts per routed layer, experts each token is routed to): (0, 0) for a model without routed layers
+        (``LayerKind.experts``)."""
+        kind = next((stack.kind for stack in self.stacks if stack.kind.routed), None)
+        return kind.experts(self.model) if kind else (0, 0)
+
+    @property
+    def routed_layers(self) -> int:
+        """The model's layers whose MLP is routed (a routed ``LayerKind``'s stacks)."""
+        return sum(stack.count for stack in self.stacks if stack.kind.routed)
+
+    def exchange_rows(self, rows: int, expert: int) -> int:
+        """Rows of each destination's block when a shard of ``rows`` sequences sends its tokens to their experts on
+        ``expert`` shards (``LayerKind.exchange_rows``); 0 without routed layers."""
+        kind = next((stack.kind for stack in self.stacks if stack.kind.routed), None)
+        return kind.exchange_rows(self.model, rows, expert) if kind else 0
 
     @property
     def batch_fields(self) -> dict[str, Field]:

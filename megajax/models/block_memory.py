@@ -1,6 +1,6 @@
 """What the trunk's layer (``transformer.Block``: GPT-2's, BERT's and the task models') keeps for its backward
-pass: the default ``ModelSpec.layer_residuals``, which ``tools.memory_planner`` asks (a family with another block
-registers its own, as Llama does)."""
+pass: the default ``LayerKind.residuals`` (``spec.BLOCK``'s), which ``tools.memory_planner`` asks (a layer kind
+with another block states its own, as Llama's does)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from megajax.models.spec import decoder_flops, decoder_spec, register
+from megajax.models.spec import LayerKind, decoder_flops, decoder_spec, register, trunk_stack
 from megajax.models.transformer import (
     Block,
     CausalDecoder,
@@ -372,5 +372,7 @@ def layer_residual_bytes(cfg: LlamaConfig, rows: int, tp: int, split: int, remat
     return kept
 
 
+LAYER = LayerKind("llama", residuals=layer_residual_bytes)  # LlamaBlock: two all-reduces each way, one redone
+
 # init_from: a converted (or another run's) Llama continues training
-register(decoder_spec(NAME, LlamaConfig, Llama, flops, layer_residuals=layer_residual_bytes))
+register(decoder_spec(NAME, LlamaConfig, Llama, flops, stacks=lambda cfg: trunk_stack(cfg, LAYER)))

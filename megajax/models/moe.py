@@ -37,8 +37,8 @@ from flax import nnx
 
 from megajax.models import llama, objectives
 from megajax.models.llama import Attention, Llama, LlamaBlock, LlamaConfig, RMSNorm
-from megajax.models.spec import decoder_spec, register
-from megajax.models.transformer import make_blocks, run_blocks
+from megajax.models.spec import LayerKind, Stack, decoder_spec, register
+from megajax.models.transformer import STACK, make_blocks, run_blocks
 from megajax.parallel import pipeline
 from megajax.parallel.layers import dropout, make_param, scaled_init_std
 from megajax.parallel.losses import OWN, Means, vocab_parallel_cross_entropy
@@ -93,10 +93,6 @@ class MoEConfig(LlamaConfig):
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_heads
-
-    @property
-    def routed_experts(self) -> tuple[int, int]:
-        return self.num_experts, self.experts_per_token
 
     @property
     def routed_layers(self) -> tuple[int, ...]:
@@ -415,20 +411,8 @@ def layer_residual_bytes(cfg: MoEConfig, rows: int, tp: int, split: int, remat: 
     (e m, F / tp) tensors and the group sizes (4 E); in 16-bit the compute-dtype copies of the shard's experts.
     ``full`` keeps the layer's input, as Llama's; ``save_dots`` Llama's attention GEMMs'
     outputs and the router's logits (the grouped GEMMs are not dots). The expert shards' terms (e > 1) follow the
-    code; the compiled step checks them (within 10%), not the jaxpr. With dense layers among the routed ones, the
-    mean over the layers (a dense one's: Llama's), rounded up: the stack's total (the one recomputed layer under
-    ``full``, the mean, not the larger)."""
-    routed = _routed_layer_residual_bytes(cfg, rows, tp, split, remat, cd, attention, expert)
-    sparse = len(cfg.routed_layers)
-    if sparse == cfg.num_layers:
-        return routed
-    dense = llama.layer_residual_bytes(cfg, rows, tp, split, remat, cd, attention)
-    return -(-(sparse * routed + (cfg.num_layers - sparse) * dense) // cfg.num_layers)
-
-
-def _routed_layer_residual_bytes(cfg: MoEConfig, rows: int, tp: int, split: int, remat: str, cd: int,
-                                 attention: str, expert: int) -> int:
-    """One routed layer's bytes (``layer_residual_bytes``)."""
+    code; the compiled step checks them (within 10%), not the jaxpr. The dense layers among the routed ones are
+    Llama's (``llama.LAYER``), on their own stack (``stacks``)."""
     trunk = llama.layer_residual_bytes(cfg, rows, tp, split, remat, cd, attention)
     stats = 8 * cfg.num_experts + 8
     s, h, f = cfg.max_seq_len, cfg.hidden_size, cfg.ffn_size
@@ -478,5 +462,18 @@ def reference_moe(x: np.ndarray, router: np.ndarray, gate: np.ndarray, up: np.nd
     return out, kept
 
 
+# MoEBlock: Llama's attention, the routed MLP (its all-reduces are the dense MLP's)
+ROUTED = LayerKind("routed", residuals=layer_residual_bytes, experts=lambda cfg: (cfg.num_experts,
+                   cfg.experts_per_token), exchange_rows=lambda cfg, rows, expert: cfg.exchange_rows(rows, expert))
+
+
+def stacks(cfg: MoEConfig) -> tuple[Stack, ...]:
+    """The routed layers on ``blocks``, the dense ones (Qwen3-MoE's, where any) on ``DENSE_STACK`` (Llama's
+    layers with the family's attention)."""
+    dense = cfg.num_layers - len(cfg.routed_layers)
+    routed = (Stack(STACK, ROUTED, len(cfg.routed_layers)),)
+    return routed + ((Stack(DENSE_STACK, llama.LAYER, dense),) if dense else ())
+
+
 register(decoder_spec(NAME, MoEConfig, MoEDecoder, flops, objective=MOE_LM, perplexity_of="lm_loss",
-                      layer_residuals=layer_residual_bytes, active_parameters=active_parameters))
+                      stacks=stacks, active_parameters=active_parameters))

@@ -14,7 +14,7 @@ from megajax.data.formats import WINDOWS, ExampleFormat
 from megajax.errors import ConfigError
 from megajax.models.block_memory import block_residual_bytes
 from megajax.models.objectives import LM, Objective
-from megajax.models.transformer import TransformerConfig
+from megajax.models.transformer import STACK, TransformerConfig
 
 
 def transformer_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
@@ -49,24 +49,90 @@ class HeadMemory:
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """One kind of layer a model stacks (a dense block, a routed block, ...) and what one such layer costs, stated
+    next to its code: the tools (``tools.memory_planner``, ``tools.comm_budget``, ``tools.scaling``) sum these over
+    a model's ``Stack``s instead of knowing any family's layer."""
+
+    name: str
+    # (cfg, sequences, tp, sequence split, remat, compute-dtype bytes, attention implementation) -> bytes one such
+    # layer keeps for its backward pass on a device (tools.memory_planner); tests hold each against its traced
+    # jaxpr. A routed kind's also takes ``expert=E``, the expert shards (``routed``)
+    residuals: Callable[..., int] = block_residual_bytes
+    # Per layer and micro-batch, each way: the b x s x h all-reduces over ``model`` of its forward pass (Megatron's
+    # g, one per row-parallel output) and as many of its backward pass (f, one per column-parallel input's
+    # gradient). GPT's block: 2 (attention, MLP); a parallel attention/MLP block whose two input GEMMs and two
+    # output GEMMs are each one GEMM: 1. Under sequence parallelism each is a reduce-scatter + all-gather pair.
+    tensor_all_reduces: int = 2
+    # Per layer under ``remat=full``: the forward all-reduces whose results the recomputed forward pass needs again
+    # (the layer's output is the saved scan carry, so its last all-reduce is not redone). GPT's block: 1 (the
+    # attention output, the MLP's input); a parallel block: 0. Under sequence parallelism the recomputation redoes
+    # the ``tensor_all_reduces`` all-gathers of the GEMMs' inputs besides these reduce-scatters.
+    recomputed_all_reduces: int = 1
+    # A routed kind (its MLP a mixture of experts, ``models.moe``), whose assignments cross the ``expert`` axis and
+    # whose routing statistics are summed (the communication budget, the scaling model's expert dimension): cfg ->
+    # (experts per layer, experts each token is routed to), and (cfg, sequences, expert shards) -> rows of each
+    # destination's block when a shard sends its tokens to their experts. None: a dense MLP
+    experts: Callable[[TransformerConfig], tuple[int, int]] | None = None
+    exchange_rows: Callable[[TransformerConfig, int, int], int] | None = None
+
+    @property
+    def routed(self) -> bool:
+        """Whether its MLP is a mixture of experts."""
+        return self.experts is not None
+
+
+BLOCK = LayerKind("block")  # the trunk's transformer.Block: GPT-2's, BERT's and the task models' layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """One of a model's layer stacks: the model's attribute holding ``count`` layers of ``kind`` stacked on a
+    leading ``layers`` axis (``transformer.make_blocks``). ``pipelined``: split over pipeline stages (the layers a
+    ``pipeline.StackRunner`` runs); a stack that is not runs whole on each stage's share of the rows, as the
+    embedding does."""
+
+    attr: str
+    kind: LayerKind
+    count: int
+    pipelined: bool = True
+
+
+def trunk_stack(cfg: TransformerConfig, kind: LayerKind = BLOCK) -> tuple[Stack, ...]:
+    """A model of ``cfg.num_layers`` layers of one ``kind`` on one pipelined stack, ``transformer.STACK``."""
+    return (Stack(STACK, kind, cfg.num_layers),)
+
+
+def all_reduces(stacks: tuple[Stack, ...]) -> tuple[int, int]:
+    """(each way, redone under ``remat=full``): the tensor-parallel all-reduces of one pass over every layer of
+    ``stacks``, each layer its kind's (``LayerKind.tensor_all_reduces``, ``recomputed_all_reduces``)."""
+    return (sum(s.count * s.kind.tensor_all_reduces for s in stacks),
+            sum(s.count * s.kind.recomputed_all_reduces for s in stacks))
+
+
+def pipelined_stacks(stacks: tuple[Stack, ...]) -> tuple[str, ...]:
+    """The attributes of the stacks split over pipeline stages."""
+    return tuple(s.attr for s in stacks if s.pipelined)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """A model family's facts: its module, how it trains, what it costs, what it is evaluated on.
 
     The costs the tools read (``tools.memory_planner``, ``tools.comm_budget``, ``tools.scaling``) of a family's
     layers are here or in the abstract model: parameters (per device, per layer, the layer's GEMM shapes) come from
-    ``nnx.eval_shape`` of ``module`` and the sharding rules; the rest a family states below, or inherits the
-    defaults, which are the trunk's ``transformer.Block``'s (GPT-2's, BERT's, Llama's communication). Not yet here:
+    ``nnx.eval_shape`` of ``module`` and the sharding rules; a layer's own costs are its ``LayerKind``'s, and
+    ``stacks`` says how many layers of which kinds the model holds (default: ``cfg.num_layers`` of the trunk's
+    ``transformer.Block``, ``BLOCK``); the rest a family states below. Not yet here:
     the attention core's, dropout's and the head's byte formulas (``tools.memory_terms``), the element-wise pass
     counts the scaling model times every family's layer with (GPT's block's, ``tools.scaling``) and a mixture's
     routed-layer timing (``tools.scaling_experts``):
 
     * ``flops``: model FLOPs of a step, the metrics' MFU numerator and the scaling model's TFLOP/s;
-    * ``layer_residuals``: the bytes one layer keeps for its backward pass on one device (the memory planner's
-      per-layer activations; tests hold each family's against its traced jaxpr);
-    * ``head_memory``: what the output head holds when the backward pass starts;
-    * ``tensor_all_reduces``, ``recomputed_all_reduces``: the layer's tensor-parallel communication (the
-      communication budget's minimum, which the compiled step is audited against, and the scaling model's
-      tensor-parallel time).
+    * ``stacks``: the model's layer stacks, each a count of one ``LayerKind`` (its residuals, the memory
+      planner's per-layer activations; its tensor-parallel all-reduces, the communication budget's minimum, which
+      the compiled step is audited against, and the scaling model's tensor-parallel time);
+    * ``head_memory``: what the output head holds when the backward pass starts.
     """
 
     name: str  # config.model.name
@@ -88,20 +154,8 @@ class ModelSpec:
     # (cfg, total parameters) -> those one token uses (a mixture of experts': all but the experts it skips); info
     # prints it, and ``flops`` counts only these
     active_parameters: Callable[[TransformerConfig, int], int] = lambda cfg, total: total
-    # (cfg, sequences, tp, sequence split, remat, compute-dtype bytes, attention implementation) -> bytes one layer
-    # keeps for its backward pass on a device (tools.memory_planner); the trunk's Block's by default
-    # (a mixture of experts' also takes ``expert=E``, its expert shards, passed only where E > 1)
-    layer_residuals: Callable[..., int] = block_residual_bytes
-    # Per layer and micro-batch, each way: the b x s x h all-reduces over ``model`` of its forward pass (Megatron's
-    # g, one per row-parallel output) and as many of its backward pass (f, one per column-parallel input's
-    # gradient). GPT's block: 2 (attention, MLP); a parallel attention/MLP block whose two input GEMMs and two
-    # output GEMMs are each one GEMM: 1. Under sequence parallelism each is a reduce-scatter + all-gather pair.
-    tensor_all_reduces: int = 2
-    # Per layer under ``remat=full``: the forward all-reduces whose results the recomputed forward pass needs again
-    # (the layer's output is the saved scan carry, so its last all-reduce is not redone). GPT's block: 1 (the
-    # attention output, the MLP's input); a parallel block: 0. Under sequence parallelism the recomputation redoes
-    # the ``tensor_all_reduces`` all-gathers of the GEMMs' inputs besides these reduce-scatters.
-    recomputed_all_reduces: int = 1
+    # cfg -> its layer stacks (``Stack``: attribute, layer kind, count, pipelined), what the tools iterate
+    stacks: Callable[[TransformerConfig], tuple[Stack, ...]] = trunk_stack
 
 
 # the eval.py tasks of a causal language model's checkpoints

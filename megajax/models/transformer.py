@@ -26,7 +26,15 @@ from megajax.parallel.layers import (
     scaled_init_std,
 )
 from megajax.parallel.remat import REMAT_POLICIES, layer_step, selective
-from megajax.parallel.sharding import RESIDUAL, constrain, on_shards, partly_manual, rows_of, sequence_positions
+from megajax.parallel.sharding import (
+    RESIDUAL,
+    WHOLE_LAYERS,
+    constrain,
+    on_shards,
+    partly_manual,
+    rows_of,
+    sequence_positions,
+)
 from megajax.parallel.xla_options import traced_for_nvidia_gpu
 
 LayerCache = tuple[jax.Array, jax.Array]  # one layer's (keys, values), (B, S_max, N_kv, D) each
@@ -94,23 +102,6 @@ class TransformerConfig:
         return self.num_heads
 
     @property
-    def routed_experts(self) -> tuple[int, int]:
-        """(experts per layer, experts each token is routed to): (0, 0) for a dense MLP (a mixture of experts'
-        config says its own; the communication budget reads them)."""
-        return 0, 0
-
-    @property
-    def routed_layers(self) -> tuple[int, ...]:
-        """The layers whose MLP is a routed mixture of experts: none for a dense model (a mixture of experts'
-        config says its own; the communication budget reads them)."""
-        return ()
-
-    def exchange_rows(self, rows: int, expert: int) -> int:
-        """Rows of each destination's block when a shard of ``rows`` sequences sends its tokens to their experts on
-        ``expert`` shards: 0 for a dense MLP (a mixture of experts' config says its own)."""
-        return 0
-
-    @property
     def ffn_size(self) -> int:
         """The MLP's hidden width."""
         return self.ffn_hidden_size or self.mlp_ratio * self.hidden_size
@@ -122,11 +113,9 @@ class TransformerConfig:
 
     def check_mesh(self, tensor: int, pipe: int, expert: int) -> None:
         """ValueError where the model cannot run on ``tensor`` model shards, ``pipe`` stages and ``expert`` expert
-        shards (beyond the trunk's divisibility, which ``config.resolve.validate`` checks)."""
+        shards (beyond the trunk's divisibility, and the routed layers ``expert`` > 1 needs, which
+        ``config.resolve.validate`` checks)."""
         self.kv_replicated(tensor)
-        if expert > 1:
-            raise ValueError(f"mesh.expert={expert} splits a mixture-of-experts model's experts, and this model has "
-                             "none: set mesh.expert=1")
 
     def rule_overrides(self, tp: int) -> dict[str, str | None]:
         """Logical names the rules must leave unsplit on ``tp`` model shards (none here; Llama's replicated
@@ -376,19 +365,21 @@ class Block(nnx.Module):
 
 
 def make_blocks(cfg: TransformerConfig, rngs: nnx.Rngs, block: type[nnx.Module] = Block,
-                count: int | None = None) -> nnx.Module:
+                count: int | None = None, pipelined: bool = True) -> nnx.Module:
     """``count`` (default ``cfg.num_layers``) blocks (``block(cfg, rngs=...)``, called as ``Block`` is) stacked on a
-    leading ``layers`` axis, each with its own initialisation."""
+    leading ``layers`` axis, each with its own initialisation; ``pipelined`` False: a stack every pipeline stage runs
+    whole (``pipeline.run_whole``), on a ``WHOLE_LAYERS`` axis, which no rule splits."""
+    axis = "layers" if pipelined else WHOLE_LAYERS
 
     @nnx.split_rngs(splits=count or cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
     def make(rngs: nnx.Rngs) -> nnx.Module:
         return block(cfg, rngs=rngs)
 
     return make(rngs)
 
 
-STACK = "blocks"  # every model's attribute holding its stacked layers (make_blocks)
+STACK = "blocks"  # the attribute of a model's (first) pipelined layer stack (make_blocks; models.spec.trunk_stack)
 
 
 def reorder_layers(tree: Any, saved: tuple[int, int], wanted: tuple[int, int]) -> Any:

@@ -17,7 +17,7 @@ from megajax.config import RunSpec
 from megajax.config.build import abstract_model_of
 from megajax.errors import ConfigError
 from megajax.models import ModelSpec
-from megajax.models.transformer import STACK
+from megajax.models.spec import all_reduces, pipelined_stacks
 from megajax.parallel import pipeline, pipeline_1f1b
 from megajax.parallel.hlo_audit import Collective, collectives
 from megajax.parallel.partition import over_data
@@ -183,7 +183,8 @@ def step_shape(run) -> Shape:
     params = run.abstract_state.params
     reads = one_f_one_b_reads(run)
     # 1F1B: the tail's replicated parameters' gradients are summed over model on every microbatch
-    tail = {name: params[name] for name in reads.tail if name != STACK} if reads is not None else {}
+    staged = pipelined_stacks(spec.stacks) if spec.mesh.pipe > 1 else ()
+    tail = {name: params[name] for name in reads.tail if name not in staged} if reads is not None else {}
     cfg = spec.model
     kv_head = kv_head_elements(cfg, spec.mesh.model)
     kv_weight = cfg.num_layers * kv_head * cfg.kv_heads  # replicated over model, reduced in its own category
@@ -196,7 +197,8 @@ def step_shape(run) -> Shape:
     if spec.sequence and spec.mesh.pipe > 1:  # under stages the positions' gradient is reduced over data as its shard
         local -= sum(a.size - a.size // spec.mesh.model for name, a in params.items() if name in model.sequence_rows
                      for a in jax.tree.leaves(a))
-    experts, per_token = cfg.routed_experts
+    experts, per_token = spec.routed_experts
+    forward, redone = all_reduces(spec.stacks)
     expert_grad = sum(model_shard_elements(a) for a in jax.tree.leaves(params)
                       if "expert" in spec_axes(a.sharding.spec))
     c = spec.mesh.context
@@ -204,17 +206,18 @@ def step_shape(run) -> Shape:
     return Shape(micro_batch=rows, num_micro=spec.num_micro, seq=cfg.max_seq_len // c,
                  hidden=cfg.hidden_size, layers=cfg.num_layers, tensor=spec.mesh.model, data=spec.mesh.data,
                  activation_bytes=np.dtype(cfg.compute_dtype).itemsize, local_grad_elements=local,
-                 tensor_all_reduces=model.tensor_all_reduces, recomputed_all_reduces=model.recomputed_all_reduces,
+                 tensor_all_reduces=forward, recomputed_all_reduces=redone,
                  remat=cfg.remat, sequence=spec.sequence,
                  sequence_grad_elements=sequence_grad_elements(params, spec.mesh.model, model) - kv_weight
                  if spec.sequence else 0, pooled_rows=model.pooled_rows * rows,
-                 sequence_layer_elements=(sequence_grad_elements({STACK: params[STACK]}, spec.mesh.model, model)
-                                          - kv_weight) // cfg.num_layers if spec.sequence and STACK in params else 0,
+                 sequence_layer_elements=(sequence_grad_elements({n: params[n] for n in staged}, spec.mesh.model,
+                                                                 model) - kv_weight) // cfg.num_layers
+                 if spec.sequence and staged else 0,
                  gathered_shard_elements=gathered_shard_elements(run, reads), kv_head_elements=kv_head,
                  expert=spec.mesh.expert, expert_grad_elements=expert_grad, num_experts=experts,
                  routed_rows=spec.micro_batch * cfg.max_seq_len // spec.mesh.context * per_token,
-                 exchange_rows=cfg.exchange_rows(spec.micro_batch, spec.mesh.expert),
-                 routed_layers=len(cfg.routed_layers), head_norm_elements=head_norm_elements(spec),
+                 exchange_rows=spec.exchange_rows(spec.micro_batch, spec.mesh.expert),
+                 routed_layers=spec.routed_layers, head_norm_elements=head_norm_elements(spec),
                  head_dim=cfg.head_dim, context=c,
                  context_kv_elements=spec.micro_batch * cfg.max_seq_len // c * kv_local * cfg.head_dim
                  if c > 1 else 0, context_key_bytes=(8 if spec.dataset is not None and spec.dataset.packed else 4)

@@ -3,10 +3,11 @@
 
 Megatron's minimum for one step, per device, with b sequences per data shard (all micro-batches), s tokens, h
 hidden, L layers, tensor-parallel degree > 1 and data-parallel degree > 1 where they apply. What a layer
-communicates is its model's (``ModelSpec``): a = ``tensor_all_reduces`` all-reduces each way per layer (the g of
-each row-parallel output forward, the f of each column-parallel input backward; GPT's block 2, a parallel
+communicates is its kind's (``models.spec.LayerKind``): a = ``tensor_all_reduces`` all-reduces each way per layer
+(the g of each row-parallel output forward, the f of each column-parallel input backward; GPT's block 2, a parallel
 attention/MLP block with fused GEMMs 1) and r = ``recomputed_all_reduces`` of them redone under ``remat=full``
-(GPT's 1, a parallel block's 0). The embedding's lookup, its loss and the gradients are every model's:
+(GPT's 1, a parallel block's 0); aL and rL below are the sums over a model's layers of their kinds' (``Shape``).
+The embedding's lookup, its loss and the gradients are every model's:
 
 | category | minimum |
 | --- | --- |
@@ -101,9 +102,9 @@ summed over model on every microbatch. With one-layer chunks under ``remat=full`
 all-reduces of the fused tail after the recomputation it merged with them, so the forward and backward categories
 trade bytes (measured on (4,1,2), v = 2: 0.76 / 1.14; their sum exact).
 
-A mixture of experts (``TransformerConfig.routed_experts``: E experts, k per token; ``models/moe.py``) adds, per
-micro-batch and routed layer (``routed_layers``: all of them but Qwen3-MoE's dense ones), with n = b x s x k
-assignments on one data (and expert) shard:
+A mixture of experts (its routed ``LayerKind``'s ``experts``: E experts, k per token; ``models/moe.py``) adds, per
+micro-batch and routed layer (``routed_layers``: the routed kind's stacks, all but Qwen3-MoE's dense layers), with
+n = b x s x k assignments on one data (and expert) shard:
 
 * expert all-to-all (``mesh.expert`` = e > 1): the assignments' hidden states to their experts' shards and back,
   e x m x h each (a block of m rows per destination: dropless, m = n, room for every assignment, as an exchange of
@@ -141,7 +142,7 @@ class Shape:
     """What the minimum depends on: per-device sequences per micro-batch (one data shard's; under pipeline stages
     a stage's share of them, where the ends run), micro-batches, sequence length,
     hidden size, layers, mesh degrees, the activations' dtype bytes, local gradient elements, the model's
-    all-reduces per layer (``ModelSpec.tensor_all_reduces``, ``recomputed_all_reduces``) and remat; with sequence
+    all-reduces summed over its layers (each ``LayerKind``'s, ``models.spec.all_reduces``) and remat; with sequence
     parallelism the replicated parameters' elements that see the split sequence (the position embeddings counted as
     one shard) and the rows whose first token is pooled."""
 
@@ -154,8 +155,10 @@ class Shape:
     data: int
     activation_bytes: int
     local_grad_elements: int
-    tensor_all_reduces: int  # per layer, each way (ModelSpec.tensor_all_reduces)
-    recomputed_all_reduces: int  # per layer, redone under remat=full (ModelSpec.recomputed_all_reduces)
+    # each way, summed over the ``layers`` (aL: each layer's kind's ``tensor_all_reduces``; under pipeline stages
+    # a stage-tick runs the mean layer's, aL / L, times its layers)
+    tensor_all_reduces: int
+    recomputed_all_reduces: int  # of those, redone under remat=full (rL: the kinds' ``recomputed_all_reduces``)
     remat: str = "none"
     sequence: bool = False
     sequence_grad_elements: int = 0
@@ -181,7 +184,7 @@ class Shape:
     expert_grad_elements: int = 0  # of local_grad_elements, the experts' (split over expert, reduced over data)
     num_experts: int = 0  # a mixture of experts' experts per layer (0: dense)
     routed_rows: int = 0  # assignments one shard routes per micro-batch: b x s x k
-    exchange_rows: int = 0  # rows of each destination's block in the exchange (``exchange_rows`` of the config)
+    exchange_rows: int = 0  # rows of each destination's block in the exchange (``RunSpec.exchange_rows``)
     routed_layers: int = 0  # of ``layers``, those with a routed MLP
     head_norm_elements: int = 0  # per-head norm scales of every layer, whole on each model shard (Qwen3's q/k norms)
     head_dim: int = 0
@@ -195,7 +198,7 @@ class Shape:
 def minimum(shape: Shape) -> dict[str, int]:
     """Megatron's analytic bytes per category (module docstring)."""
     b, s, h, n = shape.micro_batch, shape.seq, shape.hidden, shape.num_micro
-    a, r = shape.tensor_all_reduces, shape.recomputed_all_reduces
+    a_l, r_l, layers = shape.tensor_all_reduces, shape.recomputed_all_reduces, shape.layers
     out = dict.fromkeys(CATEGORIES, 0)
     split = shape.tensor if shape.sequence else 1  # sequence parallelism: each model shard's positions only
     if shape.pipe > 1:
@@ -216,19 +219,20 @@ def minimum(shape: Shape) -> dict[str, int]:
         runs = shape.pipe_ticks * shape.pipe_layers if shape.pipe > 1 else shape.layers
     if shape.tensor > 1 and shape.pipe > 1:
         act = b * s * h * shape.activation_bytes * n
+        a_runs, r_runs = a_l * runs // layers, r_l * runs // layers  # the all-reduces of every layer run
         if shape.pipe_circular:  # per tick: the chunk's all-reduces but its last
-            recompute = shape.pipe_ticks * (a * shape.pipe_layers - 1)
+            recompute = shape.pipe_ticks * (a_l * shape.pipe_layers // layers - 1)
         else:
-            recompute = r * runs if shape.remat in ("full", "save_dots") else 0
+            recompute = r_runs if shape.remat in ("full", "save_dots") else 0
         if shape.pipe_recompute:  # the chunks whose backward is not the tail's: their forward again
-            recompute += a * shape.pipe_micro * (shape.pipe_repeats - 1) * shape.pipe_layers
+            recompute += a_l * shape.pipe_micro * (shape.pipe_repeats - 1) * shape.pipe_layers // layers
         if shape.sequence:  # each all-reduce -> a reduce-scatter + an all-gather of one shard (the lookup's
             # reduce-scatter and the head's input all-gather, on the tail's rows, and their transposes)
-            pairs = (2 * a * runs * tick + (1 + tail) * act) // split
+            pairs = (2 * a_runs * tick + (1 + tail) * act) // split
             if shape.pipe_circular:  # the recomputed chunk's all-reduces are pairs too
                 redone = 2 * recompute
             else:  # as without stages: the recomputed forward's collectives, one shard each
-                redone = (a + r) * runs if shape.remat in ("full", "save_dots") else 0
+                redone = a_runs + r_runs if shape.remat in ("full", "save_dots") else 0
             # the pooled first token, whole, and back (1F1B: on the tail's rows)
             pooled = tail * shape.pooled_rows * h * shape.activation_bytes * n
             out["tensor-parallel forward"] = pairs + pooled
@@ -238,21 +242,21 @@ def minimum(shape: Shape) -> dict[str, int]:
                         + (shape.pipe_micro - 1) * shape.sequence_tail_elements)  # (1F1B: the tail's, per microbatch)
             out["sequence-parallel extra"] = per_tick * 4 * n
         else:
-            out["tensor-parallel forward"] = a * runs * tick + act
-            out["tensor-parallel backward"] = (a * runs + recompute) * tick + tail * act
+            out["tensor-parallel forward"] = a_runs * tick + act
+            out["tensor-parallel backward"] = (a_runs + recompute) * tick + tail * act
         out["loss"] = 3 * tail * b * s * 4 * n
     elif shape.tensor > 1:
         act = b * s * h * shape.activation_bytes * n
         if shape.sequence:  # each all-reduce -> a reduce-scatter + an all-gather of one shard
-            pairs = 2 * (a * shape.layers + 1) * act // shape.tensor
-            recompute = (a + r) * shape.layers if shape.remat in ("full", "save_dots") else 0
+            pairs = 2 * (a_l + 1) * act // shape.tensor
+            recompute = a_l + r_l if shape.remat in ("full", "save_dots") else 0
             out["tensor-parallel forward"] = pairs + shape.pooled_rows * h * shape.activation_bytes * n
             out["tensor-parallel backward"] = pairs + recompute * act // shape.tensor
             out["sequence-parallel extra"] = shape.sequence_grad_elements * 4 * n
         else:
-            recompute = r * shape.layers if shape.remat == "full" else 0
-            out["tensor-parallel forward"] = (a * shape.layers + 1) * act
-            out["tensor-parallel backward"] = (a * shape.layers + 1 + recompute) * act
+            recompute = r_l if shape.remat == "full" else 0
+            out["tensor-parallel forward"] = (a_l + 1) * act
+            out["tensor-parallel backward"] = (a_l + 1 + recompute) * act
         out["loss"] = 3 * b * s * 4 * n  # the cross-entropy runs in fp32
     if shape.tensor > 1:
         # per layer: the grouped all-reduce of the shard's head, the all-gather of one head per group (fp32); under

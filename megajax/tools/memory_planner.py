@@ -3,7 +3,8 @@
 Nothing here knows a model family's block: the terms (``memory_terms``) take parameters from the abstract model
 (``parameters``, ``params_per_device``: ``nnx.eval_shape`` of the spec's module, laid out by the sharding rules;
 the scaling model reads them too), a layer's activations and the head's from the model's spec
-(``ModelSpec.layer_residuals``, ``ModelSpec.head_memory``); a pipelined step's schedules add theirs
+(``LayerKind.residuals`` of each of ``ModelSpec.stacks``, ``ModelSpec.head_memory``); a pipelined step's schedules
+add theirs
 (``memory_stages``). Every function reads a resolved run (``config.RunSpec``: the model, its mesh and its
 choices); a plan for another mesh or batch is another run (``config.replanned``, ``with_batch``).
 
@@ -16,9 +17,10 @@ The formula (``MemoryReport.temp_bytes``) counts the step's temporaries term by 
   three are counted per shard (``params_per_device(..., split_over_data=True)``), and what is gathered at use is
   added where it is live (``gathered_bytes``): at the head's backward, the whole word embedding (as the model axis
   splits it) and its gradient before the reduce-scatter; in a recomputed layer, that layer's parameters and gradients.
-* activations (``activations``): what JAX's autodiff keeps for the backward pass. ``layer_residual_bytes`` asks
-  the model's spec for one layer's residuals by kind (``ModelSpec.layer_residuals``; the same bytes as the traced
-  jaxpr, ``traced_layer_residual_bytes``, which the tests compare); the scanned stack keeps L of them. On top of
+* activations (``activations``): what JAX's autodiff keeps for the backward pass. ``stack_residual_bytes`` asks
+  each of the model's stacks' layer kind for one layer's residuals (``LayerKind.residuals``; the same bytes as the
+  traced jaxpr, ``traced_layer_residual_bytes``, which the tests compare); each scanned stack keeps its count of
+  them. On top of
   those, the larger of the output head at the start of the backward pass (``head_bytes``, the spec's
   ``head_memory``: the fp32 logits, their exponentials and their gradient; the tied word embedding's gradient is
   not written yet then, ``word_embedding_grad_bytes``) and, with full / save_dots recomputation, one layer's
@@ -44,7 +46,7 @@ import dataclasses
 import math
 
 from megajax.config import RunSpec, replanned
-from megajax.models.transformer import STACK
+from megajax.models.spec import pipelined_stacks
 from megajax.parallel import pipeline
 from megajax.parallel.mesh import MeshShape
 from megajax.tools.memory_stages import stage_activations, tick_loop_gradient_bytes
@@ -56,6 +58,7 @@ from megajax.tools.memory_terms import (
     head_bytes,
     layer_residual_bytes,
     params_per_device,
+    stack_residual_bytes,
 )
 from megajax.training.loop import batch_layout, setup_run
 
@@ -96,7 +99,7 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
     recompute = attention_backward_bytes(run, micro_batch, gpu) + dropout_bits_bytes(run, micro_batch, gpu)
     if m.remat in ("full", "save_dots"):
         recompute += layer_residual_bytes(run, micro_batch, "none", gpu=gpu)
-    layers = m.num_layers * layer_residual_bytes(run, micro_batch, gpu=gpu)
+    layers = stack_residual_bytes(run, micro_batch, gpu=gpu)
     return Activations(layers, head_bytes(run, micro_batch, gpu), recompute)
 
 
@@ -224,7 +227,8 @@ def gathered_bytes(run: RunSpec) -> tuple[int, int]:
     (``HeadMemory.vocab_output``: the task models) has no head part."""
     m = run.model
     embedding = m.padded_vocab_size // run.mesh.model * m.hidden_size
-    layer = params_per_device(run, only=STACK)[1] // (m.num_layers // run.mesh.pipe)  # a stage holds L / pipe layers
+    stacks = tuple(stack.attr for stack in run.stacks)  # the mean layer's; a stage holds L / pipe layers
+    layer = params_per_device(run, only=stacks)[1] // (m.num_layers // run.mesh.pipe)
     copies = 2 if run.mesh.pipe > 1 else 1  # the gathered layer, and under stages its gradient
     head = copies * FP32 * embedding if run.model_spec.head_memory.vocab_output else 0
     return head, 2 * FP32 * layer
@@ -246,7 +250,7 @@ def memory_report(run: RunSpec, micro_batch: int | None = None, num_micro: int |
     micro_batch = micro_batch or run.micro_batch
     zero = run.shard_optimizer and not run.fsdp  # ZeRO-1: the moments and gradients only
     total, local = params_per_device(run, split_over_data=run.fsdp)  # FSDP: parameters split over data too
-    stage = tick_loop_gradient_bytes(run, params_per_device(run, only=STACK)[1])
+    stage = tick_loop_gradient_bytes(run, params_per_device(run, only=pipelined_stacks(run.stacks))[1])
     num_micro = num_micro or _num_micro(run, micro_batch)
     optimizer = 8 * local // (data if zero else 1)
     act = activations(run, micro_batch, gpu)

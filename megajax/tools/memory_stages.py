@@ -8,7 +8,7 @@ import jax
 from flax import nnx
 
 from megajax.config import RunSpec, abstract_model_of
-from megajax.models.transformer import STACK
+from megajax.models.spec import pipelined_stacks
 from megajax.parallel import pipeline, pipeline_1f1b
 from megajax.parallel.sharding import PIPE_AXIS, activate
 from megajax.tools.memory_terms import (
@@ -121,7 +121,8 @@ def tail_parameters(run: RunSpec) -> int:
         stages = jax.sharding.AbstractMesh(tuple(2 if n == PIPE_AXIS else 1 for n in names), names)
         with activate(stages, run.parallel_context):
             _TAILS[key] = pipelined.reads(run.model_spec.objective, graphdef, params, batch).tail
-    return sum(p.per_device for p in parameters(run) if p.module in _TAILS[key] and p.module != STACK)
+    return sum(p.per_device for p in parameters(run) if p.module in _TAILS[key]
+               and p.module not in pipelined_stacks(run.stacks))
 
 
 def tick_loop_gradient_bytes(run: RunSpec, stack: int) -> int:

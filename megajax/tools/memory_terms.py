@@ -12,7 +12,7 @@ import jax
 from flax import nnx
 
 from megajax.config import RunSpec, abstract_model_of
-from megajax.models.transformer import STACK, attention_reason
+from megajax.models.transformer import attention_reason
 from megajax.parallel.sharding import fsdp_spec, logical_to_spec, spec_axes
 
 FP32 = 4
@@ -38,18 +38,28 @@ def trunk_rows(run: RunSpec, micro_batch: int) -> int:
     return micro_batch * run.model_spec.rows_per_example
 
 
-def layer_residual_bytes(run: RunSpec, micro_batch: int, remat: str | None = None, gpu: bool = False) -> int:
-    """Bytes one transformer layer keeps for its backward pass on one device of ``run``'s mesh (``remat`` defaults
+def stack_residual_bytes(run: RunSpec, micro_batch: int, remat: str | None = None, gpu: bool = False) -> int:
+    """Bytes the model's layers keep for their backward pass on one device of ``run``'s mesh (``remat`` defaults
     to the model's; ``gpu``: as compiled for an NVIDIA GPU, where cuDNN's attention keeps less, ``attention_for``):
-    the model's own inventory (``ModelSpec.layer_residuals``; the trunk's block: ``models.block_memory``)."""
+    each of its stacks' count of its layer kind's own inventory (``LayerKind.residuals``; the trunk's block:
+    ``models.block_memory``), and what context parallelism adds to each layer."""
     split = run.mesh.model if run.sequence else 1  # the residual stream's share on one device
-    # the expert shards only where there are any: only a mixture of experts accepts them (``check_mesh``)
-    experts = {"expert": run.mesh.expert} if run.mesh.expert > 1 else {}
     remat, rows, attention = remat or run.model.remat, trunk_rows(run, micro_batch), attention_for(run, gpu)
     local = dataclasses.replace(run.model, max_seq_len=run.model.max_seq_len // run.mesh.context)
-    kept = run.model_spec.layer_residuals(local, rows, run.mesh.model, split, remat, compute_bytes(run), attention,
-                                          **experts)
-    return kept + context_attention_bytes(run, rows, remat, attention)
+    context = context_attention_bytes(run, rows, remat, attention)
+    total = 0
+    for stack in run.stacks:
+        experts = {"expert": run.mesh.expert} if stack.kind.routed else {}  # only a routed layer has expert shards
+        kept = stack.kind.residuals(local, rows, run.mesh.model, split, remat, compute_bytes(run), attention, **experts)
+        total += stack.count * (kept + context)
+    return total
+
+
+def layer_residual_bytes(run: RunSpec, micro_batch: int, remat: str | None = None, gpu: bool = False) -> int:
+    """Bytes one layer keeps (``stack_residual_bytes``): a model of one layer kind, its layer's; of several, the mean
+    over its layers, rounded up (what a recomputed layer's working set and a pipeline stage's layers are planned
+    with)."""
+    return -(-stack_residual_bytes(run, micro_batch, remat, gpu) // sum(stack.count for stack in run.stacks))
 
 
 def context_attention_bytes(run: RunSpec, rows: int, remat: str, attention: str) -> int:
@@ -152,12 +162,13 @@ def attention_backward_bytes(run: RunSpec, micro_batch: int, gpu: bool = False) 
     return copies * scores * FP32
 
 
-def traced_layer_residual_bytes(run: RunSpec, micro_batch: int) -> int:
+def traced_layer_residual_bytes(run: RunSpec, micro_batch: int, scan: int = 0) -> int:
     """One layer's residuals on a single device, read from the traced gradient (abstract values only).
 
-    Sums the per-layer slices of the forward layer scan's stacked outputs in ``jax.make_jaxpr(jax.grad(loss))``,
-    leaving out the stacked weights that full / save_dots recomputation passes through (those are the
-    parameters, not activations). The check behind ``layer_residual_bytes``.
+    Sums the per-layer slices of a forward layer scan's stacked outputs in ``jax.make_jaxpr(jax.grad(loss))`` (the
+    ``scan``-th scan of the gradient's jaxpr: the forward ones come first, in the order the model runs its
+    stacks), leaving out the stacked weights that full / save_dots recomputation passes through (those are the
+    parameters, not activations). The check behind each ``LayerKind.residuals``.
     """
     graphdef, state = nnx.split(abstract_model_of(run))
     params = nnx.to_pure_dict(state)
@@ -166,8 +177,8 @@ def traced_layer_residual_bytes(run: RunSpec, micro_batch: int) -> int:
              for k, f in run.batch_fields.items()}
     key = jax.random.key(0) if run.model.dropout > 0 else None
     jaxpr = jax.make_jaxpr(jax.grad(lambda p, x: objective.loss(nnx.merge(graphdef, p), x, key)[0]))(params, batch)
-    forward = next(e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan")  # the layer stack's forward pass
-    layer_weights = {v.shape[1:] for v in jax.tree.leaves(params[STACK])}
+    forward = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"][scan]  # a layer stack's forward pass
+    layer_weights = {v.shape[1:] for stack in run.stacks for v in jax.tree.leaves(params[stack.attr])}
     total = 0
     for v in forward.outvars[forward.params["num_carry"]:]:
         shape, dtype = v.aval.shape[1:], v.aval.dtype
@@ -181,7 +192,7 @@ def traced_layer_residual_bytes(run: RunSpec, micro_batch: int) -> int:
 class Parameter:
     """One parameter of the abstract model as a mesh holds it."""
 
-    module: str  # its top-level module (``transformer.STACK``: the stacked layers)
+    module: str  # its top-level module (a ``Stack``'s ``attr``: stacked layers)
     names: tuple[str | None, ...]  # its logical axis names (the stacked layers' lead with ``layers``)
     shape: tuple[int, ...]
     per_device: int  # elements one device holds
@@ -216,9 +227,10 @@ def _inventory(run: RunSpec) -> tuple[tuple[str, tuple, tuple], ...]:
     return _INVENTORIES[key]
 
 
-def params_per_device(run: RunSpec, split_over_data: bool = False, only: str | None = None) -> tuple[int, int]:
+def params_per_device(run: RunSpec, split_over_data: bool = False,
+                      only: tuple[str, ...] | None = None) -> tuple[int, int]:
     """(total parameters, parameters held by one device of ``run``'s mesh) as its rules lay them out, or with
-    ``split_over_data`` as ``parallel.fsdp`` stores them (``parameters``); ``only``: those of one top-level module
-    (``blocks``)."""
-    held = [p for p in parameters(run, split_over_data) if only is None or p.module == only]
+    ``split_over_data`` as ``parallel.fsdp`` stores them (``parameters``); ``only``: those of these top-level
+    modules (stacks' ``attr``s)."""
+    held = [p for p in parameters(run, split_over_data) if only is None or p.module in only]
     return sum(math.prod(p.shape) for p in held), sum(p.per_device for p in held)

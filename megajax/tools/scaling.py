@@ -184,13 +184,13 @@ class Prediction:
         return self.pipeline.bubble()
 
 
-def gemms(run: RunSpec, tensor: int, micro_batch: int) -> tuple[list[tuple], list[tuple], tuple]:
-    """One GPU's forward GEMMs per micro-batch as (batch, m, k, n): the layer's dense ones (one per kernel of the
-    abstract model's layer, ``layout``), its attention core's (QK^T and AV per local head), and the output
-    layer's over the padded vocabulary."""
+def gemms(run: RunSpec, tensor: int, micro_batch: int, stack: int = 0) -> tuple[list[tuple], list[tuple], tuple]:
+    """One GPU's forward GEMMs per micro-batch as (batch, m, k, n): a layer's dense ones (one per kernel of the
+    abstract model's layer on its ``stack``-th stack, ``layout``), its attention core's (QK^T and AV per local
+    head), and the output layer's over the padded vocabulary."""
     cfg = run.model
     s, tokens, local_heads = cfg.max_seq_len, micro_batch * cfg.max_seq_len, micro_batch * cfg.num_heads / tensor
-    dense = [(1, tokens, k, n) for k, n in layout(run, tensor).gemms]
+    dense = [(1, tokens, k, n) for k, n in layout(run, tensor).stacks[stack].gemms]
     attention = [(local_heads, s, cfg.head_dim, s), (local_heads, s, s, cfg.head_dim)]
     return dense, attention, (1, tokens, cfg.hidden_size, cfg.padded_vocab_size / tensor)
 
@@ -201,18 +201,19 @@ GEMMs and scores). save_dots keeps the dense GEMMs' outputs but not the batched 
 
 
 def compute_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster, expert: int = 1) -> float:
-    """One GPU's compute time for one micro-batch, forward + backward (+ recomputation), without communication: L
-    layers (``layer_s``) and the output layer (``head_s``)."""
-    layers = run.model.num_layers * layer_s(run, tensor, micro_batch, cluster, expert)
+    """One GPU's compute time for one micro-batch, forward + backward (+ recomputation), without communication:
+    each stack's layers (``layer_s``) and the output layer (``head_s``)."""
+    layers = sum(st.count * layer_s(run, tensor, micro_batch, cluster, expert, i)
+                 for i, st in enumerate(layout(run, tensor).stacks))
     return layers + head_s(run, tensor, micro_batch, cluster)
 
 
-def layer_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster, expert: int = 1) -> float:
-    """One layer's compute time for one micro-batch on one GPU: its GEMMs at the roofline, its element-wise passes at
-    HBM bandwidth, the fixed overhead; a mixture's routed work on ``expert`` shards
+def layer_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster, expert: int = 1, stack: int = 0) -> float:
+    """One layer's compute time (of the ``stack``-th stack) for one micro-batch on one GPU: its GEMMs at the roofline,
+    its element-wise passes at HBM bandwidth, the fixed overhead; a routed layer's work on ``expert`` shards
     (``scaling_experts.routed_layer_s``)."""
     m = run.model
-    dense, attention, _ = gemms(run, tensor, micro_batch)
+    dense, attention, _ = gemms(run, tensor, micro_batch, stack)
     dots, elementwise, core = RECOMPUTED[m.remat]
     layer = (3 + dots) * sum(gemm_s(*g, cluster) for g in dense)
     layer += (3 + core) * sum(gemm_s(*g, cluster) for g in attention)
@@ -223,7 +224,8 @@ def layer_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster, exper
     sizes = (replicated, tokens * m.hidden_size / tensor, scores)
     repeats = (elementwise, elementwise, core)
     passes = sum(n * ((1 + r) * fwd + bwd) for n, r, (fwd, bwd) in zip(sizes, repeats, cluster.passes))
-    routed = routed_layer_s(run, tensor, micro_batch, expert, cluster)
+    routed = routed_layer_s(run, tensor, micro_batch, expert, cluster) if layout(run, tensor).stacks[stack].routed \
+        else 0.0
     return layer + routed + (HALF * passes / cluster.hbm_bandwidth + cluster.layer_overhead_s)
 
 

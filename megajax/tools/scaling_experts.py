@@ -52,11 +52,12 @@ def routed_gemms(run: RunSpec, tensor: int, micro_batch: int, expert: int) -> li
     E / e experts' three GEMMs, each over the n e / E rows balanced routing gives an expert; none for a dense
     model."""
     lay, cfg = layout(run, tensor), run.model
-    if not lay.experts:
+    routed = next((st for st in lay.stacks if st.routed), None)
+    if routed is None:
         return []
-    per_token = cfg.routed_experts[1]
-    rows = micro_batch * cfg.max_seq_len * per_token * expert / lay.experts
-    return [(lay.experts // expert, rows, k, n) for k, n in lay.expert_gemms]
+    experts, per_token = run.routed_experts
+    rows = micro_batch * cfg.max_seq_len * per_token * expert / experts
+    return [(experts // expert, rows, k, n) for k, n in routed.expert_gemms]
 
 
 def routed_layer_s(run: RunSpec, tensor: int, micro_batch: int, expert: int, cluster: Cluster) -> float:
@@ -68,9 +69,10 @@ def routed_layer_s(run: RunSpec, tensor: int, micro_batch: int, expert: int, clu
         return 0.0
     cfg = run.model
     again = 1 if cfg.remat in ("full", "save_dots") else 0
-    n, h = micro_batch * cfg.max_seq_len * cfg.routed_experts[1], cfg.hidden_size
-    block = expert * cfg.exchange_rows(micro_batch, expert)  # the rows a GPU's buffers hold: e m
-    widened = sum(width for k, width in layout(run, tensor).expert_gemms if k == h)  # gate and up: 2F/t
+    n, h = micro_batch * cfg.max_seq_len * run.routed_experts[1], cfg.hidden_size
+    block = expert * run.exchange_rows(micro_batch, expert)  # the rows a GPU's buffers hold: e m
+    routed = next(st for st in layout(run, tensor).stacks if st.routed)
+    widened = sum(width for k, width in routed.expert_gemms if k == h)  # gate and up: 2F/t
     forward = sum(p * size for p, size in zip(DISPATCH_PASSES, (block * h, n * h, block * widened)))
     gemms = sum(gemm_s(*g, cluster) for g in grouped)
     return (3 + again) * gemms + (3 + again) * HALF * forward / cluster.hbm_bandwidth
@@ -82,11 +84,11 @@ def expert_comm_s(run: RunSpec, mesh: tuple[int, int], micro_batch: int, expert:
     (module docstring); 0 for a dense model."""
     data, tensor = mesh
     cfg = run.model
-    experts, per_token = cfg.routed_experts
+    experts, per_token = run.routed_experts
     if not experts:
         return 0.0
-    layers, redo = cfg.num_layers, 2 if cfg.remat == "full" else 1
-    moved = minimum(comm_shape(run, mesh, micro_batch, 1, layers, expert))["expert all-to-all"]
+    layers, redo = run.routed_layers, 2 if cfg.remat == "full" else 1
+    moved = minimum(comm_shape(run, mesh, micro_batch, 1, cfg.num_layers, expert))["expert all-to-all"]
     exchanges = (3 * redo + 2) * layers  # forward: rows there, their ids, outputs back; backward: the two rows'
     out = all_to_all_s(moved, expert, tensor, cluster, exchanges)
     if data * expert > 1:

@@ -1,7 +1,7 @@
 """What the scaling model reads of a resolved run beyond its model's frozen config and spec: its parameters per GPU
-and per pipeline stage and its layer's GEMM shapes, from the abstract model through the sharding rules (``layout``:
-nothing here describes a block by formula), the communication budget's ``Shape`` of it on a mesh (``comm_shape``),
-and the choices it is planned with (``with_choices``) and their flags.
+and per pipeline stage and its layers' GEMM shapes, stack by stack, from the abstract model through the sharding
+rules (``layout``: nothing here describes a block by formula), the communication budget's ``Shape`` of it on a
+mesh (``comm_shape``), and the choices it is planned with (``with_choices``) and their flags.
 
 The scaling model's runs are resolved without the training checks (``resolve(..., training=False)``): it reads the
 model and its parallel choices, and checks the batch against each mesh itself."""
@@ -14,7 +14,7 @@ import math
 
 from megajax.config import NO_SCHEDULE, RunSpec, replanned
 from megajax.errors import ConfigError
-from megajax.models.transformer import STACK
+from megajax.models.spec import all_reduces
 from megajax.parallel.sharding import Rules, entry_axes, logical_to_spec
 from megajax.tools.comm_minimum import Shape, data_gradient_elements, kv_head_elements
 from megajax.tools.memory_terms import parameters
@@ -29,22 +29,74 @@ _PARAMETERS_ONLY = {"mesh.pipe": 1, "mesh.data": 1, "mesh.expert": 1,
 
 
 @dataclasses.dataclass(frozen=True)
+class StackLayout:
+    """One of a model's layer stacks (``ModelSpec.stacks``) on one of ``tensor`` model-parallel GPUs."""
+
+    count: int  # its layers
+    layer: int  # one layer's parameters on one GPU
+    gemms: tuple[tuple[int, int], ...]  # one layer's weight GEMMs on one GPU, (k, n) per kernel, over every token
+    routed: bool = False  # its layers' MLP is a mixture of experts (``LayerKind.routed``)
+    expert_layer: int = 0  # of ``layer``, the experts' parameters (all of them: one expert shard)
+    expert_gemms: tuple[tuple[int, int], ...] = ()  # one expert's weight GEMMs on one GPU, over its tokens
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
     """What the abstract model of a run says about one of ``tensor`` model-parallel GPUs (``layout``)."""
 
     total: int  # parameters of the whole model
-    ends: int  # parameters outside the layer stack on one GPU: embeddings, final norm, output layer
-    layer: int  # one layer's parameters on one GPU
-    gemms: tuple[tuple[int, int], ...]  # one layer's weight GEMMs on one GPU, (k, n) per kernel, over every token
+    ends: int  # parameters outside the layer stacks on one GPU: embeddings, final norm, output layer
+    stacks: tuple[StackLayout, ...]  # the model's layer stacks, in ``ModelSpec.stacks`` order
     tied: bool  # one (vocabulary, hidden) weight: the word embedding is the output layer
-    experts: int = 0  # a mixture of experts' routed experts per layer (0: dense)
-    expert_layer: int = 0  # of ``layer``, the experts' parameters (all of them: one expert shard)
-    expert_gemms: tuple[tuple[int, int], ...] = ()  # one expert's weight GEMMs on one GPU, over its tokens
+    experts: int = 0  # a mixture of experts' routed experts per routed layer (0: dense)
+
+    @property
+    def layers(self) -> int:
+        """The model's layers, every stack's."""
+        return sum(st.count for st in self.stacks)
+
+    @property
+    def layer(self) -> int:
+        """The mean layer's parameters on one GPU (a model of one layer kind: its layer's)."""
+        return sum(st.count * st.layer for st in self.stacks) // self.layers
+
+    @property
+    def expert_layer(self) -> int:
+        """Of ``layer``, the mean layer's experts' parameters (all of them: one expert shard)."""
+        return sum(st.count * st.expert_layer for st in self.stacks) // self.layers
 
     def local(self, layers: int, expert: int = 1) -> int:
         """Parameters on one GPU of a model (or pipeline stage) of ``layers`` layers and the ends, its experts split
-        over ``expert`` shards."""
-        return self.ends + layers * (self.layer - self.expert_layer + self.expert_layer // expert)
+        over ``expert`` shards: the whole model's layers exactly, a stage's as ``layers`` mean layers."""
+        held = sum(st.count * (st.layer - st.expert_layer + st.expert_layer // expert) for st in self.stacks)
+        return self.ends + held * layers // self.layers
+
+
+def layout(run: RunSpec, tensor: int) -> Layout:
+    """``run``'s parameters on one of ``tensor`` GPUs, read from its abstract model (``nnx.eval_shape``, the memory
+    planner's ``parameters``) through the sharding rules, stack by stack (``RunSpec.stacks``); built once per model
+    and ``tensor`` whatever the run's choices (``_on_model_shards``), so the mesh search builds each once."""
+    # the rules on one model shard are the rules before the model's overrides (``_gemm``)
+    return _layout(_on_model_shards(run, tensor), _on_model_shards(run, 1).rules)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(run: RunSpec, unsplit: Rules) -> Layout:
+    params, stacks = parameters(run), []
+    for stack in run.stacks:
+        stacked = [p for p in params if p.module == stack.attr]
+        routed = [p for p in stacked if EXPERTS in p.names]  # (layers, experts, ...): each expert's GEMMs alone
+        stacks.append(StackLayout(
+            count=stack.count, layer=sum(p.per_device for p in stacked) // stack.count,
+            gemms=tuple(_gemm(p.names[1:], p.shape[1:], unsplit, run.mesh.model) for p in stacked
+                        if p not in routed and _is_kernel(p.names[1:])),
+            routed=stack.kind.routed, expert_layer=sum(p.per_device for p in routed) // stack.count,
+            expert_gemms=tuple(_gemm(p.names[2:], p.shape[2:], unsplit, run.mesh.model) for p in routed
+                               if _is_kernel(p.names[2:]))))
+    vocab = [p for p in params if "vocab" in p.names and "embed" in p.names]
+    held = sum(st.count * st.layer for st in stacks)
+    return Layout(total=sum(math.prod(p.shape) for p in params), ends=sum(p.per_device for p in params) - held,
+                  stacks=tuple(stacks), tied=len(vocab) == 1, experts=run.routed_experts[0])
 
 
 @functools.lru_cache(maxsize=1024)
@@ -57,37 +109,6 @@ def _on_model_shards(run: RunSpec, tensor: int) -> RunSpec:
 
 
 @functools.lru_cache(maxsize=4096)
-def layout(run: RunSpec, tensor: int) -> Layout:
-    """``run``'s parameters on one of ``tensor`` GPUs, read from its abstract model (``nnx.eval_shape``, the memory
-    planner's ``parameters``) through the sharding rules; built once per model and ``tensor`` whatever the run's
-    choices (``_on_model_shards``), so the mesh search builds each once."""
-    # the rules on one model shard are the rules before the model's overrides (``_gemm``)
-    return _layout(_on_model_shards(run, tensor), _on_model_shards(run, 1).rules)
-
-
-@functools.lru_cache(maxsize=256)
-def _layout(run: RunSpec, unsplit: Rules) -> Layout:
-    layers = run.model.num_layers
-    if len(run.model.routed_layers) not in (0, layers):
-        raise ConfigError(f"the scaling model times a stack of alike layers; this mixture of experts has "
-                          f"{layers - len(run.model.routed_layers)} dense layers among its routed ones "
-                          "(model.mlp_only_layers, model.decoder_sparse_step): `python -m megajax.info` plans its "
-                          "memory and `python -m megajax.comm_report` its communication")
-    params = parameters(run)
-    stacked = [p for p in params if p.module == STACK]
-    layer = sum(p.per_device for p in stacked) // layers
-    routed = [p for p in stacked if EXPERTS in p.names]  # (layers, experts, ...): each expert's GEMMs alone
-    gemms = tuple(_gemm(p.names[1:], p.shape[1:], unsplit, run.mesh.model) for p in stacked
-                  if p not in routed and _is_kernel(p.names[1:]))
-    expert_gemms = tuple(_gemm(p.names[2:], p.shape[2:], unsplit, run.mesh.model) for p in routed
-                         if _is_kernel(p.names[2:]))
-    vocab = [p for p in params if "vocab" in p.names and "embed" in p.names]
-    return Layout(total=sum(math.prod(p.shape) for p in params), ends=sum(p.per_device for p in params) -
-                  layers * layer, layer=layer, gemms=gemms, tied=len(vocab) == 1,
-                  experts=run.model.routed_experts[0], expert_layer=sum(p.per_device for p in routed) // layers,
-                  expert_gemms=expert_gemms)
-
-
 def _is_kernel(names: tuple) -> bool:
     """A layer's weight that multiplies every token's hidden state, or yields it: the hidden size (``embed``) on
     one side, other axes on the other (norm scales and biases have one side only)."""
@@ -117,22 +138,25 @@ def parameters_per_gpu(run: RunSpec, tensor: int = 1, stages: int = 1, expert: i
 def comm_shape(run: RunSpec, mesh: tuple[int, int], micro_batch: int, num_micro: int, layers: int,
                expert: int = 1, context: int = 1) -> Shape:
     """The communication budget's ``Shape`` of ``layers`` layers of a model (and the ends) on a (data, model) mesh
-    with ``expert`` expert shards and ``context`` context shards, in half precision: the spec's all-reduces per
+    with ``expert`` expert shards and ``context`` context shards, in half precision: the layer kinds' all-reduces per
     layer, the abstract model's parameters (as ``comm_budget.step_shape`` reads a compiled run's), a mixture's
     routed assignments, one device's chunks of the keys and values."""
-    cfg, spec, tensor = run.model, run.model_spec, mesh[1]
+    cfg, tensor = run.model, mesh[1]
     lay, kv_head = layout(run, tensor), kv_head_elements(cfg, tensor)
     local = data_gradient_elements(cfg, lay.local(layers, expert), layers, kv_head)
-    experts, per_token = cfg.routed_experts
+    experts, per_token = run.routed_experts
+    forward, redone = all_reduces(run.stacks)
     kv_local = 1 if cfg.kv_replicated(tensor) else cfg.kv_heads // tensor
     seq = cfg.max_seq_len // context
     return Shape(micro_batch=micro_batch, num_micro=num_micro, seq=seq, hidden=cfg.hidden_size,
                  layers=layers, tensor=tensor, data=mesh[0], activation_bytes=HALF, local_grad_elements=local,
-                 tensor_all_reduces=spec.tensor_all_reduces, recomputed_all_reduces=spec.recomputed_all_reduces,
+                 tensor_all_reduces=forward * layers // lay.layers,
+                 recomputed_all_reduces=redone * layers // lay.layers,
                  remat=cfg.remat, kv_head_elements=kv_head, expert=expert,
                  expert_grad_elements=layers * lay.expert_layer // expert, num_experts=experts,
                  routed_rows=micro_batch * cfg.max_seq_len * per_token,
-                 exchange_rows=cfg.exchange_rows(micro_batch, expert), routed_layers=layers if experts else 0,
+                 exchange_rows=run.exchange_rows(micro_batch, expert),
+                 routed_layers=run.routed_layers * layers // lay.layers,
                  context=context, context_kv_elements=micro_batch * seq * kv_local * cfg.head_dim if context > 1 else 0)
 
 

@@ -52,7 +52,7 @@ def candidate_meshes(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch
     expert (and micro-batches). ``pipe``: only that many stages (None: every count that divides the layers)."""
     out, layers = [], run.model.num_layers
     fits = {t: splits_evenly(run, t) for t in range(1, min(num_gpus, cluster.gpus_per_node) + 1)}
-    experts = [e for e in range(1, (run.model.routed_experts[0] or 1) + 1) if _runs(run, 1, 1, e)]
+    experts = [e for e in range(1, (run.routed_experts[0] or 1) + 1) if _runs(run, 1, 1, e)]
     for stages in range(1, num_gpus + 1):
         if num_gpus % stages or layers % stages or (pipe is not None and stages != pipe) or not _runs(run, 1, stages):
             continue
@@ -168,7 +168,7 @@ def recommend_mesh(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch: 
 def format_table(table: list[Prediction], best: Prediction | None) -> str:
     """The CLI's table of meshes and its recommendation (a mixture of experts' with the expert shards and the time
     of their all-to-alls)."""
-    routed = any(p.run.model.routed_experts[0] for p in table)
+    routed = any(p.run.routed_experts[0] for p in table)
     contexts = any(p.mesh.context > 1 for p in table)
     lines = [f"{'pipe':>4} {'mesh':>8} {'expert':>6} " * routed + f"{'pipe':>4} {'mesh':>8} " * (not routed) +
              f"{'ctx':>4} " * contexts +
@@ -196,7 +196,7 @@ def format_table(table: list[Prediction], best: Prediction | None) -> str:
         schedule = (f" ({pl.schedule}{f' v={pl.repeats}' if pl.repeats > 1 else ''}, {pl.microbatches} "
                     f"microbatches, bubble {pl.bubble():.1%})" if pl.stages > 1 else "")
         remat, sequence, _, _ = choices(best.run)
-        experts = f" x expert={best.mesh.expert}" if best.run.model.routed_experts[0] else ""
+        experts = f" x expert={best.mesh.expert}" if best.run.routed_experts[0] else ""
         experts += f" x context={best.mesh.context}" if best.mesh.context > 1 else ""
         lines.append(f"recommendation: pipe={pl.stages} x data={best.mesh.data}{experts} x model={best.mesh.model}"
                      f"{schedule}, "
@@ -209,7 +209,7 @@ def format_table(table: list[Prediction], best: Prediction | None) -> str:
 def flags(prediction: Prediction) -> str:
     """The train.py flags of a prediction's mesh, schedule and choices."""
     pl, m = prediction.pipeline, prediction.mesh
-    experts = f" --config.mesh.expert={m.expert}" if prediction.run.model.routed_experts[0] else ""
+    experts = f" --config.mesh.expert={m.expert}" if prediction.run.routed_experts[0] else ""
     experts += f" --config.mesh.context={m.context}" if m.context > 1 else ""
     mesh = f"--config.mesh.pipe={m.pipe} --config.mesh.data={m.data}{experts} --config.mesh.model={m.model}"
     return " ".join(f for f in (mesh, pl.flags(), choice_flags(prediction.run)) if f)
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     if not run.model_spec.causal_lm:
         raise SystemExit(f"error: the scaling model covers causal language models (GPT configs); {args.config} is "
                          f"{run.model_name}")
-    if args.context > 1 and run.model.routed_experts[0]:
+    if args.context > 1 and run.routed_experts[0]:
         p.error("--context plans dense models' meshes (no expert shards); this config is a mixture of experts")
     cluster = CLUSTERS[args.cluster]
     if args.pipe > 1:  # a model that does not run in stages (a mixture of experts) says why, before the search
@@ -264,8 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     best, table = recommend_mesh(run, args.gpus, cluster, batch, micro or None, args.grad_bytes,
                                  choose=not args.keep_choices, pipe=args.pipe or None, context=args.context)
     if not table:
-        axes = "(data, expert, model)" if run.model.routed_experts[0] else "(pipe, data, model)"
-        parts = "layers, heads" + (", experts" if run.model.routed_experts[0] else "")
+        axes = "(data, expert, model)" if run.routed_experts[0] else "(pipe, data, model)"
+        parts = "layers, heads" + (", experts" if run.routed_experts[0] else "")
         micros = f" (and micro-batches of {micro})" if micro else ""
         raise SystemExit(f"error: no {axes} mesh of {args.gpus} GPUs divides the model (its {parts}) and the global "
                          f"batch of {batch}{micros}; try another --gpus or --global_batch")
