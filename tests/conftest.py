@@ -367,6 +367,16 @@ def step_losses(config, initial: dict, key: str, steps: int) -> list[float]:
     return losses
 
 
+def assert_planned_within_10_percent(run: RunSpec, micro_batch: int) -> None:
+    """The memory planner's temp and peak of ``run`` at ``micro_batch`` within 10% of its compiled step's (a new
+    family's check that the planner counts its layers)."""
+    from megajax.tools.memory_planner import compiled_memory, memory_report
+
+    report, compiled = memory_report(run, micro_batch=micro_batch), compiled_memory(run, micro_batch=micro_batch)
+    assert compiled.temp == pytest.approx(report.temp_bytes, rel=0.10)
+    assert compiled.peak == pytest.approx(report.peak_bytes, rel=0.10)
+
+
 def assert_same_step(loss: float, change, want_loss: float, want_change) -> None:
     """One step's loss within 1e-6 (relative) and its parameter changes within 1e-5 of a reference's (with AdamW at
     eps >> |g| the changes are the gradients, x lr / eps); every reference leaf must have moved."""

@@ -41,7 +41,8 @@ class GPTConfig(TransformerConfig):
 
 class GPT(CausalDecoder):
     """GPT-2 language model: ``tokens (B, S) -> logits (B, S, padded_vocab)`` with padded ids masked. A variant
-    with another layer subclasses it and names the layer's class (``block_class``)."""
+    with another layer subclasses it and names the layer's class (``block_class``); one with other stacks defines
+    ``_make_layers`` and ``_run_layers``, as Llama's variants do."""
 
     block_class: type[nnx.Module] = Block
 
@@ -52,8 +53,17 @@ class GPT(CausalDecoder):
                                           rngs=rngs)
         self.wpe = make_param(rngs, nnx.initializers.normal(cfg.init_std), (cfg.max_seq_len, cfg.hidden_size),
                               ("position", "embed"))
-        self.blocks = make_blocks(cfg, rngs, self.block_class)
+        self._make_layers(cfg, rngs)
         self.ln_f = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
+
+    def _make_layers(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
+        """The layer stack: ``cfg.num_layers`` of ``block_class`` (``make_blocks``)."""
+        self.blocks = make_blocks(cfg, rngs, self.block_class)
+
+    def _run_layers(self, x: jax.Array, mask: jax.Array, dropout_key: jax.Array | None, cache, index,
+                    stack: pipeline.StackRunner = pipeline.run_stack):
+        """The layers over ``x``: their output and key/value cache (``run_blocks``)."""
+        return run_blocks(self.blocks, self.cfg, x, mask, dropout_key, cache, index, stack=stack)
 
     def _forward(self, tokens, dropout_key, cache, index, documents=None, stack=pipeline.run_stack):
         cfg = self.cfg
@@ -74,7 +84,7 @@ class GPT(CausalDecoder):
         kv_len = s if cache is None else cache[0].shape[2]
         # (1, 1, S, S_kv); packed rows: (B, 1, S, S), within each document
         mask = causal_mask(index + jnp.arange(s), kv_len) if documents is None else documents.mask()
-        x, cache = run_blocks(self.blocks, cfg, x, mask, k_layers, cache, index, stack=stack)
+        x, cache = self._run_layers(x, mask, k_layers, cache, index, stack)
         logits = self.wte.attend(self.ln_f(x), rows)  # (B, S, V_padded)
         return mask_padded_vocab(logits, cfg.vocab_size), cache
 

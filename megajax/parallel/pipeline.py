@@ -322,6 +322,14 @@ def run_stack(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: A
     return constrain(plan.from_io(ys), RESIDUAL)
 
 
+def run_whole(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: Any,
+              layer_keys: jax.Array | None) -> jax.Array:
+    """The ``StackRunner`` of a stack that is not split over pipeline stages (a ``models.spec.Stack`` with
+    ``pipelined=False``): ``scan_layers`` on ``x`` as it is, each stage running the whole stack on its share of
+    the rows, as it runs the embedding."""
+    return scan_layers(blocks, x, mask, layer_keys, True)
+
+
 def _stages(call: StackCall) -> _Stages:
     """``call`` laid out for the schedules (``run_stack``)."""
     p, v, x, mask, rows = stages(), repeats(), call.x, call.mask, call.x.shape[0]

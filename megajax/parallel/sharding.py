@@ -36,6 +36,7 @@ CONTEXT_AXIS = "context"
 SEQUENCE_PARALLEL_NAME = "seq_sp"  # the residual stream's sequence axis
 
 # Megatron-LM (Shoeybi et al. 2019, Section 3) as a rules table.
+WHOLE_LAYERS = "whole_layers"  # the stacked-layer axis of a stack not split over pipeline stages
 MEGATRON_RULES: Rules = (
     ("batch", "data"),  # activations' batch dimension
     ("seq", None),  # the sequence where a tensor-parallel GEMM or attention needs all of it
@@ -54,7 +55,8 @@ MEGATRON_RULES: Rules = (
     ("head_dim", None),
     ("mlp", "model"),  # MLP-up columns / MLP-down rows
     ("experts", None),  # a mixture-of-experts layer's stacked experts: each shard holds every expert's `mlp` slice
-    ("layers", None),  # the stacked-layer axis of scanned blocks
+    ("layers", None),  # the stacked-layer axis of scanned blocks (over `pipe` with pipeline stages)
+    (WHOLE_LAYERS, None),  # that of a stack every pipeline stage runs whole (``models.spec.Stack.pipelined``)
     ("embed_out", None),  # output side of the small replicated h -> h heads (pooler, MLM transform)
     ("classes", None),  # classifier outputs (SOP, task heads)
 )
@@ -205,7 +207,7 @@ FSDP_GATHERED = "fsdp_gathered"  # checkpoint name of a parameter gathered at us
 def fsdp_spec(names: Sequence[str], shape: tuple[int, ...], rules: Rules, mesh_shape: Mapping[str, int]) -> P:
     """Where ``parallel.fsdp`` stores a parameter: its rules layout, split over ``data`` as well (never on the stacked
     ``layers`` dimension: the scan slices one layer out of it, and a split there would gather the whole stack)."""
-    keep = [i for i, n in enumerate(names) if n == "layers"]
+    keep = [i for i, n in enumerate(names) if n in ("layers", WHOLE_LAYERS)]
     return spec_over_data(logical_to_spec(names, rules), shape, mesh_shape, keep_whole=keep)
 
 
