@@ -17,12 +17,12 @@ from megajax.config import RunSpec
 from megajax.config.build import abstract_model_of
 from megajax.errors import ConfigError
 from megajax.models import ModelSpec
-from megajax.models.spec import all_reduces, pipelined_stacks
+from megajax.models.spec import pipelined_stacks
 from megajax.parallel import pipeline, pipeline_1f1b
 from megajax.parallel.hlo_audit import Collective, collectives
 from megajax.parallel.partition import over_data
 from megajax.parallel.sharding import RESIDUAL, activate, logical_to_spec, spec_axes
-from megajax.tools.comm_minimum import CATEGORIES, Shape, data_gradient_elements, kv_head_elements, minimum
+from megajax.tools.comm_minimum import CATEGORIES, Shape, data_gradient_elements, kv_head_elements, minimum, shape_of
 from megajax.tools.memory_terms import parameters
 from megajax.training import pipelined
 
@@ -197,34 +197,23 @@ def step_shape(run) -> Shape:
     if spec.sequence and spec.mesh.pipe > 1:  # under stages the positions' gradient is reduced over data as its shard
         local -= sum(a.size - a.size // spec.mesh.model for name, a in params.items() if name in model.sequence_rows
                      for a in jax.tree.leaves(a))
-    experts, per_token = spec.routed_experts
-    forward, redone = all_reduces(spec.stacks)
     expert_grad = sum(model_shard_elements(a) for a in jax.tree.leaves(params)
                       if "expert" in spec_axes(a.sharding.spec))
-    c = spec.mesh.context
-    kv_local = cfg.kv_heads // spec.mesh.model if not cfg.kv_replicated(spec.mesh.model) else 1
-    return Shape(micro_batch=rows, num_micro=spec.num_micro, seq=cfg.max_seq_len // c,
-                 hidden=cfg.hidden_size, layers=cfg.num_layers, tensor=spec.mesh.model, data=spec.mesh.data,
-                 activation_bytes=np.dtype(cfg.compute_dtype).itemsize, local_grad_elements=local,
-                 tensor_all_reduces=forward, recomputed_all_reduces=redone,
-                 remat=cfg.remat, sequence=spec.sequence,
-                 sequence_grad_elements=sequence_grad_elements(params, spec.mesh.model, model) - kv_weight
-                 if spec.sequence else 0, pooled_rows=model.pooled_rows * rows,
-                 sequence_layer_elements=(sequence_grad_elements({n: params[n] for n in staged}, spec.mesh.model,
-                                                                 model) - kv_weight) // cfg.num_layers
-                 if spec.sequence and staged else 0,
-                 gathered_shard_elements=gathered_shard_elements(run, reads), kv_head_elements=kv_head,
-                 expert=spec.mesh.expert, expert_grad_elements=expert_grad, num_experts=experts,
-                 routed_rows=spec.micro_batch * cfg.max_seq_len // spec.mesh.context * per_token,
-                 exchange_rows=spec.exchange_rows(spec.micro_batch, spec.mesh.expert),
-                 routed_layers=spec.routed_layers, head_norm_elements=head_norm_elements(spec),
-                 head_dim=cfg.head_dim, context=c,
-                 context_kv_elements=spec.micro_batch * cfg.max_seq_len // c * kv_local * cfg.head_dim
-                 if c > 1 else 0, context_key_bytes=(8 if spec.dataset is not None and spec.dataset.packed else 4)
-                 if model.causal_lm else 1,
-                 stage_grad_elements=stage if spec.mesh.pipe > 1 else 0, tied_elements=tied_elements(params, reads),
-                 sequence_tail_elements=sequence_grad_elements(tail, spec.mesh.model, model) if spec.sequence else 0,
-                 **_pipeline_shape(spec, reads))
+    m = spec.mesh
+    return shape_of(
+        spec, micro_batch=rows, num_micro=spec.num_micro, tensor=m.model, data=m.data, expert=m.expert,
+        context=m.context, layers=cfg.num_layers, activation_bytes=np.dtype(cfg.compute_dtype).itemsize,
+        local_grad_elements=local, sequence=spec.sequence,
+        sequence_grad_elements=sequence_grad_elements(params, m.model, model) - kv_weight if spec.sequence else 0,
+        pooled_rows=model.pooled_rows * rows,
+        sequence_layer_elements=(sequence_grad_elements({n: params[n] for n in staged}, m.model, model)
+                                 - kv_weight) // cfg.num_layers if spec.sequence and staged else 0,
+        gathered_shard_elements=gathered_shard_elements(run, reads), expert_grad_elements=expert_grad,
+        head_norm_elements=head_norm_elements(spec),
+        context_key_bytes=(8 if spec.dataset is not None and spec.dataset.packed else 4) if model.causal_lm else 1,
+        stage_grad_elements=stage if m.pipe > 1 else 0, tied_elements=tied_elements(params, reads),
+        sequence_tail_elements=sequence_grad_elements(tail, m.model, model) if spec.sequence else 0,
+        **_pipeline_shape(spec, reads))
 
 
 def tied_elements(params: dict, reads: pipelined.Reads | None) -> int:

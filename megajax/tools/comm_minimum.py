@@ -129,7 +129,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from megajax.config import RunSpec
 from megajax.models import TransformerConfig
+from megajax.models.spec import all_reduces
 
 CATEGORIES = ("tensor-parallel forward", "tensor-parallel backward", "loss", "data-parallel gradients",
               "data-parallel parameter gathers", "sequence-parallel extra", "replicated key/value heads",
@@ -289,6 +291,29 @@ def minimum(shape: Shape) -> dict[str, int]:
         kv = 2 * shape.layers * shape.context_kv_elements * shape.activation_bytes * n
         out["context key/value"] = (redo + 1) * kv + shape.context_key_bytes * b * s * n
     return out
+
+
+def shape_of(run: RunSpec, *, micro_batch: int, num_micro: int, tensor: int, data: int, expert: int, context: int,
+             layers: int, activation_bytes: int, local_grad_elements: int, **fields) -> Shape:
+    """The one builder of a ``Shape``: what ``run``'s model communicates (its layers' all-reduces, a mixture's routed
+    rows and exchange, the replicated key/value heads, context parallelism's key/value chunks) for ``layers`` of its
+    layers (their kinds' all-reduces as the mean layer's, ``layers`` / L of the model's) with ``micro_batch``
+    sequences per device on a ``tensor`` x ``data`` x ``expert`` x ``context`` mesh, beside what the caller read
+    of the parameters' layout (``local_grad_elements`` and ``fields``: a compiled run's, ``comm_budget.step_shape``;
+    the abstract model's on a planned mesh, ``scaling_layout.comm_shape``)."""
+    cfg = run.model
+    total = sum(stack.count for stack in run.stacks)
+    forward, redone = all_reduces(run.stacks)
+    seq = cfg.max_seq_len // context
+    kv_local = 1 if cfg.kv_replicated(tensor) else cfg.kv_heads // tensor
+    return Shape(micro_batch=micro_batch, num_micro=num_micro, seq=seq, hidden=cfg.hidden_size, layers=layers,
+                 tensor=tensor, data=data, activation_bytes=activation_bytes, local_grad_elements=local_grad_elements,
+                 tensor_all_reduces=forward * layers // total, recomputed_all_reduces=redone * layers // total,
+                 remat=cfg.remat, kv_head_elements=kv_head_elements(cfg, tensor), expert=expert,
+                 num_experts=run.routed_experts[0], routed_layers=run.routed_layers * layers // total,
+                 routed_rows=micro_batch * seq * run.routed_experts[1],
+                 exchange_rows=run.exchange_rows(micro_batch, expert), head_dim=cfg.head_dim, context=context,
+                 context_kv_elements=micro_batch * seq * kv_local * cfg.head_dim if context > 1 else 0, **fields)
 
 
 def kv_head_elements(cfg: TransformerConfig, tensor: int) -> int:

@@ -14,9 +14,8 @@ import math
 
 from megajax.config import NO_SCHEDULE, RunSpec, replanned
 from megajax.errors import ConfigError
-from megajax.models.spec import all_reduces
 from megajax.parallel.sharding import Rules, entry_axes, logical_to_spec
-from megajax.tools.comm_minimum import Shape, data_gradient_elements, kv_head_elements
+from megajax.tools.comm_minimum import Shape, data_gradient_elements, kv_head_elements, shape_of
 from megajax.tools.memory_terms import parameters
 from megajax.tools.scaling_clusters import HALF
 
@@ -137,27 +136,15 @@ def parameters_per_gpu(run: RunSpec, tensor: int = 1, stages: int = 1, expert: i
 
 def comm_shape(run: RunSpec, mesh: tuple[int, int], micro_batch: int, num_micro: int, layers: int,
                expert: int = 1, context: int = 1) -> Shape:
-    """The communication budget's ``Shape`` of ``layers`` layers of a model (and the ends) on a (data, model) mesh
-    with ``expert`` expert shards and ``context`` context shards, in half precision: the layer kinds' all-reduces per
-    layer, the abstract model's parameters (as ``comm_budget.step_shape`` reads a compiled run's), a mixture's
-    routed assignments, one device's chunks of the keys and values."""
+    """The communication budget's ``Shape`` (``comm_minimum.shape_of``) of ``layers`` layers of a model (and the
+    ends) on a (data, model) mesh with ``expert`` expert shards and ``context`` context shards, in half precision,
+    its gradients from the abstract model's parameters (as ``comm_budget.step_shape`` reads a compiled run's)."""
     cfg, tensor = run.model, mesh[1]
     lay, kv_head = layout(run, tensor), kv_head_elements(cfg, tensor)
     local = data_gradient_elements(cfg, lay.local(layers, expert), layers, kv_head)
-    experts, per_token = run.routed_experts
-    forward, redone = all_reduces(run.stacks)
-    kv_local = 1 if cfg.kv_replicated(tensor) else cfg.kv_heads // tensor
-    seq = cfg.max_seq_len // context
-    return Shape(micro_batch=micro_batch, num_micro=num_micro, seq=seq, hidden=cfg.hidden_size,
-                 layers=layers, tensor=tensor, data=mesh[0], activation_bytes=HALF, local_grad_elements=local,
-                 tensor_all_reduces=forward * layers // lay.layers,
-                 recomputed_all_reduces=redone * layers // lay.layers,
-                 remat=cfg.remat, kv_head_elements=kv_head, expert=expert,
-                 expert_grad_elements=layers * lay.expert_layer // expert, num_experts=experts,
-                 routed_rows=micro_batch * cfg.max_seq_len * per_token,
-                 exchange_rows=run.exchange_rows(micro_batch, expert),
-                 routed_layers=run.routed_layers * layers // lay.layers,
-                 context=context, context_kv_elements=micro_batch * seq * kv_local * cfg.head_dim if context > 1 else 0)
+    return shape_of(run, micro_batch=micro_batch, num_micro=num_micro, tensor=tensor, data=mesh[0], expert=expert,
+                    context=context, layers=layers, activation_bytes=HALF, local_grad_elements=local,
+                    expert_grad_elements=layers * lay.expert_layer // expert)
 
 
 def splits_evenly(run: RunSpec, tensor: int) -> bool:
