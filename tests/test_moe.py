@@ -172,6 +172,8 @@ def _release_the_plain_run():
     yield
     _plain_run.cache_clear()
     _plain_step.cache_clear()
+    _staged.cache_clear()
+    _four_layers.cache_clear()
 
 
 @functools.cache
@@ -217,6 +219,66 @@ def test_expert_shards_compose_with_sequence_parallelism_zero_and_remat(data, mo
     assert_same_step(*_one_step(data, model_axis, expert, **parallel), *_plain_step())
 
 
+@functools.cache
+def _staged(pipe: int, data: int, model_axis: int, layers: int, schedule: str = "gpipe", repeats: int = 1):
+    """(run, config) of the tiny Mixtral with ``layers`` layers in ``pipe`` stages, compiled once for the step and
+    the budget."""
+    from megajax.training.loop import setup
+
+    config = _step_config(data, model_axis, 1, pipeline_schedule=schedule, pipeline_repeats=repeats)
+    config.model.num_layers = layers
+    config.mesh.pipe = pipe
+    return setup(config), config
+
+
+@functools.cache
+def _four_layers():
+    """(run, config) of the 4-layer model on one device: the circular schedule's reference."""
+    return _staged(1, 1, 1, 4)
+
+
+def _staged_step(run, config, initial):
+    """(loss, parameter change in the model's layer order) of one step of ``run`` from ``initial`` (in the model's
+    order)."""
+    from megajax.models.transformer import reorder_layers
+    from megajax.training.data import make_loader
+
+    laid = reorder_layers(initial, (1, 1), run.spec.layer_layout)
+    state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), laid, run.abstract_state)
+    new, metrics = run.step_fn(state, make_loader(resolve(config, jax.device_count())).next_global(
+        run.batch_shardings))
+    params = reorder_layers(jax.tree.map(np.asarray, new.params), run.spec.layer_layout, (1, 1))
+    return float(metrics["loss"]), jax.tree.map(lambda a, b: a - b, params, initial.params)
+
+
+@pytest.mark.parametrize("pipe,data,model_axis,layers,schedule,repeats", [
+    (2, 2, 1, 2, "gpipe", 1), (2, 1, 2, 2, "gpipe", 1), (2, 2, 1, 4, "circular", 2)])
+def test_pipeline_stages_equal_the_plain_step(pipe, data, model_axis, layers, schedule, repeats):
+    """The mixture in GPipe and circular stages, over data replicas and model shards: one step (loss 1e-6, every
+    parameter's change 1e-5) equals the one-device step's, the balancing loss (coefficient 0.02) and the z-loss
+    (0.01) included: the stages return each layer's routing statistics summed over the microbatches and replicas
+    (``pipeline.StackRunner``), so the losses are of the whole batch's routing, as without stages."""
+    if layers == 2:
+        want = _plain_step()
+    else:
+        run, config = _four_layers()
+        want = _staged_step(run, config, jax.tree.map(np.array, run.init_state()))
+    initial = _initial_state() if layers == 2 else jax.tree.map(np.array, _four_layers()[0].init_state())
+    assert_same_step(*_staged_step(*_staged(pipe, data, model_axis, layers, schedule, repeats), initial), *want)
+
+
+@pytest.mark.parametrize("layers,schedule,repeats", [(2, "gpipe", 1), (4, "circular", 2)])
+def test_pipeline_stages_communicate_the_minimum(layers, schedule, repeats):
+    """pipe 2 x data 2: every category at 1.0000 of the minimum, nothing in ``other``: the pipeline's permutes, the
+    gradients, and the routing statistics once per step (the stages' (L, E) assignments and probability mass, z-loss
+    and drops summed over the replicas and gathered over the stages in one all-reduce after the tick loop)."""
+    from megajax.tools.comm_budget import step_budget
+
+    budget = step_budget(_staged(2, 2, 1, layers, schedule, repeats)[0])
+    assert budget.compiled == budget.minimum and budget.ratio == 1.0, budget.table()
+    assert budget.minimum["routing statistics"] == 4 * (2 * 8 + 2) * layers
+
+
 @pytest.mark.parametrize("name,total,active", [("mixtral_8x7b", 46_702_792_704, 12_879_925_248),
                                                ("qwen3_30b_a3b", 30_532_122_624, 3_353_032_704)])
 def test_parameter_counts_equal_the_published_ones(name, total, active):
@@ -230,10 +292,14 @@ def test_parameter_counts_equal_the_published_ones(name, total, active):
     (dict(experts_per_token=9), {}, "model.experts_per_token=9 must be in [1, model.num_experts=8]"),
     ({}, dict(expert=3, data=1), "model.num_experts=8 is not divisible by mesh.expert=3"),
     (dict(capacity_factor=-1.0), {}, "model.capacity_factor=-1.0 must be >= 0"),
-    ({}, dict(pipe=2), "mesh.pipe=2: a mixture-of-experts model does not run in pipeline stages yet"),
+    ({}, dict(pipe=2, data=1, expert=2), "mesh.expert=2 with mesh.pipe=2: inside pipeline stages a stage's rows"),
+    (dict(num_layers=4, decoder_sparse_step=2), dict(pipe=2),
+     "mesh.pipe=2: a mixture with dense layers among its routed ones"),
+    ({}, dict(pipe=2, schedule="1f1b"), "parallel.pipeline_schedule=1f1b computes each microbatch's loss"),
 ])
 def test_bad_input_is_a_config_error(fields, mesh, message):
     config = moe_config(**fields)
+    config.parallel.pipeline_schedule = mesh.pop("schedule", "gpipe")
     config.mesh.update(mesh)
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         resolve(config, 8)

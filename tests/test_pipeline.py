@@ -160,12 +160,12 @@ def test_idle_ticks_compute_on_zeros(num_micro, repeats):
     order = pipeline.layer_order(chunks, p, repeats)  # the stack's position -> model chunk
 
     def stage_fn(weight, x, args):
-        return x + weight * jax.numpy.sqrt(1.0 - x)
+        return x + weight * jax.numpy.sqrt(1.0 - x), None
 
     def loss(weights, xs):
         stacked = weights[order].reshape(p, repeats)
         # stage j holds microbatches j K .. j K + K - 1
-        return pipeline.run(stage_fn, stacked, xs.reshape(p, -1, *xs.shape[1:]), None, P(), None).sum()
+        return pipeline.run(stage_fn, stacked, xs.reshape(p, -1, *xs.shape[1:]), None, P(), None)[0].sum()
 
     with jax.set_mesh(mesh):
         value, grad = jax.jit(jax.value_and_grad(loss))(jax.numpy.asarray(w, np.float32),
@@ -196,8 +196,8 @@ def test_the_tick_loop_keeps_no_per_tick_flag_of_an_activations_shape(repeats):
     ticks = pipeline.ticks(num_micro, p, repeats)
 
     def loss(weights, xs):
-        return pipeline.run(lambda w, x, args: x * w, weights.reshape(p, repeats),
-                            xs.reshape(p, -1, *xs.shape[1:]), None, P(), None).sum()
+        return pipeline.run(lambda w, x, args: (x * w, None), weights.reshape(p, repeats),
+                            xs.reshape(p, -1, *xs.shape[1:]), None, P(), None)[0].sum()
 
     with jax.set_mesh(mesh):
         text = jax.jit(jax.grad(loss)).lower(jax.numpy.ones(p * repeats), jax.numpy.ones((num_micro, 4, 3))) \

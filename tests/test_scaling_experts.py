@@ -113,11 +113,12 @@ def test_expert_shards_split_the_batch_and_cost_their_exchange():
 
 
 def test_candidates_take_the_models_mesh_rules():
-    """Expert degrees that divide the experts, no stages for a mixture of experts; a dense model has no expert
-    shards."""
+    """Expert degrees that divide the experts; a mixture of experts in stages only without expert shards; a dense
+    model has no expert shards."""
     run = run_on(MIXTRAL)
     meshes = scaling_plan.candidate_meshes(run, 64, DGX_H100, 1024, 1)
-    assert {m.expert for m in meshes} == {1, 2, 4, 8} and {m.pipe for m in meshes} == {1}
+    assert {m.expert for m in meshes} == {1, 2, 4, 8} and {m.pipe for m in meshes} == {1, 2, 4, 8, 16, 32}
+    assert all(m.expert == 1 for m in meshes if m.pipe > 1)
     assert all(m.pipe * m.data * m.expert * m.model == 64 for m in meshes)
     dense = scaling_plan.candidate_meshes(run_on(load_config("llama3_8b")), 64, DGX_H100, 1024, 1)
     assert {m.expert for m in dense} == {1} and {m.pipe for m in dense} > {1}
@@ -157,12 +158,19 @@ def test_routed_layer_by_hand():
     assert scaling_experts.routed_layer_s(run_on(load_config("llama3_8b")), 2, 2, 1, c) == 0.0
 
 
+def test_cli_plans_a_mixture_in_stages_without_expert_shards(capsys):
+    """A mixture of experts in pipeline stages: the GPipe and circular schedules (its balancing loss is over the
+    whole batch, which 1F1B's per-microbatch tail cannot see) with the experts split over model, not over expert
+    shards (``MoEConfig.check_mesh``)."""
+    scaling_plan.main(["--config=mixtral_8x7b", "--gpus=64", "--cluster=dgx_h100", "--pipe=2", "--micro_batch=0"])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["2"]]
+    assert rows and all(r[2] == "1" and r[3].startswith(("gpipe", "circ")) for r in rows), out
+    assert "recommendation: pipe=2 x data=" in out and "x expert=1 x" in out
+
+
 def test_cli_refusals_say_what_to_change(capsys):
-    """Stages for a mixture of experts, and a GPU count no (data, expert, model) mesh divides: one error line
-    each, naming the cause."""
-    with pytest.raises(SystemExit, match="--pipe=2: mesh.pipe=2: a mixture-of-experts model does not run in "
-                                         "pipeline stages"):
-        scaling_plan.main(["--config=mixtral_8x7b", "--gpus=64", "--cluster=dgx_h100", "--pipe=2"])
+    """A GPU count no (data, expert, model) mesh divides: one error line, naming the cause."""
     with pytest.raises(SystemExit, match=r"no \(data, expert, model\) mesh of 12 GPUs divides the model \(its "
                                          r"layers, heads, experts\) and the global batch of 1024"):
         scaling_plan.main(["--config=mixtral_8x7b", "--gpus=12", "--cluster=dgx_h100"])

@@ -209,9 +209,9 @@ def test_planner_turns_on_what_makes_a_model_fit_and_nothing_slower():
     for p in table:  # each row: the fastest of its mesh's choices that fits, else the one that needs least memory
         stages = p.pipeline.stages
         options = [predict(m, p.mesh, 512, DGX2H_V100, pipeline=pl)
-                   for pl in scaling_plan.pipelines(model.model, stages, 512 // p.mesh.data)
+                   for pl in scaling_plan.pipelines(model, stages, 512 // p.mesh.data)
                    for m in scaling_plan.variants(model, p.mesh, True)]
-        choices = len(scaling_plan.pipelines(model.model, stages, 512 // p.mesh.data))
+        choices = len(scaling_plan.pipelines(model, stages, 512 // p.mesh.data))
         # with stages: remat none / selective / full (save_dots is full's there), no SP or FSDP
         assert len(options) == choices * (4 * (1 + (p.mesh.model > 1)) * 3 if stages == 1 else
                                           3 * (1 + (p.mesh.data > 1)))

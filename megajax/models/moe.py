@@ -39,7 +39,7 @@ from megajax.models import llama, objectives
 from megajax.models.llama import Attention, Llama, LlamaBlock, LlamaConfig, RMSNorm
 from megajax.models.spec import LayerKind, Stack, decoder_spec, register
 from megajax.models.transformer import STACK, make_blocks, run_blocks
-from megajax.parallel import pipeline
+from megajax.parallel import jax_fixes, pipeline  # noqa: F401 - jax_fixes: ragged_dot under the stages' vmaps
 from megajax.parallel.layers import dropout, make_param, scaled_init_std
 from megajax.parallel.losses import OWN, Means, vocab_parallel_cross_entropy
 from megajax.parallel.sharding import RESIDUAL, axis_of, constrain, entry_axes, on_shards, param_at_use, positions_of
@@ -138,9 +138,15 @@ class MoEConfig(LlamaConfig):
             raise ValueError(f"model.num_experts={self.num_experts} is not divisible by mesh.expert={expert}: each "
                              f"expert shard holds whole experts; pick mesh.expert from the divisors of "
                              f"{self.num_experts}")
-        if pipe > 1:
-            raise ValueError(f"mesh.pipe={pipe}: a mixture-of-experts model does not run in pipeline stages yet (a "
-                             "stage returns only the residual stream, not the routing statistics); set mesh.pipe=1")
+        if pipe > 1 and expert > 1:
+            raise ValueError(f"mesh.expert={expert} with mesh.pipe={pipe}: inside pipeline stages a stage's rows are "
+                             "split over data only, so each expert shard would gather the others' rows and run their "
+                             "attention again (not yet laid out for it); set mesh.expert=1 (each model shard then "
+                             "holds a slice of every expert) or mesh.pipe=1")
+        if pipe > 1 and len(self.routed_layers) < self.num_layers:
+            raise ValueError(f"mesh.pipe={pipe}: a mixture with dense layers among its routed ones "
+                             "(model.decoder_sparse_step, model.mlp_only_layers) does not run in pipeline stages yet "
+                             "(each run of one kind would be a pipeline of its own); set mesh.pipe=1")
 
 
 def route(logits: jax.Array, k: int, renormalise: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -234,7 +240,7 @@ class MixtureOfExperts(nnx.Module):
             kept = within_capacity(experts, b, cfg.num_experts, cfg.capacity)
             tokens = x.reshape(-1, h)
             if reduce_over:  # varying over the model shards from here: the backward pass sums the (T, h) gradient
-                tokens = jax.lax.pcast(tokens, reduce_over, to="varying")  # once, not each of its k copies
+                tokens = jax.lax.pcast(tokens, reduce_over, to="varying")
             y = experts_forward(tokens, experts, weights, kept, gate, up, down, cfg.num_experts, expert_axis,
                                 cfg.compute_dtype, cfg.capacity * b)
             if reduce_over:
@@ -247,12 +253,16 @@ class MixtureOfExperts(nnx.Module):
             return y.reshape(b, s, h), stats
 
         x = constrain(x, names)
+        checked = pipeline.stages() == 1
         if not reduce_over and not tokens_over and not expert_axis:  # outside a mesh, or a 1x1 one
             y, stats = local(x, *params)
         else:
+            # inside pipeline stages the layer runs under the stages' vmaps (spmd_axis_name 'pipe' and 'data'),
+            # whose batched shard_map fails jax 0.10's varying-axes check (its message's workaround)
             y, stats = on_shards(local, (x, *params), (names, ("embed", None), ("experts", "embed", "mlp"),
                                                        ("experts", "embed", "mlp"), ("experts", "mlp", "embed")),
-                                 (names, {k: () for k in ("load", "probs", "z", "dropped")}))
+                                 (names, {k: () for k in ("load", "probs", "z", "dropped")}),
+                                 check_vma=checked)
         return constrain(y, names), stats
 
 

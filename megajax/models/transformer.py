@@ -413,16 +413,17 @@ def run_blocks(blocks: nnx.Module, cfg: TransformerConfig, x: jax.Array, mask: j
     the 1F1B step's runners; not for incremental decoding). Layer ``i`` draws its dropout from the ``i``-th of
     ``cfg.num_layers`` splits of ``dropout_key``; ``layers``: which of the model's layers the blocks are (default
     all of them, in order). Returns the output and what each block returns beside its own (its key/value cache; a
-    mixture-of-experts block adds its routing statistics), stacked over the layers (None under pipeline stages)."""
+    mixture-of-experts block adds its routing statistics), stacked over the layers (under pipeline stages summed
+    over the microbatches, with no cache: ``pipeline.StackRunner``)."""
     layer_keys = None if dropout_key is None else jax.random.split(dropout_key, cfg.num_layers)
     if layers is not None and layer_keys is not None:
         layer_keys = layer_keys[layers.start:layers.stop]
     if pipeline.stages() > 1 and cache is None:
         def scan_layers(blocks: nnx.Module, h: jax.Array, mask: jax.Array, keys: jax.Array | None,
-                        remat_layers: bool) -> jax.Array:
-            return _scan_blocks(blocks, cfg, h, mask, keys, remat_layers=remat_layers)[0]
+                        remat_layers: bool) -> tuple[jax.Array, Any]:
+            return _scan_blocks(blocks, cfg, h, mask, keys, remat_layers=remat_layers)
 
-        return stack(blocks, scan_layers, x, mask, layer_keys), None
+        return stack(blocks, scan_layers, x, mask, layer_keys)
     if pipeline.stages() > 1 and pipeline.repeats() > 1:
         raise ValueError("incremental decoding reads the layers in model order; a circular pipeline's stack is not "
                          "(decode on a mesh without pipeline stages: megajax.config.load_model does)")

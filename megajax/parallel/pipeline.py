@@ -69,16 +69,22 @@ from megajax.parallel.sharding import (
     spec_of,
 )
 
+# the scope of what a stack's layers return beside their output (a mixture's routing statistics), summed and
+# gathered after the tick loop (the communication budget counts it apart)
+BESIDE_SCOPE = "stack_beside"
 GPIPE, CIRCULAR, ONE_F_ONE_B = "gpipe", "circular", "1f1b"
 SCHEDULES = (GPIPE, CIRCULAR, ONE_F_ONE_B)  # parallel.pipeline_schedule
 
-# A model's scan of its stacked layers, ``scan_layers(blocks, h, mask, layer_keys, remat_layers) -> h``: ``blocks``
-# (a stack of layers), ``h`` (B, S, H), ``layer_keys`` one dropout key per layer or None, ``remat_layers`` False where
-# the caller recomputes the layers already (a circular pipeline's chunk).
-ScanLayers = Callable[[nnx.Module, jax.Array, Any, jax.Array | None, bool], jax.Array]
-# how a model runs its pipelined layer stack, ``runner(blocks, scan_layers, x, mask, layer_keys) -> output``: given to
-# the model by its caller (``run_stack``, or the 1F1B step's recording and replaying runners)
-StackRunner = Callable[[nnx.Module, ScanLayers, jax.Array, Any, jax.Array | None], jax.Array]
+# A model's scan of its stacked layers, ``scan_layers(blocks, h, mask, layer_keys, remat_layers) -> (h, beside)``:
+# ``blocks`` (a stack of layers), ``h`` (B, S, H), ``layer_keys`` one dropout key per layer or None, ``remat_layers``
+# False where the caller recomputes the layers already (a circular pipeline's chunk); ``beside`` what each layer
+# returns beside its output, stacked over the layers (None: nothing).
+ScanLayers = Callable[[nnx.Module, jax.Array, Any, jax.Array | None, bool], tuple[jax.Array, Any]]
+# how a model runs its pipelined layer stack, ``runner(blocks, scan_layers, x, mask, layer_keys) -> (output,
+# beside)``: given to the model by its caller (``run_stack``, or the 1F1B step's recording and replaying runners);
+# ``beside``: what the layers return beside their output, stacked over the layers in model order (None where they
+# return nothing), summed over the rows (a mixture's routing statistics: under stages, over the microbatches)
+StackRunner = Callable[[nnx.Module, ScanLayers, jax.Array, Any, jax.Array | None], tuple[jax.Array, Any]]
 
 
 def stages() -> int:
@@ -183,13 +189,15 @@ def _choose(flag: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     return _select(flag, a, b) if jnp.issubdtype(a.dtype, jnp.inexact) else jnp.where(flag, a, b)
 
 
-def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any, xs: jax.Array, args: Any,
-        x_spec: P, args_spec: Any, scatter: P | None = None) -> jax.Array:
-    """Runs the microbatches ``xs`` through the stages' chunks in order and returns their outputs, laid out as ``xs``.
+def run(stage_fn: Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]], stage_params: Any, xs: jax.Array,
+        args: Any, x_spec: P, args_spec: Any, scatter: P | None = None) -> tuple[jax.Array, Any]:
+    """Runs the microbatches ``xs`` through the stages' chunks in order and returns their outputs, laid out as ``xs``,
+    and what the chunks return beside them summed over the microbatches, (stages, repeats, ...) per leaf.
 
     ``xs`` (p, K, mb, ...) split over ``pipe``: stage j holds microbatches j K .. j K + K - 1 (M = p K of them), the
-    rows the ends (embedding, head, loss) compute on that stage. ``stage_fn(params, x, args)``: one chunk of a stage on
-    one microbatch ``x`` (mb, ...) with its ``args``; ``stage_params``: a pytree whose leaves lead with (stages,
+    rows the ends (embedding, head, loss) compute on that stage. ``stage_fn(params, x, args) -> (y, beside)``: one
+    chunk of a stage on one microbatch ``x`` (mb, ...) with its ``args`` (``beside``: a pytree its busy ticks add
+    up, per stage and chunk, or None); ``stage_params``: a pytree whose leaves lead with (stages,
     repeats, ...), the stage axis split over ``pipe``; ``args``: a pytree of per-microbatch arguments laid out as
     ``xs`` (p, K, mb, ...) (a padding mask, the rows' indices), or None; ``x_spec``, ``args_spec``: the layout of one
     microbatch's ``x`` and args leaves (mb, ...).
@@ -229,13 +237,17 @@ def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any,
         # there would make the gradient through it NaN. Masked inside the chunk, so a recomputed chunk keeps its
         # input as before, not a masked copy too
         x = _select(busy, x, jnp.zeros_like(x))
-        return stage_fn(jax.tree.map(lambda a: a[r] if v > 1 else a[0], params), x, args)
+        y, beside = stage_fn(jax.tree.map(lambda a: a[r] if v > 1 else a[0], params), x, args)
+        # an idle tick's adds nothing; at the chunk's place among the stage's v (a one-hot: r is traced)
+        place = jax.nn.one_hot(r, v, dtype=jnp.float32) * busy
+        return y, jax.tree.map(lambda b: place.reshape(v, *(1,) * b.ndim).astype(b.dtype) * b, beside)
 
     if v > 1:  # each tick's chunk is a slice of the parameters that depends on the tick
         chunk = pipeline_chunk(chunk)
 
     def tick(carry, t):
-        current, io, held = carry  # (x, args) per stage; the io columns; the circular schedule's returning items
+        # (x, args) per stage; the io columns; the circular schedule's returning items; the chunks' sums
+        current, io, held, sums = carry
         column = jax.tree.map(lambda a: a[:, t % k_cols], io)
         fresh = column
         if v > 1:  # rounds after the first take what came back round the ring (slot t mod M)
@@ -244,7 +256,8 @@ def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any,
         item = t - stage
         busy = (item >= 0) & (item < v * num_micro)
         r = jnp.clip(item // num_micro, 0, v - 1)
-        y = jax.vmap(chunk, spmd_axis_name=PIPE_AXIS)(stage_params, x, r, busy, x_args)
+        y, beside = jax.vmap(chunk, spmd_axis_name=PIPE_AXIS)(stage_params, x, r, busy, x_args)
+        sums = jax.tree.map(jnp.add, sums, beside)
         moved = pin((send(y, forward, RING_SCOPE), _shift(x_args, forward)), on_stages)
         # the column one stage on towards stage 0, the last stage's output put in (only its last round's stays)
         column = (send(column[0], back, IO_SCOPE), _shift(column[1], back))
@@ -255,15 +268,19 @@ def run(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], stage_params: Any,
             slot = done % num_micro
             held = pin(jax.tree.map(lambda h, m: h.at[:, slot].set(_choose(at(first & (done >= 0), m), m,
                                                                            h[:, slot])), held, moved), in_io)
-        return (moved, io, held), None
+        return (moved, io, held, sums), None
 
     io = pin((xs, args), in_io)
     start = pin(jax.tree.map(lambda a: jnp.zeros((p, *a.shape[2:]), a.dtype), io), on_stages)
     held = None
     if v > 1:  # stage 0's row: the items between rounds (each device holds a row: M microbatches)
         held = pin(jax.tree.map(lambda a: jnp.zeros((p, num_micro, *a.shape[2:]), a.dtype), io), in_io)
-    (_, (out, _), _), _ = jax.lax.scan(tick, (start, io, held), jnp.arange(ticks(num_micro, p, v)))
-    return jnp.roll(out, -(((v - 1) * num_micro + p - 1) % k_cols), axis=1)
+    # what a chunk returns beside its output, per stage and chunk: its shape from one chunk's trace
+    shapes = jax.eval_shape(lambda: jax.vmap(chunk, spmd_axis_name=PIPE_AXIS)(
+        stage_params, start[0], jnp.zeros((p,), jnp.int32), jnp.zeros((p,), bool), start[1]))[1]
+    sums = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    (_, (out, _), _, sums), _ = jax.lax.scan(tick, (start, io, held, sums), jnp.arange(ticks(num_micro, p, v)))
+    return jnp.roll(out, -(((v - 1) * num_micro + p - 1) % k_cols), axis=1), sums
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,7 +301,8 @@ class StackCall:
 class _Stages:
     """A stack call laid out for a schedule: ``copies(state)`` (each stage's layers, one copy per data replica,
     (p, v, d, L/(p v), ...)), the dropout keys in the stack's order (p, v, L/(p v)) or None, ``stage(params, h,
-    args)`` (one chunk on one microbatch: ``run``'s ``stage_fn``), the microbatches ``xs`` and their per-row
+    args)`` (one chunk on one microbatch: ``run``'s ``stage_fn``; what its layers return beside its output, per data
+    replica: summed over them once, after the loop), the microbatches ``xs`` and their per-row
     ``args`` in the stages' shares (p, K, mb, ...) with one microbatch's layouts, and ``to_io`` / ``from_io``
     between (B, ...) rows and that layout."""
 
@@ -299,6 +317,8 @@ class _Stages:
     from_io: Callable[[jax.Array], jax.Array]
     replicas: int
     shared: Any  # the mask every row shares, or None
+    layers: int  # the stack's
+    replica_axes: Any  # the mesh axes the data replicas are split over (None: one replica)
 
 
 def run_stack(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: Any,
@@ -318,8 +338,23 @@ def run_stack(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: A
     graphdef, state = nnx.split(blocks)
     plan = _stages(StackCall(graphdef, state, scan_layers, x, mask, layer_keys))
     scatter = pipeline_1f1b.scattered(plan.x_spec, x.shape[1], dict(jax.sharding.get_abstract_mesh().shape))
-    ys = run(plan.stage, (plan.copies(state), plan.keys), plan.xs, plan.args, plan.x_spec, plan.args_spec, scatter)
-    return constrain(plan.from_io(ys), RESIDUAL)
+    ys, sums = run(plan.stage, (plan.copies(state), plan.keys), plan.xs, plan.args, plan.x_spec, plan.args_spec,
+                   scatter)
+    place = np.argsort(layer_order(plan.layers, stages(), repeats()))  # each model layer's place in the stack
+    p, over = stages(), plan.replica_axes
+
+    def in_model_order(a: jax.Array) -> jax.Array:  # (p, v, d, L/(p v), ...) -> (L, ...)
+        def whole(b):  # this stage's and replica's chunks placed among the stages', summed: one all-reduce over
+            # pipe x data after the loop (its backward, of a value every device holds, moves nothing)
+            placed = jnp.zeros((p, *b.shape[1:]), b.dtype).at[jax.lax.axis_index(PIPE_AXIS)].set(b[0])
+            return jax.lax.psum(placed, (PIPE_AXIS, *entry_axes(over)))
+
+        with jax.named_scope(BESIDE_SCOPE):
+            a = jax.shard_map(whole, in_specs=P(PIPE_AXIS, None, over), out_specs=P(),
+                              axis_names={PIPE_AXIS, *entry_axes(over)})(a)
+        return a.reshape(plan.layers, *a.shape[4:])[place]
+
+    return constrain(plan.from_io(ys), RESIDUAL), jax.tree.map(in_model_order, sums)
 
 
 def run_whole(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: Any,
@@ -386,10 +421,10 @@ def _stages(call: StackCall) -> _Stages:
                 return call.scan_layers(nnx.merge(graphdef, own), h, row_mask if per_row else shared, chunk_keys,
                                         recompute_layers)
 
-        h = jax.vmap(replica, spmd_axis_name="data")(own_copies, _by_replica(ids, d), _by_replica(h, d),
-                                                     jax.tree.map(lambda a: _by_replica(a, d), row_mask)
-                                                     if per_row else None)
-        return h.reshape(-1, *h.shape[2:])
+        h, beside = jax.vmap(replica, spmd_axis_name="data")(own_copies, _by_replica(ids, d), _by_replica(h, d),
+                                                             jax.tree.map(lambda a: _by_replica(a, d), row_mask)
+                                                             if per_row else None)
+        return h.reshape(-1, *h.shape[2:]), beside  # what the layers return beside h: per replica (d, ...)
 
     args = (to_io(batch_rows(rows)), jax.tree.map(to_io, mask) if per_row else None)
     # one microbatch's layout: its rows over the data shards (the layers' rules within), the rest free
@@ -397,7 +432,7 @@ def _stages(call: StackCall) -> _Stages:
     with rules_remapped(batch=data_axes):
         x_spec = spec_of(RESIDUAL)
     return _Stages(copies, keys, stage, to_io(constrain(x, RESIDUAL)), args, x_spec, args_spec, to_io, from_io, d,
-                   None if per_row else mask)
+                   None if per_row else mask, num_layers, data_axes)
 
 
 def _by_replica(a: jax.Array, d: int) -> jax.Array:
@@ -426,7 +461,10 @@ def run_stack_1f1b(call: StackCall, tail: Tail, tail_params: Any, consts: Any, f
     copies = jax.tree.map(spread, tail_params)
 
     def stage_fn(w, keys, shared, h, args):  # w: (d, L/(p v), ...), keys (L/(p v),): one chunk of the stage's
-        return plan.stage((w, keys), h, args, shared)
+        y, beside = plan.stage((w, keys), h, args, shared)
+        if jax.tree.leaves(beside):  # refused before tracing (config.resolve): the tail cannot wait for them
+            raise ValueError("the 1F1B schedule runs layers that return nothing beside their output")
+        return y
 
     def tail_fn(tp, consts, h, args, fields):
         ids = args[0]

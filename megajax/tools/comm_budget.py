@@ -75,6 +75,8 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
             out["tensor-parallel backward"] += size  # the pooled token's gradient back to the shard holding it
         elif shape.sequence and c.op in ("all-reduce", "all-gather") and over_model and c.phase == "backward":
             out["sequence-parallel extra"] += size
+        elif shape.pipe > 1 and c.op == "all-reduce" and c.phase == "forward" and pipeline.BESIDE_SCOPE in c.op_name:
+            out["routing statistics"] += size  # the stages' statistics, summed and gathered once after the loop
         elif c.op == "all-to-all" and c.axes == {"expert"}:
             out["expert all-to-all"] += size
         elif shape.num_experts and c.op == "all-reduce" and (

@@ -273,7 +273,20 @@ def minimum(shape: Shape) -> dict[str, int]:
                                           + (shape.stage_grad_elements if shape.data * shape.context > 1 else 0))
     if shape.data > 1:
         out["data-parallel parameter gathers"] = shape.gathered_shard_elements * 4  # fp32 masters
-    if shape.num_experts:
+    if shape.num_experts and shape.pipe > 1:  # in stages (GPipe, circular): a microbatch's, per layer run
+        redo = 2 if shape.remat == "full" or shape.pipe_circular else 1  # the recomputed layer or chunk again
+        per_micro = shape.pipe_rows // shape.micro_batch  # a microbatch's share of the ends' rows (exact: linear)
+        exchange = shape.expert * shape.exchange_rows * n * runs * shape.pipe_rows // shape.micro_batch
+        if shape.expert > 1:
+            out["expert all-to-all"] = (2 * redo + 2) * exchange * h * shape.activation_bytes + redo * exchange * 4
+        # the stages' per-layer statistics (assignments and probability mass per expert, z-loss and drops) summed
+        # over the data replicas and gathered over the stages once, after the loop
+        stats = 4 * (2 * shape.num_experts + 2) * shape.routed_layers * n
+        if shape.tensor > 1:
+            stats += shape.routed_rows * shape.pipe_rows // shape.micro_batch * 4 * n * runs
+        out["routing statistics"] = stats
+        del per_micro
+    elif shape.num_experts:
         redo = 2 if shape.remat == "full" else 1  # the recomputed forward exchanges and sums again
         exchange = shape.expert * shape.exchange_rows * n * shape.routed_layers  # rows of one exchange, every layer
         if shape.expert > 1:  # forward: the hidden states there and back, their expert ids; backward: 2 transposes

@@ -461,7 +461,7 @@ def predict(run: RunSpec, mesh: MeshShape, global_batch: int, cluster: Cluster,
     pipeline = _pipeline_of(mesh, pipeline)
     if mesh.expert > 1 and mesh.pipe > 1:
         raise ValueError("the scaling model times expert shards without pipeline stages only (a mixture of experts "
-                         "does not run in stages)")
+                         "runs in stages with its experts split over model, not over expert shards)")
     if mesh.context > 1 and (mesh.pipe > 1 or mesh.expert > 1):
         raise ValueError("the scaling model times context shards without pipeline stages or expert shards only")
     context_comm = 0.0

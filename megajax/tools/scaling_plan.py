@@ -4,7 +4,8 @@
     python -m megajax.scaling --config=llama3_8b --gpus=128 --cluster=dgx_h100 --context=16 \
         --config.model.max_seq_len=131072 --global_batch=8   # every sequence over 16 context shards
 
-prints every (pipe, data, model) mesh of the GPUs (a mixture of experts: (data, expert, model), no stages) with its
+prints every (pipe, data, model) mesh of the GPUs (a mixture of experts: (data, expert, model), or in stages
+(pipe, data, model) with the GPipe and circular schedules) with its
 predicted step time (compute, tensor-parallel, point-to-point over pipe, exposed data-parallel, the experts'
 all-to-alls), the pipeline's bubble, model TFLOP/s per GPU (active parameters' FLOPs), MFU and memory, and
 recommends the fastest one that fits, as train.py flags. Per mesh it chooses (``recommend_mesh``):
@@ -30,7 +31,6 @@ import dataclasses
 
 from megajax.cli import ArgumentParser, apply_config_overrides, load_config
 from megajax.config import NO_SCHEDULE, RunSpec, resolve
-from megajax.models import TransformerConfig
 from megajax.parallel.mesh import MeshShape
 from megajax.tools.scaling import CLUSTERS, Cluster, GiB, Prediction, flash_attention, memory_bytes, predict
 from megajax.tools.scaling_layout import (
@@ -48,8 +48,9 @@ def candidate_meshes(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch
     """The meshes (pipe x data x expert x model) of ``num_gpus`` with model parallelism within a node that the model
     allows (``scaling_layout.splits_evenly``: whole heads and equal hidden / MLP / vocabulary slices per shard),
     expert shards of whole experts and stages of whole layers where the model runs them (``check_mesh`` of its
-    config: a dense model has no experts, a mixture of experts no stages), and the batch split evenly over data x
-    expert (and micro-batches). ``pipe``: only that many stages (None: every count that divides the layers)."""
+    config: a dense model has no experts, a mixture of experts no expert shards in stages), and the batch split
+    evenly over data x expert (and micro-batches). ``pipe``: only that many stages (None: every count that divides
+    the layers)."""
     out, layers = [], run.model.num_layers
     fits = {t: splits_evenly(run, t) for t in range(1, min(num_gpus, cluster.gpus_per_node) + 1)}
     experts = [e for e in range(1, (run.routed_experts[0] or 1) + 1) if _runs(run, 1, 1, e)]
@@ -60,6 +61,8 @@ def candidate_meshes(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch
             if (num_gpus // stages) % tensor or not fits[tensor]:
                 continue
             for expert in experts:
+                if stages > 1 and not _runs(run, 1, stages, expert):
+                    continue
                 data, rest = divmod(num_gpus, stages * tensor * expert)
                 if rest or global_batch % (data * expert):
                     continue
@@ -107,9 +110,10 @@ def variants(run: RunSpec, mesh: MeshShape, choose: bool) -> list[RunSpec]:
             for z, f in (SPLIT_CHOICES if data > 1 else SPLIT_CHOICES[:1])]
 
 
-def pipelines(model: TransformerConfig, stages: int, rows: int) -> list[Pipeline]:
+def pipelines(run: RunSpec, stages: int, rows: int) -> list[Pipeline]:
     """The schedules the planner tries on ``stages`` stages for a layer-stack batch of ``rows`` sequences: GPipe and
-    the circular schedule, and 1F1B holding residuals or recomputing the chunks, each with every v up to
+    the circular schedule, and (but for a mixture of experts, whose balancing loss is over the whole batch)
+    1F1B holding residuals or recomputing the chunks, each with every v up to
     ``MAX_REPEATS`` that splits the layers evenly (v = 1: GPipe, plain 1F1B; v > 1: circular, interleaved 1F1B), at
     M = the
     smallest multiple of p dividing ``rows`` from p, 2p, 4p, ... up, and all ``rows`` (one sequence per
@@ -125,9 +129,10 @@ def pipelines(model: TransformerConfig, stages: int, rows: int) -> list[Pipeline
         counts.add(next(m for m in divisors if m >= want))
         want *= 2
     counts.add(rows)
-    repeats = [v for v in range(1, MAX_REPEATS + 1) if model.num_layers % (stages * v) == 0]
+    repeats = [v for v in range(1, MAX_REPEATS + 1) if run.model.num_layers % (stages * v) == 0]
+    schedules = ((False, False),) if run.routed_experts[0] else ((False, False), (True, False), (True, True))
     return [Pipeline(stages, m, v, one_f_one_b=f, stage_recompute=r) for v in repeats for m in sorted(counts)
-            for f, r in ((False, False), (True, False), (True, True))]
+            for f, r in schedules]
 
 
 def recommend_mesh(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch: int,
@@ -146,7 +151,7 @@ def recommend_mesh(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch: 
     for mesh in (m.replace(context=context) for m in meshes):
         rows = micro_batch or global_batch // mesh.batch_shards
         options = sorted((predict(c, mesh, global_batch, cluster, micro_batch, grad_bytes, memory=False, pipeline=pl)
-                          for pl in pipelines(run.model, mesh.pipe, rows) for c in variants(run, mesh, choose)
+                          for pl in pipelines(run, mesh.pipe, rows) for c in variants(run, mesh, choose)
                           if context == 1 or
                           c.model.max_seq_len % (2 * context * (mesh.model if c.sequence else 1)) == 0),
                          key=lambda p: p.step_s)
@@ -254,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.context > 1 and run.routed_experts[0]:
         p.error("--context plans dense models' meshes (no expert shards); this config is a mixture of experts")
     cluster = CLUSTERS[args.cluster]
-    if args.pipe > 1:  # a model that does not run in stages (a mixture of experts) says why, before the search
+    if args.pipe > 1:  # a model that does not run in stages (a mixture with dense layers) says why, before the search
         try:
             run.model.check_mesh(1, args.pipe, 1)
         except ValueError as e:

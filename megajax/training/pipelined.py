@@ -43,12 +43,12 @@ class _Recorder:
         self.call: pipeline.StackCall | None = None
 
     def __call__(self, blocks: nnx.Module, scan_layers: pipeline.ScanLayers, x: jax.Array, mask: Any,
-                 layer_keys: jax.Array | None) -> jax.Array:
+                 layer_keys: jax.Array | None) -> tuple[jax.Array, None]:
         if self.call is not None:
             raise ValueError("the 1F1B pipeline schedule runs one layer stack per model; this model ran two")
         graphdef, state = nnx.split(blocks)
         self.call = pipeline.StackCall(graphdef, state, scan_layers, x, mask, layer_keys)
-        return jnp.zeros_like(x)
+        return jnp.zeros_like(x), None
 
     def recorded(self) -> pipeline.StackCall:
         """The call, or ValueError where the model ran no pipelined stack."""
@@ -60,7 +60,7 @@ class _Recorder:
 def _given(output: jax.Array) -> pipeline.StackRunner:
     """A ``pipeline.StackRunner`` that returns ``output`` as the stack's: the model after its layers (the loss's
     tail) as a function of the stack's output."""
-    return lambda blocks, scan_layers, x, mask, layer_keys: output
+    return lambda blocks, scan_layers, x, mask, layer_keys: (output, None)
 # (loss, metrics) -> (the value differentiated, (loss, metrics) as the step sums them): the step's weighting
 Weigh = Callable[[jax.Array, Metrics], tuple[jax.Array, tuple[jax.Array, Metrics]]]
 
