@@ -118,6 +118,11 @@ n = b x s x k assignments on one data (and expert) shard:
 * data-parallel gradients: the dense parameters' reduced over data x expert (the expert shards are data shards
   outside the routed layers), the experts' over data only.
 
+In GPipe and circular pipeline stages (the experts split over ``model``, not over expert shards) the layers'
+statistics (per layer: 2 E fp32 and the z-loss and drops, 2 fp32) are not summed inside each layer: they leave the
+stack per stage and are summed over the data replicas and gathered over the stages in one all-reduce of the whole
+model's, (2 E + 2) L fp32 per micro-batch, after the tick loop.
+
 Per-head norm gradients (Qwen3's query and key RMSNorm scales, ``head_norm_elements``): each model shard holds the
 scales whole and computes only its own heads, so with ``mesh.model`` > 1 their gradient is summed over the model
 shards, 2 x head_dim fp32 per layer and micro-batch, in the backward pass.
@@ -273,19 +278,11 @@ def minimum(shape: Shape) -> dict[str, int]:
                                           + (shape.stage_grad_elements if shape.data * shape.context > 1 else 0))
     if shape.data > 1:
         out["data-parallel parameter gathers"] = shape.gathered_shard_elements * 4  # fp32 masters
-    if shape.num_experts and shape.pipe > 1:  # in stages (GPipe, circular): a microbatch's, per layer run
-        redo = 2 if shape.remat == "full" or shape.pipe_circular else 1  # the recomputed layer or chunk again
-        per_micro = shape.pipe_rows // shape.micro_batch  # a microbatch's share of the ends' rows (exact: linear)
-        exchange = shape.expert * shape.exchange_rows * n * runs * shape.pipe_rows // shape.micro_batch
-        if shape.expert > 1:
-            out["expert all-to-all"] = (2 * redo + 2) * exchange * h * shape.activation_bytes + redo * exchange * 4
+    if shape.num_experts and shape.pipe > 1:  # in GPipe / circular stages, the experts split over model only
         # the stages' per-layer statistics (assignments and probability mass per expert, z-loss and drops) summed
-        # over the data replicas and gathered over the stages once, after the loop
-        stats = 4 * (2 * shape.num_experts + 2) * shape.routed_layers * n
-        if shape.tensor > 1:
-            stats += shape.routed_rows * shape.pipe_rows // shape.micro_batch * 4 * n * runs
-        out["routing statistics"] = stats
-        del per_micro
+        # over the data replicas and gathered over the stages once, after the loop (with model shards in the stages
+        # the unchecked layer also sums its router's gradient over model: not minimal, so not counted here)
+        out["routing statistics"] = 4 * (2 * shape.num_experts + 2) * shape.routed_layers * n
     elif shape.num_experts:
         redo = 2 if shape.remat == "full" else 1  # the recomputed forward exchanges and sums again
         exchange = shape.expert * shape.exchange_rows * n * shape.routed_layers  # rows of one exchange, every layer
