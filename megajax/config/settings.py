@@ -15,8 +15,7 @@ from megajax.checkpoint.manager import CheckpointSettings
 class TrainSettings:
     """``config.train`` resolved (the compute precision aside: ``RunSpec.precision``)."""
 
-    steps: int  # optimizer steps to train to
-    global_batch_size: int  # sequences per step
+    steps: int  # optimizer steps to train to (the global batch: ``RunSpec.global_batch``)
     micro_batch_size: int  # sequences per data shard per accumulation step (0: no accumulation)
     seed: int
     log_every: int
