@@ -37,7 +37,7 @@ from megajax.data.sft import default_seq_len
 from megajax.errors import ConfigError, ShardingConfigError
 from megajax.models import MODELS, ModelSpec, TransformerConfig, model_spec
 from megajax.models.objectives import Field
-from megajax.models.spec import Stack
+from megajax.models.spec import LayerKind, Stack
 from megajax.parallel.mesh import MeshShape
 from megajax.parallel.pipeline import CIRCULAR, GPIPE, ONE_F_ONE_B, SCHEDULES
 from megajax.parallel.sharding import (
@@ -243,7 +243,8 @@ def _check_pipeline(config: ml_collections.ConfigDict) -> None:
     _require(schedule != ONE_F_ONE_B or config.mesh.context == 1 or m.dropout == 0, "parallel.pipeline_schedule="
              f"1f1b does not run dropout with context shards yet (mesh.context={config.mesh.context}, model.dropout="
              f"{m.dropout}): set pipeline_schedule=gpipe or circular, mesh.context=1, or model.dropout=0")
-    routed = any(stack.kind.routed for stack in model_spec(m.name).stacks(model_config(config)))
+    stacks = model_spec(m.name).stacks(model_config(config))
+    routed = any(stack.kind.routed for stack in stacks)
     _require(schedule != ONE_F_ONE_B or not routed, "parallel.pipeline_schedule=1f1b computes each microbatch's loss "
              "as it leaves the last stage, and a mixture of experts' balancing loss is over the whole batch's routing "
              "(its layers' statistics do not travel with the microbatch yet): set pipeline_schedule=gpipe or circular")
@@ -256,7 +257,7 @@ def _check_pipeline(config: ml_collections.ConfigDict) -> None:
     if p == 1:
         return
     # the layers the stages split: every layer but those of stacks run whole on each stage (``Stack.pipelined``)
-    staged = [stack.count for stack in model_spec(m.name).stacks(model_config(config)) if stack.pipelined]
+    staged = [stack.count for stack in stacks if stack.pipelined]
     layers = staged[0] if len(staged) == 1 else m.num_layers
     what = "model.num_layers" if layers == m.num_layers else "the pipelined stack's layers (model.num_layers less " \
         f"the {m.num_layers - layers} run whole on each stage)"
@@ -406,10 +407,15 @@ class RunSpec:
         return self.model_spec.stacks(self.model)
 
     @property
+    def _routed_kind(self) -> LayerKind | None:
+        """The model's routed layer kind (a mixture of experts'), or None."""
+        return next((stack.kind for stack in self.stacks if stack.kind.routed), None)
+
+    @property
     def routed_experts(self) -> tuple[int, int]:
         """(experts per routed layer, experts each token is routed to): (0, 0) for a model without routed layers
         (``LayerKind.experts``)."""
-        kind = next((stack.kind for stack in self.stacks if stack.kind.routed), None)
+        kind = self._routed_kind
         return kind.experts(self.model) if kind else (0, 0)
 
     @property
@@ -420,7 +426,7 @@ class RunSpec:
     def exchange_rows(self, rows: int, expert: int) -> int:
         """Rows of each destination's block when a shard of ``rows`` sequences sends its tokens to their experts on
         ``expert`` shards (``LayerKind.exchange_rows``); 0 without routed layers."""
-        kind = next((stack.kind for stack in self.stacks if stack.kind.routed), None)
+        kind = self._routed_kind
         return kind.exchange_rows(self.model, rows, expert) if kind else 0
 
     @property

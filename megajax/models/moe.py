@@ -240,7 +240,7 @@ class MixtureOfExperts(nnx.Module):
             kept = within_capacity(experts, b, cfg.num_experts, cfg.capacity)
             tokens = x.reshape(-1, h)
             if reduce_over:  # varying over the model shards from here: the backward pass sums the (T, h) gradient
-                tokens = jax.lax.pcast(tokens, reduce_over, to="varying")
+                tokens = jax.lax.pcast(tokens, reduce_over, to="varying")  # once, not each of its k copies
             y = experts_forward(tokens, experts, weights, kept, gate, up, down, cfg.num_experts, expert_axis,
                                 cfg.compute_dtype, cfg.capacity * b)
             if reduce_over:

@@ -246,8 +246,7 @@ def run(stage_fn: Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]], stage_
         chunk = pipeline_chunk(chunk)
 
     def tick(carry, t):
-        # (x, args) per stage; the io columns; the circular schedule's returning items; the chunks' sums
-        current, io, held, sums = carry
+        current, io, held = carry  # (x, args) per stage; the io columns; the circular schedule's returning items
         column = jax.tree.map(lambda a: a[:, t % k_cols], io)
         fresh = column
         if v > 1:  # rounds after the first take what came back round the ring (slot t mod M)
@@ -257,7 +256,6 @@ def run(stage_fn: Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]], stage_
         busy = (item >= 0) & (item < v * num_micro)
         r = jnp.clip(item // num_micro, 0, v - 1)
         y, beside = jax.vmap(chunk, spmd_axis_name=PIPE_AXIS)(stage_params, x, r, busy, x_args)
-        sums = jax.tree.map(jnp.add, sums, beside)
         moved = pin((send(y, forward, RING_SCOPE), _shift(x_args, forward)), on_stages)
         # the column one stage on towards stage 0, the last stage's output put in (only its last round's stays)
         column = (send(column[0], back, IO_SCOPE), _shift(column[1], back))
@@ -268,18 +266,15 @@ def run(stage_fn: Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]], stage_
             slot = done % num_micro
             held = pin(jax.tree.map(lambda h, m: h.at[:, slot].set(_choose(at(first & (done >= 0), m), m,
                                                                            h[:, slot])), held, moved), in_io)
-        return (moved, io, held, sums), None
+        return (moved, io, held), beside
 
     io = pin((xs, args), in_io)
     start = pin(jax.tree.map(lambda a: jnp.zeros((p, *a.shape[2:]), a.dtype), io), on_stages)
     held = None
     if v > 1:  # stage 0's row: the items between rounds (each device holds a row: M microbatches)
         held = pin(jax.tree.map(lambda a: jnp.zeros((p, num_micro, *a.shape[2:]), a.dtype), io), in_io)
-    # what a chunk returns beside its output, per stage and chunk: its shape from one chunk's trace
-    shapes = jax.eval_shape(lambda: jax.vmap(chunk, spmd_axis_name=PIPE_AXIS)(
-        stage_params, start[0], jnp.zeros((p,), jnp.int32), jnp.zeros((p,), bool), start[1]))[1]
-    sums = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-    (_, (out, _), _, sums), _ = jax.lax.scan(tick, (start, io, held, sums), jnp.arange(ticks(num_micro, p, v)))
+    (_, (out, _), _), beside = jax.lax.scan(tick, (start, io, held), jnp.arange(ticks(num_micro, p, v)))
+    sums = jax.tree.map(lambda a: a.sum(0), beside)  # each tick's, per stage and chunk (idle ticks' zero)
     return jnp.roll(out, -(((v - 1) * num_micro + p - 1) % k_cols), axis=1), sums
 
 
@@ -358,7 +353,7 @@ def run_stack(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: A
 
 
 def run_whole(blocks: nnx.Module, scan_layers: ScanLayers, x: jax.Array, mask: Any,
-              layer_keys: jax.Array | None) -> jax.Array:
+              layer_keys: jax.Array | None) -> tuple[jax.Array, Any]:
     """The ``StackRunner`` of a stack that is not split over pipeline stages (a ``models.spec.Stack`` with
     ``pipelined=False``): ``scan_layers`` on ``x`` as it is, each stage running the whole stack on its share of
     the rows, as it runs the embedding."""
