@@ -117,9 +117,10 @@ def test_the_budget_counts_1f1b_exactly(name, pipe, data, model, micro, repeats,
                                                       (3, 2, 2), (4, 1, 3)])
 def test_idle_halves_are_skipped(pipe, per_stage, repeats):
     """A chunk ``y = w x + sqrt(x)`` whose gradient is NaN at x = 0 (where an idle stage-tick's zeros would put it)
-    and a quadratic tail, on real inputs in [0.5, 1]: the schedule's loss and gradients (weights, tail, inputs) equal
-    ``jax.grad`` of the chunks applied in order (chunk c of stage s is virtual stage c p + s), microbatch by
-    microbatch, and are finite; plain and interleaved, with 1 to 3 microbatches per stage."""
+    and which adds sum(w y) and a count (1, no derivative) to what travels with the microbatch, and a quadratic tail
+    of both, on real inputs in [0.5, 1]: the schedule's loss and gradients (weights, tail, inputs) equal ``jax.grad``
+    of the chunks applied in order (chunk c of stage s is virtual stage c p + s), microbatch by microbatch, and are
+    finite; plain and interleaved, with 1 to 3 microbatches per stage."""
     rng = np.random.default_rng(0)
     weights = jnp.asarray(rng.uniform(0.5, 1.0, (pipe, repeats)), jnp.float32)
     tail_w = jnp.asarray(rng.uniform(-1, 1, (3,)), jnp.float32)
@@ -127,17 +128,20 @@ def test_idle_halves_are_skipped(pipe, per_stage, repeats):
     fields = jnp.asarray(rng.uniform(-1, 1, (pipe, per_stage, 2, 3)), jnp.float32)
 
     def stage_fn(w, keys, shared, x, args):
-        return w * x + jnp.sqrt(x)
+        (x, (total, count)) = x
+        y = w * x + jnp.sqrt(x)
+        return y, (total + jnp.sum(w * y), count + 1)
 
     def tail_fn(tw, consts, y, args, f):
-        loss = jnp.sum((y * tw) ** 2 * f)
+        y, (total, count) = y
+        loss = jnp.sum((y * tw) ** 2 * f) + (total * tw[0]) ** 2 / count
         return loss, loss
 
     def plain(weights, tail_w, xs):
         total = 0.0
         for j in range(pipe):
             for k in range(per_stage):
-                h = xs[j, k]
+                h = (xs[j, k], (jnp.float32(0), jnp.float32(0)))
                 for c in range(repeats):
                     for s in range(pipe):
                         h = stage_fn(weights[s, c], None, None, h, None)
@@ -147,7 +151,8 @@ def test_idle_halves_are_skipped(pipe, per_stage, repeats):
     want_loss, want = jax.value_and_grad(plain, argnums=(0, 1, 2))(weights, tail_w, xs)
     with jax.set_mesh(MeshShape(pipe=pipe).make(jax.devices()[:pipe])):
         loss, dw, dt, dx = jax.jit(lambda w, t, x: pipeline_1f1b.run(
-            stage_fn, tail_fn, w, None, None, t, None, x, None, fields))(weights, tail_w, xs)
+            stage_fn, tail_fn, w, None, None, t, None, x, None, fields,
+            carried=(jax.ShapeDtypeStruct((), jnp.float32),) * 2))(weights, tail_w, xs)
     dt = dt.sum(0)  # the tail's gradient per stage
     for got in (loss, dw, dt, dx):
         assert np.isfinite(np.asarray(got)).all()
@@ -296,11 +301,13 @@ def test_each_stage_runs_only_its_microbatches(recompute, repeats):
     calls = []
 
     def stage_fn(w, keys, shared, x, args):
+        x, _ = x
         jax.debug.callback(lambda s, w, i: calls.append(("stage", int(s), int(w) % 10, int(i))),
                            jax.lax.axis_index("pipe"), w, x[0, 0])
-        return x.at[:, 1:].multiply(w)
+        return x.at[:, 1:].multiply(w), None
 
     def tail_fn(tw, consts, y, args, f):
+        y, _ = y
         jax.debug.callback(lambda s, i: calls.append(("tail", int(s), 0, int(i))), jax.lax.axis_index("pipe"),
                            y[0, 0])
         return jnp.sum(y[:, 1:] * tw), jnp.float32(0)

@@ -244,10 +244,6 @@ def _check_pipeline(config: ml_collections.ConfigDict) -> None:
              f"1f1b does not run dropout with context shards yet (mesh.context={config.mesh.context}, model.dropout="
              f"{m.dropout}): set pipeline_schedule=gpipe or circular, mesh.context=1, or model.dropout=0")
     stacks = model_spec(m.name).stacks(model_config(config))
-    routed = any(stack.kind.routed for stack in stacks)
-    _require(schedule != ONE_F_ONE_B or not routed, "parallel.pipeline_schedule=1f1b computes each microbatch's loss "
-             "as it leaves the last stage, and a mixture of experts' balancing loss is over the whole batch's routing "
-             "(its layers' statistics do not travel with the microbatch yet): set pipeline_schedule=gpipe or circular")
     _require(schedule == ONE_F_ONE_B or not config.parallel.pipeline_stage_recompute,
              "parallel.pipeline_stage_recompute=True recomputes a 1F1B stage's forward in its backward; "
              f"parallel.pipeline_schedule={schedule} has none to recompute: set pipeline_schedule=1f1b, or "

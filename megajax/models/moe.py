@@ -28,6 +28,7 @@ z-loss (ST-MoE, Zoph et al. 2022) is the mean of logsumexp(router logits)^2 over
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -149,6 +150,26 @@ class MoEConfig(LlamaConfig):
                              "(each run of one kind would be a pipeline of its own); set mesh.pipe=1")
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def summed_unchecked(y: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``psum(y, axes)`` inside a ``shard_map`` run with ``check_vma=False``, whose transpose, a psum, would
+    all-reduce the output's gradient once more: there jax hands each shard the replicated output's gradient divided
+    by the shard count (its unchecked transpose), so each partial output's gradient is that times the count, and
+    nothing moves (Megatron-LM's reduce-from-tensor-parallel region)."""
+    return jax.lax.psum(y, axes)
+
+
+def _summed_unchecked_fwd(y: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, None]:
+    return jax.lax.psum(y, axes), None
+
+
+def _summed_unchecked_bwd(axes: tuple[str, ...], _: None, g: jax.Array) -> tuple[jax.Array]:
+    return (g * math.prod(jax.lax.axis_size(a) for a in axes),)
+
+
+summed_unchecked.defvjp(_summed_unchecked_fwd, _summed_unchecked_bwd)
+
+
 def route(logits: jax.Array, k: int, renormalise: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(probabilities (T, E), top-k weights (T, k), top-k experts (T, k)) from fp32 router logits (T, E)."""
     probs = jax.nn.softmax(logits, axis=-1)
@@ -231,6 +252,9 @@ class MixtureOfExperts(nnx.Module):
         reduce_over = entry_axes(axis_of("mlp"))  # the model shards' partial sums of the output
         expert_axis = axis_of("experts")  # where the experts are split (None: every shard holds them all)
         tokens_over = (*entry_axes(axis_of("batch")), *entry_axes(axis_of("seq")))  # where other tokens are
+        # inside pipeline stages the layer runs under the stages' vmaps (spmd_axis_name 'pipe' and 'data'), whose
+        # batched shard_map fails jax 0.10's varying-axes check (its message's workaround): unchecked there
+        checked = pipeline.stages() == 1
 
         def local(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array,
                   down: jax.Array) -> tuple[jax.Array, Stats]:
@@ -244,7 +268,7 @@ class MixtureOfExperts(nnx.Module):
             y = experts_forward(tokens, experts, weights, kept, gate, up, down, cfg.num_experts, expert_axis,
                                 cfg.compute_dtype, cfg.capacity * b)
             if reduce_over:
-                y = jax.lax.psum(y, reduce_over)
+                y = jax.lax.psum(y, reduce_over) if checked else summed_unchecked(y, reduce_over)
             load = jax.nn.one_hot(experts, cfg.num_experts, dtype=jnp.float32).sum((0, 1))  # (E,) assignments
             stats = {"load": load, "probs": probs.sum(0), "z": jnp.square(jax.nn.logsumexp(logits, -1)).sum(),
                      "dropped": (~kept).sum().astype(jnp.float32)}
@@ -253,12 +277,9 @@ class MixtureOfExperts(nnx.Module):
             return y.reshape(b, s, h), stats
 
         x = constrain(x, names)
-        checked = pipeline.stages() == 1
         if not reduce_over and not tokens_over and not expert_axis:  # outside a mesh, or a 1x1 one
             y, stats = local(x, *params)
         else:
-            # inside pipeline stages the layer runs under the stages' vmaps (spmd_axis_name 'pipe' and 'data'),
-            # whose batched shard_map fails jax 0.10's varying-axes check (its message's workaround)
             y, stats = on_shards(local, (x, *params), (names, ("embed", None), ("experts", "embed", "mlp"),
                                                        ("experts", "embed", "mlp"), ("experts", "mlp", "embed")),
                                  (names, {k: () for k in ("load", "probs", "z", "dropped")}),
@@ -359,19 +380,23 @@ class MoEDecoder(Llama):
         return logits, stats
 
 
-def router_losses(stats: Stats, tokens: int, cfg: MoEConfig) -> dict[str, jax.Array]:
+def router_losses(stats: Stats, tokens: int, cfg: MoEConfig, means: Means = OWN) -> dict[str, jax.Array]:
     """The load-balancing loss (transformers' ``load_balancing_loss_func``: E x sum_e f_e P_e over every layer's
     ``tokens`` together), the router z-loss (mean over tokens and layers), the expert load (max over mean
     assignments per expert, averaged over layers) and the fraction of assignments dropped, from the per-layer
-    statistics (L, ...) of ``MixtureOfExperts``."""
-    layers = stats["load"].shape[0]
-    fraction = stats["load"].sum(0) / (layers * tokens)  # (E,): assignments per token, summed over the k ranks
+    statistics (L, ...) of ``MixtureOfExperts`` over ``tokens``. Each is weighted by ``means.share(tokens)``: 1 on
+    the whole batch; on a part of it (the 1F1B schedule's microbatches) the part's share, so the parts' terms sum to
+    the batch's where a term is a mean over tokens (the z-loss, the dropped fraction), and to the mean of the parts'
+    balancing losses (each microbatch's f_e and P_e its own, as Megatron-LM's)."""
+    load = jax.lax.stop_gradient(stats["load"])  # counts: no derivative (under 1F1B none travels back)
+    layers = load.shape[0]
+    fraction = load.sum(0) / (layers * tokens)  # (E,): assignments per token, summed over the k ranks
     mean_prob = stats["probs"].sum(0) / (layers * tokens)
-    load = stats["load"]
-    return {"balance_loss": cfg.num_experts * (fraction * mean_prob).sum(),
-            "z_loss": stats["z"].sum() / (layers * tokens),
-            "expert_load": (load.max(-1) / jnp.maximum(load.mean(-1), 1e-9)).mean(),
-            "dropped_fraction": stats["dropped"].sum() / (layers * tokens * cfg.experts_per_token)}
+    share = means.share(tokens)
+    return {"balance_loss": share * cfg.num_experts * (fraction * mean_prob).sum(),
+            "z_loss": share * stats["z"].sum() / (layers * tokens),
+            "expert_load": share * (load.max(-1) / jnp.maximum(load.mean(-1), 1e-9)).mean(),
+            "dropped_fraction": share * stats["dropped"].sum() / (layers * tokens * cfg.experts_per_token)}
 
 
 def _moe_lm(model: MoEDecoder, batch: objectives.Batch, key: jax.Array | None, means: Means = OWN,
@@ -385,7 +410,7 @@ def _moe_lm(model: MoEDecoder, batch: objectives.Batch, key: jax.Array | None, m
     weights = rows.get("loss_weights")  # packed rows: a mean weighted as LM's
     lm = means.mean(losses, weights)
     cfg = model.cfg
-    metrics = {"lm_loss": lm, **router_losses(stats, rows["inputs"].size, cfg)}
+    metrics = {"lm_loss": lm, **router_losses(stats, rows["inputs"].size, cfg, means)}
     loss = lm + cfg.router_aux_loss_coef * metrics["balance_loss"] + cfg.router_z_loss_coef * metrics["z_loss"]
     return loss, metrics
 

@@ -66,6 +66,13 @@ class Means:
         """The denominator of a mean whose own count is ``own``: itself."""
         return own
 
+    def share(self, own: int | jax.Array) -> jax.Array:
+        """The weight of a term computed over a part of the batch of ``own`` tokens (a value that is not a sum over
+        tokens, as a mixture's balancing loss): ``own / divide(own)``, 1 over the whole batch, the part's share of
+        it under ``Given``."""
+        own = jnp.asarray(own, jnp.float32)
+        return own / self.divide(own)
+
 
 OWN = Means()  # every mean over its own values: the plain step, evaluation
 

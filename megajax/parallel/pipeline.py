@@ -41,6 +41,7 @@ scan of the layers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.sharding import PartitionSpec as P
 
 from megajax.parallel import pipeline_1f1b
@@ -70,8 +72,8 @@ from megajax.parallel.sharding import (
 )
 
 # the scope of what a stack's layers return beside their output (a mixture's routing statistics), summed and
-# gathered after the tick loop (the communication budget counts it apart)
-BESIDE_SCOPE = "stack_beside"
+# gathered after the tick loop, or under 1F1B moved with each microbatch (the communication budget counts it apart)
+BESIDE_SCOPE = pipeline_1f1b.BESIDE_SCOPE
 GPIPE, CIRCULAR, ONE_F_ONE_B = "gpipe", "circular", "1f1b"
 SCHEDULES = (GPIPE, CIRCULAR, ONE_F_ONE_B)  # parallel.pipeline_schedule
 
@@ -290,6 +292,7 @@ class StackCall:
     x: jax.Array
     mask: Any
     layer_keys: jax.Array | None
+    beside: Any = None  # the shapes of what the layers return beside their output ((L, ...) leaves), or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,15 +433,67 @@ def _stages(call: StackCall) -> _Stages:
                    None if per_row else mask, num_layers, data_axes)
 
 
+def _summed_over(axes: Any, leaves: list[jax.Array], at: int, to: int) -> list[jax.Array]:
+    """Each leaf summed over its dimension ``at`` (the data replicas, split over ``axes``; None: one), the sums
+    given to every replica again as dimension ``to``: one all-reduce of the leaves side by side, so that XLA sums
+    each whole (its own reduction summed some over the layers first, others not)."""
+    over = entry_axes(axes)
+
+    def summed(*blocks):
+        parts = [b.sum(at) for b in blocks]
+        flat = jnp.concatenate([a.reshape(-1) for a in parts])
+        flat = jax.lax.psum(flat, over) if over else flat
+        cuts = np.cumsum([a.size for a in parts])[:-1]
+        return tuple(jnp.broadcast_to(jnp.expand_dims(t.reshape(a.shape), to), jnp.moveaxis(b, at, to).shape)
+                     for t, a, b in zip(jnp.split(flat, cuts), parts, blocks))
+
+    if not leaves:
+        return leaves
+    spec = lambda i: P(*(None,) * i, axes)  # noqa: E731
+    with jax.named_scope(BESIDE_SCOPE):
+        return list(jax.shard_map(summed, in_specs=tuple(spec(at) for _ in leaves),
+                                  out_specs=tuple(spec(to) for _ in leaves), axis_names=set(over),
+                                  check_vma=False)(*leaves))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _replicas_total(axes: Any, carried: Any) -> Any:
+    """``carried``'s leaves (p v, d, L/(p v), ...), the d data replicas split over ``axes``, summed over the
+    replicas and given to each, (d, p v, L/(p v), ...): one all-reduce each way, backward of the leaves that have a
+    gradient only (a count's is zero)."""
+    leaves, treedef = jax.tree.flatten(carried)
+    return jax.tree.unflatten(treedef, _summed_over(axes, leaves, 1, 0))
+
+
+def _replicas_total_fwd(axes: Any, carried: Any) -> tuple[Any, None]:
+    # (with symbolic zeros the primals come wrapped)
+    leaves, treedef = jax.tree.flatten(carried, is_leaf=lambda a: isinstance(a, CustomVJPPrimal))
+    return jax.tree.unflatten(treedef, _summed_over(axes, [a.value for a in leaves], 1, 0)), None
+
+
+def _replicas_total_bwd(axes: Any, _: None, ct: Any) -> tuple[Any]:
+    leaves, treedef = jax.tree.flatten(ct, is_leaf=lambda a: isinstance(a, SymbolicZero))
+    live = [i for i, a in enumerate(leaves) if not isinstance(a, SymbolicZero)]
+    sums = iter(_summed_over(axes, [leaves[i] for i in live], 0, 1))
+    out = [next(sums) if i in live else jnp.zeros((a.aval.shape[1], a.aval.shape[0], *a.aval.shape[2:]),
+                                                   a.aval.dtype) for i, a in enumerate(leaves)]
+    return (jax.tree.unflatten(treedef, out),)
+
+
+_replicas_total.defvjp(_replicas_total_fwd, _replicas_total_bwd, symbolic_zeros=True)
+
+
 def _by_replica(a: jax.Array, d: int) -> jax.Array:
     """(rows, ...) -> (d, rows / d, ...): one microbatch's rows by data replica."""
     return a.reshape(d, a.shape[0] // d, *a.shape[1:])
 
 
-# the loss's tail on one data replica's rows of a microbatch, ``tail(tail_params, consts, h, fields) -> (seed,
-# aux)``: ``h`` the stack's output, ``fields`` the batch's fields for those rows; ``seed`` is differentiated, ``aux``
-# summed over the microbatches
-Tail = Callable[[Any, Any, jax.Array, Any], tuple[jax.Array, Any]]
+# the loss's tail on one data replica's rows of a microbatch, ``tail(tail_params, consts, (h, beside), fields) ->
+# (seed, aux)``: ``h`` the stack's output on those rows, ``beside`` what the layers returned beside it (model order,
+# (L, ...) leaves, or None): the microbatch's, summed over its rows and divided by the data replicas (each replica's
+# rows' share of it); ``fields`` the batch's fields for those rows; ``seed`` is differentiated, ``aux`` summed over
+# the microbatches
+Tail = Callable[[Any, Any, tuple[jax.Array, Any], Any], tuple[jax.Array, Any]]
 
 
 def run_stack_1f1b(call: StackCall, tail: Tail, tail_params: Any, consts: Any, fields: Any
@@ -448,28 +503,39 @@ def run_stack_1f1b(call: StackCall, tail: Tail, tail_params: Any, consts: Any, f
     microbatches, the gradients of the stack's state, of ``tail_params``, of ``call.x``). ``fields``: the batch's
     fields (B, ...), each microbatch's rows travelling with it to the last stage. ``tail_params`` are copied per data
     replica, as the layers (``_stages``); their gradients, one per stage and copy, are summed as one dimension over
-    `pipe` x `data`: one all-reduce (a sum over the stages, then one over the copies, compiled to one each)."""
+    `pipe` x `data`: one all-reduce (a sum over the stages, then one over the copies, compiled to one each). What the
+    layers return beside their output (``call.beside``) travels with each microbatch to the tail, each chunk adding
+    its layers' at their place among the stack's (per data replica: (p v, d, L/(p v), ...)), and its gradient comes
+    back with the activation's."""
     plan = _stages(call)
     weights, pull_weights = jax.vjp(plan.copies, call.state)
-    d = plan.replicas
+    d, p, v = plan.replicas, stages(), repeats()
     spread = lambda a: jnp.broadcast_to(a[None], (d, *a.shape))  # noqa: E731
     copies = jax.tree.map(spread, tail_params)
+    per_chunk = plan.layers // (p * v)
+    carried = jax.tree.map(lambda b: jax.ShapeDtypeStruct((p * v, d, per_chunk, *b.shape[1:]), b.dtype), call.beside)
+    places = jnp.arange(p * v, dtype=jnp.int32).reshape(p, v)  # each chunk's among the stack's, in its order
+    in_model = np.argsort(layer_order(plan.layers, p, v))
 
-    def stage_fn(w, keys, shared, h, args):  # w: (d, L/(p v), ...), keys (L/(p v),): one chunk of the stage's
+    def stage_fn(w, keys, shared, x, args):  # w: (d, L/(p v), ...), keys (L/(p v),): one chunk of the stage's
+        (keys, place), (h, carried) = keys, x
         y, beside = plan.stage((w, keys), h, args, shared)
-        if jax.tree.leaves(beside):  # refused before tracing (config.resolve): the tail cannot wait for them
-            raise ValueError("the 1F1B schedule runs layers that return nothing beside their output")
-        return y
+        at = jax.nn.one_hot(place, p * v)
+        return y, jax.tree.map(lambda c, b: c + at.reshape(-1, *(1,) * b.ndim).astype(b.dtype) * b[None],
+                               carried, beside)
 
-    def tail_fn(tp, consts, h, args, fields):
-        ids = args[0]
+    def tail_fn(tp, consts, out, args, fields):
+        (h, carried), ids = out, args[0]
+        # the microbatch's on every replica, in model order, divided by the replicas (each replica's rows' share)
+        beside = jax.tree.map(lambda c: c.reshape(d, plan.layers, *c.shape[3:])[:, in_model] / d,
+                              _replicas_total(plan.replica_axes, carried))
 
-        def replica(own, h, ids, fields):
+        def replica(own, h, ids, fields, beside):
             with rules_remapped(batch=None), rows_of(ids), params_whole():
-                return tail(own, consts, h, fields)
+                return tail(own, consts, (h, beside), fields)
 
         seeds, aux = jax.vmap(replica, spmd_axis_name="data")(
-            tp, _by_replica(h, d), _by_replica(ids, d), jax.tree.map(lambda a: _by_replica(a, d), fields))
+            tp, _by_replica(h, d), _by_replica(ids, d), jax.tree.map(lambda a: _by_replica(a, d), fields), beside)
         return seeds.sum(), jax.tree.map(lambda a: a.sum(0), aux)
 
     mesh = jax.sharding.get_abstract_mesh()
@@ -478,9 +544,9 @@ def run_stack_1f1b(call: StackCall, tail: Tail, tail_params: Any, consts: Any, f
     # reorders them (context.balanced) on the last stage inside a branch, where XLA's partitioner aborts on that
     # gather with model shards (jax 0.10) and a move between context shards is a collective no other stage joins
     fields = jax.tree.map(lambda a: constrain(a, ("batch", *(None,) * (a.ndim - 1))), fields)
-    aux, dw, d_copies, dxs = pipeline_1f1b.run(stage_fn, tail_fn, weights, plan.keys, plan.shared, copies, consts,
-                                               plan.xs, plan.args, jax.tree.map(plan.to_io, fields),
-                                               parallel_context().pipeline.stage_recompute, scatter)
+    aux, dw, d_copies, dxs = pipeline_1f1b.run(stage_fn, tail_fn, weights, (plan.keys, places), plan.shared, copies,
+                                               consts, plan.xs, plan.args, jax.tree.map(plan.to_io, fields),
+                                               parallel_context().pipeline.stage_recompute, scatter, carried)
     # (stages, copies, ...) -> one dimension over pipe x data, summed
     (d_state,), d_tail = pull_weights(dw), jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]).sum(0), d_copies)
     return aux, d_state, d_tail, constrain(plan.from_io(dxs), RESIDUAL)

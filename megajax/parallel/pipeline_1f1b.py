@@ -56,6 +56,9 @@ from megajax.parallel.sharding import MODEL_AXIS, PIPE_AXIS
 # count of ticks per stage (a collective inside one runs on those ticks only)
 RING_SCOPE, IO_SCOPE = "pipeline_ring", "pipeline_io"
 FORWARD_SCOPE, TAIL_SCOPE, BACKWARD_SCOPE = "pipeline_forward", "pipeline_tail", "pipeline_backward"
+# the scope of what a stack's layers return beside their output (a mixture's routing statistics) wherever it moves:
+# with each microbatch round the ring here, summed and gathered after ``pipeline.run``'s loop
+BESIDE_SCOPE = "stack_beside"
 
 
 def ticks(num_micro: int, num_stages: int, num_repeats: int = 1) -> int:
@@ -115,7 +118,7 @@ def _program(closed: Any, used: list[bool]) -> tuple[Callable[..., list[jax.Arra
     return program, inputs[consts:]
 
 
-def _residuals(fn: Callable[[Any, jax.Array, Any], jax.Array], weights: Any, x: jax.Array, args: Any) -> _Residuals:
+def _residuals(fn: Callable[[Any, Any, Any], Any], weights: Any, x: Any, args: Any) -> _Residuals:
     """Split the vjp of ``fn(weights, x, args)`` (x and weights differentiated) into a forward that returns the
     microbatch's residuals and a program that recomputes the rest from the weights (``_Residuals``). A residual is
     the microbatch's where its jaxpr, dead code removed, reads ``x`` or ``args``."""
@@ -124,26 +127,30 @@ def _residuals(fn: Callable[[Any, jax.Array, Any], jax.Array], weights: Any, x: 
     def traced(w, x, a):
         y, pull = jax.vjp(lambda w, x: fn(w, x, a), w, x)
         leaves, box["tree"] = jax.tree.flatten(pull)
-        return [y, *leaves]
+        ys, box["y"] = jax.tree.flatten(y)
+        return [*ys, *leaves]
 
     closed = jax.make_jaxpr(traced)(weights, x, args)
-    n_w = len(jax.tree.leaves(weights))
-    count = len(closed.jaxpr.outvars) - 1
+    n_w, n_y = len(jax.tree.leaves(weights)), box["y"].num_leaves
+    count = len(closed.jaxpr.outvars) - n_y
     kept = []
     for i in range(count):
-        _, reads = _program(closed, [j == i + 1 for j in range(count + 1)])
+        _, reads = _program(closed, [j == n_y + i for j in range(n_y + count)])
         kept.append(any(reads[n_w:]))
-    forward, _ = _program(closed, [True, *kept])
+    program, _ = _program(closed, [True] * n_y + kept)
     flat = lambda *trees: [a for t in trees for a in jax.tree.leaves(t)]  # noqa: E731
+
+    def forward(w, x, a):  # [y, *kept residuals]
+        out = program(*flat(w, x, a))
+        return [jax.tree.unflatten(box["y"], out[:n_y]), *out[n_y:]]
+
     shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-              for v, k in zip(closed.jaxpr.outvars[1:], kept, strict=True) if k]
+              for v, k in zip(closed.jaxpr.outvars[n_y:], kept, strict=True) if k]
     if all(kept):  # (a side effect that reads the microbatch is in every leaf's program: all are kept)
-        return _Residuals(lambda w, x, a: forward(*flat(w, x, a)), lambda w: [], kept, box["tree"], shapes)
-    rest, reads = _program(closed, [False, *(not k for k in kept)])
+        return _Residuals(forward, lambda w: [], kept, box["tree"], shapes)
+    rest, reads = _program(closed, [False] * n_y + [not k for k in kept])
     assert not any(reads[n_w:]), "a residual left to the backward reads the microbatch"
-    return _Residuals(lambda w, x, a: forward(*flat(w, x, a)),
-                      lambda w: rest(*flat(w, jnp.zeros_like(x), jax.tree.map(jnp.zeros_like, args))),
-                      kept, box["tree"], shapes)
+    return _Residuals(forward, lambda w: rest(*flat(w, _zeros(x), _zeros(args))), kept, box["tree"], shapes)
 
 
 def scattered(x_spec: P, seq: int, mesh_shape: dict[str, int]) -> P | None:
@@ -195,6 +202,17 @@ def _send_backward(pairs, scatter, scope, _, g):
 send_scattered.defvjp(_send_forward, _send_backward)
 
 
+def _with_derivative(fn: Callable[[Any, jax.Array], Any], weights: Any, x: jax.Array) -> Any:
+    """Per leaf of ``fn(weights, x)``'s output: whether it has a derivative in ``weights`` or ``x`` (its linearized
+    program, dead code removed, reads a tangent): a count's (a mixture's assignments per expert) has none, so no
+    gradient of it needs to travel."""
+    out, linear = jax.linearize(fn, weights, x)
+    closed = jax.make_jaxpr(linear)(weights, x)
+    count = len(closed.jaxpr.outvars)
+    flags = [any(pe.dce_jaxpr(closed.jaxpr, [j == i for j in range(count)])[1]) for i in range(count)]
+    return jax.tree.unflatten(jax.tree.structure(out), flags)
+
+
 def _axes(spec: P) -> set[str]:
     return {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
 
@@ -207,17 +225,20 @@ def _where(flag: jax.Array, a: Any, b: Any) -> Any:
     return jax.tree.map(lambda x, y: jnp.where(flag, x, y), a, b)
 
 
-def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
-        tail_fn: Callable[[Any, Any, jax.Array, Any, Any], tuple[jax.Array, Any]],
+def run(stage_fn: Callable[[Any, Any, Any, tuple[jax.Array, Any], Any], tuple[jax.Array, Any]],
+        tail_fn: Callable[[Any, Any, tuple[jax.Array, Any], Any, Any], tuple[jax.Array, Any]],
         weights: Any, keys: Any, shared: Any, tail_params: Any, consts: Any, xs: jax.Array, args: Any, fields: Any,
-        recompute: bool = False, scatter: P | None = None) -> tuple[Any, Any, Any, jax.Array]:
+        recompute: bool = False, scatter: P | None = None, carried: Any = None) -> tuple[Any, Any, Any, jax.Array]:
     """The 1F1B schedule over the M microbatches ``xs``; returns (the tail's summed outputs, the gradients of
     ``weights``, of ``tail_params``, of ``xs``).
 
-    ``stage_fn(weights, keys, shared, x, args) -> y``: one chunk of a stage's layers on one microbatch (``weights``,
-    ``keys``: the chunk's). ``weights``, ``keys``: leaves leading with (stages, chunks, ...), stages split over
-    ``pipe``; ``keys`` not differentiated; ``shared``: whole on every stage, not differentiated. ``tail_fn(tail_params,
-    consts, y, args, fields) -> (seed, aux)``: the loss's tail on the last chunk's output ``y`` of a microbatch;
+    ``stage_fn(weights, keys, shared, (x, c), args) -> (y, c)``: one chunk of a stage's layers on one microbatch
+    (``weights``, ``keys``: the chunk's), ``c`` what travels with the microbatch's activation from its first chunk to
+    the tail, each chunk adding to it (a mixture's routing statistics), starting as zeros of ``carried``'s shapes
+    (one microbatch's; None: nothing), its gradient travelling back with the activation's. ``weights``, ``keys``: leaves
+    leading with (stages, chunks, ...), stages split over ``pipe``; ``keys`` not differentiated; ``shared``: whole
+    on every stage, not differentiated. ``tail_fn(tail_params, consts, (y, c), args, fields) -> (seed, aux)``: the
+    loss's tail on the last chunk's output ``y`` of a microbatch;
     ``seed`` is what is differentiated (the loss contribution times its scale), ``aux`` is summed over the
     microbatches and returned. ``tail_params``, ``consts``: whole on every stage. ``xs``, ``args``, ``fields``:
     (p, K, mb, ...) split over ``pipe``, stage j's share holding microbatches j K .. j K + K - 1 (as
@@ -248,6 +269,13 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
         return jax.shard_map(lambda b: _split_send_gather(b, pairs, 1), in_specs=scatter, out_specs=scatter,
                              axis_names={MODEL_AXIS, *_axes(scatter)}, check_vma=False)(a)
 
+    def carry_on(x: tuple[jax.Array, Any], pairs: list[tuple[int, int]], live: Any = None) -> tuple[jax.Array, Any]:
+        # an activation with what travels with it, or their gradients (those of ``live`` leaves; the rest zero)
+        with jax.named_scope(BESIDE_SCOPE):
+            carried = jax.tree.map(lambda a, on: jax.lax.ppermute(a, PIPE_AXIS, pairs) if on else jnp.zeros_like(a),
+                                   x[1], jax.tree.map(lambda _: True, x[1]) if live is None else live)
+        return cross(x[0], pairs), carried
+
     def body(weights, keys, shared, tail_params, consts, xs, args, fields):
         own = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731  (this stage's block)
         weights, keys, xs, args, fields = own(weights), own(keys), own(xs), own(args), own(fields)
@@ -259,7 +287,8 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
         s = jax.lax.axis_index(PIPE_AXIS)
         first, last = s == 0, s == p - 1
         one = lambda tree: jax.tree.map(lambda a: jnp.zeros_like(a[0]), tree)  # noqa: E731  (one microbatch's)
-        x0, args0, fields0 = one(xs), one(args), one(fields)
+        c0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), carried)
+        x0, args0, fields0 = (one(xs), c0), one(args), one(fields)
         aux0 = jax.eval_shape(lambda: tail_fn(tail_params, consts, x0, args0, fields0)[1])
         aux0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux0)
 
@@ -269,6 +298,10 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
         # recompute: the stage's residuals are its inputs (one checkpoint round the whole chunk)
         halves = _residuals(jax.checkpoint(stage) if recompute else stage, chunk(weights, 0), x0,
                             (args0, chunk(keys, 0)))
+        live = None
+        if jax.tree.leaves(c0):
+            live = _with_derivative(lambda w, h: stage(w, (h, c0), (args0, chunk(keys, 0)))[1], chunk(weights, 0),
+                                    x0[0])
 
         @jax.named_scope(FORWARD_SCOPE)
         def forward_half(x, a, held, slot, c):  # the chunk's output; the residuals its backward needs of this
@@ -312,12 +345,12 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
             gives = (t >= lag) & (t - lag < num_micro * v) & (c_out == 0)
             col = m_in % k_cols
             entry = jax.tree.map(lambda a: a[col], io)
-            x, a, fl = _where(first & (c_f == 0), entry, inbox)
+            x, a, fl = _where(first & (c_f == 0), ((entry[0], c0), *entry[1:]), inbox)
             # the residuals wait in the ring for the microbatch's backward (the last chunk's on the last stage are
             # used at once)
             fused = last & (c_f == v - 1)
             y, held = jax.lax.cond(f_on & ~fused, forward_half,
-                                   lambda x, a, held, slot, c: (jnp.zeros_like(x), held), x, a, held, f % ring, c_f)
+                                   lambda x, a, held, slot, c: (_zeros(x), held), x, a, held, f % ring, c_f)
             f_b = b + (2 * c_b - v + 1) * p  # the forward count of the backward's chunk-microbatch
             kept_b = [h[f_b % ring] for h in held]
 
@@ -328,15 +361,15 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
                 return (add(dw_sum, c, dw), *jax.tree.map(jnp.add, (dtp_sum, aux_sum), (dtp, aux))), dx
 
             def idle(sums, *_):
-                return sums, jnp.zeros_like(x)
+                return sums, _zeros(x)
 
             (dw_sum, dtp_sum, aux_sum), dx = jax.lax.cond(b_on, backward_half, idle, (dw_sum, dtp_sum, aux_sum), x, a,
                                                           fl, kept_b, grad_in, c_b)
             permute = lambda tree, pairs: jax.tree.map(  # noqa: E731
                 lambda a: jax.lax.ppermute(a, PIPE_AXIS, pairs), tree)
             with jax.named_scope(RING_SCOPE):  # the output one stage on, the input gradient one back
-                inbox = (cross(y, forward), *permute((a, fl), forward))
-                grad_in = cross(dx, backward)
+                inbox = (carry_on(y, forward), *permute((a, fl), forward))
+                grad_in = carry_on(dx, backward, live)
 
             # the input column one stage towards stage 0, kept where stage 0 took from it; stage 0's input gradient
             # put in its column, which then turns one stage down the ring, kept where stage 0 gave one: microbatch
@@ -345,7 +378,7 @@ def run(stage_fn: Callable[[Any, Any, Any, jax.Array, Any], jax.Array],
             # on M ticks each
             x_in, *rest = entry  # (the microbatch's input, its args and fields)
             g_col = (m_out + 2 * (p - 1)) % k_cols
-            g_entry = jnp.where(first, dx, io_grad[g_col])
+            g_entry = jnp.where(first, dx[0], io_grad[g_col])
             with jax.named_scope(IO_SCOPE):
                 moved = (cross(x_in, toward_first), *permute(rest, toward_first))
                 g_moved = cross(g_entry, ring_down)

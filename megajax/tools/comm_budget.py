@@ -40,7 +40,12 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
             continue
         size = c.shard_elements * DTYPE_BYTES.get(c.dtype, 4) * c.executions
         over_model = c.axes == {"model"}
-        if shape.pipe_1f1b and c.axes == {"pipe"} and c.op == "collective-permute":  # ring or io, by its scope
+        if shape.pipe > 1 and pipeline.BESIDE_SCOPE in c.op_name and (
+                c.op == "collective-permute" or (c.op == "all-reduce" and (shape.pipe_1f1b or c.phase == "forward"))):
+            out["routing statistics"] += size  # the stages' statistics: summed after the loop, or 1F1B's moved
+            # round the ring with their microbatch and summed over its replicas in the tail (a backward all-reduce
+            # named so outside 1F1B is the gradients' reduction XLA merged with it)
+        elif shape.pipe_1f1b and c.axes == {"pipe"} and c.op == "collective-permute":  # ring or io, by its scope
             out["pipeline point-to-point" if pipeline.RING_SCOPE in c.op_name else "pipeline inputs/outputs"] += size
         elif shape.pipe_1f1b and over_model and c.op == "all-reduce" and pipeline_1f1b.TAIL_SCOPE in c.op_name \
                 and c.elements == shape.pipe_rows * shape.seq and c.shape[-2:] == (shape.pipe_rows, shape.seq):
@@ -75,13 +80,13 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
             out["tensor-parallel backward"] += size  # the pooled token's gradient back to the shard holding it
         elif shape.sequence and c.op in ("all-reduce", "all-gather") and over_model and c.phase == "backward":
             out["sequence-parallel extra"] += size
-        elif shape.pipe > 1 and c.op == "all-reduce" and c.phase == "forward" and pipeline.BESIDE_SCOPE in c.op_name:
-            out["routing statistics"] += size  # the stages' statistics, summed and gathered once after the loop
         elif c.op == "all-to-all" and c.axes == {"expert"}:
             out["expert all-to-all"] += size
         elif shape.num_experts and c.op == "all-reduce" and (
                 (c.phase == "forward" and c.elements == shape.num_experts and c.axes <= {"data", "expert"}) or
-                (c.phase == "backward" and c.elements == shape.routed_rows and over_model)):
+                (c.phase == "backward" and c.elements == shape.routed_rows and over_model) or
+                (shape.pipe > 1 and c.phase == "backward" and over_model and  # the router's gradient (stages)
+                 c.shape[-2:] == (shape.hidden, shape.num_experts))):
             out["routing statistics"] += size
         elif shape.head_norm_elements and c.op == "all-reduce" and over_model and c.phase == "backward" and \
                 c.shape[-1:] == (shape.head_dim,) and c.elements <= shape.head_norm_elements:

@@ -121,7 +121,13 @@ n = b x s x k assignments on one data (and expert) shard:
 In GPipe and circular pipeline stages (the experts split over ``model``, not over expert shards) the layers'
 statistics (per layer: 2 E fp32 and the z-loss and drops, 2 fp32) are not summed inside each layer: they leave the
 stack per stage and are summed over the data replicas and gathered over the stages in one all-reduce of the whole
-model's, (2 E + 2) L fp32 per micro-batch, after the tick loop.
+model's, (2 E + 2) L fp32 per micro-batch, after the tick loop. Under 1F1B each microbatch's statistics of the
+whole model, (2 E + 2) L fp32 per device, travel with it round the ring on each of the T ticks, and their gradient
+back, the probability mass's and the z-loss's ((E + 1) L: counts have no derivative); with data replicas the tail
+sums them over the replicas on each of the M microbatches, each way (one all-reduce of the leaves side by side).
+With model shards in stages the layer runs without jax's varying-axes check, and sums its router's gradient,
+h x E fp32, over ``model`` on each layer run (a stage-tick of each of its layers; 1F1B: M v per chunk layer),
+where a checked one sums the top-k weights' (n fp32).
 
 Per-head norm gradients (Qwen3's query and key RMSNorm scales, ``head_norm_elements``): each model shard holds the
 scales whole and computes only its own heads, so with ``mesh.model`` > 1 their gradient is summed over the model
@@ -278,12 +284,21 @@ def minimum(shape: Shape) -> dict[str, int]:
                                           + (shape.stage_grad_elements if shape.data * shape.context > 1 else 0))
     if shape.data > 1:
         out["data-parallel parameter gathers"] = shape.gathered_shard_elements * 4  # fp32 masters
-    if shape.num_experts and shape.pipe > 1:  # in GPipe / circular stages, the experts split over model only
+    if shape.num_experts and shape.pipe_1f1b:  # each microbatch's statistics with it round the ring, and back
+        # their gradient (the probability mass's and the z-loss's: the counts have none); summed over the data
+        # replicas in the tail, each way
+        per_layer = 4 * ((2 * shape.num_experts + 2) + (shape.num_experts + 1))
+        moves = shape.pipe_ticks + (shape.pipe_micro if shape.data > 1 else 0)
+        out["routing statistics"] = moves * per_layer * shape.routed_layers * n
+    elif shape.num_experts and shape.pipe > 1:  # in GPipe / circular stages, the experts split over model only
         # the stages' per-layer statistics (assignments and probability mass per expert, z-loss and drops) summed
-        # over the data replicas and gathered over the stages once, after the loop (with model shards in the stages
-        # the unchecked layer also sums its router's gradient over model: not minimal, so not counted here)
+        # over the data replicas and gathered over the stages once, after the loop
         out["routing statistics"] = 4 * (2 * shape.num_experts + 2) * shape.routed_layers * n
-    elif shape.num_experts:
+    if shape.num_experts and shape.pipe > 1 and shape.tensor > 1:  # the layer runs unchecked in stages: on each
+        # layer run its router's gradient (h x E fp32) is summed over model (where a checked one sums the top-k
+        # weights', n: ``models/moe.py``)
+        out["routing statistics"] += runs * shape.hidden * shape.num_experts * 4 * n
+    elif shape.num_experts and shape.pipe == 1:
         redo = 2 if shape.remat == "full" else 1  # the recomputed forward exchanges and sums again
         exchange = shape.expert * shape.exchange_rows * n * shape.routed_layers  # rows of one exchange, every layer
         if shape.expert > 1:  # forward: the hidden states there and back, their expert ids; backward: 2 transposes

@@ -131,7 +131,7 @@ class CompiledMemory:
 def with_batch(run: RunSpec, micro_batch: int, num_micro: int = 1) -> RunSpec:
     """``run`` training ``micro_batch`` sequences per data shard in each of ``num_micro`` accumulation steps (its
     global batch micro_batch x data x num_micro), resolved again (``config.replanned``)."""
-    return replanned(run, {"train.global_batch_size": micro_batch * run.mesh.data * run.mesh.expert * num_micro,
+    return replanned(run, {"train.global_batch_size": micro_batch * run.mesh.batch_shards * num_micro,
                            "train.micro_batch_size": micro_batch if num_micro > 1 else 0})
 
 
@@ -236,7 +236,7 @@ def gathered_bytes(run: RunSpec) -> tuple[int, int]:
 
 def _num_micro(run: RunSpec, micro_batch: int) -> int:
     """Accumulation steps the run's global batch implies at this micro-batch (1 if it does not divide)."""
-    steps, rest = divmod(run.global_batch, micro_batch * run.mesh.data * run.mesh.expert)
+    steps, rest = divmod(run.global_batch, micro_batch * run.mesh.batch_shards)
     return max(steps, 1) if not rest else 1
 
 

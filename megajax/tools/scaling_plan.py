@@ -112,8 +112,7 @@ def variants(run: RunSpec, mesh: MeshShape, choose: bool) -> list[RunSpec]:
 
 def pipelines(run: RunSpec, stages: int, rows: int) -> list[Pipeline]:
     """The schedules the planner tries on ``stages`` stages for a layer-stack batch of ``rows`` sequences: GPipe and
-    the circular schedule, and (but for a mixture of experts, whose balancing loss is over the whole batch)
-    1F1B holding residuals or recomputing the chunks, each with every v up to
+    the circular schedule, and 1F1B holding residuals or recomputing the chunks, each with every v up to
     ``MAX_REPEATS`` that splits the layers evenly (v = 1: GPipe, plain 1F1B; v > 1: circular, interleaved 1F1B), at
     M = the
     smallest multiple of p dividing ``rows`` from p, 2p, 4p, ... up, and all ``rows`` (one sequence per
@@ -130,9 +129,8 @@ def pipelines(run: RunSpec, stages: int, rows: int) -> list[Pipeline]:
         want *= 2
     counts.add(rows)
     repeats = [v for v in range(1, MAX_REPEATS + 1) if run.model.num_layers % (stages * v) == 0]
-    schedules = ((False, False),) if run.routed_experts[0] else ((False, False), (True, False), (True, True))
     return [Pipeline(stages, m, v, one_f_one_b=f, stage_recompute=r) for v in repeats for m in sorted(counts)
-            for f, r in schedules]
+            for f, r in ((False, False), (True, False), (True, True))]
 
 
 def recommend_mesh(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch: int,

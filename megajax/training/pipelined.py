@@ -43,12 +43,15 @@ class _Recorder:
         self.call: pipeline.StackCall | None = None
 
     def __call__(self, blocks: nnx.Module, scan_layers: pipeline.ScanLayers, x: jax.Array, mask: Any,
-                 layer_keys: jax.Array | None) -> tuple[jax.Array, None]:
+                 layer_keys: jax.Array | None) -> tuple[jax.Array, Any]:
         if self.call is not None:
             raise ValueError("the 1F1B pipeline schedule runs one layer stack per model; this model ran two")
         graphdef, state = nnx.split(blocks)
-        self.call = pipeline.StackCall(graphdef, state, scan_layers, x, mask, layer_keys)
-        return jnp.zeros_like(x), None
+        # what the layers return beside their output (a mixture's statistics), as shapes: zeros stand for it
+        beside = jax.eval_shape(lambda state, x, mask, keys: scan_layers(nnx.merge(graphdef, state), x, mask, keys,
+                                                                         True)[1], state, x, mask, layer_keys)
+        self.call = pipeline.StackCall(graphdef, state, scan_layers, x, mask, layer_keys, beside)
+        return jnp.zeros_like(x), _zeros(beside)
 
     def recorded(self) -> pipeline.StackCall:
         """The call, or ValueError where the model ran no pipelined stack."""
@@ -57,10 +60,14 @@ class _Recorder:
         return self.call
 
 
-def _given(output: jax.Array) -> pipeline.StackRunner:
-    """A ``pipeline.StackRunner`` that returns ``output`` as the stack's: the model after its layers (the loss's
-    tail) as a function of the stack's output."""
-    return lambda blocks, scan_layers, x, mask, layer_keys: (output, None)
+def _given(output: jax.Array, beside: Any) -> pipeline.StackRunner:
+    """A ``pipeline.StackRunner`` that returns ``output`` and ``beside`` as the stack's: the model after its layers
+    (the loss's tail) as a function of the stack's output and what its layers return beside it."""
+    return lambda blocks, scan_layers, x, mask, layer_keys: (output, beside)
+
+
+def _zeros(shapes: Any) -> Any:
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 # (loss, metrics) -> (the value differentiated, (loss, metrics) as the step sums them): the step's weighting
 Weigh = Callable[[jax.Array, Metrics], tuple[jax.Array, tuple[jax.Array, Metrics]]]
 
@@ -88,16 +95,17 @@ def grads(objective: Objective, graphdef: nnx.GraphDef, params: Params, batch: B
     call = dataclasses.replace(static["call"], x=x, state=state, mask=mask, layer_keys=layer_keys)
     in_tail = [not stacked for stacked in is_stack]
 
-    def tail(own: list[jax.Array], counts: list[jax.Array], h: jax.Array, rows: Batch):
+    def tail(own: list[jax.Array], counts: list[jax.Array], out: tuple[jax.Array, Any], rows: Batch):
         # the parameters the tail does not read (the stack's, whose output is given; an untied embedding's): zeros
         given = iter(own)
         full = [next(given) if read else jnp.zeros(a.shape, a.dtype) for a, read in zip(leaves, in_tail)]
         loss, metrics = objective.loss(nnx.merge(graphdef, jax.tree.unflatten(treedef, full)), rows, key,
-                                       Given(counts), _given(h))
+                                       Given(counts), _given(*out))
         return weigh(loss, metrics)
 
     # only what the tail reads gets a gradient accumulator in the tick loop (an untied embedding's would stay zero)
-    read = _read(lambda own: tail(own, counts, x, batch)[0], [a for a, r in zip(leaves, in_tail) if r])
+    read = _read(lambda own: tail(own, counts, (x, _zeros(call.beside)), batch)[0],
+                 [a for a, r in zip(leaves, in_tail) if r])
     in_tail = [r and next(read) for r in in_tail]
     own = [a for a, r in zip(leaves, in_tail, strict=True) if r]
     (loss, metrics), d_state, d_own, dx = pipeline.run_stack_1f1b(call, tail, own, counts, batch)
@@ -129,10 +137,10 @@ def reads(objective: Objective, graphdef: nnx.GraphDef, params: dict, batch: Bat
         model = lambda own: nnx.merge(graphdef, jax.tree.unflatten(treedef, own))  # noqa: E731
         counts, recorder = Counted(), _Recorder()
         objective.loss(model(leaves), batch, None, counts, recorder)
-        x = recorder.recorded().x
+        x, beside = recorder.recorded().x, _zeros(recorder.recorded().beside)
 
         def tail(own: list[jax.Array], rows: Batch) -> jax.Array:
-            return objective.loss(model(own), rows, None, Given(counts.counts), _given(x))[0]
+            return objective.loss(model(own), rows, None, Given(counts.counts), _given(x, beside))[0]
 
         def stack_input(own: list[jax.Array]) -> jax.Array:
             given = _Recorder()
