@@ -159,13 +159,13 @@ def test_routed_layer_by_hand():
 
 
 def test_cli_plans_a_mixture_in_stages_without_expert_shards(capsys):
-    """A mixture of experts in pipeline stages: the GPipe and circular schedules (its balancing loss is over the
-    whole batch, which 1F1B's per-microbatch tail cannot see) with the experts split over model, not over expert
-    shards (``MoEConfig.check_mesh``)."""
+    """A mixture of experts in pipeline stages: every schedule (1F1B too, its balancing loss each microbatch's)
+    with the experts split over model, not over expert shards (``MoEConfig.check_mesh``)."""
     scaling_plan.main(["--config=mixtral_8x7b", "--gpus=64", "--cluster=dgx_h100", "--pipe=2", "--micro_batch=0"])
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["2"]]
-    assert rows and all(r[2] == "1" and r[3].startswith(("gpipe", "circ")) for r in rows), out
+    assert rows and all(r[2] == "1" for r in rows), out
+    assert rows[-1][3] == "intl2" and "pipeline_schedule=1f1b" in out, out  # the recommended: interleaved 1F1B
     assert "recommendation: pipe=2 x data=" in out and "x expert=1 x" in out
 
 

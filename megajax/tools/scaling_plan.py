@@ -5,13 +5,14 @@
         --config.model.max_seq_len=131072 --global_batch=8   # every sequence over 16 context shards
 
 prints every (pipe, data, model) mesh of the GPUs (a mixture of experts: (data, expert, model), or in stages
-(pipe, data, model) with the GPipe and circular schedules) with its
+(pipe, data, model)) with its
 predicted step time (compute, tensor-parallel, point-to-point over pipe, exposed data-parallel, the experts'
 all-to-alls), the pipeline's bubble, model TFLOP/s per GPU (active parameters' FLOPs), MFU and memory, and
 recommends the fastest one that fits, as train.py flags. Per mesh it chooses (``recommend_mesh``):
 
-* with pipeline stages (pipe dividing the layers), the schedule and microbatches (``pipelines``): GPipe, or the
-  circular schedule with v chunks per stage (v up to ``MAX_REPEATS``, dividing L/p), at
+* with pipeline stages (pipe dividing the layers), the schedule and microbatches (``pipelines``): GPipe, 1F1B
+  (holding residuals or recomputing), or the circular or interleaved 1F1B schedule with v chunks per stage (v up to
+  ``MAX_REPEATS``, dividing L/p), at
   M = p, 2p, 4p, ... (the smallest divisor of the layer stack's batch from each) and one sequence per microbatch;
 * the remat policy, sequence parallelism and how much state to split over data: none, ZeRO-1 or FSDP
   (``variants``; ``--keep_choices``: the config's). With stages the step model covers neither sequence
@@ -219,7 +220,10 @@ def flags(prediction: Prediction) -> str:
 
 
 def _schedule(pipeline: Pipeline) -> str:
-    return pipeline.schedule if pipeline.repeats == 1 else f"circ{pipeline.repeats}"
+    """The table's short name: 'gpipe', '1f1b', or with v chunks 'circV' (circular) / 'intlV' (interleaved 1F1B)."""
+    if pipeline.repeats == 1:
+        return pipeline.schedule
+    return {"circular": "circ", "interleaved": "intl"}[pipeline.schedule] + str(pipeline.repeats)
 
 
 def _split_name(run: RunSpec) -> str:
