@@ -141,19 +141,19 @@ MESHES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 4), (4, 2)]
 # xdist hands whole modules to the two workers (--dist loadscope), in collection order. Longest first keeps both
 # busy to the end. The numbers are each module's worker seconds, roughly (docs/results.md has the suite's measured
 # times); they only decide how modules are shared out, so stale ones cost balance, never correctness.
-SLOWEST_FIRST = {"test_pipeline.py": 595, "test_pipeline_1f1b.py": 505, "test_context_parallel.py": 208,
-                 "test_moe.py": 178, "test_sharded_optimizer.py": 135, "test_training_step.py": 130,
-                 "test_checkpoint.py": 128, "test_user_faults.py": 109, "test_gpu_target.py": 97,
-                 "test_train_end_to_end.py": 93, "test_finetune.py": 92, "test_document_masking.py": 86,
-                 "test_memory_planner.py": 79, "test_communication_audit.py": 78, "test_llama.py": 72,
-                 "test_convert_moe.py": 69, "test_bert_training.py": 69, "test_config_migration.py": 68,
-                 "test_sequence_parallel.py": 66, "test_dropout_rows.py": 52, "test_bert_model.py": 49,
-                 "test_evaluation.py": 44, "test_bad_input.py": 44, "test_sft.py": 43, "test_faults.py": 40,
-                 "test_run_guards.py": 33, "test_fourth_family.py": 31, "test_downstream_eval.py": 27,
-                 "test_tensor_parallel_equivalence.py": 27, "test_convert_llama.py": 27, "test_scaling_model.py": 19,
-                 "test_convert.py": 15, "test_lm_eval_adapter.py": 15, "test_optimizer.py": 12,
-                 "test_data_pipeline.py": 11, "test_convert_bert.py": 11, "test_official_squad_scores.py": 11,
-                 "test_array_digest.py": 9, "test_bert_data.py": 9}
+SLOWEST_FIRST = {"test_pipeline_1f1b.py": 324, "test_pipeline.py": 269, "test_moe.py": 217, "test_checkpoint.py": 192,
+                 "test_context_parallel.py": 149, "test_train_end_to_end.py": 132, "test_gpu_target.py": 125,
+                 "test_user_faults.py": 124, "test_finetune.py": 109, "test_memory_planner.py": 101,
+                 "test_sharded_optimizer.py": 95, "test_training_step.py": 87, "test_two_layer_kinds.py": 77,
+                 "test_sequence_parallel.py": 76, "test_sft_commands.py": 68, "test_document_masking.py": 67,
+                 "test_bert_training.py": 63, "test_llama.py": 58, "test_faults.py": 57,
+                 "test_communication_audit.py": 57, "test_bert_model.py": 51, "test_evaluation.py": 50,
+                 "test_bad_input.py": 49, "test_scaling_model.py": 48, "test_convert_moe.py": 48,
+                 "test_dropout_rows.py": 43, "test_fourth_family.py": 41, "test_config_migration.py": 39,
+                 "test_run_guards.py": 34, "test_convert_llama.py": 33, "test_sft.py": 31,
+                 "test_downstream_eval.py": 24, "test_tensor_parallel_equivalence.py": 23, "test_bert_data.py": 19,
+                 "test_convert_inputs.py": 16, "test_data_pipeline.py": 16, "test_convert.py": 16,
+                 "test_lm_eval_adapter.py": 14, "test_official_squad_scores.py": 12, "test_convert_bert.py": 12}
 
 
 @pytest.fixture(autouse=True)

@@ -76,8 +76,8 @@ def steps():
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama", "bert"])
-@pytest.mark.parametrize("mesh", [dict(context=2), dict(context=4), dict(context=8),
-                                  dict(data=2, model=2, context=2)], ids=lambda m: "x".join(map(str, m.values())))
+@pytest.mark.parametrize("mesh", [dict(context=8), dict(data=2, model=2, context=2)],  # (the balanced order at 2
+                         ids=lambda m: "x".join(map(str, m.values())))  # and 4: the key-pair and FLOPs tests)
 def test_one_step_equals_the_plain_step(steps, name, mesh):
     want = steps(name)
     assert_same_step(*steps(name, **mesh), *want)
@@ -172,8 +172,7 @@ def test_compiled_temp_falls_as_one_over_context_at_4096():
 
 
 @pytest.mark.memory_plan
-@pytest.mark.parametrize("case", ["gpt_tiny,1,1,2,none", "gpt_tiny,1,1,4,none", "gpt_tiny,2,1,2,selective",
-                                  "gpt_tiny,1,2,4,full", "llama_tiny,1,1,4,none", "llama_tiny,1,2,2,selective"])
+@pytest.mark.parametrize("case", ["gpt_tiny,2,1,2,selective", "gpt_tiny,1,2,4,full", "llama_tiny,1,1,4,none"])
 def test_memory_planner_counts_the_context_shards(case):
     """At s=256 the planner's temp is within 10% of the compiled step's: each device's s/C positions, its queries
     against every key, the keys and values gathered whole."""

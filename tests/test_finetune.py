@@ -64,7 +64,7 @@ def loss_and_grads(name: str, model: nnx.Module, batch: dict, config, data: int,
 
 
 @pytest.mark.parametrize("name", list(TASK_OF))
-@pytest.mark.parametrize("mesh", [(1, 4), (2, 4)])
+@pytest.mark.parametrize("mesh", [(2, 4)])
 def test_task_heads_are_tensor_parallel_exact(reference, name, mesh):
     config, model, batch, (want_loss, want_grads) = reference[name]
     loss, grads = loss_and_grads(name, model, batch, config, *mesh)
@@ -84,8 +84,8 @@ LEARN = {"bert_classifier": (60, 2e-3, 0.8), "bert_span": (30, 2e-3, 0.8), "bert
 
 
 @pytest.mark.many_steps
-@pytest.mark.parametrize("name", list(TASK_OF))
-def test_tiny_bert_learns_synthetic_task(tmp_path, name):
+@pytest.mark.parametrize("name", [n for n in TASK_OF if n != "bert_classifier"])  # the classifier learns its task
+def test_tiny_bert_learns_synthetic_task(tmp_path, name):  # from a converted BERT below
     steps, lr, threshold = LEARN[name]
     c = task_config(name, heads=4)
     c.train.update(steps=steps, global_batch_size=32, eval_every=0, eval_batches=8)

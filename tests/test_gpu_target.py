@@ -24,7 +24,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("jax_plugins.xla_cuda12") is None or shutil.which("ptxas") is None,
     reason="compiling for GPUs needs JAX's CUDA plugin (pip install 'megajax[gpu-compile]') and ptxas on the PATH")
-MODELS, MESHES, ROWS = ("gpt_tiny", "bert_tiny", "llama_tiny"), ((1, 8), (2, 4)), 2
+# 2x4: data and model shards (a 1x8 step checks nothing 2x4's does not)
+MODELS, MESHES, ROWS = ("gpt_tiny", "bert_tiny", "llama_tiny"), ((2, 4),), 2
 
 
 def _config(name: str, mesh: tuple[int, int]):
@@ -81,8 +82,6 @@ def test_tensor_parallel_all_reduces_are_megatrons_in_the_compute_dtype(steps):
 
 def test_every_gradient_element_is_reduced_over_data_once(steps):
     for (name, mesh), step in steps.items():
-        if mesh[0] == 1:
-            continue
         reduced = sum(c.elements * c.executions for c in step.collectives
                       if c.axes == {"data"} and c.op == "all-reduce" and c.elements > 1)
         # every local gradient element once; XLA concatenates the step's scalars (GPT: the loss; BERT: its two
@@ -98,9 +97,8 @@ def test_collectives_overlap_compute_under_megajaxs_options(steps):
         overlap = gpu_target.overlap(step.hlo)
         assert step.options["xla_gpu_enable_latency_hiding_scheduler"]
         assert all(c.instruction in overlap for c in step.collectives), name
-        if mesh[0] > 1:
-            data = [overlap[c.instruction][1] for c in step.collectives if c.axes == {"data"}]
-            assert data and max(data) > 0, name
+        data = [overlap[c.instruction][1] for c in step.collectives if c.axes == {"data"}]
+        assert data and max(data) > 0, name
         tensor = [overlap[c.instruction][1] for c in step.collectives if c.axes == {"model"} and c.op == "all-reduce"]
         assert sum(n > 0 for n in tensor) >= 2 / 3 * len(tensor), (name, mesh, tensor)
 
@@ -159,7 +157,7 @@ def test_bad_targets_are_one_error_line(tmp_path, monkeypatch):
         gpu_target.gpu_devices("h100")
 
 
-@pytest.mark.parametrize("packed,context", [(True, 1), (False, 2), (True, 2)])
+@pytest.mark.parametrize("packed,context", [(False, 2), (True, 2)])
 def test_cudnn_attention_with_packed_rows_and_context_shards(packed, context):
     """llama_tiny (s=256) compiled for H100s with document masking (the per-row mask reaches cuDNN as its bias) and
     on context shards (cuDNN inside the attention's shard_map, the keys and values all-gathered over `context`, their

@@ -13,7 +13,7 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from conftest import MESHES, choice_config, place
+from conftest import choice_config, place
 from flax import nnx
 
 import megajax
@@ -63,10 +63,10 @@ def reference(request, batch):
     return config, model, _run(model, config, batch, 1, 1)
 
 
-@pytest.mark.parametrize("data,model_axis", MESHES[1:])
+@pytest.mark.parametrize("data,model_axis", [(2, 4), (4, 2)])
 def test_mesh_matches_single_device(reference, batch, data, model_axis):
-    """Loss, logits and all 11 gradients on 1x2, 1x4, 1x8, 2x4 and 4x2; the GQA config's key/value heads are split
-    on 1x2 and 4x2 and replicated (each shard slicing its copy) on 1x4, 1x8 and 2x4."""
+    """Loss, logits and all 11 gradients on 2x4 and 4x2 (data and model shards); the GQA config's key/value heads
+    are split on 4x2 and replicated (each shard slicing its copy) on 2x4."""
     config, model, (ref_loss, ref_logits, ref_grads) = reference
     loss, logits, grads = _run(model, config, batch, data, model_axis)
     np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)

@@ -10,13 +10,14 @@ allocated) agree on every config compiled here.
 * the activations' per-layer part equals what JAX's autodiff keeps, byte for byte (the traced jaxpr; abstract, so
   any size can be checked).
 
-Compiled here (seven compiles; the compiles are nearly all of the time): gpt_tiny on 4x2 with remat=none (state
-replicated over data, and with parallel.fsdp) and remat=full (ZeRO-1 on; FSDP with sequence parallelism), on 8x1
-with FSDP and remat=full (where the gathered word embedding and its unreduced gradient count), bert_tiny on 2x4
-with remat=selective, micro-batch 4, and with two micro-batches per step (accumulation: the micro-batch's gradients
-beside the accumulator). Measured beyond these (bench/README.md, ``bench/memory_planner.py``): 27 cases of
-gpt_tiny, bert_tiny, gpt_125m, gpt_355m and bert_336m on 1 to 8 devices, every remat policy, ZeRO-1, FSDP (with
-and without sequence parallelism) and accumulation, temp and peak all within 10%.
+Compiled here (the compiles are nearly all of the time; ``CASES``): gpt_tiny on 4x2 with remat=none (state
+replicated over data, and with parallel.fsdp) and remat=full (ZeRO-1 on), on 8x1 with FSDP and remat=full (where
+the gathered word embedding and its unreduced gradient count), bert_tiny on 2x4 with remat=selective and two
+micro-batches of 4 per step (accumulation: the micro-batch's gradients beside the accumulator), Llama (with
+sequence parallelism) and mixtures of experts. Measured beyond these (bench/README.md,
+``bench/memory_planner.py``): 27 cases of gpt_tiny, bert_tiny, gpt_125m, gpt_355m and bert_336m on 1 to 8 devices,
+every remat policy, ZeRO-1, FSDP (with and without sequence parallelism) and accumulation, temp and peak all within
+10%.
 
 Formula only, because compiling them is too big for this machine: the paper's configs (gpt_1p2b ... gpt_8p3b,
 bert_336m ... bert_3p9b) on their meshes (up to 64x8 = 512 devices) are far beyond the 8 simulated devices and
@@ -42,17 +43,14 @@ CASES = {  # name -> (config, data, model, remat, parallel flags ('+'-joined: sh
     "gpt_4x2_none": ("gpt_tiny", 4, 2, "none", None, 1),
     "gpt_4x2_none_fsdp": ("gpt_tiny", 4, 2, "none", "fsdp", 1),
     "gpt_8x1_full_fsdp": ("gpt_tiny", 8, 1, "full", "fsdp", 1),
-    "gpt_4x2_full_fsdp_sequence": ("gpt_tiny", 4, 2, "full", "fsdp+sequence", 1),
     "gpt_4x2_full_zero1": ("gpt_tiny", 4, 2, "full", "shard_optimizer", 1),
-    "bert_2x4_selective": ("bert_tiny", 2, 4, "selective", None, 1),
     "bert_2x4_selective_acc2": ("bert_tiny", 2, 4, "selective", None, 2),
     # Llama: its own layer inventory (llama.layer_residual_bytes); 2x4 replicates the 2 key/value heads
     "llama_4x2_none": ("llama_tiny", 4, 2, "none", None, 1),
     "llama_2x4_selective_sequence": ("llama_tiny", 2, 4, "selective", "sequence", 1),
-    # mixtures of experts (moe.layer_residual_bytes): dropless on data x model, and on data x expert with a capacity;
-    # expert x model x data; remat=full (not yet within 10%: remat=full with expert shards, 1.16x the formula's temp
-    # at 4x1 expert=2, and sequence parallelism, 1.18x at 2x4, the routed layer's gathered input not counted)
-    "moe_4x2_none": ("mixtral_tiny", 4, 2, "none", None, 1),
+    # mixtures of experts (moe.layer_residual_bytes): on data x expert with a capacity; dropless on expert x model x
+    # data; remat=full (not yet within 10%: remat=full with expert shards, 1.16x the formula's temp at 4x1
+    # expert=2, and sequence parallelism, 1.18x at 2x4, the routed layer's gathered input not counted)
     "moe_2x1_expert4_none_capped": ("mixtral_tiny:capped", 2, 1, "none", None, 1, 4),
     "moe_2x2_expert2_selective": ("mixtral_tiny", 2, 2, "selective", None, 1, 2),
     "moe_8x1_full": ("mixtral_tiny", 8, 1, "full", None, 1),
