@@ -232,11 +232,6 @@ def test_pipelined_dropout_drops_what_the_plain_step_drops(name, pipe, data, mod
     assert_same_step(*_step(name, pipe, data, model, micro, dropout=0.1), *_step(name, 1, 1, 1, dropout=0.1))
 
 
-def test_circular_dropout_drops_what_the_plain_step_drops():
-    """Each chunk's layers draw their own layer's masks (the keys kept in the stack's order)."""
-    assert_same_step(*_step("gpt", 2, 2, 1, 2, dropout=0.1, repeats=2), *_step("gpt", 1, 1, 1, dropout=0.1))
-
-
 def test_recomputation_with_dropout_equals_the_plain_step_each_time_it_compiles():
     """remat=full (the default) and selective, with dropout 0.1: each stage recomputes with its microbatch's masks;
     the selective step compiled a second time in the same process (a fresh trace of the checkpointed attention
@@ -272,13 +267,6 @@ def test_fsdp_stages_equal_the_plain_step(repeats):
     kernels = [a for a in jax.tree.leaves(run.abstract_state.params["blocks"]) if a.ndim >= 3]
     assert kernels and all("data" in jax.tree.leaves(tuple(a.sharding.spec)) for a in kernels)  # stored split
     assert_same_step(*_step("gpt", 2, 2, 2, 4, choice="fsdp", repeats=repeats), *_step("gpt", 1, 1, 1))
-
-
-def test_pipelined_accumulation_and_zero1_equal_the_plain_step():
-    """Each of 4 accumulation steps of 2 rows goes through the pipeline as 2 microbatches of 1; with ZeRO-1 on
-    (2,2,2) (the stages' moments also split over data) the step is the plain one too."""
-    assert_same_step(*_step("gpt", 2, 1, 1, 2, accumulate=2), *_step("gpt", 1, 1, 1))
-    assert_same_step(*_step("gpt", 2, 2, 2, 2, choice="shard_optimizer"), *_step("gpt", 1, 1, 1))
 
 
 @functools.cache

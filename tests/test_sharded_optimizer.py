@@ -118,19 +118,18 @@ def test_same_gradients_and_a_data_th_of_the_moments(name, data, model):
 
 
 def test_checkpoints_restore_across_the_choice(tmp_path):
-    """Two steps with one layout of the state, then two more with another, equal four plain steps."""
+    """Two steps with each layout of the state in turn, each resumed from the last one's checkpoint, equal eight
+    plain steps: each choice is left and entered once (ZeRO-1 -> plain -> FSDP -> ZeRO-1)."""
     def run(choice, steps, workdir):
         c = choice_config(choice, 2, 4, steps)
         c.checkpoint.update(enabled=True, every_steps=2, async_save=False)
         return [r["loss"] for r in train(c, workdir) if "loss" in r]
 
-    straight = run(None, 4, tmp_path / "straight")
-    # Each choice is left and entered once: ZeRO-1 -> plain, plain -> FSDP, FSDP -> ZeRO-1.
-    for first, then in [("shard_optimizer", None), (None, "fsdp"), ("fsdp", "shard_optimizer")]:
-        workdir = tmp_path / f"{first}_then_{then}"
-        head = run(first, 2, workdir)
-        tail = run(then, 4, workdir)
-        np.testing.assert_allclose(head + tail, straight, rtol=1e-6)
+    straight = run(None, 8, tmp_path / "straight")
+    chain = []
+    for choice, steps in [("shard_optimizer", 2), (None, 4), ("fsdp", 6), ("shard_optimizer", 8)]:
+        chain += run(choice, steps, tmp_path / "chain")
+    np.testing.assert_allclose(chain, straight, rtol=1e-6)
 
 
 def _state_bytes(run, part: str) -> int:

@@ -1,15 +1,19 @@
 """Exact and near-duplicate detection (paper Section 4.1: LSH de-duplication at Jaccard similarity > 0.7).
 
 Near duplicates use MinHash signatures of word 5-gram shingles in ``datasketch``'s MinHashLSH; a document is
-dropped when it collides with an earlier kept one, so the first occurrence survives.
+dropped when it collides with an earlier kept one, so the first occurrence survives. ``datasketch`` is imported
+where near duplicates are looked for, not with this module: with scipy it takes half a second, and every
+``train.py`` imports this module (the default corpus is written by ``preprocess``) where few ever deduplicate.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+from typing import TYPE_CHECKING
 
-from datasketch import LeanMinHash, MinHash, MinHashLSH
+if TYPE_CHECKING:
+    from datasketch import LeanMinHash
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 
@@ -22,6 +26,8 @@ def shingles(text: str, n: int = 5) -> set[bytes]:
 
 
 def minhash(text: str, num_perm: int = 128, seed: int = 1) -> LeanMinHash:
+    from datasketch import LeanMinHash, MinHash  # (the module docstring: imported where used)
+
     m = MinHash(num_perm=num_perm, seed=seed)
     m.update_batch(list(shingles(text)))
     return LeanMinHash(m)
@@ -37,7 +43,11 @@ class Deduplicator:
     def __init__(self, threshold: float = 0.7, num_perm: int = 128, near: bool = True):
         self.num_perm = num_perm
         self._seen: set[bytes] = set()
-        self._lsh = MinHashLSH(threshold=threshold, num_perm=num_perm) if near else None
+        self._lsh = None
+        if near:
+            from datasketch import MinHashLSH  # (the module docstring: imported where used)
+
+            self._lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
         self._count = 0
 
     def check(self, text: str, signature: LeanMinHash | None = None) -> str | None:
