@@ -11,9 +11,12 @@ no family says where its layers start or end:
   zeros (``_Recorder``): ``jax.vjp`` of that gives the stack's input and state and, after the loop, their
   gradients' path back to the parameters;
 * the tail after it (final norm, head, loss) is the objective traced with a runner that returns the stack's output
-  given (``_given``): on the last
+  given, and what its layers return beside it (a mixture's routing statistics, which travel with the microbatch
+  through the stages: ``pipeline.run_stack_1f1b``) (``_given``): on the last
   stage, on one microbatch's rows, each mean divided by the whole batch's count (the objective given
-  ``losses.Given`` those the first trace ``Counted``), so the microbatches' losses sum to the plain step's loss;
+  ``losses.Given`` those the first trace ``Counted``), so the microbatches' losses sum to the plain step's loss
+  (a term that is not a mean over tokens, a mixture's balancing loss, is the microbatch's own, weighted by its
+  share of the batch: ``Means.share``);
 * the stack's and the tail's gradients, and the stack input's through the first trace, are summed per parameter.
 """
 
