@@ -71,6 +71,8 @@ def _given(output: jax.Array, beside: Any) -> pipeline.StackRunner:
 
 def _zeros(shapes: Any) -> Any:
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+
 # (loss, metrics) -> (the value differentiated, (loss, metrics) as the step sums them): the step's weighting
 Weigh = Callable[[jax.Array, Metrics], tuple[jax.Array, tuple[jax.Array, Metrics]]]
 
@@ -140,7 +142,8 @@ def reads(objective: Objective, graphdef: nnx.GraphDef, params: dict, batch: Bat
         model = lambda own: nnx.merge(graphdef, jax.tree.unflatten(treedef, own))  # noqa: E731
         counts, recorder = Counted(), _Recorder()
         objective.loss(model(leaves), batch, None, counts, recorder)
-        x, beside = recorder.recorded().x, _zeros(recorder.recorded().beside)
+        recorded = recorder.recorded()
+        x, beside = recorded.x, _zeros(recorded.beside)
 
         def tail(own: list[jax.Array], rows: Batch) -> jax.Array:
             return objective.loss(model(own), rows, None, Given(counts.counts), _given(x, beside))[0]
