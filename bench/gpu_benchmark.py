@@ -36,13 +36,13 @@ REMAT_ORDER = ("none", "selective", "full")  # cheapest recomputation first
 def lightest_remat(run, micro_batch: int, device_bytes: float | None) -> str:
     """The first of ``REMAT_ORDER`` whose planned per-device peak of ``run`` (a ``RunSpec``) with that policy fits
     ``device_bytes`` (None: unknown, 'none'); 'full' if none fits (the compile then says by how much)."""
-    from megajax.config import replanned
     from megajax.tools.memory_planner import memory_report
+    from megajax.tools.scaling_layout import with_choices
 
     if device_bytes is None:
         return "none"
     for remat in REMAT_ORDER:
-        planned = replanned(run, {"model.remat": remat}, training=False)
+        planned = with_choices(run, remat=remat)
         if memory_report(planned, micro_batch, num_micro=1, gpu=True).fits(device_bytes):
             return remat
     return "full"

@@ -1,5 +1,6 @@
 """Every shipped config builds abstractly, matches the paper's sizes, and bad configs fail early and clearly."""
 
+import json
 import pathlib
 
 import jax
@@ -8,11 +9,21 @@ from conftest import run_on, small_config
 from flax import nnx
 
 from megajax.cli import CONFIGS_DIR, check_config_overrides, load_config, resolve_config_path
-from megajax.config import ConfigError, abstract_model, build_mesh, create_model, padded_vocab_size, resolve
+from megajax.config import (
+    ConfigError,
+    abstract_model,
+    build_mesh,
+    create_model,
+    padded_vocab_size,
+    replanned,
+    resolve,
+)
+from megajax.config.load import run_config
 from megajax.config.resolve import FROM_INIT
 from megajax.data.blend import parse_blend
 from megajax.errors import ShardingConfigError
 from megajax.models import model_spec
+from megajax.parallel.mesh import MeshShape
 from megajax.tools.memory_terms import params_per_device
 
 CONFIGS = sorted(p.stem for p in CONFIGS_DIR.glob("*.py"))
@@ -207,3 +218,25 @@ def test_a_misspelled_config_field_is_named_before_flags_are_parsed(arg, message
         check_config_overrides(["train.py", "--config.model.hiden_size=3"], "gpt_tiny")
     check_config_overrides(["train.py", "--config=gpt_tiny", "--config.train.steps=3", "--config.mesh.model=2"], "x")
 
+
+
+@pytest.mark.parametrize("name", ["gpt_tiny", "llama_tiny", "mixtral_tiny", "bert_tiny"])
+def test_a_run_is_its_stored_config_and_replans_as_the_config_would(name):
+    """Each fact is held once (``config.run``): the config a checkpoint stores resolves back to the same run, and a
+    tool's changed run (``replanned``: its facts replaced, checked again) is the run of the config changed alike,
+    rules and micro-batches included; a change no config could make is refused as ``resolve`` refuses it."""
+    config = load_config(name)
+    config.train.update(global_batch_size=16, micro_batch_size=2)
+    run = resolve(config, 8)
+    assert resolve(run_config(json.loads(run.config_json)), 8) == run
+    for pipe, data, model in ((2, 2, 2), (1, 4, 2), (1, 8, 1)):
+        config.mesh.update(pipe=pipe, data=data, model=model)
+        config.parallel.update(pipeline_microbatches=0, pipeline_repeats=1)
+        expected = resolve(config, 8)
+        changed = replanned(run, mesh=MeshShape(data, model, pipe=pipe, expert=run.mesh.expert))
+        assert changed == expected and changed.rules == expected.rules
+        assert changed.num_micro == expected.num_micro == 16 // (2 * data * run.mesh.expert)
+    with pytest.raises(ConfigError, match="mesh.model=3"):
+        replanned(run, mesh=MeshShape(1, 3))
+    with pytest.raises(ConfigError, match="train.global_batch_size=12 is not"):
+        replanned(run, global_batch=12)

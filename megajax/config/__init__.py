@@ -12,8 +12,6 @@ from megajax.config.build import (
 from megajax.config.defaults import NO_SCHEDULE, base_config, bert_base_config, model_section, with_model_defaults
 from megajax.config.resolve import (
     TRAINING_ONLY_FIELDS,
-    RunSpec,
-    StoredRun,
     check_data_source,
     check_run_data,
     data_settings,
@@ -24,13 +22,11 @@ from megajax.config.resolve import (
     resolve,
     resolve_precision,
     rules_of,
-    sequence_parallel,
-    state_split,
     stored_config,
     stored_run,
     validate,
-    validate_training,
 )
+from megajax.config.run import RunSpec, StoredRun
 from megajax.config.settings import (
     LossScaleSettings,
     OptimizerSettings,
@@ -48,5 +44,5 @@ __all__ = ["NO_SCHEDULE", "TRAINING_ONLY_FIELDS", "ConfigError", "LossScaleSetti
            "build_mesh", "check_data_source", "check_run_data", "checkpoint_settings", "create_model", "data_settings",
            "describe_differences", "loss_scale_settings", "model_config", "model_differences",
            "model_factory", "model_section", "optimizer_settings", "padded_vocab_size", "replanned", "resolve",
-           "resolve_precision", "rules_of", "run_model_factory", "sequence_parallel", "state_split", "stored_config",
-           "stored_run", "train_settings", "validate", "validate_training", "with_model_defaults"]
+           "resolve_precision", "rules_of", "run_model_factory", "stored_config", "stored_run", "train_settings",
+           "validate", "with_model_defaults"]

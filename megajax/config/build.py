@@ -14,7 +14,8 @@ import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
-from megajax.config.resolve import RunSpec, model_config, rules_of, validate
+from megajax.config.resolve import model_config, rules_of, validate
+from megajax.config.run import RunSpec
 from megajax.errors import ConfigError
 from megajax.models import TransformerConfig, model_spec
 from megajax.parallel.partition import init_sharded, partition_specs

@@ -1,16 +1,16 @@
-"""Whether a model and its data fit each other (``config.data`` or a run's ``DataSettings``): the checks
+"""Whether a model and its data fit each other (``config.data`` or a run's ``DataSource``): the checks
 ``config.resolve`` runs before anything is built, each a ConfigError naming the field to change."""
 
 from __future__ import annotations
 
 import ml_collections
 
-from megajax.data.settings import DataSettings
+from megajax.data.settings import DataSource
 from megajax.errors import ConfigError
 from megajax.models import MODELS, ModelSpec, task_models
 
 
-def check_packing(spec: ModelSpec, d: DataSettings | ml_collections.ConfigDict) -> None:
+def check_packing(spec: ModelSpec, d: DataSource | ml_collections.ConfigDict) -> None:
     """ConfigError where ``data.document_masking`` (or its options) or ``data.source=sft`` asks for packed rows the
     model does not read."""
     if (d.document_masking or d.source == "sft") and (spec.objective.packed_fields is None or spec.examples is None):
@@ -24,8 +24,8 @@ def check_packing(spec: ModelSpec, d: DataSettings | ml_collections.ConfigDict) 
                           "window: set data.document_masking=True with it (or leave data.eod_mask_loss=False)")
 
 
-def check_data(spec: ModelSpec, d: DataSettings | ml_collections.ConfigDict) -> None:
-    """ConfigError where the model and its data (``config.data`` or the run's ``DataSettings``) do not fit: a
+def check_data(spec: ModelSpec, d: DataSource | ml_collections.ConfigDict) -> None:
+    """ConfigError where the model and its data (``config.data`` or the run's ``DataSource``) do not fit: a
     tokenizer the source would not read, document masking of a source without documents, a blend or corpus for a
     task model, a task another model trains, a source without the sentences the model's examples need."""
     if d.tokenizer and d.source not in ("tfds", "task", "sft"):  # it would be silently unused

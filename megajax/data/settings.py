@@ -1,6 +1,7 @@
-"""``DataSettings``: what the data pipeline reads, resolved once from ``config.data`` (``megajax.config.resolve``)
-with the model's vocabulary and sequence length and the global batch the loaders cut. Every function of
-``megajax.data`` that opens or batches a run's data takes it; none reads the ConfigDict."""
+"""What the data pipeline reads: ``DataSource``, ``config.data``'s fields (a run's ``RunSpec.data``), and
+``DataSettings``, the same with what the data is cut for (the model's vocabulary, sequence length and classes, and
+the global batch), which a run derives when it is asked (``RunSpec.dataset``), from the facts it holds once. Every
+function of ``megajax.data`` that opens or batches a run's data takes a DataSettings; none reads the ConfigDict."""
 
 from __future__ import annotations
 
@@ -8,10 +9,8 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
-class DataSettings:
-    """``config.data``'s fields (their meaning: ``megajax.config.defaults.base_config``) and what the data is cut
-    for: ``vocab_size`` and ``max_seq_len`` (the model's), ``num_classes`` (a classifier's, else 0) and
-    ``global_batch_size`` (``train.global_batch_size``)."""
+class DataSource:
+    """``config.data``'s fields (their meaning: ``megajax.config.defaults.base_config``)."""
 
     source: str
     path: str
@@ -38,13 +37,29 @@ class DataSettings:
     sft_truncate: bool
     sft_skip_bad_rows: bool
     tokenizer_fingerprint: str  # recorded by training: the data's tokenizer's vocabulary fingerprint
-    vocab_size: int
-    max_seq_len: int
-    num_classes: int
-    global_batch_size: int
 
     @property
     def packed(self) -> bool:
         """Whether the batches are packed rows (``megajax.data.documents``): windows with document masking, or
         fine-tuning examples (``data.source=sft``)."""
         return self.document_masking or self.source == "sft"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings(DataSource):
+    """A ``DataSource`` and what its data is cut for: ``vocab_size`` and ``max_seq_len`` (the model's),
+    ``num_classes`` (a classifier's, else 0) and ``global_batch_size`` (rows per step). Derived, never stored: built
+    by ``RunSpec.dataset`` and ``StoredRun.dataset``."""
+
+    vocab_size: int
+    max_seq_len: int
+    num_classes: int
+    global_batch_size: int
+
+    @classmethod
+    def cut(cls, source: DataSource, vocab_size: int, max_seq_len: int, num_classes: int,
+            global_batch_size: int) -> DataSettings:
+        """``source`` cut for a model's vocabulary, rows and classes and a batch of ``global_batch_size`` rows."""
+        return cls(**{f.name: getattr(source, f.name) for f in dataclasses.fields(DataSource)},
+                   vocab_size=vocab_size, max_seq_len=max_seq_len, num_classes=num_classes,
+                   global_batch_size=global_batch_size)

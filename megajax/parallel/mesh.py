@@ -3,7 +3,7 @@
 ``MeshShape`` holds the five degrees (``pipe``, ``data``, ``expert``, ``context``, ``model``) and everything that
 follows from them alone: the device count, the batch's shards, the axis names in order, the spelling ``--mesh`` uses,
 the one validity check and the ``jax.sharding.Mesh`` itself. Nothing else multiplies degrees; a new axis is a field
-here, its rule in ``config.resolve.rules_of`` and its mechanism's own module.
+here, its rule in ``config.run.rules_for`` and its mechanism's own module.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ MEGATRON_RULES: Rules = (
     ("batch", "data"),  # activations' batch dimension
     ("seq", None),  # the sequence where a tensor-parallel GEMM or attention needs all of it
     # The residual stream's sequence (embeddings' output, LayerNorms, dropout, residual adds): None as Megatron;
-    # `model` with parallel.sequence (Korthikanti et al. 2022), set by config.rules_of.
+    # `model` with parallel.sequence (Korthikanti et al. 2022), set by config.run.rules_for.
     (SEQUENCE_PARALLEL_NAME, None),
     ("embed", None),  # hidden size: replicated, Megatron keeps the residual stream whole on every model shard
     ("vocab", "model"),  # word embedding and logits: vocab-parallel

@@ -217,7 +217,7 @@ def step_shape(run) -> Shape:
                                  - kv_weight) // cfg.num_layers if spec.sequence and staged else 0,
         gathered_shard_elements=gathered_shard_elements(run, reads), expert_grad_elements=expert_grad,
         head_norm_elements=head_norm_elements(spec),
-        context_key_bytes=(8 if spec.dataset is not None and spec.dataset.packed else 4) if model.causal_lm else 1,
+        context_key_bytes=(8 if spec.data.packed else 4) if model.causal_lm else 1,
         stage_grad_elements=stage if m.pipe > 1 else 0, tied_elements=tied_elements(params, reads),
         sequence_tail_elements=sequence_grad_elements(tail, m.model, model) if spec.sequence else 0,
         **_pipeline_shape(spec, reads))
@@ -250,7 +250,7 @@ def _pipeline_shape(spec: RunSpec, reads: pipelined.Reads | None) -> dict[str, i
     rows = spec.micro_batch // micro
     # per row: its index where dropout keys on it (one row on a device: a scalar, outside the ratio); per position
     # a packed decoder's segments and positions (int32), an encoder's padding mask (a byte)
-    packed = spec.dataset is not None and spec.dataset.packed
+    packed = spec.data.packed
     per_position = (8 if packed else 0) if spec.model_spec.causal_lm else 1
     arg_bytes = (4 if spec.model.dropout > 0 and rows > 1 else 0) + per_position * spec.model.max_seq_len
     one_f_one_b = reads is not None

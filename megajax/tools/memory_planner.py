@@ -130,9 +130,9 @@ class CompiledMemory:
 
 def with_batch(run: RunSpec, micro_batch: int, num_micro: int = 1) -> RunSpec:
     """``run`` training ``micro_batch`` sequences per data shard in each of ``num_micro`` accumulation steps (its
-    global batch micro_batch x data x num_micro), resolved again (``config.replanned``)."""
-    return replanned(run, {"train.global_batch_size": micro_batch * run.mesh.batch_shards * num_micro,
-                           "train.micro_batch_size": micro_batch if num_micro > 1 else 0})
+    global batch micro_batch x data x num_micro), checked again (``config.replanned``)."""
+    return replanned(run, global_batch=micro_batch * run.mesh.batch_shards * num_micro,
+                     train=dataclasses.replace(run.train, micro_batch_size=micro_batch if num_micro > 1 else 0))
 
 
 def compiled_memory(run: RunSpec, micro_batch: int, num_micro: int = 1) -> CompiledMemory:

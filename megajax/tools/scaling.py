@@ -3,9 +3,8 @@ communication.
 
 ``python -m megajax.scaling`` (``scaling_plan.py``) runs it over every (pipe, data, model) mesh of a cluster and
 recommends one; ``scaling_papers.py`` checks it against Megatron-LM's published measurements. The model is a
-resolved megajax run (``config.RunSpec``; the papers' models are runs too), and most of what it costs comes from
-where megajax already describes it (the exceptions: the element-wise pass counts below, GPT's block's, and
-``scaling_experts``' routed layer):
+resolved megajax run (``config.RunSpec``; the papers' models are runs too), and what it costs comes from where
+megajax already describes it:
 
 * parameters per GPU and per layer, and the layer's GEMM shapes: the abstract model (``nnx.eval_shape`` of the
   spec's module, the memory planner's ``parameters``) through the sharding rules (``layout``, built once per model
@@ -30,7 +29,7 @@ Per GPU, with t-way model, d-way data parallelism and p pipeline stages:
   kernel its own GEMM where Llama fuses two at use: the same FLOPs, the input read once more; QK^T and AV per
   local head) at the roofline ``max(flops / (gemm_efficiency x peak), operand bytes / HBM bandwidth)``, 3 times
   (forward, two backward GEMMs) + once more where ``remat`` recomputes it; the memory-bound element-wise work as
-  counted passes at HBM bandwidth (below); a fixed ``layer_overhead_s``. Plus the output layer and its
+  counted passes at HBM bandwidth (the layer kind's, below); a fixed ``layer_overhead_s``. Plus the output layer and its
   cross-entropy, and AdamW once per step. The GEMM shapes' FLOPs add up to the spec's model FLOPs (tests pin it
   for GPT-2's ``transformer_flops`` and Llama's); a thin shard (h/t small) or the s x s GEMMs of narrow heads
   fall below the ridge and run at HBM speed: that is the model's GEMM efficiency as a function of size.
@@ -75,12 +74,12 @@ inputs instead of residuals.
 Tests pin ``transformer_flops`` and ``comm_minimum.minimum`` equal to the compiled HLO's (ratio 1.00): the counted
 work is megajax's; what this module adds is how long it takes.
 
-Counted, not fitted (Megatron-LM 2019's eager PyTorch step; a pass reads or writes the tensor once): b*s*h work
-duplicated on every model-parallel GPU (two LayerNorms, bias + dropout + residual twice) 20 passes forward, 40
-backward; b*s*h/t split work (head transposes, GeLU) 16 and 32; the b*(a/t)*s*s attention scores (scale, mask,
-softmax, dropout) 10 and 20; 40 bytes per local logit (fp32 cross-entropy); 32 bytes per local parameter (AdamW).
-Megatron-LM 2021's fused kernels: 12, 10 and 5 forward (``MEGATRON_2021_PASSES``, ``DGX_A100``). These passes are
-the cluster's software's, counted for GPT's block; another family's element-wise work is timed with them.
+Counted, not fitted: each layer kind's element-wise passes (``LayerKind.elementwise``, ``models/spec.py``) over
+its b*s*h work duplicated on every model-parallel GPU, its b*s*h/t split work and its b*(a/t)*s*s attention scores,
+as counted for the cluster's software (``Cluster.software``: Megatron-LM 2019's eager PyTorch step, GPT's block 20,
+16 and 10 forward; Megatron-LM 2021's fused kernels, 12, 10 and 5; backward twice; a kind not counted on its own
+states GPT's block's), and a routed kind's dispatch (``LayerKind.dispatch_passes``); 40 bytes per local logit (fp32
+cross-entropy); 32 bytes per local parameter (AdamW).
 
 Fitted, per cluster (``scaling_clusters.py``; ``scaling_papers.py`` has the published figures, which were fitted
 and which held out, what was assumed where a paper is silent, and the errors): ``DGX2H_V100``'s ``gemm_efficiency``
@@ -116,6 +115,7 @@ import functools
 from megajax.config import RunSpec, replanned
 from megajax.models.transformer import attention_reason
 from megajax.parallel.mesh import MeshShape
+from megajax.parallel.sharding import PipelineSettings
 from megajax.tools.comm_minimum import minimum
 from megajax.tools.memory_planner import activations
 from megajax.tools.memory_stages import tick_loop_gradient_bytes
@@ -125,10 +125,6 @@ from megajax.tools.scaling_clusters import (  # noqa: F401 (the clusters are thi
     DGX_A100,
     DGX_H100,
     HALF,
-    MEGATRON_2021_PASSES,
-    REPLICATED_PASSES,
-    SCORE_PASSES,
-    SPLIT_PASSES,
     Cluster,
     GiB,
     gemm_s,
@@ -223,9 +219,10 @@ def layer_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster, exper
     scores = 0 if flash_attention(run, cluster) else micro_batch * m.num_heads / tensor * m.max_seq_len**2
     sizes = (replicated, tokens * m.hidden_size / tensor, scores)
     repeats = (elementwise, elementwise, core)
-    passes = sum(n * ((1 + r) * fwd + bwd) for n, r, (fwd, bwd) in zip(sizes, repeats, cluster.passes))
-    routed = routed_layer_s(run, tensor, micro_batch, expert, cluster) if layout(run, tensor).stacks[stack].routed \
-        else 0.0
+    kind = run.stacks[stack].kind
+    passes = sum(n * ((1 + r) * fwd + bwd)
+                 for n, r, (fwd, bwd) in zip(sizes, repeats, kind.elementwise.under(cluster.software)))
+    routed = routed_layer_s(run, tensor, micro_batch, expert, cluster) if kind.routed else 0.0
     return layer + routed + (HALF * passes / cluster.hbm_bandwidth + cluster.layer_overhead_s)
 
 
@@ -290,12 +287,10 @@ def state_bytes(run: RunSpec, tensor: int, data: int = 1, stages: int = 1, exper
 def _on_mesh(run: RunSpec, mesh: MeshShape, pipeline: Pipeline) -> RunSpec:
     """``run`` on ``mesh`` with ``pipeline``'s schedule, in half precision (what the memory planner reads of them),
     resolved again (``config.replanned``)."""
-    return replanned(run, {**{f"mesh.{axis}": n for axis, n in dataclasses.asdict(mesh).items()},
-                           "parallel.pipeline_microbatches": pipeline.microbatches if pipeline.stages > 1 else 0,
-                           "parallel.pipeline_repeats": pipeline.repeats,
-                           "parallel.pipeline_schedule": pipeline.config_schedule,
-                           "parallel.pipeline_stage_recompute": pipeline.stage_recompute, "train.precision": "bf16"},
-                     training=False)
+    return replanned(run, training=False, mesh=mesh, model=dataclasses.replace(run.model, dtype="bfloat16"),
+                     pipeline=PipelineSettings(pipeline.config_schedule,
+                                               pipeline.microbatches if pipeline.stages > 1 else 0, pipeline.repeats,
+                                               pipeline.stage_recompute))
 
 
 def memory_bytes(run: RunSpec, mesh: MeshShape, micro_batch: int, pipeline: Pipeline | None = None,

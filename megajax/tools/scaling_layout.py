@@ -12,19 +12,14 @@ import dataclasses
 import functools
 import math
 
-from megajax.config import NO_SCHEDULE, RunSpec, replanned
+from megajax.config import RunSpec, replanned
 from megajax.errors import ConfigError
-from megajax.parallel.sharding import Rules, entry_axes, logical_to_spec
+from megajax.parallel.sharding import PipelineSettings, Rules, entry_axes, logical_to_spec
 from megajax.tools.comm_minimum import Shape, data_gradient_elements, kv_head_elements, shape_of
 from megajax.tools.memory_terms import parameters
 from megajax.tools.scaling_clusters import HALF
 
 EXPERTS = "experts"  # the logical axis a mixture of experts stacks its experts on (``models/moe.py``)
-# what a model's parameters do not depend on, set alike so that every choice of a model shares one layout
-_PARAMETERS_ONLY = {"mesh.pipe": 1, "mesh.data": 1, "mesh.expert": 1,
-                    **{f"parallel.{k}": v for k, v in NO_SCHEDULE.items()},
-                    "parallel.sequence": False, "parallel.shard_optimizer": False, "parallel.fsdp": False,
-                    "model.remat": "none"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +99,9 @@ def _on_model_shards(run: RunSpec, tensor: int) -> RunSpec:
     do not depend on (remat, sequence parallelism, the state split, the schedule) at its default: one run for every
     choice of the model. ConfigError where the model does not split so (``config.validate``'s checks of
     ``mesh.model``)."""
-    return replanned(run, {**_PARAMETERS_ONLY, "mesh.model": tensor}, training=False)
+    return replanned(run, training=False, mesh=run.mesh.replace(pipe=1, data=1, expert=1, model=tensor),
+                     pipeline=PipelineSettings(), sequence=False, shard_optimizer=False, fsdp=False,
+                     model=dataclasses.replace(run.model, remat="none"))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -168,9 +165,11 @@ def choices(run: RunSpec) -> tuple[str, bool, bool, bool]:
 def with_choices(run: RunSpec, remat: str | None = None, sequence: bool | None = None,
                  shard_optimizer: bool | None = None, fsdp: bool | None = None) -> RunSpec:
     """``run`` with the choices given (None: the run's), resolved again on its mesh (``config.replanned``)."""
-    fields = {"model.remat": remat, "parallel.sequence": sequence, "parallel.shard_optimizer": shard_optimizer,
-              "parallel.fsdp": fsdp}
-    return replanned(run, {k: v for k, v in fields.items() if v is not None}, training=False)
+    fsdp = run.fsdp if fsdp is None else fsdp
+    shard_optimizer = run.shard_optimizer if shard_optimizer is None else shard_optimizer
+    return replanned(run, training=False, model=dataclasses.replace(run.model, remat=remat or run.model.remat),
+                     sequence=run.sequence if sequence is None else sequence,
+                     shard_optimizer=shard_optimizer or fsdp, fsdp=fsdp)
 
 
 def choice_flags(run: RunSpec) -> str:

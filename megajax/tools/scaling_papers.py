@@ -73,7 +73,7 @@ def gpt_model(hidden: int, layers: int, heads: int, seq: int = 1024, remat: str 
 
 def with_heads(run: RunSpec, heads: int) -> RunSpec:
     """``run`` with ``heads`` attention heads (Table 7's 8.3B variants)."""
-    return replanned(run, {"model.num_heads": heads}, training=False)
+    return replanned(run, training=False, model=dataclasses.replace(run.model, num_heads=heads))
 
 
 # The paper's scaling experiments (Section 5.1 and Appendix D): Table 1's models (96 per head), seq 1024, the
