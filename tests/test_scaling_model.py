@@ -11,7 +11,7 @@ from conftest import run_on
 
 from megajax.cli import check_config_overrides, load_config
 from megajax.config import validate
-from megajax.models.spec import transformer_flops
+from megajax.models.spec import BLOCK_PASSES, transformer_flops
 from megajax.parallel import pipeline as megajax_pipeline
 from megajax.parallel.mesh import MeshShape
 from megajax.tools import scaling, scaling_layout, scaling_papers, scaling_pipeline, scaling_plan
@@ -254,7 +254,7 @@ def test_zero1_and_sequence_parallel_costs_by_hand():
     assert saved == 8 * local - 8 * local // 4
     sp = with_choices(model, sequence=True)
     tokens, h = 8 * model.model.max_seq_len, model.model.hidden_size
-    fwd, bwd = scaling.REPLICATED_PASSES
+    fwd, bwd = BLOCK_PASSES.eager[0]
     passes = tokens * h * (1 - 1 / 2) * (2 * fwd + bwd)  # remat=full reruns the forward's element-wise work
     assert scaling.compute_s(model, 2, 8, DGX2H_V100) - scaling.compute_s(sp, 2, 8, DGX2H_V100) == pytest.approx(
         model.model.num_layers * scaling.HALF * passes / DGX2H_V100.hbm_bandwidth)

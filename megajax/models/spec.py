@@ -48,6 +48,36 @@ class HeadMemory:
         return self.vocab_logit_copies > 0
 
 
+# The software a step's element-wise work runs under (``tools.scaling_clusters.Cluster.software``): eager kernels
+# (Megatron-LM 2019's PyTorch step), or fused ones (Megatron-LM 2021's operator fusion)
+EAGER, FUSED = "eager", "fused"
+
+
+@dataclasses.dataclass(frozen=True)
+class ElementwisePasses:
+    """One layer's memory-bound element-wise work per micro-batch, as passes (a pass reads or writes the tensor
+    once) of (forward, backward) over each of its three sizes: (b*s*h on every model shard, b*s*h/t, b*(a/t)*s*s
+    attention scores), under ``eager`` and under ``fused`` kernels (``EAGER``, ``FUSED``). The scaling model times
+    them at HBM bandwidth; recomputation repeats the forward."""
+
+    eager: tuple[tuple[float, float], ...]
+    fused: tuple[tuple[float, float], ...]
+
+    def under(self, software: str) -> tuple[tuple[float, float], ...]:
+        """The passes under ``software`` (``EAGER`` or ``FUSED``)."""
+        return {EAGER: self.eager, FUSED: self.fused}[software]
+
+
+# GPT's block, counted from Megatron-LM 2019's eager step: per b*s*h on every model shard (two LayerNorms, bias +
+# dropout + residual twice) 20 forward; per b*s*h/t (the heads' transposes, GeLU) 16; per score (scale, mask,
+# softmax, dropout) 10. Under Megatron-LM 2021's fused kernels (Narayanan et al. 2021: bias + GeLU, bias + dropout
+# + add and scale + mask + softmax fused; the [s, b, a, h] layout feeds the batched GEMMs without transposes): per
+# b*s*h, LayerNorm 2 + bias-dropout-add 4 (the GEMM output and the residual read, the sum and the mask written),
+# twice; per b*s*h/t, bias + GeLU on 4h/t 8, the attention context's copy back to [s, b, h] 2; per score,
+# scale-mask-softmax 2 + dropout 3. Backward twice the forward in both.
+BLOCK_PASSES = ElementwisePasses(eager=((20, 40), (16, 32), (10, 20)), fused=((12, 24), (10, 20), (5, 10)))
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerKind:
     """One kind of layer a model stacks (a dense block, a routed block, ...) and what one such layer costs, stated
@@ -69,12 +99,17 @@ class LayerKind:
     # attention output, the MLP's input); a parallel block: 0. Under sequence parallelism the recomputation redoes
     # the ``tensor_all_reduces`` all-gathers of the GEMMs' inputs besides these reduce-scatters.
     recomputed_all_reduces: int = 1
+    # Its element-wise work (the scaling model's HBM passes); a kind not counted on its own states GPT's block's
+    elementwise: ElementwisePasses = BLOCK_PASSES
     # A routed kind (its MLP a mixture of experts, ``models.moe``), whose assignments cross the ``expert`` axis and
     # whose routing statistics are summed (the communication budget, the scaling model's expert dimension): cfg ->
     # (experts per layer, experts each token is routed to), and (cfg, sequences, expert shards) -> rows of each
     # destination's block when a shard sends its tokens to their experts. None: a dense MLP
     experts: Callable[[TransformerConfig], tuple[int, int]] | None = None
     exchange_rows: Callable[[TransformerConfig, int, int], int] | None = None
+    # A routed kind's dispatch, beyond ``elementwise``: forward passes per element of (its e m x h exchange blocks,
+    # its n x h routed assignments, its e m x 2F/t gate and up outputs), backward twice (``tools.scaling_experts``)
+    dispatch_passes: tuple[float, float, float] = (0, 0, 0)
 
     @property
     def routed(self) -> bool:
@@ -123,10 +158,10 @@ class ModelSpec:
     layers are here or in the abstract model: parameters (per device, per layer, the layer's GEMM shapes) come from
     ``nnx.eval_shape`` of ``module`` and the sharding rules; a layer's own costs are its ``LayerKind``'s, and
     ``stacks`` says how many layers of which kinds the model holds (default: ``cfg.num_layers`` of the trunk's
-    ``transformer.Block``, ``BLOCK``); the rest a family states below. Not yet here:
-    the attention core's, dropout's and the head's byte formulas (``tools.memory_terms``), the element-wise pass
-    counts the scaling model times every family's layer with (GPT's block's, ``tools.scaling``) and a mixture's
-    routed-layer timing (``tools.scaling_experts``):
+    ``transformer.Block``, ``BLOCK``: its residuals, all-reduces, element-wise passes and a routed kind's dispatch
+    passes); the trunk's attention core's working set, dropout bits and context additions are
+    ``models.attention_memory``'s; the rest a family states below. The tools combine these with the mesh and the
+    cluster (how many GPUs, how fast); they hold no layer's formula:
 
     * ``flops``: model FLOPs of a step, the metrics' MFU numerator and the scaling model's TFLOP/s;
     * ``stacks``: the model's layer stacks, each a count of one ``LayerKind`` (its residuals, the memory

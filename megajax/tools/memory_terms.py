@@ -1,7 +1,8 @@
 """The memory planner's terms on one device of a run's mesh: one layer's residuals and the output head's (asked of
-the model's spec), the attention core's backward working set, what drawing dropout masks holds, and the parameters
-as the sharding rules lay them out. ``memory_planner`` adds them up for a step, ``memory_stages`` for a pipelined
-one; every function reads a resolved run (``config.RunSpec``)."""
+the model's spec), the attention core's backward working set, what drawing dropout masks holds and what context
+shards add (asked of ``models.attention_memory``), and the parameters as the sharding rules lay them out.
+``memory_planner`` adds them up for a step, ``memory_stages`` for a pipelined one; every function reads a resolved
+run (``config.RunSpec``) and holds no layer's formula."""
 
 from __future__ import annotations
 
@@ -12,14 +13,11 @@ import jax
 from flax import nnx
 
 from megajax.config import RunSpec, abstract_model_of
+from megajax.models import attention_memory
 from megajax.models.transformer import attention_reason
 from megajax.parallel.sharding import fsdp_spec, logical_to_spec, spec_axes
 
 FP32 = 4
-# 32-bit tensors of attention dropout bits (``dropout_bits_bytes``) drawing a layer's mask holds beside the working
-# set at the peak, those a circular stage holds beside all it keeps (measured, XLA's attention on the CPU), and those
-# as compiled for an H100 (compiled, not measured; the circular stage's not examined there)
-DRAWN_BITS, CIRCULAR_BITS, GPU_DRAWN_BITS = 3, 4, 1
 
 
 def compute_bytes(run: RunSpec) -> int:
@@ -63,22 +61,10 @@ def layer_residual_bytes(run: RunSpec, micro_batch: int, remat: str | None = Non
 
 
 def context_attention_bytes(run: RunSpec, rows: int, remat: str, attention: str) -> int:
-    """What a layer keeps under context parallelism beyond its inventory at one device's s / C positions: the
-    attention core's queries against every key, not only the device's (its (b, a, s/C, s) residuals, C times those
-    at s / C), and the keys and values all-gathered whole, which the core keeps as its inputs (the local chunks are
-    in the inventory). Nothing with ``full`` (the layer's input only) or ``save_dots`` (the gathered keys and
-    values are recomputed); 0 without context shards."""
-    c, cfg = run.mesh.context, run.model
-    if c == 1 or remat in ("full", "save_dots"):
-        return 0
-    s = cfg.max_seq_len // c  # one device's queries
-    core = 0
-    if remat != "selective" and attention == "xla":  # the (s/C x s) probabilities' copies and dropout mask
-        per_score = 4 + compute_bytes(run) + (1 if cfg.dropout > 0 else 0)
-        core = (c - 1) * cfg.num_heads * s * s * rows * per_score // run.mesh.model
-    heads = 1 if cfg.kv_replicated(run.mesh.model) else cfg.kv_heads // run.mesh.model
-    gathered = 2 * rows * (cfg.max_seq_len - s) * heads * cfg.head_dim * compute_bytes(run)
-    return core + gathered
+    """What a layer keeps under context parallelism beyond its inventory, on one device of ``run``'s mesh
+    (``models.attention_memory.context_attention_bytes``); 0 without context shards."""
+    return attention_memory.context_attention_bytes(run.model, rows, run.mesh.model, run.mesh.context, remat,
+                                                    attention, compute_bytes(run))
 
 
 def head_bytes(run: RunSpec, micro_batch: int, gpu: bool = False) -> int:
@@ -127,39 +113,18 @@ class Activations:
 
 
 def dropout_bits_bytes(run: RunSpec, rows: int, gpu: bool = False, circular: bool = False) -> int:
-    """What drawing attention dropout masks holds on one device (``rows`` sequences), in 32-bit tensors of the
-    probabilities' shape (b x a/t x s/C x s, whatever the compute dtype): drawing a layer's mask about three (the
-    bits and threefry's intermediates, ``DRAWN_BITS``) beside the working set where the peak is (a layer's
-    backward; under 1F1B a forward half beside a backward); with ``circular``, four the stage holds beside all it
-    keeps (``CIRCULAR_BITS``). Measured as compiled temp less the formula without them, in such tensors, at s = 256
-    (8 heads, h = 64, where they dominate): the plain step 3.4 under `none` and `selective`; GPipe under `full` /
-    `selective` 2.3 to 2.5; 1F1B 3.5 (4.7 under `selective`), the circular schedule 2.9 to 4.3, whatever the layers
-    per stage (4 to 16 layers; counting the stage's 2 L/p masks had made 1F1B and circular 0.53 to 0.78 at 8 and 16
-    layers; GPipe under `full` without them 1.27 to 1.34). As compiled for an H100 (``gpu``) one tensor
-    (``GPU_DRAWN_BITS``; gpt_tiny on 2 x 4 at s = 1024 and 2048 under `none`: compiled / formula 1.08 and 1.02 with
-    one, 0.89 and 0.82 with three, 1.20 and 1.17 with none). 0 without dropout or with cuDNN's attention (which has
-    none)."""
-    m = run.model
-    if m.dropout == 0 or attention_for(run, gpu) != "xla":
-        return 0
-    tensors = GPU_DRAWN_BITS if gpu else CIRCULAR_BITS if circular else DRAWN_BITS
-    per_tensor = m.num_heads * (m.max_seq_len // run.mesh.context) * m.max_seq_len * trunk_rows(run, rows) * 4
-    return tensors * per_tensor // run.mesh.model
+    """What drawing attention dropout masks holds on one device of ``run``'s mesh for ``rows`` sequences
+    (``models.attention_memory.dropout_bits_bytes``; ``circular``: what a circular stage holds beside all it
+    keeps)."""
+    return attention_memory.dropout_bits_bytes(run.model, trunk_rows(run, rows), run.mesh.model, run.mesh.context,
+                                               attention_for(run, gpu), gpu, circular)
 
 
 def attention_backward_bytes(run: RunSpec, micro_batch: int, gpu: bool = False) -> int:
-    """The attention core's working set in a layer's backward pass beyond what the layer kept, on one device: with
-    XLA's attention the gradients of the probabilities and of the scores (fp32, b x a/t x s/C x s each), and under
-    ``remat=selective`` the recomputed scores and probabilities too (two more); nothing with cuDNN's flash
-    attention (it never makes them). What dominates at long sequences (s=4096: 4 of them, 1.08 GB of gpt_tiny's
-    compiled 1.08 GB at one layer)."""
-    if attention_for(run, gpu) != "xla":
-        return 0
-    m = run.model
-    copies = 4 if m.remat == "selective" else 2
-    scores = m.num_heads * (m.max_seq_len // run.mesh.context) * m.max_seq_len * trunk_rows(run, micro_batch) \
-        // run.mesh.model
-    return copies * scores * FP32
+    """The attention core's backward working set beyond what the layer kept, on one device of ``run``'s mesh
+    (``models.attention_memory.attention_backward_bytes``)."""
+    return attention_memory.attention_backward_bytes(run.model, trunk_rows(run, micro_batch), run.mesh.model,
+                                                     run.mesh.context, attention_for(run, gpu))
 
 
 def traced_layer_residual_bytes(run: RunSpec, micro_batch: int, scan: int = 0) -> int:

@@ -9,24 +9,17 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from megajax.models.spec import EAGER, FUSED
+
 GiB = 1024**3
 HALF = 2  # bytes per activation value: fp16 / bf16 training
-# Memory passes per layer and micro-batch: (forward, backward); recomputation repeats the forward (scaling.py).
-REPLICATED_PASSES = (20, 40)  # b*s*h, on every model-parallel GPU
-SPLIT_PASSES = (16, 32)  # b*s*h/t
-SCORE_PASSES = (10, 20)  # b*(a/t)*s*s
-# Megatron-LM 2021's fused kernels (Narayanan et al. 2021's operator fusion: bias + GeLU, bias + dropout + add and
-# scale + mask + softmax; the [s, b, a, h] layout feeds the batched GEMMs without transposes), counted the same
-# way: per b*s*h, LayerNorm 2 + bias-dropout-add 4 (the GEMM output and the residual read, the sum and the mask
-# written), twice; per b*s*h/t, bias + GeLU on 4h/t 8, the attention context's copy back to [s, b, h] 2; per score,
-# scale-mask-softmax 2 + dropout 3. Backward twice the forward, as 2019's counts.
-MEGATRON_2021_PASSES = ((12, 24), (10, 20), (5, 10))
 
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
     """A GPU cluster: per-GPU peak and memory, the node's links, and the model's three calibration constants (and
-    the element-wise passes of the software it runs: Megatron-LM 2019's eager kernels unless given).
+    the software its element-wise work runs under, whose passes each layer kind states: ``models.spec.EAGER``,
+    Megatron-LM 2019's kernels, unless given).
 
     Bandwidths are per GPU and per direction (what a ring's every step moves); latencies are per ring step."""
 
@@ -42,7 +35,7 @@ class Cluster:
     gemm_efficiency: float  # fraction of peak a large GEMM sustains
     layer_overhead_s: float  # per layer per micro-batch, independent of size and t
     dp_overlap: float  # fraction of the data-parallel all-reduce hidden behind the backward pass
-    passes: tuple = (REPLICATED_PASSES, SPLIT_PASSES, SCORE_PASSES)  # (forward, backward) per kind, as those
+    software: str = EAGER  # the layers' element-wise passes as counted for it (``LayerKind.elementwise``)
     # megajax's step on these GPUs runs cuDNN's flash attention where the model allows it (H100: the memory planner's
     # ``gpu=True``, no s x s scores kept); the papers' V100 and A100 runs had none
     flash_attention: bool = False
@@ -63,13 +56,13 @@ DGX_H100 = Cluster(name="dgx_h100", peak_flops=989e12, hbm_bytes=80 * GiB, hbm_b
                    gemm_efficiency=0.75, layer_overhead_s=0.6e-3, dp_overlap=0.3, flash_attention=True)
 # PTD-P's cluster (Narayanan et al. 2021): DGX A100 80GB nodes: 312 TFLOP/s fp16 / bf16 dense, HBM2e 2.04 TB/s,
 # NVLink3 through NVSwitch 600 GB/s per GPU both directions (300 each way), 8 x 200 Gb/s HDR InfiniBand per node
-# (one per GPU: 25 GB/s each way); Megatron-LM 2021's fused kernels (MEGATRON_2021_PASSES). gemm_efficiency and
+# (one per GPU: 25 GB/s each way); Megatron-LM 2021's fused kernels (``models.spec.FUSED``). gemm_efficiency and
 # layer_overhead_s FITTED to PTD-P Table 1's odd rows, 1.7B, 7.5B, 39.1B, 145.6B and 529.6B (least squares in points
 # of peak, bench/ptdp_fit.py; the other five rows are held out: scaling_papers.py). dp_overlap 0, not fitted:
 # Megatron-LM 2021 all-reduces the gradients after the backward pass (at most 4% of a row's step: 7.5B's).
 DGX_A100 = Cluster(name="dgx_a100", peak_flops=312e12, hbm_bytes=80 * GiB, hbm_bandwidth=2.039e12, gpus_per_node=8,
                    intra_bandwidth=300e9, intra_latency=2e-6, inter_bandwidth=25e9, inter_latency=5e-6,
-                   gemm_efficiency=0.685, layer_overhead_s=3.95e-3, dp_overlap=0.0, passes=MEGATRON_2021_PASSES)
+                   gemm_efficiency=0.685, layer_overhead_s=3.95e-3, dp_overlap=0.0, software=FUSED)
 CLUSTERS = {"dgx2h": DGX2H_V100, "dgx_h100": DGX_H100, "dgx_a100": DGX_A100}
 
 

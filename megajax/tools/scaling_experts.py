@@ -11,14 +11,12 @@ batch is split over data x expert), k of E experts per token, n = b s k assignme
   ``save_dots`` (``jax.lax.ragged_dot`` is not a dot the policy saves). The router is a dense GEMM of the layer
   (``layout``'s ``gemms``). A capacity factor of 1 or more drops nothing under balanced routing, so capacity mode
   is timed as dropless.
-* Dispatch (``DISPATCH_PASSES``): megajax's exchange has static shapes (XLA has no ragged all-to-all on the CPU), so
-  each GPU's send and receive buffers hold a block of m rows per shard of its group (``exchange_rows``: dropless
-  m = n, room for every assignment; with a capacity what the destination's experts keep at most, n / e at a
-  capacity factor of 1); counted from ``experts_forward`` unfused, a pass reading or writing the tensor once,
-  forward: 7 passes of e m x h (the send buffer written, the received rows grouped, the grouped outputs' padding
-  and their scatter back), 9 of n x h (the tokens gathered into it and the outputs gathered, ordered and weighted
-  back) and 2.5 of e m x 2F/t (the gate and up outputs' padding, the SwiGLU product); backward twice,
-  recomputation once more (as the dense layer's). At HBM bandwidth.
+* Dispatch (the routed kind's ``LayerKind.dispatch_passes``, counted in ``models/moe.py``): megajax's exchange has
+  static shapes (XLA has no ragged all-to-all on the CPU), so each GPU's send and receive buffers hold a block of m
+  rows per shard of its group (``exchange_rows``: dropless m = n, room for every assignment; with a capacity what
+  the destination's experts keep at most, n / e at a capacity factor of 1); its passes over the e m x h blocks, the
+  n x h assignments and the e m x 2F/t gate and up outputs forward, backward twice, recomputation once more (as
+  the dense layer's). At HBM bandwidth.
 * All-to-all (``expert_comm_s``): ``comm_minimum.minimum``'s ``expert all-to-all`` bytes (the e m x h blocks there
   and back, forward and backward, and their expert ids; ``remat=full`` the forward's again), each an all-to-all
   over the e GPUs of an expert group (t apart on the mesh: NVLink among those in a node, InfiniBand for the rest),
@@ -42,9 +40,6 @@ from megajax.config import RunSpec
 from megajax.tools.comm_minimum import minimum
 from megajax.tools.scaling_clusters import HALF, Cluster, all_to_all_s, gemm_s, group_allreduce_s, ring_allreduce_s
 from megajax.tools.scaling_layout import comm_shape, layout
-
-# passes per (e m x h, n x h, e m x 2F/t) element of a routed layer's dispatch, forward (backward twice that)
-DISPATCH_PASSES = (7, 9, 2.5)
 
 
 def routed_gemms(run: RunSpec, tensor: int, micro_batch: int, expert: int) -> list[tuple]:
@@ -73,7 +68,8 @@ def routed_layer_s(run: RunSpec, tensor: int, micro_batch: int, expert: int, clu
     block = expert * run.exchange_rows(micro_batch, expert)  # the rows a GPU's buffers hold: e m
     routed = next(st for st in layout(run, tensor).stacks if st.routed)
     widened = sum(width for k, width in routed.expert_gemms if k == h)  # gate and up: 2F/t
-    forward = sum(p * size for p, size in zip(DISPATCH_PASSES, (block * h, n * h, block * widened)))
+    kind = next(stack.kind for stack in run.stacks if stack.kind.routed)
+    forward = sum(p * size for p, size in zip(kind.dispatch_passes, (block * h, n * h, block * widened)))
     gemms = sum(gemm_s(*g, cluster) for g in grouped)
     return (3 + again) * gemms + (3 + again) * HALF * forward / cluster.hbm_bandwidth
 
