@@ -1,5 +1,6 @@
-"""From a config to a run: the defaults (``defaults.py``), the checks and the resolved ``RunSpec``
-(``resolve.py``), and the mesh and sharded model it describes (``build.py``)."""
+"""From a config to a run: the defaults (``defaults.py``), the run (``run.py``: ``RunSpec``, ``StoredRun``), its
+checks (``checks.py``), resolving a config into it (``resolve.py``), and the mesh and sharded model it describes
+(``build.py``)."""
 
 from megajax.config.build import (
     abstract_model,

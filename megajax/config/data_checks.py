@@ -1,5 +1,6 @@
-"""Whether a model and its data fit each other (``config.data`` or a run's ``DataSource``): the checks
-``config.resolve`` runs before anything is built, each a ConfigError naming the field to change."""
+"""Whether a model and its data fit each other (``config.data`` or a run's ``DataSource``): ``check_packing`` runs
+in ``config.checks.checked``, ``check_data`` (``config.check_data_source``, ``check_run_data``) before the data is
+opened, each a ConfigError naming the field to change."""
 
 from __future__ import annotations
 

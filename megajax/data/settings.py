@@ -49,7 +49,7 @@ class DataSource:
 class DataSettings(DataSource):
     """A ``DataSource`` and what its data is cut for: ``vocab_size`` and ``max_seq_len`` (the model's),
     ``num_classes`` (a classifier's, else 0) and ``global_batch_size`` (rows per step). Derived, never stored: built
-    by ``RunSpec.dataset`` and ``StoredRun.dataset``."""
+    by ``RunSpec.dataset``, ``StoredRun.dataset`` and ``config.data_settings`` (from a ConfigDict)."""
 
     vocab_size: int
     max_seq_len: int

@@ -114,7 +114,7 @@ class TransformerConfig:
     def check_mesh(self, tensor: int, pipe: int, expert: int) -> None:
         """ValueError where the model cannot run on ``tensor`` model shards, ``pipe`` stages and ``expert`` expert
         shards (beyond the trunk's divisibility, and the routed layers ``expert`` > 1 needs, which
-        ``config.resolve.validate`` checks)."""
+        ``config.checks.checked`` checks)."""
         self.kv_replicated(tensor)
 
     def rule_overrides(self, tp: int) -> dict[str, str | None]:

@@ -136,7 +136,7 @@ class PipelineSettings:
 @dataclasses.dataclass(frozen=True)
 class ParallelContext:
     """The run's settings that a traced model reads while ``activate`` holds them (built by
-    ``config.resolve.RunSpec.parallel_context``). Frozen and hashable, so it can also key a jit cache.
+    ``config.run.RunSpec.parallel_context``). Frozen and hashable, so it can also key a jit cache.
 
     ``rules``: logical name -> mesh axis (None: outside ``activate``, nothing pinned); ``params_split``: the
     parameters are stored split over ``data`` as well (``parallel.fsdp``), so ``param_at_use`` gathers them;

@@ -11,8 +11,9 @@ megajax already describes it:
   and model-parallel degree, so the mesh search builds each once);
 * model FLOPs: the spec's ``flops`` (the metrics' MFU numerator);
 * activations: the memory planner (``activations``: the spec's per-layer residuals and head);
-* tensor- and data-parallel communication: ``comm_minimum.minimum`` of the spec's all-reduces per layer
-  (``ModelSpec.tensor_all_reduces``, ``recomputed_all_reduces``), the bytes the compiled step is audited against;
+* tensor- and data-parallel communication: ``comm_minimum.minimum`` of the spec's all-reduces per layer (each
+  stack's ``LayerKind.tensor_all_reduces``, ``recomputed_all_reduces``, summed by ``spec.all_reduces``), the bytes
+  the compiled step is audited against;
 * which model-parallel degrees fit the model: ``config.validate``'s checks of ``mesh.model``; whether key/value
   heads are replicated: ``TransformerConfig.kv_replicated``.
 

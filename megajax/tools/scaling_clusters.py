@@ -1,7 +1,7 @@
 """The clusters the scaling model (``megajax.tools.scaling``) knows: each GPU's peak, memory and links, the
-element-wise passes of the software it runs, and the model's calibration constants, with where each number comes
-from and what was fitted to which published measurements (``scaling_papers.py`` holds those and the errors); and
-what the primitives cost on them: a GEMM at the roofline, a ring all-reduce, an all-to-all.
+software it runs (whose element-wise passes each ``LayerKind`` states), and the model's calibration constants, with
+where each number comes from and what was fitted to which published measurements (``scaling_papers.py`` holds those
+and the errors); and what the primitives cost on them: a GEMM at the roofline, a ring all-reduce, an all-to-all.
 """
 
 from __future__ import annotations

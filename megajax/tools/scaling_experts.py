@@ -30,8 +30,10 @@ batch is split over data x expert), k of E experts per token, n = b s k assignme
 Assumed: balanced routing (the balancing loss's aim; ``mixtral_tiny`` ends at a max / mean expert load of 1.46, and
 the slowest expert shard sets the pace of the exchange, so an imbalance lengthens both the expert GEMMs and the
 all-to-all by about its ratio); no overlap of the exchange with other work; the dispatch's element-wise passes as
-counted on XLA:CPU's unfused program (XLA:GPU fuses some). Pipeline stages: a mixture of experts does not run in
-them (``MoEConfig.check_mesh``), so the planner gives it none.
+counted on XLA:CPU's unfused program (XLA:GPU fuses some). Pipeline stages: a mixture runs in them with
+``expert=1``, its experts split over ``model`` (``MoEConfig.check_mesh`` refuses expert shards, and dense layers
+among the routed ones, in stages), so the planner gives it (pipe, data, model) meshes besides its (data, expert,
+model) ones.
 """
 
 from __future__ import annotations
