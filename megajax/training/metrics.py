@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
+import sys
+from collections.abc import Iterator
 
 import jax
 
@@ -61,6 +64,21 @@ def check_writable(workdir: str | pathlib.Path) -> None:
                         "--workdir") from None
 
 
+@contextlib.contextmanager
+def _torch_unseen() -> Iterator[None]:
+    """tensorboardX's writer imports torch where it can (3 s on a 2-core machine, every train.py start where torch is
+    installed) only to accept torch tensors; megajax writes Python floats. While this holds, ``import torch`` fails
+    as if torch were absent (a torch already imported is left alone); afterwards torch imports as usual."""
+    if "torch" in sys.modules:
+        yield
+        return
+    sys.modules["torch"] = None  # the import system's mark of a module that cannot be imported
+    try:
+        yield
+    finally:
+        del sys.modules["torch"]
+
+
 class MetricsWriter:
     """Appends one JSON object per line to ``workdir/metrics.jsonl`` and mirrors scalars to TensorBoard."""
 
@@ -69,7 +87,8 @@ class MetricsWriter:
         self.path = pathlib.Path(workdir) / METRICS_NAME
         self._tb = None
         if enabled:
-            from tensorboardX import SummaryWriter  # a core dependency
+            with _torch_unseen():
+                from tensorboardX import SummaryWriter  # a core dependency
 
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._tb = SummaryWriter(str(workdir))
