@@ -38,6 +38,7 @@ def checked(run: RunSpec, num_devices: int, training: bool = True) -> RunSpec:
         raise ConfigError(f"the padded vocabulary {padded} (model.make_vocab_size_divisible_by="
                           f"{cfg.make_vocab_size_divisible_by}) is not divisible by mesh.model={tp}; make "
                           f"make_vocab_size_divisible_by a multiple of {tp}")
+    run.rules  # noqa: B018 - what the run makes of the given rules, checked against the mesh's axes
     if run.sequence and cfg.max_seq_len % tp:
         raise ConfigError(f"parallel.sequence splits the sequence over mesh.model={tp}, but model.max_seq_len="
                           f"{cfg.max_seq_len} is not divisible by it: make max_seq_len a multiple of {tp}, pick "
@@ -45,12 +46,11 @@ def checked(run: RunSpec, num_devices: int, training: bool = True) -> RunSpec:
     _check_pipeline(run)
     _check_context(run)
     run = dataclasses.replace(run, mesh=run.mesh.resolved(num_devices))
-    run.rules  # noqa: B018 - what the run makes of the given rules, checked against the mesh's axes
-    check_packing(run.model_spec, run.data)
     _require(run.checkpoint.keep >= 0, f"checkpoint.keep={run.checkpoint.keep}; use 0 to keep every checkpoint "
                                        "or K > 0 to keep the newest K")
     _require(run.checkpoint.restore_step >= 0, f"checkpoint.restore_step={run.checkpoint.restore_step}; use 0 "
                                                "for the latest step or a step number listed in WORKDIR/checkpoints")
+    check_packing(run.model_spec, run.data)
     if not training:  # the batch in one step: nothing else is checked of it
         return dataclasses.replace(run, train=dataclasses.replace(run.train, micro_batch_size=0))
     _check_training(run)

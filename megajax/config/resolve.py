@@ -207,7 +207,10 @@ def replanned(run: RunSpec, num_devices: int | None = None, training: bool = Tru
     facts (the rules, the micro-batches) follows. ``num_devices``: the devices the new mesh is checked against
     (default: as many as it takes; a mesh with ``data=-1`` keeps the run's device count). ConfigError as
     ``resolve`` raises it."""
-    changed = dataclasses.replace(run, **changes)
+    try:
+        changed = dataclasses.replace(run, **changes)
+    except TypeError as e:  # a name that is not a RunSpec field
+        raise ConfigError(f"replanned: {e}") from None
     devices = run.mesh.devices if changed.mesh.data == -1 else changed.mesh.devices
     return checked(changed, devices if num_devices is None else num_devices, training)
 

@@ -57,7 +57,7 @@ def rules_for(given: Rules, model: TransformerConfig, mesh: MeshShape, sequence:
     sequence (``seq``, and the residual stream's ``seq_sp`` before ``model``) on ``context``.
     """
     rules = given
-    if sequence:
+    if sequence and not splits_sequence(given):  # (a seq_sp rule that splits the sequence already is kept)
         rules = tuple((k, "model" if k == SEQUENCE_PARALLEL_NAME else v) for k, v in rules)
     try:
         overrides = model.rule_overrides(mesh.model)
@@ -122,7 +122,7 @@ class RunSpec:
 
     @property
     def precision(self) -> str:
-        """fp32 | bf16 | fp16: the model's compute dtype (``train.precision``, ``auto`` resolved)."""
+        """fp32 | bf16 | fp16: the model's compute dtype (``train.precision`` resolved on this machine)."""
         return next(p for p, dtype in PRECISION_DTYPES.items() if dtype == self.model.dtype)
 
     @property
@@ -194,8 +194,8 @@ class RunSpec:
         return ParallelContext(self.rules, params_split=self.fsdp, pipeline=self.pipeline)
 
     def config(self) -> ml_collections.ConfigDict:
-        """The config this run is (every field of its model's family, the mesh and the precision resolved), stored
-        with each checkpoint (``config_json``) and read back by resuming, fine-tuning and evaluation."""
+        """The config this run is (every field of its model's family, the mesh resolved, the precision as asked),
+        stored with each checkpoint (``config_json``) and read back by resuming, fine-tuning and evaluation."""
         p = self.pipeline
         return ml_collections.ConfigDict({
             "model": {"name": self.model_name, **{f: getattr(self.model, f) for f in self.model.fields()}},
@@ -205,8 +205,7 @@ class RunSpec:
             "parallel": {"shard_optimizer": self.shard_optimizer, "sequence": self.sequence, "fsdp": self.fsdp,
                          "pipeline_microbatches": p.microbatches, "pipeline_schedule": p.schedule,
                          "pipeline_stage_recompute": p.stage_recompute, "pipeline_repeats": p.repeats},
-            "train": {**dataclasses.asdict(self.train), "global_batch_size": self.global_batch,
-                      "precision": self.precision},
+            "train": {**dataclasses.asdict(self.train), "global_batch_size": self.global_batch},
             "checkpoint": dataclasses.asdict(self.checkpoint),
             "loss_scale": dataclasses.asdict(self.loss_scale),
             "optimizer": dataclasses.asdict(self.optimizer),

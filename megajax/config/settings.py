@@ -13,7 +13,7 @@ from megajax.checkpoint.manager import CheckpointSettings
 
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
-    """``config.train`` resolved (the compute precision aside: ``RunSpec.precision``)."""
+    """``config.train`` resolved (the global batch aside: ``RunSpec.global_batch``)."""
 
     steps: int  # optimizer steps to train to (the global batch: ``RunSpec.global_batch``)
     micro_batch_size: int  # sequences per data shard per accumulation step (0: no accumulation)
@@ -24,6 +24,9 @@ class TrainSettings:
     max_nonfinite_steps: int  # consecutive non-finite steps tolerated (fp16's routine overflows aside)
     allow_batch_size_change: bool  # resume with another global_batch_size
     peak_flops_per_device: float  # the MFU denominator (0: looked up by device kind)
+    # as the config asks it, 'auto' too: what a checkpoint stores, so its model evaluates in the precision of the
+    # machine it is loaded on; what it resolved to here is the model's dtype (``RunSpec.precision``)
+    precision: str
 
 
 @dataclasses.dataclass(frozen=True)

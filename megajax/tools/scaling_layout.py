@@ -165,8 +165,9 @@ def choices(run: RunSpec) -> tuple[str, bool, bool, bool]:
 def with_choices(run: RunSpec, remat: str | None = None, sequence: bool | None = None,
                  shard_optimizer: bool | None = None, fsdp: bool | None = None) -> RunSpec:
     """``run`` with the choices given (None: the run's), resolved again on its mesh (``config.replanned``)."""
+    if shard_optimizer is None:  # the run's ZeRO-1 (under FSDP its moments are split whatever ZeRO-1 says: off)
+        shard_optimizer = run.shard_optimizer and not run.fsdp
     fsdp = run.fsdp if fsdp is None else fsdp
-    shard_optimizer = run.shard_optimizer if shard_optimizer is None else shard_optimizer
     return replanned(run, training=False, model=dataclasses.replace(run.model, remat=remat or run.model.remat),
                      sequence=run.sequence if sequence is None else sequence,
                      shard_optimizer=shard_optimizer or fsdp, fsdp=fsdp)

@@ -400,6 +400,7 @@ def _loop(run: Run, state: TrainState, loader: Loader, valid: Loader | None,
     progress = _progress(first_step, train.steps, is_main)
     last_time, last_step = time.perf_counter(), first_step
     began, evaluating = last_time, 0.0
+    stored = spec.config_json  # what each checkpoint stores: built once, not on each step
     for step in range(first_step, train.steps):
         state, metrics = run.step_fn(state, loader.next_global(run.batch_shardings))
         done = step + 1
@@ -410,7 +411,7 @@ def _loop(run: Run, state: TrainState, loader: Loader, valid: Loader | None,
         if _save_due(checkpointer, done, stopping or last) or log_due:
             guard.check()  # raises before a non-finite state is saved or logged as progress
         if checkpointer:
-            checkpointer.save(done, state, loader.get_state(), spec.config_json, force=stopping or last)
+            checkpointer.save(done, state, loader.get_state(), stored, force=stopping or last)
         if log_due:
             metrics = {k: v.item() for k, v in jax.device_get(metrics).items()}
             now = time.perf_counter()
