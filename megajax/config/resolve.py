@@ -19,7 +19,7 @@ from megajax.config.checks import checked
 from megajax.config.data_checks import check_data
 from megajax.config.defaults import with_model_defaults
 from megajax.config.migrate import drop_shared_model_fields, migrate_config
-from megajax.config.run import PRECISION_DTYPES, RunSpec, StoredRun, cut_data, rules_for, splits_sequence
+from megajax.config.run import PRECISION_DTYPES, RunSpec, StoredRun, cut_data, splits_sequence
 from megajax.config.settings import (
     checkpoint_settings,
     loss_scale_settings,
@@ -111,8 +111,7 @@ def given_rules(config: ml_collections.ConfigDict) -> Rules:
 
 def rules_of(config: ml_collections.ConfigDict) -> Rules:
     """The logical-axis rules a config's run applies (``run.rules_for``), checked against its mesh's axes."""
-    return rules_for(given_rules(config), model_config(config), MeshShape.of(config.mesh),
-                     sequence_flag(config))
+    return run_of(config).rules
 
 
 def sequence_flag(config: ml_collections.ConfigDict) -> bool:
