@@ -23,23 +23,20 @@ from megajax.data.tokenizer import train_tokenizer
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FLAGS = ["--config.data.source=random", "--config.train.steps=2", "--config.train.eval_batches=0"]
 
-CASES = {  # name: (extra flags, what the error line says)
+# name: (extra flags, what the error line says). One size and one optimizer setting stand for the rest, whose
+# messages test_configs.py pins on the config (train.py reports every ConfigError of resolve alike).
+CASES = {
     "config name": (["--config=gpt_tiyn"], "config 'gpt_tiyn' not found"),
     "config not a ConfigDict": (["--config=dict_config.py"], "get_config() returned a dict, not an "
                                                              "ml_collections.ConfigDict"),
     "config field": (["--config.train.stepz=5"],
                      "--config.train.stepz: config.train has no field 'stepz'; did you mean --config.train.steps?"),
     "no layers": (["--config.model.num_layers=0"], "model.num_layers=0 makes no model"),
-    "no heads": (["--config.model.num_heads=0"], "model.num_heads=0 makes no model"),
-    "negative width": (["--config.model.hidden_size=-128"], "model.hidden_size=-128 makes no model"),
-    "no MLP": (["--config.model.mlp_ratio=0"], "model.mlp_ratio=0 makes no model"),
     "no vocabulary": (["--config.model.vocab_size=0", "--config.data.source=default"],  # its own empty cache
                       "model.vocab_size=0 makes no model"),
     "blend prefix with a space": (["--config.data.source=indexed", "--config.data.blend=1 my data/a 1 data/b"],
                                   "a prefix with spaces goes in quotes"),
     "negative lr": (["--config.optimizer.lr=-1"], "optimizer.lr must be >= 0"),
-    "negative clip": (["--config.optimizer.clip_norm=-1"], "optimizer.clip_norm > 0"),
-    "negative warmup": (["--config.optimizer.warmup_steps=-3"], "optimizer.warmup_steps and optimizer.decay_steps"),
     "read-only checkpoints": ([], "cannot write checkpoints to "),
     "resumed as another model": ([], "holds another model than this config's (model.name: 'bert' saved, 'gpt' here;"),
     "resumed on another vocabulary": (["--config.data.source=default"], "was trained on data tokenized with another "

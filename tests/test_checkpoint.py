@@ -202,7 +202,7 @@ def test_damaged_checkpoint_is_a_clear_error(saved_1x8, run_1x8, tmp_path):
 
 
 def test_keeps_last_k_and_every_mth(tmp_path):
-    config = train_config(steps=5)
+    config = train_config(steps=5, eval_batches=0)
     config.checkpoint.update(every_steps=1, keep=2, keep_period=3, async_save=False)
     train(config, tmp_path)
     kept = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())

@@ -43,25 +43,31 @@ def _batch(name: str, shardings: dict, packed: bool) -> dict:
             for k, v in rows.items()}
 
 
+def _step_key(name: str, data: int = 1, model: int = 1, context: int = 1, flags: str | None = None,
+              packed: bool = False, dropout: float = 0.0, remat: str = "none", pipe: int = 1,
+              schedule: str = "gpipe") -> tuple:
+    return name, data, model, context, flags, packed, dropout, remat, pipe, schedule
+
+
 @pytest.fixture(scope="module")
 def steps():
-    """(name, data, model, context, flags, packed, ..., pipe, schedule) -> (loss, parameter change after one step, in
-    the model's layer order) from one initial state per model."""
+    """(name, data, model, context, flags, packed, ..., pipe, schedule: ``_step_key``'s arguments) -> (loss,
+    parameter change after one step, in the model's layer order) from one initial state per model;
+    ``steps.run(...)``: the compiled run of that step."""
     from megajax.models.transformer import reorder_layers
     from megajax.training.loop import setup
 
-    cache, initial = {}, {}
+    cache, initial, runs = {}, {}, {}
 
-    def get(name: str, data: int = 1, model: int = 1, context: int = 1, flags: str | None = None,
-            packed: bool = False, dropout: float = 0.0, remat: str = "none", pipe: int = 1,
-            schedule: str = "gpipe"):
-        key = (name, data, model, context, flags, packed, dropout, remat, pipe, schedule)
+    def get(*args, **kwargs):
+        key = _step_key(*args, **kwargs)
+        name, data, model, context, flags, packed, dropout, remat, pipe, schedule = key
         if key not in cache:
             config = _config(name, data, model, context, flags, dropout, remat)
             config.data.document_masking = packed
             config.mesh.pipe = pipe
             config.parallel.pipeline_schedule = schedule
-            run = setup(config)
+            run = runs[key] = setup(config)
             if name not in initial:
                 assert (data, model, context, pipe) == (1, 1, 1, 1), "the reference first"
                 initial[name] = jax.tree.map(np.array, run.init_state())
@@ -72,6 +78,12 @@ def steps():
             cache[key] = float(metrics["loss"]), jax.tree.map(lambda a, b: a - b, params, initial[name].params)
         return cache[key]
 
+    def run(*args, **kwargs):
+        get(args[0])  # the model's reference first: it sets the initial state
+        get(*args, **kwargs)
+        return runs[_step_key(*args, **kwargs)]
+
+    get.run = run
     return get
 
 
@@ -122,22 +134,18 @@ def test_each_device_sees_the_same_number_of_key_pairs(context):
     assert sorted(balanced_order(seq, context)) == list(range(seq))
 
 
-@pytest.mark.parametrize("name,mesh,remat", [("gpt", (1, 1, 2), "none"), ("gpt", (2, 2, 2), "full"),
-                                             ("llama", (2, 2, 2), "selective"), ("bert", (1, 2, 4), "none")])
-def test_key_value_traffic_is_the_analytic_count(name, mesh, remat):
+@pytest.mark.parametrize("name,mesh,dropout,remat", [
+    ("gpt", (1, 1, 2), 0.1, "selective"), ("gpt", (2, 2, 2), 0.0, "none"), ("llama", (2, 2, 2), 0.1, "full"),
+    ("bert", (1, 2, 4), 0.0, "none")])
+def test_key_value_traffic_is_the_analytic_count(steps, name, mesh, dropout, remat):
     """The compiled step's collectives over `context` that move keys and values: per layer an all-gather of each
     device's chunks of the keys and of the values (again where remat recomputes the layer) and a reduce-scatter of
     their gradients, plus what the mask reads of the keys gathered once (a decoder's positions, BERT's padding
     mask): the budget's category at exactly its minimum. The tensor-parallel and loss categories stay at theirs
-    with the sequence split."""
+    with the sequence split. (The steps the equality tests take, with and without dropout.)"""
     from megajax.tools.comm_budget import step_budget
-    from megajax.training.loop import setup
 
-    data, model, context = mesh
-    config = choice_config(None, data, model, name=name, remat=remat, gradient_step=True)
-    config.mesh.context = context
-    config.train.global_batch_size = 4
-    budget = step_budget(setup(config))
+    budget = step_budget(steps.run(name, *mesh, dropout=dropout, remat=remat))
     want = budget.minimum["context key/value"]
     assert want > 0 and budget.compiled["context key/value"] == want, budget.table()
     for category in ("tensor-parallel forward", "tensor-parallel backward", "loss"):
@@ -232,30 +240,12 @@ def test_mesh_flags_and_info_at_128k(capsys):
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])
-def test_context_under_pipeline_stages(name):
+def test_context_under_pipeline_stages(steps, name):
     """pipe 2 x context 2 (GPipe, 2 microbatches; with data 2 under remat=full, with model 2 under selective), dropout
-    0.1: a 4-layer step equals the one-device step (the attention's shard_map inside the stages' vmaps)."""
-    from conftest import assert_same_step
-
-    from megajax.models.transformer import reorder_layers
-    from megajax.training.loop import setup
-
-    def step(pipe, data, model, context, remat, initial=None):
-        config = _config(name, data, model, context, dropout=0.1, remat=remat)
-        config.model.num_layers = 4
-        config.mesh.pipe = pipe
-        config.parallel.pipeline_microbatches = 2 if pipe > 1 else 0
-        run = setup(config)
-        initial = jax.tree.map(np.array, run.init_state()) if initial is None else initial
-        laid = reorder_layers(initial, (1, 1), run.spec.layer_layout)
-        state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), laid, run.abstract_state)
-        new, metrics = run.step_fn(state, _batch(name, run.batch_shardings, False))
-        params = reorder_layers(jax.tree.map(np.asarray, new.params), run.spec.layer_layout, (1, 1))
-        return (float(metrics["loss"]), jax.tree.map(lambda a, b: a - b, params, initial.params)), initial
-
-    want, initial = step(1, 1, 1, 1, "none")
-    for mesh in ((2, 2, 1, 2, "full"), (2, 1, 2, 2, "selective")):
-        assert_same_step(*step(*mesh, initial)[0], *want)
+    0.1: the step equals the one-device step (the attention's shard_map inside the stages' vmaps)."""
+    want = steps(name, dropout=0.1)  # (the dropout test's reference)
+    for data, model, remat in ((2, 1, "full"), (1, 2, "selective")):
+        assert_same_step(*steps(name, data, model, 2, dropout=0.1, remat=remat, pipe=2), *want)
 
 
 @pytest.mark.parametrize("context", [2, 4, 8])

@@ -130,8 +130,7 @@ def test_init_from_loads_the_trunk_bitwise_on_another_mesh_and_resume_ignores_it
     c = task_config("bert_classifier", data=2, model=4)
     c.init_from = "bert"
     c.train.update(steps=1, seed=3)
-    c.optimizer.update(lr=0.0, min_lr=0.0, warmup_steps=0, decay_steps=1)  # parameters stay as loaded; the
-    # schedule does not depend on train.steps, so the resume below reuses the compiled step
+    c.optimizer.update(lr=0.0, min_lr=0.0, warmup_steps=0, decay_steps=1)  # parameters stay as loaded
     c.checkpoint.update(enabled=True, every_steps=1)
     train(c, tmp_path / "ft")
     got = _params_of(tmp_path / "ft", c)

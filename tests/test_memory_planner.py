@@ -163,7 +163,7 @@ def test_nothing_fits_a_tiny_device():
 
 
 def test_cli_prints_formula_and_compiler_side_by_side(measured, capsys):
-    _, compiled = measured("gpt_4x2_none")  # the CLI's compile then comes from the persistent cache
+    _, compiled = measured("gpt_4x2_none")  # the step the CLI compiles again and must print the peak of
     main(["--config=gpt_tiny", "--mesh=4x2", f"--micro_batch={MICRO_BATCH}", "--compiled", "--device_memory_gb=1"])
     out = capsys.readouterr().out
     assert "fits a 1 GiB device: yes" in out and "largest micro-batch that fits:" in out

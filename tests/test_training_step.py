@@ -26,9 +26,9 @@ def test_dropout_changes_the_gradients(tmp_path):
     """Guard against a silently disabled dropout: without it the gradient norms differ by far more than the 1e-5 to
     which the masks make every mesh train alike (Appendix B.2 in JAX terms: tests/test_dropout_rows.py,
     test_bert_training.py) (at initialisation the loss itself barely depends on dropout)."""
-    dropout = _curves(train(train_config(1, 1, dropout=0.1), tmp_path / "dropout"))
+    dropout = _curves(train(train_config(1, 1, dropout=0.1, eval_batches=0), tmp_path / "dropout"))
     assert dropout.shape == (5, 2)
-    no_dropout = _curves(train(train_config(1, 1, dropout=0.0), tmp_path / "none"))
+    no_dropout = _curves(train(train_config(1, 1, dropout=0.0, eval_batches=0), tmp_path / "none"))
     relative = np.abs(no_dropout[:, 1] / dropout[:, 1] - 1)
     assert relative.min() > 1e-3 and relative.max() > 1e-2, relative
 

@@ -215,10 +215,14 @@ def test_scaling_model_within_10_percent_of_the_compiled_step():
     assert scaling.memory_bytes(run, MeshShape(4, 2), 4) == pytest.approx(compiled.peak, rel=0.10)
 
 
-def _one_step(config, initial):
-    """(loss, parameter change) of one step of ``config`` from ``initial``'s parameters on the first batch."""
-    config.optimizer.update(lr=1e6, eps=1e3, weight_decay=0.0, clip_norm=1e9)  # the change is lr / eps x gradient
-    run = setup(config)
+def _gradient_step_run(config):
+    """``config``'s compiled run with an optimizer whose change is lr / eps x gradient."""
+    config.optimizer.update(lr=1e6, eps=1e3, weight_decay=0.0, clip_norm=1e9)
+    return setup(config)
+
+
+def _one_step(run, initial):
+    """(loss, parameter change) of one step of ``run`` from ``initial``'s parameters on the first batch."""
     state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), initial, run.abstract_state)
     batch = make_loader(run.spec).next_global(run.batch_shardings)
     new, metrics = run.step_fn(state, batch)
@@ -230,8 +234,8 @@ def test_1f1b_under_two_stages_equals_the_plain_step():
     summed over the stages' shares), the gated blocks one per stage; the loss within 1e-6 and every parameter's
     change within 1e-5 of the one-device step's. (Three layers do not split over two stages: the pipelined stack's
     count does, ``pipe`` must divide ``num_layers`` - 1 here, so this model has 5 layers.)"""
-    plain = small(num_layers=5)
-    initial = jax.tree.map(np.array, setup(plain).init_state())
+    plain = _gradient_step_run(small(num_layers=5))
+    initial = jax.tree.map(np.array, plain.init_state())
     staged = small(2, 2, 2, num_layers=5)
     staged.parallel.update(pipeline_schedule="1f1b", pipeline_microbatches=4)
-    assert_same_step(*_one_step(staged, initial), *_one_step(plain, initial))
+    assert_same_step(*_one_step(_gradient_step_run(staged), initial), *_one_step(plain, initial))
