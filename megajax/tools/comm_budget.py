@@ -92,7 +92,9 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
                 c.shape[-1:] == (shape.head_dim,) and c.elements <= shape.head_norm_elements:
             out["per-head norm gradients"] += size
         elif shape.context > 1 and c.axes == {"context"} and (
-                (c.op in ("all-gather", "reduce-scatter") and c.shard_elements == shape.context_kv_elements) or
+                (c.op in ("all-gather", "reduce-scatter") and c.shard_elements == shape.context_kv_elements
+                 and c.shape[-1:] == (shape.head_dim,)) or  # keys or values: (.., heads, head_dim), not a
+                # parameter's gradient of as many elements (BERT's position table on data 2 x model 2 x context 2)
                 (c.op == "all-gather" and c.phase == "forward" and c.shard_elements == tokens)):
             out["context key/value"] += size
         elif c.op == "all-reduce" and c.axes and c.axes <= {"data", "expert", "context", "pipe"}:
