@@ -37,6 +37,8 @@ def _release_compiled_steps():
     _cached_run.cache_clear()
     _recomputing_run.cache_clear()
     _INITIAL.clear()
+
+
 # (pipe, data, model, microbatches): 2p where each data replica's 8 / data rows allow it
 MESHES = [(2, 2, 2, 4), (8, 1, 1, 8)]
 
