@@ -126,8 +126,9 @@ def test_candidates_take_the_models_mesh_rules():
 
 def test_cli_plans_mixtral_8x7b_on_64_h100s(capsys):
     """The issue's plan: every (data, expert, model) mesh of 64 H100s with its all-to-all time, a recommendation
-    that fits, and flags train.py takes for 64 GPUs."""
-    scaling_plan.main(["--config=mixtral_8x7b", "--gpus=64", "--cluster=dgx_h100"])
+    that fits, and flags train.py takes for 64 GPUs, at the config's micro-batch of 1 (the micro-batch search:
+    ``test_scaling_model.test_cli_json_plans_one_mesh_and_searches_the_micro_batch``)."""
+    scaling_plan.main(["--config=mixtral_8x7b", "--gpus=64", "--cluster=dgx_h100", "--micro_batch=1"])
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("mixtral_8x7b: 46,702,792,704 parameters (12,879,925,248 active per token), 64 GPUs")
     assert "expert" in out[1] and "EP comm" in out[1]

@@ -4,6 +4,7 @@ parameters and memory against the memory planner (pure Python: nothing compiles)
 
 import dataclasses
 import inspect
+import json
 import math
 
 import pytest
@@ -196,6 +197,42 @@ def test_cli_prints_the_table_and_recommendation(capsys):
     assert validate(config, 512) == MeshShape(64, 2, pipe=4)
 
 
+def test_cli_json_plans_one_mesh_and_searches_the_micro_batch(capsys):
+    """``--mesh`` plans that one mesh and ``--json``'s last line is the plan: the numbers ``predict`` gives for the
+    choices it names (Llama 3.2 1B, global batch 64, on 4 x 2 H100s). Without ``--micro_batch`` the search takes the
+    fastest micro-batch that fits: each one planned alone is no faster. A mesh that cannot run is one error line."""
+    base = ["--config=llama3p2_1b", "--cluster=dgx_h100", "--global_batch=64", "--mesh=4x2", "--json"]
+
+    def plan(*extra: str) -> tuple[dict, list[str]]:
+        scaling_plan.main([*base, *extra])
+        out = capsys.readouterr().out.splitlines()
+        return json.loads(out[-1]), out
+
+    searched, out = plan()
+    rows = [line for line in out if line.split()[:2] == ["1", "4x2"]]
+    assert len(rows) == 1 and searched["mesh"] == "4x2" and searched["fits"]
+    run = with_choices(run_on(load_config("llama3p2_1b")), remat=searched["remat"],
+                       sequence=searched["sequence_parallel"], shard_optimizer=searched["state_split"] != "none",
+                       fsdp=searched["state_split"] == "FSDP")
+    want = predict(run, MeshShape(4, 2), 64, scaling.DGX_H100, searched["micro_batch"])
+    assert searched["accumulation_steps"] == want.num_micro == 16 // searched["micro_batch"]
+    assert searched["step_s"] == pytest.approx(want.step_s, abs=1e-5)
+    assert searched["mfu"] == pytest.approx(want.mfu, abs=1e-4)
+    assert searched["model_tflops_per_gpu"] == pytest.approx(want.tflops_per_gpu, abs=0.01)
+    assert searched["peak_gib"] == pytest.approx(want.memory_bytes / scaling.GiB, abs=1e-3)
+    assert searched["flags"].split()[:3] == ["--config.mesh.pipe=1", "--config.mesh.data=4", "--config.mesh.model=2"]
+    fixed = {m: plan(f"--micro_batch={m}")[0] for m in scaling_plan.micro_batches(16)}  # 16 rows per data shard
+    assert sorted(fixed) == [1, 2, 4, 8, 16] and fixed[searched["micro_batch"]] == searched
+    assert all(searched["step_s"] <= p["step_s"] for p in fixed.values() if p["fits"])
+    for flags, message in ((["--gpus=16"], "--mesh=4x2 spans 8 GPUs, not --gpus=16"),
+                           (["--pipe=2"], "--mesh=4x2 gives the stages and context shards: drop --pipe"),
+                           (["--global_batch=6"], "--mesh=4x2 does not place llama3p2_1b with a global batch of 6")):
+        with pytest.raises(SystemExit) as exit_:
+            scaling_plan.main([*base, *flags])
+        said = f"{exit_.value.code} {capsys.readouterr().err}"
+        assert message in said, said
+
+
 def test_planner_turns_on_what_makes_a_model_fit_and_nothing_slower():
     """gpt_8p3b on 512 V100s: with the config's full recomputation 64 x 8 fits at 2.3 s; choosing, the planner
     keeps less (save_dots) and splits the LayerNorm / dropout activations (sequence parallelism) to fit in 32 GiB
@@ -348,8 +385,10 @@ def test_pipe_one_predicts_what_it_did_before_stages():
         (("1.2B", (4, 8), scaling.DGX_H100, 1, dict(remat="save_dots", sequence=True, shard_optimizer=True)),
          (4.521429044881942, 3.6542677668446086, 0.8450376226133334, 0.022123655423999994, 29.06735856141952,
           1996811264)),
+        # FSDP's traffic in each of its 128 accumulation steps since 2026-11-30 (before: data 0.04487941728 s, step
+        # 77.56511060112138 s, 27.369476026199187 TFLOP/s)
         (("2.5B", (2, 2), DGX2H_V100, 2, dict(remat="none", shard_optimizer=True, fsdp=True)),
-         (77.56511060112138, 75.94408497712138, 1.57614620672, 0.04487941728, 27.369476026199187, 33474829312)),
+         (83.26479659568137, 75.94408497712138, 1.57614620672, 128 * 0.04487941728, 25.49596614491685, 33474829312)),
     ]
     for (name, mesh, cluster, micro, choices), want in before:
         model = with_choices(PAPER_MODELS[name], **choices)

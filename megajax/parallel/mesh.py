@@ -89,11 +89,23 @@ class MeshShape:
 
     @property
     def spelling(self) -> str:
-        """The mesh as ``--mesh`` spells it: DATAxMODEL, PIPExDATAxMODEL with stages (named so), ``,expert=E`` with
-        experts split, ``,context=C`` with sequences split."""
-        shape = f"{self.pipe}x{self.data}x{self.model} (pipe x data x model)" if self.pipe > 1 else \
-            f"{self.data}x{self.model}"
-        return shape + (f",expert={self.expert}" if self.expert > 1 else "") + \
+        """The mesh as ``--mesh`` spells it, the stages named: DATAxMODEL, PIPExDATAxMODEL (pipe x data x model)
+        with stages, ``,expert=E`` with experts split, ``,context=C`` with sequences split."""
+        named = " (pipe x data x model)" if self.pipe > 1 else ""
+        return self._shape + named + self._suffixes
+
+    @property
+    def flag(self) -> str:
+        """The value of ``--mesh`` that gives this shape (train.py, megajax.info, megajax.scaling)."""
+        return self._shape + self._suffixes
+
+    @property
+    def _shape(self) -> str:
+        return f"{self.pipe}x{self.data}x{self.model}" if self.pipe > 1 else f"{self.data}x{self.model}"
+
+    @property
+    def _suffixes(self) -> str:
+        return (f",expert={self.expert}" if self.expert > 1 else "") + \
             (f",context={self.context}" if self.context > 1 else "")
 
     def replace(self, **degrees: int) -> MeshShape:

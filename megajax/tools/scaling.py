@@ -95,13 +95,14 @@ residual activations by t (its reduce-scatter / all-gather pairs send the all-re
 moments over ``data`` (8 + 8/d bytes per local parameter) and adds an all-gather of the updated fp32 parameters
 (half a ring all-reduce, not overlapped); FSDP splits all 16 bytes (16/d), reduce-scatters the gradients (half the
 all-reduce, overlapped as it) and all-gathers each layer's fp32 parameters twice, forward and backward (not
-overlapped, so the planner turns it on only where less does not fit); megajax's own pipeline (GPipe / circular;
-the Megatron-LM schedule is what PTD-P checks); a mixture of experts' expert shards (``scaling_experts.py``: the
-experts' GEMMs over balanced rows, the dispatch's passes, the all-to-alls, the gradients split between data x
-expert and data; the batch is split over data x expert); context shards (``scaling_context.py``: a GPU does the
-work of micro-batch / C sequences, plus the keys' and values' all-gathers and reduce-scatters, the gradients over
-data x context); flash attention on clusters whose step runs cuDNN's (``Cluster.flash_attention``, the H100: no
-passes over the s x s scores, the memory planner's GPU activations). None is calibrated: the papers have none.
+overlapped, so the planner turns it on only where less does not fit), all of it in every accumulation step;
+megajax's own pipeline (GPipe / circular; the Megatron-LM schedule is what PTD-P checks); a mixture of experts'
+expert shards (``scaling_experts.py``: the experts' GEMMs over balanced rows, the dispatch's passes, the
+all-to-alls, the gradients split between data x expert and data; the batch is split over data x expert); context
+shards (``scaling_context.py``: a GPU does the work of micro-batch / C sequences, plus the keys' and values'
+all-gathers and reduce-scatters, the gradients over data x context); flash attention on clusters whose step runs
+cuDNN's (``Cluster.flash_attention``, the H100: no passes over the s x s scores, the memory planner's GPU
+activations). None is calibrated: the papers have none.
 
 Ignored: tensor-parallel communication overlapped with compute, point-to-point overlapped with compute, NCCL's
 protocols and topology beyond a ring, kernel efficiency beyond the calibration (the 2019 constants describe eager
@@ -370,7 +371,8 @@ def _step(r: RunSpec, mesh: MeshShape, global_batch, cluster, micro_batch, grad_
     # FSDP reduces the gradients onto their shards: a reduce-scatter, half the all-reduce; with context shards the
     # gradients are reduced over data x context (the group's members `model` apart)
     grads = data_comm_s(r, (data * context, tensor), cluster, grad_bytes, 1, expert) / (2 if r.fsdp else 1)
-    data_comm = (1 - cluster.dp_overlap) * grads + gather_params_s(r, group, cluster, 1, expert)
+    data_comm = _per_step(r, num_micro) * ((1 - cluster.dp_overlap) * grads + gather_params_s(r, group, cluster, 1,
+                                                                                                 expert))
     return compute, tensor_comm, data_comm, other, compute + tensor_comm + data_comm + other, micro
 
 
@@ -436,8 +438,17 @@ def _pipeline_step(r: RunSpec, mesh: MeshShape, global_batch, cluster, micro_bat
         ends_bytes = grad_bytes * (parameters_per_gpu(r, tensor, p)[1] - layers // p * layout(r, tensor).layer)
         grads += group_allreduce_s(ends_bytes, data * p, tensor, cluster) - (
             group_allreduce_s(ends_bytes, data, tensor, cluster) if data > 1 else 0.0)
-    data_comm = (1 - cluster.dp_overlap) * grads + gather_params_s(r, (data, tensor), cluster, p)
+    data_comm = _per_step(r, num_micro) * ((1 - cluster.dp_overlap) * grads + gather_params_s(r, (data, tensor),
+                                                                                                 cluster, p))
     return compute, tensor_comm, data_comm, pipe_comm, compute + tensor_comm + data_comm + pipe_comm, rows
+
+
+def _per_step(run: RunSpec, num_micro: int) -> int:
+    """How often a step moves its data-parallel traffic: FSDP gathers each layer's parameters and reduce-scatters
+    its gradients in every accumulation step (its shards hold no whole gradient to add them up in); otherwise the
+    gradients are reduced once, after the last one (as Megatron-LM does: megajax's compiled step still reduces the
+    layers' per accumulation step, docs/parallelism.md)."""
+    return num_micro if run.fsdp else 1
 
 
 def predict(run: RunSpec, mesh: MeshShape, global_batch: int, cluster: Cluster,

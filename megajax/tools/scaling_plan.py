@@ -3,12 +3,15 @@
     python -m megajax.scaling --config=gpt_8p3b --gpus=512 --cluster=dgx2h [--global_batch=512] [--pipe=P]
     python -m megajax.scaling --config=llama3_8b --gpus=128 --cluster=dgx_h100 --context=16 \
         --config.model.max_seq_len=131072 --global_batch=8   # every sequence over 16 context shards
+    python -m megajax.scaling --config=llama3_8b --cluster=dgx_h100 --mesh=8x1 --micro_batch=2 --json
 
 prints every (pipe, data, model) mesh of the GPUs (a mixture of experts: (data, expert, model), or in stages
 (pipe, data, model)) with its
 predicted step time (compute, tensor-parallel, point-to-point over pipe, exposed data-parallel, the experts'
 all-to-alls), the pipeline's bubble, model TFLOP/s per GPU (active parameters' FLOPs), MFU and memory, and
 recommends the fastest one that fits, as train.py flags. Per mesh it chooses (``recommend_mesh``):
+
+* the micro-batch, so the accumulation steps (``micro_batches``; unless ``--micro_batch`` or ``--keep_choices``);
 
 * with pipeline stages (pipe dividing the layers), the schedule and microbatches (``pipelines``): GPipe, 1F1B
   (holding residuals or recomputing), or the circular or interleaved 1F1B schedule with v chunks per stage (v up to
@@ -23,14 +26,20 @@ Each mesh's row is its fastest choice that fits (else the one needing least memo
 kept (``--pipe`` restricts the stages): ``main`` resolves the config on one GPU without stages, and each candidate
 is that run placed on its mesh (``config.replanned``); the flags name all three axes, so a config with mesh.pipe > 1
 takes them. ``--context=C`` plans meshes with C context shards (``scaling_context``: no stages, no expert shards),
-the (data, model) meshes of the GPUs / C left; ``--config.FIELD=V`` overrides a field of the config.
+the (data, model) meshes of the GPUs / C left; ``--mesh=SPEC`` evaluates that one mesh (train.py's spelling, with
+``,expert=E`` / ``,context=C``; --gpus then defaults to its devices), still choosing the rest unless
+``--keep_choices``; ``--json`` ends the output with the chosen plan as one JSON object (``plan_json``: where none
+fits, the row needing least memory, ``"fits": false``); ``--config.FIELD=V`` overrides a field of the config.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
-from megajax.cli import ArgumentParser, apply_config_overrides, load_config
+import ml_collections
+
+from megajax.cli import ArgumentParser, apply_config_overrides, apply_mesh, load_config
 from megajax.config import NO_SCHEDULE, RunSpec, resolve
 from megajax.parallel.mesh import MeshShape
 from megajax.tools.scaling import CLUSTERS, Cluster, GiB, Prediction, flash_attention, memory_bytes, predict
@@ -134,9 +143,16 @@ def pipelines(run: RunSpec, stages: int, rows: int) -> list[Pipeline]:
             for f, r in ((False, False), (True, False), (True, True))]
 
 
+def micro_batches(shard: int) -> list[int]:
+    """The micro-batches the search tries for a batch shard of ``shard`` sequences: the powers of two that divide
+    it, and the whole shard (no accumulation)."""
+    return sorted({m for m in (2**k for k in range(shard.bit_length())) if shard % m == 0} | {shard})
+
+
 def recommend_mesh(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch: int,
                    micro_batch: int | None = None, grad_bytes: int = 4, choose: bool = False,
-                   pipe: int | None = None, context: int = 1) -> tuple[Prediction | None, list[Prediction]]:
+                   pipe: int | None = None, context: int = 1, only: MeshShape | None = None,
+                   search_micro: bool = False) -> tuple[Prediction | None, list[Prediction]]:
     """(the fastest mesh that fits in HBM or None, one prediction per candidate mesh, fastest first).
 
     Meshes are pipe x data x expert x model (``candidate_meshes``; ``pipe``: only that many stages); those that do not
@@ -144,13 +160,20 @@ def recommend_mesh(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch: 
     schedule and microbatch count of ``pipelines`` is tried. ``choose``: besides the mesh, pick the remat policy,
     sequence parallelism and ZeRO-1 / FSDP (each mesh's row is its fastest choice that fits, else its least memory);
     otherwise the run's own are kept. ``context``: every mesh with that many context shards (of the ``num_gpus``;
-    no stages)."""
+    no stages). ``only``: that mesh alone, where it is a candidate (else the table is empty). ``search_micro``:
+    every micro-batch of ``micro_batches`` is tried too (``micro_batch`` then unused), so the accumulation steps
+    are chosen with the rest."""
     table = []
+    micro_batch = None if search_micro else micro_batch
     meshes = candidate_meshes(run, num_gpus // context, cluster, global_batch, micro_batch, 1 if context > 1 else pipe)
     for mesh in (m.replace(context=context) for m in meshes):
-        rows = micro_batch or global_batch // mesh.batch_shards
-        options = sorted((predict(c, mesh, global_batch, cluster, micro_batch, grad_bytes, memory=False, pipeline=pl)
-                          for pl in pipelines(run, mesh.pipe, rows) for c in variants(run, mesh, choose)
+        if only is not None and mesh != only:
+            continue
+        shard = global_batch // mesh.batch_shards
+        micros = micro_batches(shard) if search_micro else [micro_batch or shard]
+        options = sorted((predict(c, mesh, global_batch, cluster, micro, grad_bytes, memory=False, pipeline=pl)
+                          for micro in micros for pl in pipelines(run, mesh.pipe, micro)
+                          for c in variants(run, mesh, choose)
                           if context == 1 or
                           c.model.max_seq_len % (2 * context * (mesh.model if c.sequence else 1)) == 0),
                          key=lambda p: p.step_s)
@@ -219,6 +242,30 @@ def flags(prediction: Prediction) -> str:
     return " ".join(f for f in (mesh, pl.flags(), choice_flags(prediction.run)) if f)
 
 
+def plan_json(prediction: Prediction) -> str:
+    """The plan as one JSON object: its mesh (``--mesh``'s spelling), micro-batch and accumulation steps, schedule,
+    choices, predicted step, model TFLOP/s per GPU (no recomputation counted), MFU, peak memory per GPU, whether it
+    fits, and the train.py flags that run it."""
+    p, pl = prediction, prediction.pipeline
+    remat, sequence, _, _ = choices(p.run)
+    return json.dumps({
+        "mesh": p.mesh.flag, "micro_batch": p.micro_batch, "accumulation_steps": p.num_micro,
+        "schedule": pl.schedule if pl.stages > 1 else None,
+        "pipeline_microbatches": pl.microbatches if pl.stages > 1 else None,
+        "pipeline_repeats": pl.repeats if pl.stages > 1 else None,
+        "remat": remat, "sequence_parallel": sequence, "state_split": _split_name(p.run),
+        "step_s": round(p.step_s, 5), "model_tflops_per_gpu": round(p.tflops_per_gpu, 2), "mfu": round(p.mfu, 4),
+        "peak_gib": round(p.memory_bytes / GiB, 3), "fits": p.fits, "flags": flags(p)})
+
+
+def given_mesh(text: str, gpus: int) -> MeshShape:
+    """``--mesh``'s value as a MeshShape (train.py's spelling; ``data=-1`` takes the ``gpus`` the rest leave)."""
+    scratch = ml_collections.ConfigDict({"mesh": {"pipe": 1, "data": 1, "model": 1, "expert": 1, "context": 1}})
+    apply_mesh(scratch, text)
+    mesh = MeshShape.of(scratch.mesh)
+    return mesh.resolved(gpus) if mesh.data == -1 or gpus else mesh
+
+
 def _schedule(pipeline: Pipeline) -> str:
     """The table's short name: 'gpipe', '1f1b', or with v chunks 'circV' (circular) / 'intlV' (interleaved 1F1B)."""
     if pipeline.repeats == 1:
@@ -233,10 +280,16 @@ def _split_name(run: RunSpec) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="config file, path or bare name (gpt_8p3b)")
-    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpus", type=int, default=0, help="the GPUs to plan for (with --mesh: its devices)")
+    p.add_argument("--mesh", default=None, help="evaluate this one mesh, as train.py spells it: DATAxMODEL or "
+                   "PIPExDATAxMODEL, then ',expert=E' and/or ',context=C' (the remat policy, sequence parallelism, "
+                   "state split and schedule are still chosen unless --keep_choices)")
+    p.add_argument("--json", action="store_true", help="end with the chosen plan as one JSON object on the last line")
     p.add_argument("--cluster", default="dgx2h", choices=sorted(CLUSTERS))
     p.add_argument("--global_batch", type=int, default=None, help="default: the config's train.global_batch_size")
-    p.add_argument("--micro_batch", type=int, default=None, help="default: the config's (0: the whole shard)")
+    p.add_argument("--micro_batch", type=int, default=None, help="sequences per accumulation step per batch shard "
+                   "(0: the whole shard; default: chosen with the mesh, or with --keep_choices the config's "
+                   "train.micro_batch_size)")
     p.add_argument("--grad_bytes", type=int, default=4, help="bytes per all-reduced gradient (Megatron 2019: 2)")
     p.add_argument("--pipe", type=int, default=0, help="only meshes of this many pipeline stages (default: every "
                    "count that divides the layers; the config's mesh.pipe is not kept, as its data and model are not)")
@@ -245,6 +298,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=1, help="context shards: every sequence split over this many GPUs "
                    "(of --gpus; no stages, no expert shards)")
     args, overrides = p.parse_known_args(argv)
+    only = None
+    if args.mesh is not None:
+        if args.pipe or args.context != 1:
+            p.error(f"--mesh={args.mesh} gives the stages and context shards: drop --pipe and --context")
+        only = given_mesh(args.mesh, args.gpus)
+        if args.gpus and only.devices != args.gpus:
+            p.error(f"--mesh={args.mesh} spans {only.devices} GPUs, not --gpus={args.gpus}: drop --gpus or change one")
+        if only.context > 1 and (only.pipe > 1 or only.expert > 1):
+            p.error(f"--mesh={args.mesh}: the scaling model plans context shards without stages or expert shards")
+        args.gpus, args.pipe, args.context = only.devices, only.pipe, only.context
+    elif args.gpus < 1:
+        p.error(f"--gpus={args.gpus}: give the GPUs to plan for (or one mesh: --mesh=DATAxMODEL)")
     config = load_config(args.config)
     apply_config_overrides(config, overrides)
     if args.context < 1 or args.gpus % args.context:
@@ -267,13 +332,22 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             raise SystemExit(f"error: --pipe={args.pipe}: {e}") from None
     batch = args.global_batch or config.train.global_batch_size
+    # without --micro_batch the search chooses it, but where the config's choices are kept (so is its micro-batch)
+    search = args.micro_batch is None and not args.keep_choices
     micro = args.micro_batch if args.micro_batch is not None else config.train.micro_batch_size
     best, table = recommend_mesh(run, args.gpus, cluster, batch, micro or None, args.grad_bytes,
-                                 choose=not args.keep_choices, pipe=args.pipe or None, context=args.context)
+                                 choose=not args.keep_choices, pipe=args.pipe or None, context=args.context, only=only,
+                                 search_micro=search)
+    if not table and only is not None:
+        micros = f" (and micro-batches of {micro})" if micro and not search else ""
+        raise SystemExit(f"error: --mesh={args.mesh} does not place {args.config} with a global batch of {batch}"
+                         f"{micros}: data x expert must split the batch, model its heads and vocabulary (at most "
+                         f"{cluster.gpus_per_node}, one node), pipe its layers, expert its experts; try another "
+                         "--mesh, or leave it out to list the meshes that do")
     if not table:
         axes = "(data, expert, model)" if run.routed_experts[0] else "(pipe, data, model)"
         parts = "layers, heads" + (", experts" if run.routed_experts[0] else "")
-        micros = f" (and micro-batches of {micro})" if micro else ""
+        micros = f" (and micro-batches of {micro})" if micro and not search else ""
         raise SystemExit(f"error: no {axes} mesh of {args.gpus} GPUs divides the model (its {parts}) and the global "
                          f"batch of {batch}{micros}; try another --gpus or --global_batch")
     total = parameters_per_gpu(run)[0]
@@ -281,3 +355,5 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.config}: {total:,} parameters{f' ({active:,} active per token)' if active != total else ''}, "
           f"{args.gpus} GPUs on {cluster.name}, global batch {batch}")
     print(format_table(table, best))
+    if args.json:
+        print(plan_json(best or min(table, key=lambda p: p.memory_bytes)))
