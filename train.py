@@ -44,7 +44,7 @@ from megajax.cli import (  # noqa: E402
     start_backend,
     use_cpu_devices,
 )
-from megajax.errors import USER_ERRORS  # noqa: E402
+from megajax.errors import USER_ERRORS, ConfigError  # noqa: E402
 
 DEFAULT_CONFIG = "gpt_tiny"
 
@@ -76,7 +76,18 @@ def main(argv):
         start_backend()
         if flags.FLAGS.mesh:
             apply_mesh(config, flags.FLAGS.mesh)
-        train(absolute_paths(config), flags.FLAGS.workdir)
+        config = absolute_paths(config)
+        if config.mesh.auto:
+            given = [a for a in sys.argv if a.startswith("--config.mesh.") and not a.startswith("--config.mesh.auto")]
+            if flags.FLAGS.mesh or given:
+                raise ConfigError(f"mesh.auto plans the mesh: drop {flags.FLAGS.mesh and '--mesh' or given[0]}, or "
+                                  "mesh.auto to use it")
+            import jax
+
+            from megajax.tools.auto_plan import plan_for_devices
+
+            print(plan_for_devices(config, jax.devices()).describe(), flush=True)
+        train(config, flags.FLAGS.workdir)
     except TrainingStopped as e:  # saved, not finished: the signal's exit status, as schedulers expect
         print(e, file=sys.stderr)
         sys.exit(e.exit_status)

@@ -2,6 +2,9 @@
 
 Command:  python train.py --config=configs/gpt_8p3b.py
 Expect:   8.32B parameters; WikiText-103 perplexity 10.81 and LAMBADA 66.51% after 300k iterations (paper Table 3).
+Plan:     one 8-GPU H100 host: --config.mesh.auto=True plans it there (predicted, not measured; the fitted
+          dgx_h100: data 2 x model 4, 32 per micro-batch (8 steps), save_dots, sequence parallelism, FSDP: 8.84
+          s/step, 39.4% MFU; python -m megajax.scaling --config=gpt_8p3b --gpus=8 --cluster=dgx_h100)
 """
 
 from megajax.config import base_config

@@ -37,6 +37,10 @@ CASES = {
     "blend prefix with a space": (["--config.data.source=indexed", "--config.data.blend=1 my data/a 1 data/b"],
                                   "a prefix with spaces goes in quotes"),
     "negative lr": (["--config.optimizer.lr=-1"], "optimizer.lr must be >= 0"),
+    "auto with a mesh": (["--config.mesh.auto=True", "--mesh=2x4"], "mesh.auto plans the mesh: drop --mesh"),
+    "auto on an encoder": (["--config=bert_tiny", "--config.mesh.auto=True"], "mesh.auto plans causal language models"),
+    "auto where nothing fits": (["--config=llama3_8b", "--config.mesh.auto=True"], "mesh.auto: no plan of the 1 device "
+                                "fits (the least memory: "),
     "read-only checkpoints": ([], "cannot write checkpoints to "),
     "resumed as another model": ([], "holds another model than this config's (model.name: 'bert' saved, 'gpt' here;"),
     "resumed on another vocabulary": (["--config.data.source=default"], "was trained on data tokenized with another "

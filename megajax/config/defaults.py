@@ -58,7 +58,8 @@ def base_config(model: str = GPT) -> ml_collections.ConfigDict:
     # with parallel.pipeline_stage_recompute only their stage inputs, each stage's forward run again in its backward)
     # expert > 1: expert parallelism (a mixture-of-experts model's experts split over `expert` shards, which are data
     # shards for every other layer: the batch is split over data x expert)
-    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, pipe=1, expert=1, context=1))
+    # auto: train.py plans the mesh, micro-batch and switches for the devices it finds (megajax.tools.auto_plan)
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, pipe=1, expert=1, context=1, auto=False))
     c.sharding = ml_collections.ConfigDict(dict(rules=MEGATRON_RULES))
     # beyond the paper: shard_optimizer (ZeRO-1, Megatron's distributed optimizer) splits AdamW's moments over
     # `data` too; the parameters stay replicated over it (the step all-gathers their updated shards). sequence

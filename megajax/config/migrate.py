@@ -25,6 +25,7 @@ ADDED_FIELDS = {
     ("mesh", "pipe"): 1,
     ("mesh", "expert"): 1,
     ("mesh", "context"): 1,
+    ("mesh", "auto"): False,
     ("checkpoint", "restore_step"): 0,
     ("train", "precision"): "auto",
     ("data", "blend"): "",
