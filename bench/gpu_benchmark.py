@@ -1,5 +1,8 @@
 """The GPU figures in one command, the first thing to run on a new GPU (under 8 minutes on one H100): gpt_1p2b and
-llama3p2_1b trained on every local GPU, each with megajax's XLA options and without (``parallel.xla_options``).
+llama3p2_1b trained on every local GPU, each with megajax's XLA options and without (``parallel.xla_options``), and
+each as ``mesh.auto`` plans it (``megajax.tools.auto_plan``: the scaling model's mesh, micro-batch, remat and
+switches for these GPUs at the same global batch), whose measured step checks the fitted ``dgx_h100`` prediction.
+Its first lines say what it will measure and about how long that takes.
 
     python bench/gpu_benchmark.py                              # gpt_1p2b and llama3p2_1b on all local GPUs
     python bench/gpu_benchmark.py --configs=gpt_8p3b --mesh=1x8 --micro_batch=4 --steps=20
@@ -16,7 +19,8 @@ The step is compiled ahead of time, 2 warm-up steps are untimed, then ``--steps`
 config: tokens/s, model TFLOP/s per GPU (Megatron's formula, no recomputation counted) and MFU against the
 datasheet peak (``megajax.training.metrics.PEAK_FLOPS``; an unlisted GPU gets no MFU rather than a guess).
 Each config is compiled and timed twice, with megajax's XLA options and with none (``--options=both``; ``on`` or
-``off`` for one), and the device's peak memory is printed beside the compiled plan and the planner's prediction
+``off`` for one), then once more as planned (``--planned``, on by default; the plan's predicted step beside the
+measured one), and the device's peak memory is printed beside the compiled plan and the planner's prediction
 (``memory_planner.memory_report``), which ``bench/gpu_compiled.py`` made without a GPU: the first check of those
 predictions. Every figure goes to ``--output`` as JSON as soon as it is measured. Without a GPU it refuses, unless
 ``--allow_cpu``.
@@ -75,6 +79,37 @@ def mesh_for(mesh: str | None, config_model: int, count: int, name: str) -> tupl
     return data, model
 
 
+COMPILE_S = 60  # assumed per run (setup, compile, two warm-up steps) until a GPU has measured it
+
+
+def planned_config(config, devices):
+    """(a copy of ``config`` as ``mesh.auto`` plans it for ``devices``, the plan)."""
+    from megajax.tools.auto_plan import plan_for_devices
+
+    planned = config.copy_and_resolve_references()
+    planned.mesh.auto = True
+    return planned, plan_for_devices(planned, devices)
+
+
+def opening(configs: dict, plans: dict, runs: tuple, steps: int, device, count: int) -> str:
+    """What the benchmark will measure and about how long it takes (each run's compile assumed ``COMPILE_S``, its
+    steps timed as the fitted scaling model predicts the plan's)."""
+    total, lines = 0.0, []
+    for name in configs:
+        step = plans[name][1].prediction.step_s if name in plans else None
+        each = COMPILE_S + (steps + 2) * (step or 1.0)
+        n = len(runs) + (name in plans)
+        total += n * each
+        plan = f"; planned: --mesh={plans[name][1].prediction.mesh.flag}, micro-batch " \
+               f"{plans[name][1].prediction.micro_batch}, remat={plans[name][1].prediction.run.model.remat}, " \
+               f"predicted {step:.3f} s/step" if name in plans else ""
+        then = ", then as planned" if name in plans else ""
+        lines.append(f"  {name}: {n} runs (XLA options {'/'.join(runs)} at the config's mesh{then}), {steps} timed "
+                     f"steps after 2 warm-up{plan}")
+    return (f"gpu_benchmark: {count} x {device.device_kind}; about {total / 60:.0f} minutes ({COMPILE_S} s assumed per "
+            f"compile):\n" + "\n".join(lines))
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="gpt_1p2b,llama3p2_1b", help="comma-separated config names or paths")
@@ -86,6 +121,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--output", default="/tmp/megajax_gpu_benchmark.json")
     p.add_argument("--allow_cpu", action="store_true", help="run without a GPU (to check the script)")
+    p.add_argument("--planned", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time each config as mesh.auto plans it for these GPUs (--no-planned: skip)")
     args = p.parse_args(argv)
     if args.micro_batch < 1 or args.seq < 1 or args.steps < 1:
         sys.exit("error: --micro_batch, --seq and --steps must be >= 1")
@@ -109,7 +146,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     precision = "bf16" if half_precision_is_bf16(device) else "fp16"
     # The allocator's limit (by default 75% of the GPU's memory), so the remat choice errs on the safe side.
     device_bytes = (device.memory_stats() or {}).get("bytes_limit")
-    results = []
+    results, runs = [], {"both": ("on", "off"), "on": ("on",), "off": ("off",)}[args.options]
+    configs = {}
     for name in args.configs.split(","):
         config = load_config(name)
         data, model = mesh_for(args.mesh, config.mesh.model, count, name)
@@ -117,10 +155,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         config.model.update(max_seq_len=args.seq, dropout=0.0)
         config.train.update(global_batch_size=args.micro_batch * data, precision=precision, steps=1000)
         config.model.remat = lightest_remat(resolve(config, count), args.micro_batch, device_bytes)
+        configs[name] = config
+    plans = {name: planned_config(config, jax.devices()) for name, config in configs.items()} if args.planned else {}
+    print(opening(configs, plans, runs, args.steps, device, count), flush=True)
+    for name, config in configs.items():
         planned = memory_report(resolve(config, count), args.micro_batch, num_micro=1, gpu=True).peak_bytes
-        for options in {"both": ("on", "off"), "on": ("on",), "off": ("off",)}[args.options]:
-            row = {"config": name, "xla_options": options,
-                   **measure(config, args.steps, warmup=2, options=None if options == "on" else {})}
+        variants = [(options, config, None) for options in runs]
+        if name in plans:
+            variants.append(("on", *plans[name]))
+        for options, run_config, plan in variants:
+            row = {"config": name, "xla_options": options, "setting": "planned" if plan else "config",
+                   **measure(run_config, args.steps, warmup=2, options=None if options == "on" else {})}
+            if plan:
+                row.update(plan=plan.prediction.mesh.flag, predicted_step_s=round(plan.prediction.step_s, 4),
+                           micro_batch=plan.prediction.micro_batch, planned_remat=plan.prediction.run.model.remat)
             peak = peak_flops(device, precision)
             row["mfu"] = round(row["model_tflops_per_device"] * 1e12 / peak, 4) if peak else None
             row["planned_peak_bytes"] = planned
@@ -129,8 +177,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             used = row["device_peak_bytes"]
             memory = (f"peak {used / 2**30:.1f} GiB (planned {planned / 2**30:.1f}; compiled temp "
                       f"{row['compiled_temp_bytes'] / 2**30:.1f})") if used else ""
-            print(f"{name:>12} options {options:>3} {row['mesh']:>5} {row['remat']:>9} {row['tokens_per_s']:>10,.0f} "
-                  f"tokens/s {row['model_tflops_per_device']:>8.1f} TFLOP/s per GPU  MFU {mfu}  {memory}", flush=True)
+            predicted = f"  predicted {plan.prediction.step_s:.3f} s/step, measured {row['step_s']:.3f}" if plan else ""
+            print(f"{name:>12} {row['setting']:>7} options {options:>3} {row['mesh']:>5} {row['remat']:>9} "
+                  f"{row['tokens_per_s']:>10,.0f} tokens/s {row['model_tflops_per_device']:>8.1f} TFLOP/s per GPU  "
+                  f"MFU {mfu}  {memory}{predicted}", flush=True)
             pathlib.Path(args.output).write_text(json.dumps(results, indent=1) + "\n")  # kept if a later one fails
     return results
 
