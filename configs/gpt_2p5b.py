@@ -3,8 +3,8 @@
 Command:  python train.py --config=configs/gpt_2p5b.py
 Expect:   2.49B parameters; WikiText-103 perplexity 12.76 and LAMBADA 61.73% after 300k iterations (paper Table 3).
 Plan:     one 8-GPU H100 host: --config.mesh.auto=True plans it there (predicted, not measured; the fitted
-          dgx_h100: data 8, 16 sequences per micro-batch (4 accumulation steps), save_dots: 3.42 s/step, 31.4% MFU;
-          python -m megajax.scaling --config=gpt_2p5b --gpus=8 --cluster=dgx_h100)
+          dgx_h100: data 8, 16 sequences per micro-batch (4 accumulation steps), save_dots, ZeRO-1: 3.44 s/step,
+          31.2% MFU; python -m megajax.scaling --config=gpt_2p5b --gpus=8 --cluster=dgx_h100)
 """
 
 from megajax.config import base_config

@@ -5,8 +5,8 @@ probabilities renormalised), vocabulary 151936, untied output, rope theta 1e6.
 Command:  python train.py --config=configs/qwen3_30b_a3b.py --config.data.source=indexed --config.data.path=PREFIX
 Expect:   30,532,122,624 parameters (the published count), about 3.3B active per token.
 Plan:     one 8-GPU H100 host: --config.mesh.auto=True plans it there (predicted, not measured; the fitted
-          dgx_h100: data 8, 4 per micro-batch (32 steps), full recomputation, FSDP: 73.4 s/step, 20.2% MFU; python
-          -m megajax.scaling --config=qwen3_30b_a3b --gpus=8 --cluster=dgx_h100)
+          dgx_h100: data 4 x model 2, 4 per micro-batch (64 steps), full recomputation, sequence parallelism, FSDP:
+          91.1 s/step, 16.2% MFU; python -m megajax.scaling --config=qwen3_30b_a3b --gpus=8 --cluster=dgx_h100)
 """
 
 from megajax.config import base_config

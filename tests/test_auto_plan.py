@@ -55,5 +55,19 @@ def test_device_kinds_and_what_does_not_fit():
 def test_a_compiled_step_over_the_devices_memory_is_refused(monkeypatch):
     big = CompiledMemory(arguments=100 * GiB, outputs=0, aliased=0, temp=0, batch=0)
     monkeypatch.setattr(auto_plan, "compiled_memory", lambda *args: big)
-    with pytest.raises(ConfigError, match=r"compiles to 100\.0 GiB per device, over the device's 80\.0"):
+    with pytest.raises(ConfigError, match=r"the plans compiled over the device's 80\.0 GiB: --mesh=\S+ at micro-batch "
+                                          r"\d+: 100\.0 \(planned [\d.]+\)"):
         auto_plan.plan_for_devices(load_config("llama_tiny"), [_Device("NVIDIA H100 80GB HBM3", 80 * GiB)] * 8)
+
+
+def test_a_plan_that_compiles_too_big_gives_way_to_the_next(monkeypatch):
+    """The fastest plan's compiled step over the device's memory: the next one that fits is taken."""
+    devices = [_Device("NVIDIA H100 80GB HBM3", 80 * GiB)] * 8
+    plans = auto_plan.choose_plans(load_config("llama_tiny"), 8, auto_plan.cluster_for(devices[0]))
+    assert len(plans) >= 2 and plans[0].step_s <= plans[1].step_s
+    sizes = iter([100 * GiB, 1 * GiB])
+    monkeypatch.setattr(auto_plan, "compiled_memory", lambda *args: CompiledMemory(next(sizes), 0, 0, 0, 0))
+    config = load_config("llama_tiny")
+    plan = auto_plan.plan_for_devices(config, devices)
+    assert plan.prediction == plans[1] and plan.compiled_peak_bytes == GiB
+    assert resolve(config, 8).mesh == plans[1].mesh

@@ -75,11 +75,10 @@ def device_bytes(device: jax.Device) -> int | None:
     return (stats or {}).get("bytes_limit")
 
 
-def plan_for_devices(config: ml_collections.ConfigDict, devices: list[jax.Device]) -> AutoPlan:
-    """Sets ``config``'s mesh, micro-batch, remat, sequence parallelism, state split and schedule to the scaling
-    model's fastest plan that fits ``devices`` (ConfigError where the model is not one it plans, or where no plan
-    fits), compiles its step and checks XLA's peak against the device's memory (ConfigError, before anything is
-    written); returns the plan."""
+def choose_plans(config: ml_collections.ConfigDict, num_devices: int, cluster: Cluster) -> list[Prediction]:
+    """The scaling model's plans for ``config`` on ``num_devices`` GPUs of ``cluster`` that fit, fastest first (one
+    per mesh, its micro-batch chosen unless ``train.micro_batch_size`` is set); ConfigError where the model is not
+    one it plans, or where none fits."""
     planning = config.copy_and_resolve_references()
     planning.mesh.update(pipe=1, data=1, model=1, expert=1, context=1)
     planning.parallel.update(NO_SCHEDULE)
@@ -87,8 +86,7 @@ def plan_for_devices(config: ml_collections.ConfigDict, devices: list[jax.Device
     if not run.model_spec.causal_lm:
         raise ConfigError(f"mesh.auto plans causal language models (the scaling model's); {run.model_name} is not "
                           "one: set the mesh (--mesh=DATAxMODEL) and leave mesh.auto=False")
-    cluster, n = cluster_for(devices[0]), len(devices)
-    micro = config.train.micro_batch_size or None
+    n, micro = num_devices, config.train.micro_batch_size or None
     best, table = recommend_mesh(run, n, cluster, config.train.global_batch_size, micro, choose=True,
                                  search_micro=micro is None)
     if best is None:
@@ -97,17 +95,42 @@ def plan_for_devices(config: ml_collections.ConfigDict, devices: list[jax.Device
                f"{cluster.hbm_bytes / GiB:.1f})" if least else ""
         raise ConfigError(f"mesh.auto: no plan of the {n} device{'s' * (n > 1)} fits{need}: add devices, lower "
                           "train.global_batch_size or model.max_seq_len, or set the mesh yourself")
+    return [p for p in table if p.fits]
+
+
+def choose_plan(config: ml_collections.ConfigDict, num_devices: int, cluster: Cluster) -> Prediction:
+    """The fastest of ``choose_plans``."""
+    return choose_plans(config, num_devices, cluster)[0]
+
+
+def apply_plan(config: ml_collections.ConfigDict, plan: Prediction) -> None:
+    """Sets ``config``'s mesh, micro-batch, remat, sequence parallelism, state split and schedule to ``plan``'s, and
+    ``mesh.auto`` off (what a checkpoint stores is the plan)."""
     config.mesh.update(expert=1, context=1)  # the plan's flags name these only where it splits them
-    apply_config_overrides(config, flags(best).split())
-    config.train.micro_batch_size = best.micro_batch if best.num_micro > 1 else 0
-    config.mesh.auto = False  # planned: what is stored is the plan
-    plan = AutoPlan(best, cluster, devices[0].device_kind, None, device_bytes(devices[0]))
-    spec = resolve(config, n)
-    peak = compiled_memory(spec, spec.micro_batch, spec.num_micro).peak
-    plan = dataclasses.replace(plan, compiled_peak_bytes=peak)
-    if plan.device_bytes and peak > plan.device_bytes:
-        raise ConfigError(f"mesh.auto's plan (--mesh={best.mesh.flag}, micro-batch {best.micro_batch}) compiles to "
-                          f"{peak / GiB:.1f} GiB per device, over the device's {plan.device_bytes / GiB:.1f}: the "
-                          f"planner's estimate was {best.memory_bytes / GiB:.1f}; lower train.micro_batch_size, or set "
-                          "the mesh yourself (python -m megajax.scaling lists the plans)")
-    return plan
+    apply_config_overrides(config, flags(plan).split())
+    config.train.micro_batch_size = plan.micro_batch if plan.num_micro > 1 else 0
+    config.mesh.auto = False
+
+
+COMPILED_TRIES = 3  # plans compiled before mesh.auto gives up: a compile is seconds to minutes
+
+
+def plan_for_devices(config: ml_collections.ConfigDict, devices: list[jax.Device]) -> AutoPlan:
+    """Sets ``config`` to the fastest plan of ``choose_plans`` for ``devices`` whose compiled step fits the device's
+    memory (XLA's peak; the next plan where it does not, up to ``COMPILED_TRIES`` compiles; ConfigError then, before
+    anything is written); returns the plan."""
+    cluster, n, limit = cluster_for(devices[0]), len(devices), device_bytes(devices[0])
+    refused = []
+    for best in choose_plans(config, n, cluster)[:COMPILED_TRIES]:
+        trial = config.copy_and_resolve_references()
+        apply_plan(trial, best)
+        spec = resolve(trial, n)
+        peak = compiled_memory(spec, spec.micro_batch, spec.num_micro).peak
+        if not limit or peak <= limit:
+            apply_plan(config, best)
+            return AutoPlan(best, cluster, devices[0].device_kind, peak, limit)
+        refused.append(f"--mesh={best.mesh.flag} at micro-batch {best.micro_batch}: {peak / GiB:.1f} (planned "
+                       f"{best.memory_bytes / GiB:.1f})")
+    raise ConfigError(f"mesh.auto: the plans compiled over the device's {limit / GiB:.1f} GiB: {'; '.join(refused)} "
+                      "GiB per device; lower train.micro_batch_size, or set the mesh yourself (python -m "
+                      "megajax.scaling lists the plans)")

@@ -188,22 +188,22 @@ class GpuStep:
 
 
 def compile_step(run: RunSpec, target: str = "h100", hosts: int = 1, gpus_per_host: int = 8,
-                 micro_batch: int | None = None, options: dict | None = None) -> GpuStep:
+                 micro_batch: int | None = None, options: dict | None = None, num_micro: int = 1) -> GpuStep:
     """``run``'s training step (its mesh, at most ``hosts`` x ``gpus_per_host`` devices) compiled for GPUs ``target``
-    with ``micro_batch`` sequences per data shard and no accumulation (default: the run's global batch over its data
-    shards), under megajax's XLA options for the platform (``options``: others, ``{}`` for none). Nothing is
-    allocated."""
+    with ``micro_batch`` sequences per data shard and ``num_micro`` accumulation steps (default: the run's global
+    batch over its data shards, at once), under megajax's XLA options for the platform (``options``: others, ``{}``
+    for none). Nothing is allocated."""
     gpu = target_of(target)
     check_hosts(run, hosts, gpus_per_host)
     devices = gpu_devices(target, hosts, gpus_per_host)
     used = run.mesh.devices
     micro_batch = micro_batch or max(run.global_batch // run.mesh.batch_shards, 1)
-    planned = with_batch(run, micro_batch)
+    planned = with_batch(run, micro_batch, num_micro)
     options = compiler_options(devices) if options is None else options
     with cudnn_probes_answered(gpu), quiet_cuda_notices():
         compiled = setup_run(planned, devices[:used], options)
     text = compiled.step_fn.as_text()
-    return GpuStep(gpu, compiled, text, run_memory(compiled), memory_report(planned, micro_batch, 1, gpu=True),
+    return GpuStep(gpu, compiled, text, run_memory(compiled), memory_report(planned, micro_batch, num_micro, gpu=True),
                    hlo_audit.collectives(text, compiled.mesh), options)
 
 

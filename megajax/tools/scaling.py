@@ -123,7 +123,7 @@ from megajax.models.transformer import attention_reason
 from megajax.parallel.mesh import MeshShape
 from megajax.parallel.sharding import PipelineSettings
 from megajax.tools.comm_minimum import minimum
-from megajax.tools.memory_planner import activations
+from megajax.tools.memory_planner import activations, gradient_bytes
 from megajax.tools.memory_stages import tick_loop_gradient_bytes
 from megajax.tools.scaling_clusters import (  # noqa: F401 (the clusters are this module's API too)
     CLUSTERS,
@@ -300,16 +300,24 @@ def _on_mesh(run: RunSpec, mesh: MeshShape, pipeline: Pipeline) -> RunSpec:
 
 
 def memory_bytes(run: RunSpec, mesh: MeshShape, micro_batch: int, pipeline: Pipeline | None = None,
-                 gpu: bool = False) -> int:
+                 gpu: bool = False, num_micro: int = 1) -> int:
     """Per-GPU training memory as ``megajax.info``'s total: ``state_bytes`` plus the memory planner's activations
     (``memory_planner.activations`` of the run on the mesh in half precision, ``_on_mesh``: the spec's per-layer
-    residuals and head) for one micro-batch. Not counted: FSDP's one gathered layer at a time. With pipeline stages,
-    one stage's (``stage_memory_bytes``)."""
+    residuals and head) for one micro-batch, and with ``num_micro`` > 1 accumulation steps the micro-batch's own
+    gradients beside the accumulator (``memory_planner.gradient_bytes``). Not counted: FSDP's one gathered layer at
+    a time. With pipeline stages, one stage's (``stage_memory_bytes``)."""
     pipeline = _pipeline_of(mesh, pipeline)
-    if pipeline.stages > 1:
-        return stage_memory_bytes(run, mesh, micro_batch, pipeline, gpu)
+    stages = pipeline.stages
+    second = 0
+    if num_micro > 1:  # the second fp32 gradient buffer: the planner's count, less the one state_bytes holds
+        local = parameters_per_gpu(run, mesh.model, stages, mesh.expert)[1]
+        shards = mesh.data if run.shard_optimizer else 1
+        second = gradient_bytes(local, shards, True, num_micro) - gradient_bytes(local, shards, True)
+    if stages > 1:
+        return stage_memory_bytes(run, mesh, micro_batch, pipeline, gpu) + second
     placed = _on_mesh(run, mesh, pipeline)
-    return state_bytes(run, mesh.model, mesh.data, 1, mesh.expert) + activations(placed, micro_batch, gpu).total
+    return state_bytes(run, mesh.model, mesh.data, 1, mesh.expert) + activations(placed, micro_batch, gpu).total + \
+        second
 
 
 def _pipeline_of(mesh: MeshShape, pipeline: Pipeline | None) -> Pipeline:
@@ -493,7 +501,8 @@ def predict(run: RunSpec, mesh: MeshShape, global_batch: int, cluster: Cluster,
         base = _step(run, MeshShape(), global_batch // shards, cluster, micro_batch, grad_bytes)[4]
         baseline_tflops = work / shards / base / 1e12
     flash = flash_attention(run, cluster)
-    need = memory_bytes(run, mesh, micro, pipeline, flash) if memory else 0
+    num_micro = global_batch // mesh.batch_shards // micro
+    need = memory_bytes(run, mesh, micro, pipeline, flash, num_micro) if memory else 0
     return Prediction(run=run, mesh=mesh, global_batch=global_batch, micro_batch=micro,
                       num_micro=global_batch // shards // micro, compute_s=compute, tensor_comm_s=tensor_comm,
                       data_comm_s=data_comm, step_s=step, tflops_per_gpu=tflops,

@@ -193,12 +193,11 @@ def _settings(row: H100Row) -> tuple[tuple[RunSpec, int | None, Pipeline | None]
 @functools.cache
 def _fits(row: H100Row, run: RunSpec, micro: int | None, pipeline: Pipeline | None) -> bool:
     """Whether the setting fits the GPU's memory (the planner's estimate; constants-free, so cached)."""
-    rows = micro or row.batch // row.mesh.batch_shards
-    if pipeline is not None:
-        rows = row.batch // row.mesh.batch_shards
+    shard = row.batch // row.mesh.batch_shards
+    rows = shard if pipeline is not None or not micro else micro
     if row.megatron:  # the distributed optimizer's state
         run = with_choices(run, shard_optimizer=True)
-    return memory_bytes(run, row.mesh, rows, pipeline, gpu=True) <= DGX_H100.hbm_bytes
+    return memory_bytes(run, row.mesh, rows, pipeline, gpu=True, num_micro=shard // rows) <= DGX_H100.hbm_bytes
 
 
 def row_errors(cluster: Cluster = DGX_H100) -> dict[str, tuple[float, float, float]]:

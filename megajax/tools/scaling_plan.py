@@ -180,7 +180,7 @@ def recommend_mesh(run: RunSpec, num_gpus: int, cluster: Cluster, global_batch: 
         row = None
         for option in options:  # fastest first: the first that fits is the row; else the one needing least memory
             need = memory_bytes(option.run, mesh, option.micro_batch, option.pipeline,
-                                flash_attention(option.run, cluster))
+                                flash_attention(option.run, cluster), option.num_micro)
             option = dataclasses.replace(option, memory_bytes=need, fits=need <= cluster.hbm_bytes)
             if option.fits:
                 row = option
