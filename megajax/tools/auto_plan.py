@@ -1,5 +1,6 @@
 """``mesh.auto``: train.py plans the run for the devices it finds with the scaling model (``scaling_plan``), checks
-the plan by compiling its step (XLA's peak against the device's memory, before the first step) and trains it.
+the plan by compiling its step (XLA's peak against the device's memory, before the first step; over it, the next
+plan) and trains it.
 
 The plan is what ``python -m megajax.scaling --config=... --gpus=N --cluster=C`` recommends for the job's devices:
 the mesh (pipe x data x expert x model), the micro-batch (unless ``train.micro_batch_size`` is set), the remat
