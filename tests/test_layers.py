@@ -66,9 +66,11 @@ def test_the_check_catches_an_upward_import():
 
 
 # Where a config.model ConfigDict may be a parameter: the assembly layer that resolves it, the command-line
-# plumbing, the entry points, and the library's two ways in (``megajax.train`` / ``training.loop.setup``)
+# plumbing (with mesh.auto's expansion into the config's fields before train.py resolves it, as --mesh's), the entry
+# points, and the library's two ways in (``megajax.train`` / ``training.loop.setup``)
 CONFIG_READERS = {"config", "cli", "api", "info", "comm_report", "scaling", "lm_eval", "configs"}
-CONFIG_ENTRIES = {("training.loop", "train"), ("training.loop", "setup"), ("convert.__main__", "*")}
+CONFIG_ENTRIES = {("training.loop", "train"), ("training.loop", "setup"), ("convert.__main__", "*"),
+                  ("tools.auto_plan", "*")}
 
 
 def _config_parameters(text: str) -> list[str]:
