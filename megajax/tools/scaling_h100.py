@@ -35,8 +35,8 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
-from megajax.cli import load_config
 from megajax.config import RunSpec, base_config, resolve
+from megajax.models import llama
 from megajax.parallel.mesh import MeshShape
 from megajax.tools.scaling import DGX_H100, Cluster, Prediction, memory_bytes, predict
 from megajax.tools.scaling_layout import parameters_per_gpu, with_choices
@@ -109,22 +109,25 @@ def megatron_gpt(hidden: int, layers: int, heads: int) -> RunSpec:
     return resolve(config, 1, training=False)
 
 
+def _llama(**fields) -> RunSpec:
+    """A Llama (the family's defaults: 32 layers of 4096, 32 heads) with ``fields``, bf16, on one device."""
+    config = base_config(llama.NAME)
+    config.model.update(**fields)
+    config.train.precision = "bf16"
+    return resolve(config, 1, training=False)
+
+
 @functools.cache
 def llama2_7b() -> RunSpec:
     """Llama 2 7B at 4096 positions (MaxText's llama2-7b: 32 layers of 4096, 32 heads, MLP 11008, vocabulary
     32,000, untied output)."""
-    config = load_config("llama3_8b")
-    config.mesh.update(data=1, model=1)
-    config.model.update(vocab_size=32000, num_kv_heads=32, ffn_hidden_size=11008, max_seq_len=4096)
-    return resolve(config, 1, training=False)
+    return _llama(vocab_size=32000, num_kv_heads=32, ffn_hidden_size=11008, max_seq_len=4096)
 
 
 @functools.cache
 def llama3_8b() -> RunSpec:
-    """Llama 3.1 8B at 8192 positions (the shipped llama3_8b)."""
-    config = load_config("llama3_8b")
-    config.mesh.update(data=1, model=1)
-    return resolve(config, 1, training=False)
+    """Llama 3.1 8B at 8192 positions (configs/llama3_8b.py's model)."""
+    return _llama(vocab_size=128256, num_kv_heads=8, ffn_hidden_size=14336, rope_theta=500000.0, max_seq_len=8192)
 
 
 def _megatron(name: str, heads: int, hidden: int, layers: int, tensor: int, pipe: int, batch: int,
