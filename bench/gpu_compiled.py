@@ -3,6 +3,7 @@ largest micro-batch that fits 80 GB, and the MFU the scaling model predicts (com
 
     python bench/gpu_compiled.py [--cases=gpt_1p2b,llama3_8b] [--output=/tmp/megajax_gpu_compiled.json]
     python bench/gpu_compiled.py --planned    # each decoder config at its mesh.auto plan for one 8-GPU host
+    python bench/gpu_compiled.py --planned --precision=fp8    # the same, the blocks' GEMMs in FP8
 
 Per case: the config in bf16 as ``train.py`` runs it on a GPU (its remat and dropout), the mesh of the table, the
 largest micro-batch whose planned peak fits one H100 (``memory_planner.largest_micro_batch``), compiled for that
@@ -26,8 +27,9 @@ CASES = {"gpt_1p2b": (1, (8, 1)), "gpt_2p5b": (1, (4, 2)), "gpt_8p3b": (64, (64,
          "llama3_8b": (1, (1, 8)), "llama3p2_1b": (1, (1, 8))}
 
 
-def planned_row(name: str, hosts: int) -> dict | None:
-    """The case at ``mesh.auto``'s plan for its GPUs (None: a model the scaling model does not plan)."""
+def planned_row(name: str, hosts: int, precision: str = "bf16") -> dict | None:
+    """The case at ``mesh.auto``'s plan for its GPUs in ``precision`` (None: a model the scaling model does not
+    plan)."""
     from megajax.cli import load_config
     from megajax.config import ConfigError, resolve
     from megajax.tools.auto_plan import apply_plan, choose_plan
@@ -35,7 +37,7 @@ def planned_row(name: str, hosts: int) -> dict | None:
     from megajax.tools.scaling import DGX_H100
 
     config = load_config(name)
-    config.train.precision = "bf16"
+    config.train.precision = precision
     try:
         plan = choose_plan(config, 8 * hosts, DGX_H100)
     except ConfigError:  # a model the scaling model does not plan (BERT)
@@ -48,7 +50,9 @@ def planned_row(name: str, hosts: int) -> dict | None:
     except ValueError as e:  # the collective audit of a loop it cannot count (open: bench/README.md)
         return {"config": name, "hosts": hosts, "plan": plan.mesh.flag, "error": str(e)[:200]}
     gpu = TARGETS["h100"]
-    return {"config": name, "hosts": hosts, "plan": plan.mesh.flag, "micro_batch": plan.micro_batch,
+    fp8_gemms = step.hlo.count('custom_call_target="__cublas$lt$matmul$f8"')
+    return {"config": name, "hosts": hosts, "precision": precision, "fp8_gemm_calls": fp8_gemms,
+            "plan": plan.mesh.flag, "micro_batch": plan.micro_batch,
             "accumulation_steps": plan.num_micro, "remat": run.model.remat, "sequence": run.sequence,
             "state_split": "FSDP" if run.fsdp else "ZeRO-1" if run.shard_optimizer else "none",
             "schedule": run.pipeline.schedule if run.mesh.pipe > 1 else None, "attention": step.attention,
@@ -92,6 +96,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {', '.join(CASES)}")
     p.add_argument("--output", default="/tmp/megajax_gpu_compiled.json")
     p.add_argument("--planned", action="store_true", help="each case at mesh.auto's plan for one 8-GPU host")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp8"), help="with --planned: the run's")
     args = p.parse_args(argv)
     if args.planned:
         return _planned(args)
@@ -118,14 +123,15 @@ def _planned(args) -> list[dict]:
     for name in args.cases.split(","):
         if name not in CASES:
             sys.exit(f"error: --cases: {name!r} is not one of {', '.join(CASES)}")
-        got = planned_row(name, 1)
+        got = planned_row(name, 1, args.precision)
         if got is None:
             continue
         rows.append(got)
         print(json.dumps(rows[-1]), flush=True)
         pathlib.Path(args.output).write_text(json.dumps(rows, indent=1) + "\n")
-    print("\n| config | plan (8 H100s) | micro-batch x steps | remat, SP, split | attention | peak GiB compiled / "
-          "planned | scaling model GiB | predicted MFU |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"\n{args.precision}:\n| config | plan (8 H100s) | micro-batch x steps | remat, SP, split | attention | "
+          "peak GiB compiled / planned | scaling model GiB | predicted MFU |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if "error" in r:
             print(f"| {r['config']} | {r['plan']} | {r['error']} |")

@@ -103,6 +103,26 @@ def test_collectives_overlap_compute_under_megajaxs_options(steps):
         assert sum(n > 0 for n in tensor) >= 2 / 3 * len(tensor), (name, mesh, tensor)
 
 
+def test_fp8_gemms_are_cublaslt_fp8_calls(steps):
+    """``train.precision=fp8`` compiled for H100s: every GEMM of the blocks (forward, and both gradients') is one
+    cuBLASLt FP8 call (``__cublas$lt$matmul$f8``, the scales its operands, the result bf16), not an upcast; the
+    untied output layer's three stay bf16 GEMMs, as every bf16 GEMM of the same step is one call."""
+    config = _config("llama_tiny", (2, 4))
+    config.train.precision = "fp8"
+    fp8 = gpu_target.compile_step(run_on(config, 2, 4), "h100", micro_batch=ROWS)
+
+    def calls(hlo: str) -> dict[str, int]:
+        found = re.findall(r'custom_call_target="(__cublas\$lt\$matmul(?:\$f8)?)"', hlo)
+        return {kind: found.count(kind) for kind in set(found)}
+
+    bf16 = calls(steps[("llama_tiny", (2, 4))].hlo)["__cublas$lt$matmul"]
+    got = calls(fp8.hlo)
+    assert got["__cublas$lt$matmul"] == 3 and got["__cublas$lt$matmul$f8"] == bf16 - 3, (got, bf16)
+    outputs = re.findall(r"= \((\w+)\[[^]]*\]\{[^}]*\}, s8\[\d+\]\{0\}\) custom-call\([^)]*\), "
+                         r'custom_call_target="__cublas\$lt\$matmul\$f8"', fp8.hlo)
+    assert sorted(set(outputs)) == ["bf16", "f32"], outputs  # the kernels' gradients accumulate in fp32
+
+
 def test_info_compiles_for_an_h100_as_a_user_runs_it(tmp_path):
     """With an empty JAX_PLATFORMS (unset, to jax) megajax picks the CPU itself where there is no GPU; --overwrite
     replaces the HLO an earlier run wrote, which a run without it refuses."""
@@ -136,6 +156,8 @@ def test_bad_targets_are_one_error_line(tmp_path, monkeypatch):
     compiled = ("--target=h100", "--compiled")
     cases = {("--target=h900",): ({}, "argument --target: invalid choice: 'h900'"),
              (*compiled, "--mesh=4x4"): ({}, "mesh 4x4 needs 16 GPUs; --hosts=1 x 8 has 8"),
+             ("--target=a100", "--compiled", "--precision=fp8"): ({}, "the NVIDIA A100-SXM4-80GB (compute "
+                                                                      "capability 8.0) has no FP8 tensor cores"),
              ("--hlo=x.hlo",): ({}, "--hlo writes the step compiled for a GPU: give it with --target=... --compiled"),
              (*compiled, "--hlo=notes.hlo", "--overwrite"): ({}, "--hlo=notes.hlo already holds a file megajax did "
                                                                  "not write, not a compiled step's HLO text"),

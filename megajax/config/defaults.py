@@ -15,10 +15,11 @@ from megajax.parallel.sharding import MEGATRON_RULES
 
 
 def model_section(name: str, **fields) -> ml_collections.ConfigDict:
-    """``config.model`` for the family registered as ``name``: every field of its config type (but the compute
-    dtype, which ``train.precision`` sets) with the type's defaults, updated by ``fields``."""
+    """``config.model`` for the family registered as ``name``: every field of its config type (``fields()``: not
+    the compute precision's, which ``train.precision`` sets) with the type's defaults, updated by ``fields``."""
     config_type = model_spec(name).config
-    defaults = {f.name: f.default for f in dataclasses.fields(config_type) if f.name != "dtype"}
+    named = set(config_type.fields())
+    defaults = {f.name: f.default for f in dataclasses.fields(config_type) if f.name in named}
     if unknown := set(fields) - set(defaults):
         raise ValueError(f"model.name={name} has no field {', '.join(sorted(unknown))}")
     return ml_collections.ConfigDict({"name": name, **defaults, **fields})
@@ -81,7 +82,7 @@ def base_config(model: str = GPT) -> ml_collections.ConfigDict:
         log_every=10,
         eval_every=0,  # validation loss every N steps (0: only at the end)
         eval_batches=8,  # global batches of the validation split per evaluation (0: never)
-        precision="auto",  # fp32 | bf16 | fp16 | auto (bf16 on accelerators, fp32 on CPU)
+        precision="auto",  # fp32 | bf16 | fp16 | fp8 (bf16, blocks' GEMMs FP8) | auto (bf16 on accelerators, else fp32)
         max_nonfinite_steps=0,  # stop after this many consecutive non-finite losses (fp16's skipped steps aside)
         allow_batch_size_change=False,  # resume with another global_batch_size (the data order then shifts)
         peak_flops_per_device=0.0,  # override the MFU denominator; 0 = look up by device kind

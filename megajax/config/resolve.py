@@ -19,7 +19,7 @@ from megajax.config.checks import checked
 from megajax.config.data_checks import check_data
 from megajax.config.defaults import with_model_defaults
 from megajax.config.migrate import drop_shared_model_fields, migrate_config
-from megajax.config.run import PRECISION_DTYPES, RunSpec, StoredRun, cut_data, splits_sequence
+from megajax.config.run import FP8_PRECISIONS, PRECISION_DTYPES, RunSpec, StoredRun, cut_data, splits_sequence
 from megajax.config.settings import (
     checkpoint_settings,
     loss_scale_settings,
@@ -44,7 +44,8 @@ def resolve_precision(precision: str) -> str:
 
 def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
     """The model family's own frozen config (its spec's ``config`` type) from ``config.model``, the compute dtype
-    from ``train.precision``. A field the family's type lacks is unknown: ConfigError naming the family's fields."""
+    (and whether the blocks' GEMMs are FP8) from ``train.precision``. A field the family's type lacks is unknown:
+    ConfigError naming the family's fields."""
     m = config.model
     spec = model_spec(m.name)  # an unknown name fails first, naming the choices
     precision = resolve_precision(config.train.precision)
@@ -55,7 +56,8 @@ def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
         raise ConfigError(f"model.name={m.name} has no field {', '.join(f'model.{f}' for f in sorted(unknown))}; "
                           f"its fields ({spec.config.__name__}) are name, {', '.join(fields)}")
     try:
-        return spec.config(**{f: m[f] for f in fields if f in m}, dtype=PRECISION_DTYPES[precision])
+        return spec.config(**{f: m[f] for f in fields if f in m}, dtype=PRECISION_DTYPES[precision],
+                           fp8=precision in FP8_PRECISIONS)
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e)) from e
 

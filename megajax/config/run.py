@@ -34,7 +34,9 @@ from megajax.parallel.sharding import (
 )
 
 # train.precision -> the model's compute dtype
-PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
+# the precisions whose blocks' GEMMs run in FP8 (megajax.parallel.fp8), everything else in their dtype
+FP8_PRECISIONS = ("fp8",)
 
 
 def splits_sequence(rules: Rules) -> bool:
@@ -122,7 +124,10 @@ class RunSpec:
 
     @property
     def precision(self) -> str:
-        """fp32 | bf16 | fp16: the model's compute dtype (``train.precision`` resolved on this machine)."""
+        """fp32 | bf16 | fp16 | fp8: the model's compute dtype, and fp8 where its blocks' GEMMs are FP8
+        (``train.precision`` resolved on this machine)."""
+        if self.model.fp8:
+            return FP8_PRECISIONS[0]
         return next(p for p, dtype in PRECISION_DTYPES.items() if dtype == self.model.dtype)
 
     @property

@@ -148,19 +148,20 @@ def rotate(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array
 
 
 def fused_columns(x: jax.Array, params: tuple[jax.Array, ...], prepare: Callable[..., tuple[jax.Array, ...]],
-                  split: str, dtype: jnp.dtype) -> list[jax.Array]:
+                  split: str, dtype: jnp.dtype, fp8: bool = False) -> list[jax.Array]:
     """``[x @ k for k in prepare(*params)]`` as one column-parallel GEMM: each kernel (H, ...) is split on its second
     dimension by the logical name ``split``, and the shards' blocks are put side by side on each device (nothing
     moves), so the input's gradient is summed over the model shards once, not once per projection (query and
     key/value, gate and up). The assembled kernel is recomputed from ``params`` in the backward pass, not kept per
-    layer. Each result comes back (B, S, prod(kernel.shape[1:])), split like its kernel."""
+    layer. Each result comes back (B, S, prod(kernel.shape[1:])), split like its kernel. ``fp8``: the GEMM in FP8
+    (one scale for the fused kernel)."""
     t = mesh_size(split)
     names = ("embed", split, None)
 
     def product(x, *params):
         blocks = [k.reshape(k.shape[0], t, -1) for k in prepare(*params)]  # (H, t, width / t): shard i in row i
         fused = constrain(jnp.concatenate(blocks, axis=-1), names)
-        y = column_parallel(x, fused, None, names, dtype)  # (B, S, t, sum of widths / t)
+        y = column_parallel(x, fused, None, names, dtype, fp8)  # (B, S, t, sum of widths / t)
         return jnp.split(y, np.cumsum([blk.shape[-1] for blk in blocks])[:-1], axis=-1)
 
     outs = assembled_at_use(product)(x, *params)
@@ -196,7 +197,7 @@ class KeyValue(ColumnParallelLinear):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         super().__init__(cfg.hidden_size, (cfg.kv_heads, 2, cfg.head_dim), ("embed", "kv_heads", "qkv", "head_dim"),
-                         std=cfg.init_std, dtype=cfg.compute_dtype, rngs=rngs, bias=False)
+                         std=cfg.init_std, dtype=cfg.compute_dtype, rngs=rngs, bias=False, fp8=cfg.fp8)
         self.stored_names, self.names = self.names, ("embed", "heads", "qkv", "head_dim")
 
     def kernel_at_use(self, value: jax.Array | None = None) -> jax.Array:
@@ -218,11 +219,11 @@ class Attention(nnx.Module):
         dt, h = cfg.compute_dtype, cfg.hidden_size
         self.cfg, self.rate = cfg, cfg.dropout
         self.q = ColumnParallelLinear(h, (cfg.num_heads, cfg.head_dim), ("embed", "heads", "head_dim"),
-                                      std=cfg.init_std, dtype=dt, rngs=rngs, bias=False)
+                                      std=cfg.init_std, dtype=dt, rngs=rngs, bias=False, fp8=cfg.fp8)
         self.kv = KeyValue(cfg, rngs=rngs)
         self.out = RowParallelLinear((cfg.num_heads, cfg.head_dim), h, ("heads", "head_dim", "embed"),
                                      std=scaled_init_std(cfg.init_std, cfg.num_layers), dtype=dt, rngs=rngs,
-                                     bias=False)
+                                     bias=False, fp8=cfg.fp8)
 
     def __call__(self, x: jax.Array, mask: jax.Array, key: jax.Array | None, cache: LayerCache | None,
                  index: jax.Array | int) -> tuple[jax.Array, LayerCache | None]:
@@ -237,7 +238,7 @@ class Attention(nnx.Module):
         b, s, _ = x.shape
         q, kv = fused_columns(x, (self.q.kernel[...], self.kv.kernel[...]),
                               lambda q, kv: (param_at_use(q, self.q.names), self.kv.kernel_at_use(kv)), "heads",
-                              self.cfg.compute_dtype)
+                              self.cfg.compute_dtype, self.cfg.fp8)
         kv = kv.reshape(b, s, -1, 2, self.cfg.head_dim)  # (B, S, kv_copies, 2, D)
         q, k = self.positioned(q.reshape(b, s, *self.q.kernel.shape[-2:]), kv[:, :, :, 0], positions)
         q, k, v = constrain(q, names), constrain(k, names), constrain(kv[:, :, :, 1], names)
@@ -262,15 +263,16 @@ class SwiGLU(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         dt, h, f = cfg.compute_dtype, cfg.hidden_size, cfg.ffn_size
-        self.dtype = dt
+        self.dtype, self.fp8 = dt, cfg.fp8
         self.gate, self.up = (ColumnParallelLinear(h, (f,), ("embed", "mlp"), std=cfg.init_std, dtype=dt,
-                                                   rngs=rngs, bias=False) for _ in range(2))
+                                                   rngs=rngs, bias=False, fp8=cfg.fp8) for _ in range(2))
         self.down = RowParallelLinear((f,), h, ("mlp", "embed"), std=scaled_init_std(cfg.init_std, cfg.num_layers),
-                                      dtype=dt, rngs=rngs, bias=False)
+                                      dtype=dt, rngs=rngs, bias=False, fp8=cfg.fp8)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # (B, S, H) -> (B, S, H)
         gate, up = fused_columns(x, (self.gate.kernel[...], self.up.kernel[...]),
-                                 lambda *ks: tuple(param_at_use(k, self.up.names) for k in ks), "mlp", self.dtype)
+                                 lambda *ks: tuple(param_at_use(k, self.up.names) for k in ks), "mlp", self.dtype,
+                                 self.fp8)
         y = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))  # (B, S, F)
         return self.down(y)
 

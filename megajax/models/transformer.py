@@ -62,6 +62,7 @@ class TransformerConfig:
     remat: str = "full"  # full (after every layer, paper Section 4.2) | none | save_dots | selective (the attention
     # core only, Korthikanti et al. 2022)
     dtype: str = "float32"  # compute dtype, from train.precision (not a config.model field); parameters stay fp32
+    fp8: bool = False  # the blocks' GEMMs in FP8 (train.precision=fp8; not a config.model field)
 
     def __post_init__(self):
         for field in ("vocab_size", "num_layers", "hidden_size", "num_heads", "max_seq_len", "mlp_ratio",
@@ -81,8 +82,8 @@ class TransformerConfig:
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:
-        """The ``config.model`` fields of the family (every dataclass field but the compute dtype)."""
-        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "dtype")
+        """The ``config.model`` fields of the family (every dataclass field but the compute precision's)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in ("dtype", "fp8"))
 
     @property
     def padded_vocab_size(self) -> int:
@@ -205,9 +206,10 @@ class SelfAttention(nnx.Module):
         self.rate, self.remat = cfg.dropout, cfg.remat
         # (H, heads, 3, head_dim): a shard of `heads` holds whole heads with their own q, k and v.
         self.qkv = ColumnParallelLinear(h, (cfg.num_heads, 3, cfg.head_dim), ("embed", "heads", "qkv", "head_dim"),
-                                        std=cfg.init_std, dtype=dt, rngs=rngs)
+                                        std=cfg.init_std, dtype=dt, rngs=rngs, fp8=cfg.fp8)
         self.out = RowParallelLinear((cfg.num_heads, cfg.head_dim), h, ("heads", "head_dim", "embed"),
-                                     std=scaled_init_std(cfg.init_std, cfg.num_layers), dtype=dt, rngs=rngs)
+                                     std=scaled_init_std(cfg.init_std, cfg.num_layers), dtype=dt, rngs=rngs,
+                                     fp8=cfg.fp8)
 
     def __call__(self, x: jax.Array, mask: jax.Array, key: jax.Array | None, cache: LayerCache | None = None,
                  index: jax.Array | int = 0) -> tuple[jax.Array, LayerCache | None]:
@@ -324,9 +326,9 @@ class MLP(nnx.Module):
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         dt, h, f = cfg.compute_dtype, cfg.hidden_size, cfg.ffn_size
         self.act = ACTIVATIONS[cfg.activation]
-        self.up = ColumnParallelLinear(h, (f,), ("embed", "mlp"), std=cfg.init_std, dtype=dt, rngs=rngs)
-        self.down = RowParallelLinear((f,), h, ("mlp", "embed"),
-                                      std=scaled_init_std(cfg.init_std, cfg.num_layers), dtype=dt, rngs=rngs)
+        self.up = ColumnParallelLinear(h, (f,), ("embed", "mlp"), std=cfg.init_std, dtype=dt, rngs=rngs, fp8=cfg.fp8)
+        self.down = RowParallelLinear((f,), h, ("mlp", "embed"), std=scaled_init_std(cfg.init_std, cfg.num_layers),
+                                      dtype=dt, rngs=rngs, fp8=cfg.fp8)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # (B, S, H) -> (B, S, H)
         y = constrain(self.act(self.up(x)), ("batch", "seq", "mlp"))  # (B, S, 4H)

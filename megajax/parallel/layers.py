@@ -1,6 +1,8 @@
 """Tensor-parallel building blocks: every parameter is created with one logical axis name per dimension.
 
-Parameters are fp32 masters; each layer casts them to the compute ``dtype`` at use. Where the mesh axis lands is
+Parameters are fp32 masters; each layer casts them to the compute ``dtype`` at use. With ``fp8`` the blocks' GEMMs
+(column- and row-parallel) scale and cast both operands to FP8 instead (``megajax.parallel.fp8``); ``Dense`` heads
+and the embedding stay in the compute dtype. Where the mesh axis lands is
 decided by the rules table (``megajax.parallel.sharding``), not here. Each parameter is read through
 ``sharding.param_at_use``: with ``parallel.fsdp`` that is where its data-split copy is gathered.
 
@@ -22,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from megajax.parallel.fp8 import fp8_tensordot
 from megajax.parallel.sharding import (
     RESIDUAL,
     SEQUENCE_DIM,
@@ -65,14 +68,14 @@ class ColumnParallelLinear(nnx.Module):
     """
 
     def __init__(self, in_features: int, out_shape: Shape, names: Sequence[str], *, std: float,
-                 dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = True):
-        self.dtype = dtype
+                 dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = True, fp8: bool = False):
+        self.dtype, self.fp8 = dtype, fp8
         self.names = tuple(names)
         self.kernel = make_param(rngs, nnx.initializers.normal(std), (in_features, *out_shape), names)
         self.bias = make_param(rngs, nnx.initializers.zeros, tuple(out_shape), names[1:]) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:  # (..., in) -> (..., *out_shape)
-        return column_parallel(x, self.kernel_at_use(), self.bias_at_use(), self.names, self.dtype)
+        return column_parallel(x, self.kernel_at_use(), self.bias_at_use(), self.names, self.dtype, self.fp8)
 
     def kernel_at_use(self) -> jax.Array:
         """The kernel as the rules lay it out (gathered over ``data`` under ``parallel.fsdp``)."""
@@ -83,28 +86,36 @@ class ColumnParallelLinear(nnx.Module):
         return None if self.bias is None else param_at_use(self.bias[...], self.names[1:])
 
     def apply(self, x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None) -> jax.Array:
-        """``x @ kernel (+ bias)`` in the compute dtype."""
-        return _affine(x, kernel, bias, self.dtype)
+        """``x @ kernel (+ bias)`` in the compute dtype (the GEMM in FP8 with ``fp8``)."""
+        return _affine(x, kernel, bias, self.dtype, self.fp8)
 
 
-def _affine(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
-    y = _tensordot_last(x.astype(dtype), kernel.astype(dtype), 1)
+def _product(x: jax.Array, kernel: jax.Array, n: int, dtype: jnp.dtype, fp8: bool) -> jax.Array:
+    """x's last ``n`` dims contracted with kernel's first ``n``, in ``dtype``: the operands cast to it, or with
+    ``fp8`` scaled and cast to FP8 (the result in ``dtype``)."""
+    if fp8:
+        return fp8_tensordot(x.astype(dtype), kernel, n, dtype)
+    return _tensordot_last(x.astype(dtype), kernel.astype(dtype), n)
+
+
+def _affine(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype: jnp.dtype, fp8: bool) -> jax.Array:
+    y = _product(x, kernel, 1, dtype, fp8)
     return y if bias is None else y + bias.astype(dtype)
 
 
 def column_parallel(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, names: Sequence[str | None],
-                    dtype: jnp.dtype) -> jax.Array:
+                    dtype: jnp.dtype, fp8: bool = False) -> jax.Array:
     """``x @ kernel (+ bias)`` for a kernel laid out by its logical ``names`` (the first: its input dimension), the
     output split like the kernel's columns: ``ColumnParallelLinear``'s product, also for kernels a model assembles
     at use (several projections of one input fused into one GEMM, so its input gradient is one all-reduce). Under
-    sequence parallelism the input (B, S/t, H) is all-gathered to (B, S, H) first."""
+    sequence parallelism the input (B, S/t, H) is all-gathered to (B, S, H) first. ``fp8``: the GEMM in FP8."""
     axis = sequence_axis()
     if axis is None:
-        return _affine(x, kernel, bias, dtype)
+        return _affine(x, kernel, bias, dtype, fp8)
 
     def gathered(x, kernel, *bias):  # per device: (B, S/t, H) -> (B, S, *out_shape / t)
         whole = checkpoint_name(jax.lax.all_gather(x, axis, axis=SEQUENCE_DIM, tiled=True), SEQUENCE_GATHERED)
-        return _affine(whole, kernel, bias[0] if bias else None, dtype)
+        return _affine(whole, kernel, bias[0] if bias else None, dtype, fp8)
 
     args, arg_names = (x, kernel), (RESIDUAL, tuple(names))
     if bias is not None:
@@ -130,8 +141,8 @@ class RowParallelLinear(nnx.Module):
     """
 
     def __init__(self, in_shape: Shape, out_features: int, names: Sequence[str], *, std: float,
-                 dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = True):
-        self.dtype = dtype
+                 dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = True, fp8: bool = False):
+        self.dtype, self.fp8 = dtype, fp8
         self.n_in = len(in_shape)
         self.names = tuple(names)
         self.kernel = make_param(rngs, nnx.initializers.normal(std), (*in_shape, out_features), names)
@@ -152,8 +163,9 @@ class RowParallelLinear(nnx.Module):
         return y + param_at_use(self.bias[...], self.names[-1:]).astype(self.dtype)
 
     def partial(self, x: jax.Array, kernel: jax.Array) -> jax.Array:
-        """``x @ kernel`` in the compute dtype (on one device's blocks: its partial sums)."""
-        return _tensordot_last(x.astype(self.dtype), kernel.astype(self.dtype), self.n_in)
+        """``x @ kernel`` in the compute dtype, the GEMM in FP8 with ``fp8`` (on one device's blocks: its partial
+        sums)."""
+        return _product(x, kernel, self.n_in, self.dtype, self.fp8)
 
 
 class VocabParallelEmbedding(nnx.Module):

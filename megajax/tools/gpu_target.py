@@ -30,6 +30,7 @@ import jax
 from megajax.config import RunSpec
 from megajax.errors import UserError
 from megajax.parallel import hlo_audit
+from megajax.parallel.fp8 import fp8_refusal
 from megajax.parallel.xla_options import compiler_options
 from megajax.platform import quiet_cuda_notices
 from megajax.tools.memory_planner import CompiledMemory, MemoryReport, memory_report, run_memory, with_batch
@@ -57,6 +58,9 @@ class GpuTarget:
     shared_memory_per_core: int
     shared_memory_per_block_optin: int
     cudnn: tuple[int, int, int]  # the cuDNN version compiled against
+    # the CUDA runtime the host runs (what the plugin's with-cuda extra installs); XLA lowers FP8 GEMMs to cuBLASLt
+    # only where it knows one (12.x)
+    cuda_runtime: tuple[int, int, int] = (12, 8, 0)
 
     @property
     def cudnn_version(self) -> int:
@@ -98,6 +102,7 @@ def target_config(target: GpuTarget) -> str:
   cuda_compute_capability {{ major: {major} minor: {minor} }}
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
+  runtime_version: "{'.'.join(map(str, target.cuda_runtime))}"
 }}
 platform_name: "CUDA"
 dnn_version_info {{ major: {cudnn_major} minor: {cudnn_minor} patch: {cudnn_patch} }}
@@ -112,9 +117,12 @@ def target_of(name: str) -> GpuTarget:
     return TARGETS[name]
 
 
-def check_hosts(run: RunSpec, hosts: int = 1, gpus_per_host: int = 8) -> None:
-    """GpuTargetError unless ``hosts`` x ``gpus_per_host`` GPUs (both >= 1) hold ``run``'s mesh: checked before
-    anything is planned or compiled."""
+def check_target(run: RunSpec, target: str, hosts: int = 1, gpus_per_host: int = 8) -> None:
+    """GpuTargetError unless ``hosts`` x ``gpus_per_host`` GPUs ``target`` (both counts >= 1) hold ``run``'s mesh
+    and run its precision (FP8 GEMMs need FP8 tensor cores): checked before anything is planned or compiled."""
+    gpu = target_of(target)
+    if run.model.fp8 and (refusal := fp8_refusal(gpu.kind, gpu.compute_capability)):
+        raise GpuTargetError(refusal)
     if hosts < 1 or gpus_per_host < 1:
         raise GpuTargetError(f"--hosts={hosts} and {gpus_per_host} GPUs per host: both must be >= 1")
     used = run.mesh.devices
@@ -194,7 +202,7 @@ def compile_step(run: RunSpec, target: str = "h100", hosts: int = 1, gpus_per_ho
     batch over its data shards, at once), under megajax's XLA options for the platform (``options``: others, ``{}``
     for none). Nothing is allocated."""
     gpu = target_of(target)
-    check_hosts(run, hosts, gpus_per_host)
+    check_target(run, target, hosts, gpus_per_host)
     devices = gpu_devices(target, hosts, gpus_per_host)
     used = run.mesh.devices
     micro_batch = micro_batch or max(run.global_batch // run.mesh.batch_shards, 1)

@@ -36,7 +36,7 @@ from megajax.config import resolve
 from megajax.models.transformer import attention_reason
 from megajax.outputs import HLO_HEADER, Kind, claim_file, write_text
 from megajax.parallel.mesh import MeshShape
-from megajax.tools.gpu_target import EXTRA, TARGETS, GpuStep, check_hosts, compile_step
+from megajax.tools.gpu_target import EXTRA, TARGETS, GpuStep, check_target, compile_step
 from megajax.tools.gpu_target import overlap as gpu_overlap
 from megajax.tools.memory_planner import (
     CompiledMemory,
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--micro_batch", type=int, default=None, help="sequences per device per accumulation step "
                    "(default: the config's; global batch / data without accumulation)")
     p.add_argument("--device_memory_gb", type=float, default=None, help="say whether it fits this much memory")
-    p.add_argument("--precision", default=None, help="fp32 | bf16 | fp16 (default: the config's; auto is fp32 "
+    p.add_argument("--precision", default=None, help="fp32 | bf16 | fp16 | fp8 (default: the config's; auto is fp32 "
                                                      "on a CPU host)")
     p.add_argument("--compiled", action="store_true", help="also compile the step (abstract inputs, nothing "
                                                            "allocated) and print XLA's memory plan beside the formula")
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     # checks of the config's own batch are not made
     run = resolve(config, mesh.devices, training=False)
     if args.target:
-        check_hosts(run, args.hosts)
+        check_target(run, args.target, args.hosts)
     gpu = bool(args.target)  # planned as the step compiles for that GPU
     report = memory_report(run, micro, num_micro=1 if args.compiled else None, gpu=gpu)
     largest = largest_micro_batch(run, args.device_memory_gb * GiB, gpu=gpu) if args.device_memory_gb else None

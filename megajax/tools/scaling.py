@@ -133,6 +133,7 @@ from megajax.tools.scaling_clusters import (  # noqa: F401 (the clusters are thi
     HALF,
     Cluster,
     GiB,
+    fp8_scaling_s,
     gemm_s,
     group_allreduce_s,
     ring_allreduce_s,
@@ -217,7 +218,9 @@ def layer_s(run: RunSpec, tensor: int, micro_batch: int, cluster: Cluster, exper
     m = run.model
     dense, attention, _ = gemms(run, tensor, micro_batch, stack)
     dots, elementwise, core = RECOMPUTED[m.remat]
-    layer = (3 + dots) * sum(gemm_s(*g, cluster) for g in dense)
+    layer = (3 + dots) * sum(gemm_s(*g, cluster, fp8=m.fp8) for g in dense)
+    if m.fp8:  # current scaling's amax and cast passes over each block GEMM's operands
+        layer += sum(fp8_scaling_s(*g[1:], cluster, forwards=1 + dots) for g in dense)
     layer += (3 + core) * sum(gemm_s(*g, cluster) for g in attention)
     tokens = micro_batch * m.max_seq_len
     replicated = tokens * m.hidden_size / (tensor if run.sequence else 1)  # SP: each GPU's positions only
@@ -478,6 +481,8 @@ def predict(run: RunSpec, mesh: MeshShape, global_batch: int, cluster: Cluster,
     Expert shards (``scaling_experts``) are timed without stages, context shards (``scaling_context``) without
     stages or expert shards."""
     pipeline = _pipeline_of(mesh, pipeline)
+    if run.model.fp8 and not cluster.fp8_peak_flops:
+        raise ValueError(f"train.precision=fp8: {cluster.name}'s GPUs have no FP8 tensor cores")
     if mesh.expert > 1 and mesh.pipe > 1:
         raise ValueError("the scaling model times expert shards without pipeline stages only (a mixture of experts "
                          "runs in stages with its experts split over model, not over expert shards)")

@@ -24,7 +24,7 @@ class Cluster:
     Bandwidths are per GPU and per direction (what a ring's every step moves); latencies are per ring step."""
 
     name: str
-    peak_flops: float  # dense, at the training dtype
+    peak_flops: float  # dense, at the training dtype (bf16 / fp16); MFU is read against it at every precision
     hbm_bytes: int
     hbm_bandwidth: float
     gpus_per_node: int
@@ -40,6 +40,9 @@ class Cluster:
     # megajax's step on these GPUs runs cuDNN's flash attention where the model allows it (H100: the memory planner's
     # ``gpu=True``, no s x s scores kept); the papers' V100 and A100 runs had none
     flash_attention: bool = False
+    # dense FP8 tensor-core peak (0: the GPU has none); ``train.precision=fp8``'s block GEMMs run at it, assumed to
+    # sustain the same fraction (``gemm_efficiency``) as BF16's: no FP8 run was fitted
+    fp8_peak_flops: float = 0.0
 
 
 # The paper's Section 5: DGX-2H, 16 V100 SXM3 32GB per node; 39 TFLOP/s = 30% of peak gives 130 TFLOP/s fp16
@@ -60,7 +63,7 @@ DGX2H_V100 = Cluster(name="dgx2h", peak_flops=130e12, hbm_bytes=32 * GiB, hbm_ba
 DGX_H100 = Cluster(name="dgx_h100", peak_flops=989e12, hbm_bytes=80 * GiB, hbm_bandwidth=3.35e12, gpus_per_node=8,
                    intra_bandwidth=450e9, intra_latency=2e-6, inter_bandwidth=50e9, inter_latency=5e-6,
                    gemm_efficiency=0.816, layer_overhead_s=2.36e-3, dp_overlap=0.90, tp_overlap=0.76,
-                   software=FUSED, flash_attention=True)
+                   software=FUSED, flash_attention=True, fp8_peak_flops=1979e12)
 # PTD-P's cluster (Narayanan et al. 2021): DGX A100 80GB nodes: 312 TFLOP/s fp16 / bf16 dense, HBM2e 2.04 TB/s,
 # NVLink3 through NVSwitch 600 GB/s per GPU both directions (300 each way), 8 x 200 Gb/s HDR InfiniBand per node
 # (one per GPU: 25 GB/s each way); Megatron-LM 2021's fused kernels (``models.spec.FUSED``). gemm_efficiency and
@@ -73,11 +76,25 @@ DGX_A100 = Cluster(name="dgx_a100", peak_flops=312e12, hbm_bytes=80 * GiB, hbm_b
 CLUSTERS = {"dgx2h": DGX2H_V100, "dgx_h100": DGX_H100, "dgx_a100": DGX_A100}
 
 
-def gemm_s(batch: float, m: float, k: float, n: float, cluster: Cluster) -> float:
-    """A (batched) half-precision GEMM at the roofline: compute- or HBM-bound, whichever is slower."""
-    compute = 2 * batch * m * k * n / (cluster.peak_flops * cluster.gemm_efficiency)
-    memory = HALF * batch * (m * k + k * n + m * n) / cluster.hbm_bandwidth
+def gemm_s(batch: float, m: float, k: float, n: float, cluster: Cluster, fp8: bool = False) -> float:
+    """A (batched) half-precision GEMM at the roofline: compute- or HBM-bound, whichever is slower. ``fp8``: its
+    operands FP8 (one byte each) at the FP8 peak, its result half precision."""
+    peak = cluster.fp8_peak_flops if fp8 else cluster.peak_flops
+    compute = 2 * batch * m * k * n / (peak * cluster.gemm_efficiency)
+    memory = batch * ((1 if fp8 else HALF) * (m * k + k * n) + HALF * m * n) / cluster.hbm_bandwidth
     return max(compute, memory)
+
+
+# HBM bytes per value that FP8's current scaling moves besides the GEMM: an activation or output gradient (bf16)
+# is read for its amax, then read and written as FP8 (2 + 2 + 1); a weight (the fp32 master) likewise (4 + 4 + 1)
+FP8_ACTIVATION_BYTES, FP8_WEIGHT_BYTES = 5, 9
+
+
+def fp8_scaling_s(m: float, k: float, n: float, cluster: Cluster, forwards: int = 1) -> float:
+    """The amax and cast passes of one (m, k) x (k, n) FP8 GEMM's operands at HBM bandwidth: its input and kernel
+    ``forwards`` times (a recomputed forward quantises them again), its output gradient once."""
+    forward = FP8_ACTIVATION_BYTES * m * k + FP8_WEIGHT_BYTES * k * n
+    return (forwards * forward + FP8_ACTIVATION_BYTES * m * n) / cluster.hbm_bandwidth
 
 
 def ring_allreduce_s(nbytes: float, n: int, bandwidth: float, latency: float) -> float:

@@ -326,6 +326,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.context > 1 and run.routed_experts[0]:
         p.error("--context plans dense models' meshes (no expert shards); this config is a mixture of experts")
     cluster = CLUSTERS[args.cluster]
+    if run.model.fp8 and not cluster.fp8_peak_flops:
+        raise SystemExit(f"error: train.precision=fp8: --cluster={args.cluster}'s GPUs have no FP8 tensor cores; plan "
+                         f"it on {', '.join(n for n, c in CLUSTERS.items() if c.fp8_peak_flops)} or in bf16")
     if args.pipe > 1:  # a model that does not run in stages (a mixture with dense layers) says why, before the search
         try:
             run.model.check_mesh(1, args.pipe, 1)

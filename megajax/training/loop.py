@@ -47,6 +47,7 @@ from megajax.models.objectives import Field
 from megajax.models.transformer import reorder_layers
 from megajax.outputs import CHECKPOINTS_NAME, METRICS_NAME, claim_workdir
 from megajax.parallel import pipeline
+from megajax.parallel.fp8 import check_fp8_devices
 from megajax.parallel.partition import over_data, shardings
 from megajax.parallel.sharding import activate, logical_to_spec
 from megajax.parallel.xla_options import compiler_options
@@ -119,6 +120,8 @@ def setup_run(spec: RunSpec, devices: list[jax.Device] | None = None, options: d
               model: nnx.Module | None = None) -> Run:
     """``setup`` of a resolved run; ``model``: its abstract model (``abstract_model_of(spec)``) if already built."""
     devices = list(jax.devices() if devices is None else devices)
+    if spec.model.fp8:
+        check_fp8_devices(devices)
     mesh = spec.mesh.make(devices)
     graphdef, abstract_params = nnx.split(abstract_model_of(spec) if model is None else model)
     # FSDP (ZeRO-3): stored split over data; each layer gathers its parameters at use (sharding.param_at_use)
