@@ -1,8 +1,9 @@
 """The GPU figures in one command, the first thing to run on a new GPU (under 8 minutes on one H100): gpt_1p2b and
 llama3p2_1b trained on every local GPU, each with megajax's XLA options and without (``parallel.xla_options``), and
 each as ``mesh.auto`` plans it (``megajax.tools.auto_plan``: the scaling model's mesh, micro-batch, remat and
-switches for these GPUs at the same global batch), whose measured step checks the fitted ``dgx_h100`` prediction.
-Its first lines say what it will measure and about how long that takes.
+switches for these GPUs at the same global batch), whose measured step checks the fitted ``dgx_h100`` prediction,
+and on GPUs with FP8 tensor cores (Ada, Hopper) once more as planned with ``train.precision=fp8`` (``--no-fp8``:
+skip). Its first lines say what it will measure and about how long that takes.
 
     python bench/gpu_benchmark.py                              # gpt_1p2b and llama3p2_1b on all local GPUs
     python bench/gpu_benchmark.py --configs=gpt_8p3b --mesh=1x8 --micro_batch=4 --steps=20
@@ -82,6 +83,23 @@ def mesh_for(mesh: str | None, config_model: int, count: int, name: str) -> tupl
 COMPILE_S = 60  # assumed per run (setup, compile, two warm-up steps) until a GPU has measured it
 
 
+def with_precision(config, precision: str):
+    """A copy of ``config`` training in ``precision``."""
+    copy = config.copy_and_resolve_references()
+    copy.train.precision = precision
+    return copy
+
+
+def has_fp8(device) -> bool:
+    """Whether ``device`` is an NVIDIA GPU with FP8 tensor cores (``parallel.fp8``)."""
+    from megajax.parallel.fp8 import FP8_COMPUTE_CAPABILITY
+
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or not capability:
+        return False
+    return tuple(int(v) for v in str(capability).split(".")[:2]) >= FP8_COMPUTE_CAPABILITY
+
+
 def planned_config(config, devices):
     """(a copy of ``config`` as ``mesh.auto`` plans it for ``devices``, the plan)."""
     from megajax.tools.auto_plan import plan_for_devices
@@ -91,7 +109,7 @@ def planned_config(config, devices):
     return planned, plan_for_devices(planned, devices)
 
 
-def opening(configs: dict, plans: dict, runs: tuple, steps: int, device, count: int) -> str:
+def opening(configs: dict, plans: dict, runs: tuple, steps: int, device, count: int, fp8_plans: dict) -> str:
     """What the benchmark will measure and about how long it takes (each run's compile assumed ``COMPILE_S``, its
     steps timed as the fitted scaling model predicts the plan's)."""
     total, lines = 0.0, []
@@ -103,7 +121,14 @@ def opening(configs: dict, plans: dict, runs: tuple, steps: int, device, count: 
         plan = f"; planned: --mesh={plans[name][1].prediction.mesh.flag}, micro-batch " \
                f"{plans[name][1].prediction.micro_batch}, remat={plans[name][1].prediction.run.model.remat}, " \
                f"predicted {step:.3f} s/step" if name in plans else ""
-        then = ", then as planned" if name in plans else ""
+        if name in fp8_plans:
+            fp8 = fp8_plans[name][1].prediction
+            total += COMPILE_S + (steps + 2) * fp8.step_s
+            n += 1
+            plan += f"; fp8 planned: --mesh={fp8.mesh.flag}, micro-batch {fp8.micro_batch}, predicted " \
+                    f"{fp8.step_s:.3f} s/step"
+        then = (", then as planned" if name in plans else "") + (", then in fp8 as planned" if name in fp8_plans
+                                                                   else "")
         lines.append(f"  {name}: {n} runs (XLA options {'/'.join(runs)} at the config's mesh{then}), {steps} timed "
                      f"steps after 2 warm-up{plan}")
     return (f"gpu_benchmark: {count} x {device.device_kind}; about {total / 60:.0f} minutes ({COMPILE_S} s assumed per "
@@ -123,6 +148,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--allow_cpu", action="store_true", help="run without a GPU (to check the script)")
     p.add_argument("--planned", action=argparse.BooleanOptionalAction, default=True,
                    help="also time each config as mesh.auto plans it for these GPUs (--no-planned: skip)")
+    p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time each config as planned in train.precision=fp8 where the GPUs have FP8 tensor "
+                        "cores (--no-fp8: skip)")
     args = p.parse_args(argv)
     if args.micro_batch < 1 or args.seq < 1 or args.steps < 1:
         sys.exit("error: --micro_batch, --seq and --steps must be >= 1")
@@ -157,19 +185,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
         config.model.remat = lightest_remat(resolve(config, count), args.micro_batch, device_bytes)
         configs[name] = config
     plans = {name: planned_config(config, jax.devices()) for name, config in configs.items()} if args.planned else {}
-    print(opening(configs, plans, runs, args.steps, device, count), flush=True)
+    fp8_plans = {name: planned_config(with_precision(config, "fp8"), jax.devices()) for name, config in
+                 configs.items()} if args.fp8 and (has_fp8(device) or args.allow_cpu) else {}  # XLA:CPU emulates FP8
+    print(opening(configs, plans, runs, args.steps, device, count, fp8_plans), flush=True)
     for name, config in configs.items():
         planned = memory_report(resolve(config, count), args.micro_batch, num_micro=1, gpu=True).peak_bytes
         variants = [(options, config, None) for options in runs]
         if name in plans:
             variants.append(("on", *plans[name]))
+        if name in fp8_plans:
+            variants.append(("on", *fp8_plans[name]))
         for options, run_config, plan in variants:
-            row = {"config": name, "xla_options": options, "setting": "planned" if plan else "config",
+            fp8 = run_config.train.precision == "fp8"
+            row = {"config": name, "xla_options": options, "precision": run_config.train.precision,
+                   "setting": ("fp8 planned" if fp8 else "planned") if plan else "config",
                    **measure(run_config, args.steps, warmup=2, options=None if options == "on" else {})}
             if plan:
                 row.update(plan=plan.prediction.mesh.flag, predicted_step_s=round(plan.prediction.step_s, 4),
                            micro_batch=plan.prediction.micro_batch, planned_remat=plan.prediction.run.model.remat)
-            peak = peak_flops(device, precision)
+            peak = peak_flops(device, precision)  # fp8's MFU too: against the bf16 peak
             row["mfu"] = round(row["model_tflops_per_device"] * 1e12 / peak, 4) if peak else None
             row["planned_peak_bytes"] = planned
             results.append(row)
@@ -178,7 +212,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             memory = (f"peak {used / 2**30:.1f} GiB (planned {planned / 2**30:.1f}; compiled temp "
                       f"{row['compiled_temp_bytes'] / 2**30:.1f})") if used else ""
             predicted = f"  predicted {plan.prediction.step_s:.3f} s/step, measured {row['step_s']:.3f}" if plan else ""
-            print(f"{name:>12} {row['setting']:>7} options {options:>3} {row['mesh']:>5} {row['remat']:>9} "
+            print(f"{name:>12} {row['setting']:>11} options {options:>3} {row['mesh']:>5} {row['remat']:>9} "
                   f"{row['tokens_per_s']:>10,.0f} tokens/s {row['model_tflops_per_device']:>8.1f} TFLOP/s per GPU  "
                   f"MFU {mfu}  {memory}{predicted}", flush=True)
             pathlib.Path(args.output).write_text(json.dumps(results, indent=1) + "\n")  # kept if a later one fails

@@ -99,6 +99,51 @@ def test_trip_counts_multiply_loop_bodies():
     assert sum(c.executions for c in reduces) == 5 and all(c.axes == {"model"} for c in reduces)
 
 
+PEELED = """HloModule peeled
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+%fused_compare (p: s32[]) -> pred[] {
+  %p = s32[] parameter(0)
+  %bound = s32[] constant(BOUND)
+  ROOT %lt = pred[] compare(%p, %bound), direction=LT
+}
+%cond (c: (s32[], f32[8])) -> pred[] {
+  %c = (s32[], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  ROOT %f = pred[] fusion(%i), kind=kLoop, calls=%fused_compare
+}
+%body (b: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %b = (s32[], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %x = f32[8] get-tuple-element(%b), index=1
+  %r = f32[8] all-reduce(%x), replica_groups={{0,1,2,3}}, to_apply=%add
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[8]) tuple(%j, %r)
+}
+ENTRY %main (x: f32[8]) -> (s32[], f32[8]) {
+  %x = f32[8] parameter(0)
+  %zero = s32[] constant(0)
+  %start = s32[] copy(%zero)
+  %init = (s32[], f32[8]) tuple(%start, %x)
+  ROOT %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body, backend_config=INDUCTION
+}
+""".replace("INDUCTION", '{"known_induction_variable":{"tuple_index":"0"}}')
+
+
+def test_a_peeled_iteration_without_a_trip_count_runs_once():
+    """XLA's double buffering peels a loop's first iteration off as a loop of its own, ``i < 1`` from 0, with no
+    trip count: counted once. A loop whose count cannot be read (``i < 3``, any step) still stops the audit."""
+    mesh = MeshShape(1, 4).make()
+    found = collectives(PEELED.replace("BOUND", "1"), mesh)
+    assert [(c.op, c.executions, c.axes) for c in found] == [("all-reduce", 1, {"model"})]
+    with pytest.raises(ValueError, match="while loop without a known trip count"):
+        collectives(PEELED.replace("BOUND", "3"), mesh)
+
+
 @pytest.mark.parametrize("text,groups", [
     ("{{0,1},{2,3}}, use_global", [[0, 1], [2, 3]]),
     ("[2,4]<=[8], use_global", [[0, 1, 2, 3], [4, 5, 6, 7]]),

@@ -124,8 +124,51 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
     return comps, entry
 
 
+_INDUCTION = re.compile(r'"known_induction_variable":\{"tuple_index":"(\d+)"\}')
+_CONSTANT = re.compile(r"constant\((-?\d+)\)")
+
+
+def _defining(lines: list[str], name: str) -> str | None:
+    """The instruction of ``lines`` that defines ``%name``."""
+    return next((line for line in lines if (m := _INSTR.match(line)) and m.group(2) == name), None)
+
+
+def _peeled_trip(comps: dict[str, list[str]], caller: list[str], line: str) -> int | None:
+    """The trip count of a while loop XLA left without one (the first iteration of a double-buffered loop, peeled
+    off as a loop of its own): 0 or 1 where its condition is ``i < N`` for a constant ``N`` at most one past the
+    induction variable's constant start, so no step size can make it run twice; None otherwise."""
+    index, cond = _INDUCTION.search(line), re.search(r"\bcondition=%?([\w.\-]+)", line)
+    init = re.search(r"while\(%?([\w.\-]+)\)", line)
+    if not (index and cond and init and cond.group(1) in comps):
+        return None
+    root = next((x for x in comps[cond.group(1)] if x.lstrip().startswith("ROOT")), "")
+    callee = _CALLEES.search(root)
+    compare = next((x for x in comps.get(callee.group(1), []) if x.lstrip().startswith("ROOT")), "") if callee \
+        else root
+    bound = [_CONSTANT.search(x) for x in comps.get(callee.group(1) if callee else cond.group(1), [])]
+    bound = [int(b.group(1)) for b in bound if b]
+    if " compare(" not in compare or "direction=LT" not in compare or len(bound) != 1:
+        return None
+    tuple_line = _defining(caller, init.group(1)) or ""
+    operands = re.search(r"\btuple\((.*?)\)", tuple_line)
+    if not operands:
+        return None
+    start = operands.group(1).split(",")[int(index.group(1))].strip().lstrip("%")
+    for _ in range(4):  # through copies to the constant
+        defined = _defining(caller, start) or ""
+        if (value := _CONSTANT.search(defined)) and " constant(" in defined:
+            first = int(value.group(1))
+            return max(min(bound[0] - first, 1), 0) if bound[0] - first <= 1 else None
+        copied = re.search(r"\bcopy\(%?([\w.\-]+)\)", defined)
+        if not copied:
+            return None
+        start = copied.group(1)
+    return None
+
+
 def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
-    """How often each computation runs per program call (while bodies times their known trip counts)."""
+    """How often each computation runs per program call (while bodies times their known trip counts; a peeled
+    first iteration once, ``_peeled_trip``)."""
     mult: dict[str, int] = collections.defaultdict(int)
 
     def visit(name: str, times: int) -> None:
@@ -137,10 +180,11 @@ def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
             opcode = instr.group(4)
             if opcode == "while":
                 trip = _TRIP.search(line)
-                if trip is None:
+                count = int(trip.group(1)) if trip else _peeled_trip(comps, comps[name], line)
+                if count is None:
                     raise ValueError(f"while loop without a known trip count: {line.strip()[:120]}")
                 body = re.search(r"\bbody=%?([\w.\-]+)", line).group(1)
-                visit(body, times * int(trip.group(1)))
+                visit(body, times * count)
             elif opcode in ("call", "conditional", "async-start") or opcode.endswith("-start"):
                 callees = _CALLEES.findall(line)
                 branches = _BRANCHES.search(line)

@@ -58,6 +58,12 @@ def traced_for_nvidia_gpu() -> bool:
     return is_nvidia_gpu(device)
 
 
-def compiler_options(devices: Sequence[jax.Device]) -> dict[str, bool | int]:
-    """The options for a program that runs on ``devices`` (the mesh's)."""
-    return dict(NVIDIA_GPU) if devices and is_nvidia_gpu(devices[0]) else {}
+def compiler_options(devices: Sequence[jax.Device], pipelined_all_gather: bool = True) -> dict[str, bool | int]:
+    """The options for a program that runs on ``devices`` (the mesh's). ``pipelined_all_gather=False`` leaves XLA's
+    all-gather pipelining off: a step that accumulates micro-batches under sequence parallelism, where it holds a
+    second micro-batch's sequence-gathered work across the accumulation loop (measured compiling llama3_8b's plan for
+    8 H100s, 4x2, 2 x 64 micro-batches: 127.6 GiB peak with it, 61.5 without; the step without accumulation is the
+    same either way)."""
+    if not devices or not is_nvidia_gpu(devices[0]):
+        return {}
+    return {**NVIDIA_GPU, "xla_gpu_enable_pipelined_all_gather": pipelined_all_gather}

@@ -31,10 +31,9 @@ from megajax.config import RunSpec
 from megajax.errors import UserError
 from megajax.parallel import hlo_audit
 from megajax.parallel.fp8 import fp8_refusal
-from megajax.parallel.xla_options import compiler_options
 from megajax.platform import quiet_cuda_notices
 from megajax.tools.memory_planner import CompiledMemory, MemoryReport, memory_report, run_memory, with_batch
-from megajax.training.loop import Run, setup_run
+from megajax.training.loop import Run, setup_run, step_options
 
 EXTRA = "gpu-compile"  # pyproject.toml's extra with the CUDA plugin
 
@@ -207,7 +206,7 @@ def compile_step(run: RunSpec, target: str = "h100", hosts: int = 1, gpus_per_ho
     used = run.mesh.devices
     micro_batch = micro_batch or max(run.global_batch // run.mesh.batch_shards, 1)
     planned = with_batch(run, micro_batch, num_micro)
-    options = compiler_options(devices) if options is None else options
+    options = step_options(planned, devices[:used]) if options is None else options
     with cudnn_probes_answered(gpu), quiet_cuda_notices():
         compiled = setup_run(planned, devices[:used], options)
     text = compiled.step_fn.as_text()

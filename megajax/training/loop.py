@@ -116,6 +116,11 @@ def setup(config: ml_collections.ConfigDict, devices: list[jax.Device] | None = 
     return setup_run(resolve(config, len(devices)), devices, options)
 
 
+def step_options(spec: RunSpec, devices: list[jax.Device]) -> dict:
+    """The XLA options ``spec``'s training step compiles with on ``devices`` (``xla_options.compiler_options``)."""
+    return compiler_options(devices, pipelined_all_gather=not (spec.num_micro > 1 and spec.sequence))
+
+
 def setup_run(spec: RunSpec, devices: list[jax.Device] | None = None, options: dict | None = None,
               model: nnx.Module | None = None) -> Run:
     """``setup`` of a resolved run; ``model``: its abstract model (``abstract_model_of(spec)``) if already built."""
@@ -154,7 +159,7 @@ def setup_run(spec: RunSpec, devices: list[jax.Device] | None = None, options: d
         compiled = jax.jit(step, in_shardings=(state_shardings, batch_shardings),
                            out_shardings=(state_shardings, replicated), donate_argnums=0
                            ).lower(abstract_state, abstract_batch).compile(
-                               compiler_options=compiler_options(devices) if options is None else options)
+                               compiler_options=step_options(spec, devices) if options is None else options)
     evaluate = Evaluator(objective_metrics(objective), graphdef, mesh, context,
                          in_shardings=(state_shardings.params, batch_shardings), out_shardings=replicated)
     num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
