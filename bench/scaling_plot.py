@@ -81,7 +81,8 @@ def breakdown() -> list[tuple[str, scaling.Prediction]]:
     out = []
     for t, (name, model) in zip((1, 2, 4, 8), scaling_papers.PAPER_MODELS.items()):
         for data, batch in ((1, 8), (64, 512)):
-            p = scaling.predict(model, MeshShape(data, t), batch, scaling.DGX2H_V100, grad_bytes=2, memory=False)
+            p = scaling.predict(model, MeshShape(data, t), batch, scaling.DGX2H_V100, grad_bytes=2, memory=False,
+                                reduce_once=True)
             out.append((f"{name}\n{data}x{t}", p))
     return out
 

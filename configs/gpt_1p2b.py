@@ -5,7 +5,7 @@ Expect:   1.21B parameters; the paper's single-GPU baseline sustained 39 TFLOP/s
 Plan:     one 8-GPU H100 host: --config.mesh.auto=True plans it there (predicted, not measured; the fitted
           dgx_h100: data 8, 32 sequences per micro-batch (2 accumulation steps), save_dots: 1.80 s/step, 29.5% MFU;
           python -m megajax.scaling --config=gpt_1p2b --gpus=8 --cluster=dgx_h100). With
-          --config.train.precision=fp8 the same plan: 1.63 s/step, 323 TFLOP/s per GPU, 32.7% of the bf16 peak.
+          --config.train.precision=fp8 the same plan: 1.63 s/step, 323 TFLOP/s per GPU, 32.6% of the bf16 peak.
           The paper's cluster (one DGX-2H V100, its baseline): 8 per micro-batch (64 steps), full recomputation,
           38.8 TFLOP/s (the paper measured 39; --gpus=1 --cluster=dgx2h).
 """

@@ -5,10 +5,10 @@ Command:  python train.py --config=configs/llama3_8b.py --config.data.source=ind
 Expect:   8,030,261,248 parameters (the published count); on mesh.model=8 each GPU holds one key/value head.
 Plan:     one 8-GPU H100 host: --config.mesh.auto=True plans it there (predicted, not measured; the fitted
           dgx_h100: data 2 x model 4, 2 per micro-batch (128 steps), no recomputation, sequence parallelism,
-          ZeRO-1: 60.5 s/step, 50.7% MFU, 73.8 GiB compiled for H100s; python -m megajax.scaling --config=llama3_8b
-          --gpus=8 --cluster=dgx_h100). With --config.train.precision=fp8: data 4 x model 2, 2 per micro-batch
-          (64 steps), save_dots, sequence parallelism, ZeRO-1: 50.4 s/step, 603 TFLOP/s per GPU, 60.9% of the
-          bf16 peak, 61.5 GiB compiled. The Llama 3 paper states its cluster for the 405B model only.
+          ZeRO-1: 61.9 s/step, 49.6% MFU; python -m megajax.scaling --config=llama3_8b --gpus=8
+          --cluster=dgx_h100). With --config.train.precision=fp8: data 8, 2 per micro-batch (32 steps), save_dots,
+          FSDP: 51.0 s/step, 596 TFLOP/s per GPU, 60.3% of the bf16 peak. The Llama 3 paper states its cluster for
+          the 405B model only.
 """
 
 from megajax.config import base_config

@@ -5,9 +5,9 @@ Command:  python train.py --config=configs/llama3p2_1b.py --config.data.source=i
 Expect:   1,235,814,400 parameters (the published count). Windows of 8192 tokens; the released model reads up to
           131072 (--config.model.max_seq_len=131072 changes no parameter, positions are rotary).
 Plan:     one 8-GPU H100 host: --config.mesh.auto=True plans it there (predicted, not measured; the fitted
-          dgx_h100: data 8, 2 per micro-batch (32 steps), no recomputation: 15.5 s/step, 36.3% MFU; python -m
+          dgx_h100: data 8, 2 per micro-batch (32 steps), no recomputation: 15.6 s/step, 36.2% MFU; python -m
           megajax.scaling --config=llama3p2_1b --gpus=8 --cluster=dgx_h100). With --config.train.precision=fp8 the
-          same plan: 14.2 s/step, 39.6% of the bf16 peak. Its model card states no training cluster.
+          same plan: 14.3 s/step, 39.5% of the bf16 peak. Its model card states no training cluster.
 """
 
 from megajax.config import base_config

@@ -370,7 +370,7 @@ def _rows(mesh: MeshShape, global_batch: int, micro_batch: int | None) -> tuple[
     return micro, per_replica // micro
 
 
-def _step(r: RunSpec, mesh: MeshShape, global_batch, cluster, micro_batch, grad_bytes
+def _step(r: RunSpec, mesh: MeshShape, global_batch, cluster, micro_batch, grad_bytes, reduce_once: bool = False
           ) -> tuple[float, float, float, float, float, int]:
     """(compute, tensor-parallel, exposed data-parallel, expert or context, step, rows) without stages (module
     docstring; ``scaling_context``: a GPU of ``context`` shards does the work of micro-batch / context sequences)."""
@@ -386,8 +386,8 @@ def _step(r: RunSpec, mesh: MeshShape, global_batch, cluster, micro_batch, grad_
     # FSDP reduces the gradients onto their shards: a reduce-scatter, half the all-reduce; with context shards the
     # gradients are reduced over data x context (the group's members `model` apart)
     grads = data_comm_s(r, (data * context, tensor), cluster, grad_bytes, 1, expert) / (2 if r.fsdp else 1)
-    data_comm = _per_step(r, num_micro) * ((1 - cluster.dp_overlap) * grads + gather_params_s(r, group, cluster, 1,
-                                                                                                 expert))
+    data_comm = _per_step(r, num_micro, reduce_once) * ((1 - cluster.dp_overlap) * grads
+                                                        + gather_params_s(r, group, cluster, 1, expert))
     return compute, tensor_comm, data_comm, other, compute + tensor_comm + data_comm + other, micro
 
 
@@ -398,7 +398,8 @@ def _tensor_parts(r: RunSpec, tensor: int, micro_batch: int, cluster: Cluster) -
     return (tensor_comm_s(r, tensor, micro_batch, cluster) - ends) / r.model.num_layers, ends
 
 
-def _pipeline_step(r: RunSpec, mesh: MeshShape, global_batch, cluster, micro_batch, grad_bytes, pipeline: Pipeline):
+def _pipeline_step(r: RunSpec, mesh: MeshShape, global_batch, cluster, micro_batch, grad_bytes, pipeline: Pipeline,
+                   reduce_once: bool = False):
     """(compute, tensor-parallel, exposed data-parallel, pipe, step, rows) with pipeline stages (module docstring)."""
     data, tensor = mesh.data, mesh.model
     p, m, v = pipeline.stages, pipeline.microbatches, pipeline.repeats
@@ -453,22 +454,25 @@ def _pipeline_step(r: RunSpec, mesh: MeshShape, global_batch, cluster, micro_bat
         ends_bytes = grad_bytes * (parameters_per_gpu(r, tensor, p)[1] - layers // p * layout(r, tensor).layer)
         grads += group_allreduce_s(ends_bytes, data * p, tensor, cluster) - (
             group_allreduce_s(ends_bytes, data, tensor, cluster) if data > 1 else 0.0)
-    data_comm = _per_step(r, num_micro) * ((1 - cluster.dp_overlap) * grads + gather_params_s(r, (data, tensor),
-                                                                                                 cluster, p))
+    data_comm = _per_step(r, num_micro, reduce_once) * ((1 - cluster.dp_overlap) * grads
+                                                        + gather_params_s(r, (data, tensor), cluster, p))
     return compute, tensor_comm, data_comm, pipe_comm, compute + tensor_comm + data_comm + pipe_comm, rows
 
 
-def _per_step(run: RunSpec, num_micro: int) -> int:
+def _per_step(run: RunSpec, num_micro: int, reduce_once: bool) -> int:
     """How often a step moves its data-parallel traffic: FSDP gathers each layer's parameters and reduce-scatters
-    its gradients in every accumulation step (its shards hold no whole gradient to add them up in); otherwise the
-    gradients are reduced once, after the last one (as Megatron-LM does: megajax's compiled step still reduces the
-    layers' per accumulation step, docs/parallelism.md)."""
-    return num_micro if run.fsdp else 1
+    its gradients in every accumulation step (its shards hold no whole gradient to add them up in). Otherwise
+    Megatron-LM reduces the gradients once, after the last one (``reduce_once``: the published runs); megajax's
+    compiled step reduces them in every accumulation step (the gradient carried through the accumulation loop is
+    laid out whole on each data shard, so XLA reduces each micro-batch's before adding it; it moves some out of the
+    loop, not most: llama_tiny on 2x4 H100s over 2 steps reduces 2.0 x its gradient elements, 1.4 x with sequence
+    parallelism, 2.6 x with ZeRO-1, tests/test_gpu_target.py; an open fault of megajax's step)."""
+    return num_micro if run.fsdp or not reduce_once else 1
 
 
 def predict(run: RunSpec, mesh: MeshShape, global_batch: int, cluster: Cluster,
             micro_batch: int | None = None, grad_bytes: int = 4, baseline_tflops: float | None = None,
-            memory: bool = True, pipeline: Pipeline | None = None) -> Prediction:
+            memory: bool = True, pipeline: Pipeline | None = None, reduce_once: bool = False) -> Prediction:
     """The predicted step of ``run``'s model with its choices (``choices``: remat, sequence parallelism, the state
     split over data) on ``mesh`` with ``global_batch`` sequences per step; the run's own mesh, batch and pipeline
     are not read. ``pipeline``: the schedule of ``mesh.pipe`` > 1 stages (its ``stages`` are the mesh's).
@@ -478,6 +482,8 @@ def predict(run: RunSpec, mesh: MeshShape, global_batch: int, cluster: Cluster,
     ``grad_bytes``: bytes per gradient element all-reduced over ``data`` (megajax: 4; Megatron-LM 2019: 2).
     ``baseline_tflops``: the efficiency's reference (default: this model on 1 GPU with one shard's batch).
     ``memory=False`` skips the memory estimate (the memory planner's): memory_bytes 0, fits True.
+    ``reduce_once``: the gradients reduced once per step whatever the accumulation, as Megatron-LM does (the
+    published runs); by default as megajax's step reduces them (``_per_step``).
     Expert shards (``scaling_experts``) are timed without stages, context shards (``scaling_context``) without
     stages or expert shards."""
     pipeline = _pipeline_of(mesh, pipeline)
@@ -491,19 +497,19 @@ def predict(run: RunSpec, mesh: MeshShape, global_batch: int, cluster: Cluster,
     context_comm = 0.0
     if mesh.pipe == 1:
         compute, tensor_comm, data_comm, expert_comm, step, micro = _step(run, mesh, global_batch, cluster,
-                                                                          micro_batch, grad_bytes)
+                                                                          micro_batch, grad_bytes, reduce_once)
         pipe_comm = 0.0
         if mesh.context > 1:
             expert_comm, context_comm = 0.0, expert_comm
     else:
         compute, tensor_comm, data_comm, pipe_comm, step, micro = _pipeline_step(
-            run, mesh, global_batch, cluster, micro_batch, grad_bytes, pipeline)
+            run, mesh, global_batch, cluster, micro_batch, grad_bytes, pipeline, reduce_once)
         expert_comm = 0.0
     shards = mesh.batch_shards
     work = flops(run, global_batch)
     tflops = work / step / mesh.devices / 1e12
     if baseline_tflops is None:
-        base = _step(run, MeshShape(), global_batch // shards, cluster, micro_batch, grad_bytes)[4]
+        base = _step(run, MeshShape(), global_batch // shards, cluster, micro_batch, grad_bytes, reduce_once)[4]
         baseline_tflops = work / shards / base / 1e12
     flash = flash_attention(run, cluster)
     num_micro = global_batch // mesh.batch_shards // micro

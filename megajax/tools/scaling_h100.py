@@ -167,7 +167,7 @@ def row_prediction(row: H100Row, cluster: Cluster = DGX_H100) -> Prediction:
         cluster = dataclasses.replace(cluster, hbm_bandwidth=row.hbm_bandwidth)
     options = []
     for run, micro, pipeline in _settings(row):
-        p = predict(run, row.mesh, row.batch, cluster, micro, 2, memory=False, pipeline=pipeline)
+        p = predict(run, row.mesh, row.batch, cluster, micro, 2, memory=False, pipeline=pipeline, reduce_once=True)
         options.append((not _fits(row, run, micro, pipeline), p.step_s, p))
     return min(options, key=lambda o: o[:2])[2]
 

@@ -93,7 +93,8 @@ PAPER_PUBLISHED = {
 def paper_predictions(cluster: Cluster = DGX2H_V100) -> dict[str, dict[int, float]]:
     """The model's values for ``PAPER_PUBLISHED``'s keys (efficiencies in %, relative to the 1.2B 1-GPU run)."""
     def predicted(model: RunSpec, mesh: tuple[int, int], batch: int) -> Prediction:  # (data, model)
-        return predict(model, MeshShape(*mesh), batch, cluster, grad_bytes=2, baseline_tflops=1.0, memory=False)
+        return predict(model, MeshShape(*mesh), batch, cluster, grad_bytes=2, baseline_tflops=1.0, memory=False,
+                       reduce_once=True)
 
     base = predicted(PAPER_MODELS["1.2B"], (1, 1), 8)
     weak = lambda p: 100 * p.tflops_per_gpu / base.tflops_per_gpu  # noqa: E731
@@ -173,11 +174,13 @@ def ptdp_prediction(row: PtdpRow, cluster: Cluster = DGX_A100, repeats: int | No
     fastest v that splits the layers evenly)."""
     model, mesh = ptdp_model(row), row.mesh
     if row.pipe == 1:
-        return predict(model, mesh, row.batch, cluster, row.micro_batch, PTDP_GRAD_BYTES, memory=False)
+        return predict(model, mesh, row.batch, cluster, row.micro_batch, PTDP_GRAD_BYTES, memory=False,
+                       reduce_once=True)
     options = [repeats] if repeats else [v for v in range(1, row.layers // row.pipe + 1)
                                          if row.layers % (row.pipe * v) == 0]
     return min((predict(model, mesh, row.batch, cluster, None, PTDP_GRAD_BYTES, memory=False,
-                        pipeline=Pipeline(row.pipe, row.microbatches, v, megatron=True)) for v in options),
+                        pipeline=Pipeline(row.pipe, row.microbatches, v, megatron=True), reduce_once=True)
+                for v in options),
                key=lambda p: p.step_s)
 
 
@@ -206,18 +209,19 @@ def ptdp_megajax_prediction(row: PtdpRow, cluster: Cluster = DGX_A100,
     fastest (its ``fits`` False)."""
     model, mesh = ptdp_model(row), row.mesh
     if row.pipe == 1:
-        return predict(model, mesh, row.batch, cluster, row.micro_batch, PTDP_GRAD_BYTES)
+        return predict(model, mesh, row.batch, cluster, row.micro_batch, PTDP_GRAD_BYTES, reduce_once=True)
     options = []
     for sequence in sequence:  # SP: the stage boundary's message 1/t (as Megatron-LM's scatter/gather sends)
         base = with_choices(model, sequence=sequence)
         options += [predict(base, mesh, row.batch, cluster, None, PTDP_GRAD_BYTES,
-                            pipeline=Pipeline(row.pipe, row.microbatches, v))
+                            pipeline=Pipeline(row.pipe, row.microbatches, v), reduce_once=True)
                     for v in range(1, row.layers // row.pipe + 1) if row.layers % (row.pipe * v) == 0]
         # 1F1B, interleaved at each v, holding its microbatches' residuals under each policy, or their chunk inputs
         # (stage_recompute: each chunk's forward again in its backward, so remat=none recomputes as much as
         # Megatron's full)
         options += [predict(with_choices(base, remat=remat), mesh, row.batch, cluster, None, PTDP_GRAD_BYTES,
-                            pipeline=Pipeline(row.pipe, row.microbatches, v, one_f_one_b=True, stage_recompute=again))
+                            pipeline=Pipeline(row.pipe, row.microbatches, v, one_f_one_b=True, stage_recompute=again),
+                            reduce_once=True)
                     for v in range(1, row.layers // row.pipe + 1) if row.layers % (row.pipe * v) == 0
                     for remat in ("full", "none", "selective") for again in (False, True)]
     fitting = [p for p in options if p.fits]
