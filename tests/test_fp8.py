@@ -14,6 +14,7 @@ from conftest import choice_config
 
 from megajax.cli import load_config
 from megajax.config import model_config
+from megajax.config.load import load_model
 from megajax.errors import ConfigError
 from megajax.parallel import fp8
 from megajax.training.data import make_loader
@@ -118,7 +119,8 @@ def test_tiny_model_learns_as_bf16_does_and_resumes_across_precisions(tmp_path):
     more than a nat from step 10 in both, every logged loss within 2% of bf16's, the held-out loss within 0.1 nats
     of it. The
     checkpoints hold fp32 parameters and moments whatever the precision: the bf16 run resumes in fp8 and the fp8
-    run in bf16, 4 steps more each, their losses there within 2% of each other."""
+    run in bf16, 4 steps more each, their losses there within 2% of each other; an fp8 checkpoint loads for
+    evaluation in bf16."""
     def run(precision: str, steps: int, workdir):
         config = load_config("gpt_tiny")
         config.train.update(steps=steps, log_every=4 if steps > 40 else 10, precision=precision,
@@ -142,6 +144,8 @@ def test_tiny_model_learns_as_bf16_does_and_resumes_across_precisions(tmp_path):
     assert resumed["fp8"][-1]["step"] == resumed["bf16"][-1]["step"] == 44
     loss = {p: [r["loss"] for r in lines if r.get("step") == 44 and "loss" in r][0] for p, lines in resumed.items()}
     assert loss["fp8"] == pytest.approx(loss["bf16"], rel=0.02), loss
+    model, spec, _ = load_model(tmp_path / "bf16")  # its last run was fp8: evaluated in bf16
+    assert spec.precision == "bf16" and not spec.model.fp8 and model is not None
 
 
 def test_fp8_is_refused_where_the_gpu_has_no_fp8_tensor_cores():

@@ -16,6 +16,7 @@ from megajax.config.build import abstract_model
 from megajax.config.defaults import NO_SCHEDULE
 from megajax.config.migrate import migrate_config
 from megajax.config.resolve import RunSpec, StoredRun, resolve, stored_config, stored_run
+from megajax.config.run import FP8_PRECISIONS
 from megajax.models.transformer import reorder_layers
 from megajax.parallel.mesh import MeshShape
 from megajax.parallel.partition import shardings
@@ -51,10 +52,13 @@ def inference_config(path: str | pathlib.Path, data: int | None = None, model: i
     or its largest divisor that the devices here hold (a checkpoint of a 1x2 run evaluates on one device), or
     ``model``; ``mesh.expert`` likewise (a mixture of experts'); every remaining device on ``data`` (or ``data``);
     no pipeline stages; sequence parallelism off (it saves training memory, and a decoding step of one token has no
-    sequence to split; the parameters are laid out the same)."""
+    sequence to split; the parameters are laid out the same); a run trained in fp8 evaluates in bf16 (FP8 is the
+    training GEMMs' speed, not the model: bf16 is the more exact and runs on every GPU)."""
     MeshShape(-1 if data is None else data, 1 if model is None else model, expert=1 if expert is None else expert)
     config = read_run_config(path)
     config.parallel.sequence = False
+    if config.train.precision in FP8_PRECISIONS:
+        config.train.precision = "bf16"
     config.mesh.pipe = 1  # inference runs on data x model (a pipelined run's stages are one resharding away)
     config.mesh.context = 1  # and on whole sequences
     config.parallel.update(NO_SCHEDULE)
