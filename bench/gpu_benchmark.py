@@ -1,4 +1,4 @@
-"""The GPU figures in one command, the first thing to run on a new GPU (under 8 minutes on one H100): gpt_1p2b and
+"""The GPU figures in one command, the first thing to run on a new GPU (about 9 minutes on one H100 host): gpt_1p2b and
 llama3p2_1b trained on every local GPU, each with megajax's XLA options and without (``parallel.xla_options``), and
 each as ``mesh.auto`` plans it (``megajax.tools.auto_plan``: the scaling model's mesh, micro-batch, remat and
 switches for these GPUs at the same global batch), whose measured step checks the fitted ``dgx_h100`` prediction,

@@ -134,14 +134,16 @@ ENTRY %main (x: f32[8]) -> (s32[], f32[8]) {
 """.replace("INDUCTION", '{"known_induction_variable":{"tuple_index":"0"}}')
 
 
-def test_a_peeled_iteration_without_a_trip_count_runs_once():
-    """XLA's double buffering peels a loop's first iteration off as a loop of its own, ``i < 1`` from 0, with no
-    trip count: counted once. A loop whose count cannot be read (``i < 3``, any step) still stops the audit."""
+def test_loops_without_a_trip_count_are_counted_from_their_condition():
+    """XLA's double buffering leaves loops without a trip count (a peeled first iteration, ``i < 1`` from 0; the rest
+    of an accumulation loop, ``i < N``): counted from the condition's bound, the start and a step of 1. A loop whose
+    step is not 1 still stops the audit."""
     mesh = MeshShape(1, 4).make()
-    found = collectives(PEELED.replace("BOUND", "1"), mesh)
-    assert [(c.op, c.executions, c.axes) for c in found] == [("all-reduce", 1, {"model"})]
+    for bound in (1, 3):
+        found = collectives(PEELED.replace("BOUND", str(bound)), mesh)
+        assert [(c.op, c.executions, c.axes) for c in found] == [("all-reduce", bound, {"model"})]
     with pytest.raises(ValueError, match="while loop without a known trip count"):
-        collectives(PEELED.replace("BOUND", "3"), mesh)
+        collectives(PEELED.replace("BOUND", "3").replace("%one = s32[] constant(1)", "%one = s32[] constant(2)"), mesh)
 
 
 @pytest.mark.parametrize("text,groups", [

@@ -133,42 +133,79 @@ def _defining(lines: list[str], name: str) -> str | None:
     return next((line for line in lines if (m := _INSTR.match(line)) and m.group(2) == name), None)
 
 
-def _peeled_trip(comps: dict[str, list[str]], caller: list[str], line: str) -> int | None:
-    """The trip count of a while loop XLA left without one (the first iteration of a double-buffered loop, peeled
-    off as a loop of its own): 0 or 1 where its condition is ``i < N`` for a constant ``N`` at most one past the
-    induction variable's constant start, so no step size can make it run twice; None otherwise."""
+def _counted_trip(comps: dict[str, list[str]], caller: list[str], line: str) -> int | None:
+    """The trip count of a while loop XLA left without one (what double buffering peels off: the first iteration,
+    or the rest of an accumulation loop): where its condition is ``i < N`` for a constant ``N``, the induction
+    variable starts at a constant and its body adds 1 to it, ``N - start`` (at most one trip needs no step); None
+    where any of that cannot be read."""
     index, cond = _INDUCTION.search(line), re.search(r"\bcondition=%?([\w.\-]+)", line)
-    init = re.search(r"while\(%?([\w.\-]+)\)", line)
-    if not (index and cond and init and cond.group(1) in comps):
+    init, body = re.search(r"while\(%?([\w.\-]+)\)", line), re.search(r"\bbody=%?([\w.\-]+)", line)
+    if not (index and cond and init and body and cond.group(1) in comps):
         return None
-    root = next((x for x in comps[cond.group(1)] if x.lstrip().startswith("ROOT")), "")
+    k = int(index.group(1))
+    bound, start = _compared_bound(comps, cond.group(1)), _start(caller, init.group(1), k)
+    if bound is None or start is None:
+        return None
+    if bound - start <= 1:
+        return max(bound - start, 0)
+    return bound - start if _adds_one(comps, comps.get(body.group(1), []), k) else None
+
+
+def _root(lines: list[str]) -> str:
+    return next((x for x in lines if x.lstrip().startswith("ROOT")), "")
+
+
+def _compared_bound(comps: dict[str, list[str]], cond: str) -> int | None:
+    """``N`` of a condition computation whose root is (a fusion of) ``compare(i, constant(N)), direction=LT``."""
+    root = _root(comps[cond])
     callee = _CALLEES.search(root)
-    compare = next((x for x in comps.get(callee.group(1), []) if x.lstrip().startswith("ROOT")), "") if callee \
-        else root
-    bound = [_CONSTANT.search(x) for x in comps.get(callee.group(1) if callee else cond.group(1), [])]
-    bound = [int(b.group(1)) for b in bound if b]
-    if " compare(" not in compare or "direction=LT" not in compare or len(bound) != 1:
-        return None
-    tuple_line = _defining(caller, init.group(1)) or ""
-    operands = re.search(r"\btuple\((.*?)\)", tuple_line)
+    where = comps.get(callee.group(1), []) if callee else comps[cond]
+    constants = [int(c.group(1)) for x in where if " constant(" in x and (c := _CONSTANT.search(x))]
+    compare = _root(where)
+    return constants[0] if " compare(" in compare and "direction=LT" in compare and len(constants) == 1 else None
+
+
+def _start(caller: list[str], init: str, k: int) -> int | None:
+    """The constant the while's init tuple ``init`` holds at index ``k`` (through copies), None otherwise."""
+    operands = re.search(r"\btuple\((.*?)\)", _defining(caller, init) or "")
     if not operands:
         return None
-    start = operands.group(1).split(",")[int(index.group(1))].strip().lstrip("%")
-    for _ in range(4):  # through copies to the constant
-        defined = _defining(caller, start) or ""
-        if (value := _CONSTANT.search(defined)) and " constant(" in defined:
-            first = int(value.group(1))
-            return max(min(bound[0] - first, 1), 0) if bound[0] - first <= 1 else None
+    name = operands.group(1).split(",")[k].strip().lstrip("%")
+    for _ in range(4):
+        defined = _defining(caller, name) or ""
+        if " constant(" in defined and (value := _CONSTANT.search(defined)):
+            return int(value.group(1))
         copied = re.search(r"\bcopy\(%?([\w.\-]+)\)", defined)
         if not copied:
             return None
-        start = copied.group(1)
+        name = copied.group(1)
     return None
 
 
+def _adds_one(comps: dict[str, list[str]], body: list[str], k: int) -> bool:
+    """Whether ``body``'s root tuple holds at index ``k`` its parameter's element ``k`` plus 1 (an ``add`` or a fusion
+    of one)."""
+    operands = re.search(r"\btuple\((.*?)\)", _root(body))
+    if not operands:
+        return False
+    update = _defining(body, operands.group(1).split(",")[k].strip().lstrip("%")) or ""
+    args = re.search(r"\s(?:add|fusion)\(([^)]*)\)", update)
+    if not args:
+        return False
+    names = [a.strip().lstrip("%") for a in args.group(1).split(",")]
+    reads_k = any(f"index={k}" in (_defining(body, n) or "") and "get-tuple-element(" in (_defining(body, n) or "")
+                  for n in names)
+    if " fusion(" in update:
+        callee = _CALLEES.search(update)
+        where = comps.get(callee.group(1), []) if callee else []
+        ones = [x for x in where if " constant(1)" in x]
+        return reads_k and len(names) == 1 and " add(" in _root(where) and len(ones) == 1
+    return reads_k and any(" constant(1)" in (_defining(body, n) or "") for n in names)
+
+
 def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
-    """How often each computation runs per program call (while bodies times their known trip counts; a peeled
-    first iteration once, ``_peeled_trip``)."""
+    """How often each computation runs per program call (while bodies times their trip counts: XLA's, else
+    ``_counted_trip``'s)."""
     mult: dict[str, int] = collections.defaultdict(int)
 
     def visit(name: str, times: int) -> None:
@@ -180,7 +217,7 @@ def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
             opcode = instr.group(4)
             if opcode == "while":
                 trip = _TRIP.search(line)
-                count = int(trip.group(1)) if trip else _peeled_trip(comps, comps[name], line)
+                count = int(trip.group(1)) if trip else _counted_trip(comps, comps[name], line)
                 if count is None:
                     raise ValueError(f"while loop without a known trip count: {line.strip()[:120]}")
                 body = re.search(r"\bbody=%?([\w.\-]+)", line).group(1)
