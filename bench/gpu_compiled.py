@@ -50,8 +50,7 @@ def planned_row(name: str, hosts: int, precision: str = "bf16") -> dict | None:
     except ValueError as e:  # the collective audit of a loop it cannot count (open: bench/README.md)
         return {"config": name, "hosts": hosts, "plan": plan.mesh.flag, "error": str(e)[:200]}
     gpu = TARGETS["h100"]
-    fp8_gemms = step.hlo.count('custom_call_target="__cublas$lt$matmul$f8"')
-    return {"config": name, "hosts": hosts, "precision": precision, "fp8_gemm_calls": fp8_gemms,
+    return {"config": name, "hosts": hosts, "precision": precision, "fp8_gemm_calls": step.fp8_gemms,
             "plan": plan.mesh.flag, "micro_batch": plan.micro_batch,
             "accumulation_steps": plan.num_micro, "remat": run.model.remat, "sequence": run.sequence,
             "state_split": "FSDP" if run.fsdp else "ZeRO-1" if run.shard_optimizer else "none",

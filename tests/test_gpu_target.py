@@ -125,14 +125,8 @@ def test_fp8_gemms_are_cublaslt_fp8_calls(steps):
     config = _config("llama_tiny", (2, 4))
     config.train.precision = "fp8"
     fp8 = gpu_target.compile_step(run_on(config, 2, 4), "h100", micro_batch=ROWS)
-
-    def calls(hlo: str) -> dict[str, int]:
-        found = re.findall(r'custom_call_target="(__cublas\$lt\$matmul(?:\$f8)?)"', hlo)
-        return {kind: found.count(kind) for kind in set(found)}
-
-    bf16 = calls(steps[("llama_tiny", (2, 4))].hlo)["__cublas$lt$matmul"]
-    got = calls(fp8.hlo)
-    assert got["__cublas$lt$matmul"] == 3 and got["__cublas$lt$matmul$f8"] == bf16 - 3, (got, bf16)
+    bf16 = steps[("llama_tiny", (2, 4))]
+    assert bf16.fp8_gemms == 0 and fp8.gemms == bf16.gemms and fp8.gemms - fp8.fp8_gemms == 3, (fp8.gemms, bf16.gemms)
     outputs = re.findall(r"= \((\w+)\[[^]]*\]\{[^}]*\}, s8\[\d+\]\{0\}\) custom-call\([^)]*\), "
                          r'custom_call_target="__cublas\$lt\$matmul\$f8"', fp8.hlo)
     assert sorted(set(outputs)) == ["bf16", "f32"], outputs  # the kernels' gradients accumulate in fp32
@@ -151,6 +145,7 @@ def test_info_compiles_for_an_h100_as_a_user_runs_it(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "the step compiled for NVIDIA H100 80GB HBM3 (mesh 2x4" in run.stdout
     assert "attention            cudnn" in run.stdout and "fits one NVIDIA H100 80GB HBM3" in run.stdout
+    assert re.search(r"GEMMs                0 FP8 cuBLASLt calls, [1-9]\d* others", run.stdout)
     assert "all-reduce" in run.stdout and "overlap" in run.stdout
     written = hlo.read_bytes()
     assert written.startswith(HLO_HEADER.encode()) and b"__cudnn$fmha" in written

@@ -189,6 +189,16 @@ class GpuStep:
     options: dict  # the XLA compiler options it was compiled with
 
     @property
+    def gemms(self) -> int:
+        """cuBLAS GEMM calls in the HLO (each once, whatever the loops around it)."""
+        return len(re.findall(r'custom_call_target="__cublas\$(?:lt\$)?(?:matmul|gemm)', self.hlo))
+
+    @property
+    def fp8_gemms(self) -> int:
+        """Of ``gemms``, cuBLASLt's FP8 calls (``train.precision=fp8``'s block GEMMs)."""
+        return self.hlo.count('custom_call_target="__cublas$lt$matmul$f8"')
+
+    @property
     def attention(self) -> str:
         """'cudnn' (flash attention, forward and backward) or 'xla' (megajax's einsum softmax)."""
         return "cudnn" if "__cudnn$fmha" in self.hlo else "xla"

@@ -109,6 +109,8 @@ def format_gpu_step(step: GpuStep, model_flops: float) -> str:
              "is not sized without the device)",
              f"attention            {step.attention}" + ("" if step.attention == "cudnn" else
                                                          "  (" + attention_reason(step.run.spec.model) + ")")]
+    lines.append(f"GEMMs                {step.fp8_gemms} FP8 cuBLASLt calls, {step.gemms - step.fp8_gemms} others "
+                 "(each call in the HLO once, loops not unrolled)")
     lines.append(f"model FLOPs          {model_flops / step.run.mesh.devices.size / 1e12:.4g} TFLOP per GPU per step "
                  "(the model's spec; no recomputation counted)")
     overlapped = gpu_overlap(step.hlo)
