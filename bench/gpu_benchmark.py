@@ -92,12 +92,10 @@ def with_precision(config, precision: str):
 
 def has_fp8(device) -> bool:
     """Whether ``device`` is an NVIDIA GPU with FP8 tensor cores (``parallel.fp8``)."""
-    from megajax.parallel.fp8 import FP8_COMPUTE_CAPABILITY
+    from megajax.parallel.fp8 import fp8_refusal, nvidia_capability
 
-    capability = getattr(device, "compute_capability", None)
-    if device.platform != "gpu" or not capability:
-        return False
-    return tuple(int(v) for v in str(capability).split(".")[:2]) >= FP8_COMPUTE_CAPABILITY
+    capability = nvidia_capability(device)
+    return capability is not None and not fp8_refusal(device.device_kind, capability)
 
 
 def planned_config(config, devices):

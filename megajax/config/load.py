@@ -16,7 +16,7 @@ from megajax.config.build import abstract_model
 from megajax.config.defaults import NO_SCHEDULE
 from megajax.config.migrate import migrate_config
 from megajax.config.resolve import RunSpec, StoredRun, resolve, stored_config, stored_run
-from megajax.config.run import FP8_PRECISIONS
+from megajax.config.run import FP8_PRECISION
 from megajax.models.transformer import reorder_layers
 from megajax.parallel.mesh import MeshShape
 from megajax.parallel.partition import shardings
@@ -57,7 +57,7 @@ def inference_config(path: str | pathlib.Path, data: int | None = None, model: i
     MeshShape(-1 if data is None else data, 1 if model is None else model, expert=1 if expert is None else expert)
     config = read_run_config(path)
     config.parallel.sequence = False
-    if config.train.precision in FP8_PRECISIONS:
+    if config.train.precision == FP8_PRECISION:
         config.train.precision = "bf16"
     config.mesh.pipe = 1  # inference runs on data x model (a pipelined run's stages are one resharding away)
     config.mesh.context = 1  # and on whole sequences

@@ -19,7 +19,7 @@ from megajax.config.checks import checked
 from megajax.config.data_checks import check_data
 from megajax.config.defaults import with_model_defaults
 from megajax.config.migrate import drop_shared_model_fields, migrate_config
-from megajax.config.run import FP8_PRECISIONS, PRECISION_DTYPES, RunSpec, StoredRun, cut_data, splits_sequence
+from megajax.config.run import FP8_PRECISION, PRECISION_DTYPES, RunSpec, StoredRun, cut_data, splits_sequence
 from megajax.config.settings import (
     checkpoint_settings,
     loss_scale_settings,
@@ -57,7 +57,7 @@ def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
                           f"its fields ({spec.config.__name__}) are name, {', '.join(fields)}")
     try:
         return spec.config(**{f: m[f] for f in fields if f in m}, dtype=PRECISION_DTYPES[precision],
-                           fp8=precision in FP8_PRECISIONS)
+                           fp8=precision == FP8_PRECISION)
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e)) from e
 

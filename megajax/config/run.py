@@ -35,8 +35,8 @@ from megajax.parallel.sharding import (
 
 # train.precision -> the model's compute dtype
 PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
-# the precisions whose blocks' GEMMs run in FP8 (megajax.parallel.fp8), everything else in their dtype
-FP8_PRECISIONS = ("fp8",)
+# the precision whose blocks' GEMMs run in FP8 (megajax.parallel.fp8), everything else in its dtype (bf16)
+FP8_PRECISION = "fp8"
 
 
 def splits_sequence(rules: Rules) -> bool:
@@ -127,7 +127,7 @@ class RunSpec:
         """fp32 | bf16 | fp16 | fp8: the model's compute dtype, and fp8 where its blocks' GEMMs are FP8
         (``train.precision`` resolved on this machine)."""
         if self.model.fp8:
-            return FP8_PRECISIONS[0]
+            return FP8_PRECISION
         return next(p for p, dtype in PRECISION_DTYPES.items() if dtype == self.model.dtype)
 
     @property

@@ -119,12 +119,19 @@ def fp8_refusal(kind: str, compute_capability: tuple[int, int]) -> str:
             f"need 8.9 or newer: Ada, Hopper); use train.precision=bf16")
 
 
+def nvidia_capability(device) -> tuple[int, int] | None:
+    """An NVIDIA GPU's compute capability (major, minor); None for other devices (and compile-only ones, which
+    report none: ``tools.gpu_target`` checks its target's)."""
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or not capability:
+        return None
+    major, minor = (int(v) for v in str(capability).split(".")[:2])
+    return major, minor
+
+
 def check_fp8_devices(devices) -> None:
     """ConfigError where FP8 GEMMs were asked for NVIDIA GPUs without FP8 tensor cores (before anything compiles).
     Other platforms run them as XLA lowers them (XLA:CPU emulates FP8)."""
-    for device in devices[:1]:
-        capability = getattr(device, "compute_capability", None)
-        if device.platform == "gpu" and capability:
-            major, minor = (int(v) for v in str(capability).split(".")[:2])
-            if refusal := fp8_refusal(device.device_kind, (major, minor)):
-                raise ConfigError(refusal)
+    capability = nvidia_capability(devices[0]) if devices else None
+    if capability and (refusal := fp8_refusal(devices[0].device_kind, capability)):
+        raise ConfigError(refusal)
