@@ -34,12 +34,12 @@ def planned_row(name: str, hosts: int, precision: str = "bf16") -> dict | None:
     from megajax.config import ConfigError, resolve
     from megajax.tools.auto_plan import apply_plan, choose_plan
     from megajax.tools.gpu_target import TARGETS, compile_step
-    from megajax.tools.scaling import DGX_H100
+    from megajax.tools.scaling import DGX_H100, jax_memory
 
     config = load_config(name)
     config.train.precision = precision
     try:
-        plan = choose_plan(config, 8 * hosts, DGX_H100)
+        plan = choose_plan(config, 8 * hosts, jax_memory(DGX_H100))  # what mesh.auto plans on the H100s
     except ConfigError:  # a model the scaling model does not plan (BERT)
         return None
     apply_plan(config, plan)

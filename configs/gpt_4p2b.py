@@ -2,9 +2,10 @@
 
 Command:  python train.py --config=configs/gpt_4p2b.py
 Expect:   4.20B parameters.
-Plan:     one 8-GPU H100 host: --config.mesh.auto=True plans it there (predicted, not measured; the fitted
-          dgx_h100: data 4 x model 2, 32 per micro-batch (4 steps), save_dots, sequence parallelism, FSDP: 5.23
-          s/step, 34.2% MFU; python -m megajax.scaling --config=gpt_4p2b --gpus=8 --cluster=dgx_h100)
+Plan:     one 8-GPU H100 host: --config.mesh.auto=True plans it there (predicted, not measured; the fitted dgx_h100,
+          each GPU's 60 GiB that JAX's allocator takes by default: data 4 x model 2, 64 per micro-batch (2 steps), full
+          recomputation, sequence parallelism, ZeRO-1: 5.53 s/step, 32.3% MFU; python -m megajax.scaling
+          --config=gpt_4p2b --gpus=8 --cluster=dgx_h100)
 """
 
 from megajax.config import base_config

@@ -5,9 +5,10 @@ Command:  python train.py --config=configs/llama2_7b.py --config.data.source=ind
 Expect:   6,738,415,616 parameters (the published count); mesh.model=8 puts 4 heads on each GPU of a node.
           From Hugging Face weights: python -m megajax.convert hf-to-megajax --hf=DIR --output=OUT, then
           --config.init_from=OUT (README.md, "Llama").
-Plan:     one 8-GPU H100 host: --config.mesh.auto=True plans it there (predicted, not measured; the fitted
-          dgx_h100: data 4 x model 2, 8 per micro-batch (32 steps), save_dots, sequence parallelism, FSDP: 45.3
-          s/step, 53.9% MFU; python -m megajax.scaling --config=llama2_7b --gpus=8 --cluster=dgx_h100)
+Plan:     one 8-GPU H100 host: --config.mesh.auto=True plans it there (predicted, not measured; the fitted dgx_h100,
+          each GPU's 60 GiB that JAX's allocator takes by default: data 2 x model 4, 8 per micro-batch (64 steps),
+          save_dots, sequence parallelism, ZeRO-1: 48.0 s/step, 50.9% MFU; python -m megajax.scaling --config=llama2_7b
+          --gpus=8 --cluster=dgx_h100)
 """
 
 from megajax.config import base_config

@@ -4,10 +4,11 @@ output tied to the embedding, rope theta 500000 with Llama 3's frequency scaling
 Command:  python train.py --config=configs/llama3p2_1b.py --config.data.source=indexed --config.data.path=PREFIX
 Expect:   1,235,814,400 parameters (the published count). Windows of 8192 tokens; the released model reads up to
           131072 (--config.model.max_seq_len=131072 changes no parameter, positions are rotary).
-Plan:     one 8-GPU H100 host: --config.mesh.auto=True plans it there (predicted, not measured; the fitted
-          dgx_h100: data 8, 2 per micro-batch (32 steps), no recomputation: 15.6 s/step, 36.2% MFU; python -m
-          megajax.scaling --config=llama3p2_1b --gpus=8 --cluster=dgx_h100). With --config.train.precision=fp8 the
-          same plan: 14.3 s/step, 39.5% of the bf16 peak. Its model card states no training cluster.
+Plan:     one 8-GPU H100 host: --config.mesh.auto=True plans it there (predicted, not measured; the fitted dgx_h100,
+          each GPU's 60 GiB that JAX's allocator takes by default: data 4 x model 2, 4 per micro-batch (32 steps), no
+          recomputation, sequence parallelism, FSDP: 15.9 s/step, 35.4% MFU; python -m megajax.scaling
+          --config=llama3p2_1b --gpus=8 --cluster=dgx_h100). With --config.train.precision=fp8 the same plan: 14.8
+          s/step, 38.2% of the bf16 peak. Its model card states no training cluster.
 """
 
 from megajax.config import base_config

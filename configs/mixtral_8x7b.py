@@ -3,10 +3,11 @@ experts of width 14336 per layer with 2 routed per token, vocabulary 32000, unti
 
 Command:  python train.py --config=configs/mixtral_8x7b.py --config.data.source=indexed --config.data.path=PREFIX
 Expect:   46,702,792,704 parameters, 12,879,925,248 active per token (the published counts).
-Plan:     python -m megajax.scaling --config=mixtral_8x7b --gpus=64 --cluster=dgx_h100 (predicted, not measured:
-          data 64 with FSDP and full recomputation, 16 sequences per micro-batch, 13.7 s per step; with this
-          config's micro-batch of 1, data 8 x expert 4 x model 2; docs/parallelism.md). One 8-GPU H100 host holds
-          no plan (16 bytes per parameter / 8 is 93 GB with everything split): mesh.auto says so.
+Plan:     python -m megajax.scaling --config=mixtral_8x7b --gpus=64 --cluster=dgx_h100 (predicted, not measured; each
+          GPU's 60 GiB that JAX's allocator takes by default: pipe 32 x data 2, GPipe over 512 microbatches, full
+          recomputation, ZeRO-1, 15.0 s per step; with this config's micro-batch of 1, data 16 x expert 4, save_dots,
+          FSDP, 33.6 s; docs/parallelism.md). One 8-GPU H100 host holds no plan (16 bytes per parameter / 8 is 93 GB
+          with everything split): mesh.auto says so.
 """
 
 from megajax.config import base_config

@@ -4,9 +4,12 @@ probabilities renormalised), vocabulary 151936, untied output, rope theta 1e6.
 
 Command:  python train.py --config=configs/qwen3_30b_a3b.py --config.data.source=indexed --config.data.path=PREFIX
 Expect:   30,532,122,624 parameters (the published count), about 3.3B active per token.
-Plan:     one 8-GPU H100 host: --config.mesh.auto=True plans it there (predicted, not measured; the fitted
-          dgx_h100: data 4 x model 2, 4 per micro-batch (64 steps), full recomputation, sequence parallelism, FSDP:
-          91.1 s/step, 16.2% MFU; python -m megajax.scaling --config=qwen3_30b_a3b --gpus=8 --cluster=dgx_h100)
+Plan:     one 8-GPU H100 host holds no plan in the 60 GiB per GPU JAX's allocator takes by default (16 bytes per
+          parameter / 8 is 57 GiB with everything split); with XLA_PYTHON_CLIENT_MEM_FRACTION=.95
+          --config.mesh.auto=True plans data 4 x model 2, 2 per micro-batch (128 steps), full recomputation, sequence
+          parallelism, FSDP: 114 s/step, 13.0% MFU (predicted, not measured; the fitted dgx_h100). On 16 H100s at the
+          default share: data 16, 4 per micro-batch (16 steps), full recomputation, FSDP: 42.0 s/step, 17.6% MFU (python
+          -m megajax.scaling --config=qwen3_30b_a3b --gpus=16 --cluster=dgx_h100)
 """
 
 from megajax.config import base_config

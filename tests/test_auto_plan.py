@@ -13,7 +13,7 @@ from megajax.cli import load_config
 from megajax.config import ConfigError, resolve
 from megajax.tools import auto_plan, scaling_plan
 from megajax.tools.memory_planner import CompiledMemory
-from megajax.tools.scaling import GiB
+from megajax.tools.scaling import MEMORY_FRACTION_VARIABLE, GiB
 
 
 @dataclasses.dataclass
@@ -42,12 +42,17 @@ def test_the_plan_is_the_scaling_clis_and_its_step_compiles(capsys):
     assert f"--mesh={cli['mesh']}" in said and "planned as if on dgx_h100" in said and cli["flags"] in said
 
 
-def test_device_kinds_and_what_does_not_fit():
+def test_device_kinds_and_what_does_not_fit(monkeypatch):
     kinds = {"NVIDIA H100 80GB HBM3": "dgx_h100", "NVIDIA H200": "dgx_h100", "NVIDIA A100-SXM4-80GB": "dgx_a100",
              "Tesla V100-SXM3-32GB": "dgx2h", "cpu": "dgx_h100"}
     for kind, name in kinds.items():
         cluster = auto_plan.cluster_for(_Device(kind, 141 * GiB))
         assert (cluster.name, cluster.hbm_bytes) == (name, 141 * GiB), kind
+    # a device without an allocator's limit (the CPU): JAX's default share of the H100's 80 GiB, or the one asked for
+    monkeypatch.delenv(MEMORY_FRACTION_VARIABLE, raising=False)
+    assert auto_plan.cluster_for(jax.devices()[0]).hbm_bytes == 60 * GiB
+    monkeypatch.setenv(MEMORY_FRACTION_VARIABLE, ".9")
+    assert auto_plan.cluster_for(jax.devices()[0]).hbm_bytes == int(72 * GiB)
     with pytest.raises(ConfigError, match=r"no plan of the 8 devices fits \(the least memory: .* of 0\.0\)"):
         auto_plan.plan_for_devices(load_config("llama_tiny"), [_Device("NVIDIA H100 80GB HBM3", 2**20)] * 8)
 

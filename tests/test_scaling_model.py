@@ -571,12 +571,15 @@ def _apply(config, flags: list[str]) -> None:
         node[leaf] = (value == "True") if kind is bool else kind(value)
 
 
-def test_recommend_mesh_picks_stages_where_only_they_fit(tmp_path, capsys):
-    """PTD-P's 76.1B on 64 A100s with the config's choices (no ZeRO): no pipe=1 mesh fits 80 GB, stages do; the CLI
-    prints the flags, and they parse and validate as a megajax config (pipeline_repeats once the config has it)."""
+def test_recommend_mesh_picks_stages_where_only_they_fit(tmp_path, capsys, monkeypatch):
+    """PTD-P's 76.1B on 64 A100s with the config's choices (no ZeRO), JAX's allocator given the whole 80 GB (its
+    default share, 60 GB, holds no mesh of it): no pipe=1 mesh fits, stages do; the CLI prints the flags, and they
+    parse and validate as a megajax config (pipeline_repeats once the config has it)."""
+    monkeypatch.setenv(scaling.MEMORY_FRACTION_VARIABLE, "1.0")
+    assert scaling.jax_memory(DGX_A100) == DGX_A100
     row = next(r for r in PTDP_TABLE1 if r.name == "76.1B")
     model = scaling_papers.ptdp_model(row)
-    best, table = recommend_mesh(model, 64, DGX_A100, global_batch=512, micro_batch=8)
+    best, table = recommend_mesh(model, 64, scaling.jax_memory(DGX_A100), global_batch=512, micro_batch=8)
     assert best.pipeline.stages > 1 and not any(p.fits for p in table if p.pipeline.stages == 1)
     path = tmp_path / "gpt_76b.py"
     path.write_text("from megajax.config import base_config\n\n\ndef get_config():\n    c = base_config()\n"

@@ -5,9 +5,10 @@ plan) and trains it.
 The plan is what ``python -m megajax.scaling --config=... --gpus=N --cluster=C`` recommends for the job's devices:
 the mesh (pipe x data x expert x model), the micro-batch (unless ``train.micro_batch_size`` is set), the remat
 policy, sequence parallelism, the state split over data and the pipeline schedule. The cluster is the devices':
-H100 / H200 -> ``dgx_h100`` (an H200's memory), A100 -> ``dgx_a100``, V100 -> ``dgx2h``; any other device (the CPU)
-is planned as if it were an H100 (said in the plan), without a memory check (XLA:CPU has no device memory to
-exceed).
+H100 / H200 -> ``dgx_h100`` (an H200's memory), A100 -> ``dgx_a100``, V100 -> ``dgx2h``, with the memory the
+device's allocator holds (JAX's share, ``scaling_clusters.jax_memory``); any other device (the CPU) is planned as if
+it were an H100 with JAX's share of its memory (said in the plan), without a memory check (XLA:CPU has no device
+memory to exceed).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import ml_collections
 from megajax.cli import apply_config_overrides
 from megajax.config import NO_SCHEDULE, ConfigError, resolve
 from megajax.tools.memory_planner import compiled_memory
-from megajax.tools.scaling import CLUSTERS, Cluster, GiB, Prediction
+from megajax.tools.scaling import CLUSTERS, Cluster, GiB, Prediction, jax_memory
 from megajax.tools.scaling_plan import flags, recommend_mesh
 
 # a device kind's words -> the cluster its plan is timed on
@@ -63,8 +64,8 @@ def cluster_for(device: jax.Device) -> Cluster:
     """The cluster a device's plan is timed on (``KINDS``; the device's own memory where it reports it)."""
     name = next((cluster for word, cluster in KINDS if word in device.device_kind), "dgx_h100")
     cluster = CLUSTERS[name]
-    limit = device_bytes(device)
-    return dataclasses.replace(cluster, hbm_bytes=limit) if limit else cluster
+    limit = device_bytes(device)  # the allocator's limit: JAX's share of the memory
+    return dataclasses.replace(cluster, hbm_bytes=limit) if limit else jax_memory(cluster)
 
 
 def device_bytes(device: jax.Device) -> int | None:

@@ -131,11 +131,13 @@ from megajax.tools.scaling_clusters import (  # noqa: F401 (the clusters are thi
     DGX_A100,
     DGX_H100,
     HALF,
+    MEMORY_FRACTION_VARIABLE,
     Cluster,
     GiB,
     fp8_scaling_s,
     gemm_s,
     group_allreduce_s,
+    jax_memory,
     ring_allreduce_s,
 )
 from megajax.tools.scaling_context import context_comm_s

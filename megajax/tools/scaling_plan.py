@@ -22,7 +22,9 @@ recommends the fastest one that fits, as train.py flags. Per mesh it chooses (``
   parallelism nor FSDP (megajax runs both there; not modelled yet), and ``save_dots`` keeps what ``full`` keeps, so
   none of them is tried there.
 
-Each mesh's row is its fastest choice that fits (else the one needing least memory). The config's own mesh is not
+Each mesh's row is its fastest choice that fits (else the one needing least memory) in the memory a JAX process has
+on each GPU (``scaling_clusters.jax_memory``: JAX's allocator's share, 75% unless ``XLA_PYTHON_CLIENT_MEM_FRACTION``
+says otherwise). The config's own mesh is not
 kept (``--pipe`` restricts the stages): ``main`` resolves the config on one GPU without stages, and each candidate
 is that run placed on its mesh (``config.replanned``); the flags name all three axes, so a config with mesh.pipe > 1
 takes them. ``--context=C`` plans meshes with C context shards (``scaling_context``: no stages, no expert shards),
@@ -42,7 +44,17 @@ import ml_collections
 from megajax.cli import ArgumentParser, apply_config_overrides, apply_mesh, load_config
 from megajax.config import NO_SCHEDULE, RunSpec, resolve
 from megajax.parallel.mesh import MeshShape
-from megajax.tools.scaling import CLUSTERS, Cluster, GiB, Prediction, flash_attention, memory_bytes, predict
+from megajax.tools.scaling import (
+    CLUSTERS,
+    MEMORY_FRACTION_VARIABLE,
+    Cluster,
+    GiB,
+    Prediction,
+    flash_attention,
+    jax_memory,
+    memory_bytes,
+    predict,
+)
 from megajax.tools.scaling_layout import (
     choice_flags,
     choices,
@@ -325,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
                          f"{run.model_name}")
     if args.context > 1 and run.routed_experts[0]:
         p.error("--context plans dense models' meshes (no expert shards); this config is a mixture of experts")
-    cluster = CLUSTERS[args.cluster]
+    cluster = jax_memory(CLUSTERS[args.cluster])  # what a megajax step can use of each GPU's memory
     if run.model.fp8 and not cluster.fp8_peak_flops:
         raise SystemExit(f"error: train.precision=fp8: --cluster={args.cluster}'s GPUs have no FP8 tensor cores; plan "
                          f"it on {', '.join(n for n, c in CLUSTERS.items() if c.fp8_peak_flops)} or in bf16")
@@ -356,7 +368,8 @@ def main(argv: list[str] | None = None) -> None:
     total = parameters_per_gpu(run)[0]
     active = run.model_spec.active_parameters(run.model, total)
     print(f"{args.config}: {total:,} parameters{f' ({active:,} active per token)' if active != total else ''}, "
-          f"{args.gpus} GPUs on {cluster.name}, global batch {batch}")
+          f"{args.gpus} GPUs on {cluster.name} ({cluster.hbm_bytes / GiB:.1f} GiB each: JAX's allocator's share, "
+          f"{MEMORY_FRACTION_VARIABLE}), global batch {batch}")
     print(format_table(table, best))
     if args.json:
         print(plan_json(best or min(table, key=lambda p: p.memory_bytes)))
