@@ -6,6 +6,7 @@
     python eval.py --checkpoint=runs/355m --task=generate --prompt="def main(" --top_p=0.9
     python eval.py --checkpoint=runs/bert --task=mlm [--data=PREFIX]          # BERT: MLM loss/accuracy, SOP
     python eval.py --checkpoint=runs/mnli --task=mnli [--data=glue/MNLI]     # fine-tuned: mnli qqp squad1 squad2 race
+    python eval.py --checkpoint=runs/dpo --task=dpo --reference=runs/sft --data=pairs.jsonl  # preference pairs
     ... --mesh=2x4 --output=results.json --tokenizer=gpt2/
 
 ``--cpu_devices=N`` simulates N devices on a CPU host.
@@ -43,7 +44,13 @@ def main(argv=None):
     for flag, what in (("sft_skip_bad_rows", "skip rows that make no example (counted)"),
                        ("sft_truncate", "cut examples longer than the model's rows (counted)")):
         p.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None,
-                       help=f"sft: {what}; default: as the checkpoint's run trained (its data.{flag})")
+                       help=f"sft, dpo: {what}; default: as the checkpoint's run trained (its data.{flag})")
+    p.add_argument("--reference", help="dpo: the frozen reference checkpoint the policy (--checkpoint) is compared "
+                                       "with, the model it was tuned from")
+    p.add_argument("--dpo_loss", choices=("sigmoid", "ipo", "hinge"), default=None,
+                   help="dpo: TRL's loss (default sigmoid)")
+    p.add_argument("--dpo_beta", type=float, default=None, help="dpo: beta (default 0.1)")
+    p.add_argument("--dpo_label_smoothing", type=float, default=None, help="dpo: the sigmoid loss's (default 0)")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--stride", type=int, default=None,
                    help="wikitext103/ppl: windows start every STRIDE tokens and each one after the first scores "
@@ -87,7 +94,9 @@ def main(argv=None):
             batch_size=args.batch_size, stride=args.stride,
             max_new_tokens=args.max_new_tokens, seed=args.seed, output=args.output, sampling=sampling,
             predictions=args.predictions, null_score_diff_threshold=args.null_score_diff_threshold,
-            overwrite=args.overwrite, sft_skip_bad_rows=args.sft_skip_bad_rows, sft_truncate=args.sft_truncate)
+            overwrite=args.overwrite, sft_skip_bad_rows=args.sft_skip_bad_rows, sft_truncate=args.sft_truncate,
+            reference=args.reference, dpo_loss=args.dpo_loss, dpo_beta=args.dpo_beta,
+            dpo_label_smoothing=args.dpo_label_smoothing)
     except InputError as e:  # raised before the model is loaded: usage, not a traceback
         p.error(str(e))
     except USER_ERRORS as e:  # a path, a checkpoint, a config: what to change, not a traceback

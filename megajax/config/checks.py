@@ -10,6 +10,7 @@ import dataclasses
 from megajax.config.data_checks import check_packing
 from megajax.config.run import RunSpec
 from megajax.config.settings import LossScaleSettings, OptimizerSettings
+from megajax.data.settings import PREFERENCE
 from megajax.errors import ConfigError
 from megajax.parallel.pipeline import CIRCULAR, GPIPE, ONE_F_ONE_B, SCHEDULES
 
@@ -54,6 +55,7 @@ def checked(run: RunSpec, num_devices: int, training: bool = True) -> RunSpec:
     if not training:  # the batch in one step: nothing else is checked of it
         return dataclasses.replace(run, train=dataclasses.replace(run.train, micro_batch_size=0))
     _check_training(run)
+    _check_preference(run)
     _check_pipeline_microbatches(run)
     return run
 
@@ -180,3 +182,17 @@ def _check_optimizer(o: OptimizerSettings, s: LossScaleSettings) -> None:
     _require(s.initial > 0 and 0 < s.min_scale <= s.initial and s.growth_interval >= 1 and s.hysteresis >= 1,
              f"loss_scale needs initial > 0, min_scale in (0, initial], growth_interval >= 1 and hysteresis >= 1; "
              f"got {s.initial}, {s.min_scale}, {s.growth_interval}, {s.hysteresis}")
+
+
+def _check_preference(run: RunSpec) -> None:
+    """ConfigError where ``data.source=preference`` has no loss or no reference model to compare with."""
+    if run.data.source != PREFERENCE:
+        return
+    try:
+        run.dpo.preference_loss.check()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _require(run.data.pairs_per_row >= 1, f"data.pairs_per_row={run.data.pairs_per_row} must be >= 1")
+    _require(bool(run.dpo.reference or run.init_from), "data.source=preference compares the policy with a frozen "
+             "reference model and this run has none: set --config.init_from=CHECKPOINT (the model to tune, also the "
+             "reference) or --config.dpo.reference=CHECKPOINT")

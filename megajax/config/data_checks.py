@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from megajax.data.settings import DataSource
+from megajax.data.settings import FILE_SOURCES, DataSource
 from megajax.errors import ConfigError
 from megajax.models import MODELS, ModelSpec, task_models
 
@@ -14,10 +14,11 @@ from megajax.models import MODELS, ModelSpec, task_models
 def check_packing(spec: ModelSpec, d: DataSource | ml_collections.ConfigDict) -> None:
     """ConfigError where ``data.document_masking`` (or its options) or ``data.source=sft`` asks for packed rows the
     model does not read."""
-    if (d.document_masking or d.source == "sft") and (spec.objective.packed_fields is None or spec.examples is None):
-        if d.source == "sft":
-            raise ConfigError(f"data.source=sft fine-tunes a decoder on packed rows; model.name={spec.name} reads "
-                              "none: fine-tune a decoder (gpt, llama, moe)")
+    if (d.document_masking or d.source in FILE_SOURCES) and (spec.objective.packed_fields is None
+                                                             or spec.examples is None):
+        if d.source in FILE_SOURCES:
+            raise ConfigError(f"data.source={d.source} fine-tunes a decoder on packed rows; model.name={spec.name} "
+                              "reads none: fine-tune a decoder (gpt, llama, moe)")
         raise ConfigError(f"data.document_masking packs documents into a decoder's windows; model.name={spec.name} "
                           "reads no packed rows: set data.document_masking=False")
     if d.eod_mask_loss and not d.document_masking:
@@ -29,14 +30,15 @@ def check_data(spec: ModelSpec, d: DataSource | ml_collections.ConfigDict) -> No
     """ConfigError where the model and its data (``config.data`` or the run's ``DataSource``) do not fit: a
     tokenizer the source would not read, document masking of a source without documents, a blend or corpus for a
     task model, a task another model trains, a source without the sentences the model's examples need."""
-    if d.tokenizer and d.source not in ("tfds", "task", "sft"):  # it would be silently unused
-        raise ConfigError(f"data.tokenizer={d.tokenizer!r} is read with data.source=tfds, task or sft; data.source="
+    if d.tokenizer and d.source not in ("tfds", "task", *FILE_SOURCES):  # it would be silently unused
+        raise ConfigError(f"data.tokenizer={d.tokenizer!r} is read with data.source=tfds, task, sft or preference; "
+                          f"data.source="
                           f"{d.source} brings its own (a preprocessed dataset's PREFIX.tokenizer.json, the default "
                           "corpus's): leave data.tokenizer empty")
-    if d.document_masking and d.source in ("random", "sft"):  # it would change nothing
+    if d.document_masking and d.source in ("random", *FILE_SOURCES):  # it would change nothing
         raise ConfigError("data.document_masking masks attention at a corpus's document ends; " + (
             "data.source=random draws uniform tokens with no documents" if d.source == "random" else
-            "data.source=sft packs each example as a document of its row already") + ": set "
+            f"data.source={d.source} packs each example as a document of its row already") + ": set "
             "data.document_masking=False")
     if d.blend:
         if spec.examples is None:

@@ -106,6 +106,7 @@ def base_config(model: str = GPT) -> ml_collections.ConfigDict:
     ))
     c.data = ml_collections.ConfigDict(dict(
         # default (stdlib corpus, offline) | indexed (data.path=PREFIX) | tfds | random | task | sft (data.path=JSONL)
+        # | preference (data.path=JSONL: direct preference optimisation, the dpo section)
         source="default",
         path="",  # indexed: the prefix written by python -m megajax.data.preprocess
         tokenizer="",  # tfds, task: tokenizer.json, a GPT-2 BPE directory or a vocab.txt
@@ -145,10 +146,18 @@ def base_config(model: str = GPT) -> ml_collections.ConfigDict:
         sft_packing=True,
         sft_truncate=False,
         sft_skip_bad_rows=False,
+        # source=preference (data.path=FILE.jsonl of prompt / chosen / rejected rows, data.tokenizer as sft;
+        # megajax.data.preference): up to this many pairs packed in a row, each pair's two completions beside each
+        # other; sft_truncate (each completion cut to half a row) and sft_skip_bad_rows as for sft
+        pairs_per_row=1,
         # Recorded, not set: training writes here its data's tokenizer's vocabulary fingerprint (a sha256), stored
         # with each checkpoint; resuming, fine-tuning and evaluation refuse a tokenizer or dataset that differs.
         tokenizer_fingerprint="",
     ))
+    # data.source=preference (megajax.models.preference): TRL's DPO losses, sigmoid (Rafailov et al. 2023) | ipo |
+    # hinge, their beta and the sigmoid loss's label smoothing; the frozen reference model's checkpoint ("": the
+    # init_from one), its log-probabilities of every pair computed before the first step
+    c.dpo = ml_collections.ConfigDict(dict(beta=0.1, loss="sigmoid", label_smoothing=0.0, reference=""))
     return c
 
 

@@ -38,6 +38,11 @@ ADDED_FIELDS = {
     ("data", "sft_packing"): True,
     ("data", "sft_truncate"): False,
     ("data", "sft_skip_bad_rows"): False,
+    ("data", "pairs_per_row"): 1,
+    ("dpo", "beta"): 0.1,  # read only with data.source=preference, which came with them
+    ("dpo", "loss"): "sigmoid",
+    ("dpo", "label_smoothing"): 0.0,
+    ("dpo", "reference"): "",
 }
 # config.model fields every family's section held before each family had its own config type, with the value they
 # held in a family that does not have them (GPT's num_token_types, Llama's unused activation)

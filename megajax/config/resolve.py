@@ -22,13 +22,14 @@ from megajax.config.migrate import drop_shared_model_fields, migrate_config
 from megajax.config.run import FP8_PRECISION, PRECISION_DTYPES, RunSpec, StoredRun, cut_data, splits_sequence
 from megajax.config.settings import (
     checkpoint_settings,
+    dpo_settings,
     loss_scale_settings,
     optimizer_settings,
     settings_from,
     train_settings,
 )
-from megajax.data.settings import DataSettings, DataSource
-from megajax.data.sft import default_seq_len
+from megajax.data import preference, sft
+from megajax.data.settings import PREFERENCE, DataSettings, DataSource
 from megajax.errors import ConfigError
 from megajax.models import MODELS, TransformerConfig, model_spec
 from megajax.parallel.mesh import MeshShape
@@ -154,8 +155,9 @@ def model_from_init(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
     """``config``, or where its ``model.name`` is ``FROM_INIT`` a copy whose model section is its ``init_from``
     checkpoint's (a converted model's, a pretraining run's), with the section's ``max_seq_len`` (where > 0),
     ``dropout`` and ``remat``: a fine-tuning config need not restate the model. ``max_seq_len=0`` keeps the
-    checkpoint's, but for fine-tuning files (``data.source=sft``) means the longest example rounded up
-    (``data.sft.default_seq_len``), at most the checkpoint's. ConfigError without a checkpoint."""
+    checkpoint's, but for fine-tuning files (``data.source=sft``, ``preference``) means the longest example (pair)
+    rounded up (``default_seq_len`` of ``data.sft``, ``data.preference``), at most the checkpoint's. ConfigError
+    without a checkpoint."""
     if config.model.name != FROM_INIT:
         return config
     if not config.init_from:
@@ -173,8 +175,11 @@ def model_from_init(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
     if given.max_seq_len > 0:
         config.model.max_seq_len = given.max_seq_len
     elif config.data.source == "sft":  # rows as long as the file needs, not the model's whole context (131K)
-        config.model.max_seq_len = default_seq_len(config.data.path, config.data.tokenizer,
-                                                   config.data.sft_skip_bad_rows, stored.model.max_seq_len)[0]
+        config.model.max_seq_len = sft.default_seq_len(config.data.path, config.data.tokenizer,
+                                                       config.data.sft_skip_bad_rows, stored.model.max_seq_len)[0]
+    elif config.data.source == PREFERENCE:  # as long as the longest pair needs
+        config.model.max_seq_len = preference.default_seq_len(config.data.path, config.data.tokenizer,
+                                                              config.data.sft_skip_bad_rows, stored.model.max_seq_len)
     return config
 
 
@@ -191,7 +196,7 @@ def run_of(config: ml_collections.ConfigDict) -> RunSpec:
                                              parallel.pipeline_repeats, parallel.pipeline_stage_recompute),
                    data=data_source(config), train=train_settings(config), optimizer=optimizer_settings(config),
                    loss_scale=loss_scale_settings(config), checkpoint=checkpoint_settings(config),
-                   init_from=config.init_from)
+                   init_from=config.init_from, dpo=dpo_settings(config))
 
 
 def resolve(config: ml_collections.ConfigDict, num_devices: int, training: bool = True) -> RunSpec:

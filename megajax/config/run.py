@@ -15,11 +15,12 @@ import functools
 import ml_collections
 
 from megajax.checkpoint.manager import CheckpointSettings
-from megajax.config.settings import LossScaleSettings, OptimizerSettings, TrainSettings
-from megajax.data.settings import DataSettings, DataSource
+from megajax.config.settings import DPOSettings, LossScaleSettings, OptimizerSettings, TrainSettings
+from megajax.data.settings import PREFERENCE, DataSettings, DataSource
 from megajax.errors import ConfigError, ShardingConfigError
 from megajax.models import ModelSpec, TransformerConfig, model_spec
-from megajax.models.objectives import Field
+from megajax.models.objectives import Field, Objective
+from megajax.models.preference import preference_objective
 from megajax.models.spec import LayerKind, Stack
 from megajax.parallel.mesh import MeshShape
 from megajax.parallel.sharding import (
@@ -112,6 +113,7 @@ class RunSpec:
     loss_scale: LossScaleSettings
     checkpoint: CheckpointSettings
     init_from: str  # a checkpoint whose trunk starts the run ("": none)
+    dpo: DPOSettings  # read with data.source=preference
 
     def with_tokenizer_fingerprint(self, fingerprint: str) -> RunSpec:
         """This run with its data's tokenizer fingerprint recorded (stored with each checkpoint)."""
@@ -186,11 +188,24 @@ class RunSpec:
         return kind.exchange_rows(self.model, rows, expert) if kind else 0
 
     @property
+    def objective(self) -> Objective:
+        """What the run trains: its model's objective, or with ``data.source=preference`` direct preference
+        optimisation of it (``models.preference``)."""
+        if self.data.source == PREFERENCE:
+            return preference_objective(self.dpo.preference_loss, self.data.pairs_per_row)
+        return self.model_spec.objective
+
+    @property
+    def perplexity_of(self) -> str | None:
+        """The validation metric whose exp is the perplexity (the model's; none of a preference loss)."""
+        return None if self.data.source == PREFERENCE else self.model_spec.perplexity_of
+
+    @property
     def batch_fields(self) -> dict[str, Field]:
         """The step's batch: its objective's fields at the model's sequence length, packed rows' where
         ``data.document_masking`` (``megajax.data.documents``)."""
         packed = self.data.packed
-        return self.model_spec.objective.batch_fields(self.model.max_seq_len, packed)
+        return self.objective.batch_fields(self.model.max_seq_len, packed)
 
     @property
     def parallel_context(self) -> ParallelContext:
@@ -215,6 +230,7 @@ class RunSpec:
             "loss_scale": dataclasses.asdict(self.loss_scale),
             "optimizer": dataclasses.asdict(self.optimizer),
             "data": dataclasses.asdict(self.data),
+            "dpo": dataclasses.asdict(self.dpo),
         })
 
     @property

@@ -1,5 +1,6 @@
 """The training sections of a RunSpec (``config.train``, ``config.optimizer``, ``config.loss_scale``,
-``config.checkpoint``) as frozen settings, built once by ``config.resolve.resolve`` from the config's fields."""
+``config.checkpoint``, ``config.dpo``) as frozen settings, built once by ``config.resolve.resolve`` from the config's
+fields."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import ml_collections
 
 from megajax.checkpoint.manager import CheckpointSettings
+from megajax.models.preference import PreferenceLoss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +58,22 @@ class LossScaleSettings:
     min_scale: float
 
 
+@dataclasses.dataclass(frozen=True)
+class DPOSettings:
+    """``config.dpo``: direct preference optimisation's loss and its frozen reference model (read with
+    ``data.source=preference``)."""
+
+    beta: float
+    loss: str
+    label_smoothing: float
+    reference: str  # the reference model's checkpoint ("": the run's init_from)
+
+    @property
+    def preference_loss(self) -> PreferenceLoss:
+        """What the objective computes (``models.preference.PreferenceLoss``)."""
+        return PreferenceLoss(self.beta, self.loss, self.label_smoothing)
+
+
 def settings_from(cls: type, section: ml_collections.ConfigDict, **given: Any) -> Any:
     """``cls`` (a frozen settings type) from the fields of ``section`` it declares, but those ``given``."""
     return cls(**{f.name: section[f.name] for f in dataclasses.fields(cls) if f.name not in given}, **given)
@@ -74,6 +92,11 @@ def optimizer_settings(config: ml_collections.ConfigDict) -> OptimizerSettings:
 def loss_scale_settings(config: ml_collections.ConfigDict) -> LossScaleSettings:
     """``config.loss_scale`` as the frozen settings the RunSpec carries."""
     return settings_from(LossScaleSettings, config.loss_scale)
+
+
+def dpo_settings(config: ml_collections.ConfigDict) -> DPOSettings:
+    """``config.dpo`` as the frozen settings the RunSpec carries."""
+    return settings_from(DPOSettings, config.dpo)
 
 
 def checkpoint_settings(config: ml_collections.ConfigDict) -> CheckpointSettings:

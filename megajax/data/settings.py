@@ -36,13 +36,18 @@ class DataSource:
     sft_packing: bool
     sft_truncate: bool
     sft_skip_bad_rows: bool
+    pairs_per_row: int  # source=preference
     tokenizer_fingerprint: str  # recorded by training: the data's tokenizer's vocabulary fingerprint
 
     @property
     def packed(self) -> bool:
         """Whether the batches are packed rows (``megajax.data.documents``): windows with document masking, or
-        fine-tuning examples (``data.source=sft``)."""
-        return self.document_masking or self.source == "sft"
+        fine-tuning examples (``data.source=sft``, ``preference``)."""
+        return self.document_masking or self.source in FILE_SOURCES
+
+
+SFT, PREFERENCE = "sft", "preference"
+FILE_SOURCES = (SFT, PREFERENCE)  # a decoder's fine-tuning rows, from a JSONL file read with data.tokenizer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -209,50 +209,60 @@ class SFTData:
                 "chat_template": self.chat_template}
 
 
-def _file(path: str, tokenizer: str, skip_bad: bool) -> tuple[TextTokenizer, ChatTemplate, list[Example], list[str]]:
-    """The tokenizer, the chat template and the file's examples (and skipped rows); read once per file state, since
-    resolving a run (``default_seq_len``) and loading its data both need them."""
+def fine_tuning_file(path: str, tokenizer: str, skip_bad: bool, source: str = "sft",
+                     read: Callable = read_examples) -> tuple[TextTokenizer, ChatTemplate, tuple, tuple]:
+    """The tokenizer, the chat template and a fine-tuning file's items (``read``: ``read_examples``, or preference
+    pairs) and skipped rows; read once per file state, since resolving a run (``default_seq_len``) and loading its
+    data both need them. ``source``: the ``data.source`` the messages name."""
     if not path:
-        raise ConfigError("data.source=sft reads a JSONL file: set --config.data.path=FILE.jsonl")
+        raise ConfigError(f"data.source={source} reads a JSONL file: set --config.data.path=FILE.jsonl")
     p = check_file(path, f"data.path={path}")
     if not tokenizer:
-        raise ConfigError("data.source=sft needs --config.data.tokenizer=tokenizer.json (the model's tokenizer; its "
-                          "folder's chat template renders chat rows)")
+        raise ConfigError(f"data.source={source} needs --config.data.tokenizer=tokenizer.json (the model's tokenizer; "
+                          "its folder's chat template renders chat rows)")
     stat = p.stat()
-    return _read_file(str(p.resolve()), stat.st_mtime_ns, stat.st_size, path, tokenizer, skip_bad)
+    return _read_file(str(p.resolve()), stat.st_mtime_ns, stat.st_size, path, tokenizer, skip_bad, read)
 
 
 @functools.lru_cache(maxsize=2)
-def _read_file(resolved: str, mtime: int, size: int, path: str, tokenizer: str, skip_bad: bool):
+def _read_file(resolved: str, mtime: int, size: int, path: str, tokenizer: str, skip_bad: bool, read: Callable):
     try:
         tok = load_tokenizer(tokenizer)
     except (OSError, ValueError) as e:
         raise ConfigError(f"data.tokenizer={tokenizer!r}: {e}") from None
     template = read_chat_template(tokenizer)
-    examples, skipped = read_examples(path, tok, template, skip_bad)
-    return tok, template, tuple(examples), tuple(skipped)
+    items, skipped = read(path, tok, template, skip_bad)
+    return tok, template, tuple(items), tuple(skipped)
 
 
 def default_seq_len(path: str, tokenizer: str, skip_bad: bool, limit: int) -> tuple[int, int]:
     """(the sequence length ``model.max_seq_len=0`` means for a fine-tuning file, the longest example's tokens):
     the longest example's inputs (its tokens less the last) rounded up to a multiple of ``SEQ_MULTIPLE``, at most
     ``limit`` (the model's own; an example longer than that is refused or cut when the rows are packed)."""
-    examples = _file(path, tokenizer, skip_bad)[2]
+    examples = fine_tuning_file(path, tokenizer, skip_bad)[2]
     longest = max((len(ex.prompt) + len(ex.completion) for ex in examples), default=1)
     return min(limit, -(-(longest - 1) // SEQ_MULTIPLE) * SEQ_MULTIPLE or SEQ_MULTIPLE), longest
+
+
+def split_file(d: DataSettings, source: str = "sft", read: Callable = read_examples, item: str = "example"):
+    """(tokenizer, chat template, training items, held-out items, skipped rows) of ``data.path``
+    (``fine_tuning_file``), the last ``data.valid_fraction`` of them held out; ConfigError where the tokenizer
+    outgrows the model or nothing is left to train on."""
+    tok, template, items, skipped = fine_tuning_file(d.path, d.tokenizer, d.sft_skip_bad_rows, source, read)
+    if tok.vocab_size > d.vocab_size:
+        raise ConfigError(f"data.tokenizer has {tok.vocab_size} ids but model.vocab_size={d.vocab_size}: use the "
+                          "model's tokenizer")
+    valid = round(len(items) * d.valid_fraction) if d.valid_fraction > 0 else 0
+    if len(items) == valid:
+        raise ConfigError(f"data.path={d.path} holds no {item} to train on ({len(skipped)} rows skipped)")
+    return tok, template, list(items[:len(items) - valid]), list(items[len(items) - valid:]), skipped
 
 
 def load_sft(d: DataSettings) -> SFTData:
     """``data.path``'s examples with ``data.tokenizer``, the last ``data.valid_fraction`` of them for validation,
     packed for the model's ``max_seq_len``; ConfigError naming the field or line to change."""
-    tok, template, examples, skipped = _file(d.path, d.tokenizer, d.sft_skip_bad_rows)
-    if tok.vocab_size > d.vocab_size:
-        raise ConfigError(f"data.tokenizer has {tok.vocab_size} ids but model.vocab_size={d.vocab_size}: use the "
-                          "model's tokenizer")
-    valid = round(len(examples) * d.valid_fraction) if d.valid_fraction > 0 else 0
-    train_ex, valid_ex = list(examples[:len(examples) - valid]), list(examples[len(examples) - valid:])
-    if not train_ex:
-        raise ConfigError(f"data.path={d.path} holds no example to train on ({len(skipped)} rows skipped)")
+    tok, template, train_ex, valid_ex, skipped = split_file(d)
+    examples = train_ex + valid_ex
     args = (d.max_seq_len, tok.eod_id, d.sft_packing, d.sft_truncate, f"data.path={d.path}")
     train = pack(train_ex, *args)
     digest = hashlib.sha256(train.fields["tokens"].tobytes() + train.fields["loss_weights"].tobytes()).hexdigest()

@@ -22,7 +22,8 @@ from megajax.data.formats import ExampleFormat
 from megajax.data.gpt_dataset import split_by_documents
 from megajax.data.indexed import META, IndexedTokens
 from megajax.data.loader import Batches, Loader
-from megajax.data.settings import DataSettings
+from megajax.data.preference import PreferenceData, load_preference
+from megajax.data.settings import PREFERENCE, DataSettings
 from megajax.data.sft import SFTBatches, SFTData, load_sft
 from megajax.data.tasks.batches import TrainBatches
 from megajax.data.tasks.task_data import TaskData, load_task
@@ -63,7 +64,7 @@ def check_ids_fit(tokens: np.ndarray, meta: dict, vocab_size: int, what: str) ->
 CONVERTED = "converted"
 
 
-Data = IndexedTokens | TaskData | BlendedData | SFTData
+Data = IndexedTokens | TaskData | BlendedData | SFTData | PreferenceData
 
 
 def load_dataset(d: DataSettings, examples: ExampleFormat | None) -> Data:
@@ -97,6 +98,8 @@ def load_dataset(d: DataSettings, examples: ExampleFormat | None) -> Data:
         return load_task(d)
     if d.source == "sft":
         return load_sft(d)
+    if d.source == PREFERENCE:
+        return load_preference(d)
     if d.source == "default":  # the model's offline corpus (formats.WINDOWS, formats.SENTENCE_PAIRS)
         data = examples.default_corpus(vocab)[0]
     elif d.source == "indexed":
@@ -111,7 +114,7 @@ def load_dataset(d: DataSettings, examples: ExampleFormat | None) -> Data:
         tokens = np.random.default_rng(d.seed).integers(0, vocab, 1 << 20, dtype=np.int32)
         return IndexedTokens(tokens, np.arange(0, len(tokens) + 1, 1024), {"vocab_size": vocab})
     else:
-        raise ConfigError(f"data.source={d.source!r}; choose default, indexed, tfds, random, task or sft")
+        raise ConfigError(f"data.source={d.source!r}; choose default, indexed, tfds, random, task, sft or preference")
     check_ids_fit(data.tokens, data.meta, vocab, f"the dataset of data.source={d.source}")
     return data
 
@@ -122,7 +125,7 @@ def trained_tokenizer(d: DataSettings, examples: ExampleFormat | None) -> str:
     KeyError / OSError / ValueError where the data's record of it cannot be read."""
     if d.source == "default" and examples is not None:  # the model's own offline corpus
         return str(examples.default_corpus(d.vocab_size)[1])
-    if d.source in (CONVERTED, "tfds", "sft", "task"):
+    if d.source in (CONVERTED, "tfds", "sft", PREFERENCE, "task"):
         return d.tokenizer
     if d.source == "indexed" and d.path:  # the sidecar names the tokenizer; the token files are not needed
         return json.loads(pathlib.Path(f"{d.path}{META}").read_text())["tokenizer"]
@@ -134,7 +137,7 @@ def tokenizer_fingerprint(data: Data) -> str:
     blend's datasets share one), or "" when unknown (random tokens, synthetic tasks, older datasets)."""
     if isinstance(data, BlendedData):
         return data.datasets[0].tokenizer_fingerprint()
-    if isinstance(data, TaskData | SFTData):
+    if isinstance(data, TaskData | SFTData | PreferenceData):
         return data.tokenizer_fingerprint
     return data.tokenizer_fingerprint()
 
@@ -159,14 +162,15 @@ def make_loader(d: DataSettings, examples: ExampleFormat | None, split: str = "t
     data = load_dataset(d, examples) if data is None else data
     if isinstance(data, TaskData):  # fine-tuning: shuffled rows of the split (validation reads its first batches)
         return Loader(TrainBatches(data.train if split == "train" else data.valid, d.global_batch_size, d.seed))
-    if isinstance(data, SFTData):  # packed examples, shuffled per epoch (validation reads its first batches)
+    if isinstance(data, SFTData | PreferenceData):  # packed rows, shuffled per epoch (validation: its first)
         rows = data.train if split == "train" else data.valid
         if len(rows) < (d.global_batch_size if split == "train" else 1):
-            raise ConfigError(f"data.path={d.path}: the {split} split's {rows.examples} examples pack into "
+            what = "pairs" if isinstance(data, PreferenceData) else "examples"
+            raise ConfigError(f"data.path={d.path}: the {split} split's {rows.examples} {what} pack into "
                               f"{len(rows)} rows of {d.max_seq_len + 1} tokens (model.max_seq_len={d.max_seq_len} "
                               f"+ 1) and one step needs train.global_batch_size={d.global_batch_size}; "
                               + (_split_hint(split, d) if split == "valid" else "use more examples or a smaller "
-                                 "train.global_batch_size (or, with several examples a row, a smaller "
+                                 f"train.global_batch_size (or, with several {what} a row, a smaller "
                                  "model.max_seq_len)"))
         return Loader(SFTBatches(rows, d.global_batch_size, d.seed, data.fingerprint))
     if isinstance(data, BlendedData):  # each dataset split alike, then mixed by weight

@@ -35,6 +35,11 @@ class Request:
     # fine-tuning rows (tasks with ``sft_rows``): skip bad rows, cut over-long examples; None: as the run trained
     sft_skip_bad_rows: bool | None = None
     sft_truncate: bool | None = None
+    # preference pairs (tasks with ``reference``): the frozen reference checkpoint, the loss (None: TRL's defaults)
+    reference: str | None = None
+    dpo_loss: str | None = None
+    dpo_beta: float | None = None
+    dpo_label_smoothing: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +65,8 @@ class EvalTask:
     ``predictions``: the task writes ``--predictions``, and ``extra_files(path)`` names (path, what it is) of the
     files it writes beside it. ``null_threshold``: it takes ``--null_score_diff_threshold``. ``sft_rows``: it reads
     fine-tuning rows and takes ``--sft_skip_bad_rows`` / ``--sft_truncate``. ``streams``: it prints its own output
-    as it goes, and its results are not printed as JSON.
+    as it goes, and its results are not printed as JSON. ``reference``: it compares the checkpoint with a
+    ``--reference`` one and takes the ``--dpo_*`` flags.
     """
 
     name: str
@@ -72,6 +78,7 @@ class EvalTask:
     null_threshold: bool = False
     sft_rows: bool = False
     streams: bool = False
+    reference: bool = False
 
     def stride(self, given: int | None, seq_len: int) -> int | None:
         """The sliding-window stride the task uses: as given, else its default; None for tasks without windows

@@ -13,7 +13,13 @@ import jax
 from megajax.config import StoredRun
 from megajax.config.load import inference_config, read_stored_run, restore_model
 from megajax.errors import ShardingConfigError
-from megajax.evaluation import downstream_tasks, inputs, sft_task, tasks  # noqa: F401 - they register eval.py's tasks
+from megajax.evaluation import (  # noqa: F401 - they register eval.py's tasks
+    downstream_tasks,
+    dpo_task,
+    inputs,
+    sft_task,
+    tasks,
+)
 from megajax.evaluation.generate import Sampling
 from megajax.evaluation.registry import EVAL_TASKS, EvalTask, Loaded, Request, names_where
 from megajax.models import eval_task_models
@@ -60,7 +66,8 @@ def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | No
         batch_size: int = 8, stride: int | None = None, max_new_tokens: int = 64, sampling: Sampling | None = None,
         seed: int = 0, output: str | None = None, predictions: str | None = None,
         null_score_diff_threshold: float | None = None, overwrite: bool = False,
-        sft_skip_bad_rows: bool | None = None, sft_truncate: bool | None = None) -> dict:
+        sft_skip_bad_rows: bool | None = None, sft_truncate: bool | None = None, reference: str | None = None,
+        dpo_loss: str | None = None, dpo_beta: float | None = None, dpo_label_smoothing: float | None = None) -> dict:
     """Runs ``task`` on ``checkpoint``; prints and (with ``output``) writes the JSON results.
 
     ``stride`` (wikitext103 and ppl only): windows start every ``stride`` tokens and each window after the first
@@ -70,12 +77,15 @@ def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | No
     ``{question id: answer text}`` ("" = no answer; squad2 also writes its null odds beside it, named in the results'
     ``null_odds_file``), other tasks per split (id -> label or option letter). ``null_score_diff_threshold``
     (squad2, default 0): answer "" where the null odds exceed it. ``sft_skip_bad_rows`` / ``sft_truncate``
-    (``--task=sft``; None: as the checkpoint's run trained): skip bad rows, cut over-long examples. The output
+    (``--task=sft``, ``dpo``; None: as the checkpoint's run trained): skip bad rows, cut over-long examples.
+    ``reference`` (``--task=dpo``): the frozen reference checkpoint; ``dpo_loss`` / ``dpo_beta`` /
+    ``dpo_label_smoothing`` the preference loss (None: TRL's sigmoid, 0.1, 0). The output
     files go where ``megajax.outputs.claim_file`` allows (never on or in an input, a checkpoint or a dataset; an
     existing results file only with ``overwrite``). Input mistakes raise ``InputError`` before the model is loaded.
     """
     request = Request(data, prompt, tokenizer, stride, batch_size, max_new_tokens, sampling or Sampling(), seed,
-                      null_score_diff_threshold, predictions, sft_skip_bad_rows, sft_truncate)
+                      null_score_diff_threshold, predictions, sft_skip_bad_rows, sft_truncate, reference, dpo_loss,
+                      dpo_beta, dpo_label_smoothing)
     try:
         MeshShape(-1 if mesh_data is None else mesh_data, 1 if mesh_model is None else mesh_model,
                   expert=1 if mesh_expert is None else mesh_expert)  # its degrees checked before any input is read
@@ -88,11 +98,17 @@ def run(checkpoint: str, task: str, *, data: str | None = None, prompt: str | No
         for flag, value in (("sft_skip_bad_rows", sft_skip_bad_rows), ("sft_truncate", sft_truncate)):
             if value is not None and not chosen.sft_rows:
                 raise inputs.InputError(f"--{flag} applies to --task={' or '.join(names_where(lambda t: t.sft_rows))}")
+        given = {"reference": reference, "dpo_loss": dpo_loss, "dpo_beta": dpo_beta,
+                 "dpo_label_smoothing": dpo_label_smoothing}
+        for flag, value in given.items():
+            if value is not None and not chosen.reference:
+                raise inputs.InputError(f"--{flag} applies to --task={' or '.join(names_where(lambda t: t.reference))}")
         stored = read_stored_run(checkpoint)  # its model and training data, for every check below
         # what the task reads: the flags', and the data the checkpoint was trained on (a task's default data)
         trained_on = stored.dataset
         _claim_outputs(output, predictions, chosen, overwrite, read=[checkpoint, data, tokenizer, trained_on.path,
-                                                                     trained_on.task_dir, trained_on.tokenizer])
+                                                                     trained_on.task_dir, trained_on.tokenizer,
+                                                                     reference])
         task_input, request = _read(chosen, stored, request)
     except inputs.InputError:
         raise

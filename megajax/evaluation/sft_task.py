@@ -15,7 +15,7 @@ import numpy as np
 from megajax.config import StoredRun
 from megajax.data.sft import Example, pack, read_examples
 from megajax.data.tokenizer import TextTokenizer
-from megajax.data.tokenizer_folder import read_chat_template
+from megajax.data.tokenizer_folder import ChatTemplate, read_chat_template
 from megajax.evaluation import inputs
 from megajax.evaluation.evaluator import Evaluator
 from megajax.evaluation.generate import Sampling, generate
@@ -37,24 +37,43 @@ class SFTInput:
     chat_template: str
 
 
-def _flag(name: str) -> str:
+def flag(name: str) -> str:
+    """How eval.py spells a row-reading option (``--sft_truncate``)."""
     return f"--{name}"
 
 
-def _read(stored: StoredRun, request: Request) -> SFTInput:
+@dataclasses.dataclass(frozen=True)
+class RowReading:
+    """How a held-out fine-tuning file is read: the tokenizer, its chat template, whether bad rows are skipped and
+    over-long ones cut (as the checkpoint's run trained, unless the flags say otherwise), and the file's name in
+    messages."""
+
+    tokenizer: TextTokenizer
+    template: ChatTemplate
+    skip: bool
+    truncate: bool
+    what: str
+
+
+def row_reading(stored: StoredRun, request: Request, task: str, rows: str) -> RowReading:
+    """``RowReading`` of ``request.data`` for ``--task=task`` (``rows``: what its rows hold, for the message)."""
     if not request.data:
-        raise inputs.InputError("--task=sft needs --data=FILE.jsonl (prompt / completion or chat rows)")
+        raise inputs.InputError(f"--task={task} needs --data=FILE.jsonl ({rows})")
     tok = inputs.tokenizer_for(stored, request.tokenizer)
     inputs.check_tokenizer(tok, stored)
-    trained = stored.dataset  # read as the run read its training file, unless the flags say otherwise
+    trained = stored.dataset
     skip = trained.sft_skip_bad_rows if request.sft_skip_bad_rows is None else request.sft_skip_bad_rows
     truncate = trained.sft_truncate if request.sft_truncate is None else request.sft_truncate
-    template = read_chat_template(tok.source)
-    what = f"--data={request.data}"
-    examples, skipped = read_examples(request.data, tok, template, skip, what, _flag)
+    return RowReading(tok, read_chat_template(tok.source), skip, truncate, f"--data={request.data}")
+
+
+def _read(stored: StoredRun, request: Request) -> SFTInput:
+    reading = row_reading(stored, request, "sft", "prompt / completion or chat rows")
+    tok, template, truncate, what = reading.tokenizer, reading.template, reading.truncate, reading.what
+    examples, skipped = read_examples(request.data, tok, template, reading.skip, what, flag)
     if not examples:
         raise inputs.InputError(f"{what} holds no example ({len(skipped)} rows skipped)")
-    pack(examples, stored.model.max_seq_len, tok.eod_id, True, truncate, what, _flag)  # refuses what does not fit
+    pack(examples, stored.model.max_seq_len, tok.eod_id, True, truncate, what, flag)  # refuses what does not fit
     return SFTInput(examples, request.data, tok, truncate, len(skipped), template.source)
 
 

@@ -48,6 +48,10 @@ class Objective:
     # seq_len -> the fields of packed rows (``megajax.data.documents``), which the loss reads where they are in the
     # batch; None: the objective takes no packed rows
     packed_fields: Callable[[int], dict[str, Field]] | None = None
+    # batch -> what the loss's mean over it counts (packed rows' weighted targets, preference pairs), so the step
+    # weighs each micro-batch by its share; None: every row counts alike
+    counted: Callable[[Batch], jax.Array | None] = lambda batch: batch["loss_weights"].sum() \
+        if "loss_weights" in batch else None
 
     def batch_fields(self, seq_len: int, packed: bool) -> dict[str, Field]:
         """The fields of a batch of ``seq_len`` tokens per row, packed (``data.document_masking``) or not;
@@ -70,14 +74,18 @@ def documents(batch: Batch) -> dict[str, jax.Array]:
     return {k: batch[k] for k in ("segments", "positions") if k in batch}
 
 
+# (B, S) fields aligned with a decoder's inputs and targets: packed rows' (``megajax.data.documents``) and each
+# target's completion under preference tuning (``models.preference``)
+TARGET_FIELDS = ("segments", "positions", "loss_weights", "completion_slots")
+
+
 def next_tokens(batch: Batch) -> Batch:
     """A decoder's batch as the model reads it: ``inputs`` and ``targets`` (B, S) from ``tokens`` (B, S + 1), with
     the packed fields; under context parallelism each row in its balanced order, with every token's position and
     the ``order`` (``megajax.parallel.context.balanced``), which the caller traces the model under
     (``sharding.positions_of``)."""
     tokens = batch["tokens"]
-    rows = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-            **{k: batch[k] for k in ("segments", "positions", "loss_weights") if k in batch}}
+    rows = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], **{k: batch[k] for k in TARGET_FIELDS if k in batch}}
     return balanced(rows)
 
 

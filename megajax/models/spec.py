@@ -194,7 +194,7 @@ class ModelSpec:
 
 
 # the eval.py tasks of a causal language model's checkpoints
-DECODER_EVAL_TASKS = ("wikitext103", "lambada", "ppl", "generate", "sft")
+DECODER_EVAL_TASKS = ("wikitext103", "lambada", "ppl", "generate", "sft", "dpo")
 
 
 def decoder_spec(name: str, config: type[TransformerConfig], module: type[nnx.Module],

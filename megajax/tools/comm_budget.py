@@ -282,7 +282,7 @@ def one_f_one_b_reads(run) -> pipelined.Reads | None:
     batch = {k: jax.ShapeDtypeStruct((rows, *f.row_shape), f.dtype) for k, f in spec.batch_fields.items()}
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), run.abstract_state.params)
     with activate(run.mesh, spec.parallel_context):
-        return pipelined.reads(spec.model_spec.objective, graphdef, params, batch)
+        return pipelined.reads(spec.objective, graphdef, params, batch)
 
 
 def gathered_shard_elements(run, reads: pipelined.Reads | None = None) -> int:

@@ -110,7 +110,7 @@ def tail_parameters(run: RunSpec) -> int:
     """Parameters one device holds of what the loss's tail reads after the layer stack (the 1F1B schedule sums
     their gradients in its tick loop): the top-level modules ``pipelined.reads`` finds in the tail's traced jaxpr
     (a tied word embedding, not an untied input one), traced once per model."""
-    key = (run.model_spec.module, run.model_spec.objective, run.model)
+    key = (run.model_spec.module, run.objective, run.model)
     if key not in _TAILS:
         graphdef, state = nnx.split(abstract_model_of(run))
         params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(state))
@@ -120,7 +120,7 @@ def tail_parameters(run: RunSpec) -> int:
         names = run.mesh.replace(pipe=2).axes
         stages = jax.sharding.AbstractMesh(tuple(2 if n == PIPE_AXIS else 1 for n in names), names)
         with activate(stages, run.parallel_context):
-            _TAILS[key] = pipelined.reads(run.model_spec.objective, graphdef, params, batch).tail
+            _TAILS[key] = pipelined.reads(run.objective, graphdef, params, batch).tail
     return sum(p.per_device for p in parameters(run) if p.module in _TAILS[key]
                and p.module not in pipelined_stacks(run.stacks))
 

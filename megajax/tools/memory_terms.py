@@ -137,7 +137,7 @@ def traced_layer_residual_bytes(run: RunSpec, micro_batch: int, scan: int = 0) -
     """
     graphdef, state = nnx.split(abstract_model_of(run))
     params = nnx.to_pure_dict(state)
-    objective = run.model_spec.objective
+    objective = run.objective
     batch = {k: jax.ShapeDtypeStruct((micro_batch, *f.row_shape), f.dtype)
              for k, f in run.batch_fields.items()}
     key = jax.random.key(0) if run.model.dropout > 0 else None

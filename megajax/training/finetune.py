@@ -43,50 +43,53 @@ def trunk_keys(spec: RunSpec) -> tuple[str, ...]:
     return tuple(nnx.to_pure_dict(nnx.state(encoder)))
 
 
-def check_init_from(spec: RunSpec) -> pathlib.Path:
-    """The resolved ``spec.init_from`` after checking that it holds a checkpoint of this model's pretrained trunk
-    (a BERT for the BERT task models) of this config's sizes; raises FileNotFoundError or CheckpointError naming
-    what differs."""
-    path = pathlib.Path(spec.init_from).expanduser().resolve()
+def check_init_from(spec: RunSpec, given: str | None = None, field: str = "init_from") -> pathlib.Path:
+    """The resolved ``spec.init_from`` (or ``given``, the config's ``field``: a preference run's reference model)
+    after checking that it holds a checkpoint of this model's pretrained trunk (a BERT for the BERT task models) of
+    this config's sizes and vocabulary; raises FileNotFoundError or CheckpointError naming what differs."""
+    given = spec.init_from if given is None else given
+    path = pathlib.Path(given).expanduser().resolve()
     if not path.exists():
-        raise FileNotFoundError(f"init_from={spec.init_from!r}: {path} does not exist; pass a pretraining run's "
+        raise FileNotFoundError(f"{field}={given!r}: {path} does not exist; pass a pretraining run's "
                                 "workdir or one of its step directories")
     trunk, config = _trunk(spec), read_run_config(path)
     name = config.model.name  # the family first: a section that is not its name's family's would not read as one
     if name not in MODELS or not issubclass(MODELS[name].module, trunk):
-        raise CheckpointError(f"init_from={spec.init_from!r} holds a model.name={name!r} checkpoint: "
+        raise CheckpointError(f"{field}={given!r} holds a model.name={name!r} checkpoint: "
                               f"fine-tuning {spec.model_name} needs one whose model is a {trunk.__name__}")
     saved = stored_run(config)
     if differences := model_differences(saved, spec, ignore=FREE_FIELDS):
         flags = " ".join(f"--config.model.{f}={ours}" for f, (ours, _) in differences.items())
-        raise CheckpointError(f"init_from={spec.init_from!r} holds a trunk unlike this config's "
+        raise CheckpointError(f"{field}={given!r} holds a trunk unlike this config's "
                               f"({describe_differences(differences)}); set {flags}")
     model = saved.model
     if model.padded_vocab_size != spec.model.padded_vocab_size:
-        raise CheckpointError(f"init_from={spec.init_from!r} has {model.padded_vocab_size} embedding rows (vocab_size "
+        raise CheckpointError(f"{field}={given!r} has {model.padded_vocab_size} embedding rows (vocab_size "
                               f"{model.vocab_size} padded to a multiple of {model.make_vocab_size_divisible_by}), "
                               f"this config {spec.model.padded_vocab_size}; set "
                               f"--config.model.make_vocab_size_divisible_by={model.make_vocab_size_divisible_by}")
     theirs, ours = saved.dataset.tokenizer_fingerprint, spec.dataset.tokenizer_fingerprint
     if theirs and ours and theirs != ours:  # same size, other words: every id would mean another token
-        raise CheckpointError(f"init_from={spec.init_from!r} was pretrained with another vocabulary than "
+        raise CheckpointError(f"{field}={given!r} was pretrained with another vocabulary than "
                               f"data.tokenizer={spec.dataset.tokenizer!r} (tokenizer fingerprints {theirs} there, "
                               f"{ours} here): fine-tune with the tokenizer of its pretraining data")
     positional = set(spec.model_spec.sequence_rows) & set(trunk_keys(spec))  # rotary: none
     if spec.model.max_seq_len > model.max_seq_len and positional:
-        raise CheckpointError(f"init_from={spec.init_from!r} has position embeddings for model.max_seq_len="
+        raise CheckpointError(f"{field}={given!r} has position embeddings for model.max_seq_len="
                               f"{model.max_seq_len}, fewer than this config's {spec.model.max_seq_len}; set "
                               f"--config.model.max_seq_len to at most {model.max_seq_len}")
     return path
 
 
-def load_trunk(spec: RunSpec, params_target: dict[str, Any]) -> dict[str, Any]:
-    """The trunk parameters of ``spec.init_from``, read into the shardings and dtypes of ``params_target``'s
+def load_trunk(spec: RunSpec, params_target: dict[str, Any], given: str | None = None,
+               field: str = "init_from") -> dict[str, Any]:
+    """The trunk parameters of ``spec.init_from`` (or of ``given``, the config's ``field``: ``check_init_from``),
+    read into the shardings and dtypes of ``params_target``'s
     matching entries (a pure dict of ShapeDtypeStructs or arrays); the shapes are checked by name. A shorter
     ``model.max_seq_len`` than pretraining's keeps the first rows of the position embeddings (fine-tuning at 128
     tokens from a 512-token BERT, as BERT's GLUE runs): the spec's ``sequence_rows``, whose rows follow the
     sequence."""
-    path = check_init_from(spec)
+    path = check_init_from(spec, given, field)
     target, saved = {k: params_target[k] for k in trunk_keys(spec)}, read_stored_run(path)
     positions = saved.model.max_seq_len
     cut = {k: target[k] for k in spec.model_spec.sequence_rows

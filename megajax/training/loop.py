@@ -39,6 +39,7 @@ from megajax.config.load import in_layout, run_config
 from megajax.data.blend import BlendedBatches
 from megajax.data.gpt_dataset import split_by_documents, unigram_entropy
 from megajax.data.loader import Loader
+from megajax.data.preference import PreferenceData
 from megajax.data.sft import SFTData
 from megajax.data.sources import BlendedData, tokenizer_fingerprint
 from megajax.data.tasks.task_data import TaskData
@@ -65,6 +66,7 @@ from megajax.training.metrics import (
 )
 from megajax.training.optimizer import learning_rate_schedule, make_optimizer
 from megajax.training.preemption import StopRequest, TrainingStopped
+from megajax.training.preference import check_reference, fill_reference
 from megajax.training.step import TrainState, make_train_step
 from megajax.training.workdir_lock import hold_workdir
 
@@ -147,7 +149,7 @@ def setup_run(spec: RunSpec, devices: list[jax.Device] | None = None, options: d
         loss_scale=jax.tree.map(lambda _: replicated, abstract_state.loss_scale), rng=replicated)
     abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state,
                                   state_shardings)
-    objective = spec.model_spec.objective
+    objective = spec.objective
     fields, batch_shardings = batch_layout(spec, mesh)
     step = make_train_step(graphdef, optimizer, schedule, objective, fields, num_micro=spec.num_micro,
                            dropout=spec.model.dropout > 0, pipeline_schedule=spec.pipeline.schedule)
@@ -181,7 +183,7 @@ def _start_record(run: Run, data, resumed_from: int | None) -> dict:
     except Exception:  # noqa: BLE001 - purely informational
         stats = None
     blend = None
-    if isinstance(data, TaskData | SFTData):  # fine-tuning rows: no corpus entropy
+    if isinstance(data, TaskData | SFTData | PreferenceData):  # fine-tuning rows: no corpus entropy
         entropy = None
     elif isinstance(data, BlendedData):  # no single corpus; each dataset's weight and samples per epoch instead
         entropy = None
@@ -208,6 +210,7 @@ def _start_record(run: Run, data, resumed_from: int | None) -> dict:
             "device_bytes_in_use": (stats or {}).get("bytes_in_use"),
             **({"task_data": data.report} if isinstance(data, TaskData) and data.report else {}),  # rows left out
             **({"sft_data": data.report} if isinstance(data, SFTData) else {}),  # examples, rows, cut, skipped
+            **({"preference_data": data.report} if isinstance(data, PreferenceData) else {}),
             "unigram_entropy": entropy, **({"blend": blend} if blend else {})}
 
 
@@ -238,6 +241,8 @@ def _checked_train(spec: RunSpec, inputs: list[str], workdir: str | pathlib.Path
     spec = spec.with_tokenizer_fingerprint(tokenizer_fingerprint(data))  # stored with every checkpoint
     if spec.init_from and not saved_steps(workdir):
         check_init_from(spec)  # a wrong path or model (a resume ignores init_from)
+    if isinstance(data, PreferenceData):
+        check_reference(spec)  # read at every start, a resume's too
     stop.check("before the run started")
     with hold_workdir(workdir) as created, _undone_on_failure(workdir, created) as started:  # one run per workdir
         return _train(spec, model, workdir, data, started, stop)
@@ -325,6 +330,8 @@ def _train_with(spec: RunSpec, model: nnx.Module, workdir: pathlib.Path, data, c
     stop.check("while the step compiled")  # a run that never started leaves nothing (_undone_on_failure)
     if checkpointer:
         checkpointer.check_space(run.abstract_state)  # a disk too small for one checkpoint: before the first step
+    if isinstance(data, PreferenceData):  # before the policy's state exists: one model on the devices at a time
+        fill_reference(spec, run.abstract_state.params, run.evaluate, data)
     restored = checkpointer.resume(run.abstract_state, restore_step) if checkpointer else None
     init_from = spec.init_from
     if restored:
@@ -444,8 +451,8 @@ def _loop(run: Run, state: TrainState, loader: Loader, valid: Loader | None,
             eval_start = time.perf_counter()
             v = validation_metrics(run, state.params, valid, train.eval_batches)
             record = {"step": done, **{f"valid_{k}": x for k, x in v.items()}}
-            if spec.model_spec.perplexity_of:  # a language model's perplexity (BERT's: of the MLM loss alone)
-                record["valid_ppl"] = float(np.exp(v[spec.model_spec.perplexity_of]))
+            if spec.perplexity_of:  # a language model's perplexity (BERT's: of the MLM loss alone)
+                record["valid_ppl"] = float(np.exp(v[spec.perplexity_of]))
             writer.write(record)
             records.append(record)
             last_time = time.perf_counter()  # keep evaluation out of the training step time

@@ -70,13 +70,14 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         micro_batches = split_micro(batch, fields, num_micro)
 
         def share(micro: Batch) -> jax.Array:
-            """The micro-batch's weight in the step's mean: equal, or over packed rows its share of the counted
-            targets (x num_micro), so the step's loss is the global batch's token-weighted mean whatever the split
-            (1 exactly without accumulation)."""
-            if "loss_weights" not in micro:
+            """The micro-batch's weight in the step's mean: equal, or its share of what the objective's mean counts
+            (``Objective.counted``: packed rows' targets, preference pairs; x num_micro), so the step's loss is the
+            global batch's mean whatever the split (1 exactly without accumulation)."""
+            own = objective.counted(micro)
+            if own is None:
                 return jnp.float32(1)
-            counted = lambda w: jnp.maximum(w.sum(), 1.0)  # noqa: E731  (as the objective's weighted mean)
-            return counted(micro["loss_weights"]) / counted(batch["loss_weights"]) * num_micro
+            counted = lambda n: jnp.maximum(n.astype(jnp.float32), 1.0)  # noqa: E731  (as the objective's mean)
+            return counted(own) / counted(objective.counted(batch)) * num_micro
 
         def accumulate(carry, xs):
             grads_sum, metrics_sum = carry
