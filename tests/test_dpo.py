@@ -3,7 +3,7 @@ metrics of a converted HF Llama pair (policy and reference) on a JSONL file equa
 computation from transformers' log-probabilities (1e-4) for each ``dpo.loss``; one step on data, tensor, sequence,
 FSDP, context and pipeline meshes (GPipe, 1F1B) and with accumulation equals the one-device step (loss 1e-6,
 gradients 1e-5); pairs are read, rendered and packed as SFT's examples are, bad rows refused with their line; a
-short run moves held-out rewards/accuracies from chance to near 1 and resumes bit-exactly after SIGTERM."""
+short run moves held-out rewards/accuracies from 0 to near 1 and, stopped halfway, resumes bit-exactly."""
 
 import json
 import math

@@ -150,7 +150,7 @@ def test_init_from_loads_the_trunk_bitwise_on_another_mesh_and_resume_ignores_it
 
     c.train.steps, c.init_from = 2, "no/such/checkpoint"  # a resume never reads init_from
     records = train(c, tmp_path / "ft")
-    assert [r["step"] for r in records] == [2] and "init_from='no/such/checkpoint' is ignored (resume wins)" in \
+    assert [r["step"] for r in records] == [2] and "init_from='no/such/checkpoint' are not read (resume wins)" in \
         capsys.readouterr().err
 
 

@@ -338,8 +338,10 @@ def _train_with(spec: RunSpec, model: nnx.Module, workdir: pathlib.Path, data, c
         state, _ = restored  # the loader already stands at the position saved with it
         state = in_layout(state, saved, run.spec.layer_layout)
         if init_from and is_main:
-            print(f"resuming from {checkpointer.directory}: init_from={init_from!r} is ignored (resume wins)",
-                  file=sys.stderr)
+            reference = " (still the reference model)" if isinstance(data, PreferenceData) and \
+                not spec.dpo.reference else ""
+            print(f"resuming from {checkpointer.directory}: the weights of init_from={init_from!r} are not read "
+                  f"(resume wins){reference}", file=sys.stderr)
     else:
         state = run.init_state()
         if init_from:  # fine-tuning: the pretrained trunk replaces the fresh one, the heads stay fresh

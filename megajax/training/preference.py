@@ -18,6 +18,7 @@ import dataclasses
 
 import numpy as np
 
+from megajax.checkpoint import CheckpointError
 from megajax.config import RunSpec
 from megajax.data.preference import PreferenceData
 from megajax.evaluation.evaluator import Evaluator
@@ -35,7 +36,13 @@ def reference_of(spec: RunSpec) -> tuple[str, str]:
 def check_reference(spec: RunSpec) -> None:
     """FileNotFoundError or CheckpointError where the reference checkpoint is missing or holds another model (family,
     sizes, vocabulary) than the run's (``finetune.check_init_from``)."""
-    check_init_from(spec, *reference_of(spec))
+    given, field = reference_of(spec)
+    try:
+        check_init_from(spec, given, field)
+    except (CheckpointError, FileNotFoundError) as e:
+        if f"{field}=" in str(e):
+            raise
+        raise type(e)(f"{field}={given!r}: {e}") from None
 
 
 def fill_reference(spec: RunSpec, params_target: dict, validation: Evaluator, data: PreferenceData) -> None:
