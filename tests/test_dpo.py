@@ -138,12 +138,34 @@ def test_pairs_are_read_and_packed_as_sft_reads_examples(files):
     assert len(rows) == 2 and reference.shape == (2, 4) and not reference.any()
     for r, row_pairs in enumerate((pairs[:2], pairs[2:])):
         slots, tokens = rows.fields["completion_slots"][r], rows.fields["tokens"][r]
-        assert rows.fields["segments"][r].max() >= 4
+        start = 0  # each sequence a document: segments 1, 2, ... and positions from 0, padding the last segment
         for j, pair in enumerate(row_pairs):
             for k, completion in enumerate((pair.chosen, pair.rejected)):
-                assert list(tokens[1:][slots == 2 * j + k]) == list(completion)
+                n = len(pair.prompt) + len(completion)
+                assert list(tokens[start:start + n]) == [*pair.prompt, *completion]
+                assert (rows.fields["segments"][r][start:start + n] == 2 * j + k + 1).all()
+                np.testing.assert_array_equal(rows.fields["positions"][r][start:start + n], np.arange(n))
+                assert list(tokens[1:][slots == 2 * j + k]) == list(completion)  # its ids and the end id
+                start += n
         assert (slots >= 0).sum() == sum(len(p.chosen) + len(p.rejected) for p in row_pairs)
-    assert NOT_COUNTED == -1
+        assert (slots[start - 1:] == NOT_COUNTED).all() and (rows.fields["segments"][r][start:] == 5).all()
+
+
+def test_two_pairs_a_row_give_each_pairs_own_log_probabilities(files):
+    """The converted policy's completion log-probabilities from rows of two pairs equal those from one pair a row
+    (1e-5): attention and positions keep each sequence to itself."""
+    from megajax.evaluation.dpo_task import _sums
+    from megajax.evaluation.registry import Loaded
+
+    root, (_, _, policy), _ = files
+    tokenizer = str(root / "tok" / "tokenizer.json")
+    pairs, _ = read_pairs(root / "pairs.jsonl", load_tokenizer(tokenizer), read_chat_template(tokenizer), False)
+    loaded = megajax.load_model(policy, data=1, model=1)
+    on = Loaded(loaded.model, loaded.mesh, loaded.spec.rules, None, 127)
+    one = _sums(on, pack_pairs(pairs, 127, 0, 1, False), 4)["sums"].reshape(-1, 2)
+    two = _sums(on, pack_pairs(pairs, 127, 0, 2, False), 4, pairs=2)["sums"].reshape(-1, 2)  # 2 rows of 2 pairs
+    np.testing.assert_allclose(two, one, rtol=1e-5)
+    assert np.abs(one).min() > 1
 
 
 def _config(files, **data):
@@ -166,6 +188,7 @@ def _config(files, **data):
      '[{"role": "user", "content": "z"}, {"role": "assistant", "content": "w"}]}\n',
      r'line 2: "chosen" and "rejected" do not share the turns before their answers'),
     ('{"prompt": 3, "chosen": "b", "rejected": "c"}\n', r'line 2: .*needs a "prompt" string'),
+    ('{"prompt": "", "chosen": "b", "rejected": "c"}\n', r"line 2: the prompt is empty"),
 ])
 def test_bad_rows_are_refused_with_their_line_or_skipped(files, tmp_path, line, want):
     path = tmp_path / "bad.jsonl"
@@ -179,12 +202,19 @@ def test_bad_rows_are_refused_with_their_line_or_skipped(files, tmp_path, line, 
 
 
 def test_refusals_before_anything_runs(files, tmp_path):
-    """No reference, a bad loss, a pair longer than a row (cut with sft_truncate), a reference of another
-    vocabulary, eval.py without --reference: each one error naming what to change."""
+    """No model to tune (so no reference), a mixture of experts, a bad loss, a pair longer than a row (cut with
+    sft_truncate), eval.py without --reference or with it on another task: each one error naming what to change."""
     config = _config(files)
     config.init_from = ""
-    with pytest.raises(ConfigError, match=r"data.source=preference compares the policy with a frozen reference"):
+    with pytest.raises(ConfigError, match=r"data.source=preference tunes a trained model .* set --config.init_from"):
         resolve(config, 1)
+    moe = choice_config(None, 1, 1)
+    moe.model = megajax.config.base_config("moe").model
+    moe.model.update(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=64, num_experts=4,
+                     vocab_size=1000, max_seq_len=32)
+    moe.data.source, moe.init_from = "preference", "(not read)"
+    with pytest.raises(ConfigError, match=r"DPO of a mixture of experts \(model.name=moe\) would train without its "):
+        resolve(moe, 1)
     for field, value, want in (("loss", "kto", r"dpo.loss='kto'; choose one of sigmoid, ipo, hinge"),
                                ("beta", 0.0, r"dpo.beta=0.0 must be > 0"),
                                ("label_smoothing", 0.5, r"dpo.label_smoothing=0.5 must be in \[0, 0.5\)")):
@@ -243,7 +273,8 @@ def steps():
             config.model.max_seq_len = 64
             config.parallel.pipeline_schedule = schedule
             config.data.update(source="preference", pairs_per_row=2)
-            config.dpo.update(reference="(not read: the batch holds its log-probabilities)", beta=0.5)
+            config.init_from = "(not read: the batch holds the reference's log-probabilities)"
+            config.dpo.beta = 0.5
             config.train.micro_batch_size = micro
             r = setup(config)
             if not initial:
@@ -357,5 +388,5 @@ def test_memory_planned_within_10_percent(mesh):
     config = choice_config(None, 1, 1, name="llama")
     config.model.max_seq_len = 64
     config.data.update(source="preference", pairs_per_row=2)
-    config.dpo.reference = "(not read)"
+    config.init_from = "(not read)"
     assert_planned_within_10_percent(run_on(config, **mesh), micro_batch=4)

@@ -193,6 +193,9 @@ def _check_preference(run: RunSpec) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _require(run.data.pairs_per_row >= 1, f"data.pairs_per_row={run.data.pairs_per_row} must be >= 1")
-    _require(bool(run.dpo.reference or run.init_from), "data.source=preference compares the policy with a frozen "
-             "reference model and this run has none: set --config.init_from=CHECKPOINT (the model to tune, also the "
-             "reference) or --config.dpo.reference=CHECKPOINT")
+    _require(bool(run.init_from), "data.source=preference tunes a trained model against a frozen reference (by "
+             "default the same checkpoint) and this run starts from none: set --config.init_from=CHECKPOINT (an SFT "
+             "run or a converted model)")
+    _require(not any(stack.kind.routed for stack in run.stacks), f"data.source=preference: DPO of a mixture of "
+             f"experts (model.name={run.model_name}) would train without its router's balancing losses, which megajax "
+             "does not add to the preference loss yet: tune a dense decoder")

@@ -1,19 +1,19 @@
 """Preference pairs (``data.source=preference``): prompt / chosen / rejected rows from JSONL, each pair packed into a
 decoder's row as two documents, the objective's batch (``megajax.models.preference``).
 
-A row of the file is ``{"prompt": str, "chosen": str, "rejected": str}``, or a chat whose ``chosen`` and
-``rejected`` are message lists: either whole conversations sharing every turn but their last (the assistant's
-answers), or the answers alone beside a ``"prompt"`` list of the turns before them. A chat is rendered with the chat
-template of ``data.tokenizer``'s folder as the SFT path renders it (``megajax.data.sft.render_chat``). A
-completion's ids are ``encode(prompt) + encode(completion) + [end-of-document id]``, each text encoded alone with no
-special tokens added; its log-probability counts the completion's ids and the end id given the prompt. A pair takes
-``2 len(prompt) + len(chosen) + len(rejected)`` tokens of a row: the prompt with the chosen completion, then the
-prompt with the rejected one, each a document (attention within it, positions from 0); up to ``data.pairs_per_row``
-pairs share a row (default one), so a pair never spans rows, micro-batches or data shards. A
-row without ``"rejected"``, with the same chosen and rejected text or an empty completion is bad: refused with its
-line number, or skipped and counted with ``data.sft_skip_bad_rows``. A pair longer than a row is refused, or with
-``data.sft_truncate`` its two completions are cut to half a row each (counted; a prompt longer than that is
-refused). ``model.max_seq_len=0`` (``configs/dpo.py``) makes a row as long as the longest pair, rounded up.
+A row of the file is ``{"prompt": str, "chosen": str, "rejected": str}``, or a chat whose ``chosen`` and ``rejected``
+are message lists: either whole conversations sharing every turn but their last (the assistant's answers), or the
+answers alone beside a ``"prompt"`` list of the turns before them. A chat is rendered with the chat template of
+``data.tokenizer``'s folder as the SFT path renders it (``megajax.data.sft.render_chat``). A completion's ids are
+``encode(prompt) + encode(completion) + [end-of-document id]``, each text encoded alone with no special tokens added;
+its log-probability counts the completion's ids and the end id given the prompt. A pair takes ``2 len(prompt) +
+len(chosen) + len(rejected)`` tokens of a row: the prompt with the chosen completion, then the prompt with the rejected
+one, each a document (attention within it, positions from 0); up to ``data.pairs_per_row`` pairs share a row (default
+one), so a pair never spans rows, micro-batches or data shards. A row without ``"rejected"``, with the same chosen and
+rejected text, an empty prompt or completion is bad: refused with its line number, or skipped and counted with
+``data.sft_skip_bad_rows``. A pair longer than a row is refused, or with ``data.sft_truncate`` each of its two sequences
+(the prompt and a completion) is cut to half a row (counted; a prompt as long as that is refused).
+``model.max_seq_len=0`` (``configs/dpo.py``) makes a row as long as the longest pair, rounded up.
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ def pair_texts(text: str, compiled: Callable[[], jinja2.Template], template: Cha
             raise BadRow('"chosen" and "rejected" do not share the turns before their answers')
     else:
         raise BadRow('"chosen" and "rejected" are both strings (with a "prompt" string) or both message lists')
+    if not prompt:
+        raise BadRow("the prompt is empty: a completion's log-probability is taken given its prompt")
     if not chosen or not rejected:
         raise BadRow(f"the {'chosen' if not chosen else 'rejected'} completion is empty")
     if chosen == rejected:
@@ -138,6 +140,9 @@ def _fitted(pair: Pair, width: int, truncate: bool, what: str, flag: Callable[[s
     if room < 1:
         raise ConfigError(f"{what}, line {pair.line}: the prompt alone has {len(pair.prompt)} tokens, half a row is "
                           f"{width // 2}: shorten the prompt or raise model.max_seq_len")
+    if pair.chosen[:room] == pair.rejected[:room]:
+        raise ConfigError(f"{what}, line {pair.line}: cut to half a row ({width // 2} tokens with the prompt), the "
+                          "chosen and rejected completions are the same: raise model.max_seq_len or shorten the row")
     return dataclasses.replace(pair, chosen=pair.chosen[:room], rejected=pair.rejected[:room]), True
 
 

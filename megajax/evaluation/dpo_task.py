@@ -1,8 +1,8 @@
 """``eval.py --task=dpo``: a policy checkpoint against its frozen reference (``--reference``) on held-out preference
 pairs, read, rendered and packed as training reads them (``megajax.data.preference``): the loss and TRL's metrics,
 means over the pairs (``megajax.models.preference``), with ``--dpo_loss`` / ``--dpo_beta`` /
-``--dpo_label_smoothing`` (default TRL's: sigmoid, 0.1, 0). The reference is loaded on the policy's mesh after the
-policy's log-probabilities are taken, one model at a time. Bad rows and over-long pairs as the policy's run trained
+``--dpo_label_smoothing`` (default TRL's: sigmoid, 0.1, 0). The reference is loaded on a mesh of the policy's
+shape once the policy's log-probabilities are taken. Bad rows and over-long pairs as the policy's run trained
 (its ``data.sft_skip_bad_rows`` / ``data.sft_truncate``) unless ``--sft_skip_bad_rows`` / ``--sft_truncate`` say
 otherwise."""
 
@@ -48,6 +48,10 @@ def _check_reference(stored: StoredRun, reference: str) -> None:
     if differences := model_differences(ref, stored, ignore=("max_seq_len",)):
         raise inputs.InputError(f"--reference={reference} holds another model than the policy's "
                                 f"({describe_differences(differences)}): pass the model the policy was tuned from")
+    if ref.model.max_seq_len < stored.model.max_seq_len:
+        raise inputs.InputError(f"--reference={reference} reads {ref.model.max_seq_len} positions, fewer than the "
+                                f"policy's rows of {stored.model.max_seq_len}: pass the model the policy was tuned "
+                                "from")
     theirs, ours = ref.dataset.tokenizer_fingerprint, stored.dataset.tokenizer_fingerprint
     if theirs and ours and theirs != ours:
         raise inputs.InputError(f"--reference={reference} was trained with another vocabulary than the policy "
@@ -75,10 +79,11 @@ def _read(stored: StoredRun, request: Request) -> DPOInput:
     return DPOInput(pairs, request.data, tok, reading.truncate, len(skipped), reading.template.source, loss)
 
 
-def _sums(loaded: Loaded, rows, batch_size: int) -> dict[str, np.ndarray]:
-    """Each completion's summed log-probability and target count, (R, 1, 2) each, under ``loaded``'s model."""
+def _sums(loaded: Loaded, rows, batch_size: int, pairs: int = 1) -> dict[str, np.ndarray]:
+    """Each completion's summed log-probability and target count, (R, pairs, 2) each, under ``loaded``'s model, of
+    rows of ``pairs`` pairs."""
     def fn(model, batch):
-        sums, counts = completion_logps(model, batch, 1)
+        sums, counts = completion_logps(model, batch, pairs)
         return {"sums": sums, "counts": counts}
 
     evaluate, state = Evaluator.of(loaded.model, fn, loaded.mesh, loaded.rules)

@@ -1,20 +1,20 @@
 """Direct preference optimisation (Rafailov et al. 2023) of a decoder: the objective of ``data.source=preference``.
 
 A batch row holds up to ``pairs`` preference pairs (``megajax.data.preference``), each two documents of the row: the
-prompt with its chosen completion, then the prompt with its rejected one. ``completion_slots`` (B, S) names, for
-each target, the completion it belongs to (``2 j``: pair ``j``'s chosen, ``2 j + 1``: its rejected; -1: a prompt
-token or padding), so a completion's log-probability is the sum of its targets' (its ids and the end-of-document id,
-given the prompt: the SFT convention). ``reference_logps`` (B, 2 pairs) holds the frozen reference model's sums of
-the same targets, computed once before training (``megajax.training.preference``). With x = (policy chosen -
-policy rejected) - (reference chosen - reference rejected), the losses are TRL's:
+prompt with its chosen completion, then the prompt with its rejected one. ``completion_slots`` (B, S) names, for each
+target, the completion it belongs to (``2 j``: pair ``j``'s chosen, ``2 j + 1``: its rejected; -1: a prompt token or
+padding), so a completion's log-probability is the sum of its targets' (its ids and the end-of-document id, given the
+prompt: the SFT convention). ``reference_logps`` (B, 2 pairs) holds the frozen reference model's sums of the same
+targets, computed once before training (``megajax.training.preference``). With x = (policy chosen - policy rejected) -
+(reference chosen - reference rejected), the losses are TRL's:
 
 * ``sigmoid`` (DPO): ``-log sigmoid(beta x) (1 - eps) - log sigmoid(-beta x) eps`` (``label_smoothing`` eps);
 * ``ipo``: ``(x - 1 / (2 beta))^2``, its log-probabilities each completion's mean over its targets, as TRL takes;
 * ``hinge``: ``max(0, 1 - beta x)``.
 
-The metrics are TRL's, means over the pairs: ``rewards/chosen`` and ``rewards/rejected`` (beta x (policy -
-reference)), ``rewards/accuracies`` (chosen's reward above rejected's), ``rewards/margins``, ``logps/chosen`` and
-``logps/rejected`` (the policy's).
+The metrics are TRL's, means over the pairs: ``rewards/chosen`` and ``rewards/rejected`` (beta times the policy's
+log-probability less the reference's), ``rewards/accuracies`` (chosen's reward above rejected's), ``rewards/margins``,
+``logps/chosen`` and ``logps/rejected`` (the policy's).
 """
 
 from __future__ import annotations
