@@ -216,7 +216,7 @@ def test_inputs_once_handled_poorly_or_found_after_the_workdir(world, tmp_path):
         "a tokenizer indexed data ignores": ([*train_py, "--workdir=run15", "--config.data.source=indexed",
                                               f"--config.data.path={w / 'd' / 'small'}",
                                               f"--config.data.tokenizer={w / 'tokenizer.json'}"], {},
-                                             "is read with data.source=tfds, task or sft"),
+                                             "is read with data.source=tfds, task, sft or preference"),
         "a directory as preprocess input": (["-m", "megajax.data.preprocess", "--input=qqp",
                                              f"--tokenizer={w / 'tokenizer.json'}", "--output_prefix=p"], {},
                                             "input qqp is a directory: give its files"),
