@@ -8,7 +8,7 @@ from types import ModuleType
 
 import numpy as np
 
-from megajax.convert import hf_bert, hf_gpt2, hf_llama, hf_moe, torch_io
+from megajax.convert import hf_bert, hf_deepseek, hf_gpt2, hf_llama, hf_moe, torch_io
 from megajax.convert.paths import require_empty
 
 # config.json "model_type" -> the module converting it (it defines HF_CLASSES, config_from_hf, params_from_hf,
@@ -20,9 +20,11 @@ CONVERTERS: dict[str, ModuleType] = {
     "llama": hf_llama,
     "mixtral": hf_moe,
     "qwen3_moe": hf_moe,
+    "deepseek_v3": hf_deepseek,
 }
 # megajax config.model.name -> the module writing that model as HF weights (hf_config picks the model_type).
-WRITERS: dict[str, ModuleType] = {"gpt": hf_gpt2, "bert": hf_bert, "llama": hf_llama, "moe": hf_moe}
+WRITERS: dict[str, ModuleType] = {"gpt": hf_gpt2, "bert": hf_bert, "llama": hf_llama, "moe": hf_moe,
+                                  "deepseek": hf_deepseek}
 
 
 def read_config(directory: str | pathlib.Path) -> dict:

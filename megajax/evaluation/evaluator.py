@@ -74,6 +74,6 @@ def objective_metrics(objective: Objective) -> Callable[[nnx.Module, Batch], Met
 
     def metrics(model: nnx.Module, batch: Batch) -> Metrics:
         loss, out = objective.loss(model, batch, None)
-        return {"loss": loss, **out}
+        return {"loss": loss, **objective.logged(out)}
 
     return metrics

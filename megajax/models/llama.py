@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,7 @@ class LlamaConfig(TransformerConfig):
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
     tie_embeddings: bool = False  # True: the output layer is the word embedding; False: its own vocab-parallel rows
+    rope_scalings: ClassVar[tuple[str, ...]] = ROPE_SCALINGS  # what model.rope_scaling may name (a family may add)
 
     def __post_init__(self):
         super().__post_init__()
@@ -93,8 +95,8 @@ class LlamaConfig(TransformerConfig):
         if self.head_dim % 2:
             raise ValueError(f"model.hidden_size / model.num_heads = {self.head_dim}: rotary embeddings turn pairs "
                              "of a head's dimensions, so the head size must be even")
-        if self.rope_scaling not in ROPE_SCALINGS:
-            raise ValueError(f"model.rope_scaling={self.rope_scaling!r}; choose one of {ROPE_SCALINGS}")
+        if self.rope_scaling not in self.rope_scalings:
+            raise ValueError(f"model.rope_scaling={self.rope_scaling!r}; choose one of {self.rope_scalings}")
         for field in ("rope_theta", "rope_factor", "rope_original_max_len", "rope_low_freq_factor"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"model.{field}={getattr(self, field)!r} must be > 0")

@@ -115,6 +115,11 @@ class MoEConfig(LlamaConfig):
         return out
 
     @property
+    def dense_among_routed(self) -> bool:
+        """Whether some layers are dense (Qwen3-MoE's runs of one kind, which pipeline stages do not split yet)."""
+        return len(self.routed_layers) < self.num_layers
+
+    @property
     def expert_ffn_size(self) -> int:
         """Each expert's SwiGLU width."""
         return self.moe_ffn_hidden_size or self.ffn_size
@@ -144,7 +149,7 @@ class MoEConfig(LlamaConfig):
                              "split over data only, so each expert shard would gather the others' rows and run their "
                              "attention again (not yet laid out for it); set mesh.expert=1 (each model shard then "
                              "holds a slice of every expert) or mesh.pipe=1")
-        if pipe > 1 and len(self.routed_layers) < self.num_layers:
+        if pipe > 1 and self.dense_among_routed:
             raise ValueError(f"mesh.pipe={pipe}: a mixture with dense layers among its routed ones "
                              "(model.decoder_sparse_step, model.mlp_only_layers) does not run in pipeline stages yet "
                              "(each run of one kind would be a pipeline of its own); set mesh.pipe=1")
@@ -243,12 +248,26 @@ class MixtureOfExperts(nnx.Module):
         self.down = make_param(rngs, nnx.initializers.normal(scaled_init_std(cfg.init_std, cfg.num_layers)),
                                (e, f, h), ("experts", "mlp", "embed"))
 
+    # the statistics ``__call__`` returns, each summed over the tokens (a routing of its own may add some)
+    STATS = ("load", "probs", "z", "dropped")
+
+    def routing_params(self) -> tuple[tuple[jax.Array, tuple[str | None, ...]], ...]:
+        """What the routing reads beyond the router's kernel, each with its logical names (none here)."""
+        return ()
+
+    def choose(self, logits: jax.Array, rows: int) -> tuple[jax.Array, jax.Array, jax.Array, Stats]:
+        """(probabilities (T, E), top-k weights (T, k), top-k experts (T, k), further statistics) from the fp32
+        router logits (T, E) of ``rows`` sequences, given ``routing_params``' values: the softmax's top k."""
+        return (*route(logits, self.cfg.experts_per_token, self.cfg.norm_topk_prob), {})
+
     def __call__(self, x: jax.Array) -> tuple[jax.Array, Stats]:
         cfg = self.cfg
         names = ("batch", "seq", "embed")
+        extra = self.routing_params()
         params = (param_at_use(self.router[...], ("embed", None)),
                   *(param_at_use(p[...], ("experts", "embed", "mlp")) for p in (self.gate, self.up)),
-                  param_at_use(self.down[...], ("experts", "mlp", "embed")))
+                  param_at_use(self.down[...], ("experts", "mlp", "embed")),
+                  *(param_at_use(v, n) for v, n in extra))
         reduce_over = entry_axes(axis_of("mlp"))  # the model shards' partial sums of the output
         expert_axis = axis_of("experts")  # where the experts are split (None: every shard holds them all)
         tokens_over = (*entry_axes(axis_of("batch")), *entry_axes(axis_of("seq")))  # where other tokens are
@@ -257,10 +276,10 @@ class MixtureOfExperts(nnx.Module):
         checked = pipeline.stages() == 1
 
         def local(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array,
-                  down: jax.Array) -> tuple[jax.Array, Stats]:
+                  down: jax.Array, *extra: jax.Array) -> tuple[jax.Array, Stats]:
             b, s, h = x.shape
             logits = x.reshape(-1, h).astype(jnp.float32) @ router  # (T, E)
-            probs, weights, experts = route(logits, cfg.experts_per_token, cfg.norm_topk_prob)
+            probs, weights, experts, more = self.choose(logits, b, *extra)
             kept = within_capacity(experts, b, cfg.num_experts, cfg.capacity)
             tokens = x.reshape(-1, h)
             if reduce_over:  # varying over the model shards from here: the backward pass sums the (T, h) gradient
@@ -271,7 +290,7 @@ class MixtureOfExperts(nnx.Module):
                 y = jax.lax.psum(y, reduce_over) if checked else summed_unchecked(y, reduce_over)
             load = jax.nn.one_hot(experts, cfg.num_experts, dtype=jnp.float32).sum((0, 1))  # (E,) assignments
             stats = {"load": load, "probs": probs.sum(0), "z": jnp.square(jax.nn.logsumexp(logits, -1)).sum(),
-                     "dropped": (~kept).sum().astype(jnp.float32)}
+                     "dropped": (~kept).sum().astype(jnp.float32), **more}
             if tokens_over:
                 stats = jax.lax.psum(stats, tokens_over)
             return y.reshape(b, s, h), stats
@@ -281,9 +300,9 @@ class MixtureOfExperts(nnx.Module):
             y, stats = local(x, *params)
         else:
             y, stats = on_shards(local, (x, *params), (names, ("embed", None), ("experts", "embed", "mlp"),
-                                                       ("experts", "embed", "mlp"), ("experts", "mlp", "embed")),
-                                 (names, {k: () for k in ("load", "probs", "z", "dropped")}),
-                                 check_vma=checked)
+                                                       ("experts", "embed", "mlp"), ("experts", "mlp", "embed"),
+                                                       *(n for _, n in extra)),
+                                 (names, {k: () for k in self.STATS}), check_vma=checked)
         return constrain(y, names), stats
 
 
@@ -379,6 +398,15 @@ class MoEDecoder(Llama):
         logits, (_, stats) = self._logits(tokens, dropout_key, None, 0, self._documents(segments, positions), stack)
         return logits, stats
 
+    def router_terms(self, stats: Stats, shape: tuple[int, int], means: Means = OWN
+                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(the weighted router losses added to the loss, the metrics), from the routing statistics of a batch of
+        ``shape`` (sequences, positions): the balancing loss and the z-loss (``router_losses``)."""
+        cfg = self.cfg
+        metrics = router_losses(stats, math.prod(shape), cfg, means)
+        return cfg.router_aux_loss_coef * metrics["balance_loss"] + cfg.router_z_loss_coef * metrics["z_loss"], \
+            metrics
+
 
 def router_losses(stats: Stats, tokens: int, cfg: MoEConfig, means: Means = OWN) -> dict[str, jax.Array]:
     """The load-balancing loss (transformers' ``load_balancing_loss_func``: E x sum_e f_e P_e over every layer's
@@ -409,10 +437,8 @@ def _moe_lm(model: MoEDecoder, batch: objectives.Batch, key: jax.Array | None, m
     losses = vocab_parallel_cross_entropy(logits, rows["targets"])
     weights = rows.get("loss_weights")  # packed rows: a mean weighted as LM's
     lm = means.mean(losses, weights)
-    cfg = model.cfg
-    metrics = {"lm_loss": lm, **router_losses(stats, rows["inputs"].size, cfg, means)}
-    loss = lm + cfg.router_aux_loss_coef * metrics["balance_loss"] + cfg.router_z_loss_coef * metrics["z_loss"]
-    return loss, metrics
+    router_loss, metrics = model.router_terms(stats, rows["inputs"].shape, means)
+    return lm + router_loss, {"lm_loss": lm, **metrics}
 
 
 MOE_LM = objectives.Objective(_moe_lm, objectives.LM.fields, objectives.LM.packed_fields)

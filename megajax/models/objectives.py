@@ -37,6 +37,17 @@ class Field:
 
 
 @dataclasses.dataclass(frozen=True)
+class StateUpdate:
+    """Parameters a model moves outside the gradient after each applied update (DeepSeek-V3's routing biases). The
+    loss returns the ``sums`` it needs among its metrics, each a sum over the loss's batch; the step adds them over
+    its micro-batches unweighted, logs none of them, and after the optimizer's update calls ``apply(model, sums)``,
+    which sets the model's variables (no gradient reaches them: the optimizer leaves them as they are)."""
+
+    sums: tuple[str, ...]
+    apply: Callable[[nnx.Module, Metrics], None]
+
+
+@dataclasses.dataclass(frozen=True)
 class Objective:
     """``loss(model, batch, dropout_key, means=OWN, stack=run_stack) -> (scalar loss, metrics)`` and the batch it
     reads; every mean the loss and its metrics take is ``means.mean`` (``parallel.losses.Means``: the 1F1B step
@@ -52,6 +63,13 @@ class Objective:
     # weighs each micro-batch by its share; None: every row counts alike
     counted: Callable[[Batch], jax.Array | None] = lambda batch: batch["loss_weights"].sum() \
         if "loss_weights" in batch else None
+    # what the model moves outside the gradient after each step (None: nothing)
+    update: StateUpdate | None = None
+
+    def logged(self, metrics: Metrics) -> Metrics:
+        """``metrics`` without the sums the state update reads (arrays, not figures to log)."""
+        held = self.update.sums if self.update else ()
+        return {k: v for k, v in metrics.items() if k not in held}
 
     def batch_fields(self, seq_len: int, packed: bool) -> dict[str, Field]:
         """The fields of a batch of ``seq_len`` tokens per row, packed (``data.document_masking``) or not;

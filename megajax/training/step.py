@@ -56,9 +56,11 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     the skipped steps that are not routine fp16 overflows.
     """
 
+    held = objective.update.sums if objective.update else ()  # sums the state update reads: added, not weighed
+
     def micro_grads(params: Params, micro: Batch, key: jax.Array | None, scale: LossScale, share: jax.Array):
         def weigh(loss, metrics):
-            loss, metrics = loss * share, jax.tree.map(lambda m: m * share, metrics)
+            loss, metrics = loss * share, {k: m if k in held else m * share for k, m in metrics.items()}
             return scale.scale_loss(loss), (loss, metrics)
 
         if pipeline_schedule == ONE_F_ONE_B:  # the loss per microbatch, inside the schedule
@@ -96,13 +98,19 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
                                                               None)[1]}))
         (grads, metrics), _ = jax.lax.scan(accumulate, (zeros, metric_zeros), (micro_batches, jnp.arange(num_micro)))
         grads = state.loss_scale.unscale(jax.tree.map(lambda g: g / num_micro, grads))
+        sums = {k: metrics.pop(k) for k in held}
         metrics = jax.tree.map(lambda m: m / num_micro, metrics)
         grad_norm = optax.tree.norm(grads)  # non-finite iff some gradient element is
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss"])
 
         def apply(params, opt_state):
             updates, opt_state = optimizer.update(grads, opt_state, params, grad_norm=grad_norm)
-            return optax.apply_updates(params, updates), opt_state
+            params = optax.apply_updates(params, updates)
+            if objective.update:  # what the model moves outside the gradient, from the step's sums
+                model = nnx.merge(graphdef, params)
+                objective.update.apply(model, sums)
+                params = nnx.to_pure_dict(nnx.state(model))
+            return params, opt_state
 
         # Skip a bad update the way the platform's XLA updates the donated parameters and moments in place. On an
         # NVIDIA GPU, where(finite, new, old): under cond it wrote the new ones to temporaries and copied them back

@@ -1,0 +1,336 @@
+"""DeepSeek-V3-class decoders (DeepSeek-AI 2024; Moonlight, Kimi K2): multi-head latent attention, DeepSeekMoE.
+
+Every layer's attention is multi-head latent attention (``models.mla``). The first ``first_k_dense_replace`` layers
+have a dense SwiGLU (``ffn_hidden_size``); the others a DeepSeekMoE layer: ``n_shared_experts`` shared experts (one
+SwiGLU of ``n_shared_experts x moe_ffn_hidden_size`` every token passes, tensor-parallel as a dense MLP) beside
+``num_experts`` fine-grained routed experts (``moe.experts_forward``: grouped GEMMs, the expert-parallel exchange).
+
+Routing (``grouped_route``): sigmoid scores of the fp32 router logits; for the choice only, each expert's
+``correction_bias`` is added; the experts are in ``n_group`` groups, each group scored by the sum of its two best
+biased scores, and a token picks its top ``experts_per_token`` among the experts of its ``topk_group`` best groups.
+The weights are the chosen experts' unbiased scores, divided by their sum where ``norm_topk_prob``, times
+``routed_scaling_factor``.
+
+Auxiliary-loss-free balancing: the correction biases are parameters no gradient reaches (the optimizer leaves
+them), moved after each applied step by ``bias_update_speed`` times sign(mean load - expert load) per layer, the
+load counted over the whole global batch (every micro-batch, data and expert shard), so the same on every mesh;
+they are saved and restored with the parameters. The small sequence-wise balance loss (``seq_aux_loss_coef``,
+DeepSeek-V3's eq. 17-20: per sequence, E / (k T) x the assignments of each expert times the mean of its normalised
+scores, summed over the experts; averaged over the sequences and the routed layers) is an option.
+
+The dense layers come first, on a stack every pipeline stage runs whole (``DENSE_STACK``, not split over stages);
+the routed layers are the pipelined stack. Multi-token prediction is not modelled yet (the converter says so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from megajax.models import llama, moe
+from megajax.models.llama import LlamaBlock, SwiGLU
+from megajax.models.mla import LatentAttention
+from megajax.models.moe import DENSE_STACK, MixtureOfExperts, MoEBlock, MoEConfig, MoEDecoder, Stats
+from megajax.models.objectives import Metrics, StateUpdate
+from megajax.models.spec import LayerKind, Stack, decoder_spec, register
+from megajax.models.transformer import STACK, make_blocks, run_blocks
+from megajax.parallel import pipeline
+from megajax.parallel.layers import make_param
+from megajax.parallel.losses import OWN, Means
+from megajax.parallel.sharding import axis_of, entry_axes
+
+NAME = "deepseek"  # config.model.name
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeepSeekConfig(MoEConfig):
+    """DeepSeek-V3's config (its published config.json's values are the defaults): the mixture's fields plus
+    latent attention's, the routing's and the balancing's."""
+
+    vocab_size: int = 129280
+    num_layers: int = 61
+    hidden_size: int = 7168
+    num_heads: int = 128
+    num_kv_heads: int = 0  # every head its own key and value (from the shared latent)
+    max_seq_len: int = 4096
+    ffn_hidden_size: int = 18432  # the dense layers' SwiGLU
+    layernorm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: str = "yarn"  # none | yarn
+    rope_factor: float = 40.0
+    rope_original_max_len: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 1.0
+    num_experts: int = 256
+    experts_per_token: int = 8
+    moe_ffn_hidden_size: int = 2048
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.0  # the Switch balancing loss: off (the biases balance)
+    q_lora_rank: int = 1536  # 0: one full query projection (DeepSeek-V2-Lite, Moonlight's config: null)
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    n_shared_experts: int = 1
+    routed_scaling_factor: float = 2.5
+    n_group: int = 8
+    topk_group: int = 4
+    first_k_dense_replace: int = 3
+    bias_update_speed: float = 0.001  # 0: the correction biases stay as they are
+    seq_aux_loss_coef: float = 0.0001  # the sequence-wise balance loss's weight (DeepSeek-V3's alpha)
+    rope_scalings: ClassVar[tuple[str, ...]] = ("none", "yarn")
+
+    def __post_init__(self):
+        if not 0 <= self.first_k_dense_replace < self.num_layers:
+            raise ValueError(f"model.first_k_dense_replace={self.first_k_dense_replace} must be in [0, "
+                             f"model.num_layers={self.num_layers}): the layers after the dense ones are routed")
+        for name in ("qk_norm", "kv_channels", "mlp_only_layers"):
+            if getattr(self, name):
+                raise ValueError(f"model.{name}={getattr(self, name)!r} is Qwen3-MoE's; a DeepSeek decoder's "
+                                 "attention is latent (its head sizes: model.qk_nope_head_dim, qk_rope_head_dim, "
+                                 "v_head_dim) and its dense layers the first model.first_k_dense_replace")
+        if self.decoder_sparse_step != 1:
+            raise ValueError("model.decoder_sparse_step is Qwen3-MoE's; a DeepSeek decoder's dense layers are the "
+                             "first model.first_k_dense_replace")
+        if self.num_kv_heads not in (0, self.num_heads):
+            raise ValueError(f"model.num_kv_heads={self.num_kv_heads}: latent attention gives every head its own key "
+                             "and value; leave it 0")
+        super().__post_init__()
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name}={getattr(self, name)} must be >= 1")
+        if self.q_lora_rank < 0 or self.n_shared_experts < 0:
+            raise ValueError("model.q_lora_rank and model.n_shared_experts must be >= 0 (0: a full query projection; "
+                             "no shared expert)")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"model.qk_rope_head_dim={self.qk_rope_head_dim}: rotary embeddings turn pairs")
+        if self.num_experts % self.n_group:
+            raise ValueError(f"model.n_group={self.n_group} does not divide model.num_experts={self.num_experts}")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"model.topk_group={self.topk_group} exceeds model.n_group={self.n_group}: a token "
+                             "picks its experts from at most every group")
+        per_group = self.num_experts // self.n_group
+        if self.n_group > 1 and per_group < 2:
+            raise ValueError(f"model.n_group={self.n_group}: a group is scored by its two best experts, so each needs "
+                             f"at least two (num_experts={self.num_experts})")
+        if self.experts_per_token > self.topk_group * per_group:
+            raise ValueError(f"model.experts_per_token={self.experts_per_token} exceeds the "
+                             f"{self.topk_group * per_group} experts of model.topk_group={self.topk_group} groups")
+        if self.bias_update_speed < 0 or self.seq_aux_loss_coef < 0 or self.routed_scaling_factor <= 0:
+            raise ValueError("model.bias_update_speed and model.seq_aux_loss_coef must be >= 0, "
+                             "model.routed_scaling_factor > 0")
+        if self.rope_scaling == "yarn" and not (self.rope_factor > 0 and self.yarn_beta_fast > self.yarn_beta_slow > 0):
+            raise ValueError("YaRN needs model.rope_factor > 0 and model.yarn_beta_fast > model.yarn_beta_slow > 0")
+
+    @property
+    def head_dim(self) -> int:
+        """A query's and key's size (the part without position and the rotary one)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def routed_layers(self) -> tuple[int, ...]:
+        """Every layer after the first ``first_k_dense_replace``."""
+        return tuple(range(self.first_k_dense_replace, self.num_layers))
+
+    @property
+    def dense_among_routed(self) -> bool:
+        """The dense layers come first, on a stack every pipeline stage runs whole."""
+        return False
+
+    @property
+    def shared_ffn_size(self) -> int:
+        """The shared experts' SwiGLU width (one SwiGLU of all of them, as transformers holds them)."""
+        return self.n_shared_experts * self.expert_ffn_size
+
+
+def grouped_route(logits: jax.Array, bias: jax.Array, cfg: DeepSeekConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(sigmoid scores (T, E), top-k weights (T, k), top-k experts (T, k)) of fp32 router logits (T, E): the choice
+    by the scores plus ``bias`` within the ``topk_group`` best of ``n_group`` groups (each scored by its two best
+    biased scores), the weights the chosen experts' unbiased scores (renormalised where ``norm_topk_prob``) times
+    ``routed_scaling_factor``."""
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + bias
+    t, e = choice.shape
+    if cfg.n_group > 1:
+        group_scores = jax.lax.top_k(choice.reshape(t, cfg.n_group, -1), 2)[0].sum(-1)  # (T, groups)
+        best = jax.lax.top_k(group_scores, cfg.topk_group)[1]
+        allowed = jax.nn.one_hot(best, cfg.n_group, dtype=jnp.bool_).any(1)  # (T, groups)
+        choice = jnp.where(jnp.repeat(allowed, e // cfg.n_group, axis=1), choice, -jnp.inf)
+    experts = jax.lax.top_k(choice, cfg.experts_per_token)[1]
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return scores, weights * cfg.routed_scaling_factor, experts
+
+
+class DeepSeekMoE(MixtureOfExperts):
+    """Shared experts beside routed ones: ``(B, S, H) -> ((B, S, H), statistics)``. The routed part is the
+    mixture's (``MixtureOfExperts``) with ``grouped_route``; each layer's ``correction_bias`` (E,) is a parameter
+    the gradient never reaches (``update_biases`` moves it)."""
+
+    STATS = (*MixtureOfExperts.STATS, "sequence_balance")
+
+    def __init__(self, cfg: DeepSeekConfig, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)
+        self.correction_bias = make_param(rngs, nnx.initializers.zeros, (cfg.num_experts,), (None,))
+        self.shared = SwiGLU(dataclasses.replace(cfg, ffn_hidden_size=cfg.shared_ffn_size), rngs=rngs) \
+            if cfg.n_shared_experts else None
+
+    def routing_params(self) -> tuple[tuple[jax.Array, tuple[str | None, ...]], ...]:
+        return ((self.correction_bias[...], (None,)),)
+
+    def choose(self, logits: jax.Array, rows: int, bias: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, Stats]:
+        """``grouped_route``; the statistics' probabilities are the normalised scores (s / sum of s), and
+        ``sequence_balance`` sums each sequence's sum_e f_e P_e (its positions gathered over the shards that split
+        it first, then divided by their count, as the caller sums the statistics over them)."""
+        cfg = self.cfg
+        scores, weights, experts = grouped_route(logits, jax.lax.stop_gradient(bias), cfg)
+        normed = scores / scores.sum(-1, keepdims=True)
+        e, length = cfg.num_experts, logits.shape[0] // rows
+        counts = jax.nn.one_hot(experts, e, dtype=jnp.float32).sum(1).reshape(rows, length, e).sum(1)  # (b, E)
+        mass = normed.reshape(rows, length, e).sum(1)
+        seq_axes = entry_axes(axis_of("seq"))
+        shards = math.prod(jax.lax.axis_size(a) for a in seq_axes) if seq_axes else 1
+        if seq_axes:
+            counts, mass = jax.lax.psum((jax.lax.stop_gradient(counts), mass), seq_axes)
+        whole = length * shards
+        balance = (counts * e / (cfg.experts_per_token * whole) * mass / whole).sum() / shards
+        if seq_axes:  # the same on each of them: varying again, so the caller's sum over them gives it once
+            balance = jax.lax.pcast(balance, seq_axes, to="varying")
+        return normed, weights, experts, {"sequence_balance": balance}
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, Stats]:
+        y, stats = super().__call__(x)
+        return (y if self.shared is None else y + self.shared(x)), stats
+
+
+class DeepSeekBlock(MoEBlock):
+    """Latent attention, then the DeepSeekMoE layer; beside the cache it returns the layer's routing statistics."""
+
+    attention_class, mlp_class = LatentAttention, DeepSeekMoE
+
+    def __init__(self, cfg: DeepSeekConfig, *, rngs: nnx.Rngs):
+        LlamaBlock.__init__(self, cfg, rngs=rngs)
+
+
+class DeepSeekDenseBlock(LlamaBlock):
+    """One of the first ``first_k_dense_replace`` layers: latent attention, then a SwiGLU of ``ffn_hidden_size``."""
+
+    attention_class = LatentAttention
+
+
+class DeepSeekDecoder(MoEDecoder):
+    """The dense layers (``DENSE_STACK``, run whole on every pipeline stage) then the routed ones (``blocks``,
+    pipelined): ``tokens (B, S) -> logits``; ``routed`` also returns the routed layers' statistics."""
+
+    block_class = DeepSeekBlock
+
+    def _make_layers(self, cfg: DeepSeekConfig, rngs: nnx.Rngs) -> None:
+        k = cfg.first_k_dense_replace
+        self.dense_blocks = make_blocks(cfg, rngs, DeepSeekDenseBlock, count=k, pipelined=False) if k else None
+        self.blocks = make_blocks(cfg, rngs, DeepSeekBlock, count=cfg.num_layers - k)
+
+    def _run_layers(self, x, mask, dropout_key, cache, index, stack=pipeline.run_stack):
+        cfg, k = self.cfg, self.cfg.first_k_dense_replace
+        part = lambda r: None if cache is None else tuple(c[r.start:r.stop] for c in cache)  # noqa: E731
+        first = None
+        if k:
+            x, first = run_blocks(self.dense_blocks, cfg, x, mask, dropout_key, part(range(k)), index, range(k),
+                                  stack=pipeline.run_whole)
+        routed = range(k, cfg.num_layers)
+        x, (rest, stats) = run_blocks(self.blocks, cfg, x, mask, dropout_key, part(routed), index, routed,
+                                      stack=stack)
+        joined = rest if cache is None or not k else tuple(jnp.concatenate(c) for c in zip(first, rest))
+        return x, (joined, stats)
+
+    def init_cache(self, batch: int, max_len: int | None = None) -> tuple[jax.Array, jax.Array]:
+        """Zeroed latents and shared rotary keys for ``decode``: (L, B, max_len, 1, kv_lora_rank) and (L, B,
+        max_len, 1, qk_rope_head_dim), (kv_lora_rank + qk_rope_head_dim) x dtype bytes per token and layer."""
+        cfg = self.cfg
+        return tuple(jnp.zeros((cfg.num_layers, batch, max_len or cfg.max_seq_len, 1, width), cfg.compute_dtype)
+                     for width in (cfg.kv_lora_rank, cfg.qk_rope_head_dim))
+
+    def router_terms(self, stats: Stats, shape: tuple[int, int], means: Means = OWN) -> tuple[jax.Array, Metrics]:
+        """The mixture's terms, the sequence-wise balance loss (mean over sequences and routed layers, weighted by
+        ``seq_aux_loss_coef``) and, for ``update_biases``, each routed layer's assignments per expert (not logged)."""
+        cfg = self.cfg
+        loss, metrics = super().router_terms(stats, shape, means)
+        layers = stats["load"].shape[0]
+        sequence = means.share(math.prod(shape)) * stats["sequence_balance"].sum() / (layers * shape[0])
+        metrics.update(sequence_balance_loss=sequence, expert_counts=jax.lax.stop_gradient(stats["load"]))
+        return loss + cfg.seq_aux_loss_coef * sequence, metrics
+
+
+def update_biases(model: DeepSeekDecoder, sums: Metrics) -> None:
+    """After a step: each routed layer's ``correction_bias`` += bias_update_speed x sign(mean load - load), from
+    the step's assignments per expert (``expert_counts``, (routed layers, E))."""
+    load = sums["expert_counts"]
+    bias = model.blocks.mlp.correction_bias
+    bias[...] = bias[...] + model.cfg.bias_update_speed * jnp.sign(load.mean(-1, keepdims=True) - load)
+
+
+DEEPSEEK_LM = dataclasses.replace(moe.MOE_LM, update=StateUpdate(("expert_counts",), update_biases))
+
+
+def flops(cfg: DeepSeekConfig, rows: int, seq: int) -> float:
+    """Model FLOPs of a step over the active parameters: 3 (forward + backward) x 2 per multiply-add of latent
+    attention's projections (the query's down and up, or one; the key/value latent's down and up; the output), its
+    scores (nope + rope per head) and context (v per head), the dense layers' SwiGLU, the routed layers' router, k
+    routed experts and shared experts, and the output layer."""
+    h, n = cfg.hidden_size, cfg.num_heads
+    qk, v, r = cfg.head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    query = h * cfg.q_lora_rank + cfg.q_lora_rank * n * qk if cfg.q_lora_rank else h * n * qk
+    attention = 2 * (query + h * (r + cfg.qk_rope_head_dim) + r * n * (cfg.qk_nope_head_dim + v) + n * v * h) \
+        + 2 * seq * n * (qk + v)
+    routed = 2 * h * (cfg.num_experts + 3 * cfg.experts_per_token * cfg.expert_ffn_size + 3 * cfg.shared_ffn_size)
+    dense = 2 * h * 3 * cfg.ffn_size
+    sparse = len(cfg.routed_layers)
+    layers = cfg.num_layers * attention + sparse * routed + (cfg.num_layers - sparse) * dense
+    return 3.0 * rows * seq * (layers + 2 * h * cfg.padded_vocab_size)
+
+
+def reference_route(logits: np.ndarray, bias: np.ndarray, cfg: DeepSeekConfig) -> tuple[np.ndarray, np.ndarray]:
+    """``grouped_route`` in float64 numpy, token by token (tests): (weights (T, k), experts (T, k)), each token's
+    experts in descending order of their biased scores."""
+    logits = logits.astype(np.float64)
+    t, e = logits.shape
+    per = e // cfg.n_group
+    weights, experts = np.zeros((t, cfg.experts_per_token)), np.zeros((t, cfg.experts_per_token), int)
+    for i in range(t):
+        scores = 1 / (1 + np.exp(-logits[i]))
+        choice = scores + bias
+        if cfg.n_group > 1:
+            groups = [np.sort(choice[g * per:(g + 1) * per])[-2:].sum() for g in range(cfg.n_group)]
+            keep = np.argsort(groups, kind="stable")[::-1][:cfg.topk_group]
+            choice = np.where(np.isin(np.arange(e) // per, keep), choice, -np.inf)
+        top = np.argsort(-choice, kind="stable")[:cfg.experts_per_token]
+        w = scores[top] / (scores[top].sum() + 1e-20 if cfg.norm_topk_prob else 1.0)
+        weights[i], experts[i] = w * cfg.routed_scaling_factor, top
+    return weights, experts
+
+
+def stacks(cfg: DeepSeekConfig) -> tuple[Stack, ...]:
+    """The dense layers (the first ``first_k_dense_replace``, run whole on every stage) and the routed ones."""
+    k = cfg.first_k_dense_replace
+    routed = (Stack(STACK, ROUTED, cfg.num_layers - k),)
+    return ((Stack(DENSE_STACK, DENSE, k, pipelined=False),) if k else ()) + routed
+
+
+def _dense_residuals(cfg: DeepSeekConfig, rows: int, tp: int, split: int, remat: str, cd: int,
+                     attention: str = "xla") -> int:
+    return llama.layer_residual_bytes(cfg, rows, tp, split, remat, cd, attention)
+
+
+DENSE = LayerKind("deepseek dense", residuals=_dense_residuals)
+ROUTED = dataclasses.replace(moe.ROUTED, name="deepseek routed")
+
+register(decoder_spec(NAME, DeepSeekConfig, DeepSeekDecoder, flops, objective=DEEPSEEK_LM, perplexity_of="lm_loss",
+                      stacks=stacks, active_parameters=moe.active_parameters))
