@@ -302,3 +302,21 @@ def test_bad_input_is_a_config_error(fields, mesh, message):
     config.mesh.update(**mesh)
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         resolve(config, 8)
+
+
+@pytest.mark.parametrize("remat", ["none", "selective", "save_dots", "full"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_layer_residuals_are_the_traced_jaxprs(remat, precision):
+    """Each layer kind's residual bytes (``deepseek.DENSE``, ``deepseek.ROUTED``: the memory planner's activations)
+    equal what autodiff keeps for the dense and the routed layer on one device, with and without a query latent."""
+    from megajax.tools.memory_terms import traced_layer_residual_bytes
+
+    for lora in (32, 0):
+        config = step_config()
+        config.model.update(remat=remat, q_lora_rank=lora, max_seq_len=32)
+        config.train.precision = precision
+        run = resolve(config, 1)
+        cd = 4 if precision == "fp32" else 2
+        for scan, kind in enumerate((deepseek.DENSE, deepseek.ROUTED)):
+            assert kind.residuals(run.model, 2, 1, 1, remat, cd) == traced_layer_residual_bytes(run, 2, scan), \
+                (kind.name, lora)

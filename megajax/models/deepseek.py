@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from megajax.models import llama, moe
+from megajax.models import mla, moe
 from megajax.models.llama import LlamaBlock, SwiGLU
 from megajax.models.mla import LatentAttention
 from megajax.models.moe import DENSE_STACK, MixtureOfExperts, MoEBlock, MoEConfig, MoEDecoder, Stats
@@ -134,6 +134,10 @@ class DeepSeekConfig(MoEConfig):
     def head_dim(self) -> int:
         """A query's and key's size (the part without position and the rotary one)."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim
 
     @property
     def routed_layers(self) -> tuple[int, ...]:
@@ -324,13 +328,55 @@ def stacks(cfg: DeepSeekConfig) -> tuple[Stack, ...]:
     return ((Stack(DENSE_STACK, DENSE, k, pipelined=False),) if k else ()) + routed
 
 
-def _dense_residuals(cfg: DeepSeekConfig, rows: int, tp: int, split: int, remat: str, cd: int,
-                     attention: str = "xla") -> int:
-    return llama.layer_residual_bytes(cfg, rows, tp, split, remat, cd, attention)
+def dense_layer_residual_bytes(cfg: DeepSeekConfig, rows: int, tp: int, split: int, remat: str, cd: int,
+                               attention: str = "xla") -> int:
+    """Bytes one dense layer keeps for its backward pass on one device: the block's two RMSNorms (as Llama's: fp32
+    input and normalised values, compute-dtype normalised and scaled, two fp32 statistics per position, the scales
+    broadcast), dropout's masks, the SwiGLU's six (b, s, ffn) tensors (in 16-bit the compute-dtype copy of down)
+    and latent attention's (``mla.attention_residual_bytes``); ``full`` the layer's input, ``save_dots`` the input,
+    one projection, the fused gate / up GEMM's output and attention's projections. Under sequence parallelism the
+    residual stream's terms are split and the column-parallel GEMMs keep their all-gathered inputs (the SwiGLU's
+    b s h, the latents' b s (q_lora_rank + kv_lora_rank))."""
+    s, b, h, f = cfg.max_seq_len, rows, cfg.hidden_size, cfg.ffn_size
+    sbh = s * b * h
+    if remat == "full":
+        return sbh * cd // split
+    attention_bytes = mla.attention_residual_bytes(cfg, rows, tp, remat, cd, attention)
+    if remat == "save_dots":
+        return 2 * sbh * cd + 2 * s * b * f * cd // tp + attention_bytes
+    kept = (4 * sbh * (cd + 4) + 4 * s * b * 4 + (2 * sbh if cfg.dropout > 0 else 0)) // split + 2 * h * cd
+    kept += 6 * s * b * f * cd // tp + (f * h * cd // tp if cd < 4 else 0)
+    if split > 1:
+        kept += (sbh + s * b * sum(mla.latents(cfg))) * cd
+    return kept + attention_bytes
 
 
-DENSE = LayerKind("deepseek dense", residuals=_dense_residuals)
-ROUTED = dataclasses.replace(moe.ROUTED, name="deepseek routed")
+def routed_layer_residual_bytes(cfg: DeepSeekConfig, rows: int, tp: int, split: int, remat: str, cd: int,
+                                attention: str = "xla", expert: int = 1) -> int:
+    """Bytes one routed layer keeps: the dense layer's (``dense_layer_residual_bytes``) with the shared experts'
+    SwiGLU (n_shared x moe_ffn wide) in place of its own, the mixture's routed MLP (``moe.routed_mlp_bytes``, its
+    statistics with the sequence-wise one), and what DeepSeek's routing keeps beyond the softmax's: per token the
+    layer's input once more in the compute dtype (the router's and the shared experts' reads) and one more fp32
+    value per expert (the normalised scores), per sequence its fp32 probability mass per expert (the sequence-wise
+    loss's); the traced jaxpr's on one device (tests/test_deepseek.py). The expert shards' terms are the mixture's
+    (``moe.layer_residual_bytes``)."""
+    s, b, h = cfg.max_seq_len, rows, cfg.hidden_size
+    dense = dense_layer_residual_bytes(cfg, rows, tp, split, remat, cd, attention)
+    routed = moe.routed_mlp_bytes(cfg, rows, tp, remat, cd, expert) + 4  # + the sequence-wise statistic
+    f, fs = cfg.ffn_size, cfg.shared_ffn_size
+    if remat == "full":
+        return dense + routed
+    if remat == "save_dots":
+        return dense - 2 * s * b * (f - fs) * cd // tp + routed
+    swiglu = lambda width: 6 * s * b * width * cd // tp + (width * h * cd // tp if cd < 4 else 0)  # noqa: E731
+    routing = s * b * (h * cd + 4 * cfg.num_experts) + b * cfg.num_experts * 4
+    return dense - swiglu(f) + swiglu(fs) + routed + routing
+
+
+# A dense layer: latent attention's one all-reduce and the SwiGLU's, each way (as a Llama layer's)
+DENSE = LayerKind("deepseek dense", residuals=dense_layer_residual_bytes)
+# A routed layer: the mixture's kind (its experts, exchange and dispatch passes) with its own residuals
+ROUTED = dataclasses.replace(moe.ROUTED, name="deepseek routed", residuals=routed_layer_residual_bytes)
 
 register(decoder_spec(NAME, DeepSeekConfig, DeepSeekDecoder, flops, objective=DEEPSEEK_LM, perplexity_of="lm_loss",
                       stacks=stacks, active_parameters=moe.active_parameters))

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from megajax.models.llama import RMSNorm, rotate
-from megajax.models.transformer import LayerCache, Positioned, attention_core
+from megajax.models.transformer import LayerCache, Positioned, attention_core, attention_core_residual_bytes
 from megajax.parallel import context
 from megajax.parallel.layers import ColumnParallelLinear, Dense, RowParallelLinear, scaled_init_std
 from megajax.parallel.remat import selective
@@ -169,3 +169,36 @@ class LatentAttention(nnx.Module):
         # every key and value of the sequence (under context parallelism gathered over `context`)
         out = context.attention(selective(attention_core, cfg.remat), q, k, v, mask, key, self.rate)
         return self.out(out), cache
+
+
+def latents(cfg: LatentConfig) -> tuple[int, ...]:
+    """The widths of the latents each model shard computes whole and normalises: the query's (where it has one) and
+    the keys' and values'."""
+    return ((cfg.q_lora_rank,) if cfg.q_lora_rank else ()) + (cfg.kv_lora_rank,)
+
+
+def attention_residual_bytes(cfg: LatentConfig, rows: int, tp: int, remat: str, cd: int,
+                             attention: str = "xla") -> int:
+    """Bytes latent attention keeps for its backward pass on one device (``rows`` sequences, ``tp`` model shards,
+    ``cd`` bytes per compute-dtype value), beyond the block's norms: the traced jaxpr's on one device
+    (tests/test_deepseek.py). ``none`` keeps the queries and keys (heads x (nope + rope)) and the values and context
+    (heads x v) split over the shards; per latent (replicated) its RMSNorm's fp32 input and normalised values, the
+    compute-dtype normalised and scaled values, two fp32 statistics per position and its scale broadcast; the
+    attention core's residuals; in 16-bit the compute-dtype copies of every projection (the down-projections whole,
+    the others split). ``selective`` drops the core's; ``save_dots`` keeps the projections' outputs (the
+    down-projections' whole); ``full`` nothing beyond the layer's input."""
+    s, b, n = cfg.max_seq_len, rows, cfg.num_heads
+    qk, v, r, rope = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    h, qr = cfg.hidden_size, cfg.q_lora_rank
+    if remat == "full":
+        return 0
+    if remat == "save_dots":
+        return s * b * (n * (cfg.qk_nope_head_dim + v) // tp + n * qk // tp + qr + r + rope) * cd
+    kept = 2 * s * b * n * (qk + v) * cd // tp  # q, k; v, context
+    kept += sum(s * b * w * (8 + 2 * cd) + 2 * s * b * 4 + w * cd for w in latents(cfg))
+    if remat != "selective":
+        kept += attention_core_residual_bytes(cfg, b, tp, attention)
+    if cd < 4:
+        query = h * qr * tp + qr * n * qk if qr else h * n * qk
+        kept += (query + h * (r + rope) * tp + r * n * (cfg.qk_nope_head_dim + v) + n * v * h) * cd // tp
+    return kept

@@ -475,21 +475,30 @@ def layer_residual_bytes(cfg: MoEConfig, rows: int, tp: int, split: int, remat: 
     code; the compiled step checks them (within 10%), not the jaxpr. The dense layers among the routed ones are
     Llama's (``llama.LAYER``), on their own stack (``stacks``)."""
     trunk = llama.layer_residual_bytes(cfg, rows, tp, split, remat, cd, attention)
-    stats = 8 * cfg.num_experts + 8
-    s, h, f = cfg.max_seq_len, cfg.hidden_size, cfg.ffn_size
+    s, f = cfg.max_seq_len, cfg.ffn_size
     if remat == "full":
-        return trunk + stats
-    if remat == "save_dots":  # less Llama's fused gate / up GEMM output, plus the router's logits
-        return trunk - 2 * s * rows * f // tp * cd + rows * s * cfg.num_experts * 4 + stats
+        return trunk + routed_mlp_bytes(cfg, rows, tp, remat, cd, expert)
+    if remat == "save_dots":  # less Llama's fused gate / up GEMM output
+        return trunk - 2 * s * rows * f // tp * cd + routed_mlp_bytes(cfg, rows, tp, remat, cd, expert)
+    swiglu = 6 * s * rows * f * cd // tp + (f * cfg.hidden_size * cd // tp if cd < 4 else 0)
+    return trunk - swiglu + routed_mlp_bytes(cfg, rows, tp, remat, cd, expert)
+
+
+def routed_mlp_bytes(cfg: MoEConfig, rows: int, tp: int, remat: str, cd: int, expert: int = 1) -> int:
+    """What the routed MLP alone keeps (``layer_residual_bytes``' routed terms, its statistics included)."""
+    stats = 8 * cfg.num_experts + 8
+    s, h = cfg.max_seq_len, cfg.hidden_size
+    if remat == "full":
+        return stats
+    if remat == "save_dots":  # the router's logits (the grouped GEMMs are not dots)
+        return rows * s * cfg.num_experts * 4 + stats
     tokens, k, e = rows * s, cfg.experts_per_token, expert
     n, width, local = tokens * k, cfg.expert_ffn_size // tp, cfg.num_experts // expert
     block = cfg.exchange_rows(rows, expert)
-    swiglu = 6 * s * rows * f * cd // tp + (f * h * cd // tp if cd < 4 else 0)
-    routed = (tokens * h * (4 - cd) + tokens * (25 + 8 * k + cd * k + 8 * cfg.num_experts)
-              + ((e + 1) + 2 * e) * block * h * cd + 2 * n * h * cd
-              + 3 * n * h + 32 * n + 6 * e * block * width * cd + 4 * cfg.num_experts
-              + (3 * local * h * width * cd if cd < 4 else 0))
-    return trunk - swiglu + routed + stats
+    return (tokens * h * (4 - cd) + tokens * (25 + 8 * k + cd * k + 8 * cfg.num_experts)
+            + ((e + 1) + 2 * e) * block * h * cd + 2 * n * h * cd
+            + 3 * n * h + 32 * n + 6 * e * block * width * cd + 4 * cfg.num_experts
+            + (3 * local * h * width * cd if cd < 4 else 0)) + stats
 
 
 def active_parameters(cfg: MoEConfig, total: int) -> int:

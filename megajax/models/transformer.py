@@ -128,6 +128,11 @@ class TransformerConfig:
         return self.hidden_size // self.num_heads
 
     @property
+    def value_head_dim(self) -> int:
+        """A value's head size (the queries' and keys' but in latent attention)."""
+        return self.head_dim
+
+    @property
     def compute_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.dtype)
 
@@ -230,20 +235,26 @@ class SelfAttention(nnx.Module):
                                           self.rate)), cache
 
 
-def attention_implementation(dtype: jnp.dtype, head_dim: int, dropout: bool, lengths: tuple[int, int]) -> str:
+def attention_implementation(dtype: jnp.dtype, head_dim: int, dropout: bool, lengths: tuple[int, int],
+                             value_dim: int | None = None) -> str:
     """'cudnn' (jax.nn.dot_product_attention's cuDNN flash attention) on an NVIDIA GPU for fp16 / bf16 heads of at
     most 128 dimensions, a multiple of 8, even query and key lengths (its masked backward needs them), when no
     attention dropout is drawn (it has none); else 'xla': megajax's own softmax(q k^T / sqrt(d)) v, the ops jax's
     XLA implementation emits too, with Megatron's dropout. The mask reaches cuDNN as a dense bias (the mask is an
     input, so its causal shortcut is not used); unmeasured, as no GPU has been available. The device is the mesh's
-    being traced for (a compile-only H100's too, ``megajax.tools.gpu_target``), else this host's first."""
-    if _cudnn_refusal(dtype, head_dim, dropout, lengths):
+    being traced for (a compile-only H100's too, ``megajax.tools.gpu_target``), else this host's first.
+    ``value_dim``: the values' head size where it is not the queries' and keys' (latent attention's)."""
+    if _cudnn_refusal(dtype, head_dim, dropout, lengths, value_dim):
         return "xla"
     return "cudnn" if traced_for_nvidia_gpu() else "xla"
 
 
-def _cudnn_refusal(dtype: jnp.dtype, head_dim: int, dropout: bool, lengths: tuple[int, int]) -> str | None:
+def _cudnn_refusal(dtype: jnp.dtype, head_dim: int, dropout: bool, lengths: tuple[int, int],
+                   value_dim: int | None = None) -> str | None:
     """Why cuDNN's flash attention cannot run these heads (None: it can)."""
+    if value_dim not in (None, head_dim):
+        return (f"values of {value_dim} beside queries and keys of {head_dim}: jax.nn.dot_product_attention takes one "
+                "head size")
     if dropout:
         return "attention dropout: cuDNN's flash attention (jax.nn.dot_product_attention) draws none"
     if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
@@ -258,7 +269,7 @@ def _cudnn_refusal(dtype: jnp.dtype, head_dim: int, dropout: bool, lengths: tupl
 def attention_reason(cfg: TransformerConfig) -> str:
     """Why a model's training step uses megajax's XLA attention rather than cuDNN's ('' where it can use cuDNN)."""
     return _cudnn_refusal(cfg.compute_dtype, cfg.head_dim, cfg.dropout > 0,
-                          (cfg.max_seq_len, cfg.max_seq_len)) or ""
+                          (cfg.max_seq_len, cfg.max_seq_len), cfg.value_head_dim) or ""
 
 
 def attention_core_residual_bytes(cfg: TransformerConfig, rows: int, tp: int, implementation: str) -> int:
@@ -282,7 +293,7 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, ke
     head n // (N / N_kv). Its (B, N, S, S_kv) intermediates are what ``remat=selective`` recomputes instead of
     keeping (cuDNN's flash attention, where ``attention_implementation`` picks it, never makes them)."""
     dropout_on = key is not None and rate > 0.0  # (a key, or context.AttentionDropout's)
-    if attention_implementation(q.dtype, q.shape[-1], dropout_on, (q.shape[1], k.shape[1])) == "cudnn":
+    if attention_implementation(q.dtype, q.shape[-1], dropout_on, (q.shape[1], k.shape[1]), v.shape[-1]) == "cudnn":
         # a per-row mask (packed rows) over every head: under a pipeline's vmap jax 0.10's cuDNN batching rule
         # reshapes the bias as if it held every head, and fails on a broadcast one
         heads = q.shape[2] if mask.shape[0] > 1 else mask.shape[1]

@@ -132,8 +132,8 @@ def traced_layer_residual_bytes(run: RunSpec, micro_batch: int, scan: int = 0) -
 
     Sums the per-layer slices of a forward layer scan's stacked outputs in ``jax.make_jaxpr(jax.grad(loss))`` (the
     ``scan``-th scan of the gradient's jaxpr: the forward ones come first, in the order the model runs its
-    stacks), leaving out the stacked weights that full / save_dots recomputation passes through (those are the
-    parameters, not activations). The check behind each ``LayerKind.residuals``.
+    stacks), leaving out the per-layer inputs the layer's body returns as it received them (its fp32 weights, which
+    its backward pass reads: those are the parameters, not activations). The check behind each ``LayerKind.residuals``.
     """
     graphdef, state = nnx.split(abstract_model_of(run))
     params = nnx.to_pure_dict(state)
@@ -143,12 +143,14 @@ def traced_layer_residual_bytes(run: RunSpec, micro_batch: int, scan: int = 0) -
     key = jax.random.key(0) if run.model.dropout > 0 else None
     jaxpr = jax.make_jaxpr(jax.grad(lambda p, x: objective.loss(nnx.merge(graphdef, p), x, key)[0]))(params, batch)
     forward = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"][scan]  # a layer stack's forward pass
-    layer_weights = {v.shape[1:] for stack in run.stacks for v in jax.tree.leaves(params[stack.attr])}
+    body = forward.params["jaxpr"].jaxpr
+    scanned = forward.params["num_consts"] + forward.params["num_carry"]  # the body's per-layer inputs after these
+    passed = set(map(id, body.invars[scanned:]))  # per-layer inputs the body returns as it got them: its weights
     total = 0
-    for v in forward.outvars[forward.params["num_carry"]:]:
+    for v, inner in zip(forward.outvars[forward.params["num_carry"]:], body.outvars[forward.params["num_carry"]:]):
         shape, dtype = v.aval.shape[1:], v.aval.dtype
-        if jax.numpy.issubdtype(dtype, jax.dtypes.prng_key) or (shape in layer_weights and dtype == jax.numpy.float32):
-            continue  # dropout keys; fp32 weights passed through the scan
+        if jax.numpy.issubdtype(dtype, jax.dtypes.prng_key) or id(inner) in passed:
+            continue  # dropout keys; weights passed through the scan
         total += math.prod(shape) * dtype.itemsize
     return total
 
