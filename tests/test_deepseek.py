@@ -320,3 +320,23 @@ def test_layer_residuals_are_the_traced_jaxprs(remat, precision):
         for scan, kind in enumerate((deepseek.DENSE, deepseek.ROUTED)):
             assert kind.residuals(run.model, 2, 1, 1, remat, cd) == traced_layer_residual_bytes(run, 2, scan), \
                 (kind.name, lora)
+
+
+@pytest.mark.parametrize("data,model_axis,expert,fields", [
+    (1, 2, 1, {}), (2, 2, 2, {}), (1, 4, 1, dict(q_lora_rank=0, kv_lora_rank=16)), (4, 2, 1, dict(remat="selective"))],
+    ids=["tensor", "data x expert x model", "tensor, no query latent", "data x model, selective recomputation"])
+def test_communication_is_the_minimum_in_every_category(data, model_axis, expert, fields):
+    """The compiled step's collectives at 1.0000 of the minimum in each category: forward two all-reduces of b s h
+    per layer (the shared experts' output reduced with the routed experts', ``DeepSeekMoE.beside``), backward the
+    MLP input's and latent attention's latents' gradients (``deepseek.backward_widths``), the correction biases'
+    gradient never reduced (no gradient reaches them), the exchange, the routing statistics."""
+    from megajax.tools.comm_budget import step_budget
+    from megajax.training.loop import setup
+
+    config = step_config(data, model_axis, expert)
+    config.model.update(**fields)
+    budget = step_budget(setup(config))
+    assert budget.ratio == 1.0 and budget.compiled["other"] == 0, budget.table()
+    for category, want in budget.minimum.items():
+        assert budget.compiled[category] == want, budget.table()
+    assert budget.compiled["tensor-parallel backward"] > 0 and budget.compiled["routing statistics"] > 0

@@ -178,7 +178,8 @@ def grouped_route(logits: jax.Array, bias: jax.Array, cfg: DeepSeekConfig) -> tu
 class DeepSeekMoE(MixtureOfExperts):
     """Shared experts beside routed ones: ``(B, S, H) -> ((B, S, H), statistics)``. The routed part is the
     mixture's (``MixtureOfExperts``) with ``grouped_route``; each layer's ``correction_bias`` (E,) is a parameter
-    the gradient never reaches (``update_biases`` moves it)."""
+    the gradient never reaches (``update_biases`` moves it). The shared experts' weights are a SwiGLU's
+    (``shared``: gate, up, down), run inside the mixture's per-device function (``beside``)."""
 
     STATS = (*MixtureOfExperts.STATS, "sequence_balance")
 
@@ -188,10 +189,14 @@ class DeepSeekMoE(MixtureOfExperts):
         self.shared = SwiGLU(dataclasses.replace(cfg, ffn_hidden_size=cfg.shared_ffn_size), rngs=rngs) \
             if cfg.n_shared_experts else None
 
-    def routing_params(self) -> tuple[tuple[jax.Array, tuple[str | None, ...]], ...]:
-        return ((self.correction_bias[...], (None,)),)
+    def local_params(self) -> tuple[tuple[jax.Array, tuple[str | None, ...]], ...]:
+        """The correction biases, and the shared experts' kernels (their ``mlp`` columns split as a dense MLP's)."""
+        shared = () if self.shared is None else tuple(
+            (k.kernel[...], k.names) for k in (self.shared.gate, self.shared.up, self.shared.down))
+        return ((self.correction_bias[...], (None,)), *shared)
 
-    def choose(self, logits: jax.Array, rows: int, bias: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, Stats]:
+    def choose(self, logits: jax.Array, rows: int, bias: jax.Array, *shared: jax.Array
+               ) -> tuple[jax.Array, jax.Array, jax.Array, Stats]:
         """``grouped_route``; the statistics' probabilities are the normalised scores (s / sum of s), and
         ``sequence_balance`` sums each sequence's sum_e f_e P_e (its positions gathered over the shards that split
         it first, then divided by their count, as the caller sums the statistics over them)."""
@@ -211,9 +216,15 @@ class DeepSeekMoE(MixtureOfExperts):
             balance = jax.lax.pcast(balance, seq_axes, to="varying")
         return normed, weights, experts, {"sequence_balance": balance}
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, Stats]:
-        y, stats = super().__call__(x)
-        return (y if self.shared is None else y + self.shared(x)), stats
+    def beside(self, tokens: jax.Array, bias: jax.Array, *shared: jax.Array) -> jax.Array | None:
+        """The shared experts' SwiGLU on this shard's ``mlp`` slice: its partial sum joins the routed experts' before
+        their one all-reduce (a layer's forward pass reduces over ``model`` once for both, not twice)."""
+        if not shared:
+            return None
+        dt = self.cfg.compute_dtype
+        gate, up, down = (k.astype(dt) for k in shared)
+        x = tokens.astype(dt)
+        return (jax.nn.silu(x @ gate) * (x @ up)) @ down
 
 
 class DeepSeekBlock(MoEBlock):
@@ -281,7 +292,8 @@ def update_biases(model: DeepSeekDecoder, sums: Metrics) -> None:
     bias[...] = bias[...] + model.cfg.bias_update_speed * jnp.sign(load.mean(-1, keepdims=True) - load)
 
 
-DEEPSEEK_LM = dataclasses.replace(moe.MOE_LM, update=StateUpdate(("expert_counts",), update_biases))
+DEEPSEEK_LM = dataclasses.replace(moe.MOE_LM, update=StateUpdate(("expert_counts",), update_biases,
+                                                                  moved=("correction_bias",)))
 
 
 def flops(cfg: DeepSeekConfig, rows: int, seq: int) -> float:
@@ -354,12 +366,12 @@ def dense_layer_residual_bytes(cfg: DeepSeekConfig, rows: int, tp: int, split: i
 def routed_layer_residual_bytes(cfg: DeepSeekConfig, rows: int, tp: int, split: int, remat: str, cd: int,
                                 attention: str = "xla", expert: int = 1) -> int:
     """Bytes one routed layer keeps: the dense layer's (``dense_layer_residual_bytes``) with the shared experts'
-    SwiGLU (n_shared x moe_ffn wide) in place of its own, the mixture's routed MLP (``moe.routed_mlp_bytes``, its
-    statistics with the sequence-wise one), and what DeepSeek's routing keeps beyond the softmax's: per token the
-    layer's input once more in the compute dtype (the router's and the shared experts' reads) and one more fp32
-    value per expert (the normalised scores), per sequence its fp32 probability mass per expert (the sequence-wise
-    loss's); the traced jaxpr's on one device (tests/test_deepseek.py). The expert shards' terms are the mixture's
-    (``moe.layer_residual_bytes``)."""
+    SwiGLU (n_shared x moe_ffn wide; in 16-bit the copies of its three kernels) in place of its own, the mixture's
+    routed MLP (``moe.routed_mlp_bytes``, its statistics with the sequence-wise one), and what DeepSeek's routing
+    keeps beyond the softmax's: per token the layer's input once more in the compute dtype (the router's and the
+    shared experts' reads) and one more fp32 value per expert (the normalised scores), per sequence its fp32
+    probability mass per expert (the sequence-wise loss's); the traced jaxpr's on one device
+    (tests/test_deepseek.py). The expert shards' terms are the mixture's (``moe.layer_residual_bytes``)."""
     s, b, h = cfg.max_seq_len, rows, cfg.hidden_size
     dense = dense_layer_residual_bytes(cfg, rows, tp, split, remat, cd, attention)
     routed = moe.routed_mlp_bytes(cfg, rows, tp, remat, cd, expert) + 4  # + the sequence-wise statistic
@@ -368,15 +380,29 @@ def routed_layer_residual_bytes(cfg: DeepSeekConfig, rows: int, tp: int, split: 
         return dense + routed
     if remat == "save_dots":
         return dense - 2 * s * b * (f - fs) * cd // tp + routed
-    swiglu = lambda width: 6 * s * b * width * cd // tp + (width * h * cd // tp if cd < 4 else 0)  # noqa: E731
+    dense_mlp = 6 * s * b * f * cd // tp + (f * h * cd // tp if cd < 4 else 0)  # its down's copy, gate / up fused
+    shared = 6 * s * b * fs * cd // tp + (3 * fs * h * cd // tp if cd < 4 else 0)  # all three kernels' copies
     routing = s * b * (h * cd + 4 * cfg.num_experts) + b * cfg.num_experts * 4
-    return dense - swiglu(f) + swiglu(fs) + routed + routing
+    return dense - dense_mlp + shared + routed + routing
 
 
-# A dense layer: latent attention's one all-reduce and the SwiGLU's, each way (as a Llama layer's)
-DENSE = LayerKind("deepseek dense", residuals=dense_layer_residual_bytes)
-# A routed layer: the mixture's kind (its experts, exchange and dispatch passes) with its own residuals
-ROUTED = dataclasses.replace(moe.ROUTED, name="deepseek routed", residuals=routed_layer_residual_bytes)
+def backward_widths(cfg: DeepSeekConfig) -> tuple[int, ...]:
+    """The elements per token of each of a layer's backward all-reduces over ``model``: the MLP's input gradient
+    (h); latent attention's key/value latent's and shared rotary key's gradients (kv_lora_rank, qk_rope_head_dim:
+    every model shard's heads give part of each) and the query latent's (q_lora_rank), or without one the input's
+    (h: the query projection is column-parallel); one all-reduce each, as the compiled step has them."""
+    query = cfg.q_lora_rank or cfg.hidden_size
+    return cfg.hidden_size, query, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+
+
+# A dense layer: the output all-reduces of latent attention and the SwiGLU forward; backward the MLP input's and
+# the latents' gradients
+DENSE = LayerKind("deepseek dense", residuals=dense_layer_residual_bytes, backward_widths=backward_widths)
+# A routed layer: the mixture's kind (its experts, exchange and dispatch passes) with its own residuals; the shared
+# experts' output is reduced with the routed experts' (``DeepSeekMoE.beside``), so two all-reduces forward, as a
+# dense layer's
+ROUTED = dataclasses.replace(moe.ROUTED, name="deepseek routed", residuals=routed_layer_residual_bytes,
+                             backward_widths=backward_widths)
 
 register(decoder_spec(NAME, DeepSeekConfig, DeepSeekDecoder, flops, objective=DEEPSEEK_LM, perplexity_of="lm_loss",
                       stacks=stacks, active_parameters=moe.active_parameters))

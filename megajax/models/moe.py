@@ -251,19 +251,26 @@ class MixtureOfExperts(nnx.Module):
     # the statistics ``__call__`` returns, each summed over the tokens (a routing of its own may add some)
     STATS = ("load", "probs", "z", "dropped")
 
-    def routing_params(self) -> tuple[tuple[jax.Array, tuple[str | None, ...]], ...]:
-        """What the routing reads beyond the router's kernel, each with its logical names (none here)."""
+    def local_params(self) -> tuple[tuple[jax.Array, tuple[str | None, ...]], ...]:
+        """What the layer reads on each device beyond the router's and the experts' kernels (a routing's own
+        parameters, shared experts), each with its logical names (none here)."""
         return ()
 
-    def choose(self, logits: jax.Array, rows: int) -> tuple[jax.Array, jax.Array, jax.Array, Stats]:
+    def choose(self, logits: jax.Array, rows: int, *extra: jax.Array
+               ) -> tuple[jax.Array, jax.Array, jax.Array, Stats]:
         """(probabilities (T, E), top-k weights (T, k), top-k experts (T, k), further statistics) from the fp32
-        router logits (T, E) of ``rows`` sequences, given ``routing_params``' values: the softmax's top k."""
+        router logits (T, E) of ``rows`` sequences, given ``local_params``' values: the softmax's top k."""
         return (*route(logits, self.cfg.experts_per_token, self.cfg.norm_topk_prob), {})
+
+    def beside(self, tokens: jax.Array, *extra: jax.Array) -> jax.Array | None:
+        """What the layer adds to the routed experts' output for ``tokens`` (T, h), given ``local_params``' values,
+        as this model shard's partial sum (reduced with the experts' in one all-reduce); None: nothing."""
+        return None
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, Stats]:
         cfg = self.cfg
         names = ("batch", "seq", "embed")
-        extra = self.routing_params()
+        extra = self.local_params()
         params = (param_at_use(self.router[...], ("embed", None)),
                   *(param_at_use(p[...], ("experts", "embed", "mlp")) for p in (self.gate, self.up)),
                   param_at_use(self.down[...], ("experts", "mlp", "embed")),
@@ -286,6 +293,8 @@ class MixtureOfExperts(nnx.Module):
                 tokens = jax.lax.pcast(tokens, reduce_over, to="varying")  # once, not each of its k copies
             y = experts_forward(tokens, experts, weights, kept, gate, up, down, cfg.num_experts, expert_axis,
                                 cfg.compute_dtype, cfg.capacity * b)
+            if (added := self.beside(tokens, *extra)) is not None:
+                y = y + added
             if reduce_over:
                 y = jax.lax.psum(y, reduce_over) if checked else summed_unchecked(y, reduce_over)
             load = jax.nn.one_hot(experts, cfg.num_experts, dtype=jnp.float32).sum((0, 1))  # (E,) assignments

@@ -45,6 +45,7 @@ class StateUpdate:
 
     sums: tuple[str, ...]
     apply: Callable[[nnx.Module, Metrics], None]
+    moved: tuple[str, ...] = ()  # the names of the parameters it moves (their gradient is zero: none is reduced)
 
 
 @dataclasses.dataclass(frozen=True)

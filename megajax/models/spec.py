@@ -99,6 +99,11 @@ class LayerKind:
     # attention output, the MLP's input); a parallel block: 0. Under sequence parallelism the recomputation redoes
     # the ``tensor_all_reduces`` all-gathers of the GEMMs' inputs besides these reduce-scatters.
     recomputed_all_reduces: int = 1
+    # cfg -> the elements per token of each of its backward pass's all-reduces over ``model``, where they are not
+    # ``tensor_all_reduces`` of the hidden size (latent attention reduces its latents' gradients, not its input's);
+    # None: ``tensor_all_reduces`` of the hidden size. The communication budget counts them without sequence
+    # parallelism or pipeline stages (``tools.comm_budget.check_countable``)
+    backward_widths: Callable[[TransformerConfig], tuple[int, ...]] | None = None
     # Its element-wise work (the scaling model's HBM passes); a kind not counted on its own states GPT's block's
     elementwise: ElementwisePasses = BLOCK_PASSES
     # A routed kind (its MLP a mixture of experts, ``models.moe``), whose assignments cross the ``expert`` axis and
@@ -143,6 +148,12 @@ def all_reduces(stacks: tuple[Stack, ...]) -> tuple[int, int]:
     ``stacks``, each layer its kind's (``LayerKind.tensor_all_reduces``, ``recomputed_all_reduces``)."""
     return (sum(s.count * s.kind.tensor_all_reduces for s in stacks),
             sum(s.count * s.kind.recomputed_all_reduces for s in stacks))
+
+
+def backward_widths(kind: LayerKind, cfg: TransformerConfig) -> tuple[int, ...]:
+    """The elements per token of each of a ``kind`` layer's backward all-reduces over ``model``
+    (``LayerKind.backward_widths``, or its ``tensor_all_reduces`` of the hidden size)."""
+    return kind.backward_widths(cfg) if kind.backward_widths else (cfg.hidden_size,) * kind.tensor_all_reduces
 
 
 def pipelined_stacks(stacks: tuple[Stack, ...]) -> tuple[str, ...]:

@@ -67,6 +67,9 @@ def categorize(colls: list[Collective], shape: Shape) -> tuple[dict[str, int], i
             out[f"tensor-parallel {c.phase}"] += size
         elif c.op == "collective-permute" and c.axes == {"pipe"}:  # the ring, or the io column's shift
             out["pipeline point-to-point" if c.cyclic else "pipeline inputs/outputs"] += size
+        elif not shape.sequence and c.op == "all-reduce" and over_model and c.phase == "backward" and \
+                c.shape[:2] == (shape.micro_batch, shape.seq) and c.shape[2:] in ((w,) for w in shape.backward_widths):
+            out["tensor-parallel backward"] += size  # a layer's own backward width (latent attention's latents)
         elif c.op == "all-reduce" and over_model and c.shape[:2] == (shape.micro_batch, shape.seq):
             out["loss"] += size  # (b, s) or (b, s, 1): one value per token
         elif shape.sequence and c.op == "all-reduce" and over_model and c.phase == "forward" and \
@@ -183,6 +186,11 @@ def check_countable(spec) -> None:
         raise ConfigError("the communication budget does not count context shards under pipeline stages yet (each "
                           "stage-tick's key/value all-gathers on a microbatch); drop mesh.pipe or mesh.context to "
                           "read a budget")
+    own = [s.kind.name for s in spec.stacks if s.kind.backward_widths]
+    if own and spec.mesh.model > 1 and (spec.sequence or spec.mesh.pipe > 1):
+        raise ConfigError(f"the communication budget counts the backward all-reduces of {own[0]} layers (latent "
+                          "attention's) only without sequence parallelism or pipeline stages yet; drop "
+                          "parallel.sequence or mesh.pipe to read a budget")
 
 
 def step_shape(run) -> Shape:
@@ -206,6 +214,9 @@ def step_shape(run) -> Shape:
     if spec.sequence and spec.mesh.pipe > 1:  # under stages the positions' gradient is reduced over data as its shard
         local -= sum(a.size - a.size // spec.mesh.model for name, a in params.items() if name in model.sequence_rows
                      for a in jax.tree.leaves(a))
+    moved = moved_elements(spec, params)  # parameters no gradient reaches: nothing to reduce
+    local -= moved
+    stage -= moved if spec.mesh.pipe > 1 else 0
     expert_grad = sum(model_shard_elements(a) for a in jax.tree.leaves(params)
                       if "expert" in spec_axes(a.sharding.spec))
     m = spec.mesh
@@ -223,6 +234,16 @@ def step_shape(run) -> Shape:
         stage_grad_elements=stage if m.pipe > 1 else 0, tied_elements=tied_elements(params, reads),
         sequence_tail_elements=sequence_grad_elements(tail, m.model, model) if spec.sequence else 0,
         **_pipeline_shape(spec, reads))
+
+
+def moved_elements(spec: RunSpec, params: dict) -> int:
+    """Elements on a device of the parameters the objective moves outside the gradient (``StateUpdate.moved``:
+    DeepSeek's correction biases): their gradient is a constant zero, which XLA does not reduce."""
+    update = spec.objective.update
+    if update is None:
+        return 0
+    return sum(model_shard_elements(a) for path, a in jax.tree_util.tree_leaves_with_path(params)
+               if getattr(path[-1], "key", None) in update.moved)
 
 
 def tied_elements(params: dict, reads: pipelined.Reads | None) -> int:

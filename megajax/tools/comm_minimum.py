@@ -142,7 +142,7 @@ import dataclasses
 
 from megajax.config import RunSpec
 from megajax.models import TransformerConfig
-from megajax.models.spec import all_reduces
+from megajax.models.spec import all_reduces, backward_widths
 
 CATEGORIES = ("tensor-parallel forward", "tensor-parallel backward", "loss", "data-parallel gradients",
               "data-parallel parameter gathers", "sequence-parallel extra", "replicated key/value heads",
@@ -172,6 +172,10 @@ class Shape:
     # a stage-tick runs the mean layer's, aL / L, times its layers)
     tensor_all_reduces: int
     recomputed_all_reduces: int  # of those, redone under remat=full (rL: the kinds' ``recomputed_all_reduces``)
+    # per token, the layers' backward all-reduces' elements where a kind states its own (``LayerKind.backward_width``:
+    # latent attention's latents); 0: aL x hidden
+    backward_elements: int = 0
+    backward_widths: tuple[int, ...] = ()  # the widths of those all-reduces that are not the hidden size
     remat: str = "none"
     sequence: bool = False
     sequence_grad_elements: int = 0
@@ -269,7 +273,9 @@ def minimum(shape: Shape) -> dict[str, int]:
         else:
             recompute = r_l if shape.remat == "full" else 0
             out["tensor-parallel forward"] = (a_l + 1) * act
-            out["tensor-parallel backward"] = (a_l + 1 + recompute) * act
+            backward = shape.backward_elements * b * s * shape.activation_bytes * n if shape.backward_elements \
+                else a_l * act
+            out["tensor-parallel backward"] = backward + (1 + recompute) * act
         out["loss"] = 3 * b * s * 4 * n  # the cross-entropy runs in fp32
     if shape.tensor > 1:
         # per layer: the grouped all-reduce of the shard's head, the all-gather of one head per group (fp32); under
@@ -329,11 +335,15 @@ def shape_of(run: RunSpec, *, micro_batch: int, num_micro: int, tensor: int, dat
     cfg = run.model
     total = sum(stack.count for stack in run.stacks)
     forward, redone = all_reduces(run.stacks)
+    own = any(stack.kind.backward_widths for stack in run.stacks)
+    widths = {stack: backward_widths(stack.kind, cfg) for stack in run.stacks}
     seq = cfg.max_seq_len // context
     kv_local = 1 if cfg.kv_replicated(tensor) else cfg.kv_heads // tensor
     return Shape(micro_batch=micro_batch, num_micro=num_micro, seq=seq, hidden=cfg.hidden_size, layers=layers,
                  tensor=tensor, data=data, activation_bytes=activation_bytes, local_grad_elements=local_grad_elements,
                  tensor_all_reduces=forward * layers // total, recomputed_all_reduces=redone * layers // total,
+                 backward_elements=sum(st.count * sum(w) for st, w in widths.items()) * layers // total if own else 0,
+                 backward_widths=tuple(sorted({x for w in widths.values() for x in w} - {cfg.hidden_size})),
                  remat=cfg.remat, kv_head_elements=kv_head_elements(cfg, tensor), expert=expert,
                  num_experts=run.routed_experts[0], routed_layers=run.routed_layers * layers // total,
                  routed_rows=micro_batch * seq * run.routed_experts[1],
