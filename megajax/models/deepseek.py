@@ -287,7 +287,8 @@ class DeepSeekDecoder(MoEDecoder):
 def update_biases(model: DeepSeekDecoder, sums: Metrics) -> None:
     """After a step: each routed layer's ``correction_bias`` += bias_update_speed x sign(mean load - load), from
     the step's assignments per expert (``expert_counts``, (routed layers, E))."""
-    load = sums["expert_counts"]
+    load = sums["expert_counts"]  # in the model's layer order; a circular pipeline holds its stack in its own
+    load = pipeline.relayout(load, (1, 1), (pipeline.stages(), pipeline.repeats()))
     bias = model.blocks.mlp.correction_bias
     bias[...] = bias[...] + model.cfg.bias_update_speed * jnp.sign(load.mean(-1, keepdims=True) - load)
 
