@@ -142,6 +142,7 @@ MESHES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 4), (4, 2)]
 # busy to the end. The numbers are each module's worker seconds, roughly (docs/results.md has the suite's measured
 # times); they only decide how modules are shared out, so stale ones cost balance, never correctness.
 SLOWEST_FIRST = {"test_pipeline_1f1b.py": 324, "test_pipeline.py": 269, "test_moe.py": 217, "test_checkpoint.py": 192,
+                 "test_deepseek.py": 160,
                  "test_context_parallel.py": 149, "test_train_end_to_end.py": 132, "test_gpu_target.py": 125,
                  "test_user_faults.py": 124, "test_finetune.py": 109, "test_memory_planner.py": 101,
                  "test_sharded_optimizer.py": 95, "test_training_step.py": 87, "test_two_layer_kinds.py": 77,

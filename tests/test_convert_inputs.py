@@ -252,7 +252,8 @@ def test_other_hf_architectures_name_the_supported_ones(tmp_path):
     with pytest.raises(ValueError, match=r"model_type 'mistral' \(MistralForCausalLM\); megajax converts only: gpt2 "
                                          r"\(GPT2LMHeadModel\), bert \(BertForPreTraining\), megatron-bert "
                                          r"\(MegatronBertForPreTraining\), llama \(LlamaForCausalLM\), mixtral "
-                                         r"\(MixtralForCausalLM\), qwen3_moe \(Qwen3MoeForCausalLM\)$"):
+                                         r"\(MixtralForCausalLM\), qwen3_moe \(Qwen3MoeForCausalLM\), deepseek_v3 "
+                                         r"\(DeepseekV3ForCausalLM\)$"):
         convert("hf-to-megajax", f"--hf={tmp_path / 'hf'}", f"--output={tmp_path / 'out'}")
     assert not (tmp_path / "out").exists()
 
