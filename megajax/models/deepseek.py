@@ -50,8 +50,10 @@ NAME = "deepseek"  # config.model.name
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DeepSeekConfig(MoEConfig):
-    """DeepSeek-V3's config (its published config.json's values are the defaults): the mixture's fields plus
-    latent attention's, the routing's and the balancing's."""
+    """DeepSeek-V3's config: the mixture's fields plus latent attention's, the routing's and the balancing's. The
+    defaults are its published config.json's but the sequence (4096, its pretraining length: config.json's 163840 is
+    what YaRN extends it to) and the balancing's, which are the technical report's (bias speed 0.001, alpha
+    0.0001)."""
 
     vocab_size: int = 129280
     num_layers: int = 61
