@@ -237,10 +237,10 @@ def params_from_hf(sd: dict[str, np.ndarray], cfg: deepseek.DeepSeekConfig) -> P
     """The DeepSeek ``cfg``'s parameters from an HF DeepseekV3ForCausalLM state dict (fp32; the rotary rows
     interleaved, as published). The multi-token prediction layers past ``num_hidden_layers`` are dropped, with a
     note on stderr."""
-    mtp = {k for k in sd if (m := LAYER.match(k if k.startswith("model.") else f"model.{k}"))
-           and int(m.group(1)) >= cfg.num_layers}
+    layer_of = {k: int(m.group(1)) for k in sd if (m := LAYER.match(k if k.startswith("model.") else f"model.{k}"))}
+    mtp = {k for k, i in layer_of.items() if i >= cfg.num_layers}
     if mtp:
-        layers = sorted({int(LAYER.match(k if k.startswith("model.") else f"model.{k}").group(1)) for k in mtp})
+        layers = sorted({layer_of[k] for k in mtp})
         print(f"note: dropped the checkpoint's multi-token prediction layer{'s' * (len(layers) > 1)} "
               f"{', '.join(map(str, layers))} ({len(mtp)} tensors): megajax's DeepSeek has no MTP module yet",
               file=sys.stderr)
