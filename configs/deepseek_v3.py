@@ -2,12 +2,15 @@
 attention (query latent 1536, key/value latent 512, heads of 128 + a shared rotary 64, values 128), 256 routed
 experts of width 2048 in 8 groups (a token's 8 from its best 4 groups) beside one shared expert, sigmoid routing with
 auxiliary-loss-free balancing (bias update 0.001) and the sequence-wise balance loss (alpha 0.0001), YaRN (factor
-40 over 4096), vocabulary 129280, untied output. Multi-token prediction is not modelled yet.
+40 over 4096), vocabulary 129280, untied output. Multi-token prediction is off here; DeepSeek-V3 trained with one
+depth (--config.model.mtp_depth=1, its loss weighted 0.3 for the first 10T tokens, then 0.1: model.mtp_loss_weight).
 
 Command:  python train.py --config=configs/deepseek_v3.py --config.data.source=indexed --config.data.path=PREFIX
 Expect:   671,026,404,352 parameters without the MTP layer, as transformers counts DeepseekV3ForCausalLM (megajax
           holds 14,848 more: the 58 routed layers' 256 correction biases, buffers there), 37,552,297,472 active per
-          token (37B in the technical report).
+          token (37B in the technical report); with mtp_depth=1, 682,636,472,320 (+ the depth's 256 biases), which
+          with the published layer 61's copies of the embedding and output layer (2 x 129280 x 7168) is the
+          report's 685B.
 """
 
 from megajax.config import base_config

@@ -108,7 +108,11 @@ def _hf_to_megajax(args, source: pathlib.Path, out: pathlib.Path) -> pathlib.Pat
     except ConfigJsonError as e:  # the field, and which config.json
         raise e.at(source / "config.json") from None
     model = model_config(config)  # its checks, too, before the weights are read
-    params = converter.params_from_hf(hf_io.read_weights(source, args.allow_pickle), model)
+    sd = hf_io.read_weights(source, args.allow_pickle)
+    if hasattr(converter, "as_held"):  # config.json as the weights hold it (DeepSeek's MTP layers)
+        config = converter.config_from_hf(converter.as_held(hf, sd), *([] if pad is None else [pad]))
+        model = model_config(config)
+    params = converter.params_from_hf(sd, model)
     fingerprint = _tokenizer_fingerprint(source, model.vocab_size)
     # no training data to name; the tokenizer that came with the weights (evaluation reads it)
     config.data.update(source=CONVERTED, tokenizer=str(source) if fingerprint else "",

@@ -13,8 +13,15 @@ refused.
 
 Not modelled, refused in one line: FP8 block-quantised weights (``quantization_config``: cast them to bf16 first),
 another scoring or top-k method than DeepSeek-V3's (sigmoid, ``noaux_tc``), attention biases, a rope scaling other
-than YaRN. The multi-token prediction layers a checkpoint holds past ``num_hidden_layers``
-(``num_nextn_predict_layers``) are dropped with a note: megajax's DeepSeek has no MTP module yet.
+than YaRN.
+
+Multi-token prediction: the first ``num_nextn_predict_layers`` layers past ``num_hidden_layers`` (DeepSeek-V3's
+layer 61) become the model's MTP depths (``mtp_depth``): each a routed layer's tensors and ``enorm``, ``hnorm``,
+``eh_proj`` and ``shared_head.norm``; its copies of the embedding and output layer (``embed_tokens``,
+``shared_head.head``) must equal the model's (megajax shares them) and are written back as copies. Layers past those
+are dropped with a note (set ``num_nextn_predict_layers`` to 0 in config.json to convert without MTP). Where the
+weights hold fewer MTP layers than config.json names (transformers' ``save_pretrained`` leaves them out, and its
+config defaults to one), the model has as many as they hold, said in a note (``as_held``).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import re
 import sys
 
+import jax
 import ml_collections
 import numpy as np
 
@@ -106,7 +114,8 @@ def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 1) -> ml_collec
                                                                      minimum=0),
         routed_scaling_factor=float(number(hf, "routed_scaling_factor", default=1.0, **real)),
         n_group=number(hf, "n_group", default=1, null=1), topk_group=number(hf, "topk_group", default=1, null=1),
-        first_k_dense_replace=number(hf, "first_k_dense_replace", default=0, null=0, minimum=0), **_rope(hf))
+        first_k_dense_replace=number(hf, "first_k_dense_replace", default=0, null=0, minimum=0),
+        mtp_depth=number(hf, "num_nextn_predict_layers", default=0, null=0, minimum=0), **_rope(hf))
     model_config(c)  # the family's own checks before any tensor is read
     return c
 
@@ -131,7 +140,8 @@ def hf_config(cfg: deepseek.DeepSeekConfig) -> dict:
             "max_position_embeddings": cfg.max_seq_len, "initializer_range": cfg.init_std,
             "rms_norm_eps": cfg.layernorm_eps, "tie_word_embeddings": bool(cfg.tie_embeddings),
             "rope_theta": cfg.rope_theta, "rope_scaling": rope, "rope_interleave": True, "attention_bias": False,
-            "attention_dropout": 0.0, "num_nextn_predict_layers": 0, "torch_dtype": "float32", "use_cache": True}
+            "attention_dropout": 0.0, "num_nextn_predict_layers": cfg.mtp_depth, "torch_dtype": "float32",
+            "use_cache": True}
 
 
 def _half_order(d: int) -> np.ndarray:
@@ -233,22 +243,82 @@ def _stack_of(cfg: deepseek.DeepSeekConfig):
     return lambda i: DENSE_STACK if i < cfg.first_k_dense_replace else STACK
 
 
+MTP_OWN = ("enorm", "hnorm", "eh_proj", "shared_head.norm")  # an MTP layer's tensors beside a routed layer's
+MTP_SHARED = {"embed_tokens": "model.embed_tokens.weight", "shared_head.head": "lm_head.weight"}  # megajax's shared
+
+
+def _mtp_from_hf(t: DecoderTensors, cfg: deepseek.DeepSeekConfig) -> Params:
+    """The multi-token prediction depths' parameters (stacked) from layers num_layers .. + mtp_depth."""
+    h, depths = cfg.hidden_size, []
+    for i in range(cfg.num_layers, cfg.num_layers + cfg.mtp_depth):
+        pre = f"model.layers.{i}."
+        for name, source in MTP_SHARED.items():
+            source = "model.embed_tokens.weight" if cfg.tie_embeddings else source
+            copy = t.take(f"{pre}{name}.weight", (cfg.vocab_size, h))
+            _refuse(np.array_equal(copy, t.sd[source]), f"the HF weights hold a {pre}{name}.weight that differs from "
+                                                        f"{source}: megajax's multi-token prediction shares the "
+                                                        "model's embedding and output layer")
+        depths.append({**_layer_from_hf(t, i, cfg),
+                       "enorm": {"scale": t.take(pre + "enorm.weight", (h,))},
+                       "hnorm": {"scale": t.take(pre + "hnorm.weight", (h,))},
+                       "proj": {"kernel": t.take(pre + "eh_proj.weight", (h, 2 * h)).T},
+                       "norm": {"scale": t.take(pre + "shared_head.norm.weight", (h,))}})
+    return jax.tree.map(lambda *xs: np.stack(xs), *depths)
+
+
+def _layer_indices(sd: dict[str, np.ndarray]) -> dict[str, int]:
+    """Each layer tensor's layer index."""
+    return {k: int(m.group(1)) for k in sd if (m := LAYER.match(k if k.startswith("model.") else f"model.{k}"))}
+
+
+def as_held(hf: dict, sd: dict[str, np.ndarray]) -> dict:
+    """``hf`` (config.json) with ``num_nextn_predict_layers`` lowered to the multi-token prediction layers the
+    weights ``sd`` hold (consecutive from ``num_hidden_layers``), with a note where that is fewer than it names."""
+    named = number(hf, "num_nextn_predict_layers", default=0, null=0, minimum=0)
+    layers, first = set(_layer_indices(sd).values()), number(hf, "num_hidden_layers")
+    held = next(d for d in range(named + 1) if d == named or first + d not in layers)
+    if held == named:
+        return hf
+    print(f"note: config.json says num_nextn_predict_layers={named}, but the weights hold {held or 'no'} multi-token "
+          f"prediction layer{'s' * (held != 1)} (transformers' save_pretrained leaves them out): converted with "
+          f"model.mtp_depth={held}", file=sys.stderr)
+    return {**hf, "num_nextn_predict_layers": held}
+
+
 def params_from_hf(sd: dict[str, np.ndarray], cfg: deepseek.DeepSeekConfig) -> Params:
     """The DeepSeek ``cfg``'s parameters from an HF DeepseekV3ForCausalLM state dict (fp32; the rotary rows
-    interleaved, as published). The multi-token prediction layers past ``num_hidden_layers`` are dropped, with a
-    note on stderr."""
-    layer_of = {k: int(m.group(1)) for k in sd if (m := LAYER.match(k if k.startswith("model.") else f"model.{k}"))}
-    mtp = {k for k, i in layer_of.items() if i >= cfg.num_layers}
-    if mtp:
-        layers = sorted({layer_of[k] for k in mtp})
+    interleaved, as published), its multi-token prediction layers among them (``cfg.mtp_depth``); the layers past
+    those are dropped, with a note on stderr."""
+    layer_of = _layer_indices(sd)
+    kept = cfg.num_layers + cfg.mtp_depth
+    present = sorted({i for i in layer_of.values() if i >= cfg.num_layers})
+    missing = [i for i in range(cfg.num_layers, kept) if i not in present]
+    _refuse(not missing, f"model.mtp_depth={cfg.mtp_depth}, but the weights hold no tensor of layer "
+                         f"{missing[0] if missing else 0} (as_held: the depths the weights hold)")
+    dropped = {k for k, i in layer_of.items() if i >= kept}
+    if dropped:
+        layers = sorted({layer_of[k] for k in dropped})
         print(f"note: dropped the checkpoint's multi-token prediction layer{'s' * (len(layers) > 1)} "
-              f"{', '.join(map(str, layers))} ({len(mtp)} tensors): megajax's DeepSeek has no MTP module yet",
+              f"{', '.join(map(str, layers))} ({len(dropped)} tensors): config.json's num_nextn_predict_layers="
+              f"{cfg.mtp_depth} keeps {'none' if not cfg.mtp_depth else f'the first {cfg.mtp_depth}'}",
               file=sys.stderr)
-        sd = {k: v for k, v in sd.items() if k not in mtp}
-    return decoder_from_hf(DecoderTensors(sd, cfg, HF_CLASSES["deepseek_v3"]), cfg, _layer_from_hf, _stack_of(cfg))
+        sd = {k: v for k, v in sd.items() if k not in dropped}
+    t = DecoderTensors(sd, cfg, HF_CLASSES["deepseek_v3"])
+    mtp = {"mtp": _mtp_from_hf(t, cfg)} if cfg.mtp_depth else {}
+    return {**decoder_from_hf(t, cfg, _layer_from_hf, _stack_of(cfg)), **mtp}
 
 
 def params_to_hf(p: Params, cfg: deepseek.DeepSeekConfig) -> dict[str, np.ndarray]:
     """An HF DeepseekV3ForCausalLM state dict of ``cfg``'s parameters (per expert, the rotary rows interleaved, as
-    published)."""
-    return decoder_to_hf(p, cfg, _layer_to_hf, _stack_of(cfg))
+    published), the multi-token prediction depths as the layers after the model's, as DeepSeek publishes them."""
+    sd = decoder_to_hf(p, cfg, _layer_to_hf, _stack_of(cfg))
+    for d in range(cfg.mtp_depth):
+        i, depth = cfg.num_layers + d, jax.tree.map(lambda x: x[d], p["mtp"])
+        pre = f"model.layers.{i}."
+        sd.update(_layer_to_hf(depth, i, cfg))
+        sd.update({pre + "enorm.weight": depth["enorm"]["scale"], pre + "hnorm.weight": depth["hnorm"]["scale"],
+                   pre + "eh_proj.weight": depth["proj"]["kernel"].T,
+                   pre + "shared_head.norm.weight": depth["norm"]["scale"]})
+        for name, source in MTP_SHARED.items():
+            sd[f"{pre}{name}.weight"] = sd["model.embed_tokens.weight" if cfg.tie_embeddings else source]
+    return {k: np.ascontiguousarray(v, np.float32) for k, v in sd.items()}

@@ -12,7 +12,8 @@ from megajax.convert import hf_bert, hf_deepseek, hf_gpt2, hf_llama, hf_moe, tor
 from megajax.convert.paths import require_empty
 
 # config.json "model_type" -> the module converting it (it defines HF_CLASSES, config_from_hf, params_from_hf,
-# params_to_hf, hf_config).
+# params_to_hf, hf_config; and as_held(hf, sd), config.json as the weights hold it, where that can differ:
+# DeepSeek's multi-token prediction layers).
 CONVERTERS: dict[str, ModuleType] = {
     "gpt2": hf_gpt2,
     "bert": hf_bert,

@@ -19,7 +19,17 @@ DeepSeek-V3's eq. 17-20: per sequence, E / (k T) x the assignments of each exper
 scores, summed over the experts; averaged over the sequences and the routed layers) is an option.
 
 The dense layers come first, on a stack every pipeline stage runs whole (``DENSE_STACK``, not split over stages);
-the routed layers are the pipelined stack. Multi-token prediction is not modelled yet (the converter says so).
+the routed layers are the pipelined stack.
+
+Multi-token prediction (``mtp_depth`` D > 0; DeepSeek-V3 sec. 2.2, Megatron-Core's MultiTokenPredictionLayer): depth
+k (1..D) at position i reads the hidden state depth k - 1 gave (depth 0: the main model's, after its final norm, as
+Megatron-Core and vLLM read it) and the embedding of token i + k, each RMS-normalised, joins them by a projection
+((embedding; hidden) 2H -> H, the published checkpoint's ``eh_proj``), runs one routed DeepSeek layer and its own
+final norm, and predicts token i + k + 1 with the shared output layer (``MTPBlock``, stacked D deep on ``MTP_STACK``,
+run whole on every pipeline stage, as the head). Its loss, each depth's mean cross-entropy over the positions whose
+target lies in the window (and, in packed rows, in the same document), averaged over the depths, is weighted by
+``mtp_loss_weight``; its routers are balanced by their own correction biases, as the main layers'. Scoring and
+generation read the main model only.
 """
 
 from __future__ import annotations
@@ -33,17 +43,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from megajax.models import mla, moe
-from megajax.models.llama import LlamaBlock, SwiGLU
+from megajax.models import mla, moe, objectives
+from megajax.models.llama import LlamaBlock, RMSNorm, SwiGLU
 from megajax.models.mla import LatentAttention
 from megajax.models.moe import DENSE_STACK, MixtureOfExperts, MoEBlock, MoEConfig, MoEDecoder, Stats
-from megajax.models.objectives import Metrics, StateUpdate
+from megajax.models.objectives import Batch, Metrics, StateUpdate
 from megajax.models.spec import LayerKind, Stack, decoder_spec, register
 from megajax.models.transformer import STACK, make_blocks, run_blocks
 from megajax.parallel import pipeline
-from megajax.parallel.layers import make_param
-from megajax.parallel.losses import OWN, Means
-from megajax.parallel.sharding import axis_of, entry_axes
+from megajax.parallel.layers import ColumnParallelLinear, dropout, make_param
+from megajax.parallel.losses import OWN, Means, vocab_parallel_cross_entropy
+from megajax.parallel.remat import layer_step
+from megajax.parallel.sharding import RESIDUAL, axis_of, constrain, entry_axes, positions_of
 
 NAME = "deepseek"  # config.model.name
 
@@ -88,6 +99,8 @@ class DeepSeekConfig(MoEConfig):
     first_k_dense_replace: int = 3
     bias_update_speed: float = 0.001  # 0: the correction biases stay as they are
     seq_aux_loss_coef: float = 0.0001  # the sequence-wise balance loss's weight (DeepSeek-V3's alpha)
+    mtp_depth: int = 0  # multi-token prediction depths D (config.json's num_nextn_predict_layers); 0: none
+    mtp_loss_weight: float = 0.3  # the MTP loss's weight (DeepSeek-V3's lambda: 0.3 for 10T tokens, then 0.1)
     rope_scalings: ClassVar[tuple[str, ...]] = ("none", "yarn")
 
     def __post_init__(self):
@@ -129,6 +142,9 @@ class DeepSeekConfig(MoEConfig):
         if self.bias_update_speed < 0 or self.seq_aux_loss_coef < 0 or self.routed_scaling_factor <= 0:
             raise ValueError("model.bias_update_speed and model.seq_aux_loss_coef must be >= 0, "
                              "model.routed_scaling_factor > 0")
+        if not 0 <= self.mtp_depth < self.max_seq_len or self.mtp_loss_weight < 0:
+            raise ValueError(f"model.mtp_depth={self.mtp_depth} must be in [0, model.max_seq_len) and "
+                             f"model.mtp_loss_weight={self.mtp_loss_weight} >= 0")
         if self.rope_scaling == "yarn" and not (self.rope_factor > 0 and self.yarn_beta_fast > self.yarn_beta_slow > 0):
             raise ValueError("YaRN needs model.rope_factor > 0 and model.yarn_beta_fast > model.yarn_beta_slow > 0")
 
@@ -244,9 +260,33 @@ class DeepSeekDenseBlock(LlamaBlock):
     attention_class = LatentAttention
 
 
+class MTPBlock(DeepSeekBlock):
+    """One multi-token prediction depth: ``(h (B, S, H), embedded (B, S, H)) -> (normed output, statistics)``, h the
+    previous depth's output (after its final norm), ``embedded`` the embeddings of the tokens ``depth`` places ahead:
+    ``norm(layer(proj([enorm(embedded); hnorm(h)])))``, the layer a routed DeepSeek layer (this class's own
+    attention and DeepSeekMoE). ``proj`` is column-parallel (its output gathered as the layer's input)."""
+
+    def __init__(self, cfg: DeepSeekConfig, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)
+        h, dt = cfg.hidden_size, cfg.compute_dtype
+        self.enorm, self.hnorm, self.norm = (RMSNorm(h, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
+                                             for _ in range(3))
+        self.proj = ColumnParallelLinear(2 * h, (h,), ("embed", "mlp"), std=cfg.init_std, dtype=dt, rngs=rngs,
+                                         bias=False)
+
+    def __call__(self, h, embedded, mask, key):
+        joined = self.proj(jnp.concatenate([self.enorm(embedded), self.hnorm(h)], -1))
+        x, (_, stats) = super().__call__(constrain(joined, RESIDUAL), mask, key)
+        return self.norm(x), stats
+
+
+MTP_STACK = "mtp"  # the multi-token prediction depths' stack (``MTPBlock``s), where mtp_depth > 0
+
+
 class DeepSeekDecoder(MoEDecoder):
     """The dense layers (``DENSE_STACK``, run whole on every pipeline stage) then the routed ones (``blocks``,
-    pipelined): ``tokens (B, S) -> logits``; ``routed`` also returns the routed layers' statistics."""
+    pipelined): ``tokens (B, S) -> logits``; ``routed`` also returns the routed layers' statistics, ``predicted``
+    the multi-token prediction depths' logits too (``MTP_STACK``)."""
 
     block_class = DeepSeekBlock
 
@@ -254,6 +294,40 @@ class DeepSeekDecoder(MoEDecoder):
         k = cfg.first_k_dense_replace
         self.dense_blocks = make_blocks(cfg, rngs, DeepSeekDenseBlock, count=k, pipelined=False) if k else None
         self.blocks = make_blocks(cfg, rngs, DeepSeekBlock, count=cfg.num_layers - k)
+        self.mtp = make_blocks(cfg, rngs, MTPBlock, count=cfg.mtp_depth, pipelined=False) if cfg.mtp_depth else None
+
+    def predicted(self, tokens: jax.Array, ahead: jax.Array | None, dropout_key: jax.Array | None = None,
+                  segments: jax.Array | None = None, positions: jax.Array | None = None,
+                  stack: pipeline.StackRunner = pipeline.run_stack
+                  ) -> tuple[jax.Array, jax.Array | None, Stats]:
+        """(logits (B, S, padded_vocab), each multi-token prediction depth's logits (D, B, S, padded_vocab) or None,
+        the routing statistics of the routed layers then the depths' (L + D, ...)); ``ahead`` (B, S, D): the token
+        ``k`` places ahead of each input at depth ``k`` (None without MTP). Packed rows and ``stack`` as
+        ``__call__``."""
+        cfg = self.cfg
+        b = tokens.shape[0]
+        x, mask, rows, (_, stats) = self._trunk(tokens, dropout_key, None, 0, self._documents(segments, positions),
+                                                stack)
+        head_rows = self._head_rows(b, rows)
+        h = self.ln_f(x)
+        logits = self._head(h, head_rows)
+        if self.mtp is None:
+            return logits, None, stats
+        depth = cfg.mtp_depth
+        keys = None if dropout_key is None else jax.random.split(jax.random.fold_in(dropout_key, cfg.num_layers),
+                                                                 (depth, 2))
+        embedded = jnp.stack([constrain(dropout(self.wte(self._tokens(ahead[..., k]), rows), cfg.dropout,
+                                                None if keys is None else keys[k, 0]), RESIDUAL)
+                              for k in range(depth)])
+
+        def step(block: MTPBlock, h: jax.Array, e: jax.Array, key: jax.Array | None):
+            out, layer_stats = block(h, e, mask, key)
+            return out, (out, layer_stats)
+
+        scan = nnx.scan(layer_step(step, cfg.remat), in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+        _, (outs, mtp_stats) = scan(self.mtp, h, embedded, None if keys is None else keys[:, 1])
+        ahead_logits = jnp.stack([self._head(outs[k], head_rows) for k in range(depth)])
+        return logits, ahead_logits, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, mtp_stats)
 
     def _run_layers(self, x, mask, dropout_key, cache, index, stack=pipeline.run_stack):
         cfg, k = self.cfg, self.cfg.first_k_dense_replace
@@ -287,23 +361,69 @@ class DeepSeekDecoder(MoEDecoder):
 
 
 def update_biases(model: DeepSeekDecoder, sums: Metrics) -> None:
-    """After a step: each routed layer's ``correction_bias`` += bias_update_speed x sign(mean load - load), from
-    the step's assignments per expert (``expert_counts``, (routed layers, E))."""
-    load = sums["expert_counts"]  # in the model's layer order; a circular pipeline holds its stack in its own
+    """After a step: each routed layer's and multi-token prediction depth's ``correction_bias`` += bias_update_speed
+    x sign(mean load - load), from the step's assignments per expert (``expert_counts``, (routed layers + depths,
+    E))."""
+    cfg = model.cfg
+    routed = len(cfg.routed_layers)
+    load = sums["expert_counts"][:routed]  # in the model's layer order; a circular pipeline holds its stack in its own
     load = pipeline.relayout(load, (1, 1), (pipeline.stages(), pipeline.repeats()))
-    bias = model.blocks.mlp.correction_bias
-    bias[...] = bias[...] + model.cfg.bias_update_speed * jnp.sign(load.mean(-1, keepdims=True) - load)
+    for stack, counts in ((model.blocks, load), (model.mtp, sums["expert_counts"][routed:])):
+        if stack is not None:
+            bias = stack.mlp.correction_bias
+            bias[...] = bias[...] + cfg.bias_update_speed * jnp.sign(counts.mean(-1, keepdims=True) - counts)
 
 
-DEEPSEEK_LM = dataclasses.replace(moe.MOE_LM, update=StateUpdate(("expert_counts",), update_biases,
-                                                                  moved=("correction_bias",)))
+def ahead_rows(batch: Batch, depth: int) -> Batch:
+    """Multi-token prediction's token-aligned fields (B, S, depth) of a decoder's batch (``tokens`` (B, S + 1)): at
+    depth k (1..depth) each input's token k places ahead (``ahead``: the depth's input), the one k + 1 ahead
+    (``ahead_targets``) and its weight (``ahead_weights``): 1 where it lies in the window (0 past it, where the
+    ids are padding), times, in packed rows, its own loss weight where it is in the input's document."""
+    tokens = batch["tokens"]
+    b, s = tokens.shape[0], tokens.shape[1] - 1
+    padded = jnp.pad(tokens, ((0, 0), (0, depth + 1)))
+    ahead = jnp.stack([padded[:, k:k + s] for k in range(1, depth + 1)], -1)
+    targets = jnp.stack([padded[:, k + 1:k + 1 + s] for k in range(1, depth + 1)], -1)
+    inside = (jnp.arange(s)[:, None] + jnp.arange(2, depth + 2)[None] <= s).astype(jnp.float32)  # (S, depth)
+    weights = jnp.broadcast_to(inside, (b, s, depth))
+    if "loss_weights" in batch:  # target i + k + 1 is the loss weight of input i + k; same document as input i
+        segments = jnp.pad(batch["segments"], ((0, 0), (0, depth)), constant_values=-1)
+        loss_weights = jnp.pad(batch["loss_weights"], ((0, 0), (0, depth)))
+        same = jnp.stack([(segments[:, k:k + s] == batch["segments"]) * loss_weights[:, k:k + s]
+                          for k in range(1, depth + 1)], -1)
+        weights = weights * same
+    return {"ahead": ahead, "ahead_targets": targets, "ahead_weights": weights}
+
+
+def _deepseek_lm(model: DeepSeekDecoder, batch: Batch, key: jax.Array | None, means: Means = OWN,
+                 stack: pipeline.StackRunner = pipeline.run_stack) -> tuple[jax.Array, Metrics]:
+    """Next-token cross-entropy, the weighted router losses and, with ``mtp_depth``, ``mtp_loss_weight`` x the
+    multi-token prediction loss (``mtp_loss``: each depth's mean cross-entropy over its weighted targets, averaged
+    over the depths); each part logged (``lm_loss`` is what the perplexity is of)."""
+    depth = model.cfg.mtp_depth
+    rows = objectives.next_tokens(batch, ahead_rows(batch, depth) if depth else None)
+    with positions_of(rows.pop("order", None)):  # context parallelism's order keys dropout by true position
+        logits, ahead_logits, stats = model.predicted(rows["inputs"], rows.get("ahead"), dropout_key=key,
+                                                      stack=stack, **objectives.documents(rows))
+    lm = means.mean(vocab_parallel_cross_entropy(logits, rows["targets"]), rows.get("loss_weights"))
+    router_loss, metrics = model.router_terms(stats, rows["inputs"].shape, means)
+    if not depth:
+        return lm + router_loss, {"lm_loss": lm, **metrics}
+    mtp = sum(means.mean(vocab_parallel_cross_entropy(ahead_logits[k], rows["ahead_targets"][..., k]),
+                         rows["ahead_weights"][..., k]) for k in range(depth)) / depth
+    return lm + router_loss + model.cfg.mtp_loss_weight * mtp, {"lm_loss": lm, "mtp_loss": mtp, **metrics}
+
+
+DEEPSEEK_LM = dataclasses.replace(moe.MOE_LM, loss=_deepseek_lm,
+                                  update=StateUpdate(("expert_counts",), update_biases, moved=("correction_bias",)))
 
 
 def flops(cfg: DeepSeekConfig, rows: int, seq: int) -> float:
     """Model FLOPs of a step over the active parameters: 3 (forward + backward) x 2 per multiply-add of latent
     attention's projections (the query's down and up, or one; the key/value latent's down and up; the output), its
     scores (nope + rope per head) and context (v per head), the dense layers' SwiGLU, the routed layers' router, k
-    routed experts and shared experts, and the output layer."""
+    routed experts and shared experts, and the output layer; each multi-token prediction depth's routed layer, join
+    projection and output layer."""
     h, n = cfg.hidden_size, cfg.num_heads
     qk, v, r = cfg.head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     query = h * cfg.q_lora_rank + cfg.q_lora_rank * n * qk if cfg.q_lora_rank else h * n * qk
@@ -313,7 +433,9 @@ def flops(cfg: DeepSeekConfig, rows: int, seq: int) -> float:
     dense = 2 * h * 3 * cfg.ffn_size
     sparse = len(cfg.routed_layers)
     layers = cfg.num_layers * attention + sparse * routed + (cfg.num_layers - sparse) * dense
-    return 3.0 * rows * seq * (layers + 2 * h * cfg.padded_vocab_size)
+    head = 2 * h * cfg.padded_vocab_size
+    mtp = cfg.mtp_depth * (attention + routed + 2 * 2 * h * h + head)  # each depth: a routed layer, proj, the head
+    return 3.0 * rows * seq * (layers + head + mtp)
 
 
 def reference_route(logits: np.ndarray, bias: np.ndarray, cfg: DeepSeekConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -337,10 +459,12 @@ def reference_route(logits: np.ndarray, bias: np.ndarray, cfg: DeepSeekConfig) -
 
 
 def stacks(cfg: DeepSeekConfig) -> tuple[Stack, ...]:
-    """The dense layers (the first ``first_k_dense_replace``, run whole on every stage) and the routed ones."""
+    """The dense layers (the first ``first_k_dense_replace``, run whole on every stage), the routed ones and the
+    multi-token prediction depths (run whole on every stage)."""
     k = cfg.first_k_dense_replace
     routed = (Stack(STACK, ROUTED, cfg.num_layers - k),)
-    return ((Stack(DENSE_STACK, DENSE, k, pipelined=False),) if k else ()) + routed
+    mtp = (Stack(MTP_STACK, MTP, cfg.mtp_depth, pipelined=False),) if cfg.mtp_depth else ()
+    return ((Stack(DENSE_STACK, DENSE, k, pipelined=False),) if k else ()) + routed + mtp
 
 
 def dense_layer_residual_bytes(cfg: DeepSeekConfig, rows: int, tp: int, split: int, remat: str, cd: int,
@@ -389,6 +513,26 @@ def routed_layer_residual_bytes(cfg: DeepSeekConfig, rows: int, tp: int, split: 
     return dense - dense_mlp + shared + routed + routing
 
 
+def mtp_layer_residual_bytes(cfg: DeepSeekConfig, rows: int, tp: int, split: int, remat: str, cd: int,
+                             attention: str = "xla", expert: int = 1) -> int:
+    """Bytes one multi-token prediction depth keeps: a routed layer's (``routed_layer_residual_bytes``) and the
+    join's and final norm's. ``full``: the depth's hidden input and its output besides the layer's; ``save_dots``
+    those and the projection's output; otherwise per RMSNorm (enorm, hnorm, the final one) its fp32 input and
+    normalised values, two fp32 statistics per position and, in 16-bit, its scale broadcast, and in the compute dtype
+    the three normalised values, the concatenation (b, s, 2h, which the projection reads whole), the projection's
+    output, the layer's output and the depth's. Equal to the traced jaxpr's in 16-bit (the training precision); in
+    fp32, where the casts are no-ops, the traced count is 3 (b, s, h) values lower (tests/test_deepseek.py)."""
+    s, b, h = cfg.max_seq_len, rows, cfg.hidden_size
+    sbh = s * b * h
+    layer = routed_layer_residual_bytes(cfg, rows, tp, split, remat, cd, attention, expert)
+    if remat == "full":
+        return layer + sbh * cd // split
+    if remat == "save_dots":
+        return layer + 2 * sbh * cd // split + sbh * cd // tp
+    norms = 3 * (2 * sbh * 4 + 2 * s * b * 4) // split + (3 * h * cd if cd < 4 else 0)
+    return layer + norms + (5 * sbh * cd + sbh * cd // tp) // split + 2 * sbh * cd
+
+
 def backward_widths(cfg: DeepSeekConfig) -> tuple[int, ...]:
     """The elements per token of each of a layer's backward all-reduces over ``model``: the MLP's input gradient
     (h); latent attention's key/value latent's and shared rotary key's gradients (kv_lora_rank, qk_rope_head_dim:
@@ -406,6 +550,12 @@ DENSE = LayerKind("deepseek dense", residuals=dense_layer_residual_bytes, backwa
 # dense layer's
 ROUTED = dataclasses.replace(moe.ROUTED, name="deepseek routed", residuals=routed_layer_residual_bytes,
                              backward_widths=backward_widths)
+
+# A multi-token prediction depth: a routed layer with the join before it (its two norms, the concatenation, the
+# projection) and its final norm after; its output layer's logits are the head's (``head_memory``), once more per depth
+MTP = dataclasses.replace(ROUTED, name="deepseek mtp", residuals=mtp_layer_residual_bytes,
+                          uncounted="each depth's join projection and its output layer's collectives; set "
+                                    "model.mtp_depth=0 to read a budget")
 
 register(decoder_spec(NAME, DeepSeekConfig, DeepSeekDecoder, flops, objective=DEEPSEEK_LM, perplexity_of="lm_loss",
                       stacks=stacks, active_parameters=moe.active_parameters))

@@ -321,6 +321,13 @@ class Llama(CausalDecoder):
                 documents: Documents | None = None, stack: pipeline.StackRunner = pipeline.run_stack):
         """(logits, what the blocks return beside their output, stacked over the layers: the key/value cache for
         Llama's blocks, which ``_forward`` returns)."""
+        x, _, rows, layers_out = self._trunk(tokens, dropout_key, cache, index, documents, stack)
+        return self._head(self.ln_f(x), self._head_rows(tokens.shape[0], rows)), layers_out
+
+    def _trunk(self, tokens: jax.Array, dropout_key: jax.Array | None, cache, index: jax.Array | int,
+               documents: Documents | None = None, stack: pipeline.StackRunner = pipeline.run_stack):
+        """(the last layer's output (B, S, H), the attention mask, the embedding's ``replica_rows``, what the blocks
+        return beside their output): the model before its final norm and head."""
         cfg = self.cfg
         b, s = tokens.shape
         tokens = self._tokens(tokens)
@@ -332,10 +339,17 @@ class Llama(CausalDecoder):
         if documents is not None:  # packed rows: within each document, at its positions
             mask = Positioned(documents.mask(), documents.positions)
         x, layers_out = self._run_layers(x, mask, k_layers, cache, index, stack)
+        return x, mask, rows, layers_out
+
+    def _head_rows(self, batch: int, rows: jax.Array) -> jax.Array:
+        """The output layer's ``replica_rows`` for ``batch`` rows (the embedding's ``rows`` where tied): read once per
+        step, however many times the head is applied."""
+        return rows if self.lm_head is None else self.lm_head.replica_rows(batch)
+
+    def _head(self, h: jax.Array, head_rows: jax.Array) -> jax.Array:
+        """(B, S, H) final-normed hidden states -> (B, S, padded_vocab) logits, the padded ids masked."""
         head = self.wte if self.lm_head is None else self.lm_head
-        head_rows = rows if self.lm_head is None else self.lm_head.replica_rows(b)
-        logits = head.attend(self.ln_f(x), head_rows)  # (B, S, V_padded)
-        return mask_padded_vocab(logits, cfg.vocab_size), layers_out
+        return mask_padded_vocab(head.attend(h, head_rows), self.cfg.vocab_size)
 
 
 def flops(cfg: LlamaConfig, rows: int, seq: int) -> float:

@@ -98,13 +98,14 @@ def documents(batch: Batch) -> dict[str, jax.Array]:
 TARGET_FIELDS = ("segments", "positions", "loss_weights", "completion_slots")
 
 
-def next_tokens(batch: Batch) -> Batch:
+def next_tokens(batch: Batch, extra: Batch | None = None) -> Batch:
     """A decoder's batch as the model reads it: ``inputs`` and ``targets`` (B, S) from ``tokens`` (B, S + 1), with
-    the packed fields; under context parallelism each row in its balanced order, with every token's position and
-    the ``order`` (``megajax.parallel.context.balanced``), which the caller traces the model under
-    (``sharding.positions_of``)."""
+    the packed fields and ``extra`` (token-aligned (B, S, ...) fields an objective derives, in the rows' own order);
+    under context parallelism each row in its balanced order, with every token's position and the ``order``
+    (``megajax.parallel.context.balanced``), which the caller traces the model under (``sharding.positions_of``)."""
     tokens = batch["tokens"]
-    rows = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], **{k: batch[k] for k in TARGET_FIELDS if k in batch}}
+    rows = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], **{k: batch[k] for k in TARGET_FIELDS if k in batch},
+            **(extra or {})}
     return balanced(rows)
 
 

@@ -115,6 +115,9 @@ class LayerKind:
     # A routed kind's dispatch, beyond ``elementwise``: forward passes per element of (its e m x h exchange blocks,
     # its n x h routed assignments, its e m x 2F/t gate and up outputs), backward twice (``tools.scaling_experts``)
     dispatch_passes: tuple[float, float, float] = (0, 0, 0)
+    # What the communication budget does not count of this kind yet and what to change to read one, said when it
+    # refuses a run with such layers (``tools.comm_budget.check_countable``); "": it counts all of it
+    uncounted: str = ""
 
     @property
     def routed(self) -> bool:

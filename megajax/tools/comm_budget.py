@@ -181,11 +181,16 @@ def step_budget(run) -> Budget:
 
 def check_countable(spec) -> None:
     """Raises ConfigError for a run (its ``RunSpec``) whose communication the budget does not count yet: context
-    shards under pipeline stages."""
+    shards under pipeline stages, layers of a kind whose ``uncounted`` says what is not counted, latent attention's
+    backward under sequence parallelism or stages with model shards."""
     if spec.mesh.pipe > 1 and spec.mesh.context > 1:
         raise ConfigError("the communication budget does not count context shards under pipeline stages yet (each "
                           "stage-tick's key/value all-gathers on a microbatch); drop mesh.pipe or mesh.context to "
                           "read a budget")
+    for stack in spec.stacks:
+        if stack.kind.uncounted:
+            raise ConfigError(f"the communication budget does not count {stack.kind.name} layers yet: "
+                              f"{stack.kind.uncounted}")
     own = [s.kind.name for s in spec.stacks if s.kind.backward_widths]
     if own and spec.mesh.model > 1 and (spec.sequence or spec.mesh.pipe > 1):
         raise ConfigError(f"the communication budget counts the backward all-reduces of {own[0]} layers (latent "
