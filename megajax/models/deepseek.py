@@ -48,7 +48,7 @@ from megajax.models.llama import LlamaBlock, RMSNorm, SwiGLU
 from megajax.models.mla import LatentAttention
 from megajax.models.moe import DENSE_STACK, MixtureOfExperts, MoEBlock, MoEConfig, MoEDecoder, Stats
 from megajax.models.objectives import Batch, Metrics, StateUpdate
-from megajax.models.spec import LayerKind, Stack, decoder_spec, register
+from megajax.models.spec import HeadMemory, LayerKind, Stack, decoder_spec, register
 from megajax.models.transformer import STACK, make_blocks, run_blocks
 from megajax.parallel import pipeline
 from megajax.parallel.layers import ColumnParallelLinear, dropout, make_param
@@ -558,4 +558,6 @@ MTP = dataclasses.replace(ROUTED, name="deepseek mtp", residuals=mtp_layer_resid
                                     "model.mtp_depth=0 to read a budget")
 
 register(decoder_spec(NAME, DeepSeekConfig, DeepSeekDecoder, flops, objective=DEEPSEEK_LM, perplexity_of="lm_loss",
-                      stacks=stacks, active_parameters=moe.active_parameters))
+                      stacks=stacks, active_parameters=moe.active_parameters,
+                      head_memory=HeadMemory(vocab_logit_copies=3, hidden_tensors=8,
+                                             outputs=lambda cfg: 1 + cfg.mtp_depth)))

@@ -40,6 +40,9 @@ class HeadMemory:
 
     vocab_logit_copies: int  # fp32 (b, s, V/t) tensors: logits, exponentials, gradient (+ biased logits); 0: none
     hidden_tensors: int  # fp32 (b, s, h) tensors of the embeddings, the final LayerNorm and the head
+    # cfg -> how many times a step applies the output layer, each application's logits live at once (a DeepSeek
+    # decoder's multi-token prediction depths add theirs); None: once
+    outputs: Callable[[TransformerConfig], int] | None = None
 
     @property
     def vocab_output(self) -> bool:

@@ -75,26 +75,31 @@ def head_bytes(run: RunSpec, micro_batch: int, gpu: bool = False) -> int:
     gradient; BERT's MLM head 4, its biased logits too; 0 for a head without vocabulary logits, the task models'),
     with 16-bit compute the compute-dtype logits too, plus ``hidden_tensors`` (b, s, h) fp32 tensors of the
     embeddings, the final norm and the head (GPT's 8; BERT's 16, with the MLM transform's dense, GeLU and
-    LayerNorm). With ``parallel.sequence`` those run on the split sequence (1/t of them) and the output layer keeps
-    its all-gathered input, one whole (b, s, h) tensor in the compute dtype.
+    LayerNorm); where the output layer runs more than once (``HeadMemory.outputs``) each run keeps its copies but
+    the gradient, which one at a time holds. With
+    ``parallel.sequence`` those run on the split sequence (1/t of them) and the output layer keeps its all-gathered
+    input, one whole (b, s, h) tensor in the compute dtype.
 
     ``gpu``: XLA:GPU fuses the exponentials, the normalisation and the LayerNorms into the reductions and GEMMs
-    that read them; what the head holds at the peak is the logits as the output GEMM writes them (compute dtype)
-    and their fp32 gradient (compared with steps compiled for an H100 in tests/test_gpu_target.py and
+    that read them; what the head holds at the peak is the logits as the output GEMM writes them (compute dtype,
+    each run's) and their fp32 gradient (compared with steps compiled for an H100 in tests/test_gpu_target.py and
     bench/README.md).
     """
     m, tp = run.model, run.mesh.model
     cd, s, b, h = compute_bytes(run), m.max_seq_len // run.mesh.context, trunk_rows(run, micro_batch), m.hidden_size
     head = run.model_spec.head_memory
     vocab = head.vocab_logit_copies  # fp32 (b, s, V/t) copies
-    logits = s * b * m.padded_vocab_size // tp
+    logits, outputs = s * b * m.padded_vocab_size // tp, head.outputs(m) if head.outputs else 1
     if gpu:
-        return logits * (FP32 + cd) if vocab else 0
+        return logits * (outputs * cd + FP32) if vocab else 0
     extra_cd = cd if vocab and cd < FP32 else 0
     hidden = head.hidden_tensors * s * b * h * FP32
     if run.sequence:
         hidden = hidden // tp + s * b * h * cd
-    return logits * (vocab * FP32 + extra_cd) + hidden
+    if not vocab:
+        return hidden
+    # each application keeps its logits' copies but the gradient, which one application at a time holds
+    return logits * (outputs * ((vocab - 1) * FP32 + extra_cd) + FP32) + hidden
 
 
 @dataclasses.dataclass(frozen=True)
