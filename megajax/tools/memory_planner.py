@@ -23,8 +23,9 @@ The formula (``MemoryReport.temp_bytes``) counts the step's temporaries term by 
   them. On top of
   those, the larger of the output head at the start of the backward pass (``head_bytes``, the spec's
   ``head_memory``: the fp32 logits, their exponentials and their gradient; the tied word embedding's gradient is
-  not written yet then, ``word_embedding_grad_bytes``) and, with full / save_dots recomputation, one layer's
-  recomputed residuals.
+  not written yet then, ``word_embedding_grad_bytes``; each run of the output layer's logits where it runs more
+  than once, ``HeadMemory.outputs``) and, with full / save_dots recomputation, one layer's recomputed residuals (the
+  largest kind's, ``largest_layer_residual_bytes``).
 
 ``compiled_memory`` compiles the real step ahead of time (``training.loop.setup_run``, abstract inputs, nothing
 allocated) and reads ``memory_analysis()``: arguments = state (parameters, moments, 32 bytes of scalars) + the
@@ -56,7 +57,7 @@ from megajax.tools.memory_terms import (
     attention_backward_bytes,
     dropout_bits_bytes,
     head_bytes,
-    layer_residual_bytes,
+    largest_layer_residual_bytes,
     params_per_device,
     stack_residual_bytes,
 )
@@ -98,7 +99,7 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
         return stage_activations(run, micro_batch, gpu)
     recompute = attention_backward_bytes(run, micro_batch, gpu) + dropout_bits_bytes(run, micro_batch, gpu)
     if m.remat in ("full", "save_dots"):
-        recompute += layer_residual_bytes(run, micro_batch, "none", gpu=gpu)
+        recompute += largest_layer_residual_bytes(run, micro_batch, "none", gpu=gpu)
     layers = stack_residual_bytes(run, micro_batch, gpu=gpu)
     return Activations(layers, head_bytes(run, micro_batch, gpu), recompute)
 
@@ -228,7 +229,7 @@ def gathered_bytes(run: RunSpec) -> tuple[int, int]:
     m = run.model
     embedding = m.padded_vocab_size // run.mesh.model * m.hidden_size
     stacks = tuple(stack.attr for stack in run.stacks)  # the mean layer's; a stage holds L / pipe layers
-    layer = params_per_device(run, only=stacks)[1] // (m.num_layers // run.mesh.pipe)
+    layer = params_per_device(run, only=stacks)[1] // (sum(stack.count for stack in run.stacks) // run.mesh.pipe)
     copies = 2 if run.mesh.pipe > 1 else 1  # the gathered layer, and under stages its gradient
     head = copies * FP32 * embedding if run.model_spec.head_memory.vocab_output else 0
     return head, 2 * FP32 * layer

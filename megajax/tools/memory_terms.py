@@ -14,6 +14,7 @@ from flax import nnx
 
 from megajax.config import RunSpec, abstract_model_of
 from megajax.models import attention_memory
+from megajax.models.spec import Stack
 from megajax.models.transformer import attention_reason
 from megajax.parallel.sharding import fsdp_spec, logical_to_spec, spec_axes
 
@@ -41,23 +42,34 @@ def stack_residual_bytes(run: RunSpec, micro_batch: int, remat: str | None = Non
     to the model's; ``gpu``: as compiled for an NVIDIA GPU, where cuDNN's attention keeps less, ``attention_for``):
     each of its stacks' count of its layer kind's own inventory (``LayerKind.residuals``; the trunk's block:
     ``models.block_memory``), and what context parallelism adds to each layer."""
+    return sum(stack.count * kept for stack, kept in _kinds_kept(run, micro_batch, remat, gpu))
+
+
+def _kinds_kept(run: RunSpec, micro_batch: int, remat: str | None, gpu: bool) -> list[tuple[Stack, int]]:
+    """Each stack with what one of its layers keeps (``stack_residual_bytes``)."""
     split = run.mesh.model if run.sequence else 1  # the residual stream's share on one device
     remat, rows, attention = remat or run.model.remat, trunk_rows(run, micro_batch), attention_for(run, gpu)
     local = dataclasses.replace(run.model, max_seq_len=run.model.max_seq_len // run.mesh.context)
     context = context_attention_bytes(run, rows, remat, attention)
-    total = 0
+    kept = []
     for stack in run.stacks:
         experts = {"expert": run.mesh.expert} if stack.kind.routed else {}  # only a routed layer has expert shards
-        kept = stack.kind.residuals(local, rows, run.mesh.model, split, remat, compute_bytes(run), attention, **experts)
-        total += stack.count * (kept + context)
-    return total
+        own = stack.kind.residuals(local, rows, run.mesh.model, split, remat, compute_bytes(run), attention, **experts)
+        kept.append((stack, own + context))
+    return kept
 
 
 def layer_residual_bytes(run: RunSpec, micro_batch: int, remat: str | None = None, gpu: bool = False) -> int:
     """Bytes one layer keeps (``stack_residual_bytes``): a model of one layer kind, its layer's; of several, the mean
-    over its layers, rounded up (what a recomputed layer's working set and a pipeline stage's layers are planned
-    with)."""
+    over its layers, rounded up (what a pipeline stage's layers are planned with)."""
     return -(-stack_residual_bytes(run, micro_batch, remat, gpu) // sum(stack.count for stack in run.stacks))
+
+
+def largest_layer_residual_bytes(run: RunSpec, micro_batch: int, remat: str | None = None, gpu: bool = False) -> int:
+    """Bytes the largest of the model's layer kinds keeps (``stack_residual_bytes``): a recomputed layer's working
+    set, planned at the layer whose backward pass holds the most (a DeepSeek decoder's routed layer, not the mean of
+    it and its dense first layers)."""
+    return max(kept for stack, kept in _kinds_kept(run, micro_batch, remat, gpu) if stack.count)
 
 
 def context_attention_bytes(run: RunSpec, rows: int, remat: str, attention: str) -> int:
