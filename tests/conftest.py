@@ -378,19 +378,22 @@ def assert_planned_within_10_percent(run: RunSpec, micro_batch: int) -> None:
     assert compiled.peak == pytest.approx(report.peak_bytes, rel=0.10)
 
 
-def assert_same_step(loss: float, change, want_loss: float, want_change) -> None:
+def assert_same_step(loss: float, change, want_loss: float, want_change, initial=None) -> None:
     """One step's loss within 1e-6 (relative) and its parameter changes within 1e-5 of a reference's (with AdamW at
-    eps >> |g| the changes are the gradients, x lr / eps); every reference leaf must have moved. The absolute
-    tolerance is at least two float32 spacings at 1: a parameter near 1 (a norm's scale) holds its new value rounded
-    to 2^-23, so a change below 1e-2 differs by that rounding alone."""
+    eps >> |g| the changes are the gradients, x lr / eps); every reference leaf must have moved. Given the
+    ``initial`` parameters, each leaf's absolute tolerance is at least two float32 spacings at its largest value: a
+    parameter near 1 (a norm's scale) holds its new value rounded to 2^-23, so a change below 1e-2 can differ by that
+    rounding alone."""
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
     flat, ref = jax.tree_util.tree_leaves_with_path(change), jax.tree.leaves(want_change)
-    assert len(flat) == len(ref)
-    for (path, got), want in zip(flat, ref):
+    starts = jax.tree.leaves(initial) if initial is not None else [None] * len(ref)
+    assert len(flat) == len(ref) == len(starts)
+    for (path, got), want, start in zip(flat, ref, starts):
         scale = np.abs(want).max()
         assert scale > 0, jax.tree_util.keystr(path)
-        atol = max(1e-5 * scale, 2 * float(np.spacing(np.float32(1))))
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=atol, err_msg=jax.tree_util.keystr(path))
+        rounding = 0.0 if start is None else 2 * float(np.spacing(np.float32(np.abs(start).max())))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=max(1e-5 * scale, rounding),
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 def hf_conversions(tmp_path_factory, build, flags):

@@ -243,7 +243,6 @@ def _stack_of(cfg: deepseek.DeepSeekConfig):
     return lambda i: DENSE_STACK if i < cfg.first_k_dense_replace else STACK
 
 
-MTP_OWN = ("enorm", "hnorm", "eh_proj", "shared_head.norm")  # an MTP layer's tensors beside a routed layer's
 MTP_SHARED = {"embed_tokens": "model.embed_tokens.weight", "shared_head.head": "lm_head.weight"}  # megajax's shared
 
 
@@ -255,6 +254,8 @@ def _mtp_from_hf(t: DecoderTensors, cfg: deepseek.DeepSeekConfig) -> Params:
         for name, source in MTP_SHARED.items():
             source = "model.embed_tokens.weight" if cfg.tie_embeddings else source
             copy = t.take(f"{pre}{name}.weight", (cfg.vocab_size, h))
+            _refuse(source in t.sd, f"the HF weights have no {source}: give a {HF_CLASSES['deepseek_v3']} directory "
+                                    "whose config.json matches its weights")
             _refuse(np.array_equal(copy, t.sd[source]), f"the HF weights hold a {pre}{name}.weight that differs from "
                                                         f"{source}: megajax's multi-token prediction shares the "
                                                         "model's embedding and output layer")

@@ -16,7 +16,8 @@ them), moved after each applied step by ``bias_update_speed`` times sign(mean lo
 load counted over the whole global batch (every micro-batch, data and expert shard), so the same on every mesh;
 they are saved and restored with the parameters. The small sequence-wise balance loss (``seq_aux_loss_coef``,
 DeepSeek-V3's eq. 17-20: per sequence, E / (k T) x the assignments of each expert times the mean of its normalised
-scores, summed over the experts; averaged over the sequences and the routed layers) is an option.
+scores, summed over the experts; averaged over the sequences and the routed layers, the multi-token prediction
+depths' among them) is an option.
 
 The dense layers come first, on a stack every pipeline stage runs whole (``DENSE_STACK``, not split over stages);
 the routed layers are the pipelined stack.
@@ -27,9 +28,11 @@ Megatron-Core and vLLM read it) and the embedding of token i + k, each RMS-norma
 ((embedding; hidden) 2H -> H, the published checkpoint's ``eh_proj``), runs one routed DeepSeek layer and its own
 final norm, and predicts token i + k + 1 with the shared output layer (``MTPBlock``, stacked D deep on ``MTP_STACK``,
 run whole on every pipeline stage, as the head). Its loss, each depth's mean cross-entropy over the positions whose
-target lies in the window (and, in packed rows, in the same document), averaged over the depths, is weighted by
-``mtp_loss_weight``; its routers are balanced by their own correction biases, as the main layers'. Scoring and
-generation read the main model only.
+target lies in the window (in packed rows weighted as the main loss weighs that target, where the depth's input
+token is in the position's document), averaged over the depths, is weighted by ``mtp_loss_weight``; its routers
+are balanced by their own correction biases, as the main layers'. Scoring and generation read the main model only.
+Under gradient accumulation over packed rows each micro-batch's MTP mean is over its own weights (the step weighs the
+micro-batches by the main loss's), as Megatron-LM's per-micro-batch mean; 1F1B's means are the whole batch's.
 """
 
 from __future__ import annotations
@@ -142,9 +145,11 @@ class DeepSeekConfig(MoEConfig):
         if self.bias_update_speed < 0 or self.seq_aux_loss_coef < 0 or self.routed_scaling_factor <= 0:
             raise ValueError("model.bias_update_speed and model.seq_aux_loss_coef must be >= 0, "
                              "model.routed_scaling_factor > 0")
-        if not 0 <= self.mtp_depth < self.max_seq_len or self.mtp_loss_weight < 0:
-            raise ValueError(f"model.mtp_depth={self.mtp_depth} must be in [0, model.max_seq_len) and "
-                             f"model.mtp_loss_weight={self.mtp_loss_weight} >= 0")
+        if not 0 <= self.mtp_depth < self.max_seq_len:
+            raise ValueError(f"model.mtp_depth={self.mtp_depth} must be in [0, model.max_seq_len="
+                             f"{self.max_seq_len}): each depth predicts one token further ahead in the window")
+        if self.mtp_loss_weight < 0:
+            raise ValueError(f"model.mtp_loss_weight={self.mtp_loss_weight} must be >= 0")
         if self.rope_scaling == "yarn" and not (self.rope_factor > 0 and self.yarn_beta_fast > self.yarn_beta_slow > 0):
             raise ValueError("YaRN needs model.rope_factor > 0 and model.yarn_beta_fast > model.yarn_beta_slow > 0")
 
@@ -272,7 +277,7 @@ class MTPBlock(DeepSeekBlock):
         self.enorm, self.hnorm, self.norm = (RMSNorm(h, eps=cfg.layernorm_eps, dtype=dt, rngs=rngs)
                                              for _ in range(3))
         self.proj = ColumnParallelLinear(2 * h, (h,), ("embed", "mlp"), std=cfg.init_std, dtype=dt, rngs=rngs,
-                                         bias=False)
+                                         bias=False, fp8=cfg.fp8)
 
     def __call__(self, h, embedded, mask, key):
         joined = self.proj(jnp.concatenate([self.enorm(embedded), self.hnorm(h)], -1))
@@ -350,8 +355,9 @@ class DeepSeekDecoder(MoEDecoder):
                      for width in (cfg.kv_lora_rank, cfg.qk_rope_head_dim))
 
     def router_terms(self, stats: Stats, shape: tuple[int, int], means: Means = OWN) -> tuple[jax.Array, Metrics]:
-        """The mixture's terms, the sequence-wise balance loss (mean over sequences and routed layers, weighted by
-        ``seq_aux_loss_coef``) and, for ``update_biases``, each routed layer's assignments per expert (not logged)."""
+        """The mixture's terms, the sequence-wise balance loss (mean over sequences and routed layers, the multi-token
+        prediction depths' included, weighted by ``seq_aux_loss_coef``) and, for ``update_biases``, each routed
+        layer's and depth's assignments per expert (not logged)."""
         cfg = self.cfg
         loss, metrics = super().router_terms(stats, shape, means)
         layers = stats["load"].shape[0]
@@ -378,7 +384,8 @@ def ahead_rows(batch: Batch, depth: int) -> Batch:
     """Multi-token prediction's token-aligned fields (B, S, depth) of a decoder's batch (``tokens`` (B, S + 1)): at
     depth k (1..depth) each input's token k places ahead (``ahead``: the depth's input), the one k + 1 ahead
     (``ahead_targets``) and its weight (``ahead_weights``): 1 where it lies in the window (0 past it, where the
-    ids are padding), times, in packed rows, its own loss weight where it is in the input's document."""
+    ids are padding), times, in packed rows, the main loss's weight of that target where the depth's input (token
+    i + k) is in input i's document."""
     tokens = batch["tokens"]
     b, s = tokens.shape[0], tokens.shape[1] - 1
     padded = jnp.pad(tokens, ((0, 0), (0, depth + 1)))
@@ -557,7 +564,14 @@ MTP = dataclasses.replace(ROUTED, name="deepseek mtp", residuals=mtp_layer_resid
                           uncounted="each depth's join projection and its output layer's collectives; set "
                                     "model.mtp_depth=0 to read a budget")
 
+def active_parameters(cfg: DeepSeekConfig, total: int) -> int:
+    """Of ``total`` parameters, those one token uses: all but the routed experts it skips in each routed layer and
+    each multi-token prediction depth."""
+    return total - (len(cfg.routed_layers) + cfg.mtp_depth) * (cfg.num_experts - cfg.experts_per_token) * 3 \
+        * cfg.hidden_size * cfg.expert_ffn_size
+
+
 register(decoder_spec(NAME, DeepSeekConfig, DeepSeekDecoder, flops, objective=DEEPSEEK_LM, perplexity_of="lm_loss",
-                      stacks=stacks, active_parameters=moe.active_parameters,
+                      stacks=stacks, active_parameters=active_parameters,
                       head_memory=HeadMemory(vocab_logit_copies=3, hidden_tensors=8,
                                              outputs=lambda cfg: 1 + cfg.mtp_depth)))

@@ -18,6 +18,7 @@ from megajax.tools.memory_terms import (
     compute_bytes,
     dropout_bits_bytes,
     head_bytes,
+    largest_layer_residual_bytes,
     layer_residual_bytes,
     parameters,
     trunk_rows,
@@ -42,7 +43,7 @@ def stage_activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Acti
     m, p = run.model, run.mesh.pipe
     micro = pipeline.microbatches_for(micro_batch, run.pipeline.microbatches, p)
     rows, remat = micro_batch // micro, "full" if m.remat == "save_dots" else m.remat
-    recompute = layer_residual_bytes(run, rows, "none", gpu=gpu) if m.remat in ("full", "save_dots") else 0
+    recompute = largest_layer_residual_bytes(run, rows, "none", gpu=gpu) if m.remat in ("full", "save_dots") else 0
     v, ticks = run.pipeline.repeats, pipeline.ticks(micro, p, run.pipeline.repeats)
     if run.pipeline.schedule == pipeline.ONE_F_ONE_B:
         return _one_f_one_b(run, micro_batch, micro, layer_residual_bytes(run, rows, remat, gpu=gpu), recompute,

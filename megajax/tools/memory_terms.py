@@ -61,7 +61,8 @@ def _kinds_kept(run: RunSpec, micro_batch: int, remat: str | None, gpu: bool) ->
 
 def layer_residual_bytes(run: RunSpec, micro_batch: int, remat: str | None = None, gpu: bool = False) -> int:
     """Bytes one layer keeps (``stack_residual_bytes``): a model of one layer kind, its layer's; of several, the mean
-    over its layers, rounded up (what a pipeline stage's layers are planned with)."""
+    over its layers, rounded up (what a pipeline stage's layers are planned with; the stacks every stage runs whole,
+    a DeepSeek decoder's dense layers and MTP depths, are planned as that mean too)."""
     return -(-stack_residual_bytes(run, micro_batch, remat, gpu) // sum(stack.count for stack in run.stacks))
 
 
@@ -87,8 +88,8 @@ def head_bytes(run: RunSpec, micro_batch: int, gpu: bool = False) -> int:
     gradient; BERT's MLM head 4, its biased logits too; 0 for a head without vocabulary logits, the task models'),
     with 16-bit compute the compute-dtype logits too, plus ``hidden_tensors`` (b, s, h) fp32 tensors of the
     embeddings, the final norm and the head (GPT's 8; BERT's 16, with the MLM transform's dense, GeLU and
-    LayerNorm); where the output layer runs more than once (``HeadMemory.outputs``) each run keeps its copies but
-    the gradient, which one at a time holds. With
+    LayerNorm); where the output layer runs more than once (``HeadMemory.outputs``) each run keeps its fp32 logits,
+    the other copies live for one run's backward at a time. With
     ``parallel.sequence`` those run on the split sequence (1/t of them) and the output layer keeps its all-gathered
     input, one whole (b, s, h) tensor in the compute dtype.
 
@@ -110,8 +111,9 @@ def head_bytes(run: RunSpec, micro_batch: int, gpu: bool = False) -> int:
         hidden = hidden // tp + s * b * h * cd
     if not vocab:
         return hidden
-    # each application keeps its logits' copies but the gradient, which one application at a time holds
-    return logits * (outputs * ((vocab - 1) * FP32 + extra_cd) + FP32) + hidden
+    # each run keeps its fp32 logits (and in 16-bit their compute-dtype copy) for its backward; the other copies (the
+    # exponentials, the gradient, a biased copy) live while one run's backward works
+    return logits * (outputs * (FP32 + extra_cd) + (vocab - 1) * FP32) + hidden
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from megajax.config import RunSpec
-from megajax.tools.memory_terms import head_bytes, layer_residual_bytes
+from megajax.tools.memory_terms import head_bytes, largest_layer_residual_bytes, layer_residual_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,5 +123,5 @@ def megatron_activation_bytes(run: RunSpec, rows: int, pipeline: Pipeline) -> in
     p, v, m = pipeline.stages, pipeline.repeats, run.model
     micro = rows // pipeline.microbatches
     layers = pipeline.in_flight() * (m.num_layers // (p * v)) * layer_residual_bytes(run, micro, m.remat)
-    recompute = layer_residual_bytes(run, micro, "none") if m.remat in ("full", "save_dots") else 0
+    recompute = largest_layer_residual_bytes(run, micro, "none") if m.remat in ("full", "save_dots") else 0
     return layers + max(head_bytes(run, micro), recompute)
