@@ -143,7 +143,7 @@ def test_mtp_layers_are_dropped_with_a_note(converted, capsys):
 
 
 class TorchMTP(torch.nn.Module):
-    """DeepSeek-V3's MTP module as Megatron-Core and vLLM run the published layer 61, from transformers' pieces: the
+    """DeepSeek-V3's MTP module as Megatron-Core runs the published layer 61, from transformers' pieces: the
     main model's final-normed hidden and the next token's embedding, each RMS-normalised, joined by eh_proj
     ((embedding; hidden)), one routed decoder layer, the shared head's norm; the reference megajax's depth is held
     against."""

@@ -24,13 +24,15 @@ the routed layers are the pipelined stack.
 
 Multi-token prediction (``mtp_depth`` D > 0; DeepSeek-V3 sec. 2.2, Megatron-Core's MultiTokenPredictionLayer): depth
 k (1..D) at position i reads the hidden state depth k - 1 gave (depth 0: the main model's, after its final norm, as
-Megatron-Core and vLLM read it) and the embedding of token i + k, each RMS-normalised, joins them by a projection
-((embedding; hidden) 2H -> H, the published checkpoint's ``eh_proj``), runs one routed DeepSeek layer and its own
-final norm, and predicts token i + k + 1 with the shared output layer (``MTPBlock``, stacked D deep on ``MTP_STACK``,
-run whole on every pipeline stage, as the head). Its loss, each depth's mean cross-entropy over the positions whose
-target lies in the window (in packed rows weighted as the main loss weighs that target, where the depth's input
-token is in the position's document), averaged over the depths, is weighted by ``mtp_loss_weight``; its routers
-are balanced by their own correction biases, as the main layers'. Scoring and generation read the main model only.
+Megatron-Core reads it; a depth's hidden is its output after its own final norm, as there) and the embedding of
+token i + k, each RMS-normalised, joins them by a projection ((embedding; hidden) 2H -> H, the published
+checkpoint's ``eh_proj``, in the order Megatron-Core and vLLM's deepseek_mtp join them), runs one routed DeepSeek
+layer and its own final norm, and predicts token i + k + 1 with the shared output layer (``MTPBlock``, stacked D deep
+on ``MTP_STACK``, run whole on every pipeline stage, as the head). Its loss, each depth's mean cross-entropy over
+the positions whose target lies in the window (in packed rows weighted as the main loss weighs that target, where
+the depth's input token is in the position's document), averaged over the depths, is weighted by
+``mtp_loss_weight``; its routers are balanced by their own correction biases, as the main layers'. Scoring and
+generation read the main model only.
 Under gradient accumulation over packed rows each micro-batch's MTP mean is over its own weights (the step weighs the
 micro-batches by the main loss's), as Megatron-LM's per-micro-batch mean; 1F1B's means are the whole batch's.
 """
