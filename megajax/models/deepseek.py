@@ -569,8 +569,7 @@ MTP = dataclasses.replace(ROUTED, name="deepseek mtp", residuals=mtp_layer_resid
 def active_parameters(cfg: DeepSeekConfig, total: int) -> int:
     """Of ``total`` parameters, those one token uses: all but the routed experts it skips in each routed layer and
     each multi-token prediction depth."""
-    return total - (len(cfg.routed_layers) + cfg.mtp_depth) * (cfg.num_experts - cfg.experts_per_token) * 3 \
-        * cfg.hidden_size * cfg.expert_ffn_size
+    return total - (len(cfg.routed_layers) + cfg.mtp_depth) * moe.skipped_expert_parameters(cfg)
 
 
 register(decoder_spec(NAME, DeepSeekConfig, DeepSeekDecoder, flops, objective=DEEPSEEK_LM, perplexity_of="lm_loss",

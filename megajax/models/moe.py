@@ -513,8 +513,12 @@ def routed_mlp_bytes(cfg: MoEConfig, rows: int, tp: int, remat: str, cd: int, ex
 def active_parameters(cfg: MoEConfig, total: int) -> int:
     """Of ``total`` parameters, those one token uses: all but the experts it is not routed to in each routed
     layer."""
-    return total - len(cfg.routed_layers) * (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.hidden_size \
-        * cfg.expert_ffn_size
+    return total - len(cfg.routed_layers) * skipped_expert_parameters(cfg)
+
+
+def skipped_expert_parameters(cfg: MoEConfig) -> int:
+    """The parameters of the experts one routed layer does not send a token to (three h x F kernels each)."""
+    return (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.hidden_size * cfg.expert_ffn_size
 
 
 def reference_moe(x: np.ndarray, router: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray, k: int,
