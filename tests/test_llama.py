@@ -50,7 +50,9 @@ def _run(model, config, batch, data, model_axis):
         m = nnx.merge(graphdef, state)
         return lm_loss(m, tokens, labels), m(tokens)
 
-    rules = rules_of(config.copy_and_resolve_references(dict(mesh=dict(data=data, model=model_axis))))
+    config = config.copy_and_resolve_references()
+    config.mesh.update(data=data, model=model_axis)
+    rules = rules_of(config)
     with activate(mesh, ParallelContext(rules)):
         (loss, logits), grads = jax.jit(jax.value_and_grad(loss_and_logits, has_aux=True))(state)
     return float(loss), np.asarray(logits), jax.tree.map(np.asarray, nnx.to_pure_dict(grads))

@@ -92,8 +92,13 @@ def test_balancing_loss_matches_transformers():
     np.testing.assert_allclose(ours, theirs, rtol=1e-6)
 
 
-def _run(model, config, tokens, data, model_axis, expert=1):
-    config = config.copy_and_resolve_references(dict(mesh=dict(data=data, model=model_axis, expert=expert)))
+def _run(model, config, tokens, data, model_axis, expert=1, exchange="auto"):
+    config = config.copy_and_resolve_references()
+    config.mesh.update(data=data, model=model_axis, expert=expert)
+    if exchange != "auto":  # the ragged exchange and the Pallas grouped GEMMs (in interpret mode here)
+        config.model.update(expert_exchange=exchange, expert_gemm="pallas")
+        # the same parameters in layers that read them from their config
+        model = nnx.merge(nnx.split(abstract_model_of(resolve(config, 8)))[0], nnx.split(model)[1])
     mesh, graphdef, state = place(model, config, data, model_axis)
 
     def loss(state):
@@ -122,10 +127,10 @@ def dense_reference():
     return _reference(DENSE)
 
 
-def _assert_matches(reference, data: int, model_axis: int, expert: int) -> None:
+def _assert_matches(reference, data: int, model_axis: int, expert: int, exchange: str = "auto") -> None:
     config, model, tokens, (ref_loss, ref_metrics, ref_grads) = reference
     assert (ref_metrics["dropped_fraction"] > 0) == (config.model.capacity_factor > 0)  # the capacity bites
-    loss, metrics, grads = _run(model, config, tokens, data, model_axis, expert)
+    loss, metrics, grads = _run(model, config, tokens, data, model_axis, expert, exchange)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for name, value in ref_metrics.items():
         np.testing.assert_allclose(metrics[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
@@ -137,13 +142,39 @@ def _assert_matches(reference, data: int, model_axis: int, expert: int) -> None:
         np.testing.assert_allclose(g, r, rtol=RTOL, atol=RTOL * scale, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("data,model_axis,expert", [(2, 2, 1), (2, 1, 4), (1, 1, 8), (2, 2, 2)])
-def test_mesh_matches_single_device(reference, data, model_axis, expert):
+@pytest.mark.parametrize("data,model_axis,expert,exchange", [(2, 2, 1, "auto"), (2, 1, 4, "auto"), (1, 1, 8, "auto"),
+                                                             (2, 2, 2, "auto"), (2, 2, 2, "ragged")])
+def test_mesh_matches_single_device(reference, data, model_axis, expert, exchange):
     """The loss (LM + balancing + z-loss), each logged router metric and every gradient on data, tensor, expert
     and mixed meshes against the 1x1 step, dropless (Mixtral) and with a capacity (the Qwen3 case): each data (and
     expert) shard routes its own rows, each expert shard computes its experts on the rows all-to-all'd to it, each
-    model shard its slice of every expert, and the statistics are summed over the data and expert shards."""
-    _assert_matches(reference, data, model_axis, expert)
+    model shard its slice of every expert, and the statistics are summed over the data and expert shards. The
+    ragged exchange with the Pallas grouped GEMMs too (on the CPU the collective emulated,
+    ``expert_exchange.emulated_ragged_all_to_all``, and the kernels in Pallas's interpret mode)."""
+    _assert_matches(reference, data, model_axis, expert, exchange)
+
+
+def test_emulated_ragged_all_to_all_is_the_documented_one():
+    """``jax.lax.ragged_all_to_all``'s documented example (an axis of 2; each caller's operand, output, offsets and
+    sizes) gives the documented results through the emulation, and a second run with two slices per destination
+    lands each where its ``output_offsets`` say."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from megajax.parallel.expert_exchange import emulated_ragged_all_to_all
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    run = jax.jit(jax.shard_map(functools.partial(emulated_ragged_all_to_all, axis_name="x"), mesh=mesh,
+                                in_specs=(P("x"),) * 6, out_specs=P("x")))
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    got = run(i32([1, 2, 2, 3, 4, 0]), i32([0] * 8), i32([0, 1, 0, 1]), i32([1, 2, 1, 1]), i32([0, 0, 1, 2]),
+              i32([1, 1, 2, 1]))
+    np.testing.assert_array_equal(got, [1, 3, 0, 0, 2, 2, 4, 0])
+    # two slices per destination: caller 0 sends [5] and [6, 7] to caller 1, at 3 and 0 there; caller 1 sends
+    # [8] to caller 0, at 2; the rest of each output keeps its -1
+    got = run(i32([5, 6, 7, 8, 0, 0]), i32([-1] * 8), i32([0, 0, 0, 1, 0, 0, 0, 0]), i32([0, 0, 1, 2, 1, 0, 0, 0]),
+              i32([0, 0, 3, 0, 2, 0, 0, 0]), i32([0, 0, 1, 0, 1, 2, 0, 0]))
+    np.testing.assert_array_equal(got, [-1, -1, 8, -1, 6, 7, -1, 5])
 
 
 @pytest.mark.parametrize("data,model_axis,expert", [(2, 2, 2)])
@@ -355,10 +386,41 @@ def test_parameter_counts_equal_the_published_ones(name, total, active):
     assert moe.active_parameters(run.model, count) == active
 
 
+def test_grouped_gemm_kernel_matches_float64():
+    """The Pallas grouped GEMM (``parallel/grouped_gemm``, in interpret mode) against float64 numpy: 300 rows of
+    which the 5 groups hold 228 (one empty, one of a single row, one across two 128-row tiles), K = 72 and N = 40
+    (padded to the tiles inside): the output (zeros past the groups), and the gradients of a weighted sum with
+    respect to the rows and to each group's weights (an empty group's: zeros), within 1e-5 relative."""
+    from megajax.parallel.grouped_gemm import grouped_gemm
+
+    rng = np.random.default_rng(0)
+    sizes = np.array([37, 0, 130, 1, 60])
+    lhs, rhs, weight = rng.normal(size=(300, 72)), rng.normal(size=(5, 72, 40)), rng.normal(size=(300, 40))
+    group = np.repeat(np.arange(5), sizes)  # each held row's group
+    held = len(group)
+    want = np.zeros((300, 40))
+    want[:held] = np.einsum("rk,rkn->rn", lhs[:held], rhs[group])
+    want_lhs = np.zeros_like(lhs)
+    want_lhs[:held] = np.einsum("rn,rkn->rk", weight[:held], rhs[group])
+    want_rhs = np.zeros_like(rhs)
+    np.add.at(want_rhs, group, np.einsum("rk,rn->rkn", lhs[:held], weight[:held]))
+
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    run = functools.partial(grouped_gemm, sizes=jnp.asarray(sizes, jnp.int32), how="interpret")
+    out, grads = jax.jit(jax.value_and_grad(lambda a, b: (run(a, b) * f32(weight)).sum(), argnums=(0, 1)))(
+        f32(lhs), f32(rhs))
+    for got, ref in ((jax.jit(run)(f32(lhs), f32(rhs)), want), (grads[0], want_lhs), (grads[1], want_rhs)):
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    np.testing.assert_allclose(float(out), (want * weight).sum(), rtol=1e-5)
+    assert not np.asarray(grads[1])[1].any()
+
+
 @pytest.mark.parametrize("fields,mesh,message", [
     (dict(experts_per_token=9), {}, "model.experts_per_token=9 must be in [1, model.num_experts=8]"),
     ({}, dict(expert=3, data=1), "model.num_experts=8 is not divisible by mesh.expert=3"),
     (dict(capacity_factor=-1.0), {}, "model.capacity_factor=-1.0 must be >= 0"),
+    (dict(expert_exchange="nccl"), {}, "model.expert_exchange='nccl' must be one of auto, blocks, ragged"),
+    (dict(expert_gemm="cublas"), {}, "model.expert_gemm='cublas' must be one of auto, xla, pallas"),
     ({}, dict(pipe=2, data=1, expert=2), "mesh.expert=2 with mesh.pipe=2: inside pipeline stages a stage's rows"),
     (dict(num_layers=4, decoder_sparse_step=2), dict(pipe=2),
      "mesh.pipe=2: a mixture with dense layers among its routed ones"),

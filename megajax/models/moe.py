@@ -16,7 +16,10 @@ carries the token) and counted. Capacity per sequence, not per device, so the sa
 
 The dispatch runs per device (``sharding.on_shards``): each data shard routes its own rows, each model shard holds
 the ``mlp`` columns of every expert's gate and up and the rows of its down (Megatron's split inside each expert), so
-a layer's only tensor-parallel collective is the all-reduce of its output, as the dense MLP's. The balancing loss
+a layer's only tensor-parallel collective is the all-reduce of its output, as the dense MLP's. With ``mesh.expert``
+> 1 each expert shard holds whole experts and the assignments travel to them and back (``parallel/expert_exchange``:
+a block per destination, or, ``model.expert_exchange`` ragged, the default on NVIDIA GPUs, the routed rows alone).
+The balancing loss
 and the router z-loss are summed over the data shards inside, so the loss is the same on every mesh.
 
 The load-balancing loss is the Switch Transformer's as transformers computes it (``load_balancing_loss_func``): the
@@ -41,6 +44,8 @@ from megajax.models.llama import Attention, Llama, LlamaBlock, LlamaConfig, RMSN
 from megajax.models.spec import LayerKind, Stack, decoder_spec, register
 from megajax.models.transformer import STACK, make_blocks, run_blocks
 from megajax.parallel import jax_fixes, pipeline  # noqa: F401 - jax_fixes: ragged_dot under the stages' vmaps
+from megajax.parallel.expert_exchange import EXCHANGES, exchange_of, experts_forward
+from megajax.parallel.grouped_gemm import GEMMS, gemm_of
 from megajax.parallel.layers import dropout, make_param, scaled_init_std
 from megajax.parallel.losses import OWN, Means, vocab_parallel_cross_entropy
 from megajax.parallel.sharding import RESIDUAL, axis_of, constrain, entry_axes, on_shards, param_at_use, positions_of
@@ -69,6 +74,8 @@ class MoEConfig(LlamaConfig):
     kv_channels: int = 0  # the head size; 0: hidden_size / num_heads (Qwen3-MoE sets its own)
     decoder_sparse_step: int = 1  # Qwen3-MoE: layer i is routed where (i + 1) % step == 0, the others dense
     mlp_only_layers: tuple[int, ...] = ()  # Qwen3-MoE: layers with a dense SwiGLU (ffn_hidden_size) whatever the step
+    expert_exchange: str = "auto"  # blocks, ragged (parallel/expert_exchange.py); auto: ragged on NVIDIA GPUs
+    expert_gemm: str = "auto"  # xla, pallas (parallel/grouped_gemm.py); auto: pallas on NVIDIA GPUs
 
     def __post_init__(self):
         super().__post_init__()
@@ -86,6 +93,12 @@ class MoEConfig(LlamaConfig):
                              f"{self.num_experts}]: each token picks that many distinct experts")
         if self.moe_ffn_hidden_size < 0 or self.kv_channels < 0:
             raise ValueError("model.moe_ffn_hidden_size and model.kv_channels must be >= 0 (0: the default)")
+        if self.expert_exchange not in EXCHANGES:
+            raise ValueError(f"model.expert_exchange={self.expert_exchange!r} must be one of {', '.join(EXCHANGES)} "
+                             "(auto: ragged where the step runs on NVIDIA GPUs, blocks elsewhere)")
+        if self.expert_gemm not in GEMMS:
+            raise ValueError(f"model.expert_gemm={self.expert_gemm!r} must be one of {', '.join(GEMMS)} (auto: the "
+                             "Pallas kernel where the step runs on NVIDIA GPUs, XLA's ragged_dot elsewhere)")
         if self.capacity_factor < 0:
             raise ValueError(f"model.capacity_factor={self.capacity_factor} must be >= 0 (0: dropless)")
         if self.router_aux_loss_coef < 0 or self.router_z_loss_coef < 0:
@@ -194,47 +207,6 @@ def within_capacity(experts: jax.Array, rows: int, num_experts: int, capacity: i
     return (position < capacity).reshape(experts.shape)
 
 
-def experts_forward(x: jax.Array, experts: jax.Array, weights: jax.Array, kept: jax.Array, gate: jax.Array,
-                    up: jax.Array, down: jax.Array, num_experts: int, expert_axis: str | None,
-                    dtype: jnp.dtype, bound: int = 0) -> jax.Array:
-    """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) over the ``kept`` assignments: (T, H) -> (T, H), a partial
-    sum where the experts' ``mlp`` width is split (the caller reduces it).
-
-    This shard holds ``gate.shape[0]`` of the ``num_experts`` experts (the ``expert_axis`` shard's consecutive
-    block). Each assignment's hidden state goes to the shard of its expert in a block per destination shard (one
-    all-to-all over ``expert_axis``); each shard groups what it received by its own experts and runs the three
-    expert GEMMs as grouped GEMMs (``jax.lax.ragged_dot``), and the outputs return the same way. A block has room
-    for all T k assignments, as a dropless exchange of static shape must (XLA:CPU has no ragged all-to-all), or,
-    where each expert keeps at most ``bound`` of them (capacity mode), for its shard's experts' share."""
-    t, k = experts.shape
-    h, local = x.shape[-1], gate.shape[0]
-    shards, n = num_experts // local, t * k
-    block = min(n, bound * local) if bound else n  # rows per destination: what its experts can keep
-    expert = jnp.where(kept, experts, num_experts).reshape(-1)  # a dropped assignment sorts after every expert
-    order = jnp.argsort(expert, stable=True)  # grouped by expert, so by destination shard
-    dest = expert[order] // local  # (n,) in sorted order; `shards` for a dropped one
-    counts = jnp.bincount(dest, length=shards + 1)
-    place = jnp.arange(n) - (jnp.cumsum(counts) - counts)[dest]  # its row in its destination's block
-    place = jnp.where(dest < shards, place, 0)  # the dropped share one row of the discarded block
-    send = jnp.zeros((shards + 1, block, h), dtype).at[dest, place].set(x.astype(dtype)[order // k])[:shards]
-    ids = jnp.full((shards + 1, block), local, jnp.int32).at[dest, place].set(expert[order] % local)[:shards]
-    if shards > 1:
-        send, ids = (jax.lax.all_to_all(a, expert_axis, 0, 0, tiled=True) for a in (send, ids))
-    ids = ids.reshape(-1)  # what arrived, by source shard: each row's expert on this shard (`local`: an empty row)
-    grouped = jnp.argsort(ids, stable=True)
-    sizes = jnp.bincount(ids, length=local + 1)[:local].astype(jnp.int32)  # rows past their sum are not computed
-    rows = send.reshape(-1, h)[grouped]
-    hidden = jax.nn.silu(jax.lax.ragged_dot(rows, gate.astype(dtype), sizes)) * jax.lax.ragged_dot(
-        rows, up.astype(dtype), sizes)
-    out = jax.lax.ragged_dot(hidden, down.astype(dtype), sizes)  # zeros past the groups
-    out = jnp.zeros_like(out).at[grouped].set(out).reshape(shards, block, h)
-    if shards > 1:
-        out = jax.lax.all_to_all(out, expert_axis, 0, 0, tiled=True)
-    out = jnp.concatenate([out, jnp.zeros((1, block, h), dtype)])[dest, place]  # a dropped assignment's: zeros
-    out = jnp.zeros_like(out).at[order].set(out).reshape(t, k, h)  # back to (token, rank)
-    return (out * jnp.where(kept, weights, 0.0).astype(dtype)[..., None]).sum(1)
-
-
 class MixtureOfExperts(nnx.Module):
     """The routed MLP: (B, S, H) -> ((B, S, H), statistics). Experts' weights are stacked on a leading ``experts``
     axis: gate and up (E, H, F) split on ``mlp`` like a dense MLP's columns, down (E, F, H) on its rows."""
@@ -280,7 +252,9 @@ class MixtureOfExperts(nnx.Module):
         tokens_over = (*entry_axes(axis_of("batch")), *entry_axes(axis_of("seq")))  # where other tokens are
         # inside pipeline stages the layer runs under the stages' vmaps (spmd_axis_name 'pipe' and 'data'), whose
         # batched shard_map fails jax 0.10's varying-axes check (its message's workaround): unchecked there
-        checked = pipeline.stages() == 1
+        exchange, gemm = exchange_of(cfg.expert_exchange), gemm_of(cfg.expert_gemm)
+        # and Pallas's interpret mode fails jax 0.10's check too (a dynamic slice of invarying and varying indices)
+        checked = pipeline.stages() == 1 and gemm != "interpret"
 
         def local(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array,
                   down: jax.Array, *extra: jax.Array) -> tuple[jax.Array, Stats]:
@@ -292,7 +266,7 @@ class MixtureOfExperts(nnx.Module):
             if reduce_over:  # varying over the model shards from here: the backward pass sums the (T, h) gradient
                 tokens = jax.lax.pcast(tokens, reduce_over, to="varying")  # once, not each of its k copies
             y = experts_forward(tokens, experts, weights, kept, gate, up, down, cfg.num_experts, expert_axis,
-                                cfg.compute_dtype, cfg.capacity * b)
+                                cfg.compute_dtype, cfg.capacity * b, exchange, gemm)
             if (added := self.beside(tokens, *extra)) is not None:
                 y = y + added
             if reduce_over:

@@ -8,8 +8,10 @@ Usage::
 
 Each collective is mapped to the mesh axes its device groups span (``{'model'}``, ``{'data'}``) and counted once
 per execution: an op inside a ``while`` body (``nnx.scan`` over layers) counts ``known_trip_count`` times.
-Tuple-shaped collectives (several operands combined by XLA) yield one entry per operand. Collectives over groups of
-one device (a ``shard_map`` reducing over a mesh axis of size 1) move nothing and are left out.
+Tuple-shaped collectives (several operands combined by XLA) yield one entry per operand; an asynchronous start's
+operands and results are one. A ``ragged-all-to-all`` yields its operand, the most it sends (what it moves is known
+only when it runs), not its receive buffer. Collectives over groups of one device (a ``shard_map`` reducing over a
+mesh axis of size 1) move nothing and are left out.
 """
 
 from __future__ import annotations
@@ -257,8 +259,17 @@ def collectives(hlo: str, mesh: Mesh) -> list[Collective]:
             if base not in COLLECTIVE_OPS:
                 continue
             shapes = [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _SHAPE.findall(instr.group(3))]
-            if opcode.endswith("-start") and base in ("all-gather", "collective-permute") and len(shapes) > 1:
+            if opcode.endswith("-start") and base in ("all-gather", "collective-permute", "all-to-all") \
+                    and len(shapes) > 1:
                 shapes = shapes[len(shapes) // 2:]  # (operands..., results...): keep the results
+            if base == "ragged-all-to-all":  # what may leave: the operand, not the receive buffer nor the offsets
+                if opcode.endswith("-start"):
+                    shapes = shapes[:1]
+                else:
+                    first = re.match(r"\s*%?([\w.\-]+)", instr.group(5))
+                    sent = _INSTR.match(_defining(lines, first.group(1)) or "") if first else None
+                    shapes = (_SHAPE.findall(sent.group(3)) and [(dt, tuple(int(d) for d in dims.split(",") if d))
+                              for dt, dims in _SHAPE.findall(sent.group(3))][:1]) if sent else shapes[:1]
             group_size, cyclic = 1, False
             if base == "collective-permute":
                 pairs = re.search(r"source_target_pairs=(\{[^ ]*\})", line)

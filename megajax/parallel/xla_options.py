@@ -58,6 +58,19 @@ def traced_for_nvidia_gpu() -> bool:
     return is_nvidia_gpu(device)
 
 
+def platform_choice(setting: str, field: str, choices: tuple[str, ...], gpu: str, elsewhere: str,
+                    emulated: str) -> str:
+    """What a step traced now runs for ``field`` = ``setting`` (one of ``choices``, ``auto`` first): ``auto`` is
+    ``gpu`` where the trace targets NVIDIA GPUs and ``elsewhere`` otherwise; ``gpu`` asked for off a GPU is
+    ``emulated`` (the same program with the GPU-only part stood in for, for tests)."""
+    if setting not in choices:
+        raise ValueError(f"{field}={setting!r} must be one of {', '.join(choices)}")
+    on_gpu = traced_for_nvidia_gpu()
+    if setting == "auto":
+        return gpu if on_gpu else elsewhere
+    return emulated if setting == gpu and not on_gpu else setting
+
+
 def compiler_options(devices: Sequence[jax.Device], pipelined_all_gather: bool = True) -> dict[str, bool | int]:
     """The options for a program that runs on ``devices`` (the mesh's). ``pipelined_all_gather=False`` leaves XLA's
     all-gather pipelining off: a step that accumulates micro-batches under sequence parallelism, where it holds a

@@ -129,7 +129,8 @@ def format_gpu_step(step: GpuStep, model_flops: float) -> str:
     return "\n".join(lines)
 
 
-_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "s32": "int32", "u32": "uint32", "pred": "bool"}
+_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "s32": "int32", "u32": "uint32", "s64": "int64",
+           "u64": "uint64", "pred": "bool"}
 
 
 def _mesh(step: GpuStep) -> str:

@@ -1,0 +1,132 @@
+"""A mixture-of-experts layer's assignments taken to their experts and back: the expert-parallel exchange and the
+experts' grouped GEMMs (``parallel/grouped_gemm``), run on each device's blocks inside the layer's ``shard_map``.
+
+Two exchanges give the same results (``model.expert_exchange``):
+
+- ``blocks``: one all-to-all of a block per destination shard, each with room for every assignment the shard
+  routes (or, with a capacity, for what the destination's experts keep at most): static shapes, so e times the
+  routed rows cross the links. XLA:CPU runs only this one.
+- ``ragged``: ``jax.lax.ragged_all_to_all`` sends each destination its own rows only, one slice per (destination,
+  expert), placed on the receiver grouped by expert and source, so the grouped GEMMs read them as they land, and
+  brings the outputs back the same way to the places they left. Only the routed rows move; the receive buffer
+  still has room for the worst case (every source's rows for this shard). XLA:CPU has no ragged all-to-all
+  ("UNIMPLEMENTED"), so on the CPU the same program runs with the primitive's semantics built from a blocks
+  all-to-all (``emulated_ragged_all_to_all``): what tests check the ragged path's offsets with.
+
+``auto`` (the default) is ``ragged`` where the step is traced for NVIDIA GPUs, ``blocks`` elsewhere.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from megajax.parallel.grouped_gemm import grouped_gemm
+from megajax.parallel.xla_options import platform_choice
+
+EXCHANGES = ("auto", "blocks", "ragged")
+
+
+def exchange_of(setting: str) -> str:
+    """The exchange a step traced now runs for ``model.expert_exchange`` = ``setting``: ``blocks``, ``ragged`` (the
+    collective itself) or ``emulated`` (the ragged program with the collective emulated: not an NVIDIA GPU)."""
+    return platform_choice(setting, "model.expert_exchange", EXCHANGES, "ragged", "blocks", "emulated")
+
+
+def emulated_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
+                               send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array, *,
+                               axis_name: str) -> jax.Array:
+    """``jax.lax.ragged_all_to_all``'s result, from an all-to-all of blocks with room for a whole ``operand`` per
+    slice: slice i of the K goes to shard i // (K / shards), landing at ``output_offsets[i]`` there; received slices
+    overwrite ``output``'s rows, the rest keep its values. Linear in ``operand`` and ``output``, so its derivative
+    is the primitive's too."""
+    shards = jax.lax.axis_size(axis_name)
+    slices, room = input_offsets.shape[0], operand.shape[0]
+    along = jnp.arange(room)
+    rows = jnp.minimum(input_offsets[:, None] + along, room - 1)  # (K, room)
+    valid = (along < send_sizes[:, None]).reshape(slices, room, *(1,) * (operand.ndim - 1))
+    sent = jnp.where(valid, operand[rows], 0)  # (K, room, ...)
+    a2a = lambda v: jax.lax.all_to_all(v, axis_name, 0, 0, tiled=True)  # noqa: E731
+    got = a2a(sent.reshape(shards, slices // shards * room, *operand.shape[1:])).reshape(sent.shape)
+    at = a2a(output_offsets)[:, None] + along  # where each received slice's rows go here
+    at = jnp.where(along < recv_sizes[:, None], at, output.shape[0])  # past the end: dropped
+    return output.at[at.reshape(-1)].set(got.reshape(-1, *operand.shape[1:]), mode="drop")
+
+
+def expert_mlp(rows: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+               dtype: jnp.dtype, gemm: str = "xla") -> jax.Array:
+    """The local experts' SwiGLU over ``rows`` grouped by expert (``sizes`` rows each, in order; rows past their sum
+    give zeros), three grouped GEMMs (``gemm``: ``grouped_gemm.gemm_of``)."""
+    hidden = jax.nn.silu(grouped_gemm(rows, gate.astype(dtype), sizes, gemm)) * grouped_gemm(
+        rows, up.astype(dtype), sizes, gemm)
+    return grouped_gemm(hidden, down.astype(dtype), sizes, gemm)
+
+
+def experts_forward(x: jax.Array, experts: jax.Array, weights: jax.Array, kept: jax.Array, gate: jax.Array,
+                    up: jax.Array, down: jax.Array, num_experts: int, expert_axis: str | None,
+                    dtype: jnp.dtype, bound: int = 0, exchange: str = "blocks", gemm: str = "xla") -> jax.Array:
+    """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) over the ``kept`` assignments: (T, H) -> (T, H), a partial
+    sum where the experts' ``mlp`` width is split (the caller reduces it).
+
+    This shard holds ``gate.shape[0]`` of the ``num_experts`` experts (the ``expert_axis`` shard's consecutive
+    block). Its assignments are sorted by expert (so by destination shard), exchanged (``exchange``: ``blocks``,
+    ``ragged`` or ``emulated``, see the module), run through their experts (``gemm``: ``grouped_gemm.gemm_of``) and
+    returned. Each expert keeps at most
+    ``bound`` of them where ``bound`` > 0 (capacity mode): a destination's room is its experts' share."""
+    t, k = experts.shape
+    local = gate.shape[0]
+    shards, n = num_experts // local, t * k
+    block = min(n, bound * local) if bound else n  # rows per source: what the destination's experts can keep
+    expert = jnp.where(kept, experts, num_experts).reshape(-1)  # a dropped assignment sorts after every expert
+    order = jnp.argsort(expert, stable=True)  # grouped by expert, so by destination shard
+    rows = x.astype(dtype)[order // k]  # (n, h) in that order
+    if shards > 1 and exchange != "blocks":
+        out = _ragged(rows, expert, gate, up, down, num_experts, expert_axis, dtype, shards * block, exchange, gemm)
+    else:
+        out = _blocks(rows, expert[order], gate, up, down, num_experts, expert_axis, dtype, block, gemm)
+    out = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)  # back to (token, rank); dropped: zeros
+    return (out * jnp.where(kept, weights, 0.0).astype(dtype)[..., None]).sum(1)
+
+
+def _blocks(rows: jax.Array, expert: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, num_experts: int,
+            expert_axis: str | None, dtype: jnp.dtype, block: int, gemm: str) -> jax.Array:
+    """The blocks exchange of ``rows`` sorted by ``expert`` (``num_experts``: dropped), their outputs in that order."""
+    n, h = rows.shape
+    local = gate.shape[0]
+    shards = num_experts // local
+    dest = expert // local  # `shards` for a dropped one
+    counts = jnp.bincount(dest, length=shards + 1)
+    place = jnp.arange(n) - (jnp.cumsum(counts) - counts)[dest]  # its row in its destination's block
+    place = jnp.where(dest < shards, place, 0)  # the dropped share one row of the discarded block
+    send = jnp.zeros((shards + 1, block, h), dtype).at[dest, place].set(rows)[:shards]
+    ids = jnp.full((shards + 1, block), local, jnp.int32).at[dest, place].set(expert % local)[:shards]
+    if shards > 1:
+        send, ids = (jax.lax.all_to_all(a, expert_axis, 0, 0, tiled=True) for a in (send, ids))
+    ids = ids.reshape(-1)  # what arrived, by source shard: each row's expert on this shard (`local`: an empty row)
+    grouped = jnp.argsort(ids, stable=True)
+    sizes = jnp.bincount(ids, length=local + 1)[:local].astype(jnp.int32)  # rows past their sum are not computed
+    out = expert_mlp(send.reshape(-1, h)[grouped], sizes, gate, up, down, dtype, gemm)  # zeros past the groups
+    out = jnp.zeros_like(out).at[grouped].set(out).reshape(shards, block, h)
+    if shards > 1:
+        out = jax.lax.all_to_all(out, expert_axis, 0, 0, tiled=True)
+    return jnp.concatenate([out, jnp.zeros((1, block, h), dtype)])[dest, place]  # a dropped assignment's: zeros
+
+
+def _ragged(rows: jax.Array, expert: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, num_experts: int,
+            expert_axis: str, dtype: jnp.dtype, room: int, exchange: str, gemm: str) -> jax.Array:
+    """The ragged exchange of ``rows`` (sorted by expert; ``expert`` unsorted, ``num_experts``: dropped), their
+    outputs in that order; ``room`` rows received at most."""
+    h, local = rows.shape[1], gate.shape[0]
+    shards = num_experts // local
+    move = jax.lax.ragged_all_to_all if exchange == "ragged" else emulated_ragged_all_to_all
+    a2a = lambda v: jax.lax.all_to_all(v, expert_axis, 0, 0, tiled=True)  # noqa: E731
+    sent = jnp.bincount(expert, length=num_experts).reshape(shards, local)  # to shard j's expert l (dropped: none)
+    sent_at = (jnp.cumsum(sent.reshape(-1)) - sent.reshape(-1)).reshape(shards, local)  # its rows here, in order
+    got = a2a(sent)  # (source i, local expert l): what this shard receives
+    per_expert = got.sum(0)
+    # received rows grouped by expert, each expert's by source: expert l's run starts after the earlier experts'
+    got_at = (jnp.cumsum(per_expert) - per_expert)[None, :] + jnp.cumsum(got, 0) - got
+    flat = lambda v: v.reshape(-1).astype(jnp.int32)  # noqa: E731
+    received = move(rows, jnp.zeros((room, h), dtype), flat(sent_at), flat(sent), flat(a2a(got_at)), flat(got),
+                    axis_name=expert_axis)
+    out = expert_mlp(received, per_expert.astype(jnp.int32), gate, up, down, dtype, gemm)  # zeros past the groups
+    return move(out, jnp.zeros_like(rows), flat(got_at), flat(got), flat(a2a(sent_at)), flat(sent),
+                axis_name=expert_axis)

@@ -1,0 +1,173 @@
+"""Grouped GEMMs for the routed experts: ``out[r] = lhs[r] @ rhs[g(r)]`` for rows ``r`` grouped by expert ``g``
+(``sizes[g]`` rows each, in order; rows past their sum give zeros), ``jax.lax.ragged_dot``'s contract.
+
+XLA:GPU lowers ``ragged_dot`` as a dense GEMM over every group's weights, each row masked to its own: G times the
+FLOPs of the rows it holds, padding included (read from the step compiled for H100s). Here a Pallas kernel
+(Triton on NVIDIA GPUs) computes tiles of ``block_m`` rows of one group only, and the tiles past the last group's
+rows end at once: the work is the routed rows' (plus at most one partial tile per group), whatever room the
+buffer has. Its derivative is two more kernels: the rows' gradient the same kernel over each group's transposed
+weights, the weights' a kernel per group summing its rows (``lhs_g^T @ out_g``).
+
+``model.expert_gemm`` chooses: ``xla`` (``jax.lax.ragged_dot``), ``pallas`` (this kernel; off a GPU in Pallas's
+interpret mode, for tests: slow), ``auto`` (the kernel where the step is traced for NVIDIA GPUs, else ``xla``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from megajax.parallel.xla_options import platform_choice
+
+GEMMS = ("auto", "xla", "pallas")
+BLOCK = 128  # rows, columns and depth of a tile (H100: bf16 Triton tiles of 128 x 128 x 128 x 4 warps; smaller
+# dimensions take their own power of two)
+
+
+def gemm_of(setting: str) -> str:
+    """The grouped GEMM a step traced now runs for ``model.expert_gemm`` = ``setting``: ``xla``, ``pallas`` (the
+    kernel compiled) or ``interpret`` (the kernel in Pallas's interpret mode: not an NVIDIA GPU)."""
+    return platform_choice(setting, "model.expert_gemm", GEMMS, "pallas", "xla", "interpret")
+
+
+def grouped_gemm(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, how: str = "xla") -> jax.Array:
+    """(M, K) rows grouped by ``sizes`` (G,) times (G, K, N) -> (M, N), by ``how`` (``gemm_of``)."""
+    if how == "xla":
+        return jax.lax.ragged_dot(lhs, rhs, sizes)
+    return _kernel_gemm(lhs, rhs, sizes.astype(jnp.int32), how == "interpret")
+
+
+def _varying(*xs: jax.Array):
+    """Inside a ``shard_map``, the mesh axes a result computed from ``xs`` varies over (a ``pallas_call``'s output
+    declares them); outside, none."""
+    return jax.typeof(sum(x.reshape(-1)[0].astype(jnp.float32) for x in xs)).mat
+
+
+def _block(dim: int) -> int:
+    return min(BLOCK, max(16, 1 << (dim - 1).bit_length()))
+
+
+def _padded(x: jax.Array, axis: int, to: int) -> jax.Array:
+    extra = -x.shape[axis] % to
+    return x if not extra else jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _kernel_gemm(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, interpret: bool) -> jax.Array:
+    return _gmm(lhs, rhs, sizes, interpret, transposed=False)
+
+
+def _kernel_gemm_fwd(lhs, rhs, sizes, interpret):
+    return _gmm(lhs, rhs, sizes, interpret, transposed=False), (lhs, rhs, sizes)
+
+
+def _kernel_gemm_bwd(interpret, residuals, g):
+    lhs, rhs, sizes = residuals
+    return (_summed_like(_gmm(g.astype(lhs.dtype), rhs, sizes, interpret, transposed=True), lhs),
+            _summed_like(_tgmm(lhs, g.astype(lhs.dtype), sizes, rhs.shape, interpret), rhs).astype(rhs.dtype), None)
+
+
+def _summed_like(grad: jax.Array, primal: jax.Array) -> jax.Array:
+    """``grad`` summed over the mesh axes it varies over and ``primal`` does not (inside a ``shard_map``: the
+    weights' gradient from each data shard's rows), as the transpose of a dot would."""
+    axes = tuple(sorted(jax.typeof(grad).mat.varying - jax.typeof(primal).mat.varying))
+    return jax.lax.psum(grad, axes) if axes else grad
+
+
+_kernel_gemm.defvjp(_kernel_gemm_fwd, _kernel_gemm_bwd)
+
+
+def _tiles(sizes: jax.Array, rows: int, bm: int) -> tuple[jax.Array, ...]:
+    """Each tile's (group, row block) and the groups' (start, end) rows: a group's tiles cover its row blocks, the
+    groups' in order, ``cdiv(rows, bm) + G - 1`` tiles at most; the tiles past the last group's are ``G`` (none)."""
+    g = sizes.shape[0]
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = starts // bm
+    count = jnp.where(sizes > 0, (ends + bm - 1) // bm - first, 0)  # row blocks each group touches
+    tile_ends = jnp.cumsum(count)
+    t = jnp.arange(pl.cdiv(rows, bm) + g - 1)
+    group = jnp.searchsorted(tile_ends, t, side="right").astype(jnp.int32)  # G past the last
+    clipped = jnp.minimum(group, g - 1)
+    block = first[clipped] + t - (tile_ends - count)[clipped]
+    return group, block.astype(jnp.int32), starts.astype(jnp.int32), ends.astype(jnp.int32)
+
+
+def _gmm(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, interpret: bool, transposed: bool) -> jax.Array:
+    """lhs (M, K) x rhs (G, K, N) -> (M, N) grouped (``transposed``: rhs (G, N, K), each group's transposed)."""
+    m, k = lhs.shape
+    groups, n = rhs.shape[0], rhs.shape[1] if transposed else rhs.shape[2]
+    bm, bk, bn = _block(m), _block(k), _block(n)
+    lhs = _padded(_padded(lhs, 0, bm), 1, bk)
+    rhs = _padded(_padded(rhs, 1, bn if transposed else bk), 2, bk if transposed else bn)
+    group, block, starts, ends = _tiles(sizes, m, bm)
+    depth = lhs.shape[1] // bk
+
+    def kernel(group_ref, block_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref):
+        t, j = pl.program_id(0), pl.program_id(1)
+        g = group_ref[t]
+
+        @pl.when(g < groups)  # tiles past the last group's rows: nothing to do
+        def _():
+            row0 = block_ref[t] * bm
+            rows = row0 + jnp.arange(bm)
+            mine = (rows >= start_ref[g]) & (rows < end_ref[g])  # this group's rows of the block
+
+            def step(i, acc):
+                a = plgpu.load(lhs_ref.at[pl.ds(row0, bm), pl.ds(i * bk, bk)], mask=mine[:, None], other=0)
+                if transposed:
+                    b = rhs_ref[g, pl.ds(j * bn, bn), pl.ds(i * bk, bk)]
+                    return acc + plgpu.dot(a, b, trans_b=True, allow_tf32=False)
+                b = rhs_ref[g, pl.ds(i * bk, bk), pl.ds(j * bn, bn)]
+                return acc + plgpu.dot(a, b, allow_tf32=False)
+
+            acc = jax.lax.fori_loop(0, depth, step, jnp.zeros((bm, bn), jnp.float32))
+            plgpu.store(out_ref.at[pl.ds(row0, bm), pl.ds(j * bn, bn)], acc.astype(out_ref.dtype),
+                        mask=mine[:, None])
+
+    out = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[1] if transposed else rhs.shape[2]),
+                                               lhs.dtype, manual_axis_type=_varying(lhs, rhs)),
+        grid=(group.shape[0], pl.cdiv(n, bn)), interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3), name="grouped_gemm",
+    )(group, block, starts, ends, lhs, rhs)[:m, :n]
+    return jnp.where((jnp.arange(m) < ends[-1])[:, None], out, 0)  # rows past the groups: zeros, not stale
+
+
+def _tgmm(lhs: jax.Array, grad: jax.Array, sizes: jax.Array, shape: tuple[int, int, int], interpret: bool
+          ) -> jax.Array:
+    """Each group's lhs_g^T (K, rows) x grad_g (rows, N) -> (G, K, N) (zeros for an empty group)."""
+    m = lhs.shape[0]
+    groups, k, n = shape
+    bm, bk, bn = _block(m), _block(k), _block(n)
+    lhs = _padded(_padded(lhs, 0, bm), 1, bk)
+    grad = _padded(_padded(grad, 0, bm), 1, bn)
+    ends = jnp.cumsum(sizes).astype(jnp.int32)
+    starts = ends - sizes
+
+    def kernel(start_ref, end_ref, lhs_ref, grad_ref, out_ref):
+        g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        start, end = start_ref[g], end_ref[g]
+
+        def step(b, acc):
+            rows = b * bm + jnp.arange(bm)
+            mine = ((rows >= start) & (rows < end))[:, None]
+            a = plgpu.load(lhs_ref.at[pl.ds(b * bm, bm), pl.ds(i * bk, bk)], mask=mine, other=0)
+            d = plgpu.load(grad_ref.at[pl.ds(b * bm, bm), pl.ds(j * bn, bn)], mask=mine, other=0)
+            return acc + plgpu.dot(a, d, trans_a=True, allow_tf32=False)
+
+        acc = jax.lax.fori_loop(start // bm, (end + bm - 1) // bm, step, jnp.zeros((bk, bn), jnp.float32))
+        out_ref[...] = acc[None].astype(out_ref.dtype)
+
+    out = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((groups, lhs.shape[1], grad.shape[1]), jnp.float32,
+                                               manual_axis_type=_varying(lhs, grad)),
+        grid=(groups, lhs.shape[1] // bk, grad.shape[1] // bn),
+        out_specs=pl.BlockSpec((1, bk, bn), lambda g, i, j: (g, i, j)), interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3), name="grouped_gemm_weights",
+    )(starts, ends, lhs, grad)
+    return out[:, :k, :n]
