@@ -63,8 +63,12 @@ def test_all_to_all_and_routing_statistics_by_hand():
     layer the e n x h blocks there and back forward and backward (bf16) and their int32 expert ids, 5 exchanges of
     7 NVLink steps; the routing statistics' 2E fp32 summed over the 32 batch shards (4 x 8). On 4 expert shards of
     4 model shards (e t = 16, two nodes): half of each GPU's blocks leave the node on its InfiniBand, the slower
-    link; the top-k weights' gradient summed over the model shards."""
-    run, c = with_choices(run_on(MIXTRAL), remat="none"), DGX_H100
+    link; the top-k weights' gradient summed over the model shards. That is the blocks exchange
+    (``model.expert_exchange=blocks``); the ragged one, the default on GPUs, moves the n x h routed rows alone, there
+    and back, forward and backward, with 11 exchanges' latency a layer (4 of rows, 7 of counts and offsets)."""
+    blocks = MIXTRAL.copy_and_resolve_references()
+    blocks.model.expert_exchange = "blocks"
+    run, c = with_choices(run_on(blocks), remat="none"), DGX_H100
     layers, n, h = 32, 4096 * 2, 4096
     moved = layers * (4 * 8 * n * h * 2 + 8 * n * 4)
     assert minimum(scaling_layout.comm_shape(run, (4, 1), 1, 1, layers, 8))["expert all-to-all"] == moved
@@ -80,6 +84,11 @@ def test_all_to_all_and_routing_statistics_by_hand():
                       scaling.ring_allreduce_s(32, 2, c.inter_bandwidth, c.inter_latency))
     stats += layers * scaling.ring_allreduce_s(4 * n, 4, c.intra_bandwidth, c.intra_latency)
     assert scaling_experts.expert_comm_s(run, (1, 4), 1, 4, c) == pytest.approx(exchange + stats, rel=1e-12)
+    ragged = with_choices(run_on(MIXTRAL), remat="none")
+    exchange = 7 / 8 * layers * 4 * n * h * 2 / c.intra_bandwidth + 11 * layers * 7 * c.intra_latency
+    stats = layers * (scaling.ring_allreduce_s(64, 8, c.intra_bandwidth, c.intra_latency) +
+                      scaling.ring_allreduce_s(64 / 8, 4, c.inter_bandwidth, c.inter_latency))
+    assert scaling_experts.expert_comm_s(ragged, (4, 1), 1, 8, c) == pytest.approx(exchange + stats, rel=1e-12)
     # remat=full redoes the forward's three exchanges and the statistics' sums
     full = scaling_experts.expert_comm_s(with_choices(run, remat="full"), (4, 1), 1, 8, c)
     assert full > scaling_experts.expert_comm_s(run, (4, 1), 1, 8, c) * 1.5

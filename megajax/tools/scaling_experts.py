@@ -11,14 +11,18 @@ batch is split over data x expert), k of E experts per token, n = b s k assignme
   ``save_dots`` (``jax.lax.ragged_dot`` is not a dot the policy saves). The router is a dense GEMM of the layer
   (``layout``'s ``gemms``). A capacity factor of 1 or more drops nothing under balanced routing, so capacity mode
   is timed as dropless.
-* Dispatch (the routed kind's ``LayerKind.dispatch_passes``, counted in ``models/moe.py``): megajax's exchange has
-  static shapes (XLA has no ragged all-to-all on the CPU), so each GPU's send and receive buffers hold a block of m
-  rows per shard of its group (``exchange_rows``: dropless m = n, room for every assignment; with a capacity what
+* Dispatch (the routed kind's ``LayerKind.dispatch_passes``, counted in ``models/moe.py`` for the blocks exchange,
+  and kept for the ragged one, whose receive buffer and grouped outputs have the same room): each GPU's buffers hold
+  a block of m rows per shard of its group (``exchange_rows``: dropless m = n, room for every assignment; with a
+  capacity what
   the destination's experts keep at most, n / e at a capacity factor of 1); its passes over the e m x h blocks, the
   n x h assignments and the e m x 2F/t gate and up outputs forward, backward twice, recomputation once more (as
   the dense layer's). At HBM bandwidth.
-* All-to-all (``expert_comm_s``): ``comm_minimum.minimum``'s ``expert all-to-all`` bytes (the e m x h blocks there
-  and back, forward and backward, and their expert ids; ``remat=full`` the forward's again), each an all-to-all
+* All-to-all (``expert_comm_s``): on GPUs the exchange is ragged by default (``parallel/expert_exchange``): each
+  GPU sends its n routed rows there and receives their outputs back, forward and backward (``remat=full`` the
+  forward's again), and a few integers (counts and offsets, latency alone); with ``model.expert_exchange=blocks``,
+  ``comm_minimum.minimum``'s ``expert all-to-all`` bytes (the e m x h blocks there and back, forward and backward,
+  and their expert ids; ``remat=full`` the forward's again). Each an all-to-all
   over the e GPUs of an expert group (t apart on the mesh: NVLink among those in a node, InfiniBand for the rest),
   not overlapped: the experts wait for their rows and the layer for their outputs. The routing statistics as ring
   all-reduces: 2E fp32 over data x expert per layer (again under ``remat=full``), and with t > 1 the top-k weights'
@@ -86,8 +90,13 @@ def expert_comm_s(run: RunSpec, mesh: tuple[int, int], micro_batch: int, expert:
     if not experts:
         return 0.0
     layers, redo = run.routed_layers, 2 if cfg.remat == "full" else 1
-    moved = minimum(comm_shape(run, mesh, micro_batch, 1, cfg.num_layers, expert))["expert all-to-all"]
-    exchanges = (3 * redo + 2) * layers  # forward: rows there, their ids, outputs back; backward: the two rows'
+    if cfg.expert_exchange == "blocks":
+        moved = minimum(comm_shape(run, mesh, micro_batch, 1, cfg.num_layers, expert))["expert all-to-all"]
+        exchanges = (3 * redo + 2) * layers  # forward: rows there, their ids, outputs back; backward: the two rows'
+    else:  # ragged (auto on GPUs): each exchange the routed rows alone; the counts and offsets' latency
+        assignments = micro_batch * cfg.max_seq_len * per_token
+        moved = (2 * redo + 2) * layers * assignments * cfg.hidden_size * HALF
+        exchanges = (2 * redo + 2 + 3 * redo + 4) * layers
     out = all_to_all_s(moved, expert, tensor, cluster, exchanges)
     if data * expert > 1:
         out += redo * layers * group_allreduce_s(2 * experts * 4, data * expert, tensor, cluster)
