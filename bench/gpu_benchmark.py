@@ -3,7 +3,8 @@ llama3p2_1b trained on every local GPU, each with megajax's XLA options and with
 each as ``mesh.auto`` plans it (``megajax.tools.auto_plan``: the scaling model's mesh, micro-batch, remat and
 switches for these GPUs at the same global batch), whose measured step checks the fitted ``dgx_h100`` prediction,
 and on GPUs with FP8 tensor cores (Ada, Hopper) once more as planned with ``train.precision=fp8`` (``--no-fp8``:
-skip). Its first lines say what it will measure and about how long that takes.
+skip). Before them (``--no-kernels``: skip), megajax's Pallas grouped GEMM, the experts' GEMMs on NVIDIA GPUs, against
+XLA's ``ragged_dot`` (a few seconds). Its first lines say what it will measure and about how long that takes.
 
     python bench/gpu_benchmark.py                              # gpt_1p2b and llama3p2_1b on all local GPUs
     python bench/gpu_benchmark.py --configs=gpt_8p3b --mesh=1x8 --micro_batch=4 --steps=20
@@ -98,6 +99,42 @@ def has_fp8(device) -> bool:
     return capability is not None and not fp8_refusal(device.device_kind, capability)
 
 
+def grouped_gemm_check(on_gpu: bool, repeats: int = 10) -> dict:
+    """megajax's Pallas grouped GEMM (``parallel/grouped_gemm``, the experts' GEMMs on NVIDIA GPUs, never yet run on
+    one) against XLA's ``ragged_dot`` on this device, forward and both gradients in bf16: 8 experts' groups filling
+    half of a 16,384-row buffer (the exchange's room), 2,048 x 1,408 weights (DeepSeek-V2-Lite's expert). Returns the
+    largest difference relative to the largest value and each one's milliseconds (off a GPU: the kernel in
+    interpret mode, a tenth of the rows, to check the script only)."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from megajax.parallel.grouped_gemm import grouped_gemm
+
+    rows, k, n, groups = (16384, 2048, 1408, 8) if on_gpu else (1024, 256, 128, 8)
+    keys = jax.random.split(jax.random.key(0), 3)
+    lhs = jax.random.normal(keys[0], (rows, k), jnp.bfloat16)
+    rhs = (jax.random.normal(keys[1], (groups, k, n), jnp.float32) / k ** 0.5).astype(jnp.bfloat16)
+    weight = jax.random.normal(keys[2], (rows, n), jnp.float32)
+    sizes = jnp.full((groups,), rows // 2 // groups, jnp.int32).at[0].add(37).at[1].add(-37)  # uneven groups
+    out, times = {}, {}
+    for how in ("xla", "pallas" if on_gpu else "interpret"):
+        f = jax.jit(jax.value_and_grad(lambda a, b, how=how: (grouped_gemm(a, b, sizes, how).astype(jnp.float32)
+                                                              * weight).sum(), argnums=(0, 1)))
+        result = jax.block_until_ready(f(lhs, rhs))
+        start = time.perf_counter()
+        for _ in range(repeats):
+            jax.block_until_ready(f(lhs, rhs))
+        times[how], out[how] = (time.perf_counter() - start) / repeats * 1e3, result
+    ours, theirs = out.pop("xla"), next(iter(out.values()))
+    error = max(float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max() /
+                      jnp.abs(a.astype(jnp.float32)).max()) for a, b in zip(jax.tree.leaves(ours),
+                                                                             jax.tree.leaves(theirs)))
+    return {"check": "grouped_gemm", "rows": rows, "k": k, "n": n, "groups": groups, "max_relative_difference":
+            round(error, 5), **{f"{how}_ms": round(ms, 3) for how, ms in times.items()}}
+
+
 def planned_config(config, devices):
     """(a copy of ``config`` as ``mesh.auto`` plans it for ``devices``, the plan)."""
     from megajax.tools.auto_plan import plan_for_devices
@@ -146,6 +183,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--allow_cpu", action="store_true", help="run without a GPU (to check the script)")
     p.add_argument("--planned", action=argparse.BooleanOptionalAction, default=True,
                    help="also time each config as mesh.auto plans it for these GPUs (--no-planned: skip)")
+    p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
+                   help="first check megajax's Pallas grouped GEMM against XLA's on this GPU (a few seconds)")
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True,
                    help="also time each config as planned in train.precision=fp8 where the GPUs have FP8 tensor "
                         "cores (--no-fp8: skip)")
@@ -186,6 +225,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     fp8_plans = {name: planned_config(with_precision(config, "fp8"), jax.devices()) for name, config in
                  configs.items()} if args.fp8 and (has_fp8(device) or args.allow_cpu) else {}  # XLA:CPU emulates FP8
     print(opening(configs, plans, runs, args.steps, device, count, fp8_plans), flush=True)
+    if args.kernels:
+        row = grouped_gemm_check(device.platform == "gpu")
+        results.append(row)
+        print(f"grouped GEMM (the experts'): Pallas kernel vs XLA's ragged_dot, forward and gradients in bf16, "
+              f"{row['rows']} rows half filled: largest difference {row['max_relative_difference']:.2e} of the "
+              f"largest value; " + ", ".join(f"{k.removesuffix('_ms')} {v:.2f} ms" for k, v in row.items()
+                                             if k.endswith("_ms")), flush=True)
+        pathlib.Path(args.output).write_text(json.dumps(results, indent=1) + "\n")
     for name, config in configs.items():
         planned = memory_report(resolve(config, count), args.micro_batch, num_micro=1, gpu=True).peak_bytes
         variants = [(options, config, None) for options in runs]
