@@ -3,6 +3,7 @@ spec's (active) FLOPs on every (expert, model) split, its parameters and state o
 planner's, its communication is the budget's bytes timed by hand, and the planner prints a plan for Mixtral 8x7B on
 64 H100s whose flags train.py takes (pure Python: nothing compiles)."""
 
+import json
 import math
 
 import pytest
@@ -153,6 +154,24 @@ def test_cli_plans_mixtral_8x7b_on_64_h100s(capsys):
         kind = type(config[section][leaf])
         config[section][leaf] = (value == "True") if kind is bool else kind(value)
     assert validate(config, 64).devices == 64
+
+
+def test_deepseek_v3_on_deepseeks_cluster_states_its_gpu_hours(capsys):
+    """DeepSeek-V3 on 2,048 H800s (``h800``: the report's NVLink 160 GB/s and InfiniBand 50 GB/s per GPU, the H100's
+    compute and memory) at one mesh: the JSON's GPU-hours per trillion tokens are its step times the GPUs over the
+    tokens of a step (15,360 sequences of 4,096), the figure DeepSeek reports as 180K (a prediction, not fitted)."""
+    from megajax.tools.scaling_clusters import CLUSTERS, DGX_H100
+
+    h800 = CLUSTERS["h800"]
+    assert (h800.intra_bandwidth, h800.inter_bandwidth) == (160e9, 50e9)
+    assert (h800.peak_flops, h800.fp8_peak_flops, h800.hbm_bytes) == (DGX_H100.peak_flops, DGX_H100.fp8_peak_flops,
+                                                                     DGX_H100.hbm_bytes)
+    scaling_plan.main(["--config=deepseek_v3", "--gpus=2048", "--cluster=h800", "--mesh=64x2,expert=16",
+                       "--micro_batch=1", "--json"])
+    plan = json.loads(capsys.readouterr().out.splitlines()[-1])
+    tokens = 15360 * 4096
+    assert plan["gpu_hours_per_trillion_tokens"] == pytest.approx(plan["step_s"] * 2048 / 3600 * 1e12 / tokens,
+                                                                  rel=1e-4)
 
 
 def test_routed_layer_by_hand():

@@ -188,6 +188,11 @@ class Prediction:
         """The idle share of the pipeline's stage-ticks (0 without stages)."""
         return self.pipeline.bubble()
 
+    @property
+    def gpu_hours_per_trillion_tokens(self) -> float:
+        """GPU-hours to train on 10^12 tokens at this step (how technical reports state a run's cost)."""
+        return self.step_s * self.gpus / 3600 * 1e12 / (self.global_batch * self.run.model.max_seq_len)
+
 
 def gemms(run: RunSpec, tensor: int, micro_batch: int, stack: int = 0) -> tuple[list[tuple], list[tuple], tuple]:
     """One GPU's forward GEMMs per micro-batch as (batch, m, k, n): a layer's dense ones (one per kernel of the

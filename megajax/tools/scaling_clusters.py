@@ -65,6 +65,11 @@ DGX_H100 = Cluster(name="dgx_h100", peak_flops=989e12, hbm_bytes=80 * GiB, hbm_b
                    intra_bandwidth=450e9, intra_latency=2e-6, inter_bandwidth=50e9, inter_latency=5e-6,
                    gemm_efficiency=0.816, layer_overhead_s=2.36e-3, dp_overlap=0.90, tp_overlap=0.76,
                    software=FUSED, flash_attention=True, fp8_peak_flops=1979e12)
+# DeepSeek-V3's cluster (DeepSeek-AI 2024, sections 3.1 and 3.2.2): 2,048 H800 SXM, 8 a node through NVLink and
+# NVSwitch, InfiniBand across nodes; the report gives NVLink 160 GB/s and IB 50 GB/s per GPU. The H800's compute and
+# HBM are the H100 SXM's (989 / 1,979 TFLOP/s bf16 / FP8 dense, 80 GB at 3.35 TB/s), so the fitted dgx_h100
+# constants are kept: ASSUMED, no published H800 BF16 run to fit them on.
+H800 = dataclasses.replace(DGX_H100, name="h800", intra_bandwidth=160e9, inter_bandwidth=50e9)
 # PTD-P's cluster (Narayanan et al. 2021): DGX A100 80GB nodes: 312 TFLOP/s fp16 / bf16 dense, HBM2e 2.04 TB/s,
 # NVLink3 through NVSwitch 600 GB/s per GPU both directions (300 each way), 8 x 200 Gb/s HDR InfiniBand per node
 # (one per GPU: 25 GB/s each way); Megatron-LM 2021's fused kernels (``models.spec.FUSED``). gemm_efficiency and
@@ -74,7 +79,7 @@ DGX_H100 = Cluster(name="dgx_h100", peak_flops=989e12, hbm_bytes=80 * GiB, hbm_b
 DGX_A100 = Cluster(name="dgx_a100", peak_flops=312e12, hbm_bytes=80 * GiB, hbm_bandwidth=2.039e12, gpus_per_node=8,
                    intra_bandwidth=300e9, intra_latency=2e-6, inter_bandwidth=25e9, inter_latency=5e-6,
                    gemm_efficiency=0.685, layer_overhead_s=3.95e-3, dp_overlap=0.0, software=FUSED)
-CLUSTERS = {"dgx2h": DGX2H_V100, "dgx_h100": DGX_H100, "dgx_a100": DGX_A100}
+CLUSTERS = {"dgx2h": DGX2H_V100, "dgx_h100": DGX_H100, "dgx_a100": DGX_A100, "h800": H800}
 
 # What JAX's GPU allocator takes of each GPU's memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise (JAX's
 # default): all a megajax step can use. It also keeps a plan under XLA:GPU's own budget, 80% of the memory less the

@@ -241,7 +241,8 @@ def format_table(table: list[Prediction], best: Prediction | None) -> str:
                      f"{schedule}, "
                      f"remat={remat}, sequence parallelism {'on' if sequence else 'off'}, "
                      f"state split over data: {_split_name(best.run)}: {best.step_s:.3f} s/step, "
-                     f"{best.tflops_per_gpu:.1f} TFLOP/s per GPU\n  {flags(best)}")
+                     f"{best.tflops_per_gpu:.1f} TFLOP/s per GPU, {best.gpu_hours_per_trillion_tokens:,.0f} GPU-hours "
+                     f"per trillion tokens\n  {flags(best)}")
     return "\n".join(lines)
 
 
@@ -257,7 +258,7 @@ def flags(prediction: Prediction) -> str:
 def plan_json(prediction: Prediction) -> str:
     """The plan as one JSON object: its mesh (``--mesh``'s spelling), micro-batch and accumulation steps, schedule,
     choices, predicted step, model TFLOP/s per GPU (no recomputation counted), MFU, peak memory per GPU, whether it
-    fits, and the train.py flags that run it."""
+    fits, GPU-hours per trillion tokens, and the train.py flags that run it."""
     p, pl = prediction, prediction.pipeline
     remat, sequence, _, _ = choices(p.run)
     return json.dumps({
@@ -267,7 +268,8 @@ def plan_json(prediction: Prediction) -> str:
         "pipeline_repeats": pl.repeats if pl.stages > 1 else None,
         "remat": remat, "sequence_parallel": sequence, "state_split": _split_name(p.run),
         "step_s": round(p.step_s, 5), "model_tflops_per_gpu": round(p.tflops_per_gpu, 2), "mfu": round(p.mfu, 4),
-        "peak_gib": round(p.memory_bytes / GiB, 3), "fits": p.fits, "flags": flags(p)})
+        "peak_gib": round(p.memory_bytes / GiB, 3), "fits": p.fits,
+        "gpu_hours_per_trillion_tokens": round(p.gpu_hours_per_trillion_tokens, 1), "flags": flags(p)})
 
 
 def given_mesh(text: str, gpus: int) -> MeshShape:
