@@ -415,6 +415,19 @@ def test_grouped_gemm_kernel_matches_float64():
     assert not np.asarray(grads[1])[1].any()
 
 
+def test_grouped_gemm_kernel_computes_only_the_groups_row_blocks():
+    """The kernel's tiles (``grouped_gemm._tiles``, 128-row blocks) for the test above's groups in a 300-row buffer:
+    one tile per (group, row block it touches), (0, 0), (2, 0), (2, 1), (3, 1), (4, 1), and the two tiles left of
+    the 3 + 5 - 1 marked past the last group (they end at once): 5 x 128 rows of work for the 228 routed, at most
+    (ceil(228 / 128) + 5 - 1) x 128 whatever the buffer's room, where XLA:GPU's ragged_dot computes 5 x 300."""
+    from megajax.parallel.grouped_gemm import _tiles
+
+    group, block, starts, ends = (np.asarray(a) for a in _tiles(jnp.asarray([37, 0, 130, 1, 60]), 300, 128))
+    assert list(zip(group, block))[:5] == [(0, 0), (2, 0), (2, 1), (3, 1), (4, 1)]
+    assert list(group[5:]) == [5, 5]
+    assert list(starts) == [0, 37, 37, 167, 168] and list(ends) == [37, 37, 167, 168, 228]
+
+
 @pytest.mark.parametrize("fields,mesh,message", [
     (dict(experts_per_token=9), {}, "model.experts_per_token=9 must be in [1, model.num_experts=8]"),
     ({}, dict(expert=3, data=1), "model.num_experts=8 is not divisible by mesh.expert=3"),
