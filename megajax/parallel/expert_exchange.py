@@ -125,8 +125,10 @@ def _ragged(rows: jax.Array, expert: jax.Array, gate: jax.Array, up: jax.Array, 
     # received rows grouped by expert, each expert's by source: expert l's run starts after the earlier experts'
     got_at = (jnp.cumsum(per_expert) - per_expert)[None, :] + jnp.cumsum(got, 0) - got
     flat = lambda v: v.reshape(-1).astype(jnp.int32)  # noqa: E731
-    received = move(rows, jnp.zeros((room, h), dtype), flat(sent_at), flat(sent), flat(a2a(got_at)), flat(got),
-                    axis_name=expert_axis)
+    # the buffers take the rows' varying axes: a fresh zeros would be cast to them, and under recomputation that
+    # cast's transpose all-reduced the whole receive buffer's gradient over `expert` (compiled for H100s)
+    buffer = jnp.zeros_like(rows, shape=(room, h))
+    received = move(rows, buffer, flat(sent_at), flat(sent), flat(a2a(got_at)), flat(got), axis_name=expert_axis)
     out = expert_mlp(received, per_expert.astype(jnp.int32), gate, up, down, dtype, gemm)  # zeros past the groups
     return move(out, jnp.zeros_like(rows), flat(got_at), flat(got), flat(a2a(sent_at)), flat(sent),
                 axis_name=expert_axis)
