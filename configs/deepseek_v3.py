@@ -10,7 +10,10 @@ Expect:   671,026,404,352 parameters without the MTP layer, as transformers coun
           holds 14,848 more: the 58 routed layers' 256 correction biases, buffers there), 37,552,297,472 active per
           token (37B in the technical report); with mtp_depth=1, 682,636,472,320 (+ the depth's 256 biases), which
           with the published layer 61's copies of the embedding and output layer (2 x 129280 x 7168) is the
-          report's 685B.
+          report's 685B. On DeepSeek's cluster (python -m megajax.scaling --config=deepseek_v3 --gpus=2048
+          --cluster=h800): data 64 x expert 16 x model 2, FSDP, full recomputation, 210 s/step, 41 TFLOP/s per GPU,
+          1.90M GPU-hours per trillion tokens (predicted; the report's figure is 180K: megajax's dispatch passes over
+          the exchange's worst-case room and has no expert shards inside pipeline stages).
 """
 
 from megajax.config import base_config
