@@ -99,6 +99,29 @@ def test_trip_counts_multiply_loop_bodies():
     assert sum(c.executions for c in reduces) == 5 and all(c.axes == {"model"} for c in reduces)
 
 
+RAGGED = """HloModule ragged
+ENTRY %main (x: bf16[512,128], z: bf16[2048,128], o: s64[4]) -> bf16[2048,128] {
+  %x = bf16[512,128]{1,0} parameter(0)
+  %z = bf16[2048,128]{1,0} parameter(1)
+  %o = s64[4]{0} parameter(2)
+  %start = ((bf16[512,128]{1,0}, bf16[2048,128]{1,0}, s64[4]{0}, s64[4]{0}, s64[4]{0}, /*index=5*/s64[4]{0}), \
+bf16[2048,128]{1,0}) ragged-all-to-all-start(%x, %z, %o, %o, %o, %o), channel_id=1, replica_groups={{0,1,2,3}}
+  %done = bf16[2048,128]{1,0} ragged-all-to-all-done(%start)
+  %sync = bf16[2048,128]{1,0} ragged-all-to-all(%x, %z, %o, %o, %o, %o), channel_id=2, replica_groups={{0,1,2,3}}
+  %a2a = ((bf16[4,128]{1,0}), bf16[4,128]{1,0}) all-to-all-start(%x), channel_id=3, replica_groups={{0,1,2,3}}
+  ROOT %r = bf16[2048,128]{1,0} add(%done, %sync)
+}
+"""
+
+
+def test_ragged_and_async_all_to_alls_are_counted_once_by_what_they_send():
+    """A ragged all-to-all (async and not) is its operand, the most it sends (512 x 128 here), not its receive
+    buffer (2048 x 128) nor its offsets; an async all-to-all's start (operand, result) is one collective."""
+    mesh = MeshShape(1, 4).make()
+    got = sorted((c.op, c.shape) for c in collectives(RAGGED, mesh))
+    assert got == [("all-to-all", (4, 128)), ("ragged-all-to-all", (512, 128)), ("ragged-all-to-all", (512, 128))]
+
+
 PEELED = """HloModule peeled
 %add (a: f32[], b: f32[]) -> f32[] {
   %a = f32[] parameter(0)

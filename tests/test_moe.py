@@ -415,6 +415,43 @@ def test_grouped_gemm_kernel_matches_float64():
     assert not np.asarray(grads[1])[1].any()
 
 
+def test_grouped_gemm_derivative_sums_the_weights_gradient_over_the_shards(monkeypatch):
+    """The kernel's custom derivative inside a checked ``shard_map`` over 4 data shards (its two kernels stood in for
+    by jnp, since interpret mode cannot run under the varying-axes check, which the GPU step runs): each shard's
+    rows through the same replicated weights give ragged_dot's gradients, the weights' summed over the shards (in
+    the weights' dtype) and each shard's rows' their own, within 1e-5."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from megajax.parallel import grouped_gemm as gg
+
+    def gmm(lhs, rhs, sizes, interpret, transposed):
+        return jax.lax.ragged_dot(lhs, rhs.swapaxes(1, 2) if transposed else rhs, sizes)
+
+    def tgmm(lhs, grad, sizes, shape, interpret):
+        group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(lhs.shape[0]), side="right")  # G past the groups
+        return jnp.einsum("rk,rn,rg->gkn", lhs, grad, jax.nn.one_hot(group, shape[0], dtype=lhs.dtype))
+
+    monkeypatch.setattr(gg, "_gmm", gmm)
+    monkeypatch.setattr(gg, "_tgmm", tgmm)
+    rng = np.random.default_rng(1)
+    lhs, rhs = jnp.asarray(rng.normal(size=(4 * 24, 16)), jnp.float32), jnp.asarray(rng.normal(size=(3, 16, 8)),
+                                                                                   jnp.float32)
+    weight = jnp.asarray(rng.normal(size=(4 * 24, 8)), jnp.float32)
+    sizes = jnp.asarray([7, 0, 11], jnp.int32)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+
+    def loss(how):
+        def local(a, b, w):
+            return jax.lax.psum((gg.grouped_gemm(a, b, sizes, how) * w).sum(), "data")
+        return jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P(), P("data")), out_specs=P())
+
+    want = jax.jit(jax.grad(loss("xla"), argnums=(0, 1)))(lhs, rhs, weight)
+    got = jax.jit(jax.grad(loss("pallas"), argnums=(0, 1)))(lhs, rhs, weight)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * float(jnp.abs(w).max()))
+
+
 def test_grouped_gemm_kernel_computes_only_the_groups_row_blocks():
     """The kernel's tiles (``grouped_gemm._tiles``, 128-row blocks) for the test above's groups in a 300-row buffer:
     one tile per (group, row block it touches), (0, 0), (2, 0), (2, 1), (3, 1), (4, 1), and the two tiles left of

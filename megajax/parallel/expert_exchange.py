@@ -4,11 +4,12 @@ experts' grouped GEMMs (``parallel/grouped_gemm``), run on each device's blocks 
 Two exchanges give the same results (``model.expert_exchange``):
 
 - ``blocks``: one all-to-all of a block per destination shard, each with room for every assignment the shard
-  routes (or, with a capacity, for what the destination's experts keep at most): static shapes, so e times the
-  routed rows cross the links. XLA:CPU runs only this one.
+  routes (or, with a capacity, for what the destination's experts keep at most): static shapes, so dropless e times
+  the routed rows cross the links, and the rows' expert ids go with them. XLA:CPU runs only this one.
 - ``ragged``: ``jax.lax.ragged_all_to_all`` sends each destination its own rows only, one slice per (destination,
   expert), placed on the receiver grouped by expert and source, so the grouped GEMMs read them as they land, and
-  brings the outputs back the same way to the places they left. Only the routed rows move; the receive buffer
+  brings the outputs back the same way to the places they left; the counts and offsets go first (three small
+  all-to-alls of integers), no ids. Only the routed rows move; the receive buffer
   still has room for the worst case (every source's rows for this shard). XLA:CPU has no ragged all-to-all
   ("UNIMPLEMENTED"), so on the CPU the same program runs with the primitive's semantics built from a blocks
   all-to-all (``emulated_ragged_all_to_all``): what tests check the ragged path's offsets with.

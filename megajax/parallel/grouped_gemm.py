@@ -24,8 +24,10 @@ from jax.experimental.pallas import triton as plgpu
 from megajax.parallel.xla_options import platform_choice
 
 GEMMS = ("auto", "xla", "pallas")
-BLOCK = 128  # rows, columns and depth of a tile (H100: bf16 Triton tiles of 128 x 128 x 128 x 4 warps; smaller
-# dimensions take their own power of two)
+# A tile's rows and columns, and its depth (a dimension smaller than one takes its own power of two, at least 16):
+# two 2-byte operands' 128 x 64 blocks are 32 KiB a pipeline stage, 3 stages within an A100's 164 KiB of shared
+# memory (4-byte operands: 2 stages)
+BLOCK, DEPTH = 128, 64
 
 
 def gemm_of(setting: str) -> str:
@@ -47,8 +49,12 @@ def _varying(*xs: jax.Array):
     return jax.typeof(sum(x.reshape(-1)[0].astype(jnp.float32) for x in xs)).mat
 
 
-def _block(dim: int) -> int:
-    return min(BLOCK, max(16, 1 << (dim - 1).bit_length()))
+def _block(dim: int, most: int = BLOCK) -> int:
+    return min(most, max(16, 1 << (dim - 1).bit_length()))
+
+
+def _compiler_params(dtype: jnp.dtype) -> plgpu.CompilerParams:
+    return plgpu.CompilerParams(num_warps=4, num_stages=3 if jnp.dtype(dtype).itemsize <= 2 else 2)
 
 
 def _padded(x: jax.Array, axis: int, to: int) -> jax.Array:
@@ -68,7 +74,7 @@ def _kernel_gemm_fwd(lhs, rhs, sizes, interpret):
 def _kernel_gemm_bwd(interpret, residuals, g):
     lhs, rhs, sizes = residuals
     return (_summed_like(_gmm(g.astype(lhs.dtype), rhs, sizes, interpret, transposed=True), lhs),
-            _summed_like(_tgmm(lhs, g.astype(lhs.dtype), sizes, rhs.shape, interpret), rhs).astype(rhs.dtype), None)
+            _summed_like(_tgmm(lhs, g.astype(lhs.dtype), sizes, rhs.shape, interpret).astype(rhs.dtype), rhs), None)
 
 
 def _summed_like(grad: jax.Array, primal: jax.Array) -> jax.Array:
@@ -101,7 +107,7 @@ def _gmm(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, interpret: bool, tran
     """lhs (M, K) x rhs (G, K, N) -> (M, N) grouped (``transposed``: rhs (G, N, K), each group's transposed)."""
     m, k = lhs.shape
     groups, n = rhs.shape[0], rhs.shape[1] if transposed else rhs.shape[2]
-    bm, bk, bn = _block(m), _block(k), _block(n)
+    bm, bk, bn = _block(m), _block(k, DEPTH), _block(n)
     lhs = _padded(_padded(lhs, 0, bm), 1, bk)
     rhs = _padded(_padded(rhs, 1, bn if transposed else bk), 2, bk if transposed else bn)
     group, block, starts, ends = _tiles(sizes, m, bm)
@@ -131,9 +137,9 @@ def _gmm(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, interpret: bool, tran
 
     out = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[1] if transposed else rhs.shape[2]),
-                                               lhs.dtype, manual_axis_type=_varying(lhs, rhs)),
+                                               lhs.dtype, manual_axis_type=_varying(lhs, rhs, sizes)),
         grid=(group.shape[0], pl.cdiv(n, bn)), interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3), name="grouped_gemm",
+        compiler_params=_compiler_params(lhs.dtype), name="grouped_gemm",
     )(group, block, starts, ends, lhs, rhs)[:m, :n]
     return jnp.where((jnp.arange(m) < ends[-1])[:, None], out, 0)  # rows past the groups: zeros, not stale
 
@@ -143,7 +149,7 @@ def _tgmm(lhs: jax.Array, grad: jax.Array, sizes: jax.Array, shape: tuple[int, i
     """Each group's lhs_g^T (K, rows) x grad_g (rows, N) -> (G, K, N) (zeros for an empty group)."""
     m = lhs.shape[0]
     groups, k, n = shape
-    bm, bk, bn = _block(m), _block(k), _block(n)
+    bm, bk, bn = _block(m, DEPTH), _block(k), _block(n)  # the rows are the depth here
     lhs = _padded(_padded(lhs, 0, bm), 1, bk)
     grad = _padded(_padded(grad, 0, bm), 1, bn)
     ends = jnp.cumsum(sizes).astype(jnp.int32)
@@ -165,9 +171,9 @@ def _tgmm(lhs: jax.Array, grad: jax.Array, sizes: jax.Array, shape: tuple[int, i
 
     out = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((groups, lhs.shape[1], grad.shape[1]), jnp.float32,
-                                               manual_axis_type=_varying(lhs, grad)),
+                                               manual_axis_type=_varying(lhs, grad, sizes)),
         grid=(groups, lhs.shape[1] // bk, grad.shape[1] // bn),
         out_specs=pl.BlockSpec((1, bk, bn), lambda g, i, j: (g, i, j)), interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3), name="grouped_gemm_weights",
+        compiler_params=_compiler_params(lhs.dtype), name="grouped_gemm_weights",
     )(starts, ends, lhs, grad)
     return out[:, :k, :n]

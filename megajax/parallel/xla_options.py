@@ -49,26 +49,36 @@ def is_nvidia_gpu(device) -> bool:
     return "cuda" in version or "nvidia" in str(getattr(device, "device_kind", "")).lower()
 
 
-def traced_for_nvidia_gpu() -> bool:
-    """Whether the program being traced will run on an NVIDIA GPU: the device of the mesh it is traced under (a
-    compile-only one too, ``megajax.tools.gpu_target``), else this host's first. For the choices whose best
-    lowering differs by platform (the attention kernel, how a bad update is skipped)."""
+def _traced_device():
+    """The device of the mesh the program is traced under (a compile-only one too, ``megajax.tools.gpu_target``),
+    else this host's first."""
     mesh = jax.sharding.get_abstract_mesh()
-    device = (None if mesh.empty else getattr(mesh, "abstract_device", None)) or jax.devices()[0]
-    return is_nvidia_gpu(device)
+    return (None if mesh.empty else getattr(mesh, "abstract_device", None)) or jax.devices()[0]
+
+
+def traced_for_nvidia_gpu() -> bool:
+    """Whether the program being traced will run on an NVIDIA GPU (``_traced_device``). For the choices whose best
+    lowering differs by platform (the attention kernel, how a bad update is skipped)."""
+    return is_nvidia_gpu(_traced_device())
 
 
 def platform_choice(setting: str, field: str, choices: tuple[str, ...], gpu: str, elsewhere: str,
                     emulated: str) -> str:
     """What a step traced now runs for ``field`` = ``setting`` (one of ``choices``, ``auto`` first): ``auto`` is
-    ``gpu`` where the trace targets NVIDIA GPUs and ``elsewhere`` otherwise; ``gpu`` asked for off a GPU is
-    ``emulated`` (the same program with the GPU-only part stood in for, for tests)."""
+    ``gpu`` where the trace targets NVIDIA GPUs and ``elsewhere`` otherwise; ``gpu`` asked for on a CPU is
+    ``emulated`` (the same program with the GPU-only part stood in for, for tests), on another platform an error."""
     if setting not in choices:
         raise ValueError(f"{field}={setting!r} must be one of {', '.join(choices)}")
-    on_gpu = traced_for_nvidia_gpu()
+    device = _traced_device()
+    on_gpu = is_nvidia_gpu(device)
     if setting == "auto":
         return gpu if on_gpu else elsewhere
-    return emulated if setting == gpu and not on_gpu else setting
+    if setting != gpu or on_gpu:
+        return setting
+    if device.platform != "cpu":
+        raise ValueError(f"{field}={gpu} runs on NVIDIA GPUs (and, emulated for tests, on CPUs), not on "
+                         f"{device.platform}: set {field}=auto")
+    return emulated
 
 
 def compiler_options(devices: Sequence[jax.Device], pipelined_all_gather: bool = True) -> dict[str, bool | int]:
