@@ -8,8 +8,9 @@ rows end at once: the work is the routed rows' (plus at most one partial tile pe
 buffer has. Its derivative is two more kernels: the rows' gradient the same kernel over each group's transposed
 weights, the weights' a kernel per group summing its rows (``lhs_g^T @ out_g``).
 
-``model.expert_gemm`` chooses: ``xla`` (``jax.lax.ragged_dot``), ``pallas`` (this kernel; off a GPU in Pallas's
-interpret mode, for tests: slow), ``auto`` (the kernel where the step is traced for NVIDIA GPUs, else ``xla``).
+``model.expert_gemm`` chooses: ``xla`` (``jax.lax.ragged_dot``), ``pallas`` (this kernel; on a CPU in Pallas's
+interpret mode, for tests: slow), ``auto`` (the kernel where the step is traced for NVIDIA GPUs from Ampere on, else
+``xla``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from megajax.parallel.xla_options import platform_choice
+from megajax.parallel.fp8 import nvidia_capability
+from megajax.parallel.xla_options import platform_choice, traced_device
 
 GEMMS = ("auto", "xla", "pallas")
 # A tile's rows and columns, and its depth (a dimension smaller than one takes its own power of two, at least 16):
@@ -33,7 +35,11 @@ BLOCK, DEPTH = 128, 64
 def gemm_of(setting: str) -> str:
     """The grouped GEMM a step traced now runs for ``model.expert_gemm`` = ``setting``: ``xla``, ``pallas`` (the
     kernel compiled) or ``interpret`` (the kernel in Pallas's interpret mode: not an NVIDIA GPU)."""
-    return platform_choice(setting, "model.expert_gemm", GEMMS, "pallas", "xla", "interpret")
+    how = platform_choice(setting, "model.expert_gemm", GEMMS, "pallas", "xla", "interpret")
+    capability = nvidia_capability(traced_device())
+    if setting == "auto" and capability and capability < (8, 0):
+        return "xla"  # the kernels are compiled and tested here for Ampere and Hopper targets only
+    return how
 
 
 def grouped_gemm(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, how: str = "xla") -> jax.Array:

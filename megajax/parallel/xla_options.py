@@ -49,7 +49,7 @@ def is_nvidia_gpu(device) -> bool:
     return "cuda" in version or "nvidia" in str(getattr(device, "device_kind", "")).lower()
 
 
-def _traced_device():
+def traced_device():
     """The device of the mesh the program is traced under (a compile-only one too, ``megajax.tools.gpu_target``),
     else this host's first."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -57,9 +57,9 @@ def _traced_device():
 
 
 def traced_for_nvidia_gpu() -> bool:
-    """Whether the program being traced will run on an NVIDIA GPU (``_traced_device``). For the choices whose best
+    """Whether the program being traced will run on an NVIDIA GPU (``traced_device``). For the choices whose best
     lowering differs by platform (the attention kernel, how a bad update is skipped)."""
-    return is_nvidia_gpu(_traced_device())
+    return is_nvidia_gpu(traced_device())
 
 
 def platform_choice(setting: str, field: str, choices: tuple[str, ...], gpu: str, elsewhere: str,
@@ -69,7 +69,7 @@ def platform_choice(setting: str, field: str, choices: tuple[str, ...], gpu: str
     ``emulated`` (the same program with the GPU-only part stood in for, for tests), on another platform an error."""
     if setting not in choices:
         raise ValueError(f"{field}={setting!r} must be one of {', '.join(choices)}")
-    device = _traced_device()
+    device = traced_device()
     on_gpu = is_nvidia_gpu(device)
     if setting == "auto":
         return gpu if on_gpu else elsewhere
