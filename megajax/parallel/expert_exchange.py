@@ -29,7 +29,7 @@ EXCHANGES = ("auto", "blocks", "ragged")
 def exchange_of(setting: str) -> str:
     """The exchange a step traced now runs for ``model.expert_exchange`` = ``setting``: ``blocks``, ``ragged`` (the
     collective itself) or ``emulated`` (the ragged program with the collective emulated: not an NVIDIA GPU)."""
-    return platform_choice(setting, "model.expert_exchange", EXCHANGES, "ragged", "blocks", "emulated")
+    return platform_choice(setting, "model.expert_exchange", "ragged", "blocks", "emulated")
 
 
 def emulated_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
@@ -70,8 +70,8 @@ def experts_forward(x: jax.Array, experts: jax.Array, weights: jax.Array, kept: 
     This shard holds ``gate.shape[0]`` of the ``num_experts`` experts (the ``expert_axis`` shard's consecutive
     block). Its assignments are sorted by expert (so by destination shard), exchanged (``exchange``: ``blocks``,
     ``ragged`` or ``emulated``, see the module), run through their experts (``gemm``: ``grouped_gemm.gemm_of``) and
-    returned. Each expert keeps at most
-    ``bound`` of them where ``bound`` > 0 (capacity mode): a destination's room is its experts' share."""
+    returned. Each expert keeps at most ``bound`` of them where ``bound`` > 0 (capacity mode): a destination's room
+    is its experts' share."""
     t, k = experts.shape
     local = gate.shape[0]
     shards, n = num_experts // local, t * k

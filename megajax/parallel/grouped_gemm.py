@@ -35,7 +35,7 @@ BLOCK, DEPTH = 128, 64
 def gemm_of(setting: str) -> str:
     """The grouped GEMM a step traced now runs for ``model.expert_gemm`` = ``setting``: ``xla``, ``pallas`` (the
     kernel compiled) or ``interpret`` (the kernel in Pallas's interpret mode: not an NVIDIA GPU)."""
-    how = platform_choice(setting, "model.expert_gemm", GEMMS, "pallas", "xla", "interpret")
+    how = platform_choice(setting, "model.expert_gemm", "pallas", "xla", "interpret")
     capability = nvidia_capability(traced_device())
     if setting == "auto" and capability and capability < (8, 0):
         return "xla"  # the kernels are compiled and tested here for Ampere and Hopper targets only

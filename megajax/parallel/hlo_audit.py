@@ -237,6 +237,11 @@ def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
     return mult
 
 
+def _shapes(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """Each (dtype, dims) an instruction's printed shape holds, in order."""
+    return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _SHAPE.findall(text)]
+
+
 def _is_reduction(lines: list[str]) -> bool:
     return len(lines) <= 4  # the to_apply of a collective: a scalar add/max, no collectives inside
 
@@ -258,18 +263,17 @@ def collectives(hlo: str, mesh: Mesh) -> list[Collective]:
             base = opcode.removesuffix("-start")
             if base not in COLLECTIVE_OPS:
                 continue
-            shapes = [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _SHAPE.findall(instr.group(3))]
+            shapes = _shapes(instr.group(3))
             if opcode.endswith("-start") and base in ("all-gather", "collective-permute", "all-to-all") \
                     and len(shapes) > 1:
                 shapes = shapes[len(shapes) // 2:]  # (operands..., results...): keep the results
             if base == "ragged-all-to-all":  # what may leave: the operand, not the receive buffer nor the offsets
                 if opcode.endswith("-start"):
                     shapes = shapes[:1]
-                else:
+                else:  # its operand's shape, from the instruction that defines it
                     first = re.match(r"\s*%?([\w.\-]+)", instr.group(5))
                     sent = _INSTR.match(_defining(lines, first.group(1)) or "") if first else None
-                    shapes = (_SHAPE.findall(sent.group(3)) and [(dt, tuple(int(d) for d in dims.split(",") if d))
-                              for dt, dims in _SHAPE.findall(sent.group(3))][:1]) if sent else shapes[:1]
+                    shapes = (_shapes(sent.group(3)) if sent else shapes)[:1]
             group_size, cyclic = 1, False
             if base == "collective-permute":
                 pairs = re.search(r"source_target_pairs=(\{[^ ]*\})", line)

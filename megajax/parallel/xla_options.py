@@ -62,13 +62,11 @@ def traced_for_nvidia_gpu() -> bool:
     return is_nvidia_gpu(traced_device())
 
 
-def platform_choice(setting: str, field: str, choices: tuple[str, ...], gpu: str, elsewhere: str,
-                    emulated: str) -> str:
-    """What a step traced now runs for ``field`` = ``setting`` (one of ``choices``, ``auto`` first): ``auto`` is
-    ``gpu`` where the trace targets NVIDIA GPUs and ``elsewhere`` otherwise; ``gpu`` asked for on a CPU is
-    ``emulated`` (the same program with the GPU-only part stood in for, for tests), on another platform an error."""
-    if setting not in choices:
-        raise ValueError(f"{field}={setting!r} must be one of {', '.join(choices)}")
+def platform_choice(setting: str, field: str, gpu: str, elsewhere: str, emulated: str) -> str:
+    """What a step traced now runs for ``field`` = ``setting`` (``auto``, ``gpu``, ``elsewhere``: the config checked
+    which): ``auto`` is ``gpu`` where the trace targets NVIDIA GPUs and ``elsewhere`` otherwise; ``gpu`` asked for
+    on a CPU is ``emulated`` (the same program with the GPU-only part stood in for, for tests), on another platform
+    an error."""
     device = traced_device()
     on_gpu = is_nvidia_gpu(device)
     if setting == "auto":

@@ -14,10 +14,9 @@ batch is split over data x expert), k of E experts per token, n = b s k assignme
 * Dispatch (the routed kind's ``LayerKind.dispatch_passes``, counted in ``models/moe.py`` for the blocks exchange,
   and kept for the ragged one, whose receive buffer and grouped outputs have the same room): each GPU's buffers hold
   a block of m rows per shard of its group (``exchange_rows``: dropless m = n, room for every assignment; with a
-  capacity what
-  the destination's experts keep at most, n / e at a capacity factor of 1); its passes over the e m x h blocks, the
-  n x h assignments and the e m x 2F/t gate and up outputs forward, backward twice, recomputation once more (as
-  the dense layer's). At HBM bandwidth.
+  capacity what the destination's experts keep at most, n / e at a capacity factor of 1); its passes over the e m x
+  h blocks, the n x h assignments and the e m x 2F/t gate and up outputs forward, backward twice, recomputation once
+  more (as the dense layer's). At HBM bandwidth.
 * All-to-all (``expert_comm_s``): on GPUs the exchange is ragged by default (``parallel/expert_exchange``): each
   GPU sends its n routed rows there and receives their outputs back, forward and backward (``remat=full`` the
   forward's again), and a few integers (counts and offsets, latency alone); with ``model.expert_exchange=blocks``,
