@@ -3,6 +3,7 @@ spec's (active) FLOPs on every (expert, model) split, its parameters and state o
 planner's, its communication is the budget's bytes timed by hand, and the planner prints a plan for Mixtral 8x7B on
 64 H100s whose flags train.py takes (pure Python: nothing compiles)."""
 
+import dataclasses
 import json
 import math
 
@@ -61,17 +62,18 @@ def test_expert_shards_parameters_and_state_are_the_planners(name, data, tensor,
 
 def test_all_to_all_and_routing_statistics_by_hand():
     """Mixtral 8x7B, one sequence per batch shard, no recomputation. On 8 expert shards of one node (t = 1): per
-    layer the e n x h blocks there and back forward and backward (bf16) and their int32 expert ids, 5 exchanges of
-    7 NVLink steps; the routing statistics' 2E fp32 summed over the 32 batch shards (4 x 8). On 4 expert shards of
-    4 model shards (e t = 16, two nodes): half of each GPU's blocks leave the node on its InfiniBand, the slower
-    link; the top-k weights' gradient summed over the model shards. That is the blocks exchange
+    layer the e m x h blocks there and back forward and backward (bf16) and their int32 expert ids (m = n / 2: one
+    expert a shard takes at most one of a token's two rows), 5 exchanges of 7 NVLink steps; the routing statistics'
+    2E fp32 summed over the 32 batch shards (4 x 8). On 4 expert shards of 4 model shards (e t = 16, two nodes):
+    half of each GPU's blocks leave the node on its InfiniBand, the slower link; the top-k weights' gradient summed
+    over the model shards. That is the blocks exchange
     (``model.expert_exchange=blocks``); the ragged one, the default on GPUs, moves the n x h routed rows alone, there
     and back, forward and backward, with 11 exchanges' latency a layer (4 of rows, 7 of counts and offsets)."""
     blocks = MIXTRAL.copy_and_resolve_references()
     blocks.model.expert_exchange = "blocks"
     run, c = with_choices(run_on(blocks), remat="none"), DGX_H100
     layers, n, h = 32, 4096 * 2, 4096
-    moved = layers * (4 * 8 * n * h * 2 + 8 * n * 4)
+    moved = layers * (4 * 8 * n // 2 * h * 2 + 8 * n // 2 * 4)
     assert minimum(scaling_layout.comm_shape(run, (4, 1), 1, 1, layers, 8))["expert all-to-all"] == moved
     exchange = 7 / 8 * moved / c.intra_bandwidth + 5 * layers * 7 * c.intra_latency
     stats = layers * (scaling.ring_allreduce_s(64, 8, c.intra_bandwidth, c.intra_latency) +
@@ -176,14 +178,18 @@ def test_deepseek_v3_on_deepseeks_cluster_states_its_gpu_hours(capsys):
 
 def test_routed_layer_by_hand():
     """Mixtral 8x7B on 8 expert shards, t = 2, save_dots (the grouped GEMMs are not dots it keeps): each GPU's one
-    expert's three GEMMs over the 8 shards' n / 8 rows each, 4 times, and the dispatch's passes (7 of e n x h, 9 of
-    n x h, 2.5 of e n x 2F/t forward; backward twice; recomputed once) at HBM bandwidth."""
+    expert's three GEMMs over the 8 shards' n / 8 rows each, 4 times, and the dispatch's passes (7 of R x h, 9 of
+    n x h, 2.5 of R x 2F/t forward; backward twice; recomputed once) at HBM bandwidth, R = e n / 2 the ragged
+    exchange's receive room (a token sends one expert's shard one row at most); with ``expert_room`` 1.25, R =
+    1.25 n."""
     run, c = with_choices(run_on(MIXTRAL), remat="save_dots"), DGX_H100
     n, h, f, e = 2 * 4096 * 2, 4096, 14336 // 2, 8
     gemms = [(1, n, h, f), (1, n, h, f), (1, n, f, h)]  # one expert: 8 shards' n k / E rows each
-    passes = 7 * e * n * h + 9 * n * h + 2.5 * e * n * 2 * f
-    hand = 4 * sum(scaling.gemm_s(*g, c) for g in gemms) + 4 * 2 * passes / c.hbm_bandwidth
-    assert scaling_experts.routed_layer_s(run, 2, 2, e, c) == pytest.approx(hand, rel=1e-12)
+    for room, rows in ((0.0, e * n // 2), (1.25, 1.25 * n)):
+        passes = 7 * rows * h + 9 * n * h + 2.5 * rows * 2 * f
+        hand = 4 * sum(scaling.gemm_s(*g, c) for g in gemms) + 4 * 2 * passes / c.hbm_bandwidth
+        bounded = dataclasses.replace(run, model=dataclasses.replace(run.model, expert_room=room))
+        assert scaling_experts.routed_layer_s(bounded, 2, 2, e, c) == pytest.approx(hand, rel=1e-12)
     assert scaling_experts.routed_layer_s(run_on(load_config("llama3_8b")), 2, 2, 1, c) == 0.0
 
 

@@ -76,7 +76,7 @@ def stored_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDic
 
 # config.model fields that say how a model trains, not what function its parameters compute; every other field
 # (a new family's too) must match for a checkpoint to be resumed
-TRAINING_ONLY_FIELDS = ("dropout", "init_std", "remat", "expert_exchange", "expert_gemm")
+TRAINING_ONLY_FIELDS = ("dropout", "init_std", "remat", "expert_exchange", "expert_gemm", "expert_room")
 
 
 def _values(section: ml_collections.ConfigDict | RunSpec) -> dict:

@@ -187,6 +187,12 @@ class RunSpec:
         kind = self._routed_kind
         return kind.exchange_rows(self.model, rows, expert) if kind else 0
 
+    def receive_rows(self, rows: int, expert: int) -> int:
+        """Rows an expert shard's receive buffer holds when its group's shards of ``rows`` sequences each send it
+        their assignments (``LayerKind.receive_rows``); 0 without routed layers."""
+        kind = self._routed_kind
+        return kind.receive_rows(self.model, rows, expert) if kind else 0
+
     @property
     def objective(self) -> Objective:
         """What the run trains: its model's objective, or with ``data.source=preference`` direct preference

@@ -19,6 +19,11 @@ the ``mlp`` columns of every expert's gate and up and the rows of its down (Mega
 a layer's only tensor-parallel collective is the all-reduce of its output, as the dense MLP's. With ``mesh.expert``
 > 1 each expert shard holds whole experts and the assignments travel to them and back (``parallel/expert_exchange``:
 a block per destination, or, ``model.expert_exchange`` ragged, the default on NVIDIA GPUs, the routed rows alone).
+Dropless, an expert shard's receive buffer has room for the worst case, every source's rows for it (e x the routed
+rows where a shard holds k or more experts); ``model.expert_room`` r bounds it to r x its own routed rows and drops
+(and counts) what does not fit, its experts water-filled and each expert's rows in the order of the expert group's
+batch (``expert_exchange.within_room``): memory and passes that do not grow with e, drops that depend on the mesh
+(none without expert shards), as a capacity per expert group's batch would.
 The balancing loss
 and the router z-loss are summed over the data shards inside, so the loss is the same on every mesh.
 
@@ -76,6 +81,9 @@ class MoEConfig(LlamaConfig):
     mlp_only_layers: tuple[int, ...] = ()  # Qwen3-MoE: layers with a dense SwiGLU (ffn_hidden_size) whatever the step
     expert_exchange: str = "auto"  # blocks, ragged (parallel/expert_exchange.py); auto: ragged on NVIDIA GPUs
     expert_gemm: str = "auto"  # xla, pallas (parallel/grouped_gemm.py); auto: pallas on NVIDIA GPUs
+    # 0: an expert shard's receive buffer holds the worst case (every source's rows for it); else
+    # ceil(expert_room * its own routed rows), what does not fit dropped and counted (parallel/expert_exchange.py)
+    expert_room: float = 0.0
 
     def __post_init__(self):
         super().__post_init__()
@@ -101,6 +109,9 @@ class MoEConfig(LlamaConfig):
                              "Pallas kernel where the step runs on NVIDIA GPUs, XLA's ragged_dot elsewhere)")
         if self.capacity_factor < 0:
             raise ValueError(f"model.capacity_factor={self.capacity_factor} must be >= 0 (0: dropless)")
+        if self.expert_room < 0:
+            raise ValueError(f"model.expert_room={self.expert_room} must be >= 0 (0: room for the worst case, "
+                             "dropless; 1.25: a quarter more than balanced routing sends an expert shard)")
         if self.router_aux_loss_coef < 0 or self.router_z_loss_coef < 0:
             raise ValueError("model.router_aux_loss_coef and model.router_z_loss_coef must be >= 0")
 
@@ -144,12 +155,31 @@ class MoEConfig(LlamaConfig):
             return 0
         return math.ceil(self.capacity_factor * self.max_seq_len * self.experts_per_token / self.num_experts)
 
+    def exchange_sizes(self, tokens: int, rows: int, expert: int) -> tuple[int, int]:
+        """(block, room): the rows a shard of ``tokens`` tokens in ``rows`` sequences sends one of its ``expert``
+        destinations at most, and the rows a destination receives at most. A token's k experts are distinct, so a
+        destination's E / e experts get at most min(k, E / e) of its assignments; with a capacity, at most what they
+        keep of ``rows`` sequences. The room: every source's block (dropless: the worst case, every source's rows
+        for this shard); with ``expert_room`` and expert shards, ceil(expert_room x the shard's own tokens x k),
+        what does not fit dropped (``expert_exchange.within_room``)."""
+        local = self.num_experts // expert
+        block = tokens * min(self.experts_per_token, local)
+        if self.capacity:
+            block = min(block, self.capacity * rows * local)
+        room = expert * block
+        if self.expert_room and expert > 1:
+            room = min(room, math.ceil(self.expert_room * tokens * self.experts_per_token))
+        return min(block, room), room
+
     def exchange_rows(self, rows: int, expert: int) -> int:
-        """Every assignment of the shard's b s k (dropless: a block of static shape must hold them all, whichever
-        destination they go to); with a capacity, at most what the destination's E / e experts take of b
-        sequences."""
-        assignments = rows * self.max_seq_len * self.experts_per_token
-        return min(assignments, self.capacity * self.num_experts // expert * rows) if self.capacity else assignments
+        """Rows of a destination's block when a shard of ``rows`` sequences sends its assignments to ``expert``
+        shards (``exchange_sizes``' block)."""
+        return self.exchange_sizes(rows * self.max_seq_len, rows, expert)[0]
+
+    def receive_rows(self, rows: int, expert: int) -> int:
+        """Rows an expert shard receives at most from its group's shards of ``rows`` sequences each
+        (``exchange_sizes``' room)."""
+        return self.exchange_sizes(rows * self.max_seq_len, rows, expert)[1]
 
     def check_mesh(self, tensor: int, pipe: int, expert: int) -> None:
         super().check_mesh(tensor, pipe, 1)
@@ -265,8 +295,9 @@ class MixtureOfExperts(nnx.Module):
             tokens = x.reshape(-1, h)
             if reduce_over:  # varying over the model shards from here: the backward pass sums the (T, h) gradient
                 tokens = jax.lax.pcast(tokens, reduce_over, to="varying")  # once, not each of its k copies
-            y = experts_forward(tokens, experts, weights, kept, gate, up, down, cfg.num_experts, expert_axis,
-                                cfg.compute_dtype, cfg.capacity * b, exchange, gemm)
+            sizes = cfg.exchange_sizes(b * s, b, cfg.num_experts // gate.shape[0])  # (block, room)
+            y, kept = experts_forward(tokens, experts, weights, kept, gate, up, down, cfg.num_experts, expert_axis,
+                                      cfg.compute_dtype, *sizes, exchange, gemm)
             if (added := self.beside(tokens, *extra)) is not None:
                 y = y + added
             if reduce_over:
@@ -448,11 +479,12 @@ def layer_residual_bytes(cfg: MoEConfig, rows: int, tp: int, split: int, remat: 
     one device (tests/test_memory_planner.py). Under every policy the layer's routing statistics (8 E + 8 bytes).
     ``none`` and ``selective`` also keep the router's fp32 input in place of the MLP's compute-dtype one; per token
     the router's fp32 logits and probabilities (8 E bytes), its statistics and top-k (25 + 8 k + cd k bytes); per
-    assignment (n = tokens x k; a destination's block of the exchange is m = ``exchange_rows`` rows, n dropless)
-    the dispatch buffer (one block of m x h per destination shard and one for the dropped), the rows each shard
-    receives and groups (e m x h), the grouped outputs scattered back (e m x h), the outputs gathered and combined
-    (2 n x h), their three masks (n x h bytes), eight int32 indices (n), the three expert GEMMs' and the SwiGLU's six
-    (e m, F / tp) tensors and the group sizes (4 E); in 16-bit the compute-dtype copies of the shard's experts.
+    assignment (n = tokens x k; a destination's block of the exchange is m = ``exchange_rows`` rows, a shard
+    receives R = ``receive_rows``, e m unless ``expert_room`` bounds it) the dispatch buffer (one block of m x h per
+    destination shard and one for the dropped), the rows each shard receives and groups (R x h), the grouped outputs
+    scattered back (R x h), the outputs gathered and combined (2 n x h), their three masks (n x h bytes), eight int32
+    indices (n), the three expert GEMMs' and the SwiGLU's six (R, F / tp) tensors and the group sizes (4 E); in
+    16-bit the compute-dtype copies of the shard's experts.
     ``full`` keeps the layer's input, as Llama's; ``save_dots`` Llama's attention GEMMs'
     outputs and the router's logits (the grouped GEMMs are not dots). The expert shards' terms (e > 1) follow the
     code; the compiled step checks them (within 10%), not the jaxpr. The dense layers among the routed ones are
@@ -477,10 +509,10 @@ def routed_mlp_bytes(cfg: MoEConfig, rows: int, tp: int, remat: str, cd: int, ex
         return rows * s * cfg.num_experts * 4 + stats
     tokens, k, e = rows * s, cfg.experts_per_token, expert
     n, width, local = tokens * k, cfg.expert_ffn_size // tp, cfg.num_experts // expert
-    block = cfg.exchange_rows(rows, expert)
+    block, room = cfg.exchange_rows(rows, expert), cfg.receive_rows(rows, expert)
     return (tokens * h * (4 - cd) + tokens * (25 + 8 * k + cd * k + 8 * cfg.num_experts)
-            + ((e + 1) + 2 * e) * block * h * cd + 2 * n * h * cd
-            + 3 * n * h + 32 * n + 6 * e * block * width * cd + 4 * cfg.num_experts
+            + ((e + 1) * block + 2 * room) * h * cd + 2 * n * h * cd
+            + 3 * n * h + 32 * n + 6 * room * width * cd + 4 * cfg.num_experts
             + (3 * local * h * width * cd if cd < 4 else 0)) + stats
 
 
@@ -527,6 +559,7 @@ def reference_moe(x: np.ndarray, router: np.ndarray, gate: np.ndarray, up: np.nd
 # product)
 ROUTED = LayerKind("routed", residuals=layer_residual_bytes, experts=lambda cfg: (cfg.num_experts,
                    cfg.experts_per_token), exchange_rows=lambda cfg, rows, expert: cfg.exchange_rows(rows, expert),
+                   receive_rows=lambda cfg, rows, expert: cfg.receive_rows(rows, expert),
                    dispatch_passes=(7, 9, 2.5))
 
 

@@ -112,9 +112,11 @@ class LayerKind:
     # A routed kind (its MLP a mixture of experts, ``models.moe``), whose assignments cross the ``expert`` axis and
     # whose routing statistics are summed (the communication budget, the scaling model's expert dimension): cfg ->
     # (experts per layer, experts each token is routed to), and (cfg, sequences, expert shards) -> rows of each
-    # destination's block when a shard sends its tokens to their experts. None: a dense MLP
+    # destination's block when a shard sends its tokens to their experts, and the rows a destination receives at
+    # most. None: a dense MLP
     experts: Callable[[TransformerConfig], tuple[int, int]] | None = None
     exchange_rows: Callable[[TransformerConfig, int, int], int] | None = None
+    receive_rows: Callable[[TransformerConfig, int, int], int] | None = None
     # A routed kind's dispatch, beyond ``elementwise``: forward passes per element of (its e m x h exchange blocks,
     # its n x h routed assignments, its e m x 2F/t gate and up outputs), backward twice (``tools.scaling_experts``)
     dispatch_passes: tuple[float, float, float] = (0, 0, 0)

@@ -3,18 +3,26 @@ experts' grouped GEMMs (``parallel/grouped_gemm``), run on each device's blocks 
 
 Two exchanges give the same results (``model.expert_exchange``):
 
-- ``blocks``: one all-to-all of a block per destination shard, each with room for every assignment the shard
-  routes (or, with a capacity, for what the destination's experts keep at most): static shapes, so dropless e times
-  the routed rows cross the links, and the rows' expert ids go with them. XLA:CPU runs only this one.
+- ``blocks``: one all-to-all of a block per destination shard, each with room for every assignment the shard can
+  send it (``block`` below): static shapes, so dropless up to e times the routed rows cross the links, and the
+  rows' expert ids go with them; the experts run on the first ``room`` rows of what arrived, grouped. XLA:CPU runs
+  only this one.
 - ``ragged``: ``jax.lax.ragged_all_to_all`` sends each destination its own rows only, one slice per (destination,
   expert), placed on the receiver grouped by expert and source, so the grouped GEMMs read them as they land, and
   brings the outputs back the same way to the places they left; the counts and offsets go first (three small
-  all-to-alls of integers), no ids. Only the routed rows move; the receive buffer
-  still has room for the worst case (every source's rows for this shard). XLA:CPU has no ragged all-to-all
-  ("UNIMPLEMENTED"), so on the CPU the same program runs with the primitive's semantics built from a blocks
-  all-to-all (``emulated_ragged_all_to_all``): what tests check the ragged path's offsets with.
+  all-to-alls of integers), no ids. Only the routed rows move; the receive buffer has the room ``room`` below.
+  XLA:CPU has no ragged all-to-all ("UNIMPLEMENTED"), so on the CPU the same program runs with the primitive's
+  semantics built from a blocks all-to-all (``emulated_ragged_all_to_all``): what tests check the ragged path's
+  offsets with.
 
 ``auto`` (the default) is ``ragged`` where the step is traced for NVIDIA GPUs, ``blocks`` elsewhere.
+
+Static shapes bound what a shard sends a destination (``block`` rows: a token's k experts are distinct, so it sends
+a shard of E / e experts at most min(k, E / e) rows) and what a destination receives (``room`` rows: dropless, e
+blocks, every source's rows for this shard). Where the room is less (``model.expert_room``), each destination takes
+what fits (``within_room``), water-filling its experts (each keeps its rows up to one level, the largest the room
+holds), each expert's in the order of its group's batch (source shard, token, rank); the rest are dropped and
+counted, the same in both exchanges.
 """
 
 import jax
@@ -62,34 +70,74 @@ def expert_mlp(rows: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.Array
 
 
 def experts_forward(x: jax.Array, experts: jax.Array, weights: jax.Array, kept: jax.Array, gate: jax.Array,
-                    up: jax.Array, down: jax.Array, num_experts: int, expert_axis: str | None,
-                    dtype: jnp.dtype, bound: int = 0, exchange: str = "blocks", gemm: str = "xla") -> jax.Array:
-    """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) over the ``kept`` assignments: (T, H) -> (T, H), a partial
-    sum where the experts' ``mlp`` width is split (the caller reduces it).
+                    up: jax.Array, down: jax.Array, num_experts: int, expert_axis: str | None, dtype: jnp.dtype,
+                    block: int, room: int, exchange: str = "blocks", gemm: str = "xla") -> tuple[jax.Array, jax.Array]:
+    """(sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) over the assignments taken, which of the ``kept`` ones
+    were taken (T, k)): (T, H) -> (T, H), a partial sum where the experts' ``mlp`` width is split (the caller reduces
+    it).
 
     This shard holds ``gate.shape[0]`` of the ``num_experts`` experts (the ``expert_axis`` shard's consecutive
     block). Its assignments are sorted by expert (so by destination shard), exchanged (``exchange``: ``blocks``,
     ``ragged`` or ``emulated``, see the module), run through their experts (``gemm``: ``grouped_gemm.gemm_of``) and
-    returned. Each expert keeps at most ``bound`` of them where ``bound`` > 0 (capacity mode): a destination's room
-    is its experts' share."""
+    returned. A shard sends a destination at most ``block`` rows and a destination receives at most ``room``
+    (``MoEConfig.exchange_sizes``); where that is less than every source's block, what does not fit is dropped
+    (``within_room``)."""
     t, k = experts.shape
     local = gate.shape[0]
-    shards, n = num_experts // local, t * k
-    block = min(n, bound * local) if bound else n  # rows per source: what the destination's experts can keep
+    shards = num_experts // local
     expert = jnp.where(kept, experts, num_experts).reshape(-1)  # a dropped assignment sorts after every expert
+    if shards > 1 and room < shards * block:
+        expert = within_room(expert, num_experts, local, room, expert_axis)
+        kept = (expert < num_experts).reshape(t, k)
     order = jnp.argsort(expert, stable=True)  # grouped by expert, so by destination shard
     rows = x.astype(dtype)[order // k]  # (n, h) in that order
     if shards > 1 and exchange != "blocks":
-        out = _ragged(rows, expert, gate, up, down, num_experts, expert_axis, dtype, shards * block, exchange, gemm)
+        out = _ragged(rows, expert, gate, up, down, num_experts, expert_axis, dtype, room, exchange, gemm)
     else:
-        out = _blocks(rows, expert[order], gate, up, down, num_experts, expert_axis, dtype, block, gemm)
+        out = _blocks(rows, expert[order], gate, up, down, num_experts, expert_axis, dtype, block, room, gemm)
     out = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)  # back to (token, rank); dropped: zeros
-    return (out * jnp.where(kept, weights, 0.0).astype(dtype)[..., None]).sum(1)
+    return (out * jnp.where(kept, weights, 0.0).astype(dtype)[..., None]).sum(1), kept
+
+
+def water_level(totals: jax.Array, room: int) -> jax.Array:
+    """The largest level L >= 0 with sum(min(totals, L)) <= ``room`` (any L >= max(totals) where all fit: that
+    max), found by bisection over the integers (totals are counts of rows)."""
+    if totals.shape[0] == 0:
+        return jnp.zeros((), totals.dtype)
+    most = totals.max()
+    # where not everything fits, the level is at most the room (f(L) >= L for L <= max): bisect [0, room]
+    lo, hi = jnp.zeros((), totals.dtype), jnp.minimum(most, room).astype(totals.dtype)
+    for _ in range(max(int(room), 1).bit_length() + 1):
+        mid = (lo + hi + 1) // 2
+        fits = jnp.minimum(totals, mid).sum() <= room
+        lo, hi = jnp.where(fits, mid, lo), jnp.where(fits, hi, mid - 1)
+    return jnp.where(totals.sum() <= room, most, lo)
+
+
+def within_room(expert: jax.Array, num_experts: int, local: int, room: int, expert_axis: str) -> jax.Array:
+    """``expert`` (n,), each assignment's expert (``num_experts``: dropped), with those the destinations' rooms do
+    not take dropped: each destination's experts keep their rows up to ``water_level`` of the ``room``, each
+    expert's in the order of its group's batch (the sources in shard order, each source's in token and rank order).
+    Two all-to-alls of E integers a shard: the counts there, what each destination takes back."""
+    shards, n = num_experts // local, expert.shape[0]
+    a2a = lambda v: jax.lax.all_to_all(v, expert_axis, 0, 0, tiled=True)  # noqa: E731
+    counts = jnp.bincount(expert, length=num_experts + 1)  # the last: the dropped ones
+    got = a2a(counts[:num_experts].reshape(shards, local))  # (source, local expert): what this shard is sent
+    totals = got.sum(0)
+    taken = jnp.minimum(totals, water_level(totals, room))  # each local expert's rows kept
+    before = jnp.cumsum(got, 0) - got  # the earlier sources' rows of each expert
+    allowed = a2a(jnp.clip(taken[None, :] - before, 0, got)).reshape(-1)  # (E,): what each expert takes of ours
+    order = jnp.argsort(expert, stable=True)
+    grouped = expert[order]
+    rank = jnp.arange(n) - (jnp.cumsum(counts) - counts)[grouped]  # each one's place among its expert's, in order
+    fits = rank < jnp.concatenate([allowed, jnp.zeros((1,), allowed.dtype)])[grouped]
+    return jnp.zeros_like(expert).at[order].set(jnp.where(fits, grouped, num_experts))
 
 
 def _blocks(rows: jax.Array, expert: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, num_experts: int,
-            expert_axis: str | None, dtype: jnp.dtype, block: int, gemm: str) -> jax.Array:
-    """The blocks exchange of ``rows`` sorted by ``expert`` (``num_experts``: dropped), their outputs in that order."""
+            expert_axis: str | None, dtype: jnp.dtype, block: int, room: int, gemm: str) -> jax.Array:
+    """The blocks exchange of ``rows`` sorted by ``expert`` (``num_experts``: dropped), their outputs in that order;
+    the experts run on the first ``room`` rows of what arrived, grouped (the rest are empty)."""
     n, h = rows.shape
     local = gate.shape[0]
     shards = num_experts // local
@@ -102,10 +150,10 @@ def _blocks(rows: jax.Array, expert: jax.Array, gate: jax.Array, up: jax.Array, 
     if shards > 1:
         send, ids = (jax.lax.all_to_all(a, expert_axis, 0, 0, tiled=True) for a in (send, ids))
     ids = ids.reshape(-1)  # what arrived, by source shard: each row's expert on this shard (`local`: an empty row)
-    grouped = jnp.argsort(ids, stable=True)
+    grouped = jnp.argsort(ids, stable=True)[:room]  # the empty rows sort last
     sizes = jnp.bincount(ids, length=local + 1)[:local].astype(jnp.int32)  # rows past their sum are not computed
     out = expert_mlp(send.reshape(-1, h)[grouped], sizes, gate, up, down, dtype, gemm)  # zeros past the groups
-    out = jnp.zeros_like(out).at[grouped].set(out).reshape(shards, block, h)
+    out = jnp.zeros_like(out, shape=(shards * block, h)).at[grouped].set(out).reshape(shards, block, h)
     if shards > 1:
         out = jax.lax.all_to_all(out, expert_axis, 0, 0, tiled=True)
     return jnp.concatenate([out, jnp.zeros((1, block, h), dtype)])[dest, place]  # a dropped assignment's: zeros

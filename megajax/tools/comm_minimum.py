@@ -107,10 +107,12 @@ micro-batch and routed layer (``routed_layers``: the routed kind's stacks, all b
 n = b x s x k assignments on one data (and expert) shard:
 
 * expert all-to-all (``mesh.expert`` = e > 1): the assignments' hidden states to their experts' shards and back,
-  e x m x h each (a block of m rows per destination: dropless, m = n, room for every assignment, as an exchange of
-  static shape must; with a capacity, what the destination's experts keep at most, ``exchange_rows``: n / e at a
-  capacity factor of 1, the routed tokens themselves), and their expert ids there (e x m int32); backward the two
-  hidden-state exchanges again; ``remat=full`` redoes the forward's three.
+  e x m x h each (a block of m rows per destination, ``exchange_rows``: dropless m = n min(k, E / e) / k, room for
+  every assignment a shard can send one destination (a token's k experts are distinct), as an exchange of static
+  shape must; with ``model.expert_room``, no more than the destination's room; with a capacity, what the
+  destination's experts keep at most: n / e at a capacity factor of 1, the routed tokens themselves), and their
+  expert ids there (e x m int32); backward the two hidden-state exchanges again; ``remat=full`` redoes the
+  forward's three.
 * routing statistics: the assignments and router probability per expert (2 E fp32) summed over the batch's shards
   (data x expert), again under ``remat=full``; with ``mesh.model`` > 1 the top-k weights' gradient (n fp32) summed
   over the model shards, whose partial expert outputs it multiplies (the layer all-reduces its combined output,

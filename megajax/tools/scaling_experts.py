@@ -12,11 +12,12 @@ batch is split over data x expert), k of E experts per token, n = b s k assignme
   (``layout``'s ``gemms``). A capacity factor of 1 or more drops nothing under balanced routing, so capacity mode
   is timed as dropless.
 * Dispatch (the routed kind's ``LayerKind.dispatch_passes``, counted in ``models/moe.py`` for the blocks exchange,
-  and kept for the ragged one, whose receive buffer and grouped outputs have the same room): each GPU's buffers hold
-  a block of m rows per shard of its group (``exchange_rows``: dropless m = n, room for every assignment; with a
-  capacity what the destination's experts keep at most, n / e at a capacity factor of 1); its passes over the e m x
-  h blocks, the n x h assignments and the e m x 2F/t gate and up outputs forward, backward twice, recomputation once
-  more (as the dense layer's). At HBM bandwidth.
+  and kept for the ragged one over its receive buffer and grouped outputs): each GPU's buffers hold R rows, the
+  blocks exchange's a block of m rows per shard of its group (``exchange_rows``: dropless m = n min(k, E / e) / k,
+  room for every assignment a shard can send one destination; with a capacity what the destination's experts keep
+  at most, n / e at a capacity factor of 1), R = e m, the ragged one's its receive room (``receive_rows``: e m, or
+  with ``model.expert_room`` r, r n); its passes over the R x h buffers, the n x h assignments and the R x 2F/t gate
+  and up outputs forward, backward twice, recomputation once more (as the dense layer's). At HBM bandwidth.
 * All-to-all (``expert_comm_s``): on GPUs the exchange is ragged by default (``parallel/expert_exchange``): each
   GPU sends its n routed rows there and receives their outputs back, forward and backward (``remat=full`` the
   forward's again), and a few integers (counts and offsets, latency alone); with ``model.expert_exchange=blocks``,
@@ -70,7 +71,9 @@ def routed_layer_s(run: RunSpec, tensor: int, micro_batch: int, expert: int, clu
     cfg = run.model
     again = 1 if cfg.remat in ("full", "save_dots") else 0
     n, h = micro_batch * cfg.max_seq_len * run.routed_experts[1], cfg.hidden_size
-    block = expert * run.exchange_rows(micro_batch, expert)  # the rows a GPU's buffers hold: e m
+    # the rows a GPU's buffers hold: e blocks of m (the blocks exchange), the receive room (the ragged one's)
+    block = (expert * run.exchange_rows(micro_batch, expert) if cfg.expert_exchange == "blocks"
+             else run.receive_rows(micro_batch, expert))
     routed = next(st for st in layout(run, tensor).stacks if st.routed)
     widened = sum(width for k, width in routed.expert_gemms if k == h)  # gate and up: 2F/t
     kind = next(stack.kind for stack in run.stacks if stack.kind.routed)
