@@ -500,7 +500,7 @@ def dense_layer_residual_bytes(cfg: DeepSeekConfig, rows: int, tp: int, split: i
 
 
 def routed_layer_residual_bytes(cfg: DeepSeekConfig, rows: int, tp: int, split: int, remat: str, cd: int,
-                                attention: str = "xla", expert: int = 1) -> int:
+                                attention: str = "xla", expert: int = 1, exchange: str = "blocks") -> int:
     """Bytes one routed layer keeps: the dense layer's (``dense_layer_residual_bytes``) with the shared experts'
     SwiGLU (n_shared x moe_ffn wide; in 16-bit the copies of its three kernels) in place of its own, the mixture's
     routed MLP (``moe.routed_mlp_bytes``, its statistics with the sequence-wise one), and what DeepSeek's routing
@@ -510,7 +510,7 @@ def routed_layer_residual_bytes(cfg: DeepSeekConfig, rows: int, tp: int, split: 
     (tests/test_deepseek.py). The expert shards' terms are the mixture's (``moe.layer_residual_bytes``)."""
     s, b, h = cfg.max_seq_len, rows, cfg.hidden_size
     dense = dense_layer_residual_bytes(cfg, rows, tp, split, remat, cd, attention)
-    routed = moe.routed_mlp_bytes(cfg, rows, tp, remat, cd, expert) + 4  # + the sequence-wise statistic
+    routed = moe.routed_mlp_bytes(cfg, rows, tp, remat, cd, expert, exchange) + 4  # + the sequence-wise statistic
     f, fs = cfg.ffn_size, cfg.shared_ffn_size
     if remat == "full":
         return dense + routed
@@ -523,7 +523,7 @@ def routed_layer_residual_bytes(cfg: DeepSeekConfig, rows: int, tp: int, split: 
 
 
 def mtp_layer_residual_bytes(cfg: DeepSeekConfig, rows: int, tp: int, split: int, remat: str, cd: int,
-                             attention: str = "xla", expert: int = 1) -> int:
+                             attention: str = "xla", expert: int = 1, exchange: str = "blocks") -> int:
     """Bytes one multi-token prediction depth keeps: a routed layer's (``routed_layer_residual_bytes``) and the
     join's and final norm's. ``full``: the depth's hidden input and its output besides the layer's; ``save_dots``
     those and the projection's output; otherwise per RMSNorm (enorm, hnorm, the final one) its fp32 input and
@@ -533,7 +533,7 @@ def mtp_layer_residual_bytes(cfg: DeepSeekConfig, rows: int, tp: int, split: int
     fp32, where the casts are no-ops, the traced count is 3 (b, s, h) values lower (tests/test_deepseek.py)."""
     s, b, h = cfg.max_seq_len, rows, cfg.hidden_size
     sbh = s * b * h
-    layer = routed_layer_residual_bytes(cfg, rows, tp, split, remat, cd, attention, expert)
+    layer = routed_layer_residual_bytes(cfg, rows, tp, split, remat, cd, attention, expert, exchange)
     if remat == "full":
         return layer + sbh * cd // split
     if remat == "save_dots":

@@ -473,7 +473,7 @@ def flops(cfg: MoEConfig, rows: int, seq: int) -> float:
 
 
 def layer_residual_bytes(cfg: MoEConfig, rows: int, tp: int, split: int, remat: str, cd: int,
-                         attention: str = "xla", expert: int = 1) -> int:
+                         attention: str = "xla", expert: int = 1, exchange: str = "blocks") -> int:
     """Bytes one layer keeps for its backward pass on one device (``expert`` expert shards): the Llama layer's
     (``llama.layer_residual_bytes``) without its SwiGLU, plus the routed MLP's, as the traced jaxpr keeps them on
     one device (tests/test_memory_planner.py). Under every policy the layer's routing statistics (8 E + 8 bytes).
@@ -492,14 +492,15 @@ def layer_residual_bytes(cfg: MoEConfig, rows: int, tp: int, split: int, remat: 
     trunk = llama.layer_residual_bytes(cfg, rows, tp, split, remat, cd, attention)
     s, f = cfg.max_seq_len, cfg.ffn_size
     if remat == "full":
-        return trunk + routed_mlp_bytes(cfg, rows, tp, remat, cd, expert)
+        return trunk + routed_mlp_bytes(cfg, rows, tp, remat, cd, expert, exchange)
     if remat == "save_dots":  # less Llama's fused gate / up GEMM output
-        return trunk - 2 * s * rows * f // tp * cd + routed_mlp_bytes(cfg, rows, tp, remat, cd, expert)
+        return trunk - 2 * s * rows * f // tp * cd + routed_mlp_bytes(cfg, rows, tp, remat, cd, expert, exchange)
     swiglu = 6 * s * rows * f * cd // tp + (f * cfg.hidden_size * cd // tp if cd < 4 else 0)
-    return trunk - swiglu + routed_mlp_bytes(cfg, rows, tp, remat, cd, expert)
+    return trunk - swiglu + routed_mlp_bytes(cfg, rows, tp, remat, cd, expert, exchange)
 
 
-def routed_mlp_bytes(cfg: MoEConfig, rows: int, tp: int, remat: str, cd: int, expert: int = 1) -> int:
+def routed_mlp_bytes(cfg: MoEConfig, rows: int, tp: int, remat: str, cd: int, expert: int = 1,
+                     exchange: str = "blocks") -> int:
     """What the routed MLP alone keeps (``layer_residual_bytes``' routed terms, its statistics included)."""
     stats = 8 * cfg.num_experts + 8
     s, h = cfg.max_seq_len, cfg.hidden_size
@@ -511,7 +512,7 @@ def routed_mlp_bytes(cfg: MoEConfig, rows: int, tp: int, remat: str, cd: int, ex
     n, width, local = tokens * k, cfg.expert_ffn_size // tp, cfg.num_experts // expert
     block, room = cfg.exchange_rows(rows, expert), cfg.receive_rows(rows, expert)
     return (tokens * h * (4 - cd) + tokens * (25 + 8 * k + cd * k + 8 * cfg.num_experts)
-            + ((e + 1) * block + 2 * room) * h * cd + 2 * n * h * cd
+            + ((e + 1) * block if exchange == "blocks" else room) * h * cd + 2 * room * h * cd + 2 * n * h * cd
             + 3 * n * h + 32 * n + 6 * room * width * cd + 4 * cfg.num_experts
             + (3 * local * h * width * cd if cd < 4 else 0)) + stats
 

@@ -32,6 +32,12 @@ def attention_for(run: RunSpec, gpu: bool) -> str:
     return "cudnn" if gpu and not attention_reason(run.model) else "xla"
 
 
+def exchange_for(run: RunSpec, gpu: bool) -> str:
+    """The expert exchange in the compiled step: 'ragged' on an NVIDIA GPU unless ``model.expert_exchange`` says
+    blocks (``parallel.expert_exchange.exchange_of``), else 'blocks' (the CPU's, the ragged one's emulation aside)."""
+    return "ragged" if gpu and run.model.expert_exchange != "blocks" else "blocks"
+
+
 def trunk_rows(run: RunSpec, micro_batch: int) -> int:
     """Sequences the trunk runs per micro-batch (the model's rows per example: multiple choice, one per option)."""
     return micro_batch * run.model_spec.rows_per_example
@@ -53,7 +59,8 @@ def _kinds_kept(run: RunSpec, micro_batch: int, remat: str | None, gpu: bool) ->
     context = context_attention_bytes(run, rows, remat, attention)
     kept = []
     for stack in run.stacks:
-        experts = {"expert": run.mesh.expert} if stack.kind.routed else {}  # only a routed layer has expert shards
+        # only a routed layer has expert shards; the ragged exchange where a GPU's step runs it
+        experts = {"expert": run.mesh.expert, "exchange": exchange_for(run, gpu)} if stack.kind.routed else {}
         own = stack.kind.residuals(local, rows, run.mesh.model, split, remat, compute_bytes(run), attention, **experts)
         kept.append((stack, own + context))
     return kept
