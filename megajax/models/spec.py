@@ -138,7 +138,8 @@ class Stack:
     """One of a model's layer stacks: the model's attribute holding ``count`` layers of ``kind`` stacked on a
     leading ``layers`` axis (``transformer.make_blocks``). ``pipelined``: split over pipeline stages (the layers a
     ``pipeline.StackRunner`` runs); a stack that is not runs whole on each stage's share of the rows, as the
-    embedding does."""
+    embedding does, before the pipelined stacks where the model lists it before them, after them (the loss's tail,
+    under 1F1B) where it lists it after (the memory planner reads that order)."""
 
     attr: str
     kind: LayerKind

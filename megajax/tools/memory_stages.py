@@ -18,6 +18,7 @@ from megajax.tools.memory_terms import (
     compute_bytes,
     dropout_bits_bytes,
     head_bytes,
+    kinds_kept,
     largest_layer_residual_bytes,
     layer_residual_bytes,
     parameters,
@@ -46,8 +47,7 @@ def stage_activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Acti
     recompute = largest_layer_residual_bytes(run, rows, "none", gpu=gpu) if m.remat in ("full", "save_dots") else 0
     v, ticks = run.pipeline.repeats, pipeline.ticks(micro, p, run.pipeline.repeats)
     if run.pipeline.schedule == pipeline.ONE_F_ONE_B:
-        return _one_f_one_b(run, micro_batch, micro, layer_residual_bytes(run, rows, remat, gpu=gpu), recompute,
-                            gpu)
+        return _one_f_one_b(run, micro_batch, micro, remat, recompute, gpu)
     if v > 1:
         inner = "selective" if m.remat == "selective" else "none"
         # the recomputed chunk's residuals; a chunk of more than one layer also one layer's backward working
@@ -73,7 +73,7 @@ def stage_activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Acti
     return Activations(layers, head_bytes(run, micro_batch // p, gpu), tick)
 
 
-def _one_f_one_b(run: RunSpec, micro_batch: int, micro: int, kept: int, recompute: int, gpu: bool) -> Activations:
+def _one_f_one_b(run: RunSpec, micro_batch: int, micro: int, remat: str, recompute: int, gpu: bool) -> Activations:
     """The 1F1B schedule's activations (``pipeline_1f1b``; interleaved with v = ``pipeline_repeats`` chunks): the
     chunk-microbatches it holds between their forward and their backward (a ring of min(2 v p - 1, M v),
     ``pipeline_1f1b.held``), the two in flight, its share of the batch's inputs and their gradients (the io columns,
@@ -87,13 +87,26 @@ def _one_f_one_b(run: RunSpec, micro_batch: int, micro: int, kept: int, recomput
     on pipe 2, s = 128: 1.04 to 1.06 of the formula with one, 0.81 to 0.86 with three). With
     ``parallel.pipeline_stage_recompute`` a held chunk-microbatch is its chunk's input, and the chunk's residuals
     exist one microbatch at a time, in its backward. The terms beyond the inventories were measured on 4- and
-    8-layer GPTs on pipe 2 x data 2 x model 2 at s = 32 to 256."""
-    m, p = run.model, run.mesh.pipe
+    8-layer GPTs on pipe 2 x data 2 x model 2 at s = 32 to 256. A stack every stage runs whole (``Stack.pipelined``
+    False) before the pipelined ones runs with the embeddings, before the loop, on the stage's share of the
+    micro-batch, and keeps its residuals through it (a DeepSeek decoder's dense layers); one after them runs in the
+    tail, one microbatch at a time, beside the head (its multi-token prediction depths): deepseek_tiny with a depth
+    on pipe 2 x data 2 x model 2 compiled for H100s at 0.97 of the planner's peak (1.23 when both counted as the
+    mean layer)."""
+    m, p, v = run.model, run.mesh.pipe, run.pipeline.repeats
     rows = micro_batch // micro
     split = run.mesh.model if run.sequence else 1
     one_input = trunk_rows(run, rows) * m.max_seq_len * m.hidden_size * compute_bytes(run) // split
-    per_chunk = m.num_layers // (p * run.pipeline.repeats)
+    own = kinds_kept(run, rows, remat, gpu)
+    first = next(i for i, (stack, _) in enumerate(own) if stack.pipelined)
+    per_chunk = sum(stack.count for stack, _ in own if stack.pipelined) // (p * v)
+    kept = max(k for stack, k in own if stack.pipelined and stack.count)  # a pipelined layer's
     stage = per_chunk * kept  # a chunk's
+    # the stacks every stage runs whole: those before the pipelined ones with the embeddings, on the stage's share
+    # of the micro-batch, their residuals kept through the loop; those after in the tail, one microbatch at a time
+    ends = sum(stack.count * k for stack, k in kinds_kept(run, micro_batch // p, remat, gpu)[:first]
+               if not stack.pipelined)
+    tail = sum(stack.count * k for stack, k in own[first:] if not stack.pipelined)
     held = pipeline_1f1b.held(micro, p, run.pipeline.repeats)
     if run.pipeline.stage_recompute:
         layers = (held + 2 + 2 * micro // p) * one_input + stage
@@ -101,7 +114,7 @@ def _one_f_one_b(run: RunSpec, micro_batch: int, micro: int, kept: int, recomput
         layers = (held + (3 if per_chunk > 1 else 1)) * stage + (2 + 2 * micro // p) * one_input
     working = (recompute or kept) + attention_backward_bytes(run, rows, gpu) // 2
     working += dropout_bits_bytes(run, rows, gpu)
-    return Activations(layers, head_bytes(run, rows, gpu), working)
+    return Activations(layers + ends, head_bytes(run, rows, gpu) + tail, working)
 
 
 _TAILS: dict[tuple, frozenset[str]] = {}

@@ -48,11 +48,11 @@ def stack_residual_bytes(run: RunSpec, micro_batch: int, remat: str | None = Non
     to the model's; ``gpu``: as compiled for an NVIDIA GPU, where cuDNN's attention keeps less, ``attention_for``):
     each of its stacks' count of its layer kind's own inventory (``LayerKind.residuals``; the trunk's block:
     ``models.block_memory``), and what context parallelism adds to each layer."""
-    return sum(stack.count * kept for stack, kept in _kinds_kept(run, micro_batch, remat, gpu))
+    return sum(stack.count * kept for stack, kept in kinds_kept(run, micro_batch, remat, gpu))
 
 
-def _kinds_kept(run: RunSpec, micro_batch: int, remat: str | None, gpu: bool) -> list[tuple[Stack, int]]:
-    """Each stack with what one of its layers keeps (``stack_residual_bytes``)."""
+def kinds_kept(run: RunSpec, micro_batch: int, remat: str | None, gpu: bool) -> list[tuple[Stack, int]]:
+    """Each stack with what one of its layers keeps (``stack_residual_bytes``), in the model's order of stacks."""
     split = run.mesh.model if run.sequence else 1  # the residual stream's share on one device
     remat, rows, attention = remat or run.model.remat, trunk_rows(run, micro_batch), attention_for(run, gpu)
     local = dataclasses.replace(run.model, max_seq_len=run.model.max_seq_len // run.mesh.context)
@@ -77,7 +77,7 @@ def largest_layer_residual_bytes(run: RunSpec, micro_batch: int, remat: str | No
     """Bytes the largest of the model's layer kinds keeps (``stack_residual_bytes``): a recomputed layer's working
     set, planned at the layer whose backward pass holds the most (a DeepSeek decoder's routed layer, not the mean of
     it and its dense first layers)."""
-    return max(kept for stack, kept in _kinds_kept(run, micro_batch, remat, gpu) if stack.count)
+    return max(kept for stack, kept in kinds_kept(run, micro_batch, remat, gpu) if stack.count)
 
 
 def context_attention_bytes(run: RunSpec, rows: int, remat: str, attention: str) -> int:
