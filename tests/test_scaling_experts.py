@@ -139,14 +139,19 @@ def test_candidates_take_the_models_mesh_rules():
 def test_cli_plans_mixtral_8x7b_on_64_h100s(capsys):
     """The issue's plan: every (data, expert, model) mesh of 64 H100s with its all-to-all time, a recommendation
     that fits, and flags train.py takes for 64 GPUs, at the config's micro-batch of 1 (the micro-batch search:
-    ``test_scaling_model.test_cli_json_plans_one_mesh_and_searches_the_micro_batch``)."""
+    ``test_scaling_model.test_cli_json_plans_one_mesh_and_searches_the_micro_batch``); dropless, a note names
+    ``model.expert_room``, the bound on the receive buffer's worst case (none with a capacity)."""
     scaling_plan.main(["--config=mixtral_8x7b", "--gpus=64", "--cluster=dgx_h100", "--micro_batch=1"])
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("mixtral_8x7b: 46,702,792,704 parameters (12,879,925,248 active per token), 64 GPUs")
     assert "expert" in out[1] and "EP comm" in out[1]
-    assert out[-2].startswith("recommendation: pipe=1 x data=") and " x expert=" in out[-2]
-    assert sum(line.split()[2] == "8" for line in out[2:-2]) >= 1  # expert 8 meshes are listed
-    flags = out[-1].split()
+    assert out[-3].startswith("recommendation: pipe=1 x data=") and " x expert=" in out[-3]
+    assert sum(line.split()[2] == "8" for line in out[2:-3]) >= 1  # expert 8 meshes are listed
+    assert out[-1].startswith("note: dropless") and "--config.model.expert_room=1.25" in out[-1]
+    scaling_plan.main(["--config=mixtral_8x7b", "--gpus=64", "--cluster=dgx_h100", "--micro_batch=1",
+                       "--config.model.capacity_factor=1.0"])
+    assert "note:" not in capsys.readouterr().out
+    flags = out[-2].split()
     assert flags[2].startswith("--config.mesh.expert=")
     check_config_overrides(["--config=mixtral_8x7b", *flags], "mixtral_8x7b")
     config = load_config("mixtral_8x7b")

@@ -373,5 +373,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.gpus} GPUs on {cluster.name} ({cluster.hbm_bytes / GiB:.1f} GiB each: JAX's allocator's share, "
           f"{MEMORY_FRACTION_VARIABLE}), global batch {batch}")
     print(format_table(table, best))
+    if any(p.mesh.expert > 1 for p in table) and not run.model.capacity_factor and not run.model.expert_room:
+        print("note: dropless, an expert shard's receive buffer has room for the worst case (every shard of its "
+              "expert group sending it all it can); --config.model.expert_room=1.25 bounds it to 1.25 x its own "
+              "routed rows, dropping and counting what does not fit (which then depends on the mesh)")
     if args.json:
         print(plan_json(best or min(table, key=lambda p: p.memory_bytes)))
