@@ -19,11 +19,14 @@ E = SHARDS * LOCAL
 
 
 def _routing(seed: int) -> np.ndarray:
-    """(shards, tokens, k) distinct experts a token; half the tokens of every shard send both their rows to shard
-    0's experts (the worst case for it)."""
+    """(shards, tokens, k) distinct experts a token: every token of shard 1 sends both its rows to shard 0's experts
+    (a whole block, the most one source can send one destination), the even tokens of the others one row to expert
+    0 (so shard 0's two experts get unequal loads), the rest at random."""
     rng = np.random.default_rng(seed)
     experts = np.stack([rng.permutation(E)[:K] for _ in range(SHARDS * TOKENS)]).reshape(SHARDS, TOKENS, K)
-    experts[:, ::2] = [0, 1]
+    experts[:, ::2, 0] = 0
+    experts[:, ::2, 1] = np.where(experts[:, ::2, 1] == 0, 5, experts[:, ::2, 1])
+    experts[1] = [0, 1]
     return experts
 
 
@@ -56,15 +59,17 @@ def _float64(x, experts, weights, taken, gate, up, down) -> np.ndarray:
 
 
 @pytest.mark.parametrize("exchange", ["blocks", "emulated"])
-@pytest.mark.parametrize("room", [None, 9])
+@pytest.mark.parametrize("room", [None, 20])
 def test_the_exchange_holds_the_worst_case_and_drops_by_the_room_rule(exchange, room):
-    """Half of every shard's tokens route both rows to shard 0 (k = 2 = E / e there): with the block of min(k, E /
-    e) x T rows per source and room for every source's, nothing is lost; with a room of 9 rows (under what shard 0
-    is sent) each destination keeps what the rule says, the rest count as dropped. Outputs within 1e-5 of float64
-    numpy, both exchanges."""
+    """Shard 1 sends shard 0 a whole block (both rows of each of its tokens, k = 2 = E / e there) and the others
+    more to its expert 0: with the block of min(k, E / e) x T rows per source and room for every source's, nothing
+    is lost; with a room of 20 rows (shard 0 is sent 26, 17 for expert 0 and 9 for expert 1) the water level is
+    11, so expert 1 keeps all 9 and expert 0 its first 11 in source, token, rank order, the rest counted as dropped;
+    the kept mask as float64 numpy's rule says, the outputs within 1e-5 of float64 numpy, both exchanges."""
     rng = np.random.default_rng(0)
     experts = _routing(1)
     kept = rng.random(experts.shape) > 0.1  # some dropped before (a capacity's)
+    kept[1] = True  # shard 1 sends shard 0 a whole block
     x = rng.normal(size=(SHARDS, TOKENS, H)).astype(np.float32)
     weights = rng.random(experts.shape).astype(np.float32)
     gate, up = (rng.normal(size=(E, H, F)).astype(np.float32) / 3 for _ in range(2))
@@ -73,6 +78,7 @@ def test_the_exchange_holds_the_worst_case_and_drops_by_the_room_rule(exchange, 
     assert MoEConfig(num_experts=E, experts_per_token=K, max_seq_len=TOKENS).exchange_sizes(TOKENS, 1, SHARDS) == (
         block, SHARDS * block)
     worst = max((experts[kept] // LOCAL == d).sum() for d in range(SHARDS))
+    assert (experts[1] // LOCAL == 0).sum() == block  # one source fills its block to shard 0
     if room is None:
         room = SHARDS * block
         assert worst > SHARDS * TOKENS  # more than balanced routing sends, within the room
@@ -88,6 +94,9 @@ def test_the_exchange_holds_the_worst_case_and_drops_by_the_room_rule(exchange, 
     want = _room_reference(experts, kept, room)
     np.testing.assert_array_equal(np.asarray(taken), want)
     assert (want != kept).any() == (room < worst)  # the room bites exactly where it is under the worst case
+    if room < worst:  # shard 0's expert 1 keeps its 9 rows, under the level; its expert 0 is cut to the level, 11
+        assert (kept[experts == 0].sum(), kept[experts == 1].sum()) == (17, 9)
+        assert (want[experts == 0].sum(), want[experts == 1].sum()) == (11, 9)
     ref = _float64(*(a.astype(np.float64) for a in (x,)), experts, weights.astype(np.float64), want,
                    *(a.astype(np.float64) for a in (gate, up, down)))
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())

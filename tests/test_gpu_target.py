@@ -271,7 +271,9 @@ def test_the_expert_exchange_and_gemms_on_gpus_skip_what_is_not_routed(exchange,
     assert (kernels.count("grouped_gemm"), kernels.count("grouped_gemm_weights")) == (6 * layers, 3 * layers)
     assert "ragged_dot" not in step.hlo
     # no buffer of the exchange's room reduced (a receive buffer cast to the rows' varying axes once was, backward)
-    assert not [c for c in step.collectives if c.op == "all-reduce" and c.elements == 4 * n * h]
+    buffer = step.run.spec.receive_rows(ROWS, 4)  # rows
+    assert buffer == (n if room else 4 * n)
+    assert not [c for c in step.collectives if c.op == "all-reduce" and c.elements == buffer * h]
     if exchange == "auto":
         want = {("ragged-all-to-all", n): 2 * layers}  # the rows there, and backward their gradients'
         received = ("ragged-all-to-all", n if room else 4 * n)  # the outputs back from the receive buffer

@@ -167,6 +167,17 @@ def test_expert_room_drops_the_same_in_both_exchanges():
     _assert_matches((config, model, tokens, (loss, metrics, grads)), 2, 1, 4, "ragged", dropping=True)
 
 
+def test_inference_keeps_every_assignment(monkeypatch):
+    """A run trained with ``model.expert_room`` (drops that depend on the rest of the batch and on the mesh)
+    evaluates, generates and converts with the room off (``inference_config``), its other fields as trained."""
+    from megajax.config import load
+
+    trained = moe_config(expert=2, expert_room=0.5, capacity_factor=1.5)
+    monkeypatch.setattr(load, "read_run_config", lambda path: trained.copy_and_resolve_references())
+    config = load.inference_config("stored", data=1, model=1, expert=2)
+    assert config.model.expert_room == 0 and config.model.capacity_factor == 1.5 and config.mesh.expert == 2
+
+
 def test_emulated_ragged_all_to_all_is_the_documented_one():
     """``jax.lax.ragged_all_to_all``'s documented example (an axis of 2; each caller's operand, output, offsets and
     sizes) gives the documented results through the emulation, and a second run with two slices per destination

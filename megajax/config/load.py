@@ -53,12 +53,16 @@ def inference_config(path: str | pathlib.Path, data: int | None = None, model: i
     ``model``; ``mesh.expert`` likewise (a mixture of experts'); every remaining device on ``data`` (or ``data``);
     no pipeline stages; sequence parallelism off (it saves training memory, and a decoding step of one token has no
     sequence to split; the parameters are laid out the same); a run trained in fp8 evaluates in bf16 (FP8 is the
-    training GEMMs' speed, not the model: bf16 is the more exact and runs on every GPU)."""
+    training GEMMs' speed, not the model: bf16 is the more exact and runs on every GPU); a mixture's bounded exchange
+    room off (``model.expert_room``: it drops assignments by what else the batch routes and by the mesh, a
+    training-memory bound; inference keeps every one)."""
     MeshShape(-1 if data is None else data, 1 if model is None else model, expert=1 if expert is None else expert)
     config = read_run_config(path)
     config.parallel.sequence = False
     if config.train.precision == FP8_PRECISION:
         config.train.precision = "bf16"
+    if config.model.get("expert_room"):
+        config.model.expert_room = 0.0
     config.mesh.pipe = 1  # inference runs on data x model (a pipelined run's stages are one resharding away)
     config.mesh.context = 1  # and on whole sequences
     config.parallel.update(NO_SCHEDULE)

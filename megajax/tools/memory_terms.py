@@ -33,9 +33,10 @@ def attention_for(run: RunSpec, gpu: bool) -> str:
 
 
 def exchange_for(run: RunSpec, gpu: bool) -> str:
-    """The expert exchange in the compiled step: 'ragged' on an NVIDIA GPU unless ``model.expert_exchange`` says
-    blocks (``parallel.expert_exchange.exchange_of``), else 'blocks' (the CPU's, the ragged one's emulation aside)."""
-    return "ragged" if gpu and run.model.expert_exchange != "blocks" else "blocks"
+    """The expert exchange in the compiled step: 'ragged' with expert shards on an NVIDIA GPU unless
+    ``model.expert_exchange`` says blocks (``parallel.expert_exchange.exchange_of``), else 'blocks' (the CPU's, the
+    ragged one's emulation aside; without expert shards the dispatch is the blocks path's, nothing exchanged)."""
+    return "ragged" if gpu and run.mesh.expert > 1 and run.model.expert_exchange != "blocks" else "blocks"
 
 
 def trunk_rows(run: RunSpec, micro_batch: int) -> int:
@@ -68,8 +69,9 @@ def kinds_kept(run: RunSpec, micro_batch: int, remat: str | None, gpu: bool) -> 
 
 def layer_residual_bytes(run: RunSpec, micro_batch: int, remat: str | None = None, gpu: bool = False) -> int:
     """Bytes one layer keeps (``stack_residual_bytes``): a model of one layer kind, its layer's; of several, the mean
-    over its layers, rounded up (what a pipeline stage's layers are planned with; the stacks every stage runs whole,
-    a DeepSeek decoder's dense layers and MTP depths, are planned as that mean too)."""
+    over its layers, rounded up (what GPipe's and the circular schedule's stages are planned with; there the stacks
+    every stage runs whole, a DeepSeek decoder's dense layers and MTP depths, are planned as that mean too; 1F1B
+    plans them where they run, ``memory_stages``)."""
     return -(-stack_residual_bytes(run, micro_batch, remat, gpu) // sum(stack.count for stack in run.stacks))
 
 

@@ -16,13 +16,15 @@ batch is split over data x expert), k of E experts per token, n = b s k assignme
   blocks exchange's a block of m rows per shard of its group (``exchange_rows``: dropless m = n min(k, E / e) / k,
   room for every assignment a shard can send one destination; with a capacity what the destination's experts keep
   at most, n / e at a capacity factor of 1), R = e m, the ragged one's its receive room (``receive_rows``: e m, or
-  with ``model.expert_room`` r, r n); its passes over the R x h buffers, the n x h assignments and the R x 2F/t gate
-  and up outputs forward, backward twice, recomputation once more (as the dense layer's). At HBM bandwidth.
+  with ``model.expert_room`` r, min(e m, r n)); its passes over the R x h buffers, the n x h assignments and the
+  R x 2F/t gate and up outputs forward, backward twice, recomputation once more (as the dense layer's). At HBM
+  bandwidth.
 * All-to-all (``expert_comm_s``): on GPUs the exchange is ragged by default (``parallel/expert_exchange``): each
   GPU sends its n routed rows there and receives their outputs back, forward and backward (``remat=full`` the
   forward's again), and a few integers (counts and offsets, latency alone); with ``model.expert_exchange=blocks``,
   ``comm_minimum.minimum``'s ``expert all-to-all`` bytes (the e m x h blocks there and back, forward and backward,
-  and their expert ids; ``remat=full`` the forward's again). Each an all-to-all
+  and their expert ids; ``remat=full`` the forward's again); where ``model.expert_room`` bounds the room, two more
+  of integers a layer (``within_room``'s counts, latency alone). Each an all-to-all
   over the e GPUs of an expert group (t apart on the mesh: NVLink among those in a node, InfiniBand for the rest),
   not overlapped: the experts wait for their rows and the layer for their outputs. The routing statistics as ring
   all-reduces: 2E fp32 over data x expert per layer (again under ``remat=full``), and with t > 1 the top-k weights'
@@ -99,6 +101,8 @@ def expert_comm_s(run: RunSpec, mesh: tuple[int, int], micro_batch: int, expert:
         assignments = micro_batch * cfg.max_seq_len * per_token
         moved = (2 * redo + 2) * layers * assignments * cfg.hidden_size * HALF
         exchanges = (2 * redo + 2 + 3 * redo + 4) * layers
+    if run.receive_rows(micro_batch, expert) < expert * run.exchange_rows(micro_batch, expert):
+        exchanges += 2 * redo * layers  # the room's counts there and what each destination takes back (latency)
     out = all_to_all_s(moved, expert, tensor, cluster, exchanges)
     if data * expert > 1:
         out += redo * layers * group_allreduce_s(2 * experts * 4, data * expert, tensor, cluster)
