@@ -23,7 +23,8 @@ Dropless, an expert shard's receive buffer has room for the worst case, every so
 rows where a shard holds k or more experts); ``model.expert_room`` r bounds it to r x its own routed rows and drops
 (and counts) what does not fit, its experts water-filled and each expert's rows in the order of the expert group's
 batch (``expert_exchange.within_room``): memory and passes that do not grow with e, drops that depend on the mesh
-(none without expert shards), as a capacity per expert group's batch would.
+(none without expert shards), as a capacity per expert group's batch would; a training setting (inference,
+``config.load.inference_config``, keeps every assignment).
 The balancing loss
 and the router z-loss are summed over the data shards inside, so the loss is the same on every mesh.
 
