@@ -103,19 +103,18 @@ def test_collectives_overlap_compute_under_megajaxs_options(steps):
         assert sum(n > 0 for n in tensor) >= 2 / 3 * len(tensor), (name, mesh, tensor)
 
 
-def test_accumulation_reduces_the_gradients_in_every_step(steps):
-    """What the scaling model counts for megajax's step (``scaling._per_step``): with 2 accumulation steps the
-    compiled H100 step reduces twice its gradient elements over `data` (XLA reduces each micro-batch's gradient
-    before adding it to the carried one, laid out whole on each data shard); Megatron-LM reduces once. An open
-    fault of megajax's step: this test changes when it is fixed."""
+def test_accumulation_reduces_the_gradients_once():
+    """With 3 accumulation steps (each data replica's gradients kept apart through the loop, training.replicas)
+    the compiled H100 step reduces its gradients over `data` once, in fp32, after the loop, as Megatron-LM does:
+    every local gradient element once (4 key/value heads, so 4 model shards hold whole ones and reduce only their
+    own), where the step without the replicas apart reduced them in every accumulation step (3 x)."""
     config = _config("llama_tiny", (2, 4))
-    step = gpu_target.compile_step(run_on(config, 2, 4), "h100", micro_batch=ROWS, num_micro=2)
+    config.model.num_kv_heads = 4
+    step = gpu_target.compile_step(run_on(config, 2, 4), "h100", micro_batch=ROWS, num_micro=3)
     local = step_shape(step.run).local_grad_elements
-    reduced = sum(c.elements * c.executions for c in step.collectives
-                  if c.axes == {"data"} and c.op == "all-reduce" and c.elements > 1)
-    once = sum(c.elements * c.executions for c in steps[("llama_tiny", (2, 4))].collectives
-               if c.axes == {"data"} and c.op == "all-reduce" and c.elements > 1)
-    assert abs(once / local - 1) < 0.01 and 1.9 < reduced / local < 2.1, (once, reduced, local)
+    reduced = [c for c in step.collectives if c.axes == {"data"} and c.elements > 1]
+    assert {(c.op, c.dtype, c.executions) for c in reduced} == {("all-reduce", "f32", 1)}, reduced
+    assert 0 <= sum(c.elements for c in reduced) - local <= 5, (reduced, local)
 
 
 def test_fp8_gemms_are_cublaslt_fp8_calls(steps):

@@ -388,12 +388,12 @@ def test_pipe_one_predicts_what_it_did_before_stages():
          # memory 21859975168 until a dropout mask's random bits were counted (2026-11-28)
          (2.379230791419276, 1.683842587195276, 0.2227884736, 0.47259973062400007, 22.63168633499039, 22186500096)),
         # memory 1996811264 until the second gradient buffer of its 128 accumulation steps was counted (2026-11-30);
-        # its gradients reduced in each of the 128 steps since megajax's step does so under SP and ZeRO-1
-        # (2026-11-30; before: step 4.521429044881942 s, 29.06735856141952 TFLOP/s)
+        # since 2026-12-01 megajax's step keeps each data replica's gradients apart through them: reduced once (the
+        # parameters' all-gather once too), after the loop, not hidden (before: data 128 x 0.022123655423999994 s,
+        # step 7.3311 s), both gradient buffers whole (before: 2150197760)
         (("1.2B", (4, 8), ASSUMED_H100, 1, dict(remat="save_dots", sequence=True, shard_optimizer=True)),
-         (4.521429044881942 + 127 * 0.022123655423999994, 3.6542677668446086, 0.8450376226133334,
-          128 * 0.022123655423999994,
-          29.06735856141952 * 4.521429044881942 / (4.521429044881942 + 127 * 0.022123655423999994), 2150197760)),
+         (4.526959958737942, 3.6542677668446086, 0.8450376226133334, 0.027654569279999996, 29.031844870622592,
+          3070516736)),
         # FSDP's traffic in each of its 128 accumulation steps since 2026-11-30 (before: data 0.04487941728 s, step
         # 77.56511060112138 s, 27.369476026199187 TFLOP/s), and their second gradient buffer (before: 33474829312)
         (("2.5B", (2, 2), DGX2H_V100, 2, dict(remat="none", shard_optimizer=True, fsdp=True)),

@@ -26,7 +26,9 @@ batch (``expert_exchange.within_room``): memory and passes that do not grow with
 (none without expert shards), as a capacity per expert group's batch would; a training setting (inference,
 ``config.load.inference_config``, keeps every assignment).
 The balancing loss
-and the router z-loss are summed over the data shards inside, so the loss is the same on every mesh.
+and the router z-loss are summed over the data shards inside, so the loss is the same on every mesh, except under
+gradient accumulation, where the step keeps each data replica's gradients apart (``training.replicas``) and each
+replica's share of a micro-batch is its own batch (its own f_e and P_e, as Megatron-LM computes them per rank).
 
 The load-balancing loss is the Switch Transformer's as transformers computes it (``load_balancing_loss_func``): the
 fractions of assignments and the mean router probabilities per expert, each over every layer's tokens together,

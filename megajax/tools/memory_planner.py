@@ -13,7 +13,9 @@ The formula (``MemoryReport.temp_bytes``) counts the step's temporaries term by 
 * gradients: fp32, 4 bytes per parameter held: the accumulator the micro-batch scan carries (zeros first), and with
   accumulation a second buffer, the micro-batch's own gradients. With ``parallel.shard_optimizer`` XLA splits them
   over ``data`` too (the sharded AdamW update is their only consumer, so the backward pass writes the shards):
-  ZeRO-1 saves gradient memory as ZeRO-2 would. With ``parallel.fsdp`` the parameters are held split as well, so all
+  ZeRO-1 saves gradient memory as ZeRO-2 would, except where the step accumulates with each data replica's
+  gradients kept apart (``training.replicas``: both buffers whole, reduce-scattered once after the loop). With
+  ``parallel.fsdp`` the parameters are held split as well, so all
   three are counted per shard (``params_per_device(..., split_over_data=True)``), and what is gathered at use is
   added where it is live (``gathered_bytes``): at the head's backward, the whole word embedding (as the model axis
   splits it) and its gradient before the reduce-scatter; in a recomputed layer, that layer's parameters and gradients.
@@ -62,6 +64,7 @@ from megajax.tools.memory_terms import (
     stack_residual_bytes,
 )
 from megajax.training.loop import batch_layout, setup_run
+from megajax.training.replicas import kept_apart
 
 GiB = 1024**3
 MAX_MICRO_BATCH = 1 << 16  # the search for the largest micro-batch stops here
@@ -104,10 +107,14 @@ def activations(run: RunSpec, micro_batch: int, gpu: bool = False) -> Activation
     return Activations(layers, head_bytes(run, micro_batch, gpu), recompute)
 
 
-def gradient_bytes(params_per_device: int, data: int, shard_optimizer: bool, num_micro: int = 1) -> int:
+def gradient_bytes(params_per_device: int, data: int, shard_optimizer: bool, num_micro: int = 1,
+                   apart: bool = False) -> int:
     """fp32 gradients as the step holds them, split over ``data`` with ZeRO-1: one buffer, and with accumulation
-    (``num_micro`` > 1) a second, the micro-batch's own gradients beside the accumulator the scan carries."""
-    return (2 if num_micro > 1 else 1) * FP32 * params_per_device // (data if shard_optimizer else 1)
+    (``num_micro`` > 1) a second, the micro-batch's own gradients beside the accumulator the scan carries.
+    ``apart``: each data replica's kept apart through the accumulation (``training.replicas.kept_apart``): both
+    whole on every device, ZeRO-1 or not (its split is the one reduce-scatter's, after the loop)."""
+    split = data if shard_optimizer and not apart else 1
+    return (2 if num_micro > 1 else 1) * FP32 * params_per_device // split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +267,8 @@ def memory_report(run: RunSpec, micro_batch: int | None = None, num_micro: int |
     batch = micro_batch * num_micro * sum(math.prod(f.row_shape) * f.dtype.itemsize for f in fields) // pipe
     head, layer = gathered_bytes(run) if run.fsdp else (0, 0)
     return MemoryReport(total, local, FP32 * local, FP32 * local, optimizer, act.total, run.mesh, act,
-                        gradient_bytes(local, data, zero, num_micro), batch, run.sequence, run.fsdp,
+                        gradient_bytes(local, data, zero, num_micro, kept_apart(num_micro, data, run.fsdp, pipe)),
+                        batch, run.sequence, run.fsdp,
                         word_embedding_grad_bytes(run), head, layer, stage, GPU_GEMM_WORKSPACE if gpu else 0,
                         run.model_spec.active_parameters(run.model, total), _rough(run),
                         tick_loop_after_head=pipe > 1 and run.pipeline.schedule == pipeline.GPIPE)

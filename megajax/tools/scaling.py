@@ -144,6 +144,7 @@ from megajax.tools.scaling_context import context_comm_s
 from megajax.tools.scaling_experts import expert_comm_s, routed_layer_s
 from megajax.tools.scaling_layout import comm_shape, layout, parameters_per_gpu, with_choices
 from megajax.tools.scaling_pipeline import Pipeline, crosses_nodes, megatron_activation_bytes, p2p_s
+from megajax.training.replicas import kept_apart
 
 STATE_BYTES_PER_PARAM = 16  # fp32 parameters, gradients and AdamW's two moments (megajax.info)
 LOGIT_BYTES = 40  # per local logit, fp32 cross-entropy forward + backward
@@ -322,7 +323,8 @@ def memory_bytes(run: RunSpec, mesh: MeshShape, micro_batch: int, pipeline: Pipe
     if num_micro > 1:  # the second fp32 gradient buffer: the planner's count, less the one state_bytes holds
         local = parameters_per_gpu(run, mesh.model, stages, mesh.expert)[1]
         shards = mesh.data if run.shard_optimizer else 1
-        second = gradient_bytes(local, shards, True, num_micro) - gradient_bytes(local, shards, True)
+        apart = kept_apart(num_micro, mesh.data, run.fsdp, stages)
+        second = gradient_bytes(local, shards, True, num_micro, apart) - gradient_bytes(local, shards, True)
     if stages > 1:
         return stage_memory_bytes(run, mesh, micro_batch, pipeline, gpu) + second
     placed = _on_mesh(run, mesh, pipeline)
@@ -393,8 +395,8 @@ def _step(r: RunSpec, mesh: MeshShape, global_batch, cluster, micro_batch, grad_
     # FSDP reduces the gradients onto their shards: a reduce-scatter, half the all-reduce; with context shards the
     # gradients are reduced over data x context (the group's members `model` apart)
     grads = data_comm_s(r, (data * context, tensor), cluster, grad_bytes, 1, expert) / (2 if r.fsdp else 1)
-    data_comm = _per_step(r, num_micro, reduce_once) * ((1 - cluster.dp_overlap) * grads
-                                                        + gather_params_s(r, group, cluster, 1, expert))
+    times, hidden = _per_step(r, mesh, num_micro, reduce_once, cluster)
+    data_comm = times * ((1 - hidden) * grads + gather_params_s(r, group, cluster, 1, expert))
     return compute, tensor_comm, data_comm, other, compute + tensor_comm + data_comm + other, micro
 
 
@@ -461,20 +463,24 @@ def _pipeline_step(r: RunSpec, mesh: MeshShape, global_batch, cluster, micro_bat
         ends_bytes = grad_bytes * (parameters_per_gpu(r, tensor, p)[1] - layers // p * layout(r, tensor).layer)
         grads += group_allreduce_s(ends_bytes, data * p, tensor, cluster) - (
             group_allreduce_s(ends_bytes, data, tensor, cluster) if data > 1 else 0.0)
-    data_comm = _per_step(r, num_micro, reduce_once) * ((1 - cluster.dp_overlap) * grads
-                                                        + gather_params_s(r, (data, tensor), cluster, p))
+    times, hidden = _per_step(r, mesh, num_micro, reduce_once, cluster)
+    data_comm = times * ((1 - hidden) * grads + gather_params_s(r, (data, tensor), cluster, p))
     return compute, tensor_comm, data_comm, pipe_comm, compute + tensor_comm + data_comm + pipe_comm, rows
 
 
-def _per_step(run: RunSpec, num_micro: int, reduce_once: bool) -> int:
-    """How often a step moves its data-parallel traffic: FSDP gathers each layer's parameters and reduce-scatters
-    its gradients in every accumulation step (its shards hold no whole gradient to add them up in). Otherwise
-    Megatron-LM reduces the gradients once, after the last one (``reduce_once``: the published runs); megajax's
-    compiled step reduces them in every accumulation step (the gradient carried through the accumulation loop is
-    laid out whole on each data shard, so XLA reduces each micro-batch's before adding it; it moves some out of the
-    loop, not most: llama_tiny on 2x4 H100s over 2 steps reduces 2.0 x its gradient elements, 1.4 x with sequence
-    parallelism, 2.6 x with ZeRO-1, tests/test_gpu_target.py; an open fault of megajax's step)."""
-    return num_micro if run.fsdp or not reduce_once else 1
+def _per_step(run: RunSpec, mesh: MeshShape, num_micro: int, reduce_once: bool, cluster: Cluster
+              ) -> tuple[int, float]:
+    """How often a step moves its data-parallel traffic, and the fraction of it hidden behind compute. FSDP
+    gathers each layer's parameters and reduce-scatters its gradients in every accumulation step (its shards hold no
+    whole gradient to add them up in), as the backward pass runs. Otherwise Megatron-LM reduces the gradients once,
+    after the last one, overlapped with its backward pass (``reduce_once``: the published runs); megajax's step
+    reduces them once where it keeps each data replica's apart through the accumulation (``training.replicas``),
+    after the loop, where nothing hides it; with pipeline stages, once per accumulation step in its backward."""
+    if not run.fsdp and (reduce_once or num_micro == 1):
+        return 1, cluster.dp_overlap
+    if not run.fsdp and kept_apart(num_micro, mesh.data, run.fsdp, mesh.pipe):
+        return 1, 0.0
+    return num_micro, cluster.dp_overlap
 
 
 def predict(run: RunSpec, mesh: MeshShape, global_batch: int, cluster: Cluster,

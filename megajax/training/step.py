@@ -1,10 +1,11 @@
 """The training state and the pure, jitted training step, for any objective.
 
-One step: split the global batch into micro-batches (gradient accumulation by ``lax.scan``), forward + backward
-each (dropout keyed by the step and each row's index in the global batch: ``sharding.rows_of``, so the masks do not
-depend on the split), unscale (fp16), clip + AdamW, and skip the update when the loss or the gradient norm is not
-finite. Shardings come from the caller's jit: parameters over ``model``, the batch over ``data``; XLA
-inserts Megatron's all-reduces and the data-parallel gradient reduction.
+One step: split the global batch into micro-batches (gradient accumulation by ``lax.scan``; each data replica's
+gradients kept apart through it and reduced once, ``training.replicas``), forward + backward each (dropout keyed by
+the step and each row's index in the global batch: ``sharding.rows_of``, so the masks do not depend on the split),
+unscale (fp16), clip + AdamW, and skip the update when the loss or the gradient norm is not finite. Shardings come
+from the caller's jit: parameters over ``model``, the batch over ``data``; XLA inserts Megatron's all-reduces and
+the data-parallel gradient reduction.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from flax import nnx, struct
 
 from megajax.models.objectives import Batch, Field, Metrics, Objective
 from megajax.parallel.pipeline import GPIPE, ONE_F_ONE_B
-from megajax.parallel.sharding import constrain, rows_of
+from megajax.parallel.sharding import constrain, rows_of, rules_remapped
 from megajax.parallel.xla_options import traced_for_nvidia_gpu
-from megajax.training import pipelined
+from megajax.training import pipelined, replicas
 from megajax.training.loss_scale import LossScale
 from megajax.training.optimizer import applied_updates
 
@@ -45,6 +46,10 @@ def split_micro(batch: Batch, fields: dict[str, Field], num_micro: int) -> Batch
     return {k: split(v, fields[k]) for k, v in batch.items()}
 
 
+def _counted(n: jax.Array) -> jax.Array:
+    return jnp.maximum(n.astype(jnp.float32), 1.0)  # as the objective's mean
+
+
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
                     objective: Objective, fields: dict[str, Field], *, num_micro: int, dropout: bool,
                     pipeline_schedule: str = GPIPE) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
@@ -58,45 +63,76 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
 
     held = objective.update.sums if objective.update else ()  # sums the state update reads: added, not weighed
 
-    def micro_grads(params: Params, micro: Batch, key: jax.Array | None, scale: LossScale, share: jax.Array):
+    def weigher(scale: LossScale, share: jax.Array):
         def weigh(loss, metrics):
             loss, metrics = loss * share, {k: m if k in held else m * share for k, m in metrics.items()}
             return scale.scale_loss(loss), (loss, metrics)
+        return weigh
 
+    def micro_grads(params: Params, micro: Batch, key: jax.Array | None, scale: LossScale, share: jax.Array):
+        weigh = weigher(scale, share)
         if pipeline_schedule == ONE_F_ONE_B:  # the loss per microbatch, inside the schedule
             return pipelined.grads(objective, graphdef, params, micro, key, weigh)
         return jax.grad(lambda p: weigh(*objective.loss(nnx.merge(graphdef, p), micro, key)), has_aux=True)(params)
 
+    def share(rows: Batch, total: jax.Array | None, pieces: int) -> jax.Array:
+        """The weight in the step's mean of ``rows``, one of ``pieces`` equal parts of a micro-batch: equal, or
+        their share of what the objective's mean counts (``Objective.counted``: packed rows' targets, preference
+        pairs; ``total``, the global batch's; x num_micro), so the step's loss is the global batch's mean whatever
+        the split (1 exactly without accumulation)."""
+        own = objective.counted(rows)
+        if own is None:
+            return jnp.float32(1 / pieces)
+        return _counted(own) / _counted(total) * num_micro
+
+    def replica_grads(own: Params, micro: Batch, ids: jax.Array, key: jax.Array | None, scale: LossScale,
+                      total: jax.Array | None, d: int):
+        """Each data replica's gradients (d, ...) with respect to its copy ``own`` of the parameters
+        (``training.replicas``), each replica's loss weighed by its share; the loss and metrics summed over them."""
+        inner = replicas.inner_batch_axes()
+
+        def one(own_params, rows, row_ids):
+            weigh = weigher(scale, share(rows, total, d))
+            with rules_remapped(batch=inner), rows_of(row_ids):
+                return jax.grad(lambda p: weigh(*objective.loss(nnx.merge(graphdef, p), rows, key)),
+                                has_aux=True)(own_params)
+
+        grads, aux = jax.vmap(one, spmd_axis_name=replicas.DATA_AXIS)(
+            own, jax.tree.map(lambda x: replicas.by_replica(x, d), micro), replicas.by_replica(ids, d))
+        return grads, jax.tree.map(lambda a: a.sum(0), aux)
+
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         micro_batches = split_micro(batch, fields, num_micro)
-
-        def share(micro: Batch) -> jax.Array:
-            """The micro-batch's weight in the step's mean: equal, or its share of what the objective's mean counts
-            (``Objective.counted``: packed rows' targets, preference pairs; x num_micro), so the step's loss is the
-            global batch's mean whatever the split (1 exactly without accumulation)."""
-            own = objective.counted(micro)
-            if own is None:
-                return jnp.float32(1)
-            counted = lambda n: jnp.maximum(n.astype(jnp.float32), 1.0)  # noqa: E731  (as the objective's mean)
-            return counted(own) / counted(objective.counted(batch)) * num_micro
+        d = replicas.replica_count(num_micro)  # > 1: each data replica's gradients kept apart through the loop
+        specs = replicas.layouts(graphdef, state.params) if d > 1 else None
+        total = objective.counted(batch)
 
         def accumulate(carry, xs):
             grads_sum, metrics_sum = carry
             micro, i = xs
             rows = jax.tree.leaves(micro)[0].shape[0]
-            with rows_of(jnp.arange(rows) * num_micro + i):  # split_micro's rows of the global batch
-                grads, (loss, metrics) = micro_grads(state.params, micro, step_key if dropout else None,
-                                                     state.loss_scale, share(micro))
+            ids = jnp.arange(rows) * num_micro + i  # split_micro's rows of the global batch
+            key = step_key if dropout else None
+            if d > 1:
+                grads, (loss, metrics) = replica_grads(replicas.copies(state.params, specs, d), micro, ids, key,
+                                                       state.loss_scale, total, d)
+            else:
+                with rows_of(ids):
+                    grads, (loss, metrics) = micro_grads(state.params, micro, key, state.loss_scale,
+                                                         share(micro, total, 1))
             metrics = {"loss": loss, **metrics}
             return (jax.tree.map(jnp.add, grads_sum, grads), jax.tree.map(jnp.add, metrics_sum, metrics)), None
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
+        zeros = zeros if d == 1 else replicas.copies(zeros, specs, d)  # each replica's accumulator
         metric_zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), jax.eval_shape(
             lambda: {"loss": jnp.float32(0), **objective.loss(nnx.merge(graphdef, state.params),
                                                               jax.tree.map(lambda x: x[0], micro_batches),
                                                               None)[1]}))
         (grads, metrics), _ = jax.lax.scan(accumulate, (zeros, metric_zeros), (micro_batches, jnp.arange(num_micro)))
+        if d > 1:  # the replicas' gradients summed: the step's one reduction over `data`
+            grads = jax.tree.map(lambda g: g.sum(0), grads)
         grads = state.loss_scale.unscale(jax.tree.map(lambda g: g / num_micro, grads))
         sums = {k: metrics.pop(k) for k in held}
         metrics = jax.tree.map(lambda m: m / num_micro, metrics)
