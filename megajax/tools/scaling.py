@@ -311,7 +311,7 @@ def _on_mesh(run: RunSpec, mesh: MeshShape, pipeline: Pipeline) -> RunSpec:
 
 
 def memory_bytes(run: RunSpec, mesh: MeshShape, micro_batch: int, pipeline: Pipeline | None = None,
-                 gpu: bool = False, num_micro: int = 1) -> int:
+                 gpu: bool = False, num_micro: int = 1, apart: bool = True) -> int:
     """Per-GPU training memory as ``megajax.info``'s total: ``state_bytes`` plus the memory planner's activations
     (``memory_planner.activations`` of the run on the mesh in half precision, ``_on_mesh``: the spec's per-layer
     residuals and head) for one micro-batch, and with ``num_micro`` > 1 accumulation steps the micro-batch's own
@@ -323,7 +323,7 @@ def memory_bytes(run: RunSpec, mesh: MeshShape, micro_batch: int, pipeline: Pipe
     if num_micro > 1:  # the second fp32 gradient buffer: the planner's count, less the one state_bytes holds
         local = parameters_per_gpu(run, mesh.model, stages, mesh.expert)[1]
         shards = mesh.data if run.shard_optimizer else 1
-        apart = kept_apart(num_micro, mesh.data, run.fsdp, stages)
+        apart = apart and kept_apart(num_micro, mesh.data, run.fsdp, stages)  # False: the published runs' as fitted
         second = gradient_bytes(local, shards, True, num_micro, apart) - gradient_bytes(local, shards, True)
     if stages > 1:
         return stage_memory_bytes(run, mesh, micro_batch, pipeline, gpu) + second

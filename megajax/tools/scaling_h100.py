@@ -200,7 +200,8 @@ def _fits(row: H100Row, run: RunSpec, micro: int | None, pipeline: Pipeline | No
     rows = shard if pipeline is not None or not micro else micro
     if row.megatron:  # the distributed optimizer's state
         run = with_choices(run, shard_optimizer=True)
-    return memory_bytes(run, row.mesh, rows, pipeline, gpu=True, num_micro=shard // rows) <= DGX_H100.hbm_bytes
+    return memory_bytes(run, row.mesh, rows, pipeline, gpu=True, num_micro=shard // rows,
+                        apart=False) <= DGX_H100.hbm_bytes
 
 
 def row_errors(cluster: Cluster = DGX_H100) -> dict[str, tuple[float, float, float]]:
