@@ -478,7 +478,7 @@ def _per_step(run: RunSpec, mesh: MeshShape, num_micro: int, reduce_once: bool, 
     after the loop, where nothing hides it; with pipeline stages, once per accumulation step in its backward."""
     if not run.fsdp and (reduce_once or num_micro == 1):
         return 1, cluster.dp_overlap
-    if not run.fsdp and kept_apart(num_micro, mesh.data, run.fsdp, mesh.pipe):
+    if kept_apart(num_micro, mesh.data, run.fsdp, mesh.pipe):
         return 1, 0.0
     return num_micro, cluster.dp_overlap
 
