@@ -3,6 +3,7 @@ quantisation and the GEMM with its two gradients against float64 numpy, one step
 bf16's on sharded meshes, and a tiny model learning as bf16 does across a bf16 <-> fp8 resume. That the GEMMs
 compile to cuBLASLt's FP8 calls for H100s: tests/test_gpu_target.py."""
 
+import functools
 import json
 
 import jax
@@ -82,6 +83,46 @@ def test_fp8_gemm_and_its_gradients_are_numpys():
     exact = np.tensordot(x.astype(np.float64), w.astype(np.float64), 1)
     bound = 0.13 * np.tensordot(np.abs(x), np.abs(w), 1) + 2.0 ** -8 * np.abs(exact)
     assert (np.abs(np.asarray(y, np.float64) - exact) <= bound).all()
+
+
+def test_fp8_grouped_gemm_and_its_gradients_are_numpys():
+    """The experts' grouped GEMM kernel (``parallel/grouped_gemm``, Pallas interpret mode) in FP8: 300 bf16 rows of
+    which 5 groups hold 228 (one empty, one of a single row) times fp32 weights (72 x 40 each). Every operand E4M3,
+    the rows and the output gradient per tensor, each group's weights by their own amax: the output and the rows'
+    gradient (bf16) equal numpy's float64 products of the FP8 operands to one bf16 rounding (2^-8 relative), the
+    weights' gradient (fp32, summed over up to 130 rows) to 1e-6 of its largest; rows past the groups and the empty
+    group's gradient are zeros. Against the exact product the output is within the FP8 bound (0.13 x |x| @ |w|)."""
+    from megajax.parallel.grouped_gemm import grouped_gemm
+
+    rng = np.random.default_rng(2)
+    sizes = np.array([37, 0, 130, 1, 60])
+    group = np.repeat(np.arange(5), sizes)
+    held = len(group)
+    x = _bf16(rng.standard_normal((300, 72)).astype(np.float32))
+    x[held:] = 0  # the buffer's rows past the groups, zeros as the exchange leaves them
+    w = (rng.standard_normal((5, 72, 40)) * np.exp(rng.uniform(-3, 3, (5, 1, 1))) * 0.02).astype(np.float32)
+    g = _bf16(rng.standard_normal((300, 40)).astype(np.float32))
+    run = functools.partial(grouped_gemm, sizes=jnp.asarray(sizes, jnp.int32), how="interpret", fp8=True)
+    xb = jnp.asarray(x, jnp.bfloat16)
+    y = jax.jit(run)(xb, jnp.asarray(w))
+    dx, dw = jax.jit(jax.grad(lambda a, b: jnp.sum(run(a, b).astype(jnp.float32) * g), (0, 1)))(xb, jnp.asarray(w))
+    assert (y.dtype, dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32)
+    (xq, sx), (gq, sg) = _quantized64(x, fp8.FORWARD), _quantized64(g, fp8.FORWARD)
+    wq, sw = zip(*(_quantized64(w[e], fp8.FORWARD) for e in range(5)))
+    wq, sw = np.stack(wq), np.array(sw, np.float64)
+    want_y, want_dx = np.zeros((300, 40)), np.zeros((300, 72))
+    want_y[:held] = np.einsum("rk,rkn->rn", xq[:held], wq[group]) / (float(sx) * sw[group, None])
+    want_dx[:held] = np.einsum("rn,rkn->rk", gq[:held], wq[group]) / (float(sg) * sw[group, None])
+    want_dw = np.zeros((5, 72, 40))
+    np.add.at(want_dw, group, np.einsum("rk,rn->rkn", xq[:held], gq[:held]))
+    want_dw /= float(sx) * float(sg)
+    for got, want, rtol in ((y, want_y, 2.0 ** -8), (dx, want_dx, 2.0 ** -8), (dw, want_dw, 1e-6)):
+        atol = 1e-6 * np.abs(want).max() if got is dw else 1e-30  # fp32 sums of up to 130 terms that cancel
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=rtol, atol=atol)
+    assert not np.asarray(dw)[1].any() and not np.asarray(y, np.float32)[held:].any()
+    exact = np.einsum("rk,rkn->rn", x[:held].astype(np.float64), w[group].astype(np.float64))
+    bound = 0.13 * np.einsum("rk,rkn->rn", np.abs(x[:held]), np.abs(w[group])) + 2.0 ** -8 * np.abs(exact)
+    assert (np.abs(np.asarray(y, np.float64)[:held] - exact) <= bound).all()
 
 
 def _one_step(name: str, precision: str, mesh: tuple[int, int], choice: str | None) -> tuple[float, dict]:

@@ -236,8 +236,9 @@ def test_deepseek_in_1f1b_stages_with_a_prediction_depth_is_planned_within_10_pe
     assert abs(compiled.temp / planned.temp_bytes - 1) <= 0.10, (compiled.temp, planned.temp_bytes)
 
 
-@pytest.mark.parametrize("exchange,room", [("auto", 0.0), ("blocks", 0.0), ("auto", 1.0)])
-def test_the_expert_exchange_and_gemms_on_gpus_skip_what_is_not_routed(exchange, room):
+@pytest.mark.parametrize("exchange,room,precision", [("auto", 0.0, "bf16"), ("blocks", 0.0, "bf16"),
+                                                      ("auto", 1.0, "fp8")])
+def test_the_expert_exchange_and_gemms_on_gpus_skip_what_is_not_routed(exchange, room, precision):
     """Compiled for H100s (deepseek_tiny on data 2 x expert 4: its 2 routed layers' 8 experts two to a shard, 2
     sequences of 128 a shard, top-2: n = 512 routed rows a shard per layer): by default (auto) each routed layer's
     hidden states go to their experts in one ragged-all-to-all sending at most the n rows (its operand), two slices
@@ -245,10 +246,11 @@ def test_the_expert_exchange_and_gemms_on_gpus_skip_what_is_not_routed(exchange,
     each transposed once backward, and the integers exchanged are counts and offsets (one per expert); ``blocks``
     moves a block of n rows per destination, 4 n each way, in four all-to-alls, and the rows' expert ids. Either
     way the expert GEMMs are the Pallas kernels (``parallel/grouped_gemm``), which skip the rows past the groups.
-    With ``model.expert_room`` 1 the receive buffer holds n rows, not 4 n: both ragged all-to-alls move at most n.
-    The memory planner (the ragged exchange's receive room) within 10% of the compiled ragged step."""
+    With ``model.expert_room`` 1 the receive buffer holds n rows, not 4 n: both ragged all-to-alls move at most n. In
+    fp8 (that case) every kernel's two operands are E4M3 (``grouped_gemm._fp8_gemm``). The memory planner (the ragged
+    exchange's receive room) within 10% of the compiled ragged step."""
     config = load_config("deepseek_tiny")
-    config.train.precision = "bf16"
+    config.train.precision = precision
     config.model.update(expert_exchange=exchange, expert_room=room)
     step = gpu_target.compile_step(run_on(config, data=2, expert=4), "h100", micro_batch=ROWS)
     m = step.run.spec.model
@@ -268,6 +270,11 @@ def test_the_expert_exchange_and_gemms_on_gpus_skip_what_is_not_routed(exchange,
     kernels = re.findall(triton, step.hlo)
     assert sorted(set(kernels)) == ["grouped_gemm", "grouped_gemm_weights"], kernels
     assert (kernels.count("grouped_gemm"), kernels.count("grouped_gemm_weights")) == (6 * layers, 3 * layers)
+    constraints = r'operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}'  # the operands' types and layouts
+    operands = re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton", ' + constraints, step.hlo)
+    assert len(operands) == 9 * layers
+    fp8 = [re.findall(r"(f8e4m3fn|f8e5m2|bf16)\[", o) for o in operands]
+    assert fp8 == [["f8e4m3fn"] * 2 if precision == "fp8" else ["bf16"] * 2] * len(operands), fp8
     assert "ragged_dot" not in step.hlo
     # no buffer of the exchange's room reduced (a receive buffer cast to the rows' varying axes once was, backward)
     buffer = step.run.spec.receive_rows(ROWS, 4)  # rows

@@ -186,7 +186,7 @@ def test_routed_layer_by_hand():
     expert's three GEMMs over the 8 shards' n / 8 rows each, 4 times, and the dispatch's passes (7 of R x h, 9 of
     n x h, 2.5 of R x 2F/t forward; backward twice; recomputed once) at HBM bandwidth, R = e n / 2 the ragged
     exchange's receive room (a token sends one expert's shard one row at most); with ``expert_room`` 1.25, R =
-    1.25 n."""
+    1.25 n. In fp8 the kernel's GEMMs at the FP8 peak plus their scaling passes; ``expert_gemm=xla`` as bf16."""
     run, c = with_choices(run_on(MIXTRAL), remat="save_dots"), DGX_H100
     n, h, f, e = 2 * 4096 * 2, 4096, 14336 // 2, 8
     gemms = [(1, n, h, f), (1, n, h, f), (1, n, f, h)]  # one expert: 8 shards' n k / E rows each
@@ -195,6 +195,15 @@ def test_routed_layer_by_hand():
         hand = 4 * sum(scaling.gemm_s(*g, c) for g in gemms) + 4 * 2 * passes / c.hbm_bandwidth
         bounded = dataclasses.replace(run, model=dataclasses.replace(run.model, expert_room=room))
         assert scaling_experts.routed_layer_s(bounded, 2, 2, e, c) == pytest.approx(hand, rel=1e-12)
+        # fp8: the kernel's GEMMs at the FP8 peak with their operands' amax and cast passes (twice: recomputed);
+        # XLA's ragged_dot (expert_gemm=xla) stays bf16
+        fp8 = dataclasses.replace(bounded, model=dataclasses.replace(bounded.model, fp8=True))
+        hand8 = (4 * sum(scaling.gemm_s(*g, c, fp8=True) for g in gemms) + 4 * 2 * passes / c.hbm_bandwidth
+                 + sum(scaling.fp8_scaling_s(*g[1:], c, forwards=2) for g in gemms))
+        assert scaling_experts.routed_layer_s(fp8, 2, 2, e, c) == pytest.approx(hand8, rel=1e-12)
+        assert hand8 < hand
+        xla = dataclasses.replace(fp8, model=dataclasses.replace(fp8.model, expert_gemm="xla"))
+        assert scaling_experts.routed_layer_s(xla, 2, 2, e, c) == pytest.approx(hand, rel=1e-12)
     assert scaling_experts.routed_layer_s(run_on(load_config("llama3_8b")), 2, 2, 1, c) == 0.0
 
 

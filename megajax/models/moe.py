@@ -300,7 +300,7 @@ class MixtureOfExperts(nnx.Module):
                 tokens = jax.lax.pcast(tokens, reduce_over, to="varying")  # once, not each of its k copies
             sizes = cfg.exchange_sizes(b * s, b, cfg.num_experts // gate.shape[0])  # (block, room)
             y, kept = experts_forward(tokens, experts, weights, kept, gate, up, down, cfg.num_experts, expert_axis,
-                                      cfg.compute_dtype, *sizes, exchange, gemm)
+                                      cfg.compute_dtype, *sizes, exchange, gemm, cfg.fp8)
             if (added := self.beside(tokens, *extra)) is not None:
                 y = y + added
             if reduce_over:

@@ -61,27 +61,28 @@ def emulated_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offs
 
 
 def expert_mlp(rows: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
-               dtype: jnp.dtype, gemm: str = "xla") -> jax.Array:
+               dtype: jnp.dtype, gemm: str = "xla", fp8: bool = False) -> jax.Array:
     """The local experts' SwiGLU over ``rows`` grouped by expert (``sizes`` rows each, in order; rows past their sum
-    give zeros), three grouped GEMMs (``gemm``: ``grouped_gemm.gemm_of``)."""
-    hidden = jax.nn.silu(grouped_gemm(rows, gate.astype(dtype), sizes, gemm)) * grouped_gemm(
-        rows, up.astype(dtype), sizes, gemm)
-    return grouped_gemm(hidden, down.astype(dtype), sizes, gemm)
+    give zeros), three grouped GEMMs (``gemm``: ``grouped_gemm.gemm_of``; ``fp8``: the kernels' in FP8)."""
+    hidden = jax.nn.silu(grouped_gemm(rows, gate.astype(dtype), sizes, gemm, fp8)) * grouped_gemm(
+        rows, up.astype(dtype), sizes, gemm, fp8)
+    return grouped_gemm(hidden, down.astype(dtype), sizes, gemm, fp8)
 
 
 def experts_forward(x: jax.Array, experts: jax.Array, weights: jax.Array, kept: jax.Array, gate: jax.Array,
                     up: jax.Array, down: jax.Array, num_experts: int, expert_axis: str | None, dtype: jnp.dtype,
-                    block: int, room: int, exchange: str = "blocks", gemm: str = "xla") -> tuple[jax.Array, jax.Array]:
+                    block: int, room: int, exchange: str = "blocks", gemm: str = "xla", fp8: bool = False
+                    ) -> tuple[jax.Array, jax.Array]:
     """(sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) over the assignments taken, which of the ``kept`` ones
     were taken (T, k)): (T, H) -> (T, H), a partial sum where the experts' ``mlp`` width is split (the caller reduces
     it).
 
     This shard holds ``gate.shape[0]`` of the ``num_experts`` experts (the ``expert_axis`` shard's consecutive
     block). Its assignments are sorted by expert (so by destination shard), exchanged (``exchange``: ``blocks``,
-    ``ragged`` or ``emulated``, see the module), run through their experts (``gemm``: ``grouped_gemm.gemm_of``) and
-    returned. A shard sends a destination at most ``block`` rows and a destination receives at most ``room``
-    (``MoEConfig.exchange_sizes``); where that is less than every source's block, what does not fit is dropped
-    (``within_room``)."""
+    ``ragged`` or ``emulated``, see the module), run through their experts (``gemm``: ``grouped_gemm.gemm_of``; ``fp8``:
+    its kernels in FP8) and returned. A shard sends a destination at most ``block`` rows and a destination receives at
+    most ``room`` (``MoEConfig.exchange_sizes``); where that is less than every source's block, what does not fit is
+    dropped (``within_room``)."""
     t, k = experts.shape
     local = gate.shape[0]
     shards = num_experts // local
@@ -92,9 +93,9 @@ def experts_forward(x: jax.Array, experts: jax.Array, weights: jax.Array, kept: 
     order = jnp.argsort(expert, stable=True)  # grouped by expert, so by destination shard
     rows = x.astype(dtype)[order // k]  # (n, h) in that order
     if shards > 1 and exchange != "blocks":
-        out = _ragged(rows, expert, gate, up, down, num_experts, expert_axis, dtype, room, exchange, gemm)
+        out = _ragged(rows, expert, gate, up, down, num_experts, expert_axis, dtype, room, exchange, gemm, fp8)
     else:
-        out = _blocks(rows, expert[order], gate, up, down, num_experts, expert_axis, dtype, block, room, gemm)
+        out = _blocks(rows, expert[order], gate, up, down, num_experts, expert_axis, dtype, block, room, gemm, fp8)
     out = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)  # back to (token, rank); dropped: zeros
     return (out * jnp.where(kept, weights, 0.0).astype(dtype)[..., None]).sum(1), kept
 
@@ -135,7 +136,7 @@ def within_room(expert: jax.Array, num_experts: int, local: int, room: int, expe
 
 
 def _blocks(rows: jax.Array, expert: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, num_experts: int,
-            expert_axis: str | None, dtype: jnp.dtype, block: int, room: int, gemm: str) -> jax.Array:
+            expert_axis: str | None, dtype: jnp.dtype, block: int, room: int, gemm: str, fp8: bool) -> jax.Array:
     """The blocks exchange of ``rows`` sorted by ``expert`` (``num_experts``: dropped), their outputs in that order;
     the experts run on the first ``room`` rows of what arrived, grouped (the rest are empty)."""
     n, h = rows.shape
@@ -152,7 +153,7 @@ def _blocks(rows: jax.Array, expert: jax.Array, gate: jax.Array, up: jax.Array, 
     ids = ids.reshape(-1)  # what arrived, by source shard: each row's expert on this shard (`local`: an empty row)
     grouped = jnp.argsort(ids, stable=True)[:room]  # the empty rows sort last
     sizes = jnp.bincount(ids, length=local + 1)[:local].astype(jnp.int32)  # rows past their sum are not computed
-    out = expert_mlp(send.reshape(-1, h)[grouped], sizes, gate, up, down, dtype, gemm)  # zeros past the groups
+    out = expert_mlp(send.reshape(-1, h)[grouped], sizes, gate, up, down, dtype, gemm, fp8)  # zeros past the groups
     out = jnp.zeros_like(out, shape=(shards * block, h)).at[grouped].set(out).reshape(shards, block, h)
     if shards > 1:
         out = jax.lax.all_to_all(out, expert_axis, 0, 0, tiled=True)
@@ -160,7 +161,7 @@ def _blocks(rows: jax.Array, expert: jax.Array, gate: jax.Array, up: jax.Array, 
 
 
 def _ragged(rows: jax.Array, expert: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, num_experts: int,
-            expert_axis: str, dtype: jnp.dtype, room: int, exchange: str, gemm: str) -> jax.Array:
+            expert_axis: str, dtype: jnp.dtype, room: int, exchange: str, gemm: str, fp8: bool) -> jax.Array:
     """The ragged exchange of ``rows`` (sorted by expert; ``expert`` unsorted, ``num_experts``: dropped), their
     outputs in that order; ``room`` rows received at most."""
     h, local = rows.shape[1], gate.shape[0]
@@ -178,6 +179,6 @@ def _ragged(rows: jax.Array, expert: jax.Array, gate: jax.Array, up: jax.Array, 
     # cast's transpose all-reduced the whole receive buffer's gradient over `expert` (compiled for H100s)
     buffer = jnp.zeros_like(rows, shape=(room, h))
     received = move(rows, buffer, flat(sent_at), flat(sent), flat(a2a(got_at)), flat(got), axis_name=expert_axis)
-    out = expert_mlp(received, per_expert.astype(jnp.int32), gate, up, down, dtype, gemm)  # zeros past the groups
+    out = expert_mlp(received, per_expert.astype(jnp.int32), gate, up, down, dtype, gemm, fp8)  # zeros past the groups
     return move(out, jnp.zeros_like(rows), flat(got_at), flat(got), flat(a2a(sent_at)), flat(sent),
                 axis_name=expert_axis)

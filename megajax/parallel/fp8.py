@@ -4,8 +4,9 @@ Each operand of a block's GEMM is scaled by its own amax just before the product
 scaling", torchao's "tensorwise" recipe): ``scale`` is the largest power of two with ``amax(|x|) * scale <= fmax``
 (``scale_for``; both libraries offer power-of-two scales), ``q = x * scale`` in the FP8 type, and the product of
 the dequantised operands is accumulated in fp32. Forward operands (activations, weights) are E4M3 (more mantissa);
-the output gradient is E5M2 (more range). The backward pass reuses the forward's FP8 operands, so the residuals
-kept for it are one byte per value, not two.
+the output gradient is E5M2 (more range). (The experts' grouped GEMM kernel, ``parallel/grouped_gemm``, takes
+E4M3 for all three: Triton's FP8 dot wants one type.) The backward pass reuses the forward's FP8 operands, so the
+residuals kept for it are one byte per value, not two.
 
 The product is written as dequantise-then-dot (``_product``): compiled for Hopper GPUs, XLA's GEMM rewriter turns
 it into one cuBLASLt FP8 GEMM (``__cublas$lt$matmul$f8``, the scales passed to it, the result rounded once to
@@ -41,12 +42,15 @@ def scale_for(amax: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return jnp.where(amax > 0, jnp.ldexp(jnp.float32(1), jnp.minimum(exponent - 1, 126)), jnp.float32(1))
 
 
-def quantize(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+def quantize(x: jax.Array, dtype: jnp.dtype, each: bool = False) -> tuple[jax.Array, jax.Array]:
     """``x`` scaled by its amax (``scale_for``) onto ``dtype``'s range and cast there, and the fp32 inverse scale
-    that turns it back: ``x ~= q * inverse``."""
-    scale = scale_for(jnp.max(jnp.abs(x)), dtype)
+    that turns it back: ``x ~= q * inverse``. ``each``: one scale per ``x[i]`` (the inverse is ``(x.shape[0],)``:
+    each expert's weights their own, as Transformer Engine's grouped GEMMs scale them)."""
+    amax = jnp.max(jnp.abs(x), axis=tuple(range(1, x.ndim))) if each else jnp.max(jnp.abs(x))
+    scale = scale_for(amax, dtype)
     top = fp8_max(dtype)  # the saturation never acts (amax x scale <= fmax); it keeps a NaN-free cast regardless
-    q = jnp.clip(x.astype(jnp.float32) * scale, -top, top).astype(dtype)
+    wide = scale.reshape(scale.shape + (1,) * (x.ndim - scale.ndim))
+    q = jnp.clip(x.astype(jnp.float32) * wide, -top, top).astype(dtype)
     return q, 1.0 / scale
 
 

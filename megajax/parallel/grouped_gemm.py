@@ -8,6 +8,9 @@ rows end at once: the work is the routed rows' (plus at most one partial tile pe
 buffer has. Its derivative is two more kernels: the rows' gradient the same kernel over each group's transposed
 weights, the weights' a kernel per group summing its rows (``lhs_g^T @ out_g``).
 
+Under ``train.precision=fp8`` the kernels' operands are FP8 (``_fp8_gemm``: all E4M3, each expert's weights scaled
+by their own amax); ``ragged_dot`` stays in the compute dtype.
+
 ``model.expert_gemm`` chooses: ``xla`` (``jax.lax.ragged_dot``), ``pallas`` (this kernel; on a CPU in Pallas's
 interpret mode, for tests: slow), ``auto`` (the kernel where the step is traced for NVIDIA GPUs from Ampere on, else
 ``xla``).
@@ -22,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from megajax.parallel.fp8 import nvidia_capability
+from megajax.parallel.fp8 import FORWARD, nvidia_capability, quantize
 from megajax.parallel.xla_options import platform_choice, traced_device
 
 GEMMS = ("auto", "xla", "pallas")
@@ -42,10 +45,13 @@ def gemm_of(setting: str) -> str:
     return how
 
 
-def grouped_gemm(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, how: str = "xla") -> jax.Array:
-    """(M, K) rows grouped by ``sizes`` (G,) times (G, K, N) -> (M, N), by ``how`` (``gemm_of``)."""
+def grouped_gemm(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, how: str = "xla", fp8: bool = False) -> jax.Array:
+    """(M, K) rows grouped by ``sizes`` (G,) times (G, K, N) -> (M, N), by ``how`` (``gemm_of``). ``fp8``: the
+    kernel's operands in FP8 (``_fp8_gemm``; ``xla``'s ``ragged_dot`` stays in ``lhs``'s dtype)."""
     if how == "xla":
         return jax.lax.ragged_dot(lhs, rhs, sizes)
+    if fp8:
+        return _fp8_gemm(lhs, rhs, sizes.astype(jnp.int32), (how == "interpret", lhs.dtype, rhs.dtype))
     return _kernel_gemm(lhs, rhs, sizes.astype(jnp.int32), how == "interpret")
 
 
@@ -55,8 +61,13 @@ def _varying(*xs: jax.Array):
     return jax.typeof(sum(x.reshape(-1)[0].astype(jnp.float32) for x in xs)).mat
 
 
-def _block(dim: int, most: int = BLOCK) -> int:
-    return min(most, max(16, 1 << (dim - 1).bit_length()))
+def _block(dim: int, most: int = BLOCK, least: int = 16) -> int:
+    return min(most, max(least, 1 << (dim - 1).bit_length()))
+
+
+def _least(dtype: jnp.dtype) -> int:
+    """A tile dimension's least size for operands of ``dtype``: Hopper's FP8 MMA reads 32 of the depth at once."""
+    return 32 if jnp.dtype(dtype).itemsize == 1 else 16
 
 
 def _compiler_params(dtype: jnp.dtype) -> plgpu.CompilerParams:
@@ -93,6 +104,36 @@ def _summed_like(grad: jax.Array, primal: jax.Array) -> jax.Array:
 _kernel_gemm.defvjp(_kernel_gemm_fwd, _kernel_gemm_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fp8_gemm(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, static: tuple) -> jax.Array:
+    """The kernels on FP8 operands, all E4M3 (Triton's FP8 dot takes two operands of one type, so the output
+    gradient is E4M3 too: Transformer Engine's ``E4M3`` format, DeepSeek-V3's choice): the rows per tensor, each
+    expert's weights by their own amax (``fp8.quantize``), fp32 accumulation, each group's product scaled back
+    once (powers of two: exact) and rounded to ``lhs``'s dtype. The backward pass reuses the forward's FP8
+    operands (one byte a value kept). ``static``: (interpret, lhs's dtype, rhs's dtype)."""
+    return _fp8_gemm_fwd(lhs, rhs, sizes, static)[0]
+
+
+def _fp8_gemm_fwd(lhs, rhs, sizes, static):
+    interpret, out, _ = static
+    xq, x_inv = quantize(lhs, FORWARD)
+    wq, w_inv = quantize(rhs, FORWARD, each=True)
+    y = _gmm(xq, wq, sizes, interpret, transposed=False, scales=x_inv * w_inv, out=out)
+    return y, (xq, x_inv, wq, w_inv, sizes)
+
+
+def _fp8_gemm_bwd(static, residuals, g):
+    interpret, x_dtype, w_dtype = static
+    xq, x_inv, wq, w_inv, sizes = residuals
+    gq, g_inv = quantize(g, FORWARD)
+    dx = _gmm(gq, wq, sizes, interpret, transposed=True, scales=g_inv * w_inv, out=x_dtype)
+    dw = _tgmm(xq, gq, sizes, wq.shape, interpret) * (x_inv * g_inv)
+    return _summed_like(dx, xq), _summed_like(dw.astype(w_dtype), wq), None
+
+
+_fp8_gemm.defvjp(_fp8_gemm_fwd, _fp8_gemm_bwd)
+
+
 def _tiles(sizes: jax.Array, rows: int, bm: int) -> tuple[jax.Array, ...]:
     """Each tile's (group, row block) and the groups' (start, end) rows: a group's tiles cover its row blocks, the
     groups' in order, ``cdiv(rows, bm) + G - 1`` tiles at most; the tiles past the last group's are ``G`` (none)."""
@@ -109,17 +150,22 @@ def _tiles(sizes: jax.Array, rows: int, bm: int) -> tuple[jax.Array, ...]:
     return group, block.astype(jnp.int32), starts.astype(jnp.int32), ends.astype(jnp.int32)
 
 
-def _gmm(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, interpret: bool, transposed: bool) -> jax.Array:
-    """lhs (M, K) x rhs (G, K, N) -> (M, N) grouped (``transposed``: rhs (G, N, K), each group's transposed)."""
+def _gmm(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, interpret: bool, transposed: bool,
+         scales: jax.Array | None = None, out: jnp.dtype | None = None) -> jax.Array:
+    """lhs (M, K) x rhs (G, K, N) -> (M, N) grouped (``transposed``: rhs (G, N, K), each group's transposed);
+    ``scales`` (G,): each group's product multiplied by its own (fp32) before the result is cast to ``out``
+    (default ``lhs``'s dtype)."""
     m, k = lhs.shape
     groups, n = rhs.shape[0], rhs.shape[1] if transposed else rhs.shape[2]
-    bm, bk, bn = _block(m), _block(k, DEPTH), _block(n)
+    least = _least(lhs.dtype)
+    bm, bk, bn = _block(m, least=least), _block(k, DEPTH, least), _block(n, least=least)
+    scales = jnp.ones((groups,), jnp.float32) if scales is None else scales.astype(jnp.float32)
     lhs = _padded(_padded(lhs, 0, bm), 1, bk)
     rhs = _padded(_padded(rhs, 1, bn if transposed else bk), 2, bk if transposed else bn)
     group, block, starts, ends = _tiles(sizes, m, bm)
     depth = lhs.shape[1] // bk
 
-    def kernel(group_ref, block_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref):
+    def kernel(group_ref, block_ref, start_ref, end_ref, scale_ref, lhs_ref, rhs_ref, out_ref):
         t, j = pl.program_id(0), pl.program_id(1)
         g = group_ref[t]
 
@@ -130,23 +176,23 @@ def _gmm(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, interpret: bool, tran
             mine = (rows >= start_ref[g]) & (rows < end_ref[g])  # this group's rows of the block
 
             def step(i, acc):
-                a = plgpu.load(lhs_ref.at[pl.ds(row0, bm), pl.ds(i * bk, bk)], mask=mine[:, None], other=0)
+                a = plgpu.load(lhs_ref.at[pl.ds(row0, bm), pl.ds(i * bk, bk)], mask=mine[:, None], other=0.0)
                 if transposed:
                     b = rhs_ref[g, pl.ds(j * bn, bn), pl.ds(i * bk, bk)]
                     return acc + plgpu.dot(a, b, trans_b=True, allow_tf32=False)
                 b = rhs_ref[g, pl.ds(i * bk, bk), pl.ds(j * bn, bn)]
                 return acc + plgpu.dot(a, b, allow_tf32=False)
 
-            acc = jax.lax.fori_loop(0, depth, step, jnp.zeros((bm, bn), jnp.float32))
+            acc = jax.lax.fori_loop(0, depth, step, jnp.zeros((bm, bn), jnp.float32)) * scale_ref[g]
             plgpu.store(out_ref.at[pl.ds(row0, bm), pl.ds(j * bn, bn)], acc.astype(out_ref.dtype),
                         mask=mine[:, None])
 
     out = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[1] if transposed else rhs.shape[2]),
-                                               lhs.dtype, manual_axis_type=_varying(lhs, rhs, sizes)),
+                                               out or lhs.dtype, manual_axis_type=_varying(lhs, rhs, sizes)),
         grid=(group.shape[0], pl.cdiv(n, bn)), interpret=interpret,
         compiler_params=_compiler_params(lhs.dtype), name="grouped_gemm",
-    )(group, block, starts, ends, lhs, rhs)[:m, :n]
+    )(group, block, starts, ends, scales, lhs, rhs)[:m, :n]
     return jnp.where((jnp.arange(m) < ends[-1])[:, None], out, 0)  # rows past the groups: zeros, not stale
 
 
@@ -155,7 +201,8 @@ def _tgmm(lhs: jax.Array, grad: jax.Array, sizes: jax.Array, shape: tuple[int, i
     """Each group's lhs_g^T (K, rows) x grad_g (rows, N) -> (G, K, N) (zeros for an empty group)."""
     m = lhs.shape[0]
     groups, k, n = shape
-    bm, bk, bn = _block(m, DEPTH), _block(k), _block(n)  # the rows are the depth here
+    least = _least(lhs.dtype)
+    bm, bk, bn = _block(m, DEPTH, least), _block(k, least=least), _block(n, least=least)  # the rows: the depth
     lhs = _padded(_padded(lhs, 0, bm), 1, bk)
     grad = _padded(_padded(grad, 0, bm), 1, bn)
     ends = jnp.cumsum(sizes).astype(jnp.int32)
@@ -168,8 +215,8 @@ def _tgmm(lhs: jax.Array, grad: jax.Array, sizes: jax.Array, shape: tuple[int, i
         def step(b, acc):
             rows = b * bm + jnp.arange(bm)
             mine = ((rows >= start) & (rows < end))[:, None]
-            a = plgpu.load(lhs_ref.at[pl.ds(b * bm, bm), pl.ds(i * bk, bk)], mask=mine, other=0)
-            d = plgpu.load(grad_ref.at[pl.ds(b * bm, bm), pl.ds(j * bn, bn)], mask=mine, other=0)
+            a = plgpu.load(lhs_ref.at[pl.ds(b * bm, bm), pl.ds(i * bk, bk)], mask=mine, other=0.0)
+            d = plgpu.load(grad_ref.at[pl.ds(b * bm, bm), pl.ds(j * bn, bn)], mask=mine, other=0.0)
             return acc + plgpu.dot(a, d, trans_a=True, allow_tf32=False)
 
         acc = jax.lax.fori_loop(start // bm, (end + bm - 1) // bm, step, jnp.zeros((bk, bn), jnp.float32))

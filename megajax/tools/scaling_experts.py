@@ -10,7 +10,9 @@ batch is split over data x expert), k of E experts per token, n = b s k assignme
   rows is bound by reading its weights. 3 times (forward, two backward) + once more under ``remat=full`` and
   ``save_dots`` (``jax.lax.ragged_dot`` is not a dot the policy saves). The router is a dense GEMM of the layer
   (``layout``'s ``gemms``). A capacity factor of 1 or more drops nothing under balanced routing, so capacity mode
-  is timed as dropless.
+  is timed as dropless. Under ``train.precision=fp8`` the grouped GEMM kernel's operands are FP8 (at the FP8 peak,
+  with their amax and cast passes, as the dense GEMMs'; XLA's ``ragged_dot``, ``model.expert_gemm=xla``, stays
+  bf16).
 * Dispatch (the routed kind's ``LayerKind.dispatch_passes``, counted in ``models/moe.py`` for the blocks exchange,
   and kept for the ragged one over its receive buffer and grouped outputs): each GPU's buffers hold R rows, the
   blocks exchange's a block of m rows per shard of its group (``exchange_rows``: dropless m = n min(k, E / e) / k,
@@ -46,7 +48,15 @@ from __future__ import annotations
 
 from megajax.config import RunSpec
 from megajax.tools.comm_minimum import minimum
-from megajax.tools.scaling_clusters import HALF, Cluster, all_to_all_s, gemm_s, group_allreduce_s, ring_allreduce_s
+from megajax.tools.scaling_clusters import (
+    HALF,
+    Cluster,
+    all_to_all_s,
+    fp8_scaling_s,
+    gemm_s,
+    group_allreduce_s,
+    ring_allreduce_s,
+)
 from megajax.tools.scaling_layout import comm_shape, layout
 
 
@@ -80,8 +90,10 @@ def routed_layer_s(run: RunSpec, tensor: int, micro_batch: int, expert: int, clu
     widened = sum(width for k, width in routed.expert_gemms if k == h)  # gate and up: 2F/t
     kind = next(stack.kind for stack in run.stacks if stack.kind.routed)
     forward = sum(p * size for p, size in zip(kind.dispatch_passes, (block * h, n * h, block * widened)))
-    gemms = sum(gemm_s(*g, cluster) for g in grouped)
-    return (3 + again) * gemms + (3 + again) * HALF * forward / cluster.hbm_bandwidth
+    fp8 = cfg.fp8 and cfg.expert_gemm != "xla"  # the kernel (on NVIDIA GPUs) takes FP8 operands; ragged_dot does not
+    gemms = sum(gemm_s(*g, cluster, fp8=fp8) for g in grouped)
+    scaling = sum(g[0] * fp8_scaling_s(*g[1:], cluster, forwards=1 + again) for g in grouped) if fp8 else 0.0
+    return (3 + again) * gemms + scaling + (3 + again) * HALF * forward / cluster.hbm_bandwidth
 
 
 def expert_comm_s(run: RunSpec, mesh: tuple[int, int], micro_batch: int, expert: int, cluster: Cluster) -> float:
