@@ -117,6 +117,24 @@ def test_accumulation_reduces_the_gradients_once():
     assert 0 <= sum(c.elements for c in reduced) - local <= 5, (reduced, local)
 
 
+def test_fsdp_gathers_the_kernels_in_the_compute_dtype():
+    """FSDP compiled for H100s (llama_tiny on 8x1, bf16): each layer's kernels are all-gathered over `data` in bf16,
+    cast on their shards (half the bytes of the fp32 masters, as Megatron-LM's distributed optimizer and PyTorch
+    FSDP's mixed precision gather), forward and again backward; the tied embedding, whose lookup's gradient is
+    summed in fp32, is gathered in fp32, once for both of its uses. The kernels' gradients are reduce-scattered in
+    the GEMMs' output dtype, bf16 (open: Megatron-LM reduces them in fp32)."""
+    config = _config("llama_tiny", (8, 1))
+    config.parallel.fsdp = True
+    step = gpu_target.compile_step(run_on(config, 8, 1), "h100", micro_batch=ROWS)
+    gathers = [c for c in step.collectives if c.op == "all-gather" and c.axes == {"data"}]
+    vocab = step.run.spec.model.vocab_size
+    kernels = [c for c in gathers if len(c.shape) >= 2 and c.shape[0] != vocab]
+    assert {(c.dtype, c.phase) for c in kernels} == {("bf16", "forward"), ("bf16", "backward")}, kernels
+    assert [c.dtype for c in gathers if c.shape[0] == vocab] == ["f32"], gathers
+    scattered = {(c.dtype, len(c.shape) >= 2) for c in step.collectives if c.op == "reduce-scatter"}
+    assert ("bf16", True) in scattered, scattered
+
+
 def test_fp8_gemms_are_cublaslt_fp8_calls(steps):
     """``train.precision=fp8`` compiled for H100s: every GEMM of the blocks (forward, and both gradients') is one
     cuBLASLt FP8 call (``__cublas$lt$matmul$f8``, the scales its operands, the result bf16), not an upcast; the

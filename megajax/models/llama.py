@@ -205,7 +205,7 @@ class KeyValue(ColumnParallelLinear):
     def kernel_at_use(self, value: jax.Array | None = None) -> jax.Array:
         """The kernel (of the stored ``value``, default this layer's) as ``kv_copies`` heads split like the query
         heads."""
-        kernel = param_at_use(self.kernel[...] if value is None else value, self.stored_names)
+        kernel = param_at_use(self.kernel[...] if value is None else value, self.stored_names, self.dtype)
         copies = kv_copies(self.cfg)
         if copies != self.cfg.kv_heads:
             # the pin's transpose lays the gradient out whole again here, in the layer's backward pass: the shards
@@ -239,8 +239,8 @@ class Attention(nnx.Module):
             positions = index + jnp.arange(x.shape[1])
         b, s, _ = x.shape
         q, kv = fused_columns(x, (self.q.kernel[...], self.kv.kernel[...]),
-                              lambda q, kv: (param_at_use(q, self.q.names), self.kv.kernel_at_use(kv)), "heads",
-                              self.cfg.compute_dtype, self.cfg.fp8)
+                              lambda q, kv: (param_at_use(q, self.q.names, self.q.dtype), self.kv.kernel_at_use(kv)),
+                              "heads", self.cfg.compute_dtype, self.cfg.fp8)
         kv = kv.reshape(b, s, -1, 2, self.cfg.head_dim)  # (B, S, kv_copies, 2, D)
         q, k = self.positioned(q.reshape(b, s, *self.q.kernel.shape[-2:]), kv[:, :, :, 0], positions)
         q, k, v = constrain(q, names), constrain(k, names), constrain(kv[:, :, :, 1], names)
@@ -273,8 +273,8 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:  # (B, S, H) -> (B, S, H)
         gate, up = fused_columns(x, (self.gate.kernel[...], self.up.kernel[...]),
-                                 lambda *ks: tuple(param_at_use(k, self.up.names) for k in ks), "mlp", self.dtype,
-                                 self.fp8)
+                                 lambda *ks: tuple(param_at_use(k, self.up.names, self.dtype) for k in ks), "mlp",
+                                 self.dtype, self.fp8)
         y = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))  # (B, S, F)
         return self.down(y)
 

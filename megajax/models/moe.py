@@ -277,8 +277,8 @@ class MixtureOfExperts(nnx.Module):
         names = ("batch", "seq", "embed")
         extra = self.local_params()
         params = (param_at_use(self.router[...], ("embed", None)),
-                  *(param_at_use(p[...], ("experts", "embed", "mlp")) for p in (self.gate, self.up)),
-                  param_at_use(self.down[...], ("experts", "mlp", "embed")),
+                  *(param_at_use(p[...], ("experts", "embed", "mlp"), cfg.compute_dtype) for p in (self.gate, self.up)),
+                  param_at_use(self.down[...], ("experts", "mlp", "embed"), cfg.compute_dtype),
                   *(param_at_use(v, n) for v, n in extra))
         reduce_over = entry_axes(axis_of("mlp"))  # the model shards' partial sums of the output
         expert_axis = axis_of("experts")  # where the experts are split (None: every shard holds them all)

@@ -78,8 +78,8 @@ class ColumnParallelLinear(nnx.Module):
         return column_parallel(x, self.kernel_at_use(), self.bias_at_use(), self.names, self.dtype, self.fp8)
 
     def kernel_at_use(self) -> jax.Array:
-        """The kernel as the rules lay it out (gathered over ``data`` under ``parallel.fsdp``)."""
-        return param_at_use(self.kernel[...], self.names)
+        """The kernel as the rules lay it out (gathered over ``data`` under ``parallel.fsdp``, in the compute dtype)."""
+        return param_at_use(self.kernel[...], self.names, self.dtype)
 
     def bias_at_use(self) -> jax.Array | None:
         """The bias as the rules lay it out (gathered over ``data`` under ``parallel.fsdp``); None without one."""
@@ -149,7 +149,7 @@ class RowParallelLinear(nnx.Module):
         self.bias = make_param(rngs, nnx.initializers.zeros, (out_features,), names[-1:]) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:  # (..., *in_shape) -> (..., out)
-        axis, kernel = sequence_axis(), param_at_use(self.kernel[...], self.names)
+        axis, kernel = sequence_axis(), param_at_use(self.kernel[...], self.names, self.dtype)
         if axis is None:
             y = self.partial(x, kernel)
         else:

@@ -211,14 +211,18 @@ def fsdp_spec(names: Sequence[str], shape: tuple[int, ...], rules: Rules, mesh_s
     return spec_over_data(logical_to_spec(names, rules), shape, mesh_shape, keep_whole=keep)
 
 
-def param_at_use(value: jax.Array, names: Sequence[str]) -> jax.Array:
+def param_at_use(value: jax.Array, names: Sequence[str], dtype: jnp.dtype | None = None) -> jax.Array:
     """A parameter's value in the layout its logical names give under the active rules: where a layer reads it.
 
     With ``parallel.fsdp`` the parameter is stored split over ``data`` too (``fsdp_spec``) and this is where it is
     all-gathered, one layer at a time inside the scan. Its gradient is laid out split again right here, so the
     per-layer gradients never exist whole outside the layer; the gathered copy is named ``FSDP_GATHERED`` so the
     blocks' remat policy (``megajax.parallel.remat``) recomputes (re-gathers) it in the backward pass instead of
-    keeping every layer's.
+    keeping every layer's. ``dtype``: the dtype the layer computes with it in (it casts the value there itself):
+    the shard is cast before the gather, so the gather moves 2 bytes a value, not the fp32 master's 4 (as
+    Megatron-LM's distributed optimizer and PyTorch FSDP's mixed precision gather bf16), and the gradient comes
+    back in the stored dtype. (Its reduce-scatter is in the layer's GEMM's output dtype: the partial sums over
+    ``data`` are the GEMM's.)
     Otherwise the value is already in that layout: unchanged.
     """
     if not params_split():
@@ -228,25 +232,27 @@ def param_at_use(value: jax.Array, names: Sequence[str]) -> jax.Array:
     split = fsdp_spec(names, value.shape, rules, dict(jax.sharding.get_abstract_mesh().shape))
     if split == whole:  # nothing divisible by the data degree: stored whole
         return value
-    return _gather_parameter(value, whole, split)
+    return _gather_parameter(value, whole, split, (jnp.dtype(dtype or value.dtype), value.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _gather_parameter(value: jax.Array, whole: P, split: P) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gather_parameter(value: jax.Array, whole: P, split: P, dtypes: tuple[jnp.dtype, jnp.dtype]) -> jax.Array:
     # named inside the custom_vjp, so that the call carries the name: a remat policy must refuse the call that makes
-    # the whole parameter, not only a name on its result (megajax.parallel.remat)
-    gathered = jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(value, split), whole)
+    # the whole parameter, not only a name on its result (megajax.parallel.remat). dtypes: (gathered, stored)
+    shard = jax.lax.with_sharding_constraint(value, split).astype(dtypes[0])
+    gathered = jax.lax.with_sharding_constraint(shard, whole)
     return checkpoint_name(gathered, FSDP_GATHERED)
 
 
-def _gather_fwd(value: jax.Array, whole: P, split: P) -> tuple[jax.Array, None]:
-    return _gather_parameter(value, whole, split), None
+def _gather_fwd(value: jax.Array, whole: P, split: P, dtypes: tuple[jnp.dtype, jnp.dtype]) -> tuple[jax.Array, None]:
+    return _gather_parameter(value, whole, split, dtypes), None
 
 
-def _gather_bwd(whole: P, split: P, _: None, cotangent: jax.Array) -> tuple[jax.Array]:
+def _gather_bwd(whole: P, split: P, dtypes: tuple[jnp.dtype, jnp.dtype], _: None,
+                cotangent: jax.Array) -> tuple[jax.Array]:
     # Straight from the layer's partial sums onto the shards: the whole gradient is never a value of the program
     # (XLA:CPU all-reduces and slices; XLA:GPU's ReduceScatterCreator pass makes that pair one reduce-scatter).
-    return (jax.lax.with_sharding_constraint(cotangent, split),)
+    return (jax.lax.with_sharding_constraint(cotangent.astype(dtypes[1]), split),)
 
 
 _gather_parameter.defvjp(_gather_fwd, _gather_bwd)

@@ -359,7 +359,9 @@ def gather_params_s(run: RunSpec, mesh: tuple[int, int], cluster: Cluster, stage
     """The all-gathers of fp32 parameter shards (of one of ``stages`` pipeline stages) over ``data`` (each half a
     ring all-reduce; ``expert`` shards apart), hierarchical as ``data_comm_s``, not overlapped: ZeRO-1's one of the
     updated parameters; FSDP's two, each layer's when the forward pass reaches it and again in the backward pass. 0
-    with neither."""
+    with neither. FSDP's are counted at fp32's 4 bytes, as ``dgx_h100`` was fitted (torchtitan's and MaxText's
+    rows among them): megajax gathers the layers' kernels in the compute dtype (``sharding.param_at_use``), so
+    this over-counts them by up to 2x, on the safe side, until the constants are fitted again."""
     data, tensor = mesh
     if data == 1 or not run.shard_optimizer:
         return 0.0
