@@ -67,11 +67,11 @@ def fp8_tensordot(x: jax.Array, kernel: jax.Array, n: int, out: jnp.dtype) -> ja
     """``x`` contracted on its last ``n`` dims with ``kernel``'s first ``n``, both operands in E4M3, the result in
     ``out``; the gradients' GEMMs take the output gradient in E5M2 and the forward's E4M3 operands, and come back
     in ``x``'s and ``kernel``'s dtypes."""
-    x, kernel = _varying_alike(x, kernel)
+    x, kernel = varying_alike(x, kernel)
     return _tensordot(x, kernel, (n, jnp.dtype(out), x.dtype, kernel.dtype))
 
 
-def _varying_alike(*arrays: jax.Array) -> list[jax.Array]:
+def varying_alike(*arrays: jax.Array) -> list[jax.Array]:
     """Inside ``shard_map`` each array marked varying over every mesh axis any of them varies over: the gradients
     of the custom rule then vary alike, and JAX's own transpose of the mark sums a replicated operand's gradient
     over the axes it was broadcast on (the kernel's over ``data``), as it does for a plain ``dot_general``."""

@@ -91,12 +91,13 @@ def _kernel_gemm_fwd(lhs, rhs, sizes, interpret):
 def _kernel_gemm_bwd(interpret, residuals, g):
     lhs, rhs, sizes = residuals
     return (_summed_like(_gmm(g.astype(lhs.dtype), rhs, sizes, interpret, transposed=True), lhs),
-            _summed_like(_tgmm(lhs, g.astype(lhs.dtype), sizes, rhs.shape, interpret).astype(rhs.dtype), rhs), None)
+            _summed_like(_tgmm(lhs, g.astype(lhs.dtype), sizes, rhs.shape, interpret), rhs).astype(rhs.dtype), None)
 
 
 def _summed_like(grad: jax.Array, primal: jax.Array) -> jax.Array:
     """``grad`` summed over the mesh axes it varies over and ``primal`` does not (inside a ``shard_map``: the
-    weights' gradient from each data shard's rows), as the transpose of a dot would."""
+    weights' gradient from each data shard's rows, summed in the kernel's fp32 before the cast to the weights'
+    dtype), as the transpose of a dot would."""
     axes = tuple(sorted(jax.typeof(grad).mat.varying - jax.typeof(primal).mat.varying))
     return jax.lax.psum(grad, axes) if axes else grad
 
@@ -128,7 +129,7 @@ def _fp8_gemm_bwd(static, residuals, g):
     gq, g_inv = quantize(g, FORWARD)
     dx = _gmm(gq, wq, sizes, interpret, transposed=True, scales=g_inv * w_inv, out=x_dtype)
     dw = _tgmm(xq, gq, sizes, wq.shape, interpret) * (x_inv * g_inv)
-    return _summed_like(dx, xq), _summed_like(dw.astype(w_dtype), wq), None
+    return _summed_like(dx, xq), _summed_like(dw, wq).astype(w_dtype), None
 
 
 _fp8_gemm.defvjp(_fp8_gemm_fwd, _fp8_gemm_bwd)

@@ -16,6 +16,7 @@ all-reduces.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from megajax.parallel.fp8 import fp8_tensordot
+from megajax.parallel.fp8 import fp8_tensordot, varying_alike
 from megajax.parallel.sharding import (
     RESIDUAL,
     SEQUENCE_DIM,
@@ -57,6 +58,39 @@ def _tensordot_last(x: jax.Array, kernel: jax.Array, n: int) -> jax.Array:
     return jax.lax.dot_general(
         x, kernel, ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
     )
+
+
+def half_product(x: jax.Array, kernel: jax.Array, n: int, dtype: jnp.dtype) -> jax.Array:
+    """``_tensordot_last`` of both operands cast to the 16-bit ``dtype``, whose kernel gradient is the GEMM's fp32
+    output: where the rows are split over ``data`` its partial sums are reduced there in fp32 (as Megatron-LM
+    reduces gradients), not in ``dtype`` as the plain product's transpose would have XLA do; the input's gradient
+    (and its all-reduce over ``model``) stays in ``dtype``. The gradients come back in ``x``'s and ``kernel``'s
+    dtypes."""
+    x, kernel = varying_alike(x, kernel)
+    return _half_product(x, kernel, (n, jnp.dtype(dtype), x.dtype, kernel.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _half_product(x: jax.Array, kernel: jax.Array, static: tuple) -> jax.Array:
+    return _half_forward(x, kernel, static)[0]
+
+
+def _half_forward(x, kernel, static):
+    n, dtype, _, _ = static
+    xc, kc = x.astype(dtype), kernel.astype(dtype)
+    return _tensordot_last(xc, kc, n), (xc, kc)
+
+
+def _half_backward(static, residuals, g):
+    n, _, x_dtype, kernel_dtype = static
+    xc, kc = residuals
+    lead = tuple(range(xc.ndim - n))  # x's leading dims, also g's
+    dx = jax.lax.dot_general(g, kc, ((tuple(range(len(lead), g.ndim)), tuple(range(n, kc.ndim))), ((), ())))
+    dk = jax.lax.dot_general(xc, g, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
+    return dx.astype(x_dtype), dk.astype(kernel_dtype)
+
+
+_half_product.defvjp(_half_forward, _half_backward)
 
 
 class ColumnParallelLinear(nnx.Module):
@@ -95,6 +129,8 @@ def _product(x: jax.Array, kernel: jax.Array, n: int, dtype: jnp.dtype, fp8: boo
     ``fp8`` scaled and cast to FP8 (the result in ``dtype``)."""
     if fp8:
         return fp8_tensordot(x.astype(dtype), kernel, n, dtype)
+    if jnp.dtype(dtype).itemsize == 2:
+        return half_product(x, kernel, n, dtype)
     return _tensordot_last(x.astype(dtype), kernel.astype(dtype), n)
 
 

@@ -221,8 +221,8 @@ def param_at_use(value: jax.Array, names: Sequence[str], dtype: jnp.dtype | None
     keeping every layer's. ``dtype``: the dtype the layer computes with it in (it casts the value there itself):
     the shard is cast before the gather, so the gather moves 2 bytes a value, not the fp32 master's 4 (as
     Megatron-LM's distributed optimizer and PyTorch FSDP's mixed precision gather bf16), and the gradient comes
-    back in the stored dtype. (Its reduce-scatter is in the layer's GEMM's output dtype: the partial sums over
-    ``data`` are the GEMM's.)
+    back in the stored dtype (reduce-scattered in fp32: the blocks' GEMMs give their weight gradients as fp32
+    outputs, ``layers.half_product``).
     Otherwise the value is already in that layout: unchanged.
     """
     if not params_split():
