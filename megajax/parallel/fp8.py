@@ -94,16 +94,23 @@ def _forward(x, kernel, static):
     return y, (xq, x_inv, wq, w_inv)
 
 
+def gradient_dims(x_ndim: int, kernel_ndim: int, n: int) -> tuple[tuple, tuple]:
+    """``dot_general``'s dimension numbers for the two gradients of ``x`` (its last ``n`` dims) contracted with
+    ``kernel`` (its first ``n``), given the output gradient g: dx = g's output dims against the kernel's ->
+    (x's leading dims, kernel's input dims); dkernel = x's leading dims against g's -> (kernel's input dims, its
+    output dims)."""
+    lead = tuple(range(x_ndim - n))  # x's leading dims, also g's
+    g_ndim = len(lead) + kernel_ndim - n
+    return ((tuple(range(len(lead), g_ndim)), tuple(range(n, kernel_ndim))), ((), ())), ((lead, lead), ((), ()))
+
+
 def _backward(static, residuals, g):
     n, out, x_dtype, w_dtype = static
     xq, x_inv, wq, w_inv = residuals
     gq, g_inv = quantize(g, BACKWARD)
-    lead = tuple(range(xq.ndim - n))  # x's leading dims, also g's
-    # dx: g's output dims against the kernel's -> (x's leading dims, kernel's input dims)
-    dx = _product(gq, g_inv, wq, w_inv, ((tuple(range(len(lead), g.ndim)), tuple(range(n, wq.ndim))), ((), ())),
-                  out)
-    # dkernel: x's leading dims against g's -> (kernel's input dims, its output dims), accumulated in fp32
-    dw = _product(xq, x_inv, gq, g_inv, ((lead, lead), ((), ())), jnp.float32)
+    dx_dims, dw_dims = gradient_dims(xq.ndim, wq.ndim, n)
+    dx = _product(gq, g_inv, wq, w_inv, dx_dims, out)
+    dw = _product(xq, x_inv, gq, g_inv, dw_dims, jnp.float32)  # accumulated in fp32
     return dx.astype(x_dtype), dw.astype(w_dtype)
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from megajax.parallel.fp8 import fp8_tensordot, varying_alike
+from megajax.parallel.fp8 import fp8_tensordot, gradient_dims, varying_alike
 from megajax.parallel.sharding import (
     RESIDUAL,
     SEQUENCE_DIM,
@@ -84,9 +84,9 @@ def _half_forward(x, kernel, static):
 def _half_backward(static, residuals, g):
     n, _, x_dtype, kernel_dtype = static
     xc, kc = residuals
-    lead = tuple(range(xc.ndim - n))  # x's leading dims, also g's
-    dx = jax.lax.dot_general(g, kc, ((tuple(range(len(lead), g.ndim)), tuple(range(n, kc.ndim))), ((), ())))
-    dk = jax.lax.dot_general(xc, g, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
+    dx_dims, dk_dims = gradient_dims(xc.ndim, kc.ndim, n)
+    dx = jax.lax.dot_general(g, kc, dx_dims)
+    dk = jax.lax.dot_general(xc, g, dk_dims, preferred_element_type=jnp.float32)
     return dx.astype(x_dtype), dk.astype(kernel_dtype)
 
 
