@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from megajax.config import build_mesh, create_model, rules_of
-from megajax.parallel.hlo_audit import _parse_groups, collectives, summary
+from megajax.parallel.hlo_audit import _parse_groups, collectives, loops, summary
 from megajax.parallel.losses import lm_loss
 from megajax.parallel.mesh import MeshShape
 from megajax.parallel.sharding import ParallelContext, activate
@@ -167,6 +167,68 @@ def test_loops_without_a_trip_count_are_counted_from_their_condition():
         assert [(c.op, c.executions, c.axes) for c in found] == [("all-reduce", bound, {"model"})]
     with pytest.raises(ValueError, match="while loop without a known trip count"):
         collectives(PEELED.replace("BOUND", "3").replace("%one = s32[] constant(1)", "%one = s32[] constant(2)"), mesh)
+
+
+def test_loops_that_carry_their_bound_are_counted_from_it():
+    """The training step hides its accumulation loop's bound from XLA (``training.step``): XLA annotates no trip
+    count and the loop carries its bound, its condition ``i < n`` of two of its elements; counted from the
+    constants they start at (compiled here for the CPU, which adds the 1 as an operand where XLA:GPU fuses it in;
+    tests/test_gpu_target.py reads the GPU's)."""
+    mesh = MeshShape(1, 4).make()
+    split, whole = NamedSharding(mesh, P("model")), NamedSharding(mesh, P())
+
+    def f(x):
+        body = lambda i, c: c + jax.lax.with_sharding_constraint(c.sum(0), whole) + i  # noqa: E731
+        return jax.lax.fori_loop(0, jax.lax.optimization_barrier(jnp.int32(5)), body, x)
+
+    text = jax.jit(f, in_shardings=split, out_shardings=split).lower(jnp.ones((8, 16))).compile().as_text()
+    assert "known_trip_count" not in text and "known_induction_variable" not in text  # XLA did not read it
+    assert [(loop.trips, loop.top) for loop in loops(text)] == [(5, True)]
+    assert [(c.op, c.executions, c.axes) for c in collectives(text, mesh)] == [("all-reduce", 5, {"model"})]
+    # the same loop by hand, its compare fused with its operands swapped; a bound the body changes, or a step of 2,
+    # still stops the audit
+    assert [c.executions for c in collectives(CARRIED, mesh)] == [5]
+    for wrong in (("tuple(%j, %r, %n)", "tuple(%j, %r, %j)"), ("constant(1)", "constant(2)")):
+        with pytest.raises(ValueError, match="while loop without a known trip count"):
+            collectives(CARRIED.replace(*wrong), mesh)
+
+
+CARRIED = """HloModule carried
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+%fused_lt (p0: s32[], p1: s32[]) -> pred[] {
+  %p0 = s32[] parameter(0)
+  %p1 = s32[] parameter(1)
+  ROOT %lt = pred[] compare(%p1, %p0), direction=LT
+}
+%cond (c: (s32[], f32[8], s32[])) -> pred[] {
+  %c = (s32[], f32[8], s32[]) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %n = s32[] get-tuple-element(%c), index=2
+  ROOT %f = pred[] fusion(%n, %i), kind=kLoop, calls=%fused_lt
+}
+%body (b: (s32[], f32[8], s32[])) -> (s32[], f32[8], s32[]) {
+  %b = (s32[], f32[8], s32[]) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %x = f32[8] get-tuple-element(%b), index=1
+  %n = s32[] get-tuple-element(%b), index=2
+  %r = f32[8] all-reduce(%x), replica_groups={{0,1,2,3}}, to_apply=%add
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[8], s32[]) tuple(%j, %r, %n)
+}
+ENTRY %main (x: f32[8]) -> (s32[], f32[8], s32[]) {
+  %x = f32[8] parameter(0)
+  %zero = s32[] constant(0)
+  %five = s32[] constant(5)
+  %start = s32[] copy(%zero)
+  %init = (s32[], f32[8], s32[]) tuple(%start, %x, %five)
+  ROOT %w = (s32[], f32[8], s32[]) while(%init), condition=%cond, body=%body
+}
+"""
 
 
 @pytest.mark.parametrize("text,groups", [

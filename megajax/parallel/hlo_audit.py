@@ -7,7 +7,8 @@ Usage::
     summary(collectives(text, mesh))  # {(op, axes, phase, elements): executions}
 
 Each collective is mapped to the mesh axes its device groups span (``{'model'}``, ``{'data'}``) and counted once
-per execution: an op inside a ``while`` body (``nnx.scan`` over layers) counts ``known_trip_count`` times.
+per execution: an op inside a ``while`` body (``nnx.scan`` over layers) counts its trip count times (XLA's
+``known_trip_count``, else read from the loop: ``loops``).
 Tuple-shaped collectives (several operands combined by XLA) yield one entry per operand; an asynchronous start's
 operands and results are one. A ``ragged-all-to-all`` yields its operand, the most it sends (what it moves is known
 only when it runs), not its receive buffer. Collectives over groups of one device (a ``shard_map`` reducing over a
@@ -137,18 +138,28 @@ def _defining(lines: list[str], name: str) -> str | None:
 
 def _counted_trip(comps: dict[str, list[str]], caller: list[str], line: str) -> int | None:
     """The trip count of a while loop XLA left without one (what double buffering peels off: the first iteration,
-    or the rest of an accumulation loop): where its condition is ``i < N`` for a constant ``N``, the induction
-    variable starts at a constant and its body adds 1 to it, ``N - start`` (at most one trip needs no step); None
-    where any of that cannot be read."""
+    or the rest of an accumulation loop; the training step's accumulation loop, whose bound is hidden from XLA):
+    where its condition is ``i < N``, ``N`` a constant or an element of the loop's tuple that starts at a constant
+    and that the body passes through unchanged, the induction variable starts at a constant and the body adds 1 to
+    it, ``N - start`` (with XLA's induction variable at most one trip needs no step); None where any of that cannot
+    be read."""
     index, cond = _INDUCTION.search(line), re.search(r"\bcondition=%?([\w.\-]+)", line)
     init, body = re.search(r"while\(%?([\w.\-]+)\)", line), re.search(r"\bbody=%?([\w.\-]+)", line)
-    if not (index and cond and init and body and cond.group(1) in comps):
+    if not (cond and init and body and cond.group(1) in comps):
         return None
-    k = int(index.group(1))
-    bound, start = _compared_bound(comps, cond.group(1)), _start(caller, init.group(1), k)
+    carried = _carried_bound(comps, cond.group(1))
+    if index:
+        k, bound = int(index.group(1)), _compared_bound(comps, cond.group(1))
+    elif carried:
+        k, bound = carried[0], None
+    else:
+        return None
+    if bound is None and carried and carried[0] == k and _kept(comps.get(body.group(1), []), carried[1]):
+        bound = _start(caller, init.group(1), carried[1])
+    start = _start(caller, init.group(1), k)
     if bound is None or start is None:
         return None
-    if bound - start <= 1:
+    if bound - start <= (1 if index else 0):
         return max(bound - start, 0)
     return bound - start if _adds_one(comps, comps.get(body.group(1), []), k) else None
 
@@ -165,6 +176,46 @@ def _compared_bound(comps: dict[str, list[str]], cond: str) -> int | None:
     constants = [int(c.group(1)) for x in where if " constant(" in x and (c := _CONSTANT.search(x))]
     compare = _root(where)
     return constants[0] if " compare(" in compare and "direction=LT" in compare and len(constants) == 1 else None
+
+
+def _carried_bound(comps: dict[str, list[str]], cond: str) -> tuple[int, int] | None:
+    """(k, j) of a condition computation whose root is (a fusion of) ``compare(a, b), direction=LT`` of its
+    parameter's elements ``a`` = k and ``b`` = j: a loop that carries its bound."""
+    lines = comps[cond]
+    root = _root(lines)
+    callee = _CALLEES.search(root)
+    compare = _root(comps.get(callee.group(1), [])) if callee else root
+    args = re.search(r"\s(?:fusion|compare)\(([^)]*)\)", root)
+    if not (args and " compare(" in compare and "direction=LT" in compare):
+        return None
+    names = [a.strip().lstrip("%") for a in args.group(1).split(",")]
+    if callee:  # the fusion's operands in the order its compare reads its parameters
+        inner = comps.get(callee.group(1), [])
+        order = re.search(r"compare\(([^)]*)\)", compare)
+        numbers = [re.search(r"parameter\((\d+)\)", _defining(inner, a.strip().lstrip("%")) or "")
+                   for a in (order.group(1).split(",") if order else [])]
+        if len(numbers) != 2 or not all(numbers):
+            return None
+        names = [names[int(n.group(1))] for n in numbers if int(n.group(1)) < len(names)]
+    elements = [_element(lines, _defining(lines, n) or "") for n in names]
+    if len(elements) != 2 or None in elements:
+        return None
+    return elements[0], elements[1]
+
+
+def _kept(body: list[str], j: int) -> bool:
+    """Whether ``body``'s root tuple passes its parameter's element ``j`` through unchanged."""
+    operands = re.search(r"\btuple\((.*?)\)", _root(body))
+    names = operands.group(1).split(",") if operands else []
+    return j < len(names) and _element(body, _defining(body, names[j].strip().lstrip("%")) or "") == j
+
+
+def _element(lines: list[str], defined: str) -> int | None:
+    """k where the instruction ``defined`` is ``get-tuple-element(p), index=k`` of ``lines``' parameter ``p``."""
+    read = re.search(r"get-tuple-element\(%?([\w.\-]+)\).*?\bindex=(\d+)", defined)
+    if not read or " parameter(0)" not in (_defining(lines, read.group(1)) or ""):
+        return None
+    return int(read.group(2))
 
 
 def _start(caller: list[str], init: str, k: int) -> int | None:
@@ -184,9 +235,20 @@ def _start(caller: list[str], init: str, k: int) -> int | None:
     return None
 
 
+def _uncopied(lines: list[str], name: str) -> str:
+    """The instruction that defines ``%name``, through copies."""
+    defined = _defining(lines, name) or ""
+    for _ in range(4):
+        copied = re.search(r"\bcopy\(%?([\w.\-]+)\)", defined)
+        if not copied:
+            break
+        defined = _defining(lines, copied.group(1)) or ""
+    return defined
+
+
 def _adds_one(comps: dict[str, list[str]], body: list[str], k: int) -> bool:
-    """Whether ``body``'s root tuple holds at index ``k`` its parameter's element ``k`` plus 1 (an ``add`` or a fusion
-    of one)."""
+    """Whether ``body``'s root tuple holds at index ``k`` its parameter's element ``k`` (through copies) plus 1: an
+    ``add``, or a fusion of one with the 1 inside it or as its other operand."""
     operands = re.search(r"\btuple\((.*?)\)", _root(body))
     if not operands:
         return False
@@ -195,14 +257,42 @@ def _adds_one(comps: dict[str, list[str]], body: list[str], k: int) -> bool:
     if not args:
         return False
     names = [a.strip().lstrip("%") for a in args.group(1).split(",")]
-    reads_k = any(f"index={k}" in (_defining(body, n) or "") and "get-tuple-element(" in (_defining(body, n) or "")
-                  for n in names)
+    reads_k = any(_element(body, _uncopied(body, n)) == k for n in names)
     if " fusion(" in update:
         callee = _CALLEES.search(update)
         where = comps.get(callee.group(1), []) if callee else []
-        ones = [x for x in where if " constant(1)" in x]
-        return reads_k and len(names) == 1 and " add(" in _root(where) and len(ones) == 1
+        inside = [x for x in where if " constant(1)" in x]  # the 1 fused in, or passed as the other operand
+        outside = [n for n in names if " constant(1)" in (_defining(body, n) or "")]
+        added = re.search(r"\sadd\(([^)]*)\)", _root(where))
+        summands = [_defining(where, a.strip().lstrip("%")) or "" for a in added.group(1).split(",")] if added else []
+        plain = len(summands) == 2 and all(" parameter(" in x or " constant(1)" in x for x in summands)
+        one = (len(names), len(inside), len(outside)) in ((1, 1, 0), (2, 0, 1))
+        return reads_k and plain and one
     return reads_k and any(" constant(1)" in (_defining(body, n) or "") for n in names)
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """One ``while`` loop of a compiled program."""
+
+    computation: str  # the computation the loop is in
+    body: str  # its body's
+    trips: int | None  # its trip count (XLA's, else read from the loop); None where neither says
+    top: bool  # in the program's ENTRY computation
+
+
+def loops(hlo: str) -> list[Loop]:
+    """The ``while`` loops of a compiled HLO module's text, in the order of its text."""
+    comps, entry = _computations(hlo)
+    out = []
+    for name, lines in comps.items():
+        for line in lines:
+            instr = _INSTR.match(line)
+            if instr and instr.group(4) == "while":
+                trip = _TRIP.search(line)
+                out.append(Loop(name, re.search(r"\bbody=%?([\w.\-]+)", line).group(1),
+                                int(trip.group(1)) if trip else _counted_trip(comps, lines, line), name == entry))
+    return out
 
 
 def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
