@@ -17,6 +17,7 @@ from megajax.cli import load_config
 from megajax.config import model_config
 from megajax.models.transformer import attention_reason
 from megajax.outputs import HLO_HEADER
+from megajax.parallel import hlo_audit
 from megajax.tools import gpu_target
 from megajax.tools.comm_budget import step_shape
 
@@ -123,10 +124,17 @@ def test_accumulation_reduces_the_gradients_once():
     """With 3 accumulation steps (each data replica's gradients kept apart through the loop, training.replicas)
     the compiled H100 step reduces its gradients over `data` once, in fp32, after the loop, as Megatron-LM does:
     every local gradient element once (4 key/value heads, so 4 model shards hold whole ones and reduce only their
-    own), where the step without the replicas apart reduced them in every accumulation step (3 x)."""
+    own), where the step without the replicas apart reduced them in every accumulation step (3 x). The loop stays
+    one loop of 3 micro-batches, the layers' forward and backward loops inside it once each: XLA neither
+    double-buffers it nor peels a micro-batch off it (with its bound in sight it did both: 6 layer loops, 2 of
+    them outside it, each copy with its own saved activations)."""
     config = _config("llama_tiny", (2, 4))
     config.model.num_kv_heads = 4
     step = gpu_target.compile_step(run_on(config, 2, 4), "h100", micro_batch=ROWS, num_micro=3)
+    loops = hlo_audit.loops(step.hlo)
+    (accumulation,) = [loop for loop in loops if loop.top]
+    assert accumulation.trips == 3 and len(loops) == 3, loops
+    assert all(loop.computation == accumulation.body for loop in loops if not loop.top), loops
     local = step_shape(step.run).local_grad_elements
     reduced = [c for c in step.collectives if c.axes == {"data"} and c.elements > 1]
     assert {(c.op, c.dtype, c.executions) for c in reduced} == {("all-reduce", "f32", 1)}, reduced
