@@ -2,8 +2,9 @@
 
 ``MeshShape`` holds the five degrees (``pipe``, ``data``, ``expert``, ``context``, ``model``) and everything that
 follows from them alone: the device count, the batch's shards, the axis names in order, the spelling ``--mesh`` uses,
-the one validity check and the ``jax.sharding.Mesh`` itself. Nothing else multiplies degrees; a new axis is a field
-here, its rule in ``config.run.rules_for`` and its mechanism's own module.
+the one validity check and the ``jax.sharding.Mesh`` itself. A run's devices and batch shards are read from here (the
+tools' cost formulas, given degrees as numbers, multiply those a group's size needs); a new axis is a field here,
+its rule in ``config.run.rules_for`` and its mechanism's own module.
 """
 
 from __future__ import annotations
