@@ -192,10 +192,12 @@ def test_damaged_checkpoint_is_a_clear_error(saved_1x8, run_1x8, tmp_path):
         f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 3])
     before = _snapshot(workdir)
     names = "|".join(re.escape(n) for n in _arrays(_to_tree(run_1x8.abstract_state)))
-    with pytest.raises(CheckpointError, match=rf"damaged or incomplete: array ({names}) cannot be read .*"
+    with pytest.raises(CheckpointError, match=rf"damaged or incomplete: array ({names}) \(the first that failed\) "
+                                              r"cannot be read .*"
                                               r"--config\.checkpoint\.restore_step=N \(steps available in .*: 1\)"):
         Checkpointer(workdir, checkpoint_settings(train_config())).restore(run_1x8.abstract_state)
-    with pytest.raises(CheckpointError, match=r"damaged or incomplete: array [\w/]+ cannot be read .*"
+    with pytest.raises(CheckpointError, match=r"damaged or incomplete: array [\w/]+ \(the first that failed\) "
+                                              r"cannot be read .*"
                                               r"Load an earlier step by passing its directory, e\.g\. \S+/1 "):
         load_model(workdir)
     assert _snapshot(workdir) == before

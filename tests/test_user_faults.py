@@ -7,6 +7,7 @@ few at a time): each fails before compiling, so a case costs an interpreter star
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -202,6 +203,8 @@ def test_inputs_once_handled_poorly_or_found_after_the_workdir(world, tmp_path):
         "a damaged tokenizer file": ([str(ROOT / "eval.py"), f"--checkpoint={w / 'run'}", "--task=ppl",
                                       f"--data={w / 'd' / 'small'}", "--tokenizer=damaged.json"], {},
                                      "tokenizer damaged.json cannot be read"),
+        "a damaged checkpoint": ([str(ROOT / "eval.py"), "--checkpoint=damaged-run", "--task=ppl",
+                                  f"--data={w / 'd' / 'small'}"], {}, "is damaged"),
         "tp of zero": (["-m", "megajax.convert", "megajax-to-megatron", f"--checkpoint={w / 'export'}", "--tp=0",
                         "--output=mt0"], {}, "argument --tp: '0': give a whole number >= 1"),
         "a seed's result twice": (["-m", "megajax.evaluation.median", f"{w / 'results.json'}",
@@ -241,6 +244,11 @@ def test_inputs_once_handled_poorly_or_found_after_the_workdir(world, tmp_path):
     (tmp_path / "lm" / "run").mkdir()
     (tmp_path / "lm" / "run" / "metrics.jsonl").write_text("{}\n")
     (tmp_path / "run").symlink_to(w / "run")
+    shutil.copytree(w / "run", tmp_path / "damaged-run")  # one byte flipped in the state's index (OCDBT): every
+    for index in (tmp_path / "damaged-run" / "checkpoints").glob("*/state/d/*"):  # array's read fails at once
+        data = bytearray(index.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        index.write_bytes(bytes(data))
     before, world_before = tree_of(tmp_path), tree_of(w)
     try:
         results = run_commands({name: (argv, env) for name, (argv, env, _) in cases.items()}, cwd=tmp_path)

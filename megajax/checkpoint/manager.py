@@ -117,6 +117,22 @@ def _unreadable_array(error: BaseException) -> str | None:
     return None
 
 
+def _closed_loop_reports_quieted() -> None:
+    """After a failed read, tensorstore's other reads still in flight finish into orbax's asyncio loop, which has
+    closed by then; each reports ``RuntimeError: Event loop is closed`` through ``sys.unraisablehook`` (a traceback
+    after the command's one ``error:`` line). Those reports, and only those, are dropped from then on."""
+    hook = sys.unraisablehook
+    if getattr(hook, "quiets_closed_loops", False):
+        return
+
+    def quieted(report) -> None:
+        if not (isinstance(report.exc_value, RuntimeError) and str(report.exc_value) == "Event loop is closed"):
+            hook(report)
+
+    quieted.quiets_closed_loops = True
+    sys.unraisablehook = quieted
+
+
 def _read(fn, where: str, hint: str) -> Any:
     """Runs an orbax read; any failure becomes a CheckpointError naming the array tensorstore could not read."""
     try:
@@ -124,13 +140,17 @@ def _read(fn, where: str, hint: str) -> Any:
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for damaged files
+        _closed_loop_reports_quieted()
         root = e
         while root.__cause__ is not None:
             root = root.__cause__  # orbax's own message is a spec dump; the cause says what went wrong
         array = _unreadable_array(e)
-        what = f"array {array} cannot be read" if array else "it cannot be read"
+        # arrays share files (OCDBT): the one named is the first read that failed, not necessarily the only one
+        what = f"array {array} (the first that failed) cannot be read" if array else "it cannot be read"
+        cause = str(root)
+        cause = cause if len(cause) <= 600 else cause[:600].rsplit(" ", 1)[0] + " ..."  # whole words, whole paths
         raise CheckpointError(f"{where} is damaged or incomplete: {what} ({type(root).__name__}: "
-                              f"{str(root)[:300]}). Nothing was changed. {hint}") from e
+                              f"{cause}). Nothing was changed. {hint}") from e
 
 
 def _digest_record(tree: Any) -> dict:
