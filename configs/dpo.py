@@ -10,8 +10,9 @@ Command:  python train.py --config=dpo.py --config.init_from=SFT_RUN --config.da
           (then: python eval.py --task=dpo --checkpoint=runs/dpo --reference=SFT_RUN --data=held_out.jsonl
            --output=dpo.json)
 Expect:   the start record's preference_data counts the pairs, rows and what was cut or skipped; at step 0 the loss
-          is log 2 = 0.693 and every reward 0 (the policy is the reference; rewards/accuracies counts chosen > rejected,
-          so 0); the loss falls and
+          is log 2 = 0.693 and every reward 0 up to rounding (the policy is the reference, but its log-probabilities
+          and the reference's come from two programs: in fp32 a reward can be ~1e-8, and rewards/accuracies, which
+          counts chosen > rejected as TRL does, can count such a pair); the loss falls and
           rewards/accuracies and rewards/margins rise; valid_loss on the file's last 5% of pairs. dpo.loss=ipo or
           hinge, dpo.beta (0.1), dpo.label_smoothing (sigmoid only) as TRL names them.
 """

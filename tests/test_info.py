@@ -47,8 +47,10 @@ def test_the_report_says_where_it_is_rough(capsys):
     (["--target=a100", "--hosts=2", "--mesh=2x4x4"], "mesh 2x4x4 (pipe x data x model) needs 32 GPUs; --hosts=2 x 8 "
                                                      "has 16"),
     (["--target=h100", "--mesh=2x4,context=2"], "mesh 2x4,context=2 needs 16 GPUs; --hosts=1 x 8 has 8"),
+    (["--micro_batch=-1"], "--micro_batch=-1: give the sequences per device"),
+    (["--device_memory_gb=-1"], "--device_memory_gb=-1.0: give a device's memory in GB (> 0)"),
 ])
-def test_hosts_and_a_mesh_the_target_cannot_hold_are_one_error_line(flags, message, tmp_path, monkeypatch, capsys):
+def test_bad_flags_and_a_mesh_the_target_cannot_hold_are_one_error_line(flags, message, tmp_path, monkeypatch, capsys):
     """As ``python -m megajax.info`` runs: refused before anything is planned or compiled, nothing written."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:

@@ -226,7 +226,9 @@ def test_cli_json_plans_one_mesh_and_searches_the_micro_batch(capsys):
     assert all(searched["step_s"] <= p["step_s"] for p in fixed.values() if p["fits"])
     for flags, message in ((["--gpus=16"], "--mesh=4x2 spans 8 GPUs, not --gpus=16"),
                            (["--pipe=2"], "--mesh=4x2 gives the stages and context shards: drop --pipe"),
-                           (["--global_batch=6"], "--mesh=4x2 does not place llama3p2_1b with a global batch of 6")):
+                           (["--global_batch=6"], "--mesh=4x2 does not place llama3p2_1b with a global batch of 6"),
+                           (["--global_batch=0"], "--global_batch=0: give the sequences per step (>= 1)"),
+                           (["--micro_batch=-1"], "--micro_batch=-1: give the sequences per accumulation step")):
         with pytest.raises(SystemExit) as exit_:
             scaling_plan.main([*base, *flags])
         said = f"{exit_.value.code} {capsys.readouterr().err}"

@@ -18,6 +18,7 @@ from megajax.cli import load_config
 from megajax.config import resolve
 from megajax.config.load import read_run_config
 from megajax.data.sft import default_seq_len, load_sft, read_examples
+from megajax.data.sources import make_loader
 from megajax.data.tokenizer import load_tokenizer, train_tokenizer
 from megajax.data.tokenizer_folder import DEFAULT_SOURCE, DEFAULT_TEMPLATE, ChatTemplate, read_chat_template
 from megajax.errors import ConfigError
@@ -240,7 +241,10 @@ def test_default_template_and_refusals(files, tmp_path):
         "user: hi\nassistant: ")
     with pytest.raises(ConfigError, match=r"the chat template in x.jinja does not compile: line 2: "):
         ChatTemplate("{% for m in messages %}\n{{ m['content'] }\n", "x.jinja", {}).compiled()
-    config = _config(files)
+    config = _config(files)  # no example held out (valid_fraction 0), yet validation reads a split
+    with pytest.raises(ConfigError, match=r"validation split \(the file's last data.valid_fraction=0 of its "
+                                          r"examples\) holds no examples: raise --config.data.valid_fraction"):
+        make_loader(resolve(config, 1).dataset, None, "valid")
     config.data.tokenizer = ""
     with pytest.raises(ConfigError, match="data.source=sft needs --config.data.tokenizer"):
         load_sft(resolve(config, 1).dataset)

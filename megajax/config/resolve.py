@@ -51,7 +51,7 @@ def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
     spec = model_spec(m.name)  # an unknown name fails first, naming the choices
     precision = resolve_precision(config.train.precision)
     if precision not in PRECISION_DTYPES:
-        raise ConfigError(f"train.precision={precision!r}; choose one of {sorted(PRECISION_DTYPES)}")
+        raise ConfigError(f"train.precision={precision!r}; choose one of {['auto', *sorted(PRECISION_DTYPES)]}")
     fields = spec.config.fields()
     if unknown := set(m) - set(fields) - {"name"}:
         raise ConfigError(f"model.name={m.name} has no field {', '.join(f'model.{f}' for f in sorted(unknown))}; "

@@ -166,12 +166,16 @@ def make_loader(d: DataSettings, examples: ExampleFormat | None, split: str = "t
         rows = data.train if split == "train" else data.valid
         if len(rows) < (d.global_batch_size if split == "train" else 1):
             what = "pairs" if isinstance(data, PreferenceData) else "examples"
-            raise ConfigError(f"data.path={d.path}: the {split} split's {rows.examples} {what} pack into "
+            if split == "valid":  # validation reads what rows there are: it needs one
+                raise ConfigError(f"data.path={d.path}: the validation split (the file's last data.valid_fraction="
+                                  f"{d.valid_fraction:.4g} of its {what}) holds no {what}: raise "
+                                  "--config.data.valid_fraction, or set --config.train.eval_batches=0 to train "
+                                  "without validation")
+            raise ConfigError(f"data.path={d.path}: the train split's {rows.examples} {what} pack into "
                               f"{len(rows)} rows of {d.max_seq_len + 1} tokens (model.max_seq_len={d.max_seq_len} "
-                              f"+ 1) and one step needs train.global_batch_size={d.global_batch_size}; "
-                              + (_split_hint(split, d) if split == "valid" else "use more examples or a smaller "
-                                 f"train.global_batch_size (or, with several {what} a row, a smaller "
-                                 "model.max_seq_len)"))
+                              f"+ 1) and one step needs train.global_batch_size={d.global_batch_size}; use more "
+                              f"examples or a smaller train.global_batch_size (or, with several {what} a row, a "
+                              "smaller model.max_seq_len)")
         return Loader(SFTBatches(rows, d.global_batch_size, d.seed, data.fingerprint))
     if isinstance(data, BlendedData):  # each dataset split alike, then mixed by weight
         parts = [_corpus_batches(d, examples, part, split, f"data.blend's dataset {path}")

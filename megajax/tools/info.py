@@ -167,6 +167,11 @@ def main(argv: list[str] | None = None) -> None:
                 f"{'/'.join(sorted(TARGETS))} with it, or leave --hosts out")
     if args.hosts is not None and args.hosts < 1:
         p.error(f"--hosts={args.hosts}: give 1 or more hosts (of 8 GPUs each)")
+    if args.micro_batch is not None and args.micro_batch < 0:
+        p.error(f"--micro_batch={args.micro_batch}: give the sequences per device per accumulation step (>= 1), or 0 "
+                "for the config's")
+    if args.device_memory_gb is not None and not args.device_memory_gb > 0:
+        p.error(f"--device_memory_gb={args.device_memory_gb}: give a device's memory in GB (> 0)")
     args.hosts = args.hosts or 1
     hlo = claim_file(args.hlo, flag="hlo", overwrite=args.overwrite, kind=Kind.HLO)
     use_cpu_devices(args.cpu_devices)

@@ -324,6 +324,12 @@ def main(argv: list[str] | None = None) -> None:
         args.gpus, args.pipe, args.context = only.devices, only.pipe, only.context
     elif args.gpus < 1:
         p.error(f"--gpus={args.gpus}: give the GPUs to plan for (or one mesh: --mesh=DATAxMODEL)")
+    if args.global_batch is not None and args.global_batch < 1:
+        p.error(f"--global_batch={args.global_batch}: give the sequences per step (>= 1), or leave it out for the "
+                "config's")
+    if args.micro_batch is not None and args.micro_batch < 0:
+        p.error(f"--micro_batch={args.micro_batch}: give the sequences per accumulation step per batch shard (>= 1), "
+                "0 for the whole shard, or leave it out to have it chosen")
     config = load_config(args.config)
     apply_config_overrides(config, overrides)
     if args.context < 1 or args.gpus % args.context:
@@ -348,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
             run.model.check_mesh(1, args.pipe, 1)
         except ValueError as e:
             raise SystemExit(f"error: --pipe={args.pipe}: {e}") from None
-    batch = args.global_batch or config.train.global_batch_size
+    batch = args.global_batch if args.global_batch is not None else config.train.global_batch_size
     # without --micro_batch the search chooses it, but where the config's choices are kept (so is its micro-batch)
     search = args.micro_batch is None and not args.keep_choices
     micro = args.micro_batch if args.micro_batch is not None else config.train.micro_batch_size
