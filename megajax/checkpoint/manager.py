@@ -119,8 +119,9 @@ def _unreadable_array(error: BaseException) -> str | None:
 
 def _closed_loop_reports_quieted() -> None:
     """After a failed read, tensorstore's other reads still in flight finish into orbax's asyncio loop, which has
-    closed by then; each reports ``RuntimeError: Event loop is closed`` through ``sys.unraisablehook`` (a traceback
-    after the command's one ``error:`` line). Those reports, and only those, are dropped from then on."""
+    closed by then; each reports ``RuntimeError: Event loop is closed`` through ``sys.unraisablehook`` (tracebacks
+    beside the command's one ``error:`` line, before or after it). Those reports, and only those, are dropped from
+    the first read on (installed before it: the loop closes before the failure reaches ``_read``)."""
     hook = sys.unraisablehook
     if getattr(hook, "quiets_closed_loops", False):
         return
@@ -135,12 +136,12 @@ def _closed_loop_reports_quieted() -> None:
 
 def _read(fn, where: str, hint: str) -> Any:
     """Runs an orbax read; any failure becomes a CheckpointError naming the array tensorstore could not read."""
+    _closed_loop_reports_quieted()
     try:
         return fn()
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for damaged files
-        _closed_loop_reports_quieted()
         root = e
         while root.__cause__ is not None:
             root = root.__cause__  # orbax's own message is a spec dump; the cause says what went wrong
